@@ -1,0 +1,1 @@
+"""Python client for the nlmserve service (sync and asyncio). Never imports torch."""

@@ -1,0 +1,55 @@
+"""The exception hierarchy shared by every room.
+
+Each class maps to one gRPC status code in the servicer (``server.servicer``); the CLI
+prints the message and exits non-zero. Wrap foreign errors with context
+(``raise CorpusError(...) from exc``); never ``assert`` on user input.
+"""
+
+from __future__ import annotations
+
+
+class NlmserveError(Exception):
+    """Base of every error nlmserve raises on purpose."""
+
+
+class InputError(NlmserveError):
+    """Bad user input in a file: the message names the file and, where known, the line."""
+
+    def __init__(self, message: str, path: str | None = None, line: int | None = None) -> None:
+        where = ""
+        if path is not None:
+            where = f"{path}:{line}: " if line is not None else f"{path}: "
+        super().__init__(where + message)
+        self.path = path
+        self.line = line
+
+
+class CorpusError(InputError):
+    """A training or evaluation text cannot be read (missing, empty, not UTF-8)."""
+
+
+class NbestFormatError(InputError):
+    """A malformed Moses n-best line."""
+
+
+class ModelFileError(NlmserveError):
+    """A model file that is missing, truncated, foreign, corrupt or of a newer format."""
+
+
+class InvalidRequestError(NlmserveError):
+    """A request that cannot be scored (maps to INVALID_ARGUMENT).
+
+    ``index`` names the offending item (n-gram or sentence) when there is one.
+    """
+
+    def __init__(self, message: str, index: int | None = None) -> None:
+        super().__init__(f"item {index}: {message}" if index is not None else message)
+        self.index = index
+
+
+class OverloadedError(NlmserveError):
+    """The server's queue or concurrency bound is full (maps to RESOURCE_EXHAUSTED)."""
+
+
+class ServerUnavailableError(NlmserveError):
+    """The service could not be reached within the retry budget (client side)."""

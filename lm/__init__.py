@@ -1,0 +1,1 @@
+"""The model: corpus, vocabulary, word classes, neural LM, training, evaluation, model files."""

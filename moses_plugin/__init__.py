@@ -1,0 +1,1 @@
+"""Moses side: n-best lists, rescoring, MERT, BLEU; the C++ NeuralLMServer feature in cpp/."""

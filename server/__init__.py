@@ -1,0 +1,1 @@
+"""The scoring service: engine (micro-batching, caches, device), gRPC servicer, health, metrics."""
