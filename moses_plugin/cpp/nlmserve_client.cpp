@@ -1,0 +1,458 @@
+// nlmserve C++ client implementation (see nlmserve_client.h).
+#include "nlmserve_client.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <locale>
+#include <mutex>
+#include <sstream>
+#include <thread>
+#include <unordered_map>
+
+#include "lru_cache.h"
+#include "nlmserve/v1/lm.grpc.pb.h"
+
+namespace nlmserve {
+namespace {
+
+namespace pb = ::nlmserve::v1;
+typedef std::chrono::system_clock Clock;
+
+thread_local uint64_t tl_round_trips = 0;
+
+Clock::time_point DeadlineIn(int ms) { return Clock::now() + std::chrono::milliseconds(ms); }
+
+bool Retryable(grpc::StatusCode code) {
+  return code == grpc::StatusCode::UNAVAILABLE || code == grpc::StatusCode::DEADLINE_EXCEEDED ||
+         code == grpc::StatusCode::RESOURCE_EXHAUSTED || code == grpc::StatusCode::ABORTED;
+}
+
+std::string Describe(const std::string &what, const std::string &target, const grpc::Status &s) {
+  std::ostringstream out;
+  out << "nlmserve " << what << " at " << target << " failed: status " << s.error_code() << " ("
+      << s.error_message() << ")";
+  return out.str();
+}
+
+// One channel and its stub; replaced as a whole when a call fails.
+struct Connection {
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<pb::LanguageModel::Stub> stub;
+  uint64_t generation = 0;
+};
+
+std::shared_ptr<Connection> MakeConnection(const std::string &target, uint64_t generation) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  args.SetMaxSendMessageSize(-1);
+  // A fresh channel must make a fresh connection, not reuse a dead shared subchannel.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  // Reconnect quickly to a server that restarts.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  // Distinguishes channels so that gRPC does not share them.
+  args.SetInt("nlmserve.generation", static_cast<int>(generation & 0x7fffffff));
+  std::shared_ptr<Connection> c = std::make_shared<Connection>();
+  c->channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  c->stub = pb::LanguageModel::NewStub(c->channel);
+  c->generation = generation;
+  return c;
+}
+
+void PutU32(uint32_t v, std::string *out) {
+  char b[4] = {static_cast<char>(v & 0xff), static_cast<char>((v >> 8) & 0xff),
+               static_cast<char>((v >> 16) & 0xff), static_cast<char>((v >> 24) & 0xff)};
+  out->append(b, 4);
+}
+
+// UTF-8 decoding of one code point at text[*i]; invalid bytes decode as themselves
+// (returned negative so they are copied unchanged).
+long DecodeUtf8(const std::string &text, std::size_t *i) {
+  unsigned char c = static_cast<unsigned char>(text[*i]);
+  int len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xe ? 3 : (c >> 3) == 0x1e ? 4 : 0;
+  if (len == 0 || *i + len > text.size()) {
+    ++*i;
+    return -static_cast<long>(c) - 1;
+  }
+  long cp = len == 1 ? c : len == 2 ? (c & 0x1f) : len == 3 ? (c & 0x0f) : (c & 0x07);
+  for (int k = 1; k < len; ++k) {
+    unsigned char d = static_cast<unsigned char>(text[*i + k]);
+    if ((d >> 6) != 0x2) {
+      ++*i;
+      return -static_cast<long>(c) - 1;
+    }
+    cp = (cp << 6) | (d & 0x3f);
+  }
+  *i += len;
+  return cp;
+}
+
+void EncodeUtf8(long cp, std::string *out) {
+  if (cp < 0x80) {
+    out->push_back(static_cast<char>(cp));
+  } else if (cp < 0x800) {
+    out->push_back(static_cast<char>(0xc0 | (cp >> 6)));
+    out->push_back(static_cast<char>(0x80 | (cp & 0x3f)));
+  } else if (cp < 0x10000) {
+    out->push_back(static_cast<char>(0xe0 | (cp >> 12)));
+    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3f)));
+    out->push_back(static_cast<char>(0x80 | (cp & 0x3f)));
+  } else {
+    out->push_back(static_cast<char>(0xf0 | (cp >> 18)));
+    out->push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3f)));
+    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3f)));
+    out->push_back(static_cast<char>(0x80 | (cp & 0x3f)));
+  }
+}
+
+const std::ctype<wchar_t> *UnicodeCtype() {
+  static const std::ctype<wchar_t> *facet = []() -> const std::ctype<wchar_t> * {
+    try {
+      static const std::locale loc("C.UTF-8");
+      return &std::use_facet<std::ctype<wchar_t> >(loc);
+    } catch (const std::exception &) {
+      return nullptr;
+    }
+  }();
+  return facet;
+}
+
+}  // namespace
+
+std::string Lowercase(const std::string &text) {
+  bool ascii = true;
+  for (unsigned char c : text) {
+    if (c >= 0x80) {
+      ascii = false;
+      break;
+    }
+  }
+  std::string out;
+  out.reserve(text.size());
+  if (ascii) {
+    for (char c : text) out.push_back((c >= 'A' && c <= 'Z') ? static_cast<char>(c + 32) : c);
+    return out;
+  }
+  const std::ctype<wchar_t> *ct = UnicodeCtype();
+  std::size_t i = 0;
+  while (i < text.size()) {
+    long cp = DecodeUtf8(text, &i);
+    if (cp < 0) {
+      out.push_back(static_cast<char>(-(cp + 1)));
+      continue;
+    }
+    if (cp < 0x80) {
+      if (cp >= 'A' && cp <= 'Z') cp += 32;
+    } else if (ct != nullptr) {
+      cp = static_cast<long>(ct->tolower(static_cast<wchar_t>(cp)));
+    }
+    EncodeUtf8(cp, &out);
+  }
+  return out;
+}
+
+struct Client::Impl {
+  std::string target;
+  ClientOptions options;
+  ModelInfo info;
+  bool lowercase = false;
+  std::vector<std::string> words;
+  std::unordered_map<std::string, uint32_t> ids;
+  ShardedLruCache cache;
+
+  std::mutex conn_mutex;
+  std::shared_ptr<Connection> conn;  // guarded by conn_mutex
+  uint64_t next_generation = 1;      // guarded by conn_mutex
+
+  std::atomic<uint64_t> round_trips{0};
+  std::atomic<uint64_t> failed_calls{0};
+  std::atomic<uint64_t> reconnects{0};
+  std::atomic<uint64_t> ngrams_sent{0};
+
+  Impl(const std::string &t, const ClientOptions &o)
+      : target(t), options(o), cache(o.cache_size, o.cache_shards) {}
+
+  std::shared_ptr<Connection> Current() {
+    std::lock_guard<std::mutex> lock(conn_mutex);
+    return conn;
+  }
+
+  // Replaces the connection that failed (unless another thread already did) and
+  // waits until the new channel is ready or the connect timeout passes.
+  std::shared_ptr<Connection> Reconnect(const std::shared_ptr<Connection> &failed) {
+    std::shared_ptr<Connection> c;
+    {
+      std::lock_guard<std::mutex> lock(conn_mutex);
+      if (!conn || conn == failed) {
+        conn = MakeConnection(target, next_generation++);
+        reconnects.fetch_add(1, std::memory_order_relaxed);
+      }
+      c = conn;
+    }
+    c->channel->WaitForConnected(DeadlineIn(options.connect_timeout_ms));
+    return c;
+  }
+
+  // Runs an RPC with the per-call deadline, reconnecting and retrying on
+  // transient failures. `call` gets the stub and a fresh context.
+  template <class F>
+  void WithRetries(const std::string &what, F call) {
+    std::shared_ptr<Connection> c = Current();
+    grpc::Status status;
+    for (int attempt = 0; attempt <= options.retries; ++attempt) {
+      if (attempt > 0) c = Reconnect(c);
+      grpc::ClientContext ctx;
+      ctx.set_deadline(DeadlineIn(options.deadline_ms));
+      status = call(*c->stub, &ctx);
+      if (status.ok()) return;
+      failed_calls.fetch_add(1, std::memory_order_relaxed);
+      if (!Retryable(status.error_code())) break;
+      if (status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50 << std::min(attempt, 5)));
+      }
+    }
+    throw ClientError(status.error_code(), Describe(what, target, status));
+  }
+
+  void Connect() {
+    {
+      std::lock_guard<std::mutex> lock(conn_mutex);
+      conn = MakeConnection(target, next_generation++);
+    }
+    if (!Current()->channel->WaitForConnected(DeadlineIn(options.connect_timeout_ms))) {
+      // Not fatal yet: WithRetries below reconnects and reports the final status.
+    }
+    pb::ModelInfo mi;
+    WithRetries("GetModelInfo", [&](pb::LanguageModel::Stub &stub, grpc::ClientContext *ctx) {
+      return stub.GetModelInfo(ctx, pb::GetModelInfoRequest(), &mi);
+    });
+    info.order = mi.order();
+    info.vocab_size = mi.vocab_size();
+    info.bos_id = mi.bos_id();
+    info.eos_id = mi.eos_id();
+    info.unk_id = mi.unk_id();
+    info.model_hash = mi.model_hash();
+    info.objective = mi.objective();
+    info.device = mi.device();
+    info.self_normalized = mi.self_normalized();
+    info.lowercase = mi.lowercase();
+    info.max_ngrams_per_request = mi.max_ngrams_per_request();
+    if (info.order == 0 || info.vocab_size == 0) {
+      throw ClientError(-1, "nlmserve server at " + target + " reports order " +
+                                std::to_string(info.order) + " and vocabulary size " +
+                                std::to_string(info.vocab_size));
+    }
+    lowercase = options.lowercase || info.lowercase;
+    FetchVocabulary();
+  }
+
+  void FetchVocabulary() {
+    std::vector<std::string> got;
+    WithRetries("GetVocabulary", [&](pb::LanguageModel::Stub &stub, grpc::ClientContext *ctx) {
+      got.clear();
+      got.reserve(info.vocab_size);
+      pb::GetVocabularyRequest req;
+      std::unique_ptr<grpc::ClientReader<pb::VocabularyChunk> > reader(stub.GetVocabulary(ctx, req));
+      pb::VocabularyChunk chunk;
+      while (reader->Read(&chunk)) {
+        if (chunk.offset() != got.size()) {
+          ctx->TryCancel();
+          reader->Finish();
+          return grpc::Status(grpc::StatusCode::DATA_LOSS,
+                              "vocabulary chunk at offset " + std::to_string(chunk.offset()) +
+                                  " after " + std::to_string(got.size()) + " words");
+        }
+        for (const std::string &w : chunk.words()) got.push_back(w);
+      }
+      return reader->Finish();
+    });
+    if (got.size() != info.vocab_size) {
+      throw ClientError(-1, "nlmserve server at " + target + " sent " + std::to_string(got.size()) +
+                                " vocabulary words, model info says " +
+                                std::to_string(info.vocab_size));
+    }
+    words.swap(got);
+    ids.reserve(words.size());
+    for (uint32_t i = 0; i < words.size(); ++i) ids.emplace(words[i], i);
+  }
+
+  // Canonical row of `order` ids (left-padded with <s>, everything left of the
+  // newest <s> in the context set to <s>) and its cache key. Throws on bad input.
+  void Canonical(const std::vector<uint32_t> &ngram, std::size_t index, std::vector<uint32_t> *row,
+                 std::string *key) const {
+    const std::size_t n = info.order;
+    if (ngram.empty() || ngram.size() > n) {
+      throw ClientError(3, "n-gram " + std::to_string(index) + " has " + std::to_string(ngram.size()) +
+                               " words; the model takes 1 to " + std::to_string(n));
+    }
+    for (uint32_t id : ngram) {
+      if (id >= info.vocab_size) {
+        throw ClientError(3, "n-gram " + std::to_string(index) + " has id " + std::to_string(id) +
+                                 " outside the vocabulary of " + std::to_string(info.vocab_size));
+      }
+    }
+    if (ngram.back() == info.bos_id) {
+      throw ClientError(3, "n-gram " + std::to_string(index) + " predicts <s>, which is never predicted");
+    }
+    row->assign(n, info.bos_id);
+    std::copy(ngram.begin(), ngram.end(), row->begin() + (n - ngram.size()));
+    for (std::size_t j = n - 1; j-- > 0;) {
+      if ((*row)[j] == info.bos_id) {
+        std::fill(row->begin(), row->begin() + j, info.bos_id);
+        break;
+      }
+    }
+    key->clear();
+    for (uint32_t id : *row) PutU32(id, key);
+  }
+
+  // Sends rows [begin, end) of `rows` (canonical, `order` ids each) in one request.
+  void Send(const std::vector<const std::vector<uint32_t> *> &rows, std::size_t begin, std::size_t end,
+            std::vector<float> *out) {
+    pb::ScoreNgramsRequest req;
+    req.set_packed_order(info.order);
+    req.set_log_base(pb::LOG10);
+    req.set_allow_unnormalized(!options.normalized);
+    std::string *packed = req.mutable_packed_ids();
+    packed->reserve((end - begin) * info.order * 4);
+    for (std::size_t i = begin; i < end; ++i) {
+      for (uint32_t id : *rows[i]) PutU32(id, packed);
+    }
+    pb::ScoreNgramsResponse resp;
+    WithRetries("ScoreNgrams", [&](pb::LanguageModel::Stub &stub, grpc::ClientContext *ctx) {
+      resp.Clear();
+      return stub.ScoreNgrams(ctx, req, &resp);
+    });
+    round_trips.fetch_add(1, std::memory_order_relaxed);
+    ++tl_round_trips;
+    ngrams_sent.fetch_add(end - begin, std::memory_order_relaxed);
+    if (static_cast<std::size_t>(resp.log_probs_size()) != end - begin) {
+      throw ClientError(-1, "nlmserve server at " + target + " returned " +
+                                std::to_string(resp.log_probs_size()) + " scores for " +
+                                std::to_string(end - begin) + " n-grams");
+    }
+    if (resp.log_base() == pb::LN) {
+      throw ClientError(-1, "nlmserve server at " + target + " answered in LN where LOG10 was asked");
+    }
+    if (!resp.model_hash().empty() && resp.model_hash() != info.model_hash) {
+      throw ClientError(9, "nlmserve server at " + target + " now serves model " + resp.model_hash() +
+                               ", the client was set up for " + info.model_hash +
+                               "; restart the client to use the new model");
+    }
+    for (std::size_t i = 0; i < end - begin; ++i) (*out)[begin + i] = resp.log_probs(static_cast<int>(i));
+  }
+
+  std::vector<float> ScoreBatch(const std::vector<std::vector<uint32_t> > &ngrams) {
+    std::vector<float> result(ngrams.size(), 0.0f);
+    std::vector<uint32_t> row;
+    std::string key;
+    // Misses, deduplicated within the batch.
+    std::unordered_map<std::string, std::size_t> miss_index;
+    std::vector<std::vector<uint32_t> > miss_rows;
+    std::vector<std::string> miss_keys;
+    std::vector<std::pair<std::size_t, std::size_t> > fill;  // (position, miss index)
+    for (std::size_t i = 0; i < ngrams.size(); ++i) {
+      Canonical(ngrams[i], i, &row, &key);
+      auto found = miss_index.find(key);
+      if (found != miss_index.end()) {
+        fill.emplace_back(i, found->second);
+        continue;
+      }
+      float score;
+      if (cache.Get(key, &score)) {
+        result[i] = score;
+        continue;
+      }
+      std::size_t m = miss_rows.size();
+      miss_index.emplace(key, m);
+      miss_rows.push_back(row);
+      miss_keys.push_back(key);
+      fill.emplace_back(i, m);
+    }
+    if (miss_rows.empty()) return result;
+    std::vector<const std::vector<uint32_t> *> rows;
+    rows.reserve(miss_rows.size());
+    for (const auto &r : miss_rows) rows.push_back(&r);
+    std::vector<float> scores(miss_rows.size(), 0.0f);
+    std::size_t limit = info.max_ngrams_per_request > 0
+                            ? static_cast<std::size_t>(info.max_ngrams_per_request)
+                            : rows.size();
+    for (std::size_t b = 0; b < rows.size(); b += limit) {
+      Send(rows, b, std::min(rows.size(), b + limit), &scores);
+    }
+    for (std::size_t m = 0; m < miss_keys.size(); ++m) cache.Put(miss_keys[m], scores[m]);
+    for (const auto &f : fill) result[f.first] = scores[f.second];
+    return result;
+  }
+
+  uint32_t WordId(const std::string &word) const {
+    auto it = ids.find(lowercase ? Lowercase(word) : word);
+    return it == ids.end() ? info.unk_id : it->second;
+  }
+};
+
+Client::Client(const std::string &target, const ClientOptions &options)
+    : impl_(new Impl(target, options)) {
+  impl_->Connect();
+}
+
+Client::~Client() = default;
+
+const ModelInfo &Client::info() const { return impl_->info; }
+const ClientOptions &Client::options() const { return impl_->options; }
+const std::string &Client::target() const { return impl_->target; }
+
+uint32_t Client::WordId(const std::string &word) const { return impl_->WordId(word); }
+
+bool Client::Known(const std::string &word) const {
+  return impl_->ids.count(impl_->lowercase ? Lowercase(word) : word) > 0;
+}
+
+std::string Client::Word(uint32_t id) const {
+  return id < impl_->words.size() ? impl_->words[id] : std::string();
+}
+
+std::vector<float> Client::ScoreBatch(const std::vector<std::vector<uint32_t> > &ngrams) {
+  return impl_->ScoreBatch(ngrams);
+}
+
+std::vector<float> Client::ScoreStrings(const std::vector<std::vector<std::string> > &ngrams) {
+  std::vector<std::vector<uint32_t> > ids(ngrams.size());
+  for (std::size_t i = 0; i < ngrams.size(); ++i) {
+    ids[i].reserve(ngrams[i].size());
+    for (const std::string &w : ngrams[i]) ids[i].push_back(impl_->WordId(w));
+  }
+  return impl_->ScoreBatch(ids);
+}
+
+float Client::Score(const std::vector<uint32_t> &ngram) {
+  return impl_->ScoreBatch(std::vector<std::vector<uint32_t> >(1, ngram))[0];
+}
+
+ClientStats Client::stats() const {
+  ClientStats s;
+  s.cache_hits = impl_->cache.hits();
+  s.cache_misses = impl_->cache.misses();
+  s.round_trips = impl_->round_trips.load();
+  s.failed_calls = impl_->failed_calls.load();
+  s.reconnects = impl_->reconnects.load();
+  s.ngrams_sent = impl_->ngrams_sent.load();
+  return s;
+}
+
+void Client::ResetStats() {
+  impl_->cache.ResetCounters();
+  impl_->round_trips = 0;
+  impl_->failed_calls = 0;
+  impl_->reconnects = 0;
+  impl_->ngrams_sent = 0;
+}
+
+void Client::ClearCache() { impl_->cache.Clear(); }
+std::size_t Client::CacheEntries() const { return impl_->cache.Size(); }
+uint64_t Client::ThreadRoundTrips() { return tl_round_trips; }
+
+}  // namespace nlmserve

@@ -1,0 +1,138 @@
+// nlmserve C++ client: scores n-grams against an nlmserve server over gRPC.
+//
+// This header has no gRPC or protobuf includes (the implementation is behind a
+// pointer), so a Moses feature can include it next to Moses' own headers.
+//
+// Conventions (proto/nlmserve/v1/lm.proto):
+// - an n-gram lists ids oldest first, the predicted word last;
+// - a context shorter than order-1 is left-padded with <s>, and everything left of
+//   the newest <s> in a context is <s> too;
+// - scores are log10 unless a method says otherwise.
+//
+// Thread safety: every public method may be called from many threads at once.
+#ifndef NLMSERVE_CLIENT_H
+#define NLMSERVE_CLIENT_H
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace nlmserve {
+
+// Options of a Client. Every field has a usable default.
+struct ClientOptions {
+  // Deadline of one RPC, milliseconds.
+  int deadline_ms = 10000;
+  // How long a (re)connection may wait for the channel to become ready, milliseconds.
+  int connect_timeout_ms = 5000;
+  // Further attempts after a failed RPC (each on a fresh channel). 0: no retry.
+  int retries = 2;
+  // Entries of the n-gram -> score cache across all shards. 0 disables the cache.
+  std::size_t cache_size = 1 << 20;
+  // Number of independently locked cache shards.
+  std::size_t cache_shards = 16;
+  // Lowercase words before the vocabulary lookup (also done when the model says so).
+  bool lowercase = false;
+  // true: exactly normalised log-probabilities; false: the model's unnormalised
+  // (self-normalised) score where the server offers one.
+  bool normalized = true;
+};
+
+// Model facts fetched once from GetModelInfo.
+struct ModelInfo {
+  uint32_t order = 0;
+  uint32_t vocab_size = 0;
+  uint32_t bos_id = 1;
+  uint32_t eos_id = 2;
+  uint32_t unk_id = 0;
+  std::string model_hash;
+  std::string objective;
+  std::string device;
+  bool self_normalized = false;
+  bool lowercase = false;
+  uint64_t max_ngrams_per_request = 0;
+};
+
+// Any failure to get a score: unreachable or restarting server, deadline, invalid
+// request, or a model that changed under the client. Never a process exit.
+class ClientError : public std::runtime_error {
+ public:
+  // code: the gRPC status code (numeric value of grpc::StatusCode), or -1 for a
+  // client-side error.
+  ClientError(int code, const std::string &message)
+      : std::runtime_error(message), code_(code) {}
+  int code() const { return code_; }
+
+ private:
+  int code_;
+};
+
+// Counters since construction (or the last ResetStats).
+struct ClientStats {
+  uint64_t cache_hits = 0;
+  uint64_t cache_misses = 0;
+  uint64_t round_trips = 0;     // ScoreNgrams RPCs that returned OK
+  uint64_t failed_calls = 0;    // RPC attempts that failed
+  uint64_t reconnects = 0;      // fresh channels made after a failure
+  uint64_t ngrams_sent = 0;     // n-grams sent to the server
+};
+
+class Client {
+ public:
+  // Connects to HOST:PORT, fetches the model info and the vocabulary.
+  // Throws ClientError when the server cannot be reached within the deadlines.
+  explicit Client(const std::string &target, const ClientOptions &options = ClientOptions());
+  ~Client();
+  Client(const Client &) = delete;
+  Client &operator=(const Client &) = delete;
+
+  const ModelInfo &info() const;
+  const ClientOptions &options() const;
+  const std::string &target() const;
+
+  // Word -> id; unknown words map to <unk>. Lowercases first when configured.
+  uint32_t WordId(const std::string &word) const;
+  // True when the word (after lowercasing when configured) is in the vocabulary.
+  bool Known(const std::string &word) const;
+  // Id -> word (empty string when out of range).
+  std::string Word(uint32_t id) const;
+
+  // Scores n-grams given as ids (the packed-id fast path): one log10 value per
+  // n-gram, in order. Cache hits are answered locally; all misses of the batch go
+  // to the server in as few requests as the server's per-request limit allows.
+  // Throws ClientError (invalid id, <s> predicted, empty or too long n-gram,
+  // server failure after the retries).
+  std::vector<float> ScoreBatch(const std::vector<std::vector<uint32_t> > &ngrams);
+
+  // The same for n-grams given as words (mapped with WordId).
+  std::vector<float> ScoreStrings(const std::vector<std::vector<std::string> > &ngrams);
+
+  // One n-gram.
+  float Score(const std::vector<uint32_t> &ngram);
+
+  ClientStats stats() const;
+  void ResetStats();
+  void ClearCache();
+  // Number of entries in the cache.
+  std::size_t CacheEntries() const;
+
+  // Successful ScoreNgrams RPCs made by the calling thread (all clients).
+  // A decoder that handles one sentence per thread takes differences of this
+  // value to count round trips per sentence.
+  static uint64_t ThreadRoundTrips();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Lowercases UTF-8 text (full Unicode simple case mapping where the C.UTF-8
+// locale is available, ASCII otherwise).
+std::string Lowercase(const std::string &text);
+
+}  // namespace nlmserve
+
+#endif  // NLMSERVE_CLIENT_H

@@ -1,0 +1,272 @@
+// Test driver for the nlmserve C++ client.
+//
+//   nlmserve_client_test --selftest
+//       checks the cache and lowercasing without a server; prints "selftest: N passed, 0 failed".
+//   nlmserve_client_test HOST:PORT [--deadline-ms N] [--connect-timeout-ms N] [--retries N]
+//                        [--cache-size N] [--lowercase] [--unnormalized]
+//       connects, then reads one command per line on stdin and answers one block per
+//       command on stdout (a driver such as tests/test_cpp_client.py talks to it):
+//         info                      -> ok order=.. vocab=.. hash=.. bos=.. eos=.. unk=..
+//         score W1 .. Wn            -> ok SCORE            (log10, %.9g)
+//         ids I1 .. In              -> ok SCORE
+//         file PATH                 -> ok N, then N lines of scores (one batch, one n-gram a line)
+//         threads T PATH REPEATS    -> ok mismatches=.. errors=.. calls=..
+//         stats                     -> ok hits=.. misses=.. round_trips=.. failed=.. reconnects=.. entries=..
+//         clear | reset             -> ok   (empty the cache | zero the counters)
+//         quit
+//       Any failure of a command prints "error CODE MESSAGE" and the driver goes on.
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+#include <algorithm>
+#include <atomic>
+
+#include "lru_cache.h"
+#include "nlmserve_client.h"
+
+namespace {
+
+typedef std::vector<std::vector<std::string> > StringNgrams;
+
+int g_passed = 0;
+int g_failed = 0;
+
+void Check(bool ok, const char *what) {
+  if (ok) {
+    ++g_passed;
+  } else {
+    ++g_failed;
+    std::fprintf(stderr, "selftest FAILED: %s\n", what);
+  }
+}
+
+int SelfTest() {
+  using nlmserve::ShardedLruCache;
+  {
+    ShardedLruCache c(2, 1);
+    float s = -1.0f;
+    Check(!c.Get("a", &s), "empty cache misses");
+    c.Put("a", 0.0f);
+    Check(c.Get("a", &s) && s == 0.0f, "a score of 0.0 is a hit, not a miss");
+    c.Put("b", -1.5f);
+    Check(c.Get("a", &s), "a still present");  // a is now most recent
+    c.Put("c", -2.0f);                         // evicts b, the least recently used
+    Check(!c.Get("b", &s), "least recently used entry evicted");
+    Check(c.Get("a", &s) && s == 0.0f, "recently used entry kept");
+    Check(c.Get("c", &s) && s == -2.0f, "new entry present");
+    Check(c.Size() == 2, "size bounded by capacity");
+    Check(c.hits() == 4 && c.misses() == 2, "hit and miss counters");
+    c.Put("c", -3.0f);
+    Check(c.Get("c", &s) && s == -3.0f, "re-insert refreshes the value");
+    c.Clear();
+    Check(c.Size() == 0 && !c.Get("a", &s), "clear empties");
+  }
+  {
+    ShardedLruCache c(0, 4);
+    float s;
+    c.Put("a", 1.0f);
+    Check(!c.Get("a", &s) && c.Size() == 0, "capacity 0 disables the cache");
+  }
+  {
+    // Many threads on a small sharded cache: values stay consistent, size bounded.
+    ShardedLruCache c(64, 8);
+    std::atomic<int> bad(0);
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 8; ++t) {
+      threads.emplace_back([&c, &bad, t]() {
+        for (int i = 0; i < 20000; ++i) {
+          int k = (i * 7 + t) % 200;
+          std::string key = "k" + std::to_string(k);
+          float s;
+          if (c.Get(key, &s)) {
+            if (s != static_cast<float>(k)) bad.fetch_add(1);
+          } else {
+            c.Put(key, static_cast<float>(k));
+          }
+        }
+      });
+    }
+    for (auto &th : threads) th.join();
+    Check(bad.load() == 0, "concurrent readers see the value written for their key");
+    Check(c.Size() <= 64, "concurrent size bounded");
+    Check(c.shard_count() == 8, "shard count");
+  }
+  Check(nlmserve::Lowercase("The CAT") == "the cat", "ASCII lowercase");
+  Check(nlmserve::Lowercase("\xc3\x89T\xc3\x89") == "\xc3\xa9t\xc3\xa9", "Latin-1 lowercase (ETE)");
+  Check(nlmserve::Lowercase("\xff" "A") == "\xff" "a", "invalid UTF-8 bytes pass through");
+  nlmserve::ClientError e(14, "unavailable");
+  Check(e.code() == 14 && std::string(e.what()) == "unavailable", "ClientError carries the code");
+  std::printf("selftest: %d passed, %d failed\n", g_passed, g_failed);
+  return g_failed == 0 ? 0 : 1;
+}
+
+bool ReadNgrams(const std::string &path, StringNgrams *out) {
+  std::ifstream in(path);
+  if (!in) return false;
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream words(line);
+    std::vector<std::string> ngram;
+    std::string w;
+    while (words >> w) ngram.push_back(w);
+    if (!ngram.empty()) out->push_back(ngram);
+  }
+  return true;
+}
+
+// T threads score the n-grams REPEATS times each, in their own order and batch
+// sizes, and compare every answer with a single-threaded reference.
+std::string Threads(nlmserve::Client &client, int threads, const StringNgrams &ngrams, int repeats) {
+  std::vector<float> reference = client.ScoreStrings(ngrams);
+  std::atomic<long> mismatches(0), errors(0), calls(0);
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t]() {
+      std::mt19937 rng(1234 + t);
+      for (int r = 0; r < repeats; ++r) {
+        std::vector<std::size_t> order(ngrams.size());
+        for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+        std::shuffle(order.begin(), order.end(), rng);
+        std::size_t batch = 1 + (rng() % 16);
+        for (std::size_t b = 0; b < order.size(); b += batch) {
+          StringNgrams part;
+          std::vector<std::size_t> pos;
+          for (std::size_t i = b; i < std::min(order.size(), b + batch); ++i) {
+            part.push_back(ngrams[order[i]]);
+            pos.push_back(order[i]);
+          }
+          try {
+            std::vector<float> got = client.ScoreStrings(part);
+            calls.fetch_add(1);
+            for (std::size_t i = 0; i < got.size(); ++i) {
+              if (!(got[i] == reference[pos[i]])) mismatches.fetch_add(1);
+            }
+          } catch (const nlmserve::ClientError &) {
+            errors.fetch_add(1);
+          }
+        }
+        if (r % 2 == 1 && t == 0) client.ClearCache();  // make later rounds ask the server again
+      }
+    });
+  }
+  for (auto &th : pool) th.join();
+  std::ostringstream out;
+  out << "ok mismatches=" << mismatches.load() << " errors=" << errors.load()
+      << " calls=" << calls.load();
+  return out.str();
+}
+
+std::string Fmt(float v) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.9g", static_cast<double>(v));
+  return buf;
+}
+
+void Run(nlmserve::Client &client) {
+  std::string line;
+  while (std::getline(std::cin, line)) {
+    std::istringstream in(line);
+    std::string cmd;
+    if (!(in >> cmd)) continue;
+    if (cmd == "quit") break;
+    try {
+      if (cmd == "info") {
+        const nlmserve::ModelInfo &m = client.info();
+        std::cout << "ok order=" << m.order << " vocab=" << m.vocab_size << " hash=" << m.model_hash
+                  << " bos=" << m.bos_id << " eos=" << m.eos_id << " unk=" << m.unk_id << "\n";
+      } else if (cmd == "score") {
+        std::vector<std::string> words;
+        std::string w;
+        while (in >> w) words.push_back(w);
+        std::cout << "ok " << Fmt(client.ScoreStrings(StringNgrams(1, words))[0]) << "\n";
+      } else if (cmd == "ids") {
+        std::vector<uint32_t> ids;
+        unsigned long id;
+        while (in >> id) ids.push_back(static_cast<uint32_t>(id));
+        std::cout << "ok " << Fmt(client.Score(ids)) << "\n";
+      } else if (cmd == "file") {
+        std::string path;
+        in >> path;
+        StringNgrams ngrams;
+        if (!ReadNgrams(path, &ngrams)) throw nlmserve::ClientError(-1, "cannot read " + path);
+        std::vector<float> scores = client.ScoreStrings(ngrams);
+        std::ostringstream out;
+        out << "ok " << scores.size() << "\n";
+        for (float s : scores) out << Fmt(s) << "\n";
+        std::cout << out.str();
+      } else if (cmd == "threads") {
+        int threads = 0, repeats = 0;
+        std::string path;
+        in >> threads >> path >> repeats;
+        StringNgrams ngrams;
+        if (!ReadNgrams(path, &ngrams)) throw nlmserve::ClientError(-1, "cannot read " + path);
+        std::cout << Threads(client, threads, ngrams, repeats) << "\n";
+      } else if (cmd == "stats") {
+        nlmserve::ClientStats s = client.stats();
+        std::cout << "ok hits=" << s.cache_hits << " misses=" << s.cache_misses
+                  << " round_trips=" << s.round_trips << " failed=" << s.failed_calls
+                  << " reconnects=" << s.reconnects << " sent=" << s.ngrams_sent
+                  << " entries=" << client.CacheEntries() << "\n";
+      } else if (cmd == "clear") {
+        client.ClearCache();
+        std::cout << "ok\n";
+      } else if (cmd == "reset") {
+        client.ResetStats();
+        std::cout << "ok\n";
+      } else {
+        std::cout << "error -1 unknown command " << cmd << "\n";
+      }
+    } catch (const nlmserve::ClientError &e) {
+      std::cout << "error " << e.code() << " " << e.what() << "\n";
+    }
+    std::cout.flush();
+  }
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+  if (argc >= 2 && std::string(argv[1]) == "--selftest") return SelfTest();
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: %s --selftest | HOST:PORT [options]\n", argv[0]);
+    return 2;
+  }
+  nlmserve::ClientOptions opts;
+  for (int i = 2; i < argc; ++i) {
+    std::string a = argv[i];
+    auto next = [&]() -> long {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "%s needs a value\n", a.c_str());
+        std::exit(2);
+      }
+      return std::atol(argv[++i]);
+    };
+    if (a == "--deadline-ms") opts.deadline_ms = static_cast<int>(next());
+    else if (a == "--connect-timeout-ms") opts.connect_timeout_ms = static_cast<int>(next());
+    else if (a == "--retries") opts.retries = static_cast<int>(next());
+    else if (a == "--cache-size") opts.cache_size = static_cast<std::size_t>(next());
+    else if (a == "--lowercase") opts.lowercase = true;
+    else if (a == "--unnormalized") opts.normalized = false;
+    else {
+      std::fprintf(stderr, "unknown option %s\n", a.c_str());
+      return 2;
+    }
+  }
+  try {
+    nlmserve::Client client(argv[1], opts);
+    std::cout << "ready\n";
+    std::cout.flush();
+    Run(client);
+  } catch (const nlmserve::ClientError &e) {
+    std::cout << "error " << e.code() << " " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}
