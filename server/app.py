@@ -1,0 +1,131 @@
+"""Wiring: engine + servicer + health + reflection + metrics into one gRPC server.
+
+``create_server(config)`` builds and starts everything and returns a :class:`RunningServer`
+(tests bind port 0 and talk to it); ``serve(config)`` adds the process lifecycle:
+SIGTERM/SIGINT → health NOT_SERVING → stop accepting → drain in-flight RPCs within
+``grace_seconds`` → release the engine (in ``finally``) → exit 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from nlmserve.proto import lm_pb2, lm_pb2_grpc
+from nlmserve.server.config import ServerConfig
+from nlmserve.server.engine import Engine
+from nlmserve.server.metrics import ServerMetrics
+from nlmserve.server.servicer import LanguageModelServicer
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = lm_pb2.DESCRIPTOR.services_by_name["LanguageModel"].full_name  # nlmserve.v1.LanguageModel
+
+
+@dataclass
+class RunningServer:
+    """A started server and what it owns."""
+
+    server: grpc.Server
+    port: int
+    engine: Engine
+    health: health.HealthServicer
+    metrics: ServerMetrics
+    metrics_port: int | None
+    config: ServerConfig
+
+    @property
+    def target(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    def stop(self, grace: float | None = None) -> None:
+        """Health NOT_SERVING, stop accepting, drain within ``grace`` seconds, release the engine."""
+        grace = self.config.grace_seconds if grace is None else grace
+        try:
+            self.health.enter_graceful_shutdown()
+            done = self.server.stop(grace)
+            if not done.wait(grace + 5.0):
+                log.warning("in-flight requests still running after %.1f s", grace)
+        finally:
+            self.engine.shutdown()
+            self.metrics.stop_http()
+
+
+def create_server(config: ServerConfig, *, engine: Engine | None = None) -> RunningServer:
+    """Load the model (unless ``engine`` is given), bind, start; port 0 picks a free port."""
+    metrics = ServerMetrics()
+    if engine is None:
+        engine = Engine.load(config, metrics)
+    else:
+        engine.attach_metrics(metrics)
+    options: list[tuple[str, Any]] = [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="nlmserve-rpc"),
+        options=options,
+        maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+    )
+    lm_pb2_grpc.add_LanguageModelServicer_to_server(LanguageModelServicer(engine, metrics), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    if config.host in ("0.0.0.0", "::", "[::]"):
+        log.warning("binding %s: the service is reachable from other hosts, without authentication", config.host)
+    address = f"[{config.host}]:{config.port}" if ":" in config.host else f"{config.host}:{config.port}"
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as e:
+        engine.shutdown()
+        raise OSError(f"cannot bind {address}: {e}") from e
+    if port == 0:
+        engine.shutdown()
+        raise OSError(f"cannot bind {address}")
+    metrics_port = None
+    if config.metrics_port is not None:
+        metrics_port = metrics.start_http(config.host, config.metrics_port)
+    server.start()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("serving %s on %s:%s", SERVICE_NAME, config.host, port)
+    return RunningServer(server, port, engine, health_servicer, metrics, metrics_port, config)
+
+
+def serve(config: ServerConfig) -> int:
+    """Run until SIGTERM/SIGINT; print ``listening on HOST:PORT`` on stdout once bound."""
+    running = create_server(config)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        log.info("received %s: draining", signal.Signals(signum).name)
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        print(f"listening on {config.host}:{running.port}", flush=True)
+        if running.metrics_port is not None:
+            print(f"metrics on http://{config.host}:{running.metrics_port}/metrics", flush=True)
+        while not stop.wait(0.5):
+            if not running.engine.check_health():
+                log.error("engine worker died; stopping")
+                running.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+                return 1
+    finally:
+        running.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        sys.stdout.flush()
+    log.info("stopped")
+    return 0

@@ -1,0 +1,51 @@
+"""``nlmserve serve``: flags (and an optional TOML file) → ServerConfig → serve()."""
+
+from __future__ import annotations
+
+import argparse
+
+from nlmserve.errors import InputError, ModelFileError
+
+# flag → (type, help); defaults live in ServerConfig (None here means "not given").
+_FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("--host", str, "address to bind (default 127.0.0.1; 0.0.0.0 exposes the service)"),
+    ("--port", int, "gRPC port (default 50051; 0 picks a free port and prints it)"),
+    ("--metrics-port", int, "Prometheus /metrics port (default off; 0 picks a free port)"),
+    ("--device", str, "torch device: cpu, cuda, cuda:1 (default cuda when available)"),
+    ("--max-batch-ngrams", int, "most n-grams per forward pass (default 8192)"),
+    ("--max-delay-us", int, "longest wait for a batch to fill, microseconds (default 2000)"),
+    ("--max-queue-ngrams", int, "most n-grams queued before RESOURCE_EXHAUSTED (default 1000000)"),
+    ("--max-concurrent-rpcs", int, "most RPCs served at once (default 256)"),
+    ("--max-ngrams-per-request", int, "most n-grams or tokens per request (default 200000)"),
+    ("--max-message-bytes", int, "largest gRPC message (default 64 MiB)"),
+    ("--ngram-cache-size", int, "n-gram score LRU entries (default 0: off)"),
+    ("--context-cache-size", int, "context normaliser LRU entries (default 0: off)"),
+    ("--grace-seconds", float, "drain time after SIGTERM (default 10)"),
+    ("--threads", int, "gRPC worker threads (default 64)"),
+    ("--torch-threads", int, "torch intra-op threads (default: torch's)"),
+)
+
+
+def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    p = subparsers.add_parser("serve", help="serve a model over gRPC",
+                              description="Serve a model file over gRPC (nlmserve.v1.LanguageModel).")
+    p.add_argument("--model", help="model file written by `nlmserve train`")
+    p.add_argument("--config", help="TOML file with ServerConfig fields (flags override it)")
+    for flag, typ, help_text in _FLAGS:
+        p.add_argument(flag, type=typ, default=None, help=help_text)
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from nlmserve.server.app import serve
+    from nlmserve.server.config import build_config
+
+    overrides = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, _, _ in _FLAGS}
+    overrides["model"] = args.model
+    config = build_config(overrides, args.config)
+    try:
+        return serve(config)
+    except ModelFileError:
+        raise
+    except OSError as e:
+        raise InputError(str(e)) from e

@@ -1,0 +1,114 @@
+"""Server configuration: one frozen dataclass, built from an optional TOML file and CLI flags.
+
+Precedence: defaults < ``--config FILE.toml`` < explicit command-line flags. The TOML file
+holds the same keys as the dataclass fields, at top level or under a ``[server]`` table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from nlmserve.errors import InputError
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything ``nlmserve serve`` can be told; defaults suit one CPU box."""
+
+    #: Model file written by ``nlmserve train``.
+    model: str
+    #: Address to bind. Loopback by default; ``0.0.0.0`` exposes the service (a warning is logged).
+    host: str = "127.0.0.1"
+    #: gRPC port; 0 picks a free port (printed on stdout as ``listening on HOST:PORT``).
+    port: int = 50051
+    #: Prometheus ``/metrics`` port; None turns the exporter off, 0 picks a free port.
+    metrics_port: int | None = None
+    #: Torch device (``cpu``, ``cuda``, ``cuda:1``); None: cuda when available, else cpu.
+    device: str | None = None
+    #: Most n-grams scored in one forward pass; larger requests are split.
+    max_batch_ngrams: int = 8192
+    #: Longest wait (microseconds) for more requests to join a batch. The batcher only waits
+    #: while other requests are on their way, so a lone client never pays it.
+    max_delay_us: int = 2000
+    #: Most n-grams waiting in the queue; beyond it requests get RESOURCE_EXHAUSTED.
+    max_queue_ngrams: int = 1_000_000
+    #: Most RPCs served at once (gRPC answers RESOURCE_EXHAUSTED beyond it).
+    max_concurrent_rpcs: int = 256
+    #: Most n-grams (or sentence tokens) in one request; clients read it from GetModelInfo.
+    max_ngrams_per_request: int = 200_000
+    #: Largest gRPC message, both directions, in bytes.
+    max_message_bytes: int = 64 * 1024 * 1024
+    #: Entries in the n-gram -> score LRU cache (0: off).
+    ngram_cache_size: int = 0
+    #: Entries in the context -> (r, normalisers) LRU cache (0: off).
+    context_cache_size: int = 0
+    #: Seconds in-flight requests get to finish after SIGTERM/SIGINT.
+    grace_seconds: float = 10.0
+    #: gRPC worker threads (should exceed the number of concurrent clients to batch them).
+    threads: int = 64
+    #: Torch intra-op threads (0: torch's default).
+    torch_threads: int = 0
+    #: Words per GetVocabulary chunk when the client does not say.
+    vocab_chunk_size: int = 10_000
+
+    def __post_init__(self) -> None:
+        checks = (
+            (self.max_batch_ngrams >= 1, "max_batch_ngrams must be >= 1"),
+            (self.max_delay_us >= 0, "max_delay_us must be >= 0"),
+            (self.max_ngrams_per_request >= 1, "max_ngrams_per_request must be >= 1"),
+            (
+                self.max_queue_ngrams >= self.max_ngrams_per_request,
+                "max_queue_ngrams must be >= max_ngrams_per_request",
+            ),
+            (self.max_concurrent_rpcs >= 1, "max_concurrent_rpcs must be >= 1"),
+            (self.max_message_bytes >= 1024, "max_message_bytes must be >= 1024"),
+            (self.ngram_cache_size >= 0, "ngram_cache_size must be >= 0"),
+            (self.context_cache_size >= 0, "context_cache_size must be >= 0"),
+            (self.grace_seconds >= 0, "grace_seconds must be >= 0"),
+            (self.threads >= 1, "threads must be >= 1"),
+            (self.torch_threads >= 0, "torch_threads must be >= 0"),
+            (0 <= self.port <= 65535, "port must be in [0, 65535]"),
+            (self.metrics_port is None or 0 <= self.metrics_port <= 65535, "metrics_port must be in [0, 65535]"),
+            (self.vocab_chunk_size >= 1, "vocab_chunk_size must be >= 1"),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+FIELD_NAMES = tuple(f.name for f in dataclasses.fields(ServerConfig))
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """The server settings in a TOML file (top level or a ``[server]`` table)."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise InputError(f"cannot read config: {e.strerror}", str(path)) from e
+    except tomllib.TOMLDecodeError as e:
+        raise InputError(f"invalid TOML: {e}", str(path)) from e
+    table = data.get("server", data)
+    if not isinstance(table, dict):
+        raise InputError("[server] must be a table", str(path))
+    unknown = sorted(set(table) - set(FIELD_NAMES))
+    if unknown:
+        raise InputError(f"unknown setting(s) {unknown}; known: {list(FIELD_NAMES)}", str(path))
+    return dict(table)
+
+
+def build_config(overrides: Mapping[str, Any], config_file: str | Path | None = None) -> ServerConfig:
+    """Defaults, then the TOML file, then ``overrides`` (flags given on the command line; None = unset)."""
+    values: dict[str, Any] = load_toml(config_file) if config_file is not None else {}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    if "model" not in values:
+        raise InputError("no model given (--model or `model = ...` in the config file)")
+    try:
+        return ServerConfig(**values)
+    except (TypeError, ValueError) as e:
+        where = str(config_file) if config_file is not None else None
+        raise InputError(f"bad server setting: {e}", where) from e

@@ -1,0 +1,355 @@
+"""The inference engine: owns the model on its device and micro-batches requests.
+
+Callers (the gRPC threads) hand in validated id arrays; one worker thread takes queued
+request parts, merges them up to ``max_batch_ngrams`` n-grams (waiting at most
+``max_delay_us`` for requests known to be on their way), scores them in one forward pass
+under ``torch.inference_mode``, and scatters the results back in order. Requests larger
+than the batch limit are split into parts. The queue is bounded (``max_queue_ngrams``):
+a request that does not fit raises ``OverloadedError`` at once. Parts whose deadline has
+passed while queued are dropped and their request fails with ``RequestExpiredError``.
+
+Interface (STYLE.md 1, 3): ``score_ngrams``, ``score_sentences``, ``check_health``,
+``shutdown``; a list in, a list of the same length out, same order.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from nlmserve.errors import InvalidRequestError, NlmserveError, OverloadedError
+from nlmserve.server.cache import Scorer
+from nlmserve.server.config import ServerConfig
+from nlmserve.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+LOG10_E = 1.0 / math.log(10.0)
+BOS_ID = 1
+EOS_ID = 2
+UNK_ID = 0
+
+
+class RequestExpiredError(NlmserveError):
+    """The request's deadline passed before it was scored (maps to DEADLINE_EXCEEDED)."""
+
+
+class EngineStoppedError(NlmserveError):
+    """The engine was shut down (maps to UNAVAILABLE)."""
+
+
+def normalize_ngrams(ids: np.ndarray, order: int, vocab_size: int) -> np.ndarray:
+    """Validate n-gram rows (N, n) and bring them to the canonical (N, order) int64 form.
+
+    Rows are left-padded with ``<s>``; in a context, everything left of the newest ``<s>``
+    becomes ``<s>`` (a sentence start resets the history), so equal contexts have equal rows.
+    """
+    if ids.ndim != 2:
+        raise InvalidRequestError(f"n-grams must be a 2-D array, got shape {ids.shape}")
+    n_rows, n = ids.shape
+    if n_rows == 0:
+        return np.empty((0, order), dtype=np.int64)
+    if n == 0:
+        raise InvalidRequestError("empty n-gram", index=0)
+    if n > order:
+        raise InvalidRequestError(f"n-gram of {n} words is longer than the model order {order}", index=0)
+    a = ids.astype(np.int64, copy=False)
+    bad = np.flatnonzero(((a < 0) | (a >= vocab_size)).any(axis=1))
+    if bad.size:
+        i = int(bad[0])
+        raise InvalidRequestError(f"word id out of range [0, {vocab_size}): {a[i].tolist()}", index=i)
+    bos_target = np.flatnonzero(a[:, -1] == BOS_ID)
+    if bos_target.size:
+        raise InvalidRequestError("<s> cannot be the predicted word", index=int(bos_target[0]))
+    out = np.full((n_rows, order), BOS_ID, dtype=np.int64)
+    out[:, order - n :] = a
+    ctx = out[:, :-1]
+    is_bos = ctx == BOS_ID
+    after_bos = np.logical_or.accumulate(is_bos[:, ::-1], axis=1)[:, ::-1]
+    ctx[after_bos] = BOS_ID
+    return out
+
+
+@dataclass(frozen=True)
+class SentenceResult:
+    """Per-token scores of one sentence (tokens, then ``</s>`` when eos)."""
+
+    log_probs: np.ndarray  # float32 (T,)
+    ngram_lengths: np.ndarray  # uint32 (T,)
+    total: float  # sum of log_probs in float64
+
+
+def sentence_ngrams(sentences: Sequence[np.ndarray], order: int, *, bos: bool, eos: bool) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """All n-grams of the sentences: rows (T, order), n-gram lengths (T,), tokens per sentence.
+
+    Token i is predicted from the ``order - 1`` ids before it, after ``<s>`` when ``bos``.
+    The n-gram length counts the words used, ``<s>`` included (KenLM's full_scores).
+    Without ``bos`` the first word has no history; the model then reads ``<s>`` padding as
+    for any short context, and its n-gram length is 1.
+    """
+    rows: list[np.ndarray] = []
+    lengths: list[np.ndarray] = []
+    counts: list[int] = []
+    for sent in sentences:
+        toks = np.asarray(sent, dtype=np.int64)
+        if eos:
+            toks = np.concatenate([toks, [EOS_ID]])
+        t = toks.size
+        counts.append(t)
+        if t == 0:
+            continue
+        start = 1 if bos else 0
+        # order-1 ids of <s> (sentence start or padding), then the tokens; window i ends at token i.
+        hist = np.concatenate([np.full(order - 1, BOS_ID, dtype=np.int64), toks])
+        win = np.lib.stride_tricks.sliding_window_view(hist, order)[:t]
+        rows.append(win)
+        pos = np.arange(t)
+        lengths.append(np.minimum(pos + 1 + start, order).astype(np.uint32))
+    if not rows:
+        return np.empty((0, order), dtype=np.int64), np.empty(0, dtype=np.uint32), counts
+    return np.concatenate(rows), np.concatenate(lengths), counts
+
+
+class _Request:
+    """One caller's request: its output array and the parts still to score."""
+
+    __slots__ = ("out", "remaining", "error", "done")
+
+    def __init__(self, n: int, parts: int) -> None:
+        self.out = np.empty(n, dtype=np.float32)
+        self.remaining = parts
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+
+@dataclass
+class _Part:
+    request: _Request
+    ids: np.ndarray  # (n, order) int64, normalised
+    offset: int
+    normalized: bool
+    deadline: float | None  # time.monotonic()
+    enqueued: float
+
+
+class Engine:
+    """One model, one batching worker. Thread-safe; every call blocks until scored."""
+
+    def __init__(self, lm: Any, config: ServerConfig, metrics: ServerMetrics | None = None) -> None:
+        self.lm = lm
+        self.config = config
+        self.metrics = metrics
+        self.order: int = int(lm.order)
+        self.vocab_size: int = len(lm.vocab)
+        self.self_normalized: bool = bool(lm.self_normalized)
+        self.scorer = Scorer(lm, config.ngram_cache_size, config.context_cache_size, metrics)
+        self._cond = threading.Condition()
+        self._queue: collections.deque[_Part] = collections.deque()
+        self._queued_ngrams = 0
+        self._arriving = 0
+        self._stopping = False
+        self._healthy = True
+        self._worker = threading.Thread(target=self._run, name="nlmserve-batcher", daemon=True)
+        self._worker.start()
+        if metrics is not None:
+            self.attach_metrics(metrics)
+
+    def attach_metrics(self, metrics: ServerMetrics) -> None:
+        """Report to ``metrics`` from now on (and publish the model-info gauge there)."""
+        lm = self.lm
+        self.metrics = self.scorer.metrics = metrics
+        metrics.set_model(
+            model_hash=str(lm.model_hash), order=str(self.order), device=str(lm.device),
+            objective=str(lm.objective), output_type=str(lm.output_type), vocab_size=str(self.vocab_size),
+        )
+
+    @classmethod
+    def load(cls, config: ServerConfig, metrics: ServerMetrics | None = None) -> "Engine":
+        """Load the model file named in ``config`` on its device (ModelFileError if unreadable)."""
+        from nlmserve.lm.scoring import LanguageModel
+
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        lm = LanguageModel.load(config.model, device=config.device)
+        log.info("loaded %s: order %s, %s words, device %s, hash %s",
+                 config.model, lm.order, len(lm.vocab), lm.device, lm.model_hash)
+        return cls(lm, config, metrics)
+
+    # -------------------------------------------------------------- public API
+    def score_ngrams(self, ids: np.ndarray, *, normalized: bool = True, log10: bool = False,
+                     timeout: float | None = None) -> np.ndarray:
+        """Scores of n-gram rows (N, n), 1 <= n <= order → float32 (N,), ln or log10.
+
+        ``normalized=False`` returns the unnormalised score when the model is
+        self-normalised; otherwise the exact normalised value.
+        """
+        with self._cond:
+            self._arriving += 1
+        try:
+            rows = normalize_ngrams(ids, self.order, self.vocab_size)
+        except BaseException:
+            with self._cond:
+                self._arriving -= 1
+            raise
+        out = self._submit(rows, normalized or not self.self_normalized, timeout)
+        return out * np.float32(LOG10_E) if log10 else out
+
+    def score_sentences(self, sentences: Sequence[np.ndarray], *, bos: bool = True, eos: bool = True,
+                        normalized: bool = True, log10: bool = False,
+                        timeout: float | None = None) -> list[SentenceResult]:
+        """Per-token scores of id sentences (``</s>`` appended when eos)."""
+        for i, s in enumerate(sentences):
+            a = np.asarray(s)
+            if a.size and (a.min() < 0 or a.max() >= self.vocab_size):
+                raise InvalidRequestError(f"word id out of range [0, {self.vocab_size})", index=i)
+            if a.size and (a == BOS_ID).any():
+                raise InvalidRequestError("<s> inside a sentence cannot be predicted", index=i)
+        rows, lengths, counts = sentence_ngrams(sentences, self.order, bos=bos, eos=eos)
+        scores = self.score_ngrams(rows, normalized=normalized, log10=log10, timeout=timeout)
+        results = []
+        start = 0
+        for t in counts:
+            lp = scores[start : start + t]
+            results.append(SentenceResult(lp, lengths[start : start + t], float(lp.astype(np.float64).sum())))
+            start += t
+        return results
+
+    def check_health(self) -> bool:
+        """True while the worker runs and the model answers."""
+        return self._healthy and self._worker.is_alive() and not self._stopping
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the worker after the queued parts; later calls raise EngineStoppedError."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._worker.join(timeout)
+        log.info("engine stopped")
+
+    def queue_depth(self) -> int:
+        return self._queued_ngrams
+
+    # -------------------------------------------------------------- queueing
+    def _submit(self, rows: np.ndarray, normalized: bool, timeout: float | None) -> np.ndarray:
+        n = rows.shape[0]
+        step = self.config.max_batch_ngrams
+        now = time.monotonic()
+        deadline = None if timeout is None else now + timeout
+        nparts = max(1, math.ceil(n / step))
+        request = _Request(n, nparts)
+        parts = [_Part(request, rows[i : i + step], i, normalized, deadline, now) for i in range(0, max(n, 1), step)]
+        with self._cond:
+            self._arriving -= 1
+            if self._stopping:
+                raise EngineStoppedError("the server is shutting down")
+            if n == 0:
+                return request.out
+            if self._queued_ngrams + n > self.config.max_queue_ngrams:
+                if self.metrics is not None:
+                    self.metrics.rejected.inc(n)
+                raise OverloadedError(
+                    f"queue full: {self._queued_ngrams} n-grams waiting, limit {self.config.max_queue_ngrams}"
+                )
+            self._queue.extend(parts)
+            self._queued_ngrams += n
+            self._set_depth()
+            self._cond.notify()
+        if not request.done.wait(None if timeout is None else timeout + 1.0):
+            raise RequestExpiredError(f"not scored within {timeout:.3f} s")
+        if request.error is not None:
+            raise request.error
+        return request.out
+
+    def _set_depth(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queue_depth.set(self._queued_ngrams)
+
+    def _take_batch(self) -> list[_Part] | None:
+        """Block until work is queued; gather a batch (None when stopping and drained)."""
+        limit = self.config.max_batch_ngrams
+        delay = self.config.max_delay_us / 1e6
+        with self._cond:
+            while not self._queue:
+                if self._stopping:
+                    return None
+                self._cond.wait()
+            batch = [self._queue.popleft()]
+            size = batch[0].ids.shape[0]
+            wait_until = time.monotonic() + delay
+            while size < limit:
+                if self._queue:
+                    if size + self._queue[0].ids.shape[0] > limit:
+                        break
+                    part = self._queue.popleft()
+                    batch.append(part)
+                    size += part.ids.shape[0]
+                    continue
+                remaining = wait_until - time.monotonic()
+                if self._arriving <= 0 or remaining <= 0 or self._stopping:
+                    break
+                self._cond.wait(remaining)
+            self._queued_ngrams -= size
+            self._set_depth()
+        return batch
+
+    # -------------------------------------------------------------- worker
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            batch = self._take_batch()
+            if batch is None:
+                return
+            try:
+                self._process(batch)
+            except Exception as e:  # a bug or a device failure: fail these requests, keep serving
+                log.exception("batch of %s parts failed", len(batch))
+                for part in batch:
+                    self._finish(part, e)
+
+    def _process(self, batch: list[_Part]) -> None:
+        now = time.monotonic()
+        live = []
+        for part in batch:
+            if part.deadline is not None and now > part.deadline:
+                self._finish(part, RequestExpiredError("deadline passed while queued"))
+            elif part.request.error is None:
+                live.append(part)
+        if not live:
+            return
+        ids = np.concatenate([p.ids for p in live]) if len(live) > 1 else live[0].ids
+        norm = np.concatenate([np.full(p.ids.shape[0], p.normalized) for p in live])
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            scores = self.scorer.score(ids, norm)
+        elapsed = time.perf_counter() - t0
+        start = 0
+        for part in live:
+            n = part.ids.shape[0]
+            part.request.out[part.offset : part.offset + n] = scores[start : start + n]
+            start += n
+            self._finish(part, None)
+        m = self.metrics
+        if m is not None:
+            m.batch_size.observe(ids.shape[0])
+            m.batch_requests.observe(len(live))
+            m.inference_time.observe(elapsed)
+            m.ngrams_scored.inc(ids.shape[0])
+            for part in live:
+                m.queue_delay.observe(now - part.enqueued)
+
+    @staticmethod
+    def _finish(part: _Part, error: BaseException | None) -> None:
+        request = part.request
+        if error is not None and request.error is None:
+            request.error = error
+        request.remaining -= 1
+        if request.remaining <= 0 or error is not None:
+            request.done.set()

@@ -1,0 +1,224 @@
+"""The gRPC servicer: protos in, arrays to the engine, arrays back into protos.
+
+It only converts: strings to ids with the model's vocabulary (unknown words → ``<unk>``,
+flagged; lowercased first when the model was trained lowercased), packed bytes to an id
+array, and errors to status codes (STYLE.md 1, 8):
+
+    InvalidRequestError  → INVALID_ARGUMENT (the message names the offending index)
+    oversized request    → INVALID_ARGUMENT (the message gives the limit)
+    OverloadedError      → RESOURCE_EXHAUSTED
+    RequestExpiredError  → DEADLINE_EXCEEDED
+    EngineStoppedError   → UNAVAILABLE
+    anything else        → INTERNAL (logged with its traceback)
+
+The OOV flag of an n-gram is that of its predicted word (KenLM's ``full_scores``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Iterator, Sequence, TypeVar
+
+import grpc
+import numpy as np
+
+from nlmserve.errors import InvalidRequestError, OverloadedError
+from nlmserve.proto import lm_pb2, lm_pb2_grpc
+from nlmserve.server.engine import BOS_ID, EOS_ID, UNK_ID, Engine, EngineStoppedError, RequestExpiredError
+from nlmserve.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (RequestExpiredError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (EngineStoppedError, grpc.StatusCode.UNAVAILABLE),
+)
+
+
+def status_of(error: BaseException) -> grpc.StatusCode:
+    for cls, code in _STATUS:
+        if isinstance(error, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def _remaining(context: grpc.ServicerContext) -> float | None:
+    """Seconds to the client's deadline; None without one (gRPC reports a huge number)."""
+    left = context.time_remaining()
+    return None if left is None or left > 1e6 else max(0.0, left)
+
+
+class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
+    """``nlmserve.v1.LanguageModel`` over one :class:`Engine`."""
+
+    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        lm = engine.lm
+        self.words: list[str] = lm.vocab.words
+        self.index: dict[str, int] = {w: i for i, w in enumerate(self.words)}
+        self.lowercase = bool(lm.lowercase)
+        self.order = engine.order
+        self.max_items = engine.config.max_ngrams_per_request
+        self.model_hash = str(lm.model_hash)
+        self.info = lm_pb2.ModelInfo(
+            order=self.order,
+            vocab_size=len(self.words),
+            num_classes=int(getattr(lm, "num_classes", 0) or 0),
+            native_log_base=lm_pb2.LN,
+            objective=str(lm.objective),
+            output_type=str(lm.output_type),
+            model_hash=self.model_hash,
+            format_version=int(lm.format_version),
+            device=str(lm.device),
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            unk_id=UNK_ID,
+            self_normalized=engine.self_normalized,
+            max_ngrams_per_request=self.max_items,
+            lowercase=self.lowercase,
+        )
+
+    # -------------------------------------------------------------- RPCs
+    def ScoreNgrams(self, request: lm_pb2.ScoreNgramsRequest, context: grpc.ServicerContext) -> lm_pb2.ScoreNgramsResponse:
+        return self._guard("ScoreNgrams", context, lambda: self._score_ngrams(request, context))
+
+    def ScoreSentences(self, request: lm_pb2.ScoreSentencesRequest,
+                       context: grpc.ServicerContext) -> lm_pb2.ScoreSentencesResponse:
+        return self._guard("ScoreSentences", context, lambda: self._score_sentences(request, context))
+
+    def GetModelInfo(self, request: lm_pb2.GetModelInfoRequest, context: grpc.ServicerContext) -> lm_pb2.ModelInfo:
+        return self._guard("GetModelInfo", context, lambda: self.info)
+
+    def GetVocabulary(self, request: lm_pb2.GetVocabularyRequest,
+                      context: grpc.ServicerContext) -> Iterator[lm_pb2.VocabularyChunk]:
+        size = request.chunk_size or self.engine.config.vocab_chunk_size
+        chunks = [lm_pb2.VocabularyChunk(offset=i, words=self.words[i : i + size])
+                  for i in range(0, len(self.words), size)]
+        self._count("GetVocabulary", grpc.StatusCode.OK)
+        return iter(chunks)
+
+    # -------------------------------------------------------------- conversion
+    def _score_ngrams(self, request: lm_pb2.ScoreNgramsRequest, context: grpc.ServicerContext) -> lm_pb2.ScoreNgramsResponse:
+        if request.ngrams and request.packed_ids:
+            raise InvalidRequestError("send either n-gram strings or packed ids, not both")
+        if request.packed_ids or request.packed_order:
+            ids = self._unpack(request.packed_ids, request.packed_order)
+            oov = ids[:, -1] == UNK_ID if ids.shape[1] else np.zeros(ids.shape[0], dtype=bool)
+        else:
+            ids, oov = self._map_ngrams(request.ngrams)
+        normalized = not request.allow_unnormalized
+        log10 = request.log_base != lm_pb2.LN
+        scores = self.engine.score_ngrams(ids, normalized=normalized, log10=log10, timeout=_remaining(context))
+        return lm_pb2.ScoreNgramsResponse(
+            log_probs=scores.tolist(),
+            oov=oov.tolist(),
+            log_base=lm_pb2.LOG10 if log10 else lm_pb2.LN,
+            normalized=normalized or not self.engine.self_normalized,
+            model_hash=self.model_hash,
+        )
+
+    def _unpack(self, data: bytes, packed_order: int) -> np.ndarray:
+        if packed_order == 0:
+            raise InvalidRequestError("packed_ids need packed_order >= 1")
+        row_bytes = 4 * packed_order
+        if len(data) % row_bytes:
+            raise InvalidRequestError(
+                f"packed_ids has {len(data)} bytes, not a multiple of 4 x packed_order = {row_bytes}"
+            )
+        n = len(data) // row_bytes
+        self._check_size(n, "n-grams")
+        return np.frombuffer(data, dtype="<u4").reshape(n, packed_order)
+
+    def _map_ngrams(self, ngrams: Sequence[lm_pb2.NgramStrings]) -> tuple[np.ndarray, np.ndarray]:
+        n = len(ngrams)
+        self._check_size(n, "n-grams")
+        order, get, lower = self.order, self.index.get, self.lowercase
+        ids = np.full((n, order), BOS_ID, dtype=np.int64)
+        oov = np.zeros(n, dtype=bool)
+        for i, ng in enumerate(ngrams):
+            words = ng.words
+            k = len(words)
+            if k == 0:
+                raise InvalidRequestError("empty n-gram", index=i)
+            if k > order:
+                raise InvalidRequestError(f"n-gram of {k} words is longer than the model order {order}", index=i)
+            row = [get(w.lower() if lower else w, UNK_ID) for w in words]
+            ids[i, order - k :] = row
+            oov[i] = row[-1] == UNK_ID
+        return ids, oov
+
+    def _score_sentences(self, request: lm_pb2.ScoreSentencesRequest,
+                         context: grpc.ServicerContext) -> lm_pb2.ScoreSentencesResponse:
+        bos = request.bos if request.HasField("bos") else True
+        eos = request.eos if request.HasField("eos") else True
+        get, lower = self.index.get, self.lowercase
+        sentences: list[np.ndarray] = []
+        oovs: list[np.ndarray] = []
+        total = 0
+        for s in request.sentences:
+            toks = s.lower().split() if lower else s.split()
+            ids = np.fromiter((get(t, UNK_ID) for t in toks), dtype=np.int64, count=len(toks))
+            sentences.append(ids)
+            oovs.append(ids == UNK_ID)
+            total += len(toks) + int(eos)
+        self._check_size(total, "tokens")
+        normalized = not request.allow_unnormalized
+        log10 = request.log_base != lm_pb2.LN
+        results = self.engine.score_sentences(
+            sentences, bos=bos, eos=eos, normalized=normalized, log10=log10, timeout=_remaining(context)
+        )
+        out = []
+        for res, oov in zip(results, oovs):
+            flags = oov.tolist() + ([False] if eos else [])
+            out.append(lm_pb2.SentenceScore(
+                token_log_probs=res.log_probs.tolist(), oov=flags,
+                ngram_lengths=res.ngram_lengths.tolist(), total=res.total,
+            ))
+        return lm_pb2.ScoreSentencesResponse(
+            sentences=out,
+            log_base=lm_pb2.LOG10 if log10 else lm_pb2.LN,
+            normalized=normalized or not self.engine.self_normalized,
+            model_hash=self.model_hash,
+        )
+
+    def _check_size(self, n: int, what: str) -> None:
+        if n > self.max_items:
+            raise InvalidRequestError(
+                f"request has {n} {what}, more than max_ngrams_per_request = {self.max_items}; split it"
+            )
+
+    # -------------------------------------------------------------- errors and metrics
+    def _guard(self, rpc: str, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
+        m = self.metrics
+        start = time.perf_counter()
+        if m is not None:
+            m.in_flight.inc()
+        try:
+            result = fn()
+        except Exception as e:
+            code = status_of(e)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("%s failed", rpc)
+                message = f"internal error: {type(e).__name__}: {e}"
+            else:
+                log.debug("%s: %s: %s", rpc, code.name, e)
+                message = str(e)
+            self._count(rpc, code)
+            context.abort(code, message)
+            raise  # not reached: abort raises
+        finally:
+            if m is not None:
+                m.in_flight.dec()
+                m.request_latency.labels(rpc=rpc).observe(time.perf_counter() - start)
+        self._count(rpc, grpc.StatusCode.OK)
+        return result
+
+    def _count(self, rpc: str, code: grpc.StatusCode) -> None:
+        if self.metrics is not None:
+            self.metrics.requests.labels(rpc=rpc, code=code.name).inc()
