@@ -53,5 +53,15 @@ demo: install
 bench: install
 	$(BIN)/python bench/serve.py
 
+# Debian packages for the C++ client and Moses feature (moses_plugin/cpp); run as root.
+SYSTEM_DEPS := cmake g++ make pkg-config libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+system-deps:
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(SYSTEM_DEPS)
+
+# C++ client library and its test driver, built incrementally in build/cpp.
+cpp:
+	cmake -S moses_plugin/cpp -B build/cpp -DCMAKE_BUILD_TYPE=Release
+	cmake --build build/cpp -j2
+
 clean:
 	rm -rf gen build *.egg-info runs/demo
