@@ -20,13 +20,14 @@ Tokens are separated by whitespace (``str.split()``); empty lines are skipped. L
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import logging
 import lzma
 import os
 from collections import Counter
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -43,7 +44,7 @@ _CHUNK_TOKENS = 1 << 20
 _COUNT_CHUNK = 1 << 24
 
 
-def _open_binary(path: Path) -> IO[bytes]:
+def _open_binary(path: Path) -> io.BufferedIOBase:
     """Open ``path`` for reading bytes, decompressing ``.gz`` / ``.xz`` by suffix."""
     try:
         if path.suffix == ".gz":
