@@ -1,0 +1,301 @@
+"""The neural n-gram language model: log-bilinear context, class-factored or softmax output.
+
+Context (Mnih & Hinton 2007; OxLM, Baltescu & Blunsom 2015)::
+
+    r = act( W_h · Σ_j C_j ⊙ q(w_j) + b_h )       # hidden layer optional (hidden=0: none)
+
+with ``q`` the context word embeddings (V, D) and ``C_j`` one weight per context position,
+a vector (``context="diagonal"``, the log-bilinear default) or a D×D matrix (``"full"``).
+
+Output, class-factored (``output="class"``, Goodman 2001; Mikolov et al. 2011)::
+
+    log P(w | h) = s_c(h) - log Σ_c' exp s_c'(h)  +  s_w(h) - log Σ_{w' ∈ c} exp s_w'(h)
+    s_c(h) = S_c · r + b_c          s_w(h) = R_w · r + b_w          c = class(w)
+
+or a full softmax (``output="softmax"``): ``log P(w | h) = s_w(h) - log Σ_w' exp s_w'(h)``.
+
+``<s>`` is never predicted: its score is masked to -inf, so the distribution over the
+other V-1 words sums to one. The exact in-class normaliser groups the rows of a batch by
+class (one small matmul per class present); ``in_class_method="padded"`` gathers every
+row's class padded to the largest class instead (kept for the benchmark: it materialises
+an (N, max class size, D) tensor and is slower on frequency-binned classes whose rare-word
+class is large).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from nlmserve.lm.vocab import BOS_ID
+
+CONTEXT_TYPES = ("diagonal", "full")
+ACTIVATIONS = ("none", "tanh", "relu")
+OUTPUT_TYPES = ("class", "softmax")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the network (everything needed to rebuild it from a model file).
+
+    Fields:
+        vocab_size: V, including ``<unk>``, ``<s>``, ``</s>``.
+        order: n of the n-gram model; the context holds ``order - 1`` words.
+        dim: D, width of the word embeddings (context and output side).
+        context: ``"diagonal"`` (one D-vector per context position, log-bilinear) or
+            ``"full"`` (one D×D matrix per position).
+        hidden: width of an optional hidden layer after the context sum (0: none).
+        activation: ``"none"``, ``"tanh"`` or ``"relu"``, applied to the context vector
+            (after the hidden layer when there is one).
+        output: ``"class"`` (P(c|h)·P(w|c,h)) or ``"softmax"`` (the full-softmax baseline).
+        num_classes: K for the class output (0 for softmax).
+    """
+
+    vocab_size: int
+    order: int = 5
+    dim: int = 128
+    context: str = "diagonal"
+    hidden: int = 0
+    activation: str = "none"
+    output: str = "class"
+    num_classes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < 4:
+            raise ValueError(f"vocab_size must be >= 4, got {self.vocab_size}")
+        if self.order < 2:
+            raise ValueError(f"order must be >= 2, got {self.order}")
+        if self.dim < 1 or self.hidden < 0:
+            raise ValueError(f"dim must be >= 1 and hidden >= 0, got {self.dim}, {self.hidden}")
+        if self.context not in CONTEXT_TYPES:
+            raise ValueError(f"context must be one of {CONTEXT_TYPES}, got {self.context!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.output not in OUTPUT_TYPES:
+            raise ValueError(f"output must be one of {OUTPUT_TYPES}, got {self.output!r}")
+        if self.output == "class" and not 1 <= self.num_classes <= self.vocab_size:
+            raise ValueError(f"class output needs 1 <= num_classes <= vocab_size, got {self.num_classes}")
+
+    @property
+    def out_dim(self) -> int:
+        """Width of the context vector r that meets the output embeddings."""
+        return self.hidden if self.hidden > 0 else self.dim
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "ModelConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown model config fields: {sorted(unknown)}")
+        return cls(**d)
+
+
+class NeuralLM(nn.Module):
+    """The network. ``word_class`` (V,) is required for the class output."""
+
+    # Buffers (not saved: rebuilt from the word classes).
+    word_mask: Tensor  # (V,) 0, -inf for <s>
+    word_class: Tensor  # (V,) class of each word
+    class_order: Tensor  # (V,) word ids sorted by class
+    class_offsets: Tensor  # (K+1,) class c is class_order[offsets[c]:offsets[c+1]]
+    class_mask: Tensor  # (K,) 0, -inf for a class holding only <s>
+    class_words_padded: Tensor  # (K, M) class words, padded with V
+
+    def __init__(self, config: ModelConfig, word_class: np.ndarray | None = None) -> None:
+        super().__init__()
+        self.config = config
+        V, D, n1 = config.vocab_size, config.dim, config.order - 1
+        self.embed = nn.Embedding(V, D)  # q(w): context word vectors
+        if config.context == "diagonal":
+            self.ctx_weight = nn.Parameter(torch.empty(n1, D))  # C_j as vectors
+        else:
+            self.ctx_weight = nn.Parameter(torch.empty(n1, D, D))  # C_j as matrices (out, in)
+        self.hidden = nn.Linear(D, config.hidden) if config.hidden > 0 else None
+        E = config.out_dim
+        self.word_embed = nn.Parameter(torch.empty(V, E))  # R_w
+        self.word_bias = nn.Parameter(torch.zeros(V))  # b_w
+        # <s> is never predicted: -inf added to its score everywhere.
+        word_mask = torch.zeros(V)
+        word_mask[BOS_ID] = -math.inf
+        self.register_buffer("word_mask", word_mask, persistent=False)
+        if config.output == "class":
+            if word_class is None:
+                raise ValueError("the class output needs word_class")
+            wc = np.array(word_class, dtype=np.int64)  # a writable copy
+            K = config.num_classes
+            if wc.shape != (V,) or wc.min() < 0 or wc.max() >= K:
+                raise ValueError(f"word_class must be (V,)={V} ids in [0, {K})")
+            sizes = np.bincount(wc, minlength=K)
+            if (sizes == 0).any():
+                raise ValueError(f"empty word classes: {np.flatnonzero(sizes == 0)[:5].tolist()}")
+            order = np.argsort(wc, kind="stable")
+            offsets = np.concatenate([[0], np.cumsum(sizes)])
+            self.class_embed = nn.Parameter(torch.empty(K, E))  # S_c
+            self.class_bias = nn.Parameter(torch.zeros(K))  # b_c
+            self.register_buffer("word_class", torch.from_numpy(wc), persistent=False)
+            self.register_buffer("class_order", torch.from_numpy(order), persistent=False)
+            self.register_buffer("class_offsets", torch.from_numpy(offsets), persistent=False)
+            # A class holding only <s> can never be predicted.
+            class_mask = torch.zeros(K)
+            class_mask[wc[BOS_ID]] = -math.inf if sizes[wc[BOS_ID]] == 1 else 0.0
+            self.register_buffer("class_mask", class_mask, persistent=False)
+            # Padded layout (K, M): class c's words, then V (a padding row) up to M.
+            M = int(sizes.max())
+            padded = np.full((K, M), V, dtype=np.int64)
+            pos = np.arange(V) - offsets[wc[order]]
+            padded[wc[order], pos] = order
+            self.register_buffer("class_words_padded", torch.from_numpy(padded), persistent=False)
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ set-up
+    def reset_parameters(self, std: float = 0.1) -> None:
+        """Gaussian embeddings; context weights near 1/(n-1) (identity for ``full``)."""
+        n1 = self.config.order - 1
+        nn.init.normal_(self.embed.weight, std=std)
+        nn.init.normal_(self.word_embed, std=std)
+        with torch.no_grad():
+            if self.config.context == "diagonal":
+                self.ctx_weight.normal_(1.0 / n1, std)
+            else:
+                eye = torch.eye(self.config.dim).expand(n1, -1, -1)
+                self.ctx_weight.copy_(eye / n1 + torch.randn_like(self.ctx_weight) * std / self.config.dim**0.5)
+            self.word_bias.zero_()
+            if self.config.output == "class":
+                nn.init.normal_(self.class_embed, std=std)
+                self.class_bias.zero_()
+
+    def init_biases(self, unigram_counts: np.ndarray) -> None:
+        """Biases from add-one log unigram frequencies: class bias = log P(c), word bias
+        = log P(w|c) (softmax output: log P(w)). ``<s>`` gets no mass."""
+        counts = np.asarray(unigram_counts, dtype=np.float64) + 1.0
+        counts[BOS_ID] = 0.0
+        with torch.no_grad():
+            if self.config.output == "softmax":
+                logp = np.log(np.maximum(counts, 1e-30) / counts.sum())
+                self.word_bias.copy_(torch.from_numpy(logp))
+                return
+            wc = self.word_class.cpu().numpy()
+            mass = np.bincount(wc, weights=counts, minlength=self.config.num_classes)
+            class_logp = np.log(np.maximum(mass, 1e-30) / mass.sum())
+            word_logp = np.log(np.maximum(counts, 1e-30) / np.maximum(mass[wc], 1e-30))
+            self.class_bias.copy_(torch.from_numpy(class_logp))
+            self.word_bias.copy_(torch.from_numpy(word_logp))
+
+    # ------------------------------------------------------------------ context
+    def encode(self, ctx: Tensor) -> Tensor:
+        """ctx (N, order-1) word ids, oldest first → r (N, E)."""
+        q = self.embed(ctx)  # (N, n-1, D)
+        if self.config.context == "diagonal":
+            r = (q * self.ctx_weight).sum(dim=1)  # (N, n-1, D) * (n-1, D) → sum over j → (N, D)
+        else:
+            r = torch.einsum("njd,jed->ne", q, self.ctx_weight)  # Σ_j C_j q_j → (N, D)
+        if self.hidden is not None:
+            r = self.hidden(r)  # (N, H)
+        if self.config.activation == "tanh":
+            r = torch.tanh(r)
+        elif self.config.activation == "relu":
+            r = torch.relu(r)
+        return r
+
+    # ------------------------------------------------------------------ output scores
+    def class_logits(self, r: Tensor) -> Tensor:
+        """All class scores s_c(h): (N, E) @ (E, K) → (N, K)."""
+        return r @ self.class_embed.t() + self.class_bias + self.class_mask
+
+    def class_score(self, r: Tensor, cls: Tensor) -> Tensor:
+        """s_c(h) of one class per row: (N, E)·(N, E) → (N,)."""
+        return (r * self.class_embed[cls]).sum(-1) + self.class_bias[cls] + self.class_mask[cls]
+
+    def word_score(self, r: Tensor, word: Tensor) -> Tensor:
+        """s_w(h) of one word per row (any shape of ``word`` with leading N): → word.shape."""
+        emb = self.word_embed[word]  # (N, ..., E)
+        rr = r.reshape(r.shape[0], *([1] * (word.dim() - 1)), r.shape[1])  # (N, 1.., E)
+        return (emb * rr).sum(-1) + self.word_bias[word] + self.word_mask[word]
+
+    def word_logits(self, r: Tensor) -> Tensor:
+        """All word scores: (N, E) @ (E, V) → (N, V), ``<s>`` at -inf."""
+        return r @ self.word_embed.t() + self.word_bias + self.word_mask
+
+    def class_log_normalizer(self, r: Tensor) -> Tensor:
+        """log Σ_c exp s_c(h) → (N,); zeros for the softmax output."""
+        if self.config.output == "softmax":
+            return r.new_zeros(r.shape[0])
+        return torch.logsumexp(self.class_logits(r), dim=-1)
+
+    def in_class_log_normalizer(self, r: Tensor, cls: Tensor, method: str = "grouped") -> Tensor:
+        """log Σ_{w ∈ cls} exp s_w(h) → (N,); the full-softmax log Z for the softmax output."""
+        if self.config.output == "softmax":
+            return torch.logsumexp(self.word_logits(r), dim=-1)
+        if method == "padded":
+            return self._in_class_padded(r, cls)
+        if method != "grouped":
+            raise ValueError(f"unknown in-class method {method!r}")
+        return self._in_class_grouped(r, cls)
+
+    def _in_class_grouped(self, r: Tensor, cls: Tensor) -> Tensor:
+        perm = torch.argsort(cls, stable=True)  # rows sorted by class
+        classes, counts = torch.unique_consecutive(cls[perm], return_counts=True)
+        pieces = []
+        start = 0
+        offsets = self.class_offsets.tolist()
+        for c, n in zip(classes.tolist(), counts.tolist()):
+            rows = perm[start : start + n]
+            words = self.class_order[offsets[c] : offsets[c + 1]]  # (S_c,)
+            logits = r[rows] @ self.word_embed[words].t()  # (n, E) @ (E, S_c) → (n, S_c)
+            logits = logits + self.word_bias[words] + self.word_mask[words]
+            pieces.append(torch.logsumexp(logits, dim=-1))  # (n,)
+            start += n
+        sorted_norm = torch.cat(pieces)  # (N,) in class-sorted order
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+        return sorted_norm[inverse]
+
+    def _in_class_padded(self, r: Tensor, cls: Tensor) -> Tensor:
+        words = self.class_words_padded[cls]  # (N, M), V marks padding
+        pad = words == self.config.vocab_size
+        safe = words.masked_fill(pad, 0)
+        logits = self.word_score(r, safe)  # (N, M)
+        logits = logits.masked_fill(pad, -math.inf)
+        return torch.logsumexp(logits, dim=-1)
+
+    # ------------------------------------------------------------------ probabilities
+    def log_prob(self, ctx: Tensor, target: Tensor, *, normalized: bool = True) -> Tensor:
+        """log P(target | ctx) in natural log → (N,). Unnormalised: s_c + s_w (or s_w)."""
+        r = self.encode(ctx)
+        return self.log_prob_from_r(r, target, normalized=normalized)
+
+    def log_prob_from_r(self, r: Tensor, target: Tensor, *, normalized: bool = True) -> Tensor:
+        if self.config.output == "softmax":
+            score = self.word_score(r, target)
+            return score - self.in_class_log_normalizer(r, target) if normalized else score
+        cls = self.word_class[target]
+        score = self.class_score(r, cls) + self.word_score(r, target)
+        if not normalized:
+            return score
+        return score - self.class_log_normalizer(r) - self.in_class_log_normalizer(r, cls)
+
+    def full_log_probs(self, ctx: Tensor) -> Tensor:
+        """The whole distribution log P(· | ctx) → (N, V) (``<s>`` at -inf). For tests and
+        small vocabularies."""
+        r = self.encode(ctx)
+        if self.config.output == "softmax":
+            return torch.log_softmax(self.word_logits(r), dim=-1)
+        class_logp = torch.log_softmax(self.class_logits(r), dim=-1)  # (N, K)
+        word_logits = self.word_logits(r)  # (N, V)
+        out = torch.empty_like(word_logits)
+        offsets = self.class_offsets.tolist()
+        for c in range(self.config.num_classes):
+            words = self.class_order[offsets[c] : offsets[c + 1]]
+            in_class = torch.log_softmax(word_logits[:, words], dim=-1)  # (N, S_c)
+            out[:, words] = class_logp[:, c : c + 1] + in_class
+        out[:, BOS_ID] = -math.inf  # also when <s> is alone in its class (0/0 above)
+        return out

@@ -1,0 +1,249 @@
+"""Self-describing model files that load without executing code (no pickle).
+
+Layout (all integers little-endian)::
+
+    0   8 bytes   magic  b"NLMSERVE"
+    8   uint32    format version
+    12  uint64    header length H
+    20  H bytes   header: UTF-8 JSON
+        padding to a multiple of 64
+        data: raw tensor bytes, each tensor at a 64-byte aligned offset from the data start
+
+The header holds ``config`` (ModelConfig), ``vocabulary`` (the word list, id order),
+``classes`` (WordClasses.to_json() or null), ``objective``, ``lowercase``, ``training``
+(free-form metadata: corpus, steps, perplexity, ...), ``tensors`` (name → dtype, shape,
+offset, nbytes), ``data_size`` and ``sha256``: the hex digest of the canonical JSON of
+the header without ``sha256`` (sorted keys, no spaces) followed by the data bytes. Loading
+checks magic, version, sizes and the digest, and raises :class:`ModelFileError` with the
+file name on any mismatch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from nlmserve.errors import ModelFileError
+from nlmserve.lm.model import ModelConfig, NeuralLM
+from nlmserve.lm.vocab import Vocabulary
+
+if TYPE_CHECKING:
+    from nlmserve.lm.classes import WordClasses
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"NLMSERVE"
+FORMAT_VERSION = 1
+_PREFIX = struct.Struct("<8sIQ")  # magic, version, header length
+_ALIGN = 64
+_DTYPES = {"float32": np.float32, "float64": np.float64, "int64": np.int64, "int32": np.int32, "uint32": np.uint32}
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _canonical(header: dict[str, Any]) -> bytes:
+    return json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+@dataclass
+class ModelFile:
+    """Everything a model file holds, decoded."""
+
+    path: str
+    format_version: int
+    config: ModelConfig
+    vocab: Vocabulary
+    classes: "WordClasses | None"
+    objective: str
+    lowercase: bool
+    training: dict[str, Any]
+    tensors: dict[str, np.ndarray]
+    sha256: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def build_model(self) -> NeuralLM:
+        """The network with the stored weights (float32, on the CPU)."""
+        word_class = self.classes.word_class if self.classes is not None else None
+        model = NeuralLM(self.config, word_class)
+        state = model.state_dict()
+        missing = set(state) - set(self.tensors)
+        if missing:
+            raise ModelFileError(f"{self.path}: tensors missing from the model file: {sorted(missing)}")
+        for name, ref in state.items():
+            arr = self.tensors[name]
+            if tuple(arr.shape) != tuple(ref.shape):
+                raise ModelFileError(
+                    f"{self.path}: tensor {name} has shape {arr.shape}, the config needs {tuple(ref.shape)}"
+                )
+            state[name] = torch.from_numpy(np.array(arr, dtype=np.float32))
+        model.load_state_dict(state)
+        return model
+
+
+def save_model(
+    path: str | os.PathLike[str],
+    model: NeuralLM,
+    vocab: Vocabulary,
+    classes: "WordClasses | None",
+    *,
+    objective: str,
+    lowercase: bool = False,
+    training: dict[str, Any] | None = None,
+    unigram_counts: np.ndarray | None = None,
+) -> str:
+    """Write ``model`` atomically (temporary file + rename); returns the sha256 hex digest."""
+    if len(vocab) != model.config.vocab_size:
+        raise ValueError(f"vocabulary has {len(vocab)} words, the model {model.config.vocab_size}")
+    arrays: dict[str, np.ndarray] = {
+        name: t.detach().to("cpu", torch.float32).contiguous().numpy() for name, t in model.state_dict().items()
+    }
+    if unigram_counts is not None:
+        arrays["unigram_counts"] = np.ascontiguousarray(unigram_counts, dtype=np.int64)
+    index: dict[str, dict[str, Any]] = {}
+    offset = 0
+    for name, arr in arrays.items():
+        index[name] = {"dtype": str(arr.dtype), "shape": list(arr.shape), "offset": offset, "nbytes": arr.nbytes}
+        offset = _align(offset + arr.nbytes)
+    data_size = offset
+    header: dict[str, Any] = {
+        "format": "nlmserve-model",
+        "config": model.config.to_json(),
+        "vocabulary": vocab.words,
+        "vocabulary_sha256": vocab.sha256(),
+        "classes": classes.to_json() if classes is not None else None,
+        "objective": objective,
+        "lowercase": bool(lowercase),
+        "training": training or {},
+        "tensors": index,
+        "data_size": data_size,
+    }
+    digest = hashlib.sha256(_canonical(header))
+    data = bytearray(data_size)
+    for name, arr in arrays.items():
+        start = index[name]["offset"]
+        data[start : start + arr.nbytes] = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
+    digest.update(data)
+    header["sha256"] = digest.hexdigest()
+    header_bytes = _canonical(header)
+    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header_bytes))
+    pad = _align(len(prefix) + len(header_bytes)) - len(prefix) - len(header_bytes)
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(prefix)
+        f.write(header_bytes)
+        f.write(b"\0" * pad)
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    log.info("wrote %s (%d bytes, sha256 %s)", path, len(prefix) + len(header_bytes) + pad + data_size, header["sha256"][:12])
+    return str(header["sha256"])
+
+
+def read_model_file(path: str | os.PathLike[str]) -> ModelFile:
+    """Read and verify a model file; every problem is a :class:`ModelFileError`."""
+    name = str(path)
+    try:
+        with open(path, "rb") as f:
+            blob = f.read()
+    except OSError as exc:
+        raise ModelFileError(f"{name}: cannot read model file: {exc.strerror or exc}") from exc
+    if len(blob) < _PREFIX.size:
+        if MAGIC.startswith(blob[:8]) and blob:
+            raise ModelFileError(f"{name}: truncated model file ({len(blob)} bytes)")
+        raise ModelFileError(f"{name}: not an nlmserve model file (too short, no magic bytes)")
+    magic, version, header_len = _PREFIX.unpack_from(blob)
+    if magic != MAGIC:
+        raise ModelFileError(f"{name}: not an nlmserve model file (magic bytes {magic!r}, expected {MAGIC!r})")
+    if version > FORMAT_VERSION:
+        raise ModelFileError(
+            f"{name}: model file format version {version} is newer than this nlmserve reads "
+            f"(up to {FORMAT_VERSION}); upgrade nlmserve"
+        )
+    if version < 1:
+        raise ModelFileError(f"{name}: invalid model file format version {version}")
+    header_end = _PREFIX.size + header_len
+    if header_end > len(blob):
+        raise ModelFileError(f"{name}: truncated model file (header needs {header_end} bytes, file has {len(blob)})")
+    try:
+        header = json.loads(blob[_PREFIX.size : header_end].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelFileError(f"{name}: corrupt model file header: {exc}") from exc
+    if not isinstance(header, dict) or header.get("format") != "nlmserve-model":
+        raise ModelFileError(f"{name}: corrupt model file header (no 'format': 'nlmserve-model')")
+    try:
+        expected = str(header.pop("sha256"))
+        data_size = int(header["data_size"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelFileError(f"{name}: corrupt model file header (missing {exc})") from exc
+    data_start = _align(header_end)
+    if data_start + data_size > len(blob):
+        raise ModelFileError(
+            f"{name}: truncated model file (needs {data_start + data_size} bytes, file has {len(blob)})"
+        )
+    data = memoryview(blob)[data_start : data_start + data_size]
+    digest = hashlib.sha256(_canonical(header))
+    digest.update(data)
+    if digest.hexdigest() != expected:
+        raise ModelFileError(
+            f"{name}: content hash mismatch (header says {expected[:16]}…, content is "
+            f"{digest.hexdigest()[:16]}…): the file is corrupt or was modified"
+        )
+    try:
+        return _decode(name, header, data, expected, version)
+    except ModelFileError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelFileError(f"{name}: invalid model file contents: {exc}") from exc
+
+
+def _decode(name: str, header: dict[str, Any], data: memoryview, digest: str, version: int) -> ModelFile:
+    config = ModelConfig.from_json(header["config"])
+    vocab = Vocabulary(header["vocabulary"])
+    if len(vocab) != config.vocab_size:
+        raise ModelFileError(f"{name}: vocabulary has {len(vocab)} words, config says {config.vocab_size}")
+    classes = None
+    if header.get("classes") is not None:
+        from nlmserve.lm.classes import WordClasses
+
+        classes = WordClasses.from_json(header["classes"])
+        if len(classes.word_class) != config.vocab_size or classes.num_classes != config.num_classes:
+            raise ModelFileError(f"{name}: word classes do not match the model config")
+    elif config.output == "class":
+        raise ModelFileError(f"{name}: a class-output model file without word classes")
+    tensors: dict[str, np.ndarray] = {}
+    for tname, info in header["tensors"].items():
+        dtype = _DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ModelFileError(f"{name}: tensor {tname} has unsupported dtype {info['dtype']!r}")
+        shape = tuple(int(s) for s in info["shape"])
+        start, nbytes = int(info["offset"]), int(info["nbytes"])
+        count = int(np.prod(shape)) if shape else 1
+        if nbytes != count * np.dtype(dtype).itemsize or start < 0 or start + nbytes > len(data):
+            raise ModelFileError(f"{name}: tensor {tname} lies outside the data section or has a bad size")
+        arr = np.frombuffer(data, dtype=np.dtype(dtype).newbyteorder("<"), count=count, offset=start)
+        tensors[tname] = arr.reshape(shape)
+    return ModelFile(
+        path=name,
+        format_version=version,
+        config=config,
+        vocab=vocab,
+        classes=classes,
+        objective=str(header.get("objective", "")),
+        lowercase=bool(header.get("lowercase", False)),
+        training=dict(header.get("training") or {}),
+        tensors=tensors,
+        sha256=digest,
+    )

@@ -1,0 +1,166 @@
+"""Training objectives: class-factored NCE, exact class-factored MLE, full softmax.
+
+NCE (Gutmann & Hyvärinen 2010; Mnih & Teh 2012) with the normalisers fixed at zero, so the
+trained model's unnormalised scores approximate log-probabilities (self-normalisation).
+For the class-factored output each factor gets its own NCE term (Baltescu & Blunsom 2015):
+
+    class term: data c = class(w), k noise classes from the class unigram q(c)
+    word term:  data w,            k noise words from q(w | c), the unigram inside c
+
+    term = -log σ(Δ(x)) - Σ_j log σ(-Δ(x_j)),   Δ(x) = s(x) - log(k · q(x))
+
+with s the unnormalised log score (s_c(h) or s_w(h)). For the softmax output the word
+term alone runs with noise from the word unigram.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from nlmserve.lm.model import NeuralLM
+from nlmserve.lm.vocab import BOS_ID
+
+OBJECTIVES = ("nce", "mle", "softmax")
+
+
+class NoiseDistribution:
+    """Unigram noise for NCE: over classes, and over words inside each class (or over all
+    words for the softmax output). ``<s>`` has zero noise probability."""
+
+    def __init__(self, unigram_counts: np.ndarray, word_class: np.ndarray | None, device: torch.device) -> None:
+        counts = np.asarray(unigram_counts, dtype=np.float64).copy()
+        counts[BOS_ID] = 0.0
+        if counts.sum() <= 0:
+            raise ValueError("noise distribution needs positive unigram counts")
+        V = counts.size
+        self.device = device
+        if word_class is None:
+            self.num_classes = 0
+            q = counts / counts.sum()
+            self.log_q_word = torch.from_numpy(np.log(np.maximum(q, 1e-30))).to(device)  # (V,) log q(w)
+            self._word_probs = torch.from_numpy(q).to(device)
+            self.log_q_class = torch.zeros(0, dtype=torch.float64, device=device)
+            return
+        wc = np.asarray(word_class, dtype=np.int64)
+        K = int(wc.max()) + 1
+        self.num_classes = K
+        mass = np.bincount(wc, weights=counts, minlength=K)  # (K,)
+        q_class = mass / mass.sum()
+        q_in = np.where(mass[wc] > 0, counts / np.maximum(mass[wc], 1e-300), 0.0)  # (V,) q(w|c)
+        self.log_q_class = torch.from_numpy(np.log(np.maximum(q_class, 1e-30))).to(device)  # (K,)
+        self.log_q_word = torch.from_numpy(np.log(np.maximum(q_in, 1e-30))).to(device)  # (V,)
+        self._class_probs = torch.from_numpy(q_class).to(device)
+        # Sampling inside a class: words sorted by class; key = class + cumulative q(w|c)
+        # (strictly inside (c, c+1], exactly c+1 at the class's last word), so a key
+        # c + u with u in (0, 1] lands on a word of class c by binary search.
+        order = np.argsort(wc, kind="stable")
+        cls_sorted = wc[order]
+        cum = np.zeros(V, dtype=np.float64)
+        offsets = np.concatenate([[0], np.cumsum(np.bincount(wc, minlength=K))])
+        for c in range(K):
+            a, b = offsets[c], offsets[c + 1]
+            seg = np.cumsum(q_in[order[a:b]])
+            if seg.size and seg[-1] > 0:
+                seg = seg / seg[-1]
+                seg[-1] = 1.0
+            cum[a:b] = seg
+        self._keys = torch.from_numpy(cls_sorted + cum).to(device)  # (V,) float64, sorted
+        self._order = torch.from_numpy(order).to(device)
+
+    def sample_classes(self, n: int, k: int, generator: torch.Generator) -> Tensor:
+        """(n, k) class ids drawn from q(c)."""
+        flat = torch.multinomial(self._class_probs, n * k, replacement=True, generator=generator)
+        return flat.view(n, k)
+
+    def sample_words_in_class(self, cls: Tensor, k: int, generator: torch.Generator) -> Tensor:
+        """(n, k) word ids, row i drawn from q(w | cls[i])."""
+        u = 1.0 - torch.rand(cls.shape[0], k, dtype=torch.float64, generator=generator, device=self.device)
+        keys = cls.to(torch.float64).unsqueeze(1) + u  # (n, k) in (c, c+1]
+        idx = torch.searchsorted(self._keys, keys)  # (n, k) positions in class-sorted order
+        return self._order[idx.clamp_(max=self._order.numel() - 1)]
+
+    def sample_words(self, n: int, k: int, generator: torch.Generator) -> Tensor:
+        """(n, k) word ids drawn from the word unigram (softmax output)."""
+        flat = torch.multinomial(self._word_probs, n * k, replacement=True, generator=generator)
+        return flat.view(n, k)
+
+    def sample(self, model: NeuralLM, target: Tensor, k: int, generator: torch.Generator) -> tuple[Tensor | None, Tensor]:
+        """Noise for a batch: (noise classes (n, k) or None for softmax, noise words (n, k))."""
+        n = target.shape[0]
+        if model.config.output == "softmax":
+            return None, self.sample_words(n, k, generator)
+        cls = model.word_class[target]
+        return self.sample_classes(n, k, generator), self.sample_words_in_class(cls, k, generator)
+
+
+def _nce_term(data_score: Tensor, noise_score: Tensor, log_q_data: Tensor, log_q_noise: Tensor, k: int) -> Tensor:
+    """Per-example NCE loss: data (n,), noise (n, k) scores and noise log-probabilities."""
+    log_k = math.log(k)
+    delta_data = data_score - (log_q_data.to(data_score.dtype) + log_k)  # (n,)
+    delta_noise = noise_score - (log_q_noise.to(noise_score.dtype) + log_k)  # (n, k)
+    return -F.logsigmoid(delta_data) - F.logsigmoid(-delta_noise).sum(dim=1)
+
+
+def nce_loss(
+    model: NeuralLM,
+    ctx: Tensor,
+    target: Tensor,
+    noise: NoiseDistribution,
+    noise_classes: Tensor | None,
+    noise_words: Tensor,
+) -> Tensor:
+    """Mean NCE loss of a batch with given noise samples (see the module docstring)."""
+    k = noise_words.shape[1]
+    r = model.encode(ctx)  # (n, E)
+    word_term = _nce_term(
+        model.word_score(r, target),  # (n,)
+        model.word_score(r, noise_words),  # (n, k)
+        noise.log_q_word[target],
+        noise.log_q_word[noise_words],
+        k,
+    )
+    if model.config.output == "softmax":
+        return word_term.mean()
+    if noise_classes is None:
+        raise ValueError("the class output needs noise classes")
+    cls = model.word_class[target]
+    # s_c of the noise classes: (n, E) · (n, k, E) → (n, k)
+    noise_class_score = (r.unsqueeze(1) * model.class_embed[noise_classes]).sum(-1) + model.class_bias[noise_classes]
+    class_term = _nce_term(
+        model.class_score(r, cls),
+        noise_class_score,
+        noise.log_q_class[cls],
+        noise.log_q_class[noise_classes],
+        noise_classes.shape[1],
+    )
+    return (class_term + word_term).mean()
+
+
+def mle_loss(model: NeuralLM, ctx: Tensor, target: Tensor) -> Tensor:
+    """Mean exact cross-entropy (class-factored or full softmax, as the model's output)."""
+    return -model.log_prob(ctx, target).mean()
+
+
+def batch_loss(
+    objective: str,
+    model: NeuralLM,
+    ctx: Tensor,
+    target: Tensor,
+    noise: NoiseDistribution | None = None,
+    k: int = 10,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """The training loss of one batch for ``objective`` (nce draws its own noise)."""
+    if objective == "nce":
+        if noise is None or generator is None:
+            raise ValueError("nce needs a noise distribution and a generator")
+        noise_classes, noise_words = noise.sample(model, target, k, generator)
+        return nce_loss(model, ctx, target, noise, noise_classes, noise_words)
+    if objective in ("mle", "softmax"):
+        return mle_loss(model, ctx, target)
+    raise ValueError(f"unknown objective {objective!r}; expected one of {OBJECTIVES}")

@@ -1,0 +1,527 @@
+"""Training: corpus → ids → classes → minibatch NCE / MLE / softmax → model file.
+
+Minibatches are drawn from a shuffled permutation of all token positions of the
+memory-mapped id file (a fresh permutation per epoch, derived from the seed and the epoch
+number). Validation perplexity (exact, normalised) is computed every ``valid_every`` steps
+and at the end of each epoch; when it does not improve the learning rate is halved, and
+after ``patience`` validations without improvement training stops. The best model (lowest
+validation perplexity) is what the model file holds.
+
+Checkpoints (``MODEL.ckpt``, written atomically every ``checkpoint_every`` steps) hold the
+model, the optimiser, the noise generator's state, the epoch and the position in the
+epoch's permutation, the best model so far and the schedule's state, so ``resume=True``
+continues exactly where the checkpoint was taken: with ``threads=1`` an interrupted and
+resumed run ends at the same parameters as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from nlmserve.errors import CorpusError, InputError
+from nlmserve.lm.classes import WordClasses, default_num_classes, frequency_binning
+from nlmserve.lm.corpus import CorpusIds, count_words
+from nlmserve.lm.model import ModelConfig, NeuralLM
+from nlmserve.lm.model_file import save_model
+from nlmserve.lm.objectives import OBJECTIVES, NoiseDistribution, batch_loss
+from nlmserve.lm.vocab import Vocabulary
+
+log = logging.getLogger(__name__)
+
+CKPT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything ``nlmserve train`` takes (CLI flags of the same names).
+
+    Fields:
+        train, valid, out: training text, validation text (None: no schedule, no early
+            stopping, the last model is kept), model file to write.
+        order, dim, context, hidden, activation: the network (see ModelConfig).
+        classes: number of word classes (None: ``default_num_classes(V)``).
+        class_file: a wcluster ``paths`` file with the classes (overrides class_method).
+        class_method: ``frequency`` (Mikolov binning) or ``brown`` (exchange algorithm).
+        objective: ``nce`` | ``mle`` (exact class-factored) | ``softmax`` (full softmax
+            output and loss, the baseline).
+        noise_samples: k for NCE.
+        epochs: passes over the training data; max_minutes: wall-time budget (None: none),
+            after which training stops cleanly and the best model is written.
+        max_steps: stop after this many optimiser steps (None: no limit).
+        lowercase, min_count, max_vocab: vocabulary and text handling.
+        max_train_lines: use only the first N lines of the training text.
+        threads: torch intra-op threads; seed: every random choice derives from it.
+        resume: continue from ``out + ".ckpt"`` when it exists.
+        batch_size, lr, optimizer (adagrad | adam): the optimiser.
+        lr_decay: factor applied to the learning rate on a validation plateau.
+        patience: validations without improvement before stopping.
+        valid_every: validate every N steps (0: at the end of each epoch only).
+        checkpoint_every: write ``out.ckpt`` every N steps (0: never).
+        log_every: append a JSONL record every N steps.
+        progress: show a tqdm progress bar; learning_curve: write ``out.curve.png``.
+        workdir: where id files go (None: ``out + ".work"``).
+    """
+
+    train: str
+    out: str
+    valid: str | None = None
+    order: int = 5
+    dim: int = 128
+    context: str = "diagonal"
+    hidden: int = 0
+    activation: str = "none"
+    classes: int | None = None
+    class_file: str | None = None
+    class_method: str = "frequency"
+    objective: str = "nce"
+    noise_samples: int = 10
+    epochs: int = 10
+    max_minutes: float | None = None
+    max_steps: int | None = None
+    lowercase: bool = False
+    min_count: int = 1
+    max_vocab: int | None = None
+    max_train_lines: int | None = None
+    threads: int = 2
+    seed: int = 1
+    resume: bool = False
+    batch_size: int = 512
+    lr: float = 0.1
+    optimizer: str = "adagrad"
+    lr_decay: float = 0.5
+    patience: int = 3
+    valid_every: int = 0
+    checkpoint_every: int = 1000
+    log_every: int = 100
+    progress: bool = True
+    learning_curve: bool = True
+    workdir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if self.optimizer not in ("adagrad", "adam"):
+            raise ValueError(f"optimizer must be adagrad or adam, got {self.optimizer!r}")
+        if self.class_method not in ("frequency", "brown"):
+            raise ValueError(f"class_method must be frequency or brown, got {self.class_method!r}")
+        if self.batch_size < 1 or self.lr <= 0 or self.noise_samples < 1 or self.epochs < 1:
+            raise ValueError("batch_size, lr, noise_samples and epochs must be positive")
+
+    @property
+    def checkpoint_path(self) -> str:
+        return self.out + ".ckpt"
+
+    @property
+    def log_path(self) -> str:
+        return self.out + ".log.jsonl"
+
+    @property
+    def curve_path(self) -> str:
+        return self.out + ".curve.png"
+
+
+@dataclass
+class TrainResult:
+    """What a run produced: the final network (last step, not necessarily the best),
+    the best validation perplexity, steps, tokens and whether it stopped early."""
+
+    model: NeuralLM
+    best_valid_ppl: float | None
+    steps: int
+    tokens: int
+    stopped: str
+    model_path: str
+
+
+@dataclass
+class _State:
+    """The mutable training state that a checkpoint saves."""
+
+    epoch: int = 0
+    pos: int = 0  # next index into this epoch's permutation
+    step: int = 0
+    tokens: int = 0
+    lr: float = 0.0
+    best_ppl: float = math.inf
+    bad_validations: int = 0
+    elapsed: float = 0.0
+    done: bool = False
+    last_valid_step: int = -1
+
+
+# ---------------------------------------------------------------------------- data
+
+
+@dataclass
+class _Data:
+    vocab: Vocabulary
+    train: CorpusIds
+    valid: CorpusIds | None
+    unigram: np.ndarray
+    classes: WordClasses | None
+
+
+def _head_lines(src: str, n: int, dst: Path) -> Path:
+    """The first n lines of ``src`` as a plain text file (kept when up to date)."""
+    stamp = dst.with_name(dst.name + ".src")
+    try:
+        st = os.stat(src)
+    except FileNotFoundError as exc:
+        raise CorpusError("no such file", src) from exc
+    key = f"{os.path.abspath(src)} {st.st_size} {st.st_mtime_ns} {n}"
+    if dst.exists() and stamp.exists() and stamp.read_text() == key:
+        return dst
+    import gzip
+    import lzma
+
+    opener: Any = lzma.open if src.endswith(".xz") else gzip.open if src.endswith(".gz") else open
+    tmp = dst.with_name(dst.name + ".tmp")
+    with opener(src, "rb") as fin, open(tmp, "wb") as fout:
+        for i, line in enumerate(fin):
+            if i >= n:
+                break
+            fout.write(line)
+    os.replace(tmp, dst)
+    stamp.write_text(key)
+    return dst
+
+
+def prepare_data(cfg: TrainConfig) -> _Data:
+    """Vocabulary, id files, unigram counts and word classes for ``cfg``."""
+    work = Path(cfg.workdir or cfg.out + ".work")
+    work.mkdir(parents=True, exist_ok=True)
+    train_text: str | Path = cfg.train
+    if cfg.max_train_lines is not None:
+        train_text = _head_lines(cfg.train, cfg.max_train_lines, work / "train.head.txt")
+    counts, num_sentences = count_words(train_text, lowercase=cfg.lowercase)
+    vocab = Vocabulary.build(counts, min_count=cfg.min_count, max_vocab=cfg.max_vocab)
+    log.info("vocabulary: %d words from %d sentences of %s", len(vocab), num_sentences, cfg.train)
+    train_ids = CorpusIds.encode(train_text, vocab, work / "train.ids", lowercase=cfg.lowercase)
+    valid_ids = None
+    if cfg.valid is not None:
+        valid_ids = CorpusIds.encode(cfg.valid, vocab, work / "valid.ids", lowercase=cfg.lowercase)
+    unigram = train_ids.unigram_counts(len(vocab))
+    classes: WordClasses | None = None
+    if cfg.objective != "softmax":
+        if cfg.class_file is not None:
+            from nlmserve.lm.classes import load_wcluster
+
+            classes = load_wcluster(cfg.class_file, vocab)
+        else:
+            K = cfg.classes if cfg.classes is not None else default_num_classes(len(vocab))
+            if not 1 <= K <= len(vocab):
+                raise InputError(f"--classes {K} must lie in [1, {len(vocab)}] for this vocabulary")
+            if cfg.class_method == "brown":
+                from nlmserve.lm.classes import brown_clusters
+
+                classes = brown_clusters(train_ids, len(vocab), K, seed=cfg.seed)
+            else:
+                classes = frequency_binning(unigram, K)
+        log.info("%d %s word classes", classes.num_classes, classes.method)
+    return _Data(vocab, train_ids, valid_ids, unigram, classes)
+
+
+def model_config(cfg: TrainConfig, data: _Data) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=len(data.vocab),
+        order=cfg.order,
+        dim=cfg.dim,
+        context=cfg.context,
+        hidden=cfg.hidden,
+        activation=cfg.activation,
+        output="softmax" if cfg.objective == "softmax" else "class",
+        num_classes=data.classes.num_classes if data.classes is not None else 0,
+    )
+
+
+# ---------------------------------------------------------------------------- evaluation
+
+
+def corpus_log_likelihood(model: NeuralLM, corpus: CorpusIds, order: int, device: torch.device, chunk: int = 8192) -> tuple[float, int]:
+    """Σ ln P over every token of ``corpus`` (``</s>`` included) and the token count."""
+    total = 0.0
+    was_training = model.training
+    model.eval()
+    with torch.inference_mode():
+        for start in range(0, corpus.num_tokens, chunk):
+            pos = np.arange(start, min(start + chunk, corpus.num_tokens))
+            ctx, tgt = corpus.examples(pos, order)
+            lp = model.log_prob(torch.from_numpy(ctx).to(device), torch.from_numpy(tgt).to(device))
+            total += float(lp.double().sum())
+    model.train(was_training)
+    return total, corpus.num_tokens
+
+
+def perplexity(model: NeuralLM, corpus: CorpusIds, order: int, device: torch.device) -> float:
+    ll, n = corpus_log_likelihood(model, corpus, order, device)
+    return math.exp(-ll / n)
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+
+def _make_optimizer(cfg: TrainConfig, model: NeuralLM) -> torch.optim.Optimizer:
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    return torch.optim.Adagrad(model.parameters(), lr=cfg.lr)
+
+
+def _set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for group in opt.param_groups:
+        group["lr"] = lr
+
+
+def save_checkpoint(
+    path: str, model: NeuralLM, opt: torch.optim.Optimizer, gen: torch.Generator,
+    state: _State, best: dict[str, torch.Tensor] | None, cfg: TrainConfig, vocab_sha: str,
+) -> None:
+    """Atomically write a checkpoint (tensors and plain values only: loads with weights_only)."""
+    payload = {
+        "version": CKPT_VERSION,
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "generator": gen.get_state(),
+        "state": dataclasses.asdict(state),
+        "best": best,
+        "config": dataclasses.asdict(cfg),
+        "vocab_sha256": vocab_sha,
+        "model_config": model.config.to_json(),
+    }
+    tmp = path + ".tmp"
+    torch.save(payload, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: str) -> dict[str, Any]:
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises many types for a bad file
+        raise InputError(f"cannot read checkpoint: {exc}", path) from exc
+    if not isinstance(payload, dict) or payload.get("version") != CKPT_VERSION:
+        raise InputError("not a training checkpoint of this version", path)
+    return payload
+
+
+# ---------------------------------------------------------------------------- logging
+
+
+class _Log:
+    """The JSONL training log, appended to (a resumed run continues the same file)."""
+
+    def __init__(self, path: str, append: bool) -> None:
+        self.path = path
+        self.f = open(path, "a" if append else "w", encoding="utf-8")
+
+    def write(self, **record: Any) -> None:
+        self.f.write(json.dumps(record, sort_keys=True) + "\n")
+        self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def write_learning_curve(log_path: str, png_path: str) -> None:
+    """Validation perplexity against tokens seen, from the JSONL log (matplotlib Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs, ys = [], []
+    with open(log_path, encoding="utf-8") as f:
+        for line in f:
+            rec = json.loads(line)
+            if rec.get("valid_ppl") is not None:
+                xs.append(rec["tokens"])
+                ys.append(rec["valid_ppl"])
+    if not xs:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(xs, ys, marker="o")
+    ax.set_xlabel("training tokens seen")
+    ax.set_ylabel("validation perplexity")
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------- the loop
+
+
+def _permutation(seed: int, epoch: int, n: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+def _batches(perm: np.ndarray, start: int, size: int) -> Iterator[tuple[int, np.ndarray]]:
+    for pos in range(start, perm.size, size):
+        yield pos + min(size, perm.size - pos), perm[pos : pos + size]
+
+
+def train(cfg: TrainConfig, *, _interrupt_after_step: int | None = None) -> TrainResult:
+    """Train as ``cfg`` says and write the model file; returns the final state.
+
+    ``_interrupt_after_step`` (tests) stops dead right after that step, as a kill would
+    (no final validation, no model file, no final checkpoint).
+    """
+    torch.set_num_threads(max(1, cfg.threads))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    t_start = time.monotonic()
+    data = prepare_data(cfg)
+    mconf = model_config(cfg, data)
+    torch.manual_seed(cfg.seed)
+    model = NeuralLM(mconf, data.classes.word_class if data.classes is not None else None)
+    model.init_biases(data.unigram)
+    model.to(device).train()
+    opt = _make_optimizer(cfg, model)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(cfg.seed)
+    noise = NoiseDistribution(data.unigram, data.classes.word_class if data.classes else None, device)
+    state = _State(lr=cfg.lr)
+    best: dict[str, torch.Tensor] | None = None
+    resumed = False
+    if cfg.resume and os.path.exists(cfg.checkpoint_path):
+        ck = load_checkpoint(cfg.checkpoint_path)
+        if ck["vocab_sha256"] != data.vocab.sha256() or ck["model_config"] != mconf.to_json():
+            raise InputError("checkpoint was made with another vocabulary or model shape", cfg.checkpoint_path)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+        gen.set_state(ck["generator"])
+        state = _State(**ck["state"])
+        best = ck["best"]
+        resumed = True
+        log.info("resumed from %s at step %d (epoch %d, position %d)", cfg.checkpoint_path, state.step, state.epoch, state.pos)
+    _set_lr(opt, state.lr)
+    train_log = _Log(cfg.log_path, append=resumed)
+    if not resumed:
+        train_log.write(event="start", config=dataclasses.asdict(cfg), model=mconf.to_json(),
+                        vocab_size=len(data.vocab), train_tokens=data.train.num_tokens, step=0, tokens=0)
+    elapsed_before = state.elapsed
+    t_loop = time.monotonic()
+    deadline = t_loop + cfg.max_minutes * 60.0 - (time.monotonic() - t_start) if cfg.max_minutes else None
+    N = data.train.num_tokens
+    steps_per_epoch = math.ceil(N / cfg.batch_size)
+    stopped = "epochs"
+
+    def validate() -> float | None:
+        nonlocal best
+        if data.valid is None:
+            return None
+        ppl = perplexity(model, data.valid, mconf.order, device)
+        state.last_valid_step = state.step
+        if ppl < state.best_ppl - 1e-9:
+            state.best_ppl = ppl
+            state.bad_validations = 0
+            best = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        else:
+            state.bad_validations += 1
+            state.lr *= cfg.lr_decay
+            _set_lr(opt, state.lr)
+        train_log.write(step=state.step, tokens=state.tokens, valid_ppl=ppl, lr=state.lr,
+                        best_ppl=state.best_ppl, elapsed=round(state.elapsed, 3))
+        log.info("step %d: valid ppl %.2f (best %.2f), lr %.4g", state.step, ppl, state.best_ppl, state.lr)
+        return ppl
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=steps_per_epoch * cfg.epochs, initial=state.epoch * steps_per_epoch + math.ceil(state.pos / cfg.batch_size),
+               disable=not cfg.progress, unit="step", dynamic_ncols=True)
+    loss_sum, loss_n = 0.0, 0
+    try:
+        while state.epoch < cfg.epochs and not state.done:
+            perm = _permutation(cfg.seed, state.epoch, N)
+            for next_pos, positions in _batches(perm, state.pos, cfg.batch_size):
+                ctx_np, tgt_np = data.train.examples(np.sort(positions), mconf.order)
+                ctx = torch.from_numpy(ctx_np).to(device)
+                tgt = torch.from_numpy(tgt_np).to(device)
+                opt.zero_grad(set_to_none=True)
+                loss = batch_loss(cfg.objective, model, ctx, tgt, noise, cfg.noise_samples, gen)
+                loss.backward()
+                opt.step()
+                state.step += 1
+                state.pos = next_pos
+                state.tokens += len(positions)
+                state.elapsed = elapsed_before + time.monotonic() - t_loop
+                lv = float(loss.detach())
+                if not math.isfinite(lv):
+                    raise FloatingPointError(f"training loss became {lv} at step {state.step}; lower --lr")
+                loss_sum += lv
+                loss_n += 1
+                bar.update(1)
+                if cfg.log_every and state.step % cfg.log_every == 0:
+                    tps = state.tokens / max(state.elapsed, 1e-9)
+                    bar.set_postfix(loss=f"{loss_sum / loss_n:.3f}", tok_s=f"{tps:,.0f}")
+                    train_log.write(step=state.step, tokens=state.tokens, loss=loss_sum / loss_n, lr=state.lr,
+                                    elapsed=round(state.elapsed, 3), tokens_per_s=round(tps, 1))
+                    loss_sum, loss_n = 0.0, 0
+                if cfg.valid_every and state.step % cfg.valid_every == 0:
+                    validate()
+                    if state.bad_validations >= cfg.patience:
+                        state.done, stopped = True, "early stopping"
+                if cfg.max_steps is not None and state.step >= cfg.max_steps:
+                    state.done, stopped = True, "max steps"
+                if deadline is not None and time.monotonic() >= deadline:
+                    state.done, stopped = True, "max minutes"
+                if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
+                    save_checkpoint(cfg.checkpoint_path, model, opt, gen, state, best, cfg, data.vocab.sha256())
+                if _interrupt_after_step is not None and state.step >= _interrupt_after_step:
+                    train_log.close()
+                    return TrainResult(model, None, state.step, state.tokens, "interrupted", cfg.out)
+                if state.done:
+                    break
+            if not state.done:
+                state.epoch += 1
+                state.pos = 0
+                if not cfg.valid_every:
+                    validate()
+                    if state.bad_validations >= cfg.patience:
+                        state.done, stopped = True, "early stopping"
+        if data.valid is not None and state.last_valid_step != state.step:
+            validate()
+        state.done = True
+        if cfg.checkpoint_every:
+            save_checkpoint(cfg.checkpoint_path, model, opt, gen, state, best, cfg, data.vocab.sha256())
+    finally:
+        bar.close()
+    final = model
+    if best is not None:
+        final = NeuralLM(mconf, data.classes.word_class if data.classes is not None else None)
+        final.load_state_dict(best)
+    best_ppl = None if math.isinf(state.best_ppl) else state.best_ppl
+    training_meta: dict[str, Any] = {
+        "train": os.path.abspath(cfg.train),
+        "valid": os.path.abspath(cfg.valid) if cfg.valid else None,
+        "objective": cfg.objective,
+        "steps": state.step,
+        "tokens_seen": state.tokens,
+        "epochs_completed": state.epoch,
+        "valid_perplexity": best_ppl,
+        "stopped": stopped,
+        "seconds": round(state.elapsed, 1),
+        "train_config": dataclasses.asdict(cfg),
+        "torch": torch.__version__,
+    }
+    save_model(cfg.out, final, data.vocab, data.classes, objective=cfg.objective, lowercase=cfg.lowercase,
+               training=training_meta, unigram_counts=data.unigram)
+    train_log.write(event="end", step=state.step, tokens=state.tokens, best_ppl=training_meta["valid_perplexity"],
+                    stopped=stopped, elapsed=round(state.elapsed, 3))
+    train_log.close()
+    if cfg.learning_curve:
+        write_learning_curve(cfg.log_path, cfg.curve_path)
+    log.info("stopped (%s) after %d steps, %d tokens; best valid ppl %s; wrote %s",
+             stopped, state.step, state.tokens, training_meta["valid_perplexity"], cfg.out)
+    return TrainResult(model, best_ppl, state.step, state.tokens, stopped, cfg.out)
