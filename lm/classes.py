@@ -332,7 +332,7 @@ def exchange(
         ll += gained
         logger.info("exchange pass %d: moved %d words, log-lik/token %.5f (+%.5f), %.1f s",
                     it, moved, ll / total, gained / total, time.perf_counter() - t0)
-        if gained / total < config.tolerance:
+        if moved == 0 or gained / total < config.tolerance:
             break
     return wc
 
