@@ -1,0 +1,107 @@
+"""``nlmserve train`` and ``nlmserve eval`` (torch is imported inside the handlers)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "train",
+        help="train a class-factored neural n-gram LM",
+        description="Train a neural n-gram language model (NCE, exact MLE or full softmax) and write a model file.",
+    )
+    p.add_argument("--train", required=True, help="training text: one sentence per line (plain, .gz, .xz)")
+    p.add_argument("--valid", help="validation text (learning-rate schedule, early stopping, best model)")
+    p.add_argument("--out", required=True, help="model file to write (also OUT.ckpt, OUT.log.jsonl, OUT.curve.png)")
+    p.add_argument("--order", type=int, default=5)
+    p.add_argument("--dim", type=int, default=128, help="embedding width D")
+    p.add_argument("--context", choices=("diagonal", "full"), default="diagonal", help="context weights")
+    p.add_argument("--hidden", type=int, default=0, help="hidden layer width (0: none)")
+    p.add_argument("--activation", choices=("none", "tanh", "relu"), default="none")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--classes", type=int, help="number of word classes (default: the documented default for V)")
+    g.add_argument("--class-file", help="word classes from a wcluster paths file (bits<TAB>word<TAB>count)")
+    p.add_argument("--class-method", choices=("frequency", "brown"), default="frequency")
+    p.add_argument("--objective", choices=("nce", "mle", "softmax"), default="nce")
+    p.add_argument("--noise-samples", type=int, default=10, help="k noise samples per example (nce)")
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--max-minutes", type=float, help="wall-time budget; stops cleanly and writes the best model")
+    p.add_argument("--max-steps", type=int, help="stop after this many optimiser steps")
+    p.add_argument("--lowercase", action="store_true")
+    p.add_argument("--min-count", type=int, default=1, help="words seen fewer times become <unk>")
+    p.add_argument("--max-vocab", type=int, help="keep at most this many words (with <unk>, <s>, </s>)")
+    p.add_argument("--max-train-lines", type=int, help="train on the first N lines only")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--resume", action="store_true", help="continue from OUT.ckpt when it exists")
+    p.add_argument("--batch-size", type=int, default=512)
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--optimizer", choices=("adagrad", "adam"), default="adagrad")
+    p.add_argument("--patience", type=int, default=3, help="validations without improvement before stopping")
+    p.add_argument("--valid-every", type=int, default=0, help="validate every N steps (0: each epoch)")
+    p.add_argument("--checkpoint-every", type=int, default=1000, help="write OUT.ckpt every N steps (0: never)")
+    p.add_argument("--workdir", help="where the id files go (default OUT.work)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_train)
+
+    e = subparsers.add_parser(
+        "eval",
+        help="perplexity of a text (as KenLM's query reports it)",
+        description="Perplexity including and excluding OOVs, tokens, OOVs, entropy per training-frequency band.",
+    )
+    e.add_argument("--model", required=True)
+    e.add_argument("--text", required=True, help="one sentence per line (plain, .gz, .xz)")
+    e.add_argument("--json", action="store_true", help="print one JSON object")
+    e.add_argument("--lowercase", action="store_true", help="lowercase the text (also done when the model was trained so)")
+    e.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda if available)")
+    e.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    e.set_defaults(func=_eval)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from nlmserve.lm.train import TrainConfig, train
+
+    try:
+        cfg = TrainConfig(
+            train=args.train, valid=args.valid, out=args.out, order=args.order, dim=args.dim,
+            context=args.context, hidden=args.hidden, activation=args.activation, classes=args.classes,
+            class_file=args.class_file, class_method=args.class_method, objective=args.objective,
+            noise_samples=args.noise_samples, epochs=args.epochs, max_minutes=args.max_minutes,
+            max_steps=args.max_steps, lowercase=args.lowercase, min_count=args.min_count,
+            max_vocab=args.max_vocab, max_train_lines=args.max_train_lines, threads=args.threads,
+            seed=args.seed, resume=args.resume, batch_size=args.batch_size, lr=args.lr,
+            optimizer=args.optimizer, patience=args.patience, valid_every=args.valid_every,
+            checkpoint_every=args.checkpoint_every, workdir=args.workdir, progress=not args.no_progress,
+        )
+    except ValueError as exc:
+        print(f"nlmserve train: error: {exc}", file=sys.stderr)
+        return 2
+    result = train(cfg)
+    ppl = f"{result.best_valid_ppl:.3f}" if result.best_valid_ppl is not None else "n/a"
+    print(f"model\t{result.model_path}\nsteps\t{result.steps}\ntokens\t{result.tokens}\n"
+          f"valid_perplexity\t{ppl}\nstopped\t{result.stopped}")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from nlmserve.lm.evaluate import evaluate, format_report
+    from nlmserve.lm.scoring import LanguageModel
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lm = LanguageModel.load(args.model, device=args.device)
+    result = evaluate(lm, args.text, lowercase=args.lowercase)
+    if args.json:
+        print(json.dumps(result.to_json(), sort_keys=True))
+    else:
+        print(format_report(result))
+    return 0
