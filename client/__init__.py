@@ -1,1 +1,16 @@
 """Python client for the nlmserve service (sync and asyncio). Never imports torch."""
+
+from nlmserve.client.aio import AsyncLMClient
+from nlmserve.client.core import ModelInfo, NgramScores, RequestTimeoutError, RetryPolicy, RpcError, SentenceScore
+from nlmserve.client.sync import LMClient
+
+__all__ = [
+    "AsyncLMClient",
+    "LMClient",
+    "ModelInfo",
+    "NgramScores",
+    "RequestTimeoutError",
+    "RetryPolicy",
+    "RpcError",
+    "SentenceScore",
+]

@@ -1,0 +1,315 @@
+"""What the sync and asyncio clients share: result types, request building, chunking,
+response merging, the retry policy and the mapping of gRPC errors to nlmserve errors.
+
+Only grpc, protobuf and numpy are imported here (never torch): a decoder host needs no more.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import grpc
+import numpy as np
+
+from nlmserve.errors import InvalidRequestError, NlmserveError, OverloadedError, ServerUnavailableError
+from nlmserve.proto import lm_pb2
+
+LOG_BASES = {"log10": lm_pb2.LOG10, "ln": lm_pb2.LN}
+BOS = "<s>"
+EOS = "</s>"
+UNK = "<unk>"
+
+
+class RequestTimeoutError(NlmserveError, TimeoutError):
+    """The server did not answer within the client's deadline (DEADLINE_EXCEEDED)."""
+
+
+class RpcError(NlmserveError):
+    """Any other gRPC failure; ``code`` is the gRPC status code."""
+
+    def __init__(self, message: str, code: grpc.StatusCode) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the server says about its model (GetModelInfo)."""
+
+    order: int
+    vocab_size: int
+    num_classes: int
+    objective: str
+    output_type: str
+    model_hash: str
+    format_version: int
+    device: str
+    bos_id: int
+    eos_id: int
+    unk_id: int
+    self_normalized: bool
+    max_ngrams_per_request: int
+    lowercase: bool
+
+    @classmethod
+    def from_proto(cls, m: lm_pb2.ModelInfo) -> "ModelInfo":
+        return cls(
+            order=m.order, vocab_size=m.vocab_size, num_classes=m.num_classes, objective=m.objective,
+            output_type=m.output_type, model_hash=m.model_hash, format_version=m.format_version,
+            device=m.device, bos_id=m.bos_id, eos_id=m.eos_id, unk_id=m.unk_id,
+            self_normalized=m.self_normalized, max_ngrams_per_request=m.max_ngrams_per_request or 200_000,
+            lowercase=m.lowercase,
+        )
+
+
+@dataclass(frozen=True)
+class NgramScores:
+    """One score per n-gram, in request order.
+
+    Fields:
+        log_probs: float32 (N,), in ``log_base``.
+        oov: bool (N,), the predicted word is not in the vocabulary.
+        log_base: ``"log10"`` or ``"ln"``.
+        normalized: the values are exact log-probabilities (False only for unnormalised
+            scores of a self-normalised model).
+        model_hash: the model that scored them.
+    """
+
+    log_probs: np.ndarray
+    oov: np.ndarray
+    log_base: str = "log10"
+    normalized: bool = True
+    model_hash: str = ""
+
+
+@dataclass(frozen=True)
+class SentenceScore:
+    """Per-token scores of one sentence (its tokens, then ``</s>`` when eos), KenLM style.
+
+    Fields:
+        token_log_probs: float32 (T,), in ``log_base``.
+        oov: bool (T,).
+        ngram_lengths: uint32 (T,), words of history used, ``<s>`` included, capped at the order.
+        total: the sum of ``token_log_probs`` (float64).
+        log_base: ``"log10"`` or ``"ln"``.
+    """
+
+    token_log_probs: np.ndarray
+    oov: np.ndarray
+    ngram_lengths: np.ndarray
+    total: float
+    log_base: str = "log10"
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff with jitter for UNAVAILABLE (and RESOURCE_EXHAUSTED from overload).
+
+    Fields:
+        retries: extra attempts after the first (0: no retry).
+        initial_backoff: seconds before the first retry.
+        max_backoff: cap on one wait.
+        multiplier: growth of the wait per attempt.
+        retry_overloaded: also retry RESOURCE_EXHAUSTED answers that mean "queue full"
+            (never those about message size, which cannot succeed on retry).
+    """
+
+    retries: int = 5
+    initial_backoff: float = 0.05
+    max_backoff: float = 2.0
+    multiplier: float = 2.0
+    retry_overloaded: bool = True
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait before retry ``attempt`` (0-based), with ±20% jitter."""
+        base = min(self.max_backoff, self.initial_backoff * self.multiplier**attempt)
+        return base * random.uniform(0.8, 1.2)
+
+    def should_retry(self, error: grpc.RpcError, attempt: int) -> bool:
+        if attempt >= self.retries:
+            return False
+        code = error.code()
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return True
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and self.retry_overloaded:
+            return "larger than max" not in (error.details() or "")
+        return False
+
+
+_ITEM = re.compile(r"^item (\d+): (.*)$", re.S)
+
+
+def map_error(error: grpc.RpcError, index_offset: int = 0) -> NlmserveError:
+    """The nlmserve error for a failed RPC; item indices shifted by ``index_offset`` (chunking)."""
+    code, details = error.code(), error.details() or ""
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        m = _ITEM.match(details)
+        if m:
+            return InvalidRequestError(m.group(2), index=int(m.group(1)) + index_offset)
+        return InvalidRequestError(details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return OverloadedError(details)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return ServerUnavailableError(f"server unavailable: {details}")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return RequestTimeoutError(f"deadline exceeded: {details}")
+    return RpcError(f"{code.name}: {details}", code)
+
+
+def log_base_enum(log_base: str) -> Any:
+    try:
+        return LOG_BASES[log_base]
+    except KeyError:
+        raise ValueError(f"log_base must be 'log10' or 'ln', got {log_base!r}") from None
+
+
+# ------------------------------------------------------------------ vocabulary and packing
+class IdMap:
+    """The server's word → id map, for packing n-grams on the client."""
+
+    def __init__(self, words: Sequence[str], info: ModelInfo) -> None:
+        self.words = list(words)
+        self.index = {w: i for i, w in enumerate(self.words)}
+        self.lowercase = info.lowercase
+        self.order = info.order
+        self.unk_id, self.bos_id = info.unk_id, info.bos_id
+
+    def __contains__(self, word: str) -> bool:
+        return (word.lower() if self.lowercase else word) in self.index
+
+    def pack(self, ngrams: Sequence[Sequence[str]]) -> tuple[np.ndarray, np.ndarray]:
+        """n-grams of words → (ids (N, order) uint32 left-padded with ``<s>``, oov (N,))."""
+        order, get, lower, unk = self.order, self.index.get, self.lowercase, self.unk_id
+        ids = np.full((len(ngrams), order), self.bos_id, dtype=np.uint32)
+        oov = np.zeros(len(ngrams), dtype=bool)
+        for i, ng in enumerate(ngrams):
+            k = len(ng)
+            if k == 0:
+                raise InvalidRequestError("empty n-gram", index=i)
+            if k > order:
+                raise InvalidRequestError(f"n-gram of {k} words is longer than the model order {order}", index=i)
+            row = [get(w.lower() if lower else w, unk) for w in ng]
+            ids[i, order - k :] = row
+            oov[i] = row[-1] == unk
+        return ids, oov
+
+
+def vocabulary_from_chunks(chunks: Sequence[lm_pb2.VocabularyChunk], vocab_size: int) -> list[str]:
+    words: list[str] = [""] * vocab_size
+    for chunk in chunks:
+        words[chunk.offset : chunk.offset + len(chunk.words)] = list(chunk.words)
+    return words
+
+
+# ------------------------------------------------------------------ chunking
+def id_chunks(ids: np.ndarray, rows_per_chunk: int) -> Iterator[tuple[int, np.ndarray]]:
+    for start in range(0, max(len(ids), 1), rows_per_chunk):
+        yield start, ids[start : start + rows_per_chunk]
+
+
+def rows_per_request(info: ModelInfo, row_bytes: int, max_message_bytes: int) -> int:
+    """Rows that fit in one request: the server's item limit and 90% of the message size."""
+    by_bytes = max(1, int(0.9 * max_message_bytes) // max(1, row_bytes))
+    return max(1, min(info.max_ngrams_per_request, by_bytes))
+
+
+def packed_request(ids: np.ndarray, log_base: str, normalized: bool) -> lm_pb2.ScoreNgramsRequest:
+    a = np.ascontiguousarray(ids, dtype="<u4")
+    if a.ndim != 2:
+        raise InvalidRequestError(f"ids must be a 2-D array (N, n), got shape {a.shape}")
+    return lm_pb2.ScoreNgramsRequest(
+        packed_ids=a.tobytes(), packed_order=a.shape[1], log_base=log_base_enum(log_base),
+        allow_unnormalized=not normalized,
+    )
+
+
+def string_requests(ngrams: Sequence[Sequence[str]], info: ModelInfo, max_message_bytes: int, log_base: str,
+                    normalized: bool) -> Iterator[tuple[int, lm_pb2.ScoreNgramsRequest]]:
+    """String n-gram requests within the item and byte limits, with their first index."""
+    budget = int(0.9 * max_message_bytes)
+    start, size = 0, 0
+    for i, ng in enumerate(ngrams):
+        cost = 4 + sum(len(w) + 3 for w in ng)
+        if i > start and (i - start >= info.max_ngrams_per_request or size + cost > budget):
+            yield start, _strings_request(ngrams[start:i], log_base, normalized)
+            start, size = i, 0
+        size += cost
+    if len(ngrams) > start or not ngrams:
+        yield start, _strings_request(ngrams[start:], log_base, normalized)
+
+
+def _strings_request(ngrams: Sequence[Sequence[str]], log_base: str, normalized: bool) -> lm_pb2.ScoreNgramsRequest:
+    return lm_pb2.ScoreNgramsRequest(
+        ngrams=[lm_pb2.NgramStrings(words=list(ng)) for ng in ngrams],
+        log_base=log_base_enum(log_base), allow_unnormalized=not normalized,
+    )
+
+
+def sentence_requests(sentences: Sequence[str], info: ModelInfo, max_message_bytes: int, *, bos: bool, eos: bool,
+                      log_base: str, normalized: bool) -> Iterator[tuple[int, lm_pb2.ScoreSentencesRequest]]:
+    """Sentence requests within the server's token limit and the byte limit."""
+    budget = int(0.9 * max_message_bytes)
+
+    def make(batch: Sequence[str]) -> lm_pb2.ScoreSentencesRequest:
+        return lm_pb2.ScoreSentencesRequest(sentences=list(batch), bos=bos, eos=eos,
+                                            log_base=log_base_enum(log_base), allow_unnormalized=not normalized)
+
+    start, tokens, size = 0, 0, 0
+    for i, s in enumerate(sentences):
+        t = len(s.split()) + int(eos)
+        cost = len(s) + 4
+        if i > start and (tokens + t > info.max_ngrams_per_request or size + cost > budget):
+            yield start, make(sentences[start:i])
+            start, tokens, size = i, 0, 0
+        tokens += t
+        size += cost
+    if len(sentences) > start or not sentences:
+        yield start, make(sentences[start:])
+
+
+# ------------------------------------------------------------------ merging
+def merge_ngram_responses(responses: Sequence[lm_pb2.ScoreNgramsResponse], log_base: str,
+                          oov: np.ndarray | None = None) -> NgramScores:
+    if responses:
+        lp = np.concatenate([np.asarray(r.log_probs, dtype=np.float32) for r in responses])
+        server_oov = np.concatenate([np.asarray(r.oov, dtype=bool) for r in responses])
+        normalized = all(r.normalized for r in responses)
+        model_hash = responses[0].model_hash
+    else:
+        lp, server_oov, normalized, model_hash = np.empty(0, np.float32), np.empty(0, bool), True, ""
+    return NgramScores(lp, server_oov if oov is None else oov, log_base, normalized, model_hash)
+
+
+def merge_sentence_responses(responses: Sequence[lm_pb2.ScoreSentencesResponse], log_base: str) -> list[SentenceScore]:
+    out = []
+    for r in responses:
+        for s in r.sentences:
+            out.append(SentenceScore(
+                np.asarray(s.token_log_probs, dtype=np.float32), np.asarray(s.oov, dtype=bool),
+                np.asarray(s.ngram_lengths, dtype=np.uint32), float(s.total), log_base,
+            ))
+    return out
+
+
+def full_scores_tuples(score: SentenceScore) -> Iterator[tuple[float, int, bool]]:
+    """KenLM's ``full_scores`` triples: (log prob, n-gram length, oov)."""
+    for lp, n, o in zip(score.token_log_probs.tolist(), score.ngram_lengths.tolist(), score.oov.tolist()):
+        yield float(lp), int(n), bool(o)
+
+
+def perplexity_of(total_log10: float, sentence: str, eos: bool = True) -> float:
+    """KenLM's ``perplexity``: 10 ** (-score / (words + 1))."""
+    words = len(sentence.split()) + int(eos)
+    return math.pow(10.0, -total_log10 / max(words, 1))
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+    ]

@@ -1,0 +1,157 @@
+"""``LMClient``: the blocking client, with a KenLM-shaped surface.
+
+    with LMClient("127.0.0.1:50051", timeout=30.0) as lm:
+        lm.score("this is a sentence")          # log10, as kenlm.Model.score
+        lm.score_ngrams([["is", "a"], ["a", "sentence"]]).log_probs
+
+One channel for the client's life. Each RPC gets ``timeout`` seconds; UNAVAILABLE (and
+RESOURCE_EXHAUSTED from a full queue) is retried with exponential backoff, then
+``ServerUnavailableError`` (``OverloadedError``). Inputs larger than the server's
+``max_ngrams_per_request`` or the message size are split and the results joined in order.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Iterator, Sequence, TypeVar
+
+import grpc
+import numpy as np
+
+from nlmserve.client import core
+from nlmserve.client.core import IdMap, ModelInfo, NgramScores, RetryPolicy, SentenceScore
+from nlmserve.errors import InvalidRequestError
+from nlmserve.proto import lm_pb2, lm_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R")
+
+
+class LMClient:
+    """Blocking client for ``nlmserve.v1.LanguageModel``; thread-safe.
+
+    Args:
+        target: ``host:port`` of the server.
+        timeout: seconds per RPC (a deadline the server honours too).
+        retries: extra attempts on UNAVAILABLE / overload (``retry_policy`` for more control).
+        pack_ids: score string n-grams by mapping them to ids here and sending packed ids
+            (the fast path; fetches the vocabulary once). False sends the strings.
+        max_message_bytes: the largest message sent or accepted.
+    """
+
+    def __init__(self, target: str, *, timeout: float | None = 30.0, retries: int = 5,
+                 retry_policy: RetryPolicy | None = None, pack_ids: bool = True,
+                 max_message_bytes: int = 64 * 1024 * 1024) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.retry = retry_policy or RetryPolicy(retries=retries)
+        self.pack_ids = pack_ids
+        self.max_message_bytes = max_message_bytes
+        self._channel = grpc.insecure_channel(target, options=core.channel_options(max_message_bytes))
+        self._stub = lm_pb2_grpc.LanguageModelStub(self._channel)
+        self._info: ModelInfo | None = None
+        self._idmap: IdMap | None = None
+        self._lock = threading.Lock()
+
+    # -------------------------------------------------------------- lifecycle
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "LMClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -------------------------------------------------------------- model
+    @property
+    def info(self) -> ModelInfo:
+        """The model's description (fetched once)."""
+        if self._info is None:
+            self._info = ModelInfo.from_proto(self._call(self._stub.GetModelInfo, lm_pb2.GetModelInfoRequest()))
+        return self._info
+
+    @property
+    def order(self) -> int:
+        return self.info.order
+
+    def vocabulary(self) -> dict[str, int]:
+        """word → id, fetched once (GetVocabulary) and cached."""
+        return dict(self._ids().index)
+
+    def _ids(self) -> IdMap:
+        with self._lock:
+            if self._idmap is None:
+                info = self.info
+                chunks = self._call(lambda req, timeout: list(self._stub.GetVocabulary(req, timeout=timeout)),
+                                    lm_pb2.GetVocabularyRequest())
+                self._idmap = IdMap(core.vocabulary_from_chunks(chunks, info.vocab_size), info)
+            return self._idmap
+
+    def __contains__(self, word: str) -> bool:
+        return word in self._ids()
+
+    # -------------------------------------------------------------- scoring
+    def score_ids(self, ids: np.ndarray, log_base: str = "log10", normalized: bool = True) -> NgramScores:
+        """Scores of id rows (N, n), oldest first, predicted word last (1 <= n <= order)."""
+        arr = np.asarray(ids)
+        if arr.ndim != 2:
+            raise InvalidRequestError(f"ids must be a 2-D array (N, n), got shape {arr.shape}")
+        rows = core.rows_per_request(self.info, 4 * max(arr.shape[1], 1), self.max_message_bytes)
+        responses = []
+        for start, chunk in core.id_chunks(arr, rows):
+            responses.append(self._call(self._stub.ScoreNgrams, core.packed_request(chunk, log_base, normalized), start))
+        result = core.merge_ngram_responses(responses, log_base)
+        if arr.shape[1]:
+            result = NgramScores(result.log_probs, arr[:, -1] == self.info.unk_id, result.log_base,
+                                 result.normalized, result.model_hash)
+        return result
+
+    def score_ngrams(self, ngrams: Sequence[Sequence[str]], log_base: str = "log10",
+                     normalized: bool = True) -> NgramScores:
+        """Scores of word n-grams (oldest first, predicted word last); OOV flags the predicted word."""
+        if self.pack_ids:
+            ids, oov = self._ids().pack(ngrams)
+            scores = self.score_ids(ids, log_base, normalized)
+            return NgramScores(scores.log_probs, oov, scores.log_base, scores.normalized, scores.model_hash)
+        responses = [self._call(self._stub.ScoreNgrams, req, start) for start, req in
+                     core.string_requests(ngrams, self.info, self.max_message_bytes, log_base, normalized)]
+        return core.merge_ngram_responses(responses, log_base)
+
+    def score_sentences(self, sentences: Sequence[str], bos: bool = True, eos: bool = True,
+                        log_base: str = "log10", normalized: bool = True) -> list[SentenceScore]:
+        """Per-token scores of whitespace-tokenised sentences (``</s>`` last when eos)."""
+        responses = [self._call(self._stub.ScoreSentences, req, start) for start, req in
+                     core.sentence_requests(sentences, self.info, self.max_message_bytes, bos=bos, eos=eos,
+                                            log_base=log_base, normalized=normalized)]
+        return core.merge_sentence_responses(responses, log_base)
+
+    # -------------------------------------------------------------- KenLM surface
+    def score(self, sentence: str, bos: bool = True, eos: bool = True) -> float:
+        """log10 probability of the sentence (kenlm.Model.score)."""
+        return self.score_sentences([sentence], bos=bos, eos=eos)[0].total
+
+    def full_scores(self, sentence: str, bos: bool = True, eos: bool = True) -> Iterator[tuple[float, int, bool]]:
+        """(log10 prob, n-gram length, oov) per token and ``</s>`` (kenlm.Model.full_scores)."""
+        return core.full_scores_tuples(self.score_sentences([sentence], bos=bos, eos=eos)[0])
+
+    def perplexity(self, sentence: str) -> float:
+        """10 ** (-score / (words + 1)) (kenlm.Model.perplexity)."""
+        return core.perplexity_of(self.score(sentence), sentence)
+
+    # -------------------------------------------------------------- transport
+    def _call(self, method: Callable[..., R], request: Any, index_offset: int = 0) -> R:
+        attempt = 0
+        while True:
+            try:
+                return method(request, timeout=self.timeout)
+            except grpc.RpcError as e:
+                if not self.retry.should_retry(e, attempt):
+                    raise core.map_error(e, index_offset) from e
+                wait = self.retry.delay(attempt)
+                log.info("%s from %s; retry %s in %.3f s", e.code().name, self.target, attempt + 1, wait)
+                time.sleep(wait)
+                attempt += 1
