@@ -1,0 +1,309 @@
+// NeuralLMServer: a Moses language-model feature that asks an nlmserve server
+// (see NeuralLMServer.h and moses_plugin/README.md).
+#include "NeuralLMServer.h"
+
+#include <algorithm>
+#include <boost/functional/hash.hpp>
+
+#include "moses/FactorCollection.h"
+#include "moses/Hypothesis.h"
+#include "moses/InputType.h"
+#include "moses/Range.h"
+#include "moses/ScoreComponentCollection.h"
+#include "moses/StaticData.h"
+#include "moses/TranslationTask.h"
+#include "moses/TypeDef.h"
+#include "moses/Util.h"
+#include "nlmserve_client.h"
+#include "util/exception.hh"
+
+namespace Moses {
+
+namespace {
+// Round trips of this thread when its current sentence started.
+thread_local uint64_t tl_sentence_start = 0;
+}  // namespace
+
+size_t NeuralLMServerState::hash() const {
+  return boost::hash_range(m_words.begin(), m_words.end());
+}
+
+bool NeuralLMServerState::operator==(const FFState &other) const {
+  return m_words == static_cast<const NeuralLMServerState &>(other).m_words;
+}
+
+NeuralLMServer::NeuralLMServer(const std::string &line)
+    : LanguageModelSingleFactor(line),
+      m_normalized(true),
+      m_cacheSize(1 << 20),
+      m_lowercase(false),
+      m_deadlineMs(10000),
+      m_connectTimeoutMs(5000),
+      m_retries(2),
+      m_floorOnError(false),
+      m_bosId(1),
+      m_eosId(2),
+      m_unkId(0),
+      m_nullState(NULL),
+      m_beginState(NULL),
+      m_sentences(0),
+      m_sentenceRoundTrips(0),
+      m_errors(0) {
+  ReadParameters();
+  m_target = m_filePath;
+  UTIL_THROW_IF2(m_target.empty(), "NeuralLMServer needs path=HOST:PORT of an nlmserve server");
+  UTIL_THROW_IF2(m_nGramOrder != NOT_FOUND && m_nGramOrder < 2,
+                 "NeuralLMServer: order must be at least 2, got " << m_nGramOrder);
+
+  FactorCollection &factors = FactorCollection::Instance();
+  m_sentenceStart = factors.AddFactor(Output, m_factorType, BOS_);
+  m_sentenceStartWord[m_factorType] = m_sentenceStart;
+  m_sentenceEnd = factors.AddFactor(Output, m_factorType, EOS_);
+  m_sentenceEndWord[m_factorType] = m_sentenceEnd;
+}
+
+NeuralLMServer::~NeuralLMServer() {
+  if (m_sentences.load() > 0) {
+    VERBOSE(1, "NeuralLMServer " << GetScoreProducerDescription() << ": " << m_sentences.load()
+                                 << " sentences, " << m_sentenceRoundTrips.load()
+                                 << " round trips, " << m_errors.load() << " failed requests"
+                                 << std::endl);
+  }
+  delete m_nullState;
+  delete m_beginState;
+}
+
+void NeuralLMServer::SetParameter(const std::string &key, const std::string &value) {
+  if (key == "normalized") {
+    m_normalized = Scan<bool>(value);
+  } else if (key == "cache-size") {
+    m_cacheSize = Scan<size_t>(value);
+  } else if (key == "lowercase") {
+    m_lowercase = Scan<bool>(value);
+  } else if (key == "deadline-ms") {
+    m_deadlineMs = Scan<int>(value);
+  } else if (key == "connect-timeout-ms") {
+    m_connectTimeoutMs = Scan<int>(value);
+  } else if (key == "retries") {
+    m_retries = Scan<int>(value);
+  } else if (key == "on-error") {
+    UTIL_THROW_IF2(value != "fail" && value != "floor",
+                   "NeuralLMServer: on-error must be fail or floor, got " << value);
+    m_floorOnError = (value == "floor");
+  } else {
+    LanguageModelSingleFactor::SetParameter(key, value);
+  }
+}
+
+void NeuralLMServer::Load(AllOptions::ptr const & /*opts*/) {
+  nlmserve::ClientOptions options;
+  options.deadline_ms = m_deadlineMs;
+  options.connect_timeout_ms = m_connectTimeoutMs;
+  options.retries = m_retries;
+  options.cache_size = m_cacheSize;
+  options.lowercase = m_lowercase;
+  options.normalized = m_normalized;
+  try {
+    m_client.reset(new nlmserve::Client(m_target, options));
+  } catch (const nlmserve::ClientError &e) {
+    UTIL_THROW2("NeuralLMServer " << GetScoreProducerDescription() << ": " << e.what());
+  }
+  const nlmserve::ModelInfo &info = m_client->info();
+  m_bosId = info.bos_id;
+  m_eosId = info.eos_id;
+  m_unkId = info.unk_id;
+  // A shorter order would send short n-grams, which the server reads as sentence
+  // starts (left-padded with <s>): the orders must agree.
+  if (m_nGramOrder == NOT_FOUND) m_nGramOrder = info.order;
+  UTIL_THROW_IF2(m_nGramOrder != info.order,
+                 "NeuralLMServer " << GetScoreProducerDescription() << ": order=" << m_nGramOrder
+                                   << " but the model at " << m_target << " has order " << info.order);
+  std::vector<const Factor *> begin(m_nGramOrder - 1, m_sentenceStart);
+  m_beginState = new NeuralLMServerState(begin);
+  m_nullState = new NeuralLMServerState(begin);
+  VERBOSE(1, "NeuralLMServer " << GetScoreProducerDescription() << ": " << m_target << " model "
+                               << info.model_hash << " order " << info.order << " vocabulary "
+                               << info.vocab_size << (m_normalized ? " normalized" : " unnormalized")
+                               << std::endl);
+}
+
+uint32_t NeuralLMServer::Id(const Word &word) const {
+  const Factor *f = word.GetFactor(m_factorType);
+  if (f == m_sentenceStart) return m_bosId;
+  if (f == m_sentenceEnd) return m_eosId;
+  return m_client->WordId(f->GetString().as_string());
+}
+
+std::vector<float> NeuralLMServer::ScoreIds(const std::vector<std::vector<uint32_t> > &ngrams) const {
+  std::vector<float> scores;
+  try {
+    scores = m_client->ScoreBatch(ngrams);
+  } catch (const nlmserve::ClientError &e) {
+    m_errors.fetch_add(1);
+    if (!m_floorOnError) {
+      UTIL_THROW2("NeuralLMServer " << GetScoreProducerDescription() << ": " << e.what());
+    }
+    VERBOSE(1, "NeuralLMServer " << GetScoreProducerDescription() << ": " << e.what()
+                                 << "; scoring " << ngrams.size() << " n-grams " << LOWEST_SCORE
+                                 << std::endl);
+    return std::vector<float>(ngrams.size(), LOWEST_SCORE);
+  }
+  for (size_t i = 0; i < scores.size(); ++i) scores[i] = FloorScore(TransformLMScore(scores[i]));
+  return scores;
+}
+
+void NeuralLMServer::SetState(const std::vector<const Word *> &contextFactor, FFState &outState) const {
+  const size_t keep = m_nGramOrder - 1;
+  std::vector<const Factor *> &words = static_cast<NeuralLMServerState &>(outState).m_words;
+  words.assign(keep, m_sentenceStart);
+  const size_t n = std::min(keep, contextFactor.size());
+  for (size_t i = 0; i < n; ++i) {
+    words[keep - n + i] = contextFactor[contextFactor.size() - n + i]->GetFactor(m_factorType);
+  }
+  for (size_t j = keep; j-- > 0;) {
+    if (words[j] == m_sentenceStart) {
+      std::fill(words.begin(), words.begin() + j, m_sentenceStart);
+      break;
+    }
+  }
+}
+
+LMResult NeuralLMServer::GetValue(const std::vector<const Word *> &contextFactor, State *finalState) const {
+  std::vector<std::vector<uint32_t> > ngram(1);
+  for (size_t i = 0; i < contextFactor.size(); ++i) ngram[0].push_back(Id(*contextFactor[i]));
+  LMResult ret;
+  ret.score = ScoreIds(ngram)[0];
+  ret.unknown = ngram[0].back() == m_unkId;
+  if (finalState) *finalState = NULL;
+  return ret;
+}
+
+const FFState *NeuralLMServer::GetNullContextState() const { return m_nullState; }
+
+const FFState *NeuralLMServer::GetBeginSentenceState() const { return m_beginState; }
+
+FFState *NeuralLMServer::NewState(const FFState *from) const {
+  if (from) return new NeuralLMServerState(*static_cast<const NeuralLMServerState *>(from));
+  return new NeuralLMServerState(std::vector<const Factor *>(m_nGramOrder - 1, m_sentenceStart));
+}
+
+LMResult NeuralLMServer::GetValueForgotState(const std::vector<const Word *> &contextFactor,
+                                             FFState &outState) const {
+  LMResult ret = GetValue(contextFactor, NULL);
+  SetState(contextFactor, outState);
+  return ret;
+}
+
+void NeuralLMServer::GetState(const std::vector<const Word *> &contextFactor, FFState &outState) const {
+  SetState(contextFactor, outState);  // no score needed, so no request
+}
+
+void NeuralLMServer::CalcScore(const Phrase &phrase, float &fullScore, float &ngramScore,
+                               size_t &oovCount) const {
+  fullScore = 0;
+  ngramScore = 0;
+  oovCount = 0;
+  const size_t size = phrase.GetSize();
+  if (!size) return;
+
+  // The n-grams of the phrase as Moses' LanguageModelImplementation::CalcScore
+  // walks them (a non-terminal resets the context), collected for one request.
+  std::vector<std::vector<uint32_t> > ngrams;
+  std::vector<bool> complete;
+  std::vector<uint32_t> context;
+  for (size_t pos = 0; pos < size; ++pos) {
+    const Word &word = phrase.GetWord(pos);
+    if (word.IsNonTerminal()) {
+      context.clear();
+      continue;
+    }
+    uint32_t id = Id(word);
+    if (context.size() == m_nGramOrder) context.erase(context.begin());
+    context.push_back(id);
+    if (word.GetFactor(m_factorType) == m_sentenceStart) {
+      UTIL_THROW_IF2(pos != 0, "NeuralLMServer: <s> inside a phrase at position " << pos);
+      continue;  // <s> is context, never predicted
+    }
+    ngrams.push_back(context);
+    complete.push_back(context.size() == m_nGramOrder);
+    if (id == m_unkId) ++oovCount;
+  }
+  if (ngrams.empty()) return;
+  std::vector<float> scores = ScoreIds(ngrams);
+  for (size_t i = 0; i < scores.size(); ++i) {
+    fullScore += scores[i];
+    if (complete[i]) ngramScore += scores[i];
+  }
+}
+
+FFState *NeuralLMServer::EvaluateWhenApplied(const Hypothesis &hypo, const FFState *ps,
+                                             ScoreComponentCollection *out) const {
+  // Only the n-grams that cross the phrase boundary (and </s>): the phrase-internal
+  // ones came with the translation option (CalcScore).
+  if (hypo.GetCurrTargetLength() == 0) return ps ? NewState(ps) : NULL;
+
+  const size_t order = m_nGramOrder;
+  const size_t start = hypo.GetCurrTargetWordsRange().GetStartPos();
+  const size_t end = hypo.GetCurrTargetWordsRange().GetEndPos();
+  std::vector<std::vector<uint32_t> > ngrams;
+
+  // Ids of the window ending at `last` (order words, <s> before the sentence).
+  std::vector<uint32_t> window(order);
+  for (size_t i = 0; i < order; ++i) {
+    int pos = static_cast<int>(start) - static_cast<int>(order) + 1 + static_cast<int>(i);
+    window[i] = pos >= 0 ? Id(hypo.GetWord(static_cast<size_t>(pos))) : m_bosId;
+  }
+  ngrams.push_back(window);
+  const size_t boundaryEnd = std::min(start + order - 2, end);
+  for (size_t pos = start + 1; pos <= boundaryEnd; ++pos) {
+    window.erase(window.begin());
+    window.push_back(Id(hypo.GetWord(pos)));
+    ngrams.push_back(window);
+  }
+
+  const size_t size = hypo.GetSize();
+  std::vector<const Word *> last;  // the last order-1 words, the state
+  for (size_t i = 0; i + 1 < order; ++i) {
+    int pos = static_cast<int>(size) - static_cast<int>(order) + 1 + static_cast<int>(i);
+    last.push_back(pos >= 0 ? &hypo.GetWord(static_cast<size_t>(pos)) : &GetSentenceStartWord());
+  }
+  if (hypo.IsSourceCompleted()) {
+    std::vector<uint32_t> eos;
+    for (size_t i = 0; i < last.size(); ++i) eos.push_back(Id(*last[i]));
+    eos.push_back(m_eosId);
+    ngrams.push_back(eos);
+    last.push_back(&GetSentenceEndWord());
+  }
+
+  std::vector<float> scores = ScoreIds(ngrams);
+  float lmScore = 0;
+  for (size_t i = 0; i < scores.size(); ++i) lmScore += scores[i];
+
+  FFState *res = NewState(ps);
+  SetState(last, *res);
+  if (OOVFeatureEnabled()) {
+    std::vector<float> values(2);
+    values[0] = lmScore;
+    values[1] = 0;
+    out->PlusEquals(this, values);
+  } else {
+    out->PlusEquals(this, lmScore);
+  }
+  return res;
+}
+
+void NeuralLMServer::InitializeForInput(ttasksptr const & /*ttask*/) {
+  tl_sentence_start = nlmserve::Client::ThreadRoundTrips();
+}
+
+void NeuralLMServer::CleanUpAfterSentenceProcessing(ttasksptr const &ttask) {
+  uint64_t trips = nlmserve::Client::ThreadRoundTrips() - tl_sentence_start;
+  m_sentences.fetch_add(1);
+  m_sentenceRoundTrips.fetch_add(trips);
+  VERBOSE(1, "NeuralLMServer " << GetScoreProducerDescription() << ": sentence "
+                               << ttask->GetSource()->GetTranslationId() << " took " << trips
+                               << " round trips" << std::endl);
+  LanguageModelSingleFactor::CleanUpAfterSentenceProcessing(ttask);
+}
+
+}  // namespace Moses

@@ -1,0 +1,109 @@
+// NeuralLMServer: a Moses language-model feature that asks an nlmserve server.
+//
+// Goes into moses/LM/ of a Moses source tree (see moses_plugin/README.md) and links
+// against the nlmserve C++ client library (nlmserve_client.h, built by
+// moses_plugin/cpp/CMakeLists.txt). moses.ini:
+//
+//   NeuralLMServer name=NLM0 factor=0 order=5 path=127.0.0.1:50051
+//
+// Parameters (besides Moses' own name, factor, order, path, tuneable, oov-feature):
+//   normalized=true|false   exactly normalised log-probabilities (default true), or the
+//                           model's self-normalised score where it has one
+//   cache-size=N            n-gram score cache entries shared by all threads (default 1048576)
+//   lowercase=true|false    lowercase words before the vocabulary lookup (default false;
+//                           also done when the served model says so)
+//   deadline-ms=N           deadline of one request (default 10000)
+//   connect-timeout-ms=N    how long a reconnection may wait (default 5000)
+//   retries=N               further attempts on a fresh channel after a failure (default 2)
+//   on-error=fail|floor     after the retries: stop the decoder with an exception naming
+//                           the server (default), or score the n-grams LOWEST_SCORE and go on
+//
+// Scores: the server answers log10; each n-gram is converted with Moses'
+// TransformLMScore (times ln 10) and FloorScore, as the other single-factor LMs.
+// State: the last order-1 words (left-padded with <s>), compared by value.
+// Round trips: each target phrase scored in isolation costs at most one request (all
+// its n-grams in one batch), each hypothesis expansion at most one (its boundary
+// n-grams and </s> in one batch); cache hits cost none. With -v 1 the feature prints
+// the round trips of every sentence.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "SingleFactor.h"
+#include "moses/FF/FFState.h"
+
+namespace nlmserve {
+class Client;
+}
+
+namespace Moses {
+
+// The last order-1 words of a hypothesis (oldest first, <s>-padded).
+class NeuralLMServerState : public FFState {
+ public:
+  NeuralLMServerState() {}
+  explicit NeuralLMServerState(const std::vector<const Factor *> &words) : m_words(words) {}
+  size_t hash() const;
+  bool operator==(const FFState &other) const;
+  std::vector<const Factor *> m_words;
+};
+
+class NeuralLMServer : public LanguageModelSingleFactor {
+ public:
+  explicit NeuralLMServer(const std::string &line);
+  ~NeuralLMServer();
+
+  void SetParameter(const std::string &key, const std::string &value);
+  void Load(AllOptions::ptr const &opts);
+
+  // One n-gram (Moses' generic path, e.g. chart decoding): one batch of one.
+  LMResult GetValue(const std::vector<const Word *> &contextFactor, State *finalState = 0) const;
+
+  const FFState *GetNullContextState() const;
+  const FFState *GetBeginSentenceState() const;
+  FFState *NewState(const FFState *from = NULL) const;
+  LMResult GetValueForgotState(const std::vector<const Word *> &contextFactor, FFState &outState) const;
+  void GetState(const std::vector<const Word *> &contextFactor, FFState &outState) const;
+
+  // All n-grams of a target phrase in one batch.
+  void CalcScore(const Phrase &phrase, float &fullScore, float &ngramScore, size_t &oovCount) const;
+
+  // All boundary n-grams of a hypothesis (and </s>) in one batch.
+  using LanguageModelImplementation::EvaluateWhenApplied;
+  FFState *EvaluateWhenApplied(const Hypothesis &hypo, const FFState *ps,
+                               ScoreComponentCollection *out) const;
+
+  using LanguageModelSingleFactor::CleanUpAfterSentenceProcessing;
+  void InitializeForInput(ttasksptr const &ttask);
+  void CleanUpAfterSentenceProcessing(ttasksptr const &ttask);
+
+ private:
+  uint32_t Id(const Word &word) const;
+  // Scores n-grams of ids; returns Moses scores (natural log, floored).
+  std::vector<float> ScoreIds(const std::vector<std::vector<uint32_t> > &ngrams) const;
+  // The last order-1 words of a context, <s>-padded, everything left of the newest <s> as <s>.
+  void SetState(const std::vector<const Word *> &contextFactor, FFState &outState) const;
+
+  std::string m_target;
+  bool m_normalized;
+  size_t m_cacheSize;
+  bool m_lowercase;
+  int m_deadlineMs;
+  int m_connectTimeoutMs;
+  int m_retries;
+  bool m_floorOnError;
+
+  std::unique_ptr<nlmserve::Client> m_client;
+  uint32_t m_bosId, m_eosId, m_unkId;
+  NeuralLMServerState *m_nullState;
+  NeuralLMServerState *m_beginState;
+
+  mutable std::atomic<uint64_t> m_sentences;
+  mutable std::atomic<uint64_t> m_sentenceRoundTrips;
+  mutable std::atomic<uint64_t> m_errors;
+};
+
+}  // namespace Moses
