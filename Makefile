@@ -53,8 +53,10 @@ demo: install
 bench: install
 	$(BIN)/python bench/serve.py
 
-# Debian packages for the C++ client and Moses feature (moses_plugin/cpp); run as root.
-SYSTEM_DEPS := cmake g++ make pkg-config libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+# Debian packages for the C++ client and Moses feature (moses_plugin/cpp) and for the
+# real-Prometheus test (tests/test_prometheus.py); run as root.
+SYSTEM_DEPS := cmake g++ make pkg-config libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler \
+               prometheus
 system-deps:
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(SYSTEM_DEPS)
 
