@@ -1,0 +1,170 @@
+"""Training: exact resume after an interruption, bad inputs through the CLI, the three
+objectives end to end, logs, learning curve and the time budget."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from nlmserve.cli import main
+from nlmserve.lm.scoring import LanguageModel
+from nlmserve.lm.train import TrainConfig, load_checkpoint, train
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def small_train(tmp_path_factory: pytest.TempPathFactory, train_small_path: Path) -> Path:
+    out = tmp_path_factory.mktemp("train") / "train.600.en"
+    lines = train_small_path.read_text(encoding="utf-8").splitlines(keepends=True)[:600]
+    out.write_text("".join(lines), encoding="utf-8")
+    return out
+
+
+def _config(train_path: Path, valid: Path, out: Path, **kw: object) -> TrainConfig:
+    base = dict(train=str(train_path), valid=str(valid), out=str(out), order=4, dim=8, classes=12,
+                min_count=2, batch_size=64, lr=0.2, threads=1, seed=3, progress=False,
+                learning_curve=False, valid_every=15, checkpoint_every=10, max_steps=40)
+    base.update(kw)
+    return TrainConfig(**base)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("objective", ["nce", "mle"])
+def test_interrupt_then_resume_ends_at_the_same_parameters(small_train: Path, dev_small_path: Path,
+                                                          tmp_path: Path, objective: str) -> None:
+    straight = train(_config(small_train, dev_small_path, tmp_path / "a.nlm", objective=objective))
+    cfg_b = _config(small_train, dev_small_path, tmp_path / "b.nlm", objective=objective)
+    # stop dead 5 steps after the checkpoint of step 20 (as a kill would): steps 21-25 are lost
+    cut = train(cfg_b, _interrupt_after_step=25)
+    assert cut.stopped == "interrupted" and not (tmp_path / "b.nlm").exists()
+    assert load_checkpoint(cfg_b.checkpoint_path)["state"]["step"] == 20
+    resumed = train(replace(cfg_b, resume=True))
+    assert resumed.steps == straight.steps == 40
+    a = straight.model.state_dict()
+    b = resumed.model.state_dict()
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=1e-6, rtol=0), name
+    assert resumed.best_valid_ppl == pytest.approx(straight.best_valid_ppl, abs=1e-6)
+    la = LanguageModel.load(tmp_path / "a.nlm", device="cpu")
+    lb = LanguageModel.load(tmp_path / "b.nlm", device="cpu")
+    rows = np.array([[1, 1, 5], [3, 4, 9], [7, 8, 2]])
+    assert np.allclose(la.score_ngrams(rows), lb.score_ngrams(rows), atol=1e-6)
+
+
+# `nlmserve train` with only this room's subcommands registered.
+_LM_TRAIN = (
+    "import argparse, sys\n"
+    "from nlmserve.lm import cli\n"
+    "p = argparse.ArgumentParser(prog='nlmserve')\n"
+    "cli.register(p.add_subparsers())\n"
+    "a = p.parse_args()\n"
+    "sys.exit(a.func(a))\n"
+)
+
+
+@pytest.mark.slow
+def test_killed_subprocess_resumes_exactly(small_train: Path, dev_small_path: Path, tmp_path: Path) -> None:
+    args = ["--train", str(small_train), "--valid", str(dev_small_path), "--order", "4", "--dim", "8",
+            "--classes", "12", "--min-count", "2", "--batch-size", "32", "--lr", "0.2", "--threads", "1",
+            "--seed", "5", "--valid-every", "50", "--checkpoint-every", "25", "--max-steps", "250",
+            "--no-progress"]
+    cmd = [sys.executable, "-c", _LM_TRAIN, "train"]
+    ref = subprocess.run(cmd + args + ["--out", str(tmp_path / "ref.nlm")], capture_output=True, text=True)
+    assert ref.returncode == 0, ref.stderr
+    out = tmp_path / "killed.nlm"
+    proc = subprocess.Popen(cmd + args + ["--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpt = Path(str(out) + ".ckpt")
+    deadline = time.monotonic() + 120
+    while not ckpt.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    time.sleep(0.3)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    step_at_kill = load_checkpoint(str(ckpt))["state"]["step"]
+    assert 0 < step_at_kill < 250, "the run must be killed part-way"
+    res = subprocess.run(cmd + args + ["--out", str(out), "--resume"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    a = load_checkpoint(str(tmp_path / "ref.nlm") + ".ckpt")
+    b = load_checkpoint(str(ckpt))
+    assert a["state"]["step"] == b["state"]["step"] == 250
+    for name, t in a["model"].items():
+        assert torch.allclose(t, b["model"][name], atol=1e-6, rtol=0), name
+
+
+@pytest.mark.parametrize("objective", ["nce", "mle", "softmax"])
+def test_each_objective_trains_and_writes_a_loadable_model(small_train: Path, dev_small_path: Path,
+                                                          tmp_path: Path, objective: str) -> None:
+    out = tmp_path / f"{objective}.nlm"
+    cfg = _config(small_train, dev_small_path, out, objective=objective, max_steps=None, epochs=2,
+                  valid_every=0, checkpoint_every=0, learning_curve=True, batch_size=128)
+    result = train(cfg)
+    assert result.stopped == "epochs"
+    lm = LanguageModel.load(out, device="cpu")
+    assert lm.objective == objective
+    assert lm.output_type == ("softmax" if objective == "softmax" else "class")
+    records = [json.loads(line) for line in Path(cfg.log_path).read_text().splitlines()]
+    ppls = [r["valid_ppl"] for r in records if "valid_ppl" in r]
+    assert len(ppls) == 2
+    assert ppls[-1] < len(lm.vocab) / 3  # well below a uniform guess
+    assert result.best_valid_ppl == pytest.approx(min(ppls))
+    assert lm.training["valid_perplexity"] == pytest.approx(min(ppls))
+    assert Path(cfg.curve_path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_max_minutes_stops_cleanly_with_the_best_model(small_train: Path, dev_small_path: Path, tmp_path: Path) -> None:
+    out = tmp_path / "timed.nlm"
+    t0 = time.monotonic()
+    result = train(_config(small_train, dev_small_path, out, max_steps=None, epochs=1000, max_minutes=0.05,
+                           valid_every=50))
+    assert time.monotonic() - t0 < 30
+    assert result.stopped == "max minutes"
+    assert LanguageModel.load(out, device="cpu").training["stopped"] == "max minutes"
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    rc = main(["train", *args, "--no-progress", "--max-steps", "2"])
+    return rc, capsys.readouterr().err
+
+
+def test_bad_bytes_in_training_text_name_file_and_line(tmp_path: Path, dev_small_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"a good line\nanother one\nbroken \xff\xfe here\n")
+    rc, err = _cli(capsys, "--train", str(bad), "--valid", str(dev_small_path), "--out", str(tmp_path / "m.nlm"))
+    assert rc == 1
+    assert f"{bad}:3" in err
+
+
+def test_bad_bytes_in_validation_text(tmp_path: Path, small_train: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "valid.txt"
+    bad.write_bytes(b"fine\n\xc3\x28\n")
+    rc, err = _cli(capsys, "--train", str(small_train), "--valid", str(bad), "--out", str(tmp_path / "m.nlm"),
+                   "--classes", "10")
+    assert rc == 1 and f"{bad}:2" in err
+
+
+def test_empty_and_missing_training_text(tmp_path: Path, dev_small_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    rc, err = _cli(capsys, "--train", str(empty), "--valid", str(dev_small_path), "--out", str(tmp_path / "m.nlm"))
+    assert rc == 1 and str(empty) in err and "empty" in err
+    missing = tmp_path / "missing.txt"
+    rc, err = _cli(capsys, "--train", str(missing), "--valid", str(dev_small_path), "--out", str(tmp_path / "m.nlm"))
+    assert rc == 1 and str(missing) in err
+
+
+def test_bad_flag_values_are_rejected(tmp_path: Path, small_train: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = _cli(capsys, "--train", str(small_train), "--out", str(tmp_path / "m.nlm"), "--lr", "-1")
+    assert rc == 2 and "lr" in err
+    rc, err = _cli(capsys, "--train", str(small_train), "--out", str(tmp_path / "m.nlm"), "--classes", "999999")
+    assert rc == 1 and "--classes" in err
