@@ -3,7 +3,8 @@
 For each method and each factor f (K = round(f·√V)) it measures, in one run on the same
 data:
 
-* the time to build the classes;
+* the time to build the classes, the largest class and the output cost ``K + E|c(w)|``
+  (dot products of one normalised prediction, averaged over training tokens);
 * the class-bigram log-likelihood per training token (the exchange objective);
 * the perplexity of a smoothed class-bigram model on the dev text (a model-free measure
   of how predictive the classes are);
@@ -55,6 +56,8 @@ class Row:
     factor: float
     num_classes: int
     build_s: float
+    max_class_size: int
+    output_cost: float  # K + E|c(w)|: dot products per normalised prediction, token-weighted
     train_ll_per_token: float
     dev_class_bigram_ppl: float
     nlm_dev_ppl: float | None = None
@@ -151,7 +154,10 @@ def run(args: argparse.Namespace) -> list[Row]:
             classes = build(method, corpus, unigram, k, args.seed)
             build_s = time.perf_counter() - t0
             ll = class_bigram_log_likelihood(*train_bigrams, classes.word_class) / float(train_bigrams[2].sum())
-            row = Row(method, factor, k, build_s, ll, class_bigram_perplexity(classes, train_bigrams, dev_bigrams))
+            mass = np.bincount(classes.word_class, weights=unigram, minlength=k)
+            cost = k + float((mass * classes.class_sizes).sum() / mass.sum())
+            row = Row(method, factor, k, build_s, int(classes.class_sizes.max()), cost, ll,
+                      class_bigram_perplexity(classes, train_bigrams, dev_bigrams))
             if not args.no_train:
                 run_dir = work / f"{method}.{factor:g}"
                 run_dir.mkdir(exist_ok=True)
@@ -170,11 +176,12 @@ def report(rows: list[Row], args: argparse.Namespace) -> str:
     lines = [
         f"# bench/classes.py  train={args.train} lines={args.max_train_lines} min_count={args.min_count} "
         f"steps={args.steps if not args.no_train else 0} dim={args.dim} order={args.order} threads={args.threads}",
-        f"{'method':<10} {'K':>5} {'build s':>8} {'LL/tok':>8} {'cb ppl':>8} {'ratio':>6}"
+        f"{'method':<10} {'K':>5} {'build s':>8} {'max|c|':>6} {'K+E|c|':>7} {'LL/tok':>8} {'cb ppl':>8} {'ratio':>6}"
         + ("" if args.no_train else f" {'NLM ppl':>8} {'ratio':>6} {'train s':>8} {'score tok/s':>11} {'ratio':>6}"),
     ]
     for r in rows:
-        line = (f"{r.method:<10} {r.num_classes:>5} {r.build_s:>8.1f} {r.train_ll_per_token:>8.4f} "
+        line = (f"{r.method:<10} {r.num_classes:>5} {r.build_s:>8.1f} {r.max_class_size:>6} {r.output_cost:>7.1f} "
+                f"{r.train_ll_per_token:>8.4f} "
                 f"{r.dev_class_bigram_ppl:>8.1f} {r.dev_class_bigram_ppl / base.dev_class_bigram_ppl:>6.3f}")
         if r.nlm_dev_ppl is not None and base.nlm_dev_ppl is not None:
             assert r.nlm_score_tokens_per_s is not None and base.nlm_score_tokens_per_s is not None
