@@ -10,7 +10,9 @@
 //         score W1 .. Wn            -> ok SCORE            (log10, %.9g)
 //         ids I1 .. In              -> ok SCORE
 //         file PATH                 -> ok N, then N lines of scores (one batch, one n-gram a line)
-//         threads T PATH REPEATS    -> ok mismatches=.. errors=.. calls=..
+//         threads T PATH REPEATS    -> ok mismatches=.. far=.. max_diff=.. errors=.. calls=..
+//                                      (mismatches: answers not bit-equal to the reference;
+//                                       far: answers more than 1e-5 from it)
 //         stats                     -> ok hits=.. misses=.. round_trips=.. failed=.. reconnects=.. entries=..
 //         clear | reset             -> ok   (empty the cache | zero the counters)
 //         quit
@@ -20,6 +22,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <mutex>
 #include <random>
 #include <sstream>
 #include <string>
@@ -125,7 +128,9 @@ bool ReadNgrams(const std::string &path, StringNgrams *out) {
 // sizes, and compare every answer with a single-threaded reference.
 std::string Threads(nlmserve::Client &client, int threads, const StringNgrams &ngrams, int repeats) {
   std::vector<float> reference = client.ScoreStrings(ngrams);
-  std::atomic<long> mismatches(0), errors(0), calls(0);
+  std::atomic<long> mismatches(0), far(0), errors(0), calls(0);
+  std::mutex max_mutex;
+  double max_diff = 0.0;
   std::vector<std::thread> pool;
   for (int t = 0; t < threads; ++t) {
     pool.emplace_back([&, t]() {
@@ -147,6 +152,10 @@ std::string Threads(nlmserve::Client &client, int threads, const StringNgrams &n
             calls.fetch_add(1);
             for (std::size_t i = 0; i < got.size(); ++i) {
               if (!(got[i] == reference[pos[i]])) mismatches.fetch_add(1);
+              double d = std::fabs(static_cast<double>(got[i]) - reference[pos[i]]);
+              if (!(d <= 1e-5)) far.fetch_add(1);
+              std::lock_guard<std::mutex> lock(max_mutex);
+              if (d > max_diff) max_diff = d;
             }
           } catch (const nlmserve::ClientError &) {
             errors.fetch_add(1);
@@ -158,8 +167,8 @@ std::string Threads(nlmserve::Client &client, int threads, const StringNgrams &n
   }
   for (auto &th : pool) th.join();
   std::ostringstream out;
-  out << "ok mismatches=" << mismatches.load() << " errors=" << errors.load()
-      << " calls=" << calls.load();
+  out << "ok mismatches=" << mismatches.load() << " far=" << far.load() << " max_diff=" << max_diff
+      << " errors=" << errors.load() << " calls=" << calls.load();
   return out.str();
 }
 
@@ -185,12 +194,14 @@ void Run(nlmserve::Client &client) {
         std::vector<std::string> words;
         std::string w;
         while (in >> w) words.push_back(w);
-        std::cout << "ok " << Fmt(client.ScoreStrings(StringNgrams(1, words))[0]) << "\n";
+        float score = client.ScoreStrings(StringNgrams(1, words))[0];
+        std::cout << "ok " << Fmt(score) << "\n";
       } else if (cmd == "ids") {
         std::vector<uint32_t> ids;
         unsigned long id;
         while (in >> id) ids.push_back(static_cast<uint32_t>(id));
-        std::cout << "ok " << Fmt(client.Score(ids)) << "\n";
+        float score = client.Score(ids);
+        std::cout << "ok " << Fmt(score) << "\n";
       } else if (cmd == "file") {
         std::string path;
         in >> path;
