@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nlmserve.lm.vocab import BOS_ID
@@ -113,6 +114,10 @@ class NeuralLM(nn.Module):
     def __init__(self, config: ModelConfig, word_class: np.ndarray | None = None) -> None:
         super().__init__()
         self.config = config
+        # Sparse gradients for the embedding tables (training with AdaGrad): only the rows
+        # a batch touches are updated. Off by default (dense gradients everywhere).
+        self.sparse_grads = False
+        self._offsets: list[int] = []
         V, D, n1 = config.vocab_size, config.dim, config.order - 1
         self.embed = nn.Embedding(V, D)  # q(w): context word vectors
         if config.context == "diagonal":
@@ -144,6 +149,7 @@ class NeuralLM(nn.Module):
             self.register_buffer("word_class", torch.from_numpy(wc), persistent=False)
             self.register_buffer("class_order", torch.from_numpy(order), persistent=False)
             self.register_buffer("class_offsets", torch.from_numpy(offsets), persistent=False)
+            self._offsets = offsets.tolist()
             # A class holding only <s> can never be predicted.
             class_mask = torch.zeros(K)
             class_mask[wc[BOS_ID]] = -math.inf if sizes[wc[BOS_ID]] == 1 else 0.0
@@ -191,6 +197,11 @@ class NeuralLM(nn.Module):
             self.word_bias.copy_(torch.from_numpy(word_logp))
 
     # ------------------------------------------------------------------ context
+    def set_sparse_grads(self, sparse: bool) -> None:
+        """Sparse gradients for the context and output word embeddings (AdaGrad only)."""
+        self.sparse_grads = sparse
+        self.embed.sparse = sparse
+
     def encode(self, ctx: Tensor) -> Tensor:
         """ctx (N, order-1) word ids, oldest first → r (N, E)."""
         q = self.embed(ctx)  # (N, n-1, D)
@@ -217,7 +228,7 @@ class NeuralLM(nn.Module):
 
     def word_score(self, r: Tensor, word: Tensor) -> Tensor:
         """s_w(h) of one word per row (any shape of ``word`` with leading N): → word.shape."""
-        emb = self.word_embed[word]  # (N, ..., E)
+        emb = F.embedding(word, self.word_embed, sparse=self.sparse_grads)  # (N, ..., E)
         rr = r.reshape(r.shape[0], *([1] * (word.dim() - 1)), r.shape[1])  # (N, 1.., E)
         return (emb * rr).sum(-1) + self.word_bias[word] + self.word_mask[word]
 
@@ -244,16 +255,21 @@ class NeuralLM(nn.Module):
     def _in_class_grouped(self, r: Tensor, cls: Tensor) -> Tensor:
         perm = torch.argsort(cls, stable=True)  # rows sorted by class
         classes, counts = torch.unique_consecutive(cls[perm], return_counts=True)
-        pieces = []
-        start = 0
-        offsets = self.class_offsets.tolist()
-        for c, n in zip(classes.tolist(), counts.tolist()):
-            rows = perm[start : start + n]
-            words = self.class_order[offsets[c] : offsets[c + 1]]  # (S_c,)
-            logits = r[rows] @ self.word_embed[words].t()  # (n, E) @ (E, S_c) → (n, S_c)
-            logits = logits + self.word_bias[words] + self.word_mask[words]
-            pieces.append(torch.logsumexp(logits, dim=-1))  # (n,)
-            start += n
+        present = classes.tolist()
+        offsets = self._offsets
+        sizes = [offsets[c + 1] - offsets[c] for c in present]
+        # The words of the classes present, class after class: one gather (one sparse or
+        # dense scatter in backward) instead of one per class.
+        words = torch.cat([self.class_order[offsets[c] : offsets[c + 1]] for c in present])  # (ΣS_c,)
+        emb = F.embedding(words, self.word_embed, sparse=self.sparse_grads)  # (ΣS_c, E)
+        bias = self.word_bias[words] + self.word_mask[words]  # (ΣS_c,)
+        r_groups = torch.split(r[perm], counts.tolist())  # per class: (n_c, E)
+        emb_groups = torch.split(emb, sizes)  # per class: (S_c, E)
+        bias_groups = torch.split(bias, sizes)  # per class: (S_c,)
+        pieces = [
+            torch.logsumexp(rg @ eg.t() + bg, dim=-1)  # (n_c, E) @ (E, S_c) → (n_c, S_c) → (n_c,)
+            for rg, eg, bg in zip(r_groups, emb_groups, bias_groups)
+        ]
         sorted_norm = torch.cat(pieces)  # (N,) in class-sorted order
         inverse = torch.empty_like(perm)
         inverse[perm] = torch.arange(perm.numel(), device=perm.device)
@@ -292,7 +308,7 @@ class NeuralLM(nn.Module):
         class_logp = torch.log_softmax(self.class_logits(r), dim=-1)  # (N, K)
         word_logits = self.word_logits(r)  # (N, V)
         out = torch.empty_like(word_logits)
-        offsets = self.class_offsets.tolist()
+        offsets = self._offsets
         for c in range(self.config.num_classes):
             words = self.class_order[offsets[c] : offsets[c + 1]]
             in_class = torch.log_softmax(word_logits[:, words], dim=-1)  # (N, S_c)

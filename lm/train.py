@@ -386,6 +386,10 @@ def train(cfg: TrainConfig, *, _interrupt_after_step: int | None = None) -> Trai
     torch.manual_seed(cfg.seed)
     model = NeuralLM(mconf, data.classes.word_class if data.classes is not None else None)
     model.init_biases(data.unigram)
+    # NCE touches few rows per batch: sparse AdaGrad updates only those (MLE touches most).
+    model.set_sparse_grads(cfg.optimizer == "adagrad" and cfg.objective == "nce")
+    if model.sparse_grads:
+        torch.sparse.check_sparse_tensor_invariants.disable()  # opt out explicitly (and quietly)
     model.to(device).train()
     opt = _make_optimizer(cfg, model)
     gen = torch.Generator(device=device)
