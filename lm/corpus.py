@@ -78,6 +78,8 @@ def read_sentences(path: str | os.PathLike[str], *, lowercase: bool = False) -> 
                         str(p),
                         lineno,
                     ) from exc
+                if lineno == 1 and text.startswith("\ufeff"):
+                    text = text[1:]  # a byte-order mark is not part of the first word
                 if lowercase:
                     text = text.lower()
                 tokens = text.split()

@@ -54,6 +54,18 @@ def test_bad_bytes_in_xz_error_names_line(tmp_path: Path) -> None:
         count_words(p)
 
 
+def test_truncated_compressed_file_is_named(tmp_path: Path) -> None:
+    whole = gzip.compress(b"the house\n" * 2000)
+    p = _write(tmp_path / "cut.gz", whole[: len(whole) // 2])
+    with pytest.raises(CorpusError, match="cut.gz"):
+        count_words(p)
+
+
+def test_byte_order_mark_is_dropped(tmp_path: Path) -> None:
+    p = _write(tmp_path / "bom.txt", "\ufeffthe house\nthe\n".encode())
+    assert list(read_sentences(p)) == [["the", "house"], ["the"]]
+
+
 def test_missing_file_is_named(tmp_path: Path, vocab: Vocabulary) -> None:
     p = tmp_path / "nope.txt"
     with pytest.raises(CorpusError, match="nope.txt"):
