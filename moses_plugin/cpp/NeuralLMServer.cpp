@@ -52,8 +52,8 @@ NeuralLMServer::NeuralLMServer(const std::string &line)
   ReadParameters();
   m_target = m_filePath;
   UTIL_THROW_IF2(m_target.empty(), "NeuralLMServer needs path=HOST:PORT of an nlmserve server");
-  UTIL_THROW_IF2(m_nGramOrder != NOT_FOUND && m_nGramOrder < 2,
-                 "NeuralLMServer: order must be at least 2, got " << m_nGramOrder);
+  UTIL_THROW_IF2(m_nGramOrder == NOT_FOUND, "NeuralLMServer needs order= (the served model's order)");
+  UTIL_THROW_IF2(m_nGramOrder < 2, "NeuralLMServer: order must be at least 2, got " << m_nGramOrder);
 
   FactorCollection &factors = FactorCollection::Instance();
   m_sentenceStart = factors.AddFactor(Output, m_factorType, BOS_);
@@ -114,7 +114,6 @@ void NeuralLMServer::Load(AllOptions::ptr const & /*opts*/) {
   m_unkId = info.unk_id;
   // A shorter order would send short n-grams, which the server reads as sentence
   // starts (left-padded with <s>): the orders must agree.
-  if (m_nGramOrder == NOT_FOUND) m_nGramOrder = info.order;
   UTIL_THROW_IF2(m_nGramOrder != info.order,
                  "NeuralLMServer " << GetScoreProducerDescription() << ": order=" << m_nGramOrder
                                    << " but the model at " << m_target << " has order " << info.order);
