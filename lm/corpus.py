@@ -277,11 +277,12 @@ class CorpusIds:
             k, c = np.unique(left * V + right, return_counts=True)
             keys.append(k)
             vals.append(c.astype(np.int64))
-        key = np.concatenate(keys)
-        cnt = np.concatenate(vals)
-        if len(keys) > 1:
-            key, inverse = np.unique(key, return_inverse=True)
-            cnt = np.bincount(inverse, weights=cnt, minlength=key.size).astype(np.int64)
+            # merge once the pending chunks outweigh the merged counts: memory stays within a
+            # small multiple of the number of distinct bigrams, however long the corpus
+            if len(keys) > 2 and sum(x.size for x in keys[1:]) > max(keys[0].size, _COUNT_CHUNK):
+                merged_key, merged_cnt = _merge_counts(keys, vals)
+                keys, vals = [merged_key], [merged_cnt]
+        key, cnt = _merge_counts(keys, vals)
         return key // V, key % V, cnt
 
     def shard(self, rank: int, world_size: int) -> range:
@@ -294,6 +295,16 @@ class CorpusIds:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         n = self.num_tokens
         return range(rank * n // world_size, (rank + 1) * n // world_size)
+
+
+def _merge_counts(keys: list[np.ndarray], vals: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Sum counts of equal keys over several (sorted unique key, count) arrays."""
+    key = np.concatenate(keys)
+    cnt = np.concatenate(vals)
+    if len(keys) > 1:
+        key, inverse = np.unique(key, return_inverse=True)
+        cnt = np.bincount(inverse, weights=cnt, minlength=key.size).astype(np.int64)
+    return key, cnt
 
 
 def _write_ids(src: Path, vocab: Vocabulary, out: Path, *, lowercase: bool) -> dict[str, int]:
