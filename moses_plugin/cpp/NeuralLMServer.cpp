@@ -10,7 +10,11 @@
 #include "moses/InputType.h"
 #include "moses/Range.h"
 #include "moses/ScoreComponentCollection.h"
+#include "moses/ReorderingConstraint.h"
 #include "moses/StaticData.h"
+#include "moses/TranslationOption.h"
+#include "moses/TranslationOptionCollection.h"
+#include "moses/TranslationOptionList.h"
 #include "moses/TranslationTask.h"
 #include "moses/TypeDef.h"
 #include "moses/Util.h"
@@ -22,6 +26,11 @@ namespace Moses {
 namespace {
 // Round trips of this thread when its current sentence started.
 thread_local uint64_t tl_sentence_start = 0;
+// The hypothesis whose expansions this thread prefetched last, and the sentence it
+// belongs to (a pointer alone could be reused by a later sentence).
+thread_local const void *tl_prefetched = NULL;
+thread_local uint64_t tl_sentence = 0;
+thread_local uint64_t tl_prefetched_sentence = 0;
 }  // namespace
 
 size_t NeuralLMServerState::hash() const {
@@ -41,6 +50,7 @@ NeuralLMServer::NeuralLMServer(const std::string &line)
       m_connectTimeoutMs(5000),
       m_retries(2),
       m_floorOnError(false),
+      m_prefetch(true),
       m_bosId(1),
       m_eosId(2),
       m_unkId(0),
@@ -86,6 +96,8 @@ void NeuralLMServer::SetParameter(const std::string &key, const std::string &val
     m_connectTimeoutMs = Scan<int>(value);
   } else if (key == "retries") {
     m_retries = Scan<int>(value);
+  } else if (key == "prefetch") {
+    m_prefetch = Scan<bool>(value);
   } else if (key == "on-error") {
     UTIL_THROW_IF2(value != "fail" && value != "floor",
                    "NeuralLMServer: on-error must be fail or floor, got " << value);
@@ -241,6 +253,14 @@ FFState *NeuralLMServer::EvaluateWhenApplied(const Hypothesis &hypo, const FFSta
   // ones came with the translation option (CalcScore).
   if (hypo.GetCurrTargetLength() == 0) return ps ? NewState(ps) : NULL;
 
+  const Hypothesis *prev = hypo.GetPrevHypo();
+  if (m_prefetch && prev != NULL &&
+      (prev != tl_prefetched || tl_prefetched_sentence != tl_sentence)) {
+    tl_prefetched = prev;
+    tl_prefetched_sentence = tl_sentence;
+    PrefetchExpansions(*prev);
+  }
+
   const size_t order = m_nGramOrder;
   const size_t start = hypo.GetCurrTargetWordsRange().GetStartPos();
   const size_t end = hypo.GetCurrTargetWordsRange().GetEndPos();
@@ -291,8 +311,81 @@ FFState *NeuralLMServer::EvaluateWhenApplied(const Hypothesis &hypo, const FFSta
   return res;
 }
 
+void NeuralLMServer::BoundaryNgrams(const std::vector<uint32_t> &context, const Phrase &phrase,
+                                    bool completes, std::vector<std::vector<uint32_t> > *out) const {
+  // The same n-grams as EvaluateWhenApplied computes for this expansion.
+  const size_t order = m_nGramOrder;
+  const size_t length = phrase.GetSize();
+  if (length == 0) return;
+  std::vector<uint32_t> window(context);  // order-1 ids
+  const size_t boundary = std::min(order - 1, length);
+  for (size_t i = 0; i < length; ++i) {
+    window.push_back(Id(phrase.GetWord(i)));
+    if (window.size() > order) window.erase(window.begin());
+    if (i < boundary) out->push_back(window);
+  }
+  if (completes) {
+    if (window.size() == order) window.erase(window.begin());
+    window.push_back(m_eosId);
+    out->push_back(window);
+  }
+}
+
+void NeuralLMServer::PrefetchExpansions(const Hypothesis &prev) const {
+  // Mirrors the loops of Moses' SearchNormal::ProcessOneHypothesis for sentence input;
+  // n-grams of expansions that search will not make only cost server time.
+  Manager &manager = prev.GetManager();
+  const InputType &source = manager.GetSource();
+  // Only the normal stack search expands all options of one hypothesis in a row.
+  if (source.GetType() != SentenceInput || manager.options()->search.algo != Normal) return;
+  const TranslationOptionCollection *options = manager.getSntTranslationOptions();
+  if (options == NULL) return;
+  const Bitmap &bitmap = prev.GetWordsBitmap();
+  const size_t sourceSize = source.GetSize();
+  const size_t firstGap = bitmap.GetFirstGapPos();
+  if (firstGap == NOT_FOUND) return;
+  const int maxDistortion = manager.options()->reordering.max_distortion;
+  const ReorderingConstraint &constraint = source.GetReorderingConstraint();
+  const Range &prevRange = prev.GetCurrSourceWordsRange();
+
+  const size_t order = m_nGramOrder;
+  std::vector<uint32_t> context(order - 1, m_bosId);
+  const size_t size = prev.GetSize();
+  for (size_t i = 0; i + 1 < order; ++i) {
+    int pos = static_cast<int>(size) - static_cast<int>(order) + 1 + static_cast<int>(i);
+    if (pos >= 0) context[i] = Id(prev.GetWord(static_cast<size_t>(pos)));
+  }
+
+  std::vector<std::vector<uint32_t> > ngrams;
+  for (size_t startPos = firstGap; startPos < sourceSize; ++startPos) {
+    if (bitmap.GetValue(startPos)) continue;
+    if (maxDistortion >= 0 &&
+        source.ComputeDistortionDistance(prevRange, Range(startPos, startPos)) > maxDistortion) {
+      continue;
+    }
+    for (size_t endPos = startPos; endPos < sourceSize; ++endPos) {
+      const TranslationOptionList *list = options->GetTranslationOptionList(startPos, endPos);
+      if (list == NULL) break;
+      Range range(startPos, endPos);
+      if (list->size() == 0 || bitmap.Overlap(range) || !constraint.Check(bitmap, startPos, endPos)) {
+        continue;
+      }
+      if (maxDistortion >= 0 && startPos != firstGap &&
+          source.ComputeDistortionDistance(range, Range(firstGap, firstGap)) > maxDistortion) {
+        continue;
+      }
+      const bool completes = bitmap.GetNumWordsCovered() + range.GetNumWordsCovered() == sourceSize;
+      for (TranslationOptionList::const_iterator it = list->begin(); it != list->end(); ++it) {
+        BoundaryNgrams(context, (*it)->GetTargetPhrase(), completes, &ngrams);
+      }
+    }
+  }
+  if (!ngrams.empty()) ScoreIds(ngrams);
+}
+
 void NeuralLMServer::InitializeForInput(ttasksptr const & /*ttask*/) {
   tl_sentence_start = nlmserve::Client::ThreadRoundTrips();
+  ++tl_sentence;
 }
 
 void NeuralLMServer::CleanUpAfterSentenceProcessing(ttasksptr const &ttask) {

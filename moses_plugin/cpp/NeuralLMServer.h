@@ -17,14 +17,18 @@
 //   retries=N               further attempts on a fresh channel after a failure (default 2)
 //   on-error=fail|floor     after the retries: stop the decoder with an exception naming
 //                           the server (default), or score the n-grams LOWEST_SCORE and go on
+//   prefetch=true|false     when Moses' normal stack search starts expanding a hypothesis,
+//                           score the boundary n-grams of all its possible expansions in one
+//                           request (default true; cube pruning and lattices score on demand)
 //
 // Scores: the server answers log10; each n-gram is converted with Moses'
 // TransformLMScore (times ln 10) and FloorScore, as the other single-factor LMs.
 // State: the last order-1 words (left-padded with <s>), compared by value.
 // Round trips: each target phrase scored in isolation costs at most one request (all
-// its n-grams in one batch), each hypothesis expansion at most one (its boundary
-// n-grams and </s> in one batch); cache hits cost none. With -v 1 the feature prints
-// the round trips of every sentence.
+// its n-grams in one batch); with prefetch, each hypothesis that Moses expands costs one
+// request for the boundary n-grams (and </s>) of all its expansions, which then come from
+// the cache; cache hits cost none. With -v 1 the feature prints the round trips of every
+// sentence.
 #pragma once
 
 #include <atomic>
@@ -86,6 +90,12 @@ class NeuralLMServer : public LanguageModelSingleFactor {
   std::vector<float> ScoreIds(const std::vector<std::vector<uint32_t> > &ngrams) const;
   // The last order-1 words of a context, <s>-padded, everything left of the newest <s> as <s>.
   void SetState(const std::vector<const Word *> &contextFactor, FFState &outState) const;
+  // Scores (into the cache) the boundary n-grams of every expansion Moses' normal search
+  // can make from `prev`, in one request.
+  void PrefetchExpansions(const Hypothesis &prev) const;
+  // Boundary n-grams of target phrase `phrase` placed after `context` (order-1 ids).
+  void BoundaryNgrams(const std::vector<uint32_t> &context, const Phrase &phrase, bool completes,
+                      std::vector<std::vector<uint32_t> > *out) const;
 
   std::string m_target;
   bool m_normalized;
@@ -95,6 +105,7 @@ class NeuralLMServer : public LanguageModelSingleFactor {
   int m_connectTimeoutMs;
   int m_retries;
   bool m_floorOnError;
+  bool m_prefetch;
 
   std::unique_ptr<nlmserve::Client> m_client;
   uint32_t m_bosId, m_eosId, m_unkId;
