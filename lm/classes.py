@@ -59,7 +59,10 @@ class WordClasses:
     method: str
 
     def __post_init__(self) -> None:
-        wc = np.array(self.word_class, dtype=np.int64, copy=True)
+        raw = np.asarray(self.word_class)
+        if raw.size and not np.issubdtype(raw.dtype, np.integer):
+            raise ValueError(f"word_class must hold integers, got {raw.dtype}")
+        wc = np.array(raw, dtype=np.int64, copy=True)
         if wc.ndim != 1 or wc.size == 0:
             raise ValueError(f"word_class must be a non-empty 1-D array, got shape {wc.shape}")
         if self.method not in METHODS:
