@@ -286,7 +286,8 @@ def test_killed_server_gives_error_then_retry_after_restart(
         first.kill()
         t0 = time.monotonic()
         failed = cpp.ask("score the european parliament", timeout=60.0)
-        assert failed.startswith("error 14 "), failed  # UNAVAILABLE, reported, not a crash
+        # UNAVAILABLE (or DEADLINE_EXCEEDED while reconnecting), reported, not a crash.
+        assert failed.startswith(("error 14 ", "error 4 ")), failed
         assert time.monotonic() - t0 < 30.0
         assert cpp.proc.poll() is None
         second = Server(tiny_model_path, log, port=port)
