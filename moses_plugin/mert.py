@@ -461,3 +461,39 @@ def fix_features(ranges: list[FeatureRange], names: Iterable[str], layout: Layou
                 out[i] = FeatureRange(False, r.lo, r.hi, r.init_lo, r.init_hi)
         pos += n
     return out
+
+
+def weights_from_totals(paths: Sequence[str], layout: Layout, *, skip_bad: bool = False) -> tuple[Weights, float]:
+    """The weights the decoder used, recovered from the lists' total column by least squares.
+
+    Totals and features are centred per sentence first, so a per-sentence constant the
+    list does not show (e.g. an untuned unknown-word penalty) does not disturb the fit.
+    Returns the weights and the largest absolute residual.
+    """
+    xs, ys = [], []
+    for path in paths:
+        for group in iter_sentences(path, skip_bad=skip_bad):
+            if group[0].layout() != layout:
+                continue
+            matrix = group_arrays(group, layout, path)
+            totals = np.asarray([e.total for e in group])
+            xs.append(matrix - matrix.mean(axis=0))
+            ys.append(totals - totals.mean())
+    if not xs:
+        raise InputError("no hypotheses with the expected features to fit weights to")
+    x, y = np.vstack(xs), np.concatenate(ys)
+    w, *_ = np.linalg.lstsq(x, y, rcond=None)
+    residual = float(np.abs(x @ w - y).max()) if len(y) else 0.0
+    return Weights.from_flat(layout, w.tolist()), residual
+
+
+def merge(into: MertData, other: MertData) -> int:
+    """Add ``other``'s hypotheses not in ``into`` (same layout); returns how many were new."""
+    if other.layout != into.layout:
+        raise InputError(f"feature layouts differ: {other.layout} vs {into.layout}")
+    added = 0
+    for sent in sorted(other.feats):
+        new = _new_indices(into, sent, other.feats[sent], other.stats[sent])
+        if new:
+            added += into.add(sent, other.feats[sent][new], other.stats[sent][new], [other.hyps[sent][i] for i in new])
+    return added

@@ -24,7 +24,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field
-from typing import IO, Iterator, Sequence
+from typing import IO, Iterator, Sequence, cast
 
 from nlmserve.errors import NbestFormatError
 
@@ -89,7 +89,7 @@ def is_gzip(path: str | os.PathLike[str]) -> bool:
 def open_binary(path: str | os.PathLike[str]) -> IO[bytes]:
     """Open a plain or gzip file for binary reading (gzip detected by its magic bytes)."""
     if is_gzip(path):
-        return gzip.open(path, "rb")
+        return cast(IO[bytes], gzip.open(path, "rb"))
     return open(path, "rb")
 
 
@@ -275,7 +275,9 @@ class NbestWriter:
         self.tmp_path = self.path + ".tmp"
         raw_handle = open(self.tmp_path, "wb")
         self._raw = raw_handle
-        self._handle: IO[bytes] = gzip.GzipFile(fileobj=raw_handle, mode="wb", mtime=0) if self.path.endswith(".gz") else raw_handle
+        self._handle: IO[bytes] = raw_handle
+        if self.path.endswith(".gz"):
+            self._handle = cast(IO[bytes], gzip.GzipFile(fileobj=raw_handle, mode="wb", mtime=0))
         self.lines = 0
 
     def write(self, line: str) -> None:

@@ -1,0 +1,212 @@
+"""``nlmserve rescore | tune | rerank | bleu | experiment``: parse and dispatch.
+
+Heavy work lives in the modules; each handler imports what it needs when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from typing import Any
+
+from nlmserve.errors import InputError
+
+log = logging.getLogger(__name__)
+
+
+def register(subparsers: Any) -> None:
+    _register_rescore(subparsers)
+    _register_tune(subparsers)
+    _register_rerank(subparsers)
+    _register_bleu(subparsers)
+    _register_experiment(subparsers)
+
+
+def _register_rescore(subparsers: Any) -> None:
+    p = subparsers.add_parser("rescore", help="add the neural LM's sentence log-probability to an n-best list")
+    p.add_argument("--server", required=True, help="HOST:PORT of `nlmserve serve`")
+    p.add_argument("--nbest", required=True, help="Moses n-best list (plain or gzip)")
+    p.add_argument("--out", required=True, help="output n-best list (gzip when it ends in .gz)")
+    p.add_argument("--feature-name", default="NLM0", help="name of the new dense feature (no '_'; default NLM0)")
+    p.add_argument("--lowercase", action="store_true", help="lowercase hypotheses before scoring")
+    p.add_argument("--skip-bad", action="store_true", help="count and drop malformed lines instead of failing")
+    p.add_argument("--batch-ngrams", type=int, default=50_000, help="n-grams per batch and checkpoint (default 50000)")
+    p.add_argument("--wait-server", type=float, default=60.0, help="seconds to wait for a lost server (default 60)")
+    p.add_argument("--timeout", type=float, default=60.0, help="per-request timeout in seconds (default 60)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_rescore)
+
+
+def _register_tune(subparsers: Any) -> None:
+    p = subparsers.add_parser("tune", help="MERT on n-best lists (union over lists), BLEU by sacrebleu")
+    p.add_argument("--nbest", nargs="+", required=True, help="n-best lists, e.g. of successive decoder runs")
+    p.add_argument("--ref", nargs="+", required=True, help="reference files (one per reference set)")
+    p.add_argument("--out", required=True, help="weights path: writes OUT.ini ([weight] section) and OUT.txt (weights.txt)")
+    p.add_argument("--init", help="initial weights: moses.ini or weights.txt (default: the decoder's, fitted to the totals)")
+    p.add_argument("--restarts", type=int, default=5, help="random restarts (default 5)")
+    p.add_argument("--random-directions", type=int, default=3, help="random directions per sweep (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--lowercase", action="store_true", help="lowercased BLEU")
+    p.add_argument("--tokenize", default="none", help="sacrebleu tokenizer (default none: lists are tokenised)")
+    p.add_argument("--features", nargs="+", help="tune only these feature groups (default: all in the list)")
+    p.add_argument("--fix", nargs="+", default=[], help="feature groups held at their initial weights")
+    p.add_argument("--range", nargs="+", default=[], dest="ranges", metavar="NAME[:i]=LO..HI",
+                   help="bounds of weights (empty side: unbounded), e.g. WordPenalty0=-1..0")
+    p.add_argument("--no-normalize", action="store_true", help="do not L1-normalise the result")
+    p.add_argument("--ffile", help="also write the features in Moses' extractor text format")
+    p.add_argument("--scfile", help="also write the BLEU statistics in Moses' extractor text format")
+    p.add_argument("--prev-ffile", help="previous extractor feature file to merge (with --prev-scfile)")
+    p.add_argument("--prev-scfile", help="previous extractor score file to merge")
+    p.add_argument("--skip-bad", action="store_true", help="skip malformed n-best lines")
+    p.set_defaults(func=_tune)
+
+
+def _register_rerank(subparsers: Any) -> None:
+    p = subparsers.add_parser("rerank", help="1-best per sentence under a set of weights")
+    p.add_argument("--nbest", required=True, help="n-best list")
+    p.add_argument("--weights", required=True, help="moses.ini ([weight] section) or weights.txt")
+    p.add_argument("--out", required=True, help="output: one hypothesis per line")
+    p.add_argument("--skip-bad", action="store_true", help="skip malformed n-best lines")
+    p.set_defaults(func=_rerank)
+
+
+def _register_bleu(subparsers: Any) -> None:
+    p = subparsers.add_parser("bleu", help="sacrebleu BLEU with signature; paired bootstrap against --baseline")
+    p.add_argument("--hyp", required=True, help="system output, one sentence per line")
+    p.add_argument("--ref", nargs="+", required=True, help="reference files")
+    p.add_argument("--baseline", help="baseline output: adds sacrebleu's paired bootstrap p-value")
+    p.add_argument("--samples", type=int, default=1000, help="bootstrap resamples (default 1000)")
+    p.add_argument("--lowercase", action="store_true", help="lowercased BLEU")
+    p.add_argument("--tokenize", default="none", help="sacrebleu tokenizer (default none: tokenised text)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_bleu)
+
+
+def _register_experiment(subparsers: Any) -> None:
+    from nlmserve.moses_plugin.experiment import add_arguments
+
+    p = subparsers.add_parser("experiment", help="train, serve, rescore, tune with and without NLM0, report BLEU")
+    add_arguments(p)
+    p.set_defaults(func=_experiment)
+
+
+def _rescore(args: argparse.Namespace) -> int:
+    from nlmserve.moses_plugin.rescore import RescoreConfig, rescore
+
+    config = RescoreConfig(
+        feature_name=args.feature_name,
+        lowercase=args.lowercase,
+        skip_bad=args.skip_bad,
+        batch_ngrams=args.batch_ngrams,
+        wait_server=args.wait_server,
+        progress=not args.no_progress,
+    )
+
+    def connect() -> Any:
+        from nlmserve.client import LMClient
+
+        return LMClient(args.server, timeout=args.timeout)
+
+    stats = rescore(args.nbest, args.out, connect, config)
+    rate = stats.seconds or float("nan")
+    print(f"rescored {stats.sentences} sentences, {stats.hypotheses} hypotheses into {args.out}"
+          f" ({stats.resumed_sentences} sentences resumed from a checkpoint)")
+    print(f"n-grams {stats.ngrams}, distinct {stats.distinct_ngrams} (dedup rate {stats.dedup_rate:.3f}),"
+          f" {stats.hypotheses / rate:.1f} hyp/s, {stats.ngrams / rate:.1f} n-grams/s, model {stats.model_hash}")
+    if stats.bad_lines:
+        print(f"skipped {stats.bad_lines} malformed lines, e.g. {stats.bad_examples[0]}")
+    return 0
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from nlmserve.moses_plugin import extractor, mert
+    from nlmserve.moses_plugin.bleu import BleuConfig, SentenceStats, full_signature, read_references
+    from nlmserve.moses_plugin.nbest import write_text_atomic
+    from nlmserve.moses_plugin.weights import load_weights, to_moses_ini, to_weights_txt
+
+    bleu_config = BleuConfig(lowercase=args.lowercase, tokenize=args.tokenize)
+    scorer = SentenceStats(bleu_config, read_references(args.ref))
+    data = mert.load_nbest_data(args.nbest, scorer, features=args.features, skip_bad=args.skip_bad)
+    if bool(args.prev_ffile) != bool(args.prev_scfile):
+        raise InputError("--prev-ffile and --prev-scfile go together")
+    if args.prev_ffile:
+        added = mert.merge(data, extractor.load(args.prev_ffile, args.prev_scfile))
+        log.info("merged %d hypotheses from %s", added, args.prev_ffile)
+    if args.init:
+        init = load_weights(args.init, data.layout).for_layout(data.layout, default=0.0)
+    else:
+        init, residual = mert.weights_from_totals(args.nbest, data.layout, skip_bad=args.skip_bad)
+        log.info("initial weights fitted to the totals (largest residual %.3g)", residual)
+    ranges = mert.fix_features(mert.parse_ranges(args.ranges, data.layout), args.fix, data.layout)
+    config = mert.MertConfig(restarts=args.restarts, random_directions=args.random_directions,
+                             seed=args.seed, normalize=not args.no_normalize)
+    result = mert.tune(data, scorer, init, ranges, config)
+    stem = _strip_suffix(args.out)
+    write_text_atomic(stem + ".ini", to_moses_ini(result.weights))
+    write_text_atomic(stem + ".txt", to_weights_txt(result.weights))
+    if args.ffile or args.scfile:
+        extractor.save(data, args.ffile or stem + ".features.dat", args.scfile or stem + ".scores.dat")
+    signature = full_signature(scorer.metric.get_signature().format(), result.weights.as_dict())
+    print(f"BLEU {result.bleu:.2f} on the tuning lists (start {result.start_bleu:.2f}),"
+          f" {data.n_hypotheses} hypotheses of {len(data.feats)} sentences, {result.line_searches} line searches")
+    print(f"signature {signature}")
+    print(to_moses_ini(result.weights), end="")
+    print(f"wrote {stem}.ini and {stem}.txt")
+    return 0
+
+
+def _strip_suffix(path: str) -> str:
+    root, ext = os.path.splitext(path)
+    return root if ext in (".ini", ".txt") else path
+
+
+def _rerank(args: argparse.Namespace) -> int:
+    from nlmserve.moses_plugin.nbest import write_text_atomic
+    from nlmserve.moses_plugin.rerank import rerank
+    from nlmserve.moses_plugin.weights import load_weights
+
+    weights = load_weights(args.weights, _layout_of(args.nbest))
+    result = rerank(args.nbest, weights, skip_bad=args.skip_bad)
+    write_text_atomic(args.out, "".join(h + "\n" for h in result.hyps))
+    print(f"wrote {len(result.hyps)} lines to {args.out} ({len(result.missing)} sentences without hypotheses)")
+    return 0
+
+
+def _layout_of(path: str) -> tuple[tuple[str, int], ...] | None:
+    from nlmserve.moses_plugin.nbest import iter_entries
+
+    for entry in iter_entries(path, skip_bad=True):
+        return entry.layout()
+    return None
+
+
+def _bleu(args: argparse.Namespace) -> int:
+    from nlmserve.moses_plugin.bleu import BleuConfig, corpus_bleu, paired_bootstrap, read_references
+    from nlmserve.moses_plugin.nbest import read_lines
+
+    config = BleuConfig(lowercase=args.lowercase, tokenize=args.tokenize)
+    hyps = read_lines(args.hyp)
+    refs = read_references(args.ref)
+    score, signature = corpus_bleu(hyps, refs, config)
+    out: dict[str, Any] = {"bleu": score.score, "score": str(score), "signature": signature}
+    if args.baseline:
+        paired = paired_bootstrap(read_lines(args.baseline), hyps, refs, config, args.samples)
+        out.update(baseline_bleu=paired.baseline_bleu, p_value=paired.p_value, paired_signature=paired.signature,
+                   mean=paired.system_mean, ci95=paired.system_ci)
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"{score} {signature}")
+    if args.baseline:
+        print(f"baseline BLEU {out['baseline_bleu']:.2f}, system {score.score:.2f}"
+              f" ({out['mean']:.2f} ± {out['ci95']:.2f}), paired bootstrap p = {out['p_value']:.4f}"
+              f" [{out['paired_signature']}]")
+    return 0
+
+
+def _experiment(args: argparse.Namespace) -> int:
+    from nlmserve.moses_plugin.experiment import run_from_args
+
+    return run_from_args(args)

@@ -1,0 +1,207 @@
+"""``nlmserve experiment`` (``make demo``): the whole path on shipped data.
+
+train a small NLM (``nlmserve train``, subprocess) → serve it (``nlmserve serve --port 0``,
+subprocess) → rescore the dev and test n-best lists → MERT on dev without and with NLM0
+→ rerank test → BLEU, paired bootstrap p-values → a table (Markdown, JSON, PNG).
+
+Every step writes its output into the work directory and is skipped when that output
+exists, so a rerun resumes where an interrupted one stopped (training resumes from its
+own checkpoint, rescoring from its sidecar). The server is stopped in ``finally``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from nlmserve.errors import NlmserveError
+
+log = logging.getLogger(__name__)
+
+DATA = Path("data")
+NEWS = DATA / "nbest" / "newstest-fr-en"
+FEATURE = "NLM0"
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """Inputs and settings of one experiment (paths relative to the current directory).
+
+    Fields:
+        workdir: where every output goes (and where a rerun resumes from).
+        train_text / valid_text: the NLM's training and validation text.
+        dev_nbest / dev_ref / test_nbest / test_ref: n-best lists and references.
+        minutes: training wall-time budget; train_args: extra ``nlmserve train`` flags.
+        model: use this model file instead of training one.
+        server: use this running server (HOST:PORT) instead of starting one.
+        restarts / seed: MERT random restarts and seed.
+        samples: paired bootstrap resamples.
+        lowercase: lowercase hypotheses for the LM and BLEU (the shipped data already is).
+    """
+
+    workdir: str = "runs/demo"
+    train_text: str = str(DATA / "lm" / "europarl.train.50k.lc-moses.en.xz")
+    valid_text: str = str(DATA / "lm" / "europarl.dev.1k.lc-moses.en")
+    dev_nbest: str = str(NEWS / "newstest2012.300.nbest.gz")
+    dev_ref: tuple[str, ...] = (str(NEWS / "newstest2012.300.ref"),)
+    test_nbest: str = str(NEWS / "newstest2013.300.nbest.gz")
+    test_ref: tuple[str, ...] = (str(NEWS / "newstest2013.300.ref"),)
+    minutes: float = 4.0
+    train_args: tuple[str, ...] = ("--order", "5", "--dim", "128", "--min-count", "2", "--threads", "2")
+    model: str | None = None
+    server: str | None = None
+    restarts: int = 5
+    seed: int = 0
+    samples: int = 1000
+    lowercase: bool = False
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = ExperimentConfig()
+    p.add_argument("--workdir", default=d.workdir, help=f"outputs, reused on a rerun (default {d.workdir})")
+    p.add_argument("--train-text", default=d.train_text, help="NLM training text")
+    p.add_argument("--valid-text", default=d.valid_text, help="NLM validation text")
+    p.add_argument("--dev-nbest", default=d.dev_nbest, help="tuning n-best list")
+    p.add_argument("--dev-ref", nargs="+", default=list(d.dev_ref), help="tuning references")
+    p.add_argument("--test-nbest", default=d.test_nbest, help="test n-best list")
+    p.add_argument("--test-ref", nargs="+", default=list(d.test_ref), help="test references")
+    p.add_argument("--minutes", type=float, default=d.minutes, help=f"training budget (default {d.minutes})")
+    p.add_argument("--train-args", default=" ".join(d.train_args), help="extra `nlmserve train` flags (one string)")
+    p.add_argument("--model", help="use this model file (no training)")
+    p.add_argument("--server", help="use this running server HOST:PORT (no model, no serve)")
+    p.add_argument("--restarts", type=int, default=d.restarts, help="MERT random restarts")
+    p.add_argument("--seed", type=int, default=d.seed, help="MERT seed")
+    p.add_argument("--samples", type=int, default=d.samples, help="paired bootstrap resamples")
+    p.add_argument("--lowercase", action="store_true", help="lowercase hypotheses (LM and BLEU)")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    config = ExperimentConfig(
+        workdir=args.workdir, train_text=args.train_text, valid_text=args.valid_text,
+        dev_nbest=args.dev_nbest, dev_ref=tuple(args.dev_ref), test_nbest=args.test_nbest,
+        test_ref=tuple(args.test_ref), minutes=args.minutes, train_args=tuple(args.train_args.split()),
+        model=args.model, server=args.server, restarts=args.restarts, seed=args.seed,
+        samples=args.samples, lowercase=args.lowercase,
+    )
+    from nlmserve.moses_plugin.report import format_table
+
+    report = run(config)
+    print(format_table(report))
+    print(f"wrote {report['files']['markdown']}, {report['files']['json']} and {report['files']['chart']}")
+    return 0
+
+
+def nlmserve_command() -> list[str]:
+    """How to run the ``nlmserve`` CLI of this installation in a subprocess."""
+    return [sys.executable, "-m", "nlmserve.cli"]
+
+
+def train_model(config: ExperimentConfig, out: Path) -> Path:
+    """``nlmserve train`` in a subprocess (resuming its checkpoint); skipped when ``out`` exists."""
+    if out.exists():
+        log.info("model %s exists; not training", out)
+        return out
+    cmd = [*nlmserve_command(), "train", "--train", config.train_text, "--valid", config.valid_text,
+           "--out", str(out), "--max-minutes", str(config.minutes), "--resume", "--no-progress", *config.train_args]
+    log.info("training: %s", " ".join(cmd))
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, check=False)
+    if done.returncode != 0 or not out.exists():
+        raise NlmserveError(f"training failed (exit {done.returncode}): {' '.join(cmd)}")
+    return out
+
+
+@dataclass
+class ServerProcess:
+    """``nlmserve serve --port 0`` in a subprocess; ``target`` once it printed its address."""
+
+    process: subprocess.Popen[str]
+    target: str
+    lines: list[str] = field(default_factory=list)
+
+    def stop(self, grace: float = 15.0) -> None:
+        if self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(grace)
+        except subprocess.TimeoutExpired:
+            log.warning("server %d did not stop in %.0f s; killing it", self.process.pid, grace)
+            self.process.kill()
+            self.process.wait()
+
+
+def start_server(model: Path, extra: list[str] | None = None, timeout: float = 180.0) -> ServerProcess:
+    """Start ``nlmserve serve --model M --port 0`` and wait for ``listening on HOST:PORT``."""
+    cmd = [*nlmserve_command(), "serve", "--model", str(model), "--port", "0", *(extra or [])]
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, bufsize=1)
+    found: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            found.append(line.rstrip("\n"))
+            if line.startswith("listening on "):
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not ready.wait(timeout) or not any(x.startswith("listening on ") for x in found):
+        process.kill()
+        process.wait()
+        raise NlmserveError(f"server did not start: {' '.join(cmd)} (output: {found[-3:]})")
+    target = next(x for x in found if x.startswith("listening on ")).split("listening on ", 1)[1].strip()
+    log.info("server %d listening on %s", process.pid, target)
+    return ServerProcess(process, target, found)
+
+
+def _step(path: Path, make: Callable[[], Any]) -> None:
+    if path.exists():
+        log.info("%s exists; reusing it", path)
+        return
+    make()
+
+
+def run(config: ExperimentConfig) -> dict[str, Any]:
+    """Run (or resume) the experiment; returns the report also saved as JSON."""
+    from nlmserve.moses_plugin.pipeline import Pipeline
+
+    work = Path(config.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    server: ServerProcess | None = None
+    try:
+        target = config.server
+        if target is None:
+            model = Path(config.model) if config.model else train_model(config, work / "nlm.model")
+            server = start_server(model)
+            target = server.target
+        pipeline = Pipeline(config, work, target)
+        report = pipeline.run()
+    finally:
+        if server is not None:
+            server.stop()
+    report["seconds"] = time.monotonic() - started
+    report["config"] = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(config).items()}
+    from nlmserve.moses_plugin.report import save_report
+
+    save_report(report, work)
+    return report
+
+
+def env_summary() -> dict[str, str]:
+    return {"python": sys.version.split()[0], "cwd": os.getcwd()}
+
+
+def _dump(obj: Any) -> str:
+    return json.dumps(obj, indent=2, sort_keys=True)

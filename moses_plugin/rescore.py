@@ -1,0 +1,384 @@
+"""Add the neural LM's sentence log-probability to every hypothesis of an n-best list.
+
+For each hypothesis ``w1 … wm`` the feature is ``ln p(w1 … wm </s> | <s>)``: the sum of
+the natural-log probabilities of its ``m + 1`` n-grams (contexts left-padded with
+``<s>``). Hypotheses of several sentences are batched: their n-grams are packed as ids
+(``client.vocabulary()``), the distinct ones are scored once (``client.score_ids``) and
+summed back per hypothesis.
+
+The output is written to ``OUT.partial`` and checkpointed after every batch (the number
+of finished sentences and the byte length of the partial output, in
+``OUT.progress.json``, written atomically after an fsync of the partial file). A killed
+run started again with the same arguments truncates the partial file to the last
+checkpoint and continues from there; batches are cut at the same sentences as in an
+uninterrupted run, so the finished file is the same byte for byte. It appears at
+``OUT`` only when complete (fsync + rename). A dead server is waited for, with
+backoff, up to ``wait_server`` seconds, then the client reconnects.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator, Protocol, Sequence
+
+import numpy as np
+
+from nlmserve.errors import InputError, NlmserveError, OverloadedError, ServerUnavailableError
+from nlmserve.moses_plugin.nbest import (
+    NbestEntry,
+    ReadStats,
+    add_feature,
+    check_feature_name,
+    fsync_dir,
+    iter_sentences,
+)
+
+log = logging.getLogger(__name__)
+
+BOS_ID, EOS_ID, UNK_ID = 1, 2, 0
+PROGRESS_VERSION = 1
+
+
+class NgramScores(Protocol):
+    log_probs: np.ndarray
+
+
+class ScoringClient(Protocol):
+    """What rescoring needs of ``nlmserve.client.LMClient``."""
+
+    @property
+    def order(self) -> int: ...
+
+    def vocabulary(self) -> dict[str, int]: ...
+
+    def score_ids(self, ids: np.ndarray, log_base: str = ..., normalized: bool = ...) -> Any: ...
+
+
+@dataclass(frozen=True)
+class RescoreConfig:
+    """Settings of one rescoring run.
+
+    Fields:
+        feature_name: name of the added dense feature (no ``_``: Moses reads it as sparse).
+        lowercase: lowercase hypotheses before looking words up (for lowercased models).
+        skip_bad: count and skip malformed n-best lines instead of failing.
+        batch_ngrams: n-grams (before de-duplication) gathered per batch; a batch always
+            ends at a sentence boundary and is one checkpoint.
+        request_ngrams: most distinct n-grams sent in one ``score_ids`` request.
+        wait_server: seconds to keep retrying (and reconnecting) when the server is gone.
+        progress: show a tqdm progress bar on stderr.
+    """
+
+    feature_name: str = "NLM0"
+    lowercase: bool = False
+    skip_bad: bool = False
+    batch_ngrams: int = 50_000
+    request_ngrams: int = 65_536
+    wait_server: float = 60.0
+    progress: bool = True
+
+
+@dataclass
+class RescoreStats:
+    """What a run did: counts, de-duplication and speed (this invocation only for timing)."""
+
+    sentences: int = 0
+    hypotheses: int = 0
+    ngrams: int = 0
+    distinct_ngrams: int = 0
+    bad_lines: int = 0
+    resumed_sentences: int = 0
+    reconnects: int = 0
+    seconds: float = 0.0
+    model_hash: str = ""
+    bad_examples: list[str] = field(default_factory=list)
+
+    @property
+    def dedup_rate(self) -> float:
+        """Distinct / total n-grams scored in this invocation (lower means more reuse)."""
+        return self.distinct_ngrams / self.ngrams if self.ngrams else 1.0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["dedup_rate"] = self.dedup_rate
+        return out
+
+
+class SentenceLM:
+    """Turns hypotheses into packed n-gram ids and sums scored n-grams per hypothesis."""
+
+    def __init__(self, vocab: dict[str, int], order: int, lowercase: bool) -> None:
+        if order < 1:
+            raise NlmserveError(f"model order {order} < 1")
+        self.vocab = vocab
+        self.order = order
+        self.lowercase = lowercase
+
+    def ngrams(self, hyps: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """All n-grams of ``hyps`` (N, order) uint32, and the hypothesis index of each row."""
+        pad = self.order - 1
+        get = self.vocab.get
+        seqs, owners = [], []
+        for h, hyp in enumerate(hyps):
+            words = hyp.lower().split() if self.lowercase else hyp.split()
+            ids = [get(w, UNK_ID) for w in words]
+            seqs.append(np.asarray([BOS_ID] * pad + ids + [EOS_ID], dtype=np.uint32))
+            owners.append(np.full(len(ids) + 1, h, dtype=np.int64))
+        windows = [np.lib.stride_tricks.sliding_window_view(s, self.order) for s in seqs]
+        if not windows:
+            return np.zeros((0, self.order), dtype=np.uint32), np.zeros(0, dtype=np.int64)
+        return np.concatenate(windows), np.concatenate(owners)
+
+
+def _unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct rows of a (N, n) uint32 array and the inverse index."""
+    contiguous = np.ascontiguousarray(rows)
+    keys = contiguous.view(np.dtype((np.void, contiguous.dtype.itemsize * contiguous.shape[1]))).ravel()
+    _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    return contiguous[first], inverse.reshape(-1)
+
+
+class Connection:
+    """A client plus what rescoring derived from it; reconnects with backoff when asked."""
+
+    def __init__(self, connect: Callable[[], ScoringClient], config: RescoreConfig, stats: RescoreStats) -> None:
+        self._connect = connect
+        self.config = config
+        self.stats = stats
+        self.client: ScoringClient | None = None
+        self.lm: SentenceLM | None = None
+        self.model_hash = ""
+
+    def open(self) -> SentenceLM:
+        deadline = time.monotonic() + self.config.wait_server
+        delay = 0.2
+        while True:
+            try:
+                client = self._connect()
+                vocab = client.vocabulary()
+                order = int(client.order)
+                info = getattr(client, "info", None)
+                model_hash = str(getattr(info, "model_hash", "")) if info is not None else ""
+                break
+            except (ServerUnavailableError, OverloadedError, ConnectionError, OSError) as exc:
+                if time.monotonic() + delay > deadline:
+                    raise ServerUnavailableError(f"server unreachable for {self.config.wait_server:.0f} s: {exc}") from exc
+                log.warning("server unreachable (%s); retrying in %.1f s", exc, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        if self.model_hash and model_hash and model_hash != self.model_hash:
+            raise NlmserveError(f"the server now serves model {model_hash}, not {self.model_hash}; rescoring stopped")
+        self.model_hash = model_hash or self.model_hash
+        self.close()
+        self.client = client
+        self.lm = SentenceLM(vocab, order, self.config.lowercase)
+        return self.lm
+
+    def score(self, ids: np.ndarray) -> np.ndarray:
+        """Natural-log probabilities of the rows of ``ids``, retrying through server outages."""
+        deadline = time.monotonic() + self.config.wait_server
+        delay = 0.2
+        while True:
+            try:
+                if self.client is None:
+                    self.open()
+                assert self.client is not None
+                out = []
+                for start in range(0, len(ids), self.config.request_ngrams):
+                    chunk = ids[start : start + self.config.request_ngrams]
+                    result = self.client.score_ids(chunk, log_base="ln", normalized=True)
+                    out.append(np.asarray(result.log_probs, dtype=np.float64))
+                return np.concatenate(out) if out else np.zeros(0)
+            except (ServerUnavailableError, OverloadedError, ConnectionError, TimeoutError) as exc:
+                if time.monotonic() + delay > deadline:
+                    raise ServerUnavailableError(f"server unreachable for {self.config.wait_server:.0f} s: {exc}") from exc
+                log.warning("server unavailable (%s); reconnecting in %.1f s", exc, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                self.close()
+                self.stats.reconnects += 1
+
+    def close(self) -> None:
+        client, self.client = self.client, None
+        closer = getattr(client, "close", None)
+        if callable(closer):
+            try:
+                closer()
+            except Exception:  # noqa: BLE001 - closing a broken channel must not mask the real error
+                log.debug("closing the old client failed", exc_info=True)
+
+
+def score_batch(conn: Connection, groups: Sequence[Sequence[NbestEntry]], stats: RescoreStats) -> list[np.ndarray]:
+    """Sentence log-probabilities of every hypothesis, per group."""
+    lm = conn.lm if conn.lm is not None else conn.open()
+    hyps = [e.hyp for g in groups for e in g]
+    rows, owners = lm.ngrams(hyps)
+    distinct, inverse = _unique_rows(rows)
+    scores = conn.score(distinct) if len(distinct) else np.zeros(0)
+    if len(scores) != len(distinct):
+        raise NlmserveError(f"server returned {len(scores)} scores for {len(distinct)} n-grams")
+    per_hyp = np.bincount(owners, weights=scores[inverse], minlength=len(hyps))
+    stats.ngrams += len(rows)
+    stats.distinct_ngrams += len(distinct)
+    out, pos = [], 0
+    for g in groups:
+        out.append(per_hyp[pos : pos + len(g)])
+        pos += len(g)
+    return out
+
+
+def _batches(groups: Iterator[list[NbestEntry]], batch_ngrams: int) -> Iterator[list[list[NbestEntry]]]:
+    batch: list[list[NbestEntry]] = []
+    size = 0
+    for group in groups:
+        batch.append(group)
+        size += sum(len(e.hyp.split()) + 1 for e in group)
+        if size >= batch_ngrams:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+class Checkpoint:
+    """The sidecar ``OUT.progress.json``: which run it belongs to and how far it got."""
+
+    def __init__(self, out_path: str, identity: dict[str, Any]) -> None:
+        self.path = out_path + ".progress.json"
+        self.partial = out_path + ".partial"
+        self.identity = identity
+
+    def load(self) -> tuple[int, int, str]:
+        """(sentences done, bytes of partial output, model hash) to resume from, or zeros."""
+        if not (os.path.exists(self.path) and os.path.exists(self.partial)):
+            return 0, 0, ""
+        try:
+            with open(self.path, encoding="utf-8") as handle:
+                state = json.load(handle)
+        except (OSError, ValueError) as exc:
+            log.warning("ignoring unreadable checkpoint %s (%s)", self.path, exc)
+            return 0, 0, ""
+        if state.get("identity") != self.identity or state.get("version") != PROGRESS_VERSION:
+            log.warning("checkpoint %s is for another run; starting over", self.path)
+            return 0, 0, ""
+        done, size = int(state["sentences_done"]), int(state["bytes_written"])
+        if os.path.getsize(self.partial) < size:
+            raise InputError(f"partial output is shorter ({os.path.getsize(self.partial)} bytes) than checkpointed ({size})", self.partial)
+        return done, size, str(state.get("model_hash", ""))
+
+    def save(self, done: int, size: int, model_hash: str) -> None:
+        state = {"version": PROGRESS_VERSION, "identity": self.identity, "sentences_done": done,
+                 "bytes_written": size, "model_hash": model_hash}
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as handle:
+            json.dump(state, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, self.path)
+
+    def remove(self) -> None:
+        for path in (self.path, self.partial):
+            if os.path.exists(path):
+                os.remove(path)
+
+
+def rescore(
+    nbest_path: str,
+    out_path: str,
+    connect: Callable[[], ScoringClient],
+    config: RescoreConfig = RescoreConfig(),
+    *,
+    on_checkpoint: Callable[[int], None] | None = None,
+) -> RescoreStats:
+    """Rescore ``nbest_path`` into ``out_path`` (resuming a checkpointed earlier run).
+
+    ``on_checkpoint(sentences_done)`` is called after each checkpoint is durable.
+    """
+    check_feature_name(config.feature_name)
+    if not os.path.exists(nbest_path):
+        raise InputError("no such n-best list", nbest_path)
+    stat = os.stat(nbest_path)
+    identity = {"input": os.path.abspath(nbest_path), "input_size": stat.st_size, "input_mtime_ns": stat.st_mtime_ns,
+                "feature_name": config.feature_name, "lowercase": config.lowercase, "skip_bad": config.skip_bad,
+                "batch_ngrams": config.batch_ngrams}
+    checkpoint = Checkpoint(out_path, identity)
+    done, size, model_hash = checkpoint.load()
+    stats = RescoreStats(resumed_sentences=done)
+    conn = Connection(connect, config, stats)
+    conn.model_hash = model_hash
+    conn.open()
+    stats.model_hash = conn.model_hash
+    if done:
+        log.info("resuming %s after %d sentences (%d bytes)", out_path, done, size)
+    read_stats = ReadStats()
+    started = time.monotonic()
+    mode = "r+b" if done else "wb"
+    with open(checkpoint.partial, mode) as out:
+        out.truncate(size)
+        out.seek(size)
+        groups = iter_sentences(nbest_path, skip_bad=config.skip_bad, stats=read_stats)
+        for _ in range(done):
+            if next(groups, None) is None:
+                raise InputError(f"checkpoint says {done} sentences were done but the list is shorter", nbest_path)
+        bar = _progress_bar(config.progress, done)
+        try:
+            for batch in _batches(groups, config.batch_ngrams):
+                values = score_batch(conn, batch, stats)
+                text = "".join(add_feature(e, config.feature_name, [v]) for g, vs in zip(batch, values) for e, v in zip(g, vs))
+                out.write(text.encode("utf-8"))
+                out.flush()
+                os.fsync(out.fileno())
+                done += len(batch)
+                stats.sentences += len(batch)
+                stats.hypotheses += sum(len(g) for g in batch)
+                checkpoint.save(done, out.tell(), conn.model_hash)
+                _advance(bar, len(batch), stats, time.monotonic() - started)
+                if on_checkpoint is not None:
+                    on_checkpoint(done)
+        finally:
+            if bar is not None:
+                bar.close()
+            conn.close()
+    _finish(checkpoint.partial, out_path)
+    checkpoint.remove()
+    stats.bad_lines = read_stats.bad_lines
+    stats.bad_examples = read_stats.bad_examples
+    stats.seconds = time.monotonic() - started
+    return stats
+
+
+def _finish(partial: str, out_path: str) -> None:
+    """Move the complete partial output to ``out_path`` (gzip when it ends in .gz), atomically."""
+    if out_path.endswith(".gz"):
+        tmp = out_path + ".tmp"
+        with open(partial, "rb") as src, open(tmp, "wb") as raw:
+            with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+            raw.flush()
+            os.fsync(raw.fileno())
+        os.replace(tmp, out_path)
+    else:
+        os.replace(partial, out_path)
+    fsync_dir(out_path)
+
+
+def _progress_bar(enabled: bool, initial: int) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(initial=initial, unit="sent", desc="rescore", dynamic_ncols=True, leave=False)
+
+
+def _advance(bar: Any, n: int, stats: RescoreStats, elapsed: float) -> None:
+    if bar is None:
+        return
+    bar.update(n)
+    if elapsed > 0:
+        bar.set_postfix(ngrams_s=f"{stats.ngrams / elapsed:,.0f}", distinct=f"{stats.dedup_rate:.1%}", refresh=False)
