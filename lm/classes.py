@@ -261,101 +261,128 @@ def exchange(
     the highest class-bigram log-likelihood, unless the word is alone in its class (no class
     may become empty). Returns the new ``word_class`` (V,) int64; the likelihood never drops.
     """
-    wc = np.array(init, dtype=np.int64)
-    V = wc.size
-    K = int(wc.max()) + 1
-    left = np.asarray(left, dtype=np.int64)
-    right = np.asarray(right, dtype=np.int64)
-    cnt = np.asarray(count, dtype=np.float64)
-    total = float(cnt.sum())
-    if total <= 0:
-        return wc
-    self_pair = left == right
-    self_count = np.bincount(left[self_pair], weights=cnt[self_pair], minlength=V)
-    n_as_left = np.bincount(left, weights=cnt, minlength=V)  # (V,) all bigrams with w on the left
-    n_as_right = np.bincount(right, weights=cnt, minlength=V)
-    other = ~self_pair
-    # CSR of right neighbours (w, v), v != w, and of left neighbours (u, w), u != w.
-    r_nb, r_cnt, r_ptr = _csr(left[other], right[other], cnt[other], V)
-    l_nb, l_cnt, l_ptr = _csr(right[other], left[other], cnt[other], V)
-
-    m = np.bincount(wc[left] * K + wc[right], weights=cnt, minlength=K * K).reshape(K, K)  # (K, K)
-    f_m = _xlogx(m)
-    n_left = np.bincount(wc, weights=n_as_left, minlength=K)  # (K,)
-    n_right = np.bincount(wc, weights=n_as_right, minlength=K)
-    sizes = np.bincount(wc, minlength=K)
-
-    freq = n_as_left + n_as_right
-    tie = np.random.default_rng(config.seed).permutation(V)
-    visit = np.lexsort((tie, -freq))
-    visit = visit[freq[visit] > 0]
-
-    ll = class_bigram_log_likelihood(left, right, cnt, wc)
+    state = _ExchangeState(left, right, count, init)
+    if state.total <= 0:
+        return state.wc
+    tie = np.random.default_rng(config.seed).permutation(state.V)
+    visit = np.lexsort((tie, -state.freq))
+    visit = visit[state.freq[visit] > 0]
+    ll = class_bigram_log_likelihood(left, right, count, state.wc)
     logger.info("exchange: %d words, %d classes, %d bigram types; start log-lik/token %.5f",
-                V, K, left.size, ll / total)
+                state.V, state.K, np.size(left), ll / state.total)
     for it in range(1, config.max_iterations + 1):
         t0 = time.perf_counter()
-        gained = 0.0
-        moved = 0
+        gained, moved = 0.0, 0
         for w in visit:
-            c = wc[w]
-            if sizes[c] == 1:
-                continue
-            r = np.bincount(wc[r_nb[r_ptr[w] : r_ptr[w + 1]]], weights=r_cnt[r_ptr[w] : r_ptr[w + 1]], minlength=K)
-            lv = np.bincount(wc[l_nb[l_ptr[w] : l_ptr[w + 1]]], weights=l_cnt[l_ptr[w] : l_ptr[w + 1]], minlength=K)
-            dr = np.flatnonzero(r)
-            dl = np.flatnonzero(lv)
-            s, nl, nr = self_count[w], n_as_left[w], n_as_right[w]
-            # take w out of c
-            _move(m, f_m, c, dr, r, dl, lv, s, -1.0)
-            n_left[c] -= nl
-            n_right[c] -= nr
-            # gain[k] = change of the log-likelihood when w joins class k
-            rr = r[dr]
-            ll_ = lv[dl]
-            gain = (_xlogx(m[:, dr] + rr) - f_m[:, dr]).sum(axis=1)  # (K,): row k gets r
-            gain += (_xlogx(m[dl, :] + ll_[:, None]) - f_m[dl, :]).sum(axis=0)  # column k gets l
-            diag = np.diagonal(m)
-            f_diag = np.diagonal(f_m)
-            # the (k, k) cell gets r[k] + l[k] + s at once, not r[k] and l[k] separately
-            gain += _xlogx(diag + r + lv + s) - _xlogx(diag + r) - _xlogx(diag + lv) + f_diag
-            gain -= _xlogx(n_left + nl) - _xlogx(n_left) + _xlogx(n_right + nr) - _xlogx(n_right)
-            best = int(np.argmax(gain))
-            if gain[best] <= gain[c] + 1e-9 * (1.0 + abs(gain[c])):
-                best = int(c)
-            else:
-                gained += float(gain[best] - gain[c])
+            gain = state.best_move(int(w))
+            if gain > 0.0:
+                gained += gain
                 moved += 1
-                sizes[c] -= 1
-                sizes[best] += 1
-                wc[w] = best
-            _move(m, f_m, best, dr, r, dl, lv, s, 1.0)
-            n_left[best] += nl
-            n_right[best] += nr
         ll += gained
         logger.info("exchange pass %d: moved %d words, log-lik/token %.5f (+%.5f), %.1f s",
-                    it, moved, ll / total, gained / total, time.perf_counter() - t0)
-        if moved == 0 or gained / total < config.tolerance:
+                    it, moved, ll / state.total, gained / state.total, time.perf_counter() - t0)
+        if moved == 0 or gained / state.total < config.tolerance:
             break
-    return wc
+    return state.wc
+
+
+class _ExchangeState:
+    """Class-bigram counts of a partition, kept up to date while single words move.
+
+    ``m`` (K, K) counts class bigrams, ``f_m`` = xlogx(m); ``n_left`` / ``n_right`` (K,)
+    count bigram tokens whose left / right word is in each class. Moving word w touches
+    only row and column of its old and new class.
+    """
+
+    def __init__(self, left: np.ndarray, right: np.ndarray, count: np.ndarray, init: np.ndarray) -> None:
+        self.wc = np.array(init, dtype=np.int64)
+        V = self.V = self.wc.size
+        K = self.K = int(self.wc.max()) + 1
+        left = np.asarray(left, dtype=np.int64)
+        right = np.asarray(right, dtype=np.int64)
+        cnt = np.asarray(count, dtype=np.float64)
+        if left.shape != right.shape or left.shape != cnt.shape:
+            raise ValueError("left, right and count must have the same length")
+        if left.size and (min(left.min(), right.min()) < 0 or max(left.max(), right.max()) >= V):
+            raise ValueError(f"bigram word ids must lie in [0, {V}) (the length of init)")
+        self.total = float(cnt.sum())
+        self_pair = left == right
+        self.self_count = np.bincount(left[self_pair], weights=cnt[self_pair], minlength=V)  # (V,)
+        self.n_as_left = np.bincount(left, weights=cnt, minlength=V)  # (V,) bigrams with w on the left
+        self.n_as_right = np.bincount(right, weights=cnt, minlength=V)
+        self.freq = self.n_as_left + self.n_as_right
+        other = ~self_pair
+        # CSR of right neighbours (w, v), v != w, and of left neighbours (u, w), u != w.
+        self.r_nb, self.r_cnt, self.r_ptr = _csr(left[other], right[other], cnt[other], V)
+        self.l_nb, self.l_cnt, self.l_ptr = _csr(right[other], left[other], cnt[other], V)
+        wc = self.wc
+        self.m = np.bincount(wc[left] * K + wc[right], weights=cnt, minlength=K * K).reshape(K, K)
+        self.f_m = _xlogx(self.m)
+        self.n_left = np.bincount(wc, weights=self.n_as_left, minlength=K)
+        self.n_right = np.bincount(wc, weights=self.n_as_right, minlength=K)
+        self.sizes = np.bincount(wc, minlength=K)
+
+    def _neighbour_classes(self, w: int) -> tuple[np.ndarray, np.ndarray]:
+        """(r, l) (K,): counts of (w, v) with v in class k, and of (u, w) with u in class k."""
+        a, b = self.r_ptr[w], self.r_ptr[w + 1]
+        r = np.bincount(self.wc[self.r_nb[a:b]], weights=self.r_cnt[a:b], minlength=self.K)
+        a, b = self.l_ptr[w], self.l_ptr[w + 1]
+        lv = np.bincount(self.wc[self.l_nb[a:b]], weights=self.l_cnt[a:b], minlength=self.K)
+        return r, lv
+
+    def _update(self, w: int, k: int, r: np.ndarray, lv: np.ndarray, dr: np.ndarray, dl: np.ndarray,
+                sign: float) -> None:
+        """Add (sign=+1) or remove (-1) word w's bigrams to / from class k."""
+        m, f_m = self.m, self.f_m
+        m[k, dr] += sign * r[dr]
+        m[dl, k] += sign * lv[dl]
+        m[k, k] += sign * self.self_count[w]
+        f_m[k, :] = _xlogx(m[k, :])
+        f_m[:, k] = _xlogx(m[:, k])
+        self.n_left[k] += sign * self.n_as_left[w]
+        self.n_right[k] += sign * self.n_as_right[w]
+
+    def _gains(self, w: int, r: np.ndarray, lv: np.ndarray, dr: np.ndarray, dl: np.ndarray) -> np.ndarray:
+        """(K,) change of the log-likelihood if w (now in no class) joined class k.
+
+        ``dr`` / ``dl``: the classes where ``r`` / ``lv`` are non-zero.
+        """
+        m, f_m = self.m, self.f_m
+        s, nl, nr = self.self_count[w], self.n_as_left[w], self.n_as_right[w]
+        gain = (_xlogx(m[:, dr] + r[dr]) - f_m[:, dr]).sum(axis=1)  # row k gets r: (K, a) → (K,)
+        gain += (_xlogx(m[dl, :] + lv[dl, None]) - f_m[dl, :]).sum(axis=0)  # column k gets l: (b, K) → (K,)
+        diag, f_diag = np.diagonal(m), np.diagonal(f_m)
+        # the (k, k) cell gets r[k] + l[k] + s at once, not r[k] and l[k] separately
+        gain += _xlogx(diag + r + lv + s) - _xlogx(diag + r) - _xlogx(diag + lv) + f_diag
+        gain -= _xlogx(self.n_left + nl) - _xlogx(self.n_left) + _xlogx(self.n_right + nr) - _xlogx(self.n_right)
+        return gain
+
+    def best_move(self, w: int) -> float:
+        """Move w to its best class (staying on ties); return the log-likelihood gained."""
+        c = int(self.wc[w])
+        if self.sizes[c] == 1:
+            return 0.0
+        r, lv = self._neighbour_classes(w)
+        dr, dl = np.flatnonzero(r), np.flatnonzero(lv)
+        self._update(w, c, r, lv, dr, dl, -1.0)
+        gain = self._gains(w, r, lv, dr, dl)
+        best = int(np.argmax(gain))
+        if gain[best] <= gain[c] + 1e-9 * (1.0 + abs(gain[c])):
+            best = c
+        self._update(w, best, r, lv, dr, dl, 1.0)
+        if best == c:
+            return 0.0
+        self.sizes[c] -= 1
+        self.sizes[best] += 1
+        self.wc[w] = best
+        return float(gain[best] - gain[c])
 
 
 def _csr(rows: np.ndarray, cols: np.ndarray, vals: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Entries grouped by row: (cols, vals, ptr) with row i at ``ptr[i]:ptr[i+1]``."""
     order = np.argsort(rows, kind="stable")
     ptr = np.concatenate([[0], np.cumsum(np.bincount(rows, minlength=n))]).astype(np.int64)
     return cols[order], vals[order], ptr
-
-
-def _move(
-    m: np.ndarray, f_m: np.ndarray, k: int, dr: np.ndarray, r: np.ndarray,
-    dl: np.ndarray, lv: np.ndarray, s: float, sign: float,
-) -> None:
-    """Add (sign=+1) or remove (-1) a word's bigrams to/from class ``k`` in ``m`` and ``f_m``."""
-    m[k, dr] += sign * r[dr]
-    m[dl, k] += sign * lv[dl]
-    m[k, k] += sign * s
-    f_m[k, :] = _xlogx(m[k, :])
-    f_m[:, k] = _xlogx(m[:, k])
 
 
 def brown_clusters(
