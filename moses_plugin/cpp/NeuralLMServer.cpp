@@ -10,11 +10,14 @@
 #include "moses/InputType.h"
 #include "moses/Range.h"
 #include "moses/ScoreComponentCollection.h"
+#include "moses/InputPath.h"
 #include "moses/ReorderingConstraint.h"
 #include "moses/StaticData.h"
 #include "moses/TranslationOption.h"
 #include "moses/TranslationOptionCollection.h"
 #include "moses/TranslationOptionList.h"
+#include "moses/TranslationModel/PhraseDictionary.h"
+#include "moses/TranslationModel/PhraseDictionaryMemory.h"
 #include "moses/TranslationTask.h"
 #include "moses/TypeDef.h"
 #include "moses/Util.h"
@@ -51,6 +54,7 @@ NeuralLMServer::NeuralLMServer(const std::string &line)
       m_retries(2),
       m_floorOnError(false),
       m_prefetch(true),
+      m_sentencePhrases(true),
       m_bosId(1),
       m_eosId(2),
       m_unkId(0),
@@ -96,6 +100,10 @@ void NeuralLMServer::SetParameter(const std::string &key, const std::string &val
     m_connectTimeoutMs = Scan<int>(value);
   } else if (key == "retries") {
     m_retries = Scan<int>(value);
+  } else if (key == "phrase-scores") {
+    UTIL_THROW_IF2(value != "sentence" && value != "load",
+                   "NeuralLMServer: phrase-scores must be sentence or load, got " << value);
+    m_sentencePhrases = (value == "sentence");
   } else if (key == "prefetch") {
     m_prefetch = Scan<bool>(value);
   } else if (key == "on-error") {
@@ -107,7 +115,10 @@ void NeuralLMServer::SetParameter(const std::string &key, const std::string &val
   }
 }
 
-void NeuralLMServer::Load(AllOptions::ptr const & /*opts*/) {
+void NeuralLMServer::Load(AllOptions::ptr const &opts) {
+  // Per-sentence phrase scoring needs phrase-based search (chart decoding subtracts the
+  // scores given in isolation).
+  if (opts && opts->search.algo != Normal && opts->search.algo != CubePruning) m_sentencePhrases = false;
   nlmserve::ClientOptions options;
   options.deadline_ms = m_deadlineMs;
   options.connect_timeout_ms = m_connectTimeoutMs;
@@ -209,18 +220,11 @@ void NeuralLMServer::GetState(const std::vector<const Word *> &contextFactor, FF
   SetState(contextFactor, outState);  // no score needed, so no request
 }
 
-void NeuralLMServer::CalcScore(const Phrase &phrase, float &fullScore, float &ngramScore,
-                               size_t &oovCount) const {
-  fullScore = 0;
-  ngramScore = 0;
-  oovCount = 0;
-  const size_t size = phrase.GetSize();
-  if (!size) return;
-
+void NeuralLMServer::PhraseNgrams(const Phrase &phrase, std::vector<std::vector<uint32_t> > *ngrams,
+                                  std::vector<bool> *complete, size_t *oovCount) const {
   // The n-grams of the phrase as Moses' LanguageModelImplementation::CalcScore
-  // walks them (a non-terminal resets the context), collected for one request.
-  std::vector<std::vector<uint32_t> > ngrams;
-  std::vector<bool> complete;
+  // walks them (a non-terminal resets the context).
+  const size_t size = phrase.GetSize();
   std::vector<uint32_t> context;
   for (size_t pos = 0; pos < size; ++pos) {
     const Word &word = phrase.GetWord(pos);
@@ -235,16 +239,87 @@ void NeuralLMServer::CalcScore(const Phrase &phrase, float &fullScore, float &ng
       UTIL_THROW_IF2(pos != 0, "NeuralLMServer: <s> inside a phrase at position " << pos);
       continue;  // <s> is context, never predicted
     }
-    ngrams.push_back(context);
-    complete.push_back(context.size() == m_nGramOrder);
-    if (id == m_unkId) ++oovCount;
+    ngrams->push_back(context);
+    if (complete) complete->push_back(context.size() == m_nGramOrder);
+    if (oovCount && id == m_unkId) ++*oovCount;
   }
+}
+
+void NeuralLMServer::CalcScore(const Phrase &phrase, float &fullScore, float &ngramScore,
+                               size_t &oovCount) const {
+  fullScore = 0;
+  ngramScore = 0;
+  oovCount = 0;
+  std::vector<std::vector<uint32_t> > ngrams;
+  std::vector<bool> complete;
+  PhraseNgrams(phrase, &ngrams, &complete, &oovCount);
   if (ngrams.empty()) return;
   std::vector<float> scores = ScoreIds(ngrams);
   for (size_t i = 0; i < scores.size(); ++i) {
     fullScore += scores[i];
     if (complete[i]) ngramScore += scores[i];
   }
+}
+
+void NeuralLMServer::EvaluateInIsolation(const Phrase &source, const TargetPhrase &targetPhrase,
+                                         ScoreComponentCollection &scoreBreakdown,
+                                         ScoreComponentCollection &estimatedScores) const {
+  if (m_sentencePhrases) return;  // scored per sentence in EvaluateWithSourceContext
+  LanguageModelSingleFactor::EvaluateInIsolation(source, targetPhrase, scoreBreakdown, estimatedScores);
+}
+
+void NeuralLMServer::EvaluateWithSourceContext(const InputType & /*input*/, const InputPath & /*inputPath*/,
+                                               const TargetPhrase &targetPhrase, const StackVec *stackVec,
+                                               ScoreComponentCollection &scoreBreakdown,
+                                               ScoreComponentCollection *estimatedScores) const {
+  if (!m_sentencePhrases || stackVec != NULL) return;
+  // The same values LanguageModel::EvaluateInIsolation assigns; after
+  // ScoreSentencePhrases they come from the cache.
+  float fullScore, ngramScore;
+  size_t oovCount;
+  CalcScore(targetPhrase, fullScore, ngramScore, oovCount);
+  if (OOVFeatureEnabled()) {
+    std::vector<float> scores(2), estimates(2);
+    scores[0] = ngramScore;
+    scores[1] = oovCount;
+    scoreBreakdown.PlusEquals(this, scores);
+    estimates[0] = fullScore - ngramScore;
+    if (estimatedScores) estimatedScores->PlusEquals(this, estimates);
+  } else {
+    scoreBreakdown.PlusEquals(this, ngramScore);
+    if (estimatedScores) estimatedScores->PlusEquals(this, fullScore - ngramScore);
+  }
+}
+
+void NeuralLMServer::ScoreSentencePhrases(ttasksptr const &ttask) const {
+  const InputType &input = *ttask->GetSource();
+  if (input.GetType() != SentenceInput) return;
+  const Phrase *sentence = dynamic_cast<const Phrase *>(&input);
+  if (sentence == NULL) return;
+  const size_t size = sentence->GetSize();
+  const size_t maxLength = ttask->options()->search.max_phrase_length;
+  std::vector<std::vector<uint32_t> > ngrams;
+  // Unknown words are copied to the target as one-word phrases.
+  for (size_t i = 0; i < size; ++i) {
+    ngrams.push_back(std::vector<uint32_t>(1, Id(sentence->GetWord(i))));
+  }
+  const std::vector<PhraseDictionary *> &tables = PhraseDictionary::GetColl();
+  for (size_t t = 0; t < tables.size(); ++t) {
+    // Lookups in an in-memory table are side-effect free; other tables are scored on demand.
+    const PhraseDictionaryMemory *table = dynamic_cast<const PhraseDictionaryMemory *>(tables[t]);
+    if (table == NULL) continue;
+    for (size_t start = 0; start < size; ++start) {
+      for (size_t end = start; end < size && end - start < maxLength; ++end) {
+        Phrase source = sentence->GetSubString(Range(start, end));
+        TargetPhraseCollection::shared_ptr targets = table->GetTargetPhraseCollectionLEGACY(source);
+        if (!targets) continue;
+        for (TargetPhraseCollection::const_iterator it = targets->begin(); it != targets->end(); ++it) {
+          PhraseNgrams(**it, &ngrams, NULL, NULL);
+        }
+      }
+    }
+  }
+  if (!ngrams.empty()) ScoreIds(ngrams);
 }
 
 FFState *NeuralLMServer::EvaluateWhenApplied(const Hypothesis &hypo, const FFState *ps,
@@ -383,9 +458,10 @@ void NeuralLMServer::PrefetchExpansions(const Hypothesis &prev) const {
   if (!ngrams.empty()) ScoreIds(ngrams);
 }
 
-void NeuralLMServer::InitializeForInput(ttasksptr const & /*ttask*/) {
+void NeuralLMServer::InitializeForInput(ttasksptr const &ttask) {
   tl_sentence_start = nlmserve::Client::ThreadRoundTrips();
   ++tl_sentence;
+  if (m_sentencePhrases) ScoreSentencePhrases(ttask);
 }
 
 void NeuralLMServer::CleanUpAfterSentenceProcessing(ttasksptr const &ttask) {

@@ -17,6 +17,13 @@
 //   retries=N               further attempts on a fresh channel after a failure (default 2)
 //   on-error=fail|floor     after the retries: stop the decoder with an exception naming
 //                           the server (default), or score the n-grams LOWEST_SCORE and go on
+//   phrase-scores=sentence|load
+//                           sentence (default, phrase-based search): when a sentence starts,
+//                           the phrase-internal n-grams of all its target phrases in the
+//                           in-memory phrase tables go to the server in one request, and the
+//                           phrase scores are added per translation option
+//                           (EvaluateWithSourceContext); load: Moses' usual way, each target
+//                           phrase scored once when the table loads or looks it up
 //   prefetch=true|false     when Moses' normal stack search starts expanding a hypothesis,
 //                           score the boundary n-grams of all its possible expansions in one
 //                           request (default true; cube pruning and lattices score on demand)
@@ -75,6 +82,16 @@ class NeuralLMServer : public LanguageModelSingleFactor {
   // All n-grams of a target phrase in one batch.
   void CalcScore(const Phrase &phrase, float &fullScore, float &ngramScore, size_t &oovCount) const;
 
+  // phrase-scores=load: Moses' usual phrase scoring; sentence: nothing here ...
+  void EvaluateInIsolation(const Phrase &source, const TargetPhrase &targetPhrase,
+                           ScoreComponentCollection &scoreBreakdown,
+                           ScoreComponentCollection &estimatedScores) const;
+  // ... and the same scores here, per translation option of the sentence.
+  void EvaluateWithSourceContext(const InputType &input, const InputPath &inputPath,
+                                 const TargetPhrase &targetPhrase, const StackVec *stackVec,
+                                 ScoreComponentCollection &scoreBreakdown,
+                                 ScoreComponentCollection *estimatedScores = NULL) const;
+
   // All boundary n-grams of a hypothesis (and </s>) in one batch.
   using LanguageModelImplementation::EvaluateWhenApplied;
   FFState *EvaluateWhenApplied(const Hypothesis &hypo, const FFState *ps,
@@ -93,6 +110,12 @@ class NeuralLMServer : public LanguageModelSingleFactor {
   // Scores (into the cache) the boundary n-grams of every expansion Moses' normal search
   // can make from `prev`, in one request.
   void PrefetchExpansions(const Hypothesis &prev) const;
+  // The n-grams CalcScore sends for a phrase, and which of them have a full context.
+  void PhraseNgrams(const Phrase &phrase, std::vector<std::vector<uint32_t> > *ngrams,
+                    std::vector<bool> *complete, size_t *oovCount) const;
+  // phrase-scores=sentence: one request for the phrase-internal n-grams of every target
+  // phrase the in-memory phrase tables hold for spans of the sentence.
+  void ScoreSentencePhrases(ttasksptr const &ttask) const;
   // Boundary n-grams of target phrase `phrase` placed after `context` (order-1 ids).
   void BoundaryNgrams(const std::vector<uint32_t> &context, const Phrase &phrase, bool completes,
                       std::vector<std::vector<uint32_t> > *out) const;
@@ -106,6 +129,7 @@ class NeuralLMServer : public LanguageModelSingleFactor {
   int m_retries;
   bool m_floorOnError;
   bool m_prefetch;
+  bool m_sentencePhrases;
 
   std::unique_ptr<nlmserve::Client> m_client;
   uint32_t m_bosId, m_eosId, m_unkId;
