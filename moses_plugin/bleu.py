@@ -164,6 +164,10 @@ def paired_bootstrap(
     base_result = cast(Result, scores["BLEU"][0])
     sys_result = cast(Result, scores["BLEU"][1])
     p_value = float(sys_result.p_value) if sys_result.p_value is not None else float("nan")
+    if list(baseline) == list(system):
+        # sacrebleu's statistic is |Δ| minus its mean: for identical outputs every sample
+        # is 0 and it reports the smallest p, 1/(n+1). No difference means p = 1.
+        p_value = 1.0
     return PairedResult(
         baseline_bleu=float(base_result.score),
         system_bleu=float(sys_result.score),

@@ -52,8 +52,9 @@ class Pipeline:
         outputs = {"moses": first_best(self.config.test_nbest)}
         for name, w in weights.items():
             path = self.work / f"test.{name}.1best"
+            source = str(test) if FEATURE in w.as_dict() else self.config.test_nbest
             if not path.exists():
-                write_text_atomic(path, "".join(h + "\n" for h in rerank(str(test), w, n_sentences=len(test_refs[0])).hyps))
+                write_text_atomic(path, "".join(h + "\n" for h in rerank(source, w, n_sentences=len(test_refs[0])).hyps))
             outputs[name] = read_lines(path)
         return self.evaluate(outputs, weights, test_refs)
 

@@ -80,6 +80,8 @@ def test_paired_bootstrap_detects_a_real_difference() -> None:
     small = paired_bootstrap(nearly, hyps, refs, BleuConfig(), n_samples=200)
     assert 0 < small.system_bleu - small.baseline_bleu < 0.5
     assert small.p_value > 0.05
+    same = paired_bootstrap(hyps, hyps, refs, BleuConfig(), n_samples=200)
+    assert same.p_value == 1.0 and same.system_bleu == same.baseline_bleu
 
 
 def test_full_signature_names_weights_and_model() -> None:
