@@ -1,0 +1,69 @@
+"""The experiment end to end on slices of the shipped lists, with a real `nlmserve serve` subprocess."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from nlmserve.cli import main
+from nlmserve.moses_plugin.experiment import ExperimentConfig, run
+from nlmserve.moses_plugin.nbest import iter_sentences, read_lines
+
+NEWS = Path(__file__).resolve().parent.parent / "data" / "nbest" / "newstest-fr-en"
+N = 25
+
+
+def _slice(name: str, out: Path) -> tuple[str, str]:
+    lines = []
+    for group in iter_sentences(NEWS / f"{name}.300.nbest.gz"):
+        if group[0].sent_id >= N:
+            break
+        lines += [e.raw for e in group]
+    nbest, ref = out / f"{name}.nbest.gz", out / f"{name}.ref"
+    with gzip.open(nbest, "wt", encoding="utf-8") as handle:
+        handle.write("".join(lines))
+    ref.write_text("".join(line + "\n" for line in read_lines(NEWS / f"{name}.300.ref")[:N]))
+    return str(nbest), str(ref)
+
+
+@pytest.mark.slow
+def test_experiment_runs_and_resumes(tiny_model_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dev, dev_ref = _slice("newstest2012", tmp_path)
+    test, test_ref = _slice("newstest2013", tmp_path)
+    work = tmp_path / "work"
+    config = ExperimentConfig(workdir=str(work), dev_nbest=dev, dev_ref=(dev_ref,), test_nbest=test,
+                              test_ref=(test_ref,), model=str(tiny_model_path), restarts=0, samples=100)
+    report = run(config)
+    rows = {r["system"]: r for r in report["rows"]}
+    assert list(rows) == ["moses", "mert", "mert+NLM0", "moses+NLM0"]
+    model_hash = report["model_hash"]
+    assert len(model_hash) >= 16
+    for name, row in rows.items():
+        assert 0 < row["test_bleu"] < 100
+        assert row["signature"].startswith("nrefs:1|case:mixed|eff:no|tok:none|smooth:exp")
+        assert ("NLM0" in name) == row["signature"].endswith(f"|model:{model_hash}")
+        assert ("NLM0" in row["weights"]) == ("NLM0" in name)
+    assert 0 < rows["mert+NLM0"]["p_value"] <= 1 and rows["mert+NLM0"]["baseline"] == "mert"
+    assert rows["mert+NLM0"]["dev_bleu"] >= rows["mert"]["dev_bleu"]  # started from mert's optimum
+    assert rows["moses+NLM0"]["dev_bleu"] >= rows["moses"]["dev_bleu"] - 1e-9
+    # The moses row is the list's own 1-best.
+    assert read_lines(work / "test.moses.1best")[0] == next(iter_sentences(test))[0].hyp
+    for name in ("results.md", "results.json", "bleu.png", "weights.mert+NLM0.ini", "weights.mert+NLM0.txt"):
+        assert (work / name).stat().st_size > 0
+    assert (work / "bleu.png").read_bytes()[:4] == b"\x89PNG"
+    markdown = (work / "results.md").read_text()
+    assert "| mert+NLM0 |" in markdown and model_hash in markdown
+    saved = json.loads((work / "results.json").read_text())
+    assert saved["rows"] == report["rows"]
+    assert report["rescore"]["test"]["hypotheses"] > 20 * N
+    # A rerun reuses every step's output and reports the same table (CLI path, server in a subprocess).
+    mtime = (work / "test.nlm.nbest.gz").stat().st_mtime_ns
+    assert main(["experiment", "--workdir", str(work), "--dev-nbest", dev, "--dev-ref", dev_ref, "--test-nbest", test,
+                 "--test-ref", test_ref, "--model", str(tiny_model_path), "--restarts", "0", "--samples", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "mert+NLM0" in out and f"model {model_hash}" in out
+    assert (work / "test.nlm.nbest.gz").stat().st_mtime_ns == mtime
+    assert json.loads((work / "results.json").read_text())["rows"] == saved["rows"]
