@@ -1,18 +1,22 @@
-"""Wiring: engine + servicer + health + reflection + metrics into one gRPC server.
+"""Wiring: engine + servicer + health + reflection + metrics into one gRPC (asyncio) server.
 
-``create_server(config)`` builds and starts everything and returns a :class:`RunningServer`
-(tests bind port 0 and talk to it); ``serve(config)`` adds the process lifecycle:
-SIGTERM/SIGINT → health NOT_SERVING → stop accepting → drain in-flight RPCs within
-``grace_seconds`` → release the engine (in ``finally``) → exit 0.
+``create_server(config)`` builds and starts everything on an event loop of its own (a
+background thread) and returns a :class:`RunningServer`; tests bind port 0 and talk to it.
+``serve(config)`` adds the process lifecycle: SIGTERM/SIGINT → health NOT_SERVING → stop
+accepting → drain in-flight RPCs within ``grace_seconds`` → release the engine (in
+``finally``) → exit 0.
+
+One event-loop thread receives every RPC and one engine thread runs the forward passes,
+so the GIL is shared by two busy threads, not by a pool of handler threads.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import sys
 import threading
-from concurrent import futures
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -34,15 +38,17 @@ SERVICE_NAME = lm_pb2.DESCRIPTOR.services_by_name["LanguageModel"].full_name  # 
 
 @dataclass
 class RunningServer:
-    """A started server and what it owns."""
+    """A started server, the event loop it runs on, and what it owns."""
 
-    server: grpc.Server
+    server: grpc.aio.Server
     port: int
     engine: Engine
-    health: health.HealthServicer
+    health: Any  # grpc_health.v1.health.aio.HealthServicer
     metrics: ServerMetrics
     metrics_port: int | None
     config: ServerConfig
+    loop: asyncio.AbstractEventLoop
+    thread: threading.Thread
 
     @property
     def target(self) -> str:
@@ -52,13 +58,46 @@ class RunningServer:
         """Health NOT_SERVING, stop accepting, drain within ``grace`` seconds, release the engine."""
         grace = self.config.grace_seconds if grace is None else grace
         try:
-            self.health.enter_graceful_shutdown()
-            done = self.server.stop(grace)
-            if not done.wait(grace + 5.0):
-                log.warning("in-flight requests still running after %.1f s", grace)
+            done = asyncio.run_coroutine_threadsafe(self._drain(grace), self.loop)
+            done.result(grace + 10.0)
         finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10.0)
             self.engine.shutdown()
             self.metrics.stop_http()
+
+    async def _drain(self, grace: float) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+
+    def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            asyncio.run_coroutine_threadsafe(self.health.set(name, status), self.loop).result(5.0)
+
+
+async def _start(config: ServerConfig, engine: Engine, metrics: ServerMetrics) -> tuple[grpc.aio.Server, int, Any]:
+    options: list[tuple[str, Any]] = [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs)
+    lm_pb2_grpc.add_LanguageModelServicer_to_server(LanguageModelServicer(engine, metrics), server)
+    health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    address = f"[{config.host}]:{config.port}" if ":" in config.host else f"{config.host}:{config.port}"
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as e:
+        raise OSError(f"cannot bind {address}: {e}") from e
+    if port == 0:
+        raise OSError(f"cannot bind {address}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, port, health_servicer
 
 
 def create_server(config: ServerConfig, *, engine: Engine | None = None) -> RunningServer:
@@ -68,39 +107,23 @@ def create_server(config: ServerConfig, *, engine: Engine | None = None) -> Runn
         engine = Engine.load(config, metrics)
     else:
         engine.attach_metrics(metrics)
-    options: list[tuple[str, Any]] = [
-        ("grpc.max_receive_message_length", config.max_message_bytes),
-        ("grpc.max_send_message_length", config.max_message_bytes),
-        ("grpc.so_reuseport", 0),
-    ]
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="nlmserve-rpc"),
-        options=options,
-        maximum_concurrent_rpcs=config.max_concurrent_rpcs,
-    )
-    lm_pb2_grpc.add_LanguageModelServicer_to_server(LanguageModelServicer(engine, metrics), server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     if config.host in ("0.0.0.0", "::", "[::]"):
         log.warning("binding %s: the service is reachable from other hosts, without authentication", config.host)
-    address = f"[{config.host}]:{config.port}" if ":" in config.host else f"{config.host}:{config.port}"
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="nlmserve-grpc", daemon=True)
+    thread.start()
     try:
-        port = server.add_insecure_port(address)
-    except RuntimeError as e:
+        server, port, health_servicer = asyncio.run_coroutine_threadsafe(_start(config, engine, metrics), loop).result(60)
+        metrics_port = None
+        if config.metrics_port is not None:
+            metrics_port = metrics.start_http(config.host, config.metrics_port)
+    except BaseException:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10.0)
         engine.shutdown()
-        raise OSError(f"cannot bind {address}: {e}") from e
-    if port == 0:
-        engine.shutdown()
-        raise OSError(f"cannot bind {address}")
-    metrics_port = None
-    if config.metrics_port is not None:
-        metrics_port = metrics.start_http(config.host, config.metrics_port)
-    server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        raise
     log.info("serving %s on %s:%s", SERVICE_NAME, config.host, port)
-    return RunningServer(server, port, engine, health_servicer, metrics, metrics_port, config)
+    return RunningServer(server, port, engine, health_servicer, metrics, metrics_port, config, loop, thread)
 
 
 def serve(config: ServerConfig) -> int:
@@ -113,6 +136,7 @@ def serve(config: ServerConfig) -> int:
         stop.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    code = 0
     try:
         print(f"listening on {config.host}:{running.port}", flush=True)
         if running.metrics_port is not None:
@@ -120,12 +144,13 @@ def serve(config: ServerConfig) -> int:
         while not stop.wait(0.5):
             if not running.engine.check_health():
                 log.error("engine worker died; stopping")
-                running.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-                return 1
+                running.set_serving(False)
+                code = 1
+                break
     finally:
         running.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)
         sys.stdout.flush()
     log.info("stopped")
-    return 0
+    return code

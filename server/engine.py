@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import collections
 import logging
+from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import TimeoutError as FutureTimeoutError
 import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -36,6 +38,7 @@ LOG10_E = 1.0 / math.log(10.0)
 BOS_ID = 1
 EOS_ID = 2
 UNK_ID = 0
+T = TypeVar("T")
 
 
 class RequestExpiredError(NlmserveError):
@@ -119,15 +122,15 @@ def sentence_ngrams(sentences: Sequence[np.ndarray], order: int, *, bos: bool, e
 
 
 class _Request:
-    """One caller's request: its output array and the parts still to score."""
+    """One caller's request: its output array, the parts still to score, and its future."""
 
-    __slots__ = ("out", "remaining", "error", "done")
+    __slots__ = ("out", "remaining", "log10", "future")
 
-    def __init__(self, n: int, parts: int) -> None:
+    def __init__(self, n: int, parts: int, log10: bool) -> None:
         self.out = np.empty(n, dtype=np.float32)
         self.remaining = parts
-        self.error: BaseException | None = None
-        self.done = threading.Event()
+        self.log10 = log10
+        self.future: Future[np.ndarray] = Future()
 
 
 @dataclass
@@ -141,7 +144,7 @@ class _Part:
 
 
 class Engine:
-    """One model, one batching worker. Thread-safe; every call blocks until scored."""
+    """One model, one batching worker. Thread-safe; ``submit_*`` return futures, ``score_*`` block."""
 
     def __init__(self, lm: Any, config: ServerConfig, metrics: ServerMetrics | None = None) -> None:
         self.lm = lm
@@ -155,6 +158,8 @@ class Engine:
         self._queue: collections.deque[_Part] = collections.deque()
         self._queued_ngrams = 0
         self._arriving = 0
+        self._busy = False  # a forward pass is running
+        self._last_batch_requests = 1
         self._stopping = False
         self._healthy = True
         self._worker = threading.Thread(target=self._run, name="nlmserve-batcher", daemon=True)
@@ -184,12 +189,14 @@ class Engine:
         return cls(lm, config, metrics)
 
     # -------------------------------------------------------------- public API
-    def score_ngrams(self, ids: np.ndarray, *, normalized: bool = True, log10: bool = False,
-                     timeout: float | None = None) -> np.ndarray:
-        """Scores of n-gram rows (N, n), 1 <= n <= order → float32 (N,), ln or log10.
+    def submit_ngrams(self, ids: np.ndarray, *, normalized: bool = True, log10: bool = False,
+                      timeout: float | None = None) -> Future[np.ndarray]:
+        """Queue n-gram rows (N, n), 1 <= n <= order; the future gets float32 (N,), ln or log10.
 
-        ``normalized=False`` returns the unnormalised score when the model is
-        self-normalised; otherwise the exact normalised value.
+        Raises at once InvalidRequestError (bad ids), OverloadedError (queue full) or
+        EngineStoppedError. ``normalized=False`` gives the unnormalised score when the model
+        is self-normalised, the exact normalised value otherwise. ``timeout``: seconds after
+        which a part still queued is dropped (the future gets RequestExpiredError).
         """
         with self._cond:
             self._arriving += 1
@@ -199,13 +206,18 @@ class Engine:
             with self._cond:
                 self._arriving -= 1
             raise
-        out = self._submit(rows, normalized or not self.self_normalized, timeout)
-        return out * np.float32(LOG10_E) if log10 else out
+        return self._submit(rows, normalized or not self.self_normalized, log10, timeout)
 
-    def score_sentences(self, sentences: Sequence[np.ndarray], *, bos: bool = True, eos: bool = True,
-                        normalized: bool = True, log10: bool = False,
-                        timeout: float | None = None) -> list[SentenceResult]:
-        """Per-token scores of id sentences (``</s>`` appended when eos)."""
+    def score_ngrams(self, ids: np.ndarray, *, normalized: bool = True, log10: bool = False,
+                     timeout: float | None = None) -> np.ndarray:
+        """Blocking :meth:`submit_ngrams`."""
+        future = self.submit_ngrams(ids, normalized=normalized, log10=log10, timeout=timeout)
+        return _wait(future, timeout)
+
+    def submit_sentences(self, sentences: Sequence[np.ndarray], *, bos: bool = True, eos: bool = True,
+                         normalized: bool = True, log10: bool = False,
+                         timeout: float | None = None) -> Future[list[SentenceResult]]:
+        """Queue id sentences (``</s>`` appended when eos); the future gets one result per sentence."""
         for i, s in enumerate(sentences):
             a = np.asarray(s)
             if a.size and (a.min() < 0 or a.max() >= self.vocab_size):
@@ -213,14 +225,32 @@ class Engine:
             if a.size and (a == BOS_ID).any():
                 raise InvalidRequestError("<s> inside a sentence cannot be predicted", index=i)
         rows, lengths, counts = sentence_ngrams(sentences, self.order, bos=bos, eos=eos)
-        scores = self.score_ngrams(rows, normalized=normalized, log10=log10, timeout=timeout)
-        results = []
-        start = 0
-        for t in counts:
-            lp = scores[start : start + t]
-            results.append(SentenceResult(lp, lengths[start : start + t], float(lp.astype(np.float64).sum())))
-            start += t
-        return results
+        inner = self.submit_ngrams(rows, normalized=normalized, log10=log10, timeout=timeout)
+        outer: Future[list[SentenceResult]] = Future()
+
+        def split(done: Future[np.ndarray]) -> None:
+            error = done.exception()
+            if error is not None:
+                outer.set_exception(error)
+                return
+            scores = done.result()
+            results, start = [], 0
+            for t in counts:
+                lp = scores[start : start + t]
+                results.append(SentenceResult(lp, lengths[start : start + t], float(lp.astype(np.float64).sum())))
+                start += t
+            outer.set_result(results)
+
+        inner.add_done_callback(split)
+        return outer
+
+    def score_sentences(self, sentences: Sequence[np.ndarray], *, bos: bool = True, eos: bool = True,
+                        normalized: bool = True, log10: bool = False,
+                        timeout: float | None = None) -> list[SentenceResult]:
+        """Blocking :meth:`submit_sentences`."""
+        future = self.submit_sentences(sentences, bos=bos, eos=eos, normalized=normalized, log10=log10,
+                                       timeout=timeout)
+        return _wait(future, timeout)
 
     def check_health(self) -> bool:
         """True while the worker runs and the model answers."""
@@ -238,20 +268,21 @@ class Engine:
         return self._queued_ngrams
 
     # -------------------------------------------------------------- queueing
-    def _submit(self, rows: np.ndarray, normalized: bool, timeout: float | None) -> np.ndarray:
+    def _submit(self, rows: np.ndarray, normalized: bool, log10: bool, timeout: float | None) -> Future[np.ndarray]:
         n = rows.shape[0]
         step = self.config.max_batch_ngrams
         now = time.monotonic()
         deadline = None if timeout is None else now + timeout
         nparts = max(1, math.ceil(n / step))
-        request = _Request(n, nparts)
+        request = _Request(n, nparts, log10)
         parts = [_Part(request, rows[i : i + step], i, normalized, deadline, now) for i in range(0, max(n, 1), step)]
         with self._cond:
             self._arriving -= 1
             if self._stopping:
                 raise EngineStoppedError("the server is shutting down")
             if n == 0:
-                return request.out
+                request.future.set_result(request.out)
+                return request.future
             if self._queued_ngrams + n > self.config.max_queue_ngrams:
                 if self.metrics is not None:
                     self.metrics.rejected.inc(n)
@@ -262,11 +293,7 @@ class Engine:
             self._queued_ngrams += n
             self._set_depth()
             self._cond.notify()
-        if not request.done.wait(None if timeout is None else timeout + 1.0):
-            raise RequestExpiredError(f"not scored within {timeout:.3f} s")
-        if request.error is not None:
-            raise request.error
-        return request.out
+        return request.future
 
     def _set_depth(self) -> None:
         if self.metrics is not None:
@@ -277,10 +304,11 @@ class Engine:
         limit = self.config.max_batch_ngrams
         delay = self.config.max_delay_us / 1e6
         with self._cond:
-            while not self._queue:
-                if self._stopping:
+            while not self._queue or self._busy:
+                if self._stopping and not self._queue:
                     return None
                 self._cond.wait()
+            self._busy = True
             batch = [self._queue.popleft()]
             size = batch[0].ids.shape[0]
             wait_until = time.monotonic() + delay
@@ -292,11 +320,16 @@ class Engine:
                     batch.append(part)
                     size += part.ids.shape[0]
                     continue
+                # Wait for more only while callers are known to be on their way, or while
+                # fewer requests joined than in the last batch (clients that were answered
+                # together tend to come back together); never past max_delay_us.
+                expecting = self._arriving > 0 or len(batch) < self._last_batch_requests
                 remaining = wait_until - time.monotonic()
-                if self._arriving <= 0 or remaining <= 0 or self._stopping:
+                if not expecting or remaining <= 0 or self._stopping:
                     break
                 self._cond.wait(remaining)
             self._queued_ngrams -= size
+            self._last_batch_requests = len(batch)
             self._set_depth()
         return batch
 
@@ -309,18 +342,25 @@ class Engine:
                 return
             try:
                 self._process(batch)
-            except Exception as e:  # a bug or a device failure: fail these requests, keep serving
-                log.exception("batch of %s parts failed", len(batch))
-                for part in batch:
-                    self._finish(part, e)
+            finally:
+                with self._cond:
+                    self._busy = False
 
     def _process(self, batch: list[_Part]) -> None:
+        try:
+            self._forward(batch)
+        except Exception as e:  # a bug or a device failure: fail these requests, keep serving
+            log.exception("batch of %s parts failed", len(batch))
+            for part in batch:
+                self._finish(part, e)
+
+    def _forward(self, batch: list[_Part]) -> None:
         now = time.monotonic()
         live = []
         for part in batch:
             if part.deadline is not None and now > part.deadline:
                 self._finish(part, RequestExpiredError("deadline passed while queued"))
-            elif part.request.error is None:
+            elif not part.request.future.done():
                 live.append(part)
         if not live:
             return
@@ -348,8 +388,24 @@ class Engine:
     @staticmethod
     def _finish(part: _Part, error: BaseException | None) -> None:
         request = part.request
-        if error is not None and request.error is None:
-            request.error = error
-        request.remaining -= 1
-        if request.remaining <= 0 or error is not None:
-            request.done.set()
+        try:
+            if request.future.done():  # failed earlier, or cancelled by the caller
+                return
+            if error is not None:
+                request.future.set_exception(error)
+                return
+            request.remaining -= 1
+            if request.remaining <= 0:
+                if request.log10:
+                    request.out *= np.float32(LOG10_E)
+                request.future.set_result(request.out)
+        except InvalidStateError:  # cancelled in between
+            pass
+
+
+def _wait(future: Future[T], timeout: float | None) -> T:
+    """The result, or RequestExpiredError when it does not come within ``timeout`` (+1 s slack)."""
+    try:
+        return future.result(None if timeout is None else timeout + 1.0)
+    except FutureTimeoutError as e:
+        raise RequestExpiredError(f"not scored within {timeout:.3f} s") from e

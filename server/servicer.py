@@ -1,4 +1,4 @@
-"""The gRPC servicer: protos in, arrays to the engine, arrays back into protos.
+"""The gRPC servicer (grpc.aio): protos in, arrays to the engine, arrays back into protos.
 
 It only converts: strings to ids with the model's vocabulary (unknown words → ``<unk>``,
 flagged; lowercased first when the model was trained lowercased), packed bytes to an id
@@ -16,9 +16,10 @@ The OOV flag of an n-gram is that of its predicted word (KenLM's ``full_scores``
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from typing import Callable, Iterator, Sequence, TypeVar
+from typing import AsyncIterator, Awaitable, Sequence, TypeVar
 
 import grpc
 import numpy as np
@@ -47,7 +48,7 @@ def status_of(error: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def _remaining(context: grpc.ServicerContext) -> float | None:
+def _remaining(context: grpc.aio.ServicerContext) -> float | None:
     """Seconds to the client's deadline; None without one (gRPC reports a huge number)."""
     left = context.time_remaining()
     return None if left is None or left > 1e6 else max(0.0, left)
@@ -85,26 +86,29 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
         )
 
     # -------------------------------------------------------------- RPCs
-    def ScoreNgrams(self, request: lm_pb2.ScoreNgramsRequest, context: grpc.ServicerContext) -> lm_pb2.ScoreNgramsResponse:
-        return self._guard("ScoreNgrams", context, lambda: self._score_ngrams(request, context))
+    async def ScoreNgrams(self, request: lm_pb2.ScoreNgramsRequest,
+                          context: grpc.aio.ServicerContext) -> lm_pb2.ScoreNgramsResponse:
+        return await self._guard("ScoreNgrams", context, self._score_ngrams(request, context))
 
-    def ScoreSentences(self, request: lm_pb2.ScoreSentencesRequest,
-                       context: grpc.ServicerContext) -> lm_pb2.ScoreSentencesResponse:
-        return self._guard("ScoreSentences", context, lambda: self._score_sentences(request, context))
+    async def ScoreSentences(self, request: lm_pb2.ScoreSentencesRequest,
+                             context: grpc.aio.ServicerContext) -> lm_pb2.ScoreSentencesResponse:
+        return await self._guard("ScoreSentences", context, self._score_sentences(request, context))
 
-    def GetModelInfo(self, request: lm_pb2.GetModelInfoRequest, context: grpc.ServicerContext) -> lm_pb2.ModelInfo:
-        return self._guard("GetModelInfo", context, lambda: self.info)
+    async def GetModelInfo(self, request: lm_pb2.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> lm_pb2.ModelInfo:
+        self._count("GetModelInfo", grpc.StatusCode.OK)
+        return self.info
 
-    def GetVocabulary(self, request: lm_pb2.GetVocabularyRequest,
-                      context: grpc.ServicerContext) -> Iterator[lm_pb2.VocabularyChunk]:
+    async def GetVocabulary(self, request: lm_pb2.GetVocabularyRequest,
+                            context: grpc.aio.ServicerContext) -> AsyncIterator[lm_pb2.VocabularyChunk]:
         size = request.chunk_size or self.engine.config.vocab_chunk_size
-        chunks = [lm_pb2.VocabularyChunk(offset=i, words=self.words[i : i + size])
-                  for i in range(0, len(self.words), size)]
         self._count("GetVocabulary", grpc.StatusCode.OK)
-        return iter(chunks)
+        for i in range(0, len(self.words), size):
+            yield lm_pb2.VocabularyChunk(offset=i, words=self.words[i : i + size])
 
     # -------------------------------------------------------------- conversion
-    def _score_ngrams(self, request: lm_pb2.ScoreNgramsRequest, context: grpc.ServicerContext) -> lm_pb2.ScoreNgramsResponse:
+    async def _score_ngrams(self, request: lm_pb2.ScoreNgramsRequest,
+                            context: grpc.aio.ServicerContext) -> lm_pb2.ScoreNgramsResponse:
         if request.ngrams and request.packed_ids:
             raise InvalidRequestError("send either n-gram strings or packed ids, not both")
         if request.packed_ids or request.packed_order:
@@ -114,7 +118,8 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
             ids, oov = self._map_ngrams(request.ngrams)
         normalized = not request.allow_unnormalized
         log10 = request.log_base != lm_pb2.LN
-        scores = self.engine.score_ngrams(ids, normalized=normalized, log10=log10, timeout=_remaining(context))
+        future = self.engine.submit_ngrams(ids, normalized=normalized, log10=log10, timeout=_remaining(context))
+        scores = await asyncio.wrap_future(future)
         return lm_pb2.ScoreNgramsResponse(
             log_probs=scores.tolist(),
             oov=oov.tolist(),
@@ -153,8 +158,8 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
             oov[i] = row[-1] == UNK_ID
         return ids, oov
 
-    def _score_sentences(self, request: lm_pb2.ScoreSentencesRequest,
-                         context: grpc.ServicerContext) -> lm_pb2.ScoreSentencesResponse:
+    async def _score_sentences(self, request: lm_pb2.ScoreSentencesRequest,
+                               context: grpc.aio.ServicerContext) -> lm_pb2.ScoreSentencesResponse:
         bos = request.bos if request.HasField("bos") else True
         eos = request.eos if request.HasField("eos") else True
         get, lower = self.index.get, self.lowercase
@@ -170,9 +175,10 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
         self._check_size(total, "tokens")
         normalized = not request.allow_unnormalized
         log10 = request.log_base != lm_pb2.LN
-        results = self.engine.score_sentences(
+        future = self.engine.submit_sentences(
             sentences, bos=bos, eos=eos, normalized=normalized, log10=log10, timeout=_remaining(context)
         )
+        results = await asyncio.wrap_future(future)
         out = []
         for res, oov in zip(results, oovs):
             flags = oov.tolist() + ([False] if eos else [])
@@ -194,13 +200,16 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
             )
 
     # -------------------------------------------------------------- errors and metrics
-    def _guard(self, rpc: str, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
+    async def _guard(self, rpc: str, context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
         m = self.metrics
         start = time.perf_counter()
         if m is not None:
             m.in_flight.inc()
         try:
-            result = fn()
+            result = await work
+        except asyncio.CancelledError:
+            self._count(rpc, grpc.StatusCode.CANCELLED)
+            raise
         except Exception as e:
             code = status_of(e)
             if code == grpc.StatusCode.INTERNAL:
@@ -210,7 +219,7 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
                 log.debug("%s: %s: %s", rpc, code.name, e)
                 message = str(e)
             self._count(rpc, code)
-            context.abort(code, message)
+            await context.abort(code, message)
             raise  # not reached: abort raises
         finally:
             if m is not None:

@@ -1,0 +1,322 @@
+"""Serving benchmark: n-grams/s of the engine, gRPC (packed ids, strings), KenLM, the compute
+limit, single-request latency and the micro-batching gain, all measured in one run.
+
+    .venv/bin/python bench/serve.py [--kenlm-model lm.arpa|lm.binary] [--json out.json]
+
+The model is one like a realistic one (order 5, width 256, 20k words, sqrt(V) frequency
+classes, random weights: speed does not depend on the values), built and saved through the
+lm API and served by a real ``nlmserve serve`` process on 127.0.0.1. Test n-grams are drawn
+from a Zipf distribution over the vocabulary (the one the classes were binned on), so target
+class sizes are as in real text. Ratios are printed against the targets of the serving issue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from nlmserve.lm.classes import default_num_classes, frequency_binning
+from nlmserve.lm.model import ModelConfig, NeuralLM
+from nlmserve.lm.model_file import save_model
+from nlmserve.lm.scoring import LanguageModel
+from nlmserve.lm.vocab import BOS_ID, Vocabulary
+
+log = logging.getLogger("bench.serve")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What the benchmark builds and how long it measures.
+
+    Fields:
+        vocab_size, order, dim: shape of the random model.
+        seconds: time spent on each throughput measurement.
+        torch_threads: torch threads of the engine (in-process and in the server).
+        concurrency: clients sending one n-gram each in the micro-batching test.
+        latency_requests: single-n-gram requests timed at concurrency 1.
+        kenlm_model: ARPA or binary KenLM file for (d); None skips (d).
+    """
+
+    vocab_size: int = 20_000
+    order: int = 5
+    dim: int = 256
+    seconds: float = 4.0
+    torch_threads: int = 1
+    concurrency: int = 32
+    latency_requests: int = 2000
+    kenlm_model: str | None = None
+
+
+def machine() -> dict[str, Any]:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "load_average_1m": round(os.getloadavg()[0], 2), "platform": platform.platform()}
+
+
+def build_model(cfg: BenchConfig, path: Path) -> np.ndarray:
+    """Save a random class-factored model; returns the unigram distribution it was binned on."""
+    V = cfg.vocab_size
+    counts = 1e7 / np.arange(1, V + 1)  # Zipf, s = 1
+    counts[BOS_ID] = 0.0
+    classes = frequency_binning(counts, default_num_classes(V))
+    torch.manual_seed(0)
+    net = NeuralLM(ModelConfig(vocab_size=V, order=cfg.order, dim=cfg.dim, num_classes=classes.num_classes),
+                   classes.word_class)
+    save_model(path, net, Vocabulary(f"w{i}" for i in range(V - 3)), classes, objective="nce")
+    return counts / counts.sum()
+
+
+def test_ngrams(p: np.ndarray, n: int, order: int, seed: int = 0) -> np.ndarray:
+    ids = np.random.default_rng(seed).choice(len(p), size=(n, order), p=p).astype(np.uint32)
+    return ids
+
+
+def rate(fn: Callable[[], int], seconds: float) -> float:
+    """Items per second of ``fn`` (returns items done) over about ``seconds`` after one warm-up."""
+    fn()
+    done, t0 = 0, time.perf_counter()
+    while True:
+        done += fn()
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds:
+            return done / elapsed
+
+
+def gemm_rate(dim: int, seconds: float) -> float:
+    """FLOP/s of torch.matmul on a (4096, dim) x (dim, 2048) product."""
+    a, b = torch.randn(4096, dim), torch.randn(dim, 2048)
+    flops = 2 * 4096 * dim * 2048
+    return rate(lambda: (a @ b, flops)[1], seconds)
+
+
+def flops_per_ngram(lm: LanguageModel, ids: np.ndarray) -> float:
+    """Multiply-adds x 2 of one normalised class-factored prediction, averaged over ``ids``."""
+    c = lm.config
+    E = c.out_dim
+    ctx = 2 * (c.order - 1) * c.dim if c.context == "diagonal" else 2 * (c.order - 1) * c.dim * c.dim
+    hidden = 2 * c.dim * c.hidden if c.hidden else 0
+    assert lm.classes is not None
+    sizes = lm.classes.class_sizes[lm.classes.word_class[ids[:, -1].astype(np.int64)]]
+    return float(ctx + hidden + 2 * c.num_classes * E + 2 * sizes.mean() * E + 4 * E)
+
+
+class ServerProcess:
+    """``nlmserve serve`` in a subprocess on 127.0.0.1, port 0."""
+
+    def __init__(self, model: Path, *flags: str) -> None:
+        cmd = [sys.executable, "-m", "nlmserve.cli", "serve", "--model", str(model), "--port", "0", *flags]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        m = re.match(r"listening on (\S+)", line)
+        if not m:
+            self.proc.kill()
+            raise RuntimeError(f"server did not start: {line!r}")
+        self.target = m.group(1)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(60)
+
+
+def percentile_ms(lat: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(lat) * 1e3, q))
+
+
+def single_latency(target: str, ids: np.ndarray, n: int) -> dict[str, float]:
+    import grpc
+
+    from nlmserve.proto import lm_pb2, lm_pb2_grpc
+
+    reqs = [lm_pb2.ScoreNgramsRequest(packed_ids=ids[i % len(ids)].tobytes(), packed_order=ids.shape[1])
+            for i in range(n)]
+    lat = []
+    with grpc.insecure_channel(target) as ch:
+        stub = lm_pb2_grpc.LanguageModelStub(ch)
+        for r in reqs[:100]:
+            stub.ScoreNgrams(r)
+        for r in reqs:
+            t0 = time.perf_counter()
+            stub.ScoreNgrams(r)
+            lat.append(time.perf_counter() - t0)
+    return {"p50_ms": percentile_ms(lat, 50), "p99_ms": percentile_ms(lat, 99)}
+
+
+def concurrent_single(target: str, ids: np.ndarray, clients: int, seconds: float) -> dict[str, float]:
+    """``clients`` asyncio clients, each sending one n-gram per request back to back."""
+    from grpc import aio
+
+    from nlmserve.proto import lm_pb2, lm_pb2_grpc
+
+    async def run() -> tuple[int, list[float], float]:
+        async with aio.insecure_channel(target) as ch:
+            stub: Any = lm_pb2_grpc.LanguageModelStub(ch)
+            await stub.GetModelInfo(lm_pb2.GetModelInfoRequest())
+            lat: list[float] = []
+            stop_at = time.perf_counter() + seconds
+
+            async def one(k: int) -> int:
+                i, done = k, 0
+                while time.perf_counter() < stop_at:
+                    req = lm_pb2.ScoreNgramsRequest(packed_ids=ids[i % len(ids)].tobytes(), packed_order=ids.shape[1])
+                    t0 = time.perf_counter()
+                    await stub.ScoreNgrams(req)
+                    lat.append(time.perf_counter() - t0)
+                    i += clients
+                    done += 1
+                return done
+
+            t0 = time.perf_counter()
+            counts = await asyncio.gather(*[one(k) for k in range(clients)])
+            return sum(counts), lat, time.perf_counter() - t0
+
+    done, lat, elapsed = asyncio.run(run())
+    return {"ngrams_per_s": done / elapsed, "p50_ms": percentile_ms(lat, 50), "p99_ms": percentile_ms(lat, 99)}
+
+
+def kenlm_rate(path: str, words: list[list[str]], seconds: float) -> float | None:
+    try:
+        import kenlm  # type: ignore[import-not-found]
+    except ImportError:
+        print("(d) skipped: the kenlm module is not installed (pip install kenlm)")
+        return None
+    model = kenlm.Model(path)
+
+    def run() -> int:
+        s_in, s_out = kenlm.State(), kenlm.State()
+        total = 0.0
+        for ng in words:
+            model.NullContextWrite(s_in)
+            for w in ng[:-1]:
+                model.BaseScore(s_in, w, s_out)
+                s_in, s_out = s_out, s_in
+            total += model.BaseScore(s_in, ng[-1], s_out)
+        return len(words)
+
+    return rate(run, seconds)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kenlm-model", help="KenLM ARPA/binary for (d); without it (d) is skipped")
+    ap.add_argument("--seconds", type=float, default=BenchConfig.seconds)
+    ap.add_argument("--vocab-size", type=int, default=BenchConfig.vocab_size)
+    ap.add_argument("--dim", type=int, default=BenchConfig.dim)
+    ap.add_argument("--torch-threads", type=int, default=BenchConfig.torch_threads)
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    cfg = BenchConfig(vocab_size=args.vocab_size, dim=args.dim, seconds=args.seconds,
+                      torch_threads=args.torch_threads, kenlm_model=args.kenlm_model)
+    torch.set_num_threads(cfg.torch_threads)
+    res: dict[str, Any] = {"machine": machine(), "config": cfg.__dict__}
+    print(json.dumps(res["machine"]))
+    with tempfile.TemporaryDirectory() as tmp:
+        model_path = Path(tmp) / "bench.nlm"
+        p = build_model(cfg, model_path)
+        lm = LanguageModel.load(model_path, device="cpu")
+        ids = test_ngrams(p, 20_000, cfg.order)
+        ids[ids[:, -1] == BOS_ID, -1] = 3
+        res["flops_per_ngram"] = flops_per_ngram(lm, ids)
+        res["gemm_flops"] = gemm_rate(cfg.dim, cfg.seconds / 2)
+        res["compute_limit"] = res["gemm_flops"] / res["flops_per_ngram"]
+        print(f"(e) compute limit: {res['flops_per_ngram'] / 1e3:.0f} kFLOP/n-gram, "
+              f"GEMM {res['gemm_flops'] / 1e9:.1f} GFLOP/s -> {res['compute_limit']:,.0f} n-grams/s")
+
+        from nlmserve.server.config import ServerConfig
+        from nlmserve.server.engine import Engine
+
+        engine = Engine(lm, ServerConfig(model=str(model_path), max_batch_ngrams=10_000))
+        for bs in (4096, 10_000):
+            batch = ids[:bs]
+            res[f"engine_{bs}"] = rate(lambda: len(engine.score_ngrams(batch, log10=True)), cfg.seconds)
+            print(f"(a) engine, batch {bs}: {res[f'engine_{bs}']:,.0f} n-grams/s "
+                  f"({res[f'engine_{bs}'] / res['compute_limit']:.0%} of the compute limit)")
+        engine.shutdown()
+
+        threads = ["--torch-threads", str(cfg.torch_threads)]
+        server = ServerProcess(model_path, *threads)
+        try:
+            from nlmserve.client import LMClient
+
+            with LMClient(server.target) as client:
+                for bs in (1000, 10_000):
+                    batch = ids[:bs]
+                    res[f"grpc_packed_{bs}"] = rate(lambda: len(client.score_ids(batch).log_probs), cfg.seconds)
+                    print(f"(b) gRPC packed ids, batch {bs}: {res[f'grpc_packed_{bs}']:,.0f} n-grams/s "
+                          f"({res[f'grpc_packed_{bs}'] / res['engine_10000']:.0%} of the engine)")
+            words = [[f"w{i - 3}" if i >= 3 else ("<unk>", "<s>", "</s>")[i] for i in row] for row in ids[:10_000].tolist()]
+            with LMClient(server.target, pack_ids=False) as client:
+                res["grpc_strings_10000"] = rate(lambda: len(client.score_ngrams(words).log_probs), cfg.seconds)
+            print(f"(c) gRPC strings, batch 10000: {res['grpc_strings_10000']:,.0f} n-grams/s "
+                  f"({res['grpc_strings_10000'] / res['engine_10000']:.0%} of the engine)")
+            res["latency_c1"] = single_latency(server.target, ids, cfg.latency_requests)
+            print(f"single n-gram, concurrency 1: p50 {res['latency_c1']['p50_ms']:.3f} ms, "
+                  f"p99 {res['latency_c1']['p99_ms']:.3f} ms")
+            res["concurrent_batching"] = concurrent_single(server.target, ids, cfg.concurrency, cfg.seconds)
+        finally:
+            server.stop()
+        server = ServerProcess(model_path, *threads, "--max-batch-ngrams", "1")
+        try:
+            res["concurrent_no_batching"] = concurrent_single(server.target, ids, cfg.concurrency, cfg.seconds)
+        finally:
+            server.stop()
+        b, nb = res["concurrent_batching"], res["concurrent_no_batching"]
+        gain = b["ngrams_per_s"] / nb["ngrams_per_s"]
+        res["batching_gain"] = gain
+        print(f"{cfg.concurrency} clients x 1 n-gram: micro-batching {b['ngrams_per_s']:,.0f}/s (p99 {b['p99_ms']:.2f} ms)"
+              f" vs --max-batch-ngrams 1 {nb['ngrams_per_s']:,.0f}/s (p99 {nb['p99_ms']:.2f} ms): {gain:.1f}x")
+        if cfg.kenlm_model:
+            kr = kenlm_rate(cfg.kenlm_model, [r for r in words], cfg.seconds)
+            if kr is not None:
+                res["kenlm"] = kr
+                print(f"(d) KenLM Python module: {kr:,.0f} n-grams/s (engine / KenLM = {res['engine_10000'] / kr:.2f})")
+        else:
+            print("(d) skipped: no --kenlm-model given")
+
+    lat, conc = res["latency_c1"], res["concurrent_batching"]
+    best_engine = max(res["engine_4096"], res["engine_10000"])
+    checks = [  # (target, measured, met)
+        ("engine >= 50% of the compute limit", f"{best_engine / res['compute_limit']:.0%}",
+         best_engine >= 0.5 * res["compute_limit"]),
+        ("gRPC packed (10k) >= 80% of the engine", f"{res['grpc_packed_10000'] / res['engine_10000']:.0%}",
+         res["grpc_packed_10000"] >= 0.8 * res["engine_10000"]),
+        ("single n-gram p50 <= 1 ms", f"{lat['p50_ms']:.3f} ms", lat["p50_ms"] <= 1.0),
+        ("micro-batching gain >= 5x", f"{res['batching_gain']:.1f}x", res["batching_gain"] >= 5.0),
+        ("micro-batching p99 <= 10 ms", f"{conc['p99_ms']:.2f} ms", conc["p99_ms"] <= 10.0),
+    ]
+    print("\ntarget                                     measured     met")
+    for name, value, met in checks:
+        print(f"{name:42s} {value:>10s}   {'yes' if met else 'NO'}")
+    res["checks"] = {name: {"measured": value, "met": met} for name, value, met in checks}
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
