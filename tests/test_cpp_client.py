@@ -303,3 +303,17 @@ def test_killed_server_gives_error_then_retry_after_restart(
         cpp.close()
         if second is not None:
             second.kill()
+
+
+def test_lowercase_option(driver: Path, server: Server) -> None:
+    plain = Driver(driver, server.target)
+    lower = Driver(driver, server.target, "--lowercase")
+    try:
+        expected = plain.ask("score of the european union")
+        mixed = plain.ask("score Of THE European Union")  # unknown as cased words
+        folded = lower.ask("score Of THE European Union")
+    finally:
+        plain.close()
+        lower.close()
+    assert expected.startswith("ok ") and folded == expected
+    assert mixed != expected

@@ -57,8 +57,8 @@ class NeuralLMServerState : public FFState {
  public:
   NeuralLMServerState() {}
   explicit NeuralLMServerState(const std::vector<const Factor *> &words) : m_words(words) {}
-  size_t hash() const;
-  bool operator==(const FFState &other) const;
+  size_t hash() const override;
+  bool operator==(const FFState &other) const override;
   std::vector<const Factor *> m_words;
 };
 
@@ -67,39 +67,39 @@ class NeuralLMServer : public LanguageModelSingleFactor {
   explicit NeuralLMServer(const std::string &line);
   ~NeuralLMServer();
 
-  void SetParameter(const std::string &key, const std::string &value);
-  void Load(AllOptions::ptr const &opts);
+  void SetParameter(const std::string &key, const std::string &value) override;
+  void Load(AllOptions::ptr const &opts) override;
 
   // One n-gram (Moses' generic path, e.g. chart decoding): one batch of one.
-  LMResult GetValue(const std::vector<const Word *> &contextFactor, State *finalState = 0) const;
+  LMResult GetValue(const std::vector<const Word *> &contextFactor, State *finalState = 0) const override;
 
-  const FFState *GetNullContextState() const;
-  const FFState *GetBeginSentenceState() const;
-  FFState *NewState(const FFState *from = NULL) const;
-  LMResult GetValueForgotState(const std::vector<const Word *> &contextFactor, FFState &outState) const;
-  void GetState(const std::vector<const Word *> &contextFactor, FFState &outState) const;
+  const FFState *GetNullContextState() const override;
+  const FFState *GetBeginSentenceState() const override;
+  FFState *NewState(const FFState *from = NULL) const override;
+  LMResult GetValueForgotState(const std::vector<const Word *> &contextFactor, FFState &outState) const override;
+  void GetState(const std::vector<const Word *> &contextFactor, FFState &outState) const override;
 
   // All n-grams of a target phrase in one batch.
-  void CalcScore(const Phrase &phrase, float &fullScore, float &ngramScore, size_t &oovCount) const;
+  void CalcScore(const Phrase &phrase, float &fullScore, float &ngramScore, size_t &oovCount) const override;
 
   // phrase-scores=load: Moses' usual phrase scoring; sentence: nothing here ...
   void EvaluateInIsolation(const Phrase &source, const TargetPhrase &targetPhrase,
                            ScoreComponentCollection &scoreBreakdown,
-                           ScoreComponentCollection &estimatedScores) const;
+                           ScoreComponentCollection &estimatedScores) const override;
   // ... and the same scores here, per translation option of the sentence.
   void EvaluateWithSourceContext(const InputType &input, const InputPath &inputPath,
                                  const TargetPhrase &targetPhrase, const StackVec *stackVec,
                                  ScoreComponentCollection &scoreBreakdown,
-                                 ScoreComponentCollection *estimatedScores = NULL) const;
+                                 ScoreComponentCollection *estimatedScores = NULL) const override;
 
   // All boundary n-grams of a hypothesis (and </s>) in one batch.
   using LanguageModelImplementation::EvaluateWhenApplied;
   FFState *EvaluateWhenApplied(const Hypothesis &hypo, const FFState *ps,
-                               ScoreComponentCollection *out) const;
+                               ScoreComponentCollection *out) const override;
 
   using LanguageModelSingleFactor::CleanUpAfterSentenceProcessing;
-  void InitializeForInput(ttasksptr const &ttask);
-  void CleanUpAfterSentenceProcessing(ttasksptr const &ttask);
+  void InitializeForInput(ttasksptr const &ttask) override;
+  void CleanUpAfterSentenceProcessing(ttasksptr const &ttask) override;
 
  private:
   uint32_t Id(const Word &word) const;
