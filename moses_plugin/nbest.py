@@ -93,9 +93,14 @@ def open_binary(path: str | os.PathLike[str]) -> IO[bytes]:
     return open(path, "rb")
 
 
+_FLOAT_WORDS = frozenset({"inf", "infinity", "nan"})
+
+
 def _is_label(token: str) -> bool:
     if len(token) < 2 or token[-1] not in "=:":
         return False
+    if token[0].isalpha() and token[:-1].lower().lstrip("+-") not in _FLOAT_WORDS:
+        return True
     try:
         float(token[:-1])
     except ValueError:
@@ -125,7 +130,8 @@ def parse_line(raw: str, path: str, line_no: int) -> NbestEntry:
     values: list[float] = []
     sparse_name: str | None = None
     for token in fields[2].split():
-        if _is_label(token):
+        last = token[-1]
+        if (last == "=" or last == ":") and _is_label(token):
             if sparse_name is not None:
                 raise NbestFormatError(f"sparse feature {sparse_name!r} has no value", path, line_no)
             if name is not None:

@@ -122,18 +122,28 @@ class SentenceLM:
 
     def ngrams(self, hyps: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """All n-grams of ``hyps`` (N, order) uint32, and the hypothesis index of each row."""
-        pad = self.order - 1
+        pad = [BOS_ID] * (self.order - 1)
         get = self.vocab.get
-        seqs, owners = [], []
-        for h, hyp in enumerate(hyps):
+        flat: list[int] = []
+        starts: list[int] = []
+        counts: list[int] = []
+        for hyp in hyps:
             words = hyp.lower().split() if self.lowercase else hyp.split()
-            ids = [get(w, UNK_ID) for w in words]
-            seqs.append(np.asarray([BOS_ID] * pad + ids + [EOS_ID], dtype=np.uint32))
-            owners.append(np.full(len(ids) + 1, h, dtype=np.int64))
-        windows = [np.lib.stride_tricks.sliding_window_view(s, self.order) for s in seqs]
-        if not windows:
+            starts.append(len(flat))
+            counts.append(len(words) + 1)
+            flat.extend(pad)
+            flat.extend([get(w, UNK_ID) for w in words])
+            flat.append(EOS_ID)
+        if not hyps:
             return np.zeros((0, self.order), dtype=np.uint32), np.zeros(0, dtype=np.int64)
-        return np.concatenate(windows), np.concatenate(owners)
+        seq = np.asarray(flat, dtype=np.uint32)
+        windows = np.lib.stride_tricks.sliding_window_view(seq, self.order)  # (len(seq) - order + 1, order)
+        count = np.asarray(counts, dtype=np.int64)
+        owners = np.repeat(np.arange(len(hyps), dtype=np.int64), count)
+        # Window k of hypothesis h starts at starts[h] + k, for k < counts[h].
+        first = np.repeat(np.asarray(starts, dtype=np.int64) - np.cumsum(count) + count, count)
+        rows = windows[first + np.arange(len(owners))]
+        return rows, owners
 
 
 def _unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
