@@ -283,6 +283,16 @@ class NeuralLM(nn.Module):
         logits = logits.masked_fill(pad, -math.inf)
         return torch.logsumexp(logits, dim=-1)
 
+    def scoring_chunk(self, budget: int = 1 << 24) -> int:
+        """Rows per chunk for exact scoring: bounded so that the widest score matrix
+        (N × V for softmax, N × largest class for the class output) holds ~``budget``
+        floats, between 64 and 8192 rows."""
+        if self.config.output == "softmax":
+            width = self.config.vocab_size
+        else:
+            width = max(b - a for a, b in zip(self._offsets, self._offsets[1:]))
+        return int(min(8192, max(64, budget // max(width, 1))))
+
     # ------------------------------------------------------------------ probabilities
     def log_prob(self, ctx: Tensor, target: Tensor, *, normalized: bool = True) -> Tensor:
         """log P(target | ctx) in natural log → (N,). Unnormalised: s_c + s_w (or s_w)."""

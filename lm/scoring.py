@@ -192,11 +192,12 @@ class LanguageModel:
         arr = self.validate_ngrams(ids)
         out = np.empty(arr.shape[0], dtype=np.float32)
         use_raw = not normalized and self.self_normalized
+        chunk = CHUNK if use_raw else min(CHUNK, self.net.scoring_chunk())
         with torch.inference_mode():
-            for start in range(0, arr.shape[0], CHUNK):
-                ctx, target = self.prepare_contexts(arr[start : start + CHUNK])
+            for start in range(0, arr.shape[0], chunk):
+                ctx, target = self.prepare_contexts(arr[start : start + chunk])
                 lp = self.net.log_prob(ctx, target, normalized=not use_raw)
-                out[start : start + CHUNK] = lp.float().cpu().numpy()
+                out[start : start + chunk] = lp.float().cpu().numpy()
         if log10:
             out *= np.float32(LOG10_E)
         return out

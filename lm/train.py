@@ -248,8 +248,9 @@ def model_config(cfg: TrainConfig, data: _Data) -> ModelConfig:
 # ---------------------------------------------------------------------------- evaluation
 
 
-def corpus_log_likelihood(model: NeuralLM, corpus: CorpusIds, order: int, device: torch.device, chunk: int = 8192) -> tuple[float, int]:
+def corpus_log_likelihood(model: NeuralLM, corpus: CorpusIds, order: int, device: torch.device) -> tuple[float, int]:
     """Σ ln P over every token of ``corpus`` (``</s>`` included) and the token count."""
+    chunk = model.scoring_chunk()
     total = 0.0
     was_training = model.training
     model.eval()
