@@ -47,6 +47,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--patience", type=int, default=3, help="validations without improvement before stopping")
     p.add_argument("--valid-every", type=int, default=0, help="validate every N steps (0: each epoch)")
     p.add_argument("--checkpoint-every", type=int, default=1000, help="write OUT.ckpt every N steps (0: never)")
+    p.add_argument("--log-every", type=int, default=100, help="append a record to OUT.log.jsonl every N steps")
     p.add_argument("--workdir", help="where the id files go (default OUT.work)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_train)
@@ -78,7 +79,7 @@ def _train(args: argparse.Namespace) -> int:
             max_vocab=args.max_vocab, max_train_lines=args.max_train_lines, threads=args.threads,
             seed=args.seed, resume=args.resume, batch_size=args.batch_size, lr=args.lr,
             optimizer=args.optimizer, patience=args.patience, valid_every=args.valid_every,
-            checkpoint_every=args.checkpoint_every, workdir=args.workdir, progress=not args.no_progress,
+            checkpoint_every=args.checkpoint_every, log_every=args.log_every, workdir=args.workdir, progress=not args.no_progress,
         )
     except ValueError as exc:
         print(f"nlmserve train: error: {exc}", file=sys.stderr)
