@@ -157,6 +157,7 @@ class _State:
     bad_validations: int = 0
     elapsed: float = 0.0
     done: bool = False
+    stopped: str = ""
     last_valid_step: int = -1
 
 
@@ -409,6 +410,8 @@ def train(cfg: TrainConfig, *, _interrupt_after_step: int | None = None) -> Trai
         state = _State(**ck["state"])
         best = ck["best"]
         resumed = True
+        if state.stopped in ("max steps", "max minutes"):  # a budget, not convergence: go on
+            state.done, state.stopped = False, ""
         log.info("resumed from %s at step %d (epoch %d, position %d)", cfg.checkpoint_path, state.step, state.epoch, state.pos)
     _set_lr(opt, state.lr)
     train_log = _Log(cfg.log_path, append=resumed)
@@ -420,7 +423,7 @@ def train(cfg: TrainConfig, *, _interrupt_after_step: int | None = None) -> Trai
     deadline = t_loop + cfg.max_minutes * 60.0 - (time.monotonic() - t_start) if cfg.max_minutes else None
     N = data.train.num_tokens
     steps_per_epoch = math.ceil(N / cfg.batch_size)
-    stopped = "epochs"
+    stopped = state.stopped or "epochs"
 
     def validate() -> float | None:
         nonlocal best
@@ -450,6 +453,9 @@ def train(cfg: TrainConfig, *, _interrupt_after_step: int | None = None) -> Trai
         while state.epoch < cfg.epochs and not state.done:
             perm = _permutation(cfg.seed, state.epoch, N)
             for next_pos, positions in _batches(perm, state.pos, cfg.batch_size):
+                if cfg.max_steps is not None and state.step >= cfg.max_steps:
+                    state.done, stopped = True, "max steps"
+                    break
                 ctx_np, tgt_np = data.train.examples(np.sort(positions), mconf.order)
                 ctx = torch.from_numpy(ctx_np).to(device)
                 tgt = torch.from_numpy(tgt_np).to(device)
@@ -498,6 +504,7 @@ def train(cfg: TrainConfig, *, _interrupt_after_step: int | None = None) -> Trai
         if data.valid is not None and state.last_valid_step != state.step:
             validate()
         state.done = True
+        state.stopped = stopped
         if cfg.checkpoint_every:
             save_checkpoint(cfg.checkpoint_path, model, opt, gen, state, best, cfg, data.vocab.sha256())
     finally:

@@ -168,3 +168,12 @@ def test_bad_flag_values_are_rejected(tmp_path: Path, small_train: Path, capsys:
     assert rc == 2 and "lr" in err
     rc, err = _cli(capsys, "--train", str(small_train), "--out", str(tmp_path / "m.nlm"), "--classes", "999999")
     assert rc == 1 and "--classes" in err
+
+
+def test_resume_after_a_step_budget_continues(small_train: Path, dev_small_path: Path, tmp_path: Path) -> None:
+    cfg = _config(small_train, dev_small_path, tmp_path / "budget.nlm", max_steps=20)
+    assert train(cfg).steps == 20
+    assert train(replace(cfg, resume=True)).steps == 20  # same budget: nothing more to do
+    more = train(replace(cfg, resume=True, max_steps=30))
+    assert more.steps == 30 and more.stopped == "max steps"
+    assert LanguageModel.load(tmp_path / "budget.nlm", device="cpu").training["steps"] == 30
