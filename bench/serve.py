@@ -125,18 +125,32 @@ def flops_per_ngram(lm: LanguageModel, ids: np.ndarray) -> float:
 
 
 class ServerProcess:
-    """``nlmserve serve`` in a subprocess on 127.0.0.1, port 0."""
+    """``nlmserve serve`` in a subprocess on 127.0.0.1, port 0, with its /metrics on a free port."""
 
     def __init__(self, model: Path, *flags: str) -> None:
-        cmd = [sys.executable, "-m", "nlmserve.cli", "serve", "--model", str(model), "--port", "0", *flags]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        cmd = [sys.executable, "-m", "nlmserve.cli", "serve", "--model", str(model), "--port", "0",
+               "--metrics-port", "0", *flags]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        m = re.match(r"listening on (\S+)", line)
-        if not m:
+        lines = [self.proc.stdout.readline(), self.proc.stdout.readline()]
+        m = re.match(r"listening on (\S+)", lines[0])
+        mm = re.search(r":(\d+)/metrics", lines[1])
+        if not m or not mm:
             self.proc.kill()
-            raise RuntimeError(f"server did not start: {line!r}")
+            raise RuntimeError(f"server did not start: {lines!r}")
         self.target = m.group(1)
+        self.metrics_url = f"http://127.0.0.1:{mm.group(1)}/metrics"
+
+    def metric(self, name: str) -> float:
+        import urllib.request
+
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                key, _, value = line.rpartition(" ")
+                if key == name:
+                    return float(value)
+        return 0.0
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
@@ -277,7 +291,11 @@ def main(argv: list[str] | None = None) -> int:
             res["latency_c1"] = single_latency(server.target, ids, cfg.latency_requests)
             print(f"single n-gram, concurrency 1: p50 {res['latency_c1']['p50_ms']:.3f} ms, "
                   f"p99 {res['latency_c1']['p99_ms']:.3f} ms")
+            before = server.metric("nlmserve_batch_requests_count"), server.metric("nlmserve_batch_requests_sum")
             res["concurrent_batching"] = concurrent_single(server.target, ids, cfg.concurrency, cfg.seconds)
+            batches = server.metric("nlmserve_batch_requests_count") - before[0]
+            parts = server.metric("nlmserve_batch_requests_sum") - before[1]
+            res["concurrent_batching"]["requests_per_forward_pass"] = parts / max(batches, 1)
         finally:
             server.stop()
         server = ServerProcess(model_path, *threads, "--max-batch-ngrams", "1")
@@ -289,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         gain = b["ngrams_per_s"] / nb["ngrams_per_s"]
         res["batching_gain"] = gain
         print(f"{cfg.concurrency} clients x 1 n-gram: micro-batching {b['ngrams_per_s']:,.0f}/s (p99 {b['p99_ms']:.2f} ms)"
-              f" vs --max-batch-ngrams 1 {nb['ngrams_per_s']:,.0f}/s (p99 {nb['p99_ms']:.2f} ms): {gain:.1f}x")
+              f" vs --max-batch-ngrams 1 {nb['ngrams_per_s']:,.0f}/s (p99 {nb['p99_ms']:.2f} ms): {gain:.1f}x;"
+              f" {b['requests_per_forward_pass']:.1f} requests per forward pass")
         if cfg.kenlm_model:
             kr = kenlm_rate(cfg.kenlm_model, [r for r in words], cfg.seconds)
             if kr is not None:

@@ -144,7 +144,10 @@ class Scorer:
         r = lm.encode_contexts(ctx)
         class_score, word_score = lm.raw_scores(r, target)
         score = class_score + word_score
-        if normalized.any():
+        if normalized.all():
+            cls = self._classes(target)
+            score = score - lm.class_log_normalizer(r) - lm.in_class_log_normalizer(r, cls)
+        elif normalized.any():
             rows = torch.from_numpy(np.flatnonzero(normalized)).to(r.device)
             cls = self._classes(target[rows])
             lognorm = lm.class_log_normalizer(r[rows]) + lm.in_class_log_normalizer(r[rows], cls)

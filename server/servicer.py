@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+#: Requests with more n-grams than this are converted off the event loop thread.
+OFFLOAD_ITEMS = 20_000
+
 _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -114,6 +117,8 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
         if request.packed_ids or request.packed_order:
             ids = self._unpack(request.packed_ids, request.packed_order)
             oov = ids[:, -1] == UNK_ID if ids.shape[1] else np.zeros(ids.shape[0], dtype=bool)
+        elif len(request.ngrams) > OFFLOAD_ITEMS:  # keep the event loop free for other requests
+            ids, oov = await asyncio.to_thread(self._map_ngrams, request.ngrams)
         else:
             ids, oov = self._map_ngrams(request.ngrams)
         normalized = not request.allow_unnormalized
@@ -162,17 +167,10 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
                                context: grpc.aio.ServicerContext) -> lm_pb2.ScoreSentencesResponse:
         bos = request.bos if request.HasField("bos") else True
         eos = request.eos if request.HasField("eos") else True
-        get, lower = self.index.get, self.lowercase
-        sentences: list[np.ndarray] = []
-        oovs: list[np.ndarray] = []
-        total = 0
-        for s in request.sentences:
-            toks = s.lower().split() if lower else s.split()
-            ids = np.fromiter((get(t, UNK_ID) for t in toks), dtype=np.int64, count=len(toks))
-            sentences.append(ids)
-            oovs.append(ids == UNK_ID)
-            total += len(toks) + int(eos)
-        self._check_size(total, "tokens")
+        if len(request.sentences) > OFFLOAD_ITEMS // 20:
+            sentences, oovs = await asyncio.to_thread(self._map_sentences, request.sentences, eos)
+        else:
+            sentences, oovs = self._map_sentences(request.sentences, eos)
         normalized = not request.allow_unnormalized
         log10 = request.log_base != lm_pb2.LN
         future = self.engine.submit_sentences(
@@ -192,6 +190,20 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
             normalized=normalized or not self.engine.self_normalized,
             model_hash=self.model_hash,
         )
+
+    def _map_sentences(self, texts: Sequence[str], eos: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        get, lower = self.index.get, self.lowercase
+        sentences: list[np.ndarray] = []
+        oovs: list[np.ndarray] = []
+        total = 0
+        for s in texts:
+            toks = s.lower().split() if lower else s.split()
+            ids = np.fromiter((get(t, UNK_ID) for t in toks), dtype=np.int64, count=len(toks))
+            sentences.append(ids)
+            oovs.append(ids == UNK_ID)
+            total += len(toks) + int(eos)
+        self._check_size(total, "tokens")
+        return sentences, oovs
 
     def _check_size(self, n: int, what: str) -> None:
         if n > self.max_items:
