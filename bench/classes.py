@@ -104,6 +104,8 @@ def head_lines(src: Path, n: int | None, dst: Path) -> Path:
 def build(method: str, corpus: CorpusIds, unigram: np.ndarray, k: int, seed: int) -> WordClasses:
     if method == "frequency":
         return frequency_binning(unigram, k)
+    if method == "sqrt":
+        return frequency_binning(unigram, k, sqrt=True)
     if method == "brown":
         return brown_clusters(corpus, unigram.size, k, seed=seed)
     raise ValueError(f"unknown method {method!r}")
@@ -199,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-count", type=int, default=2)
     p.add_argument("--factors", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 3.0],
                    help="K = round(f·sqrt(V)) for each f (default 1,3)")
-    p.add_argument("--methods", type=lambda s: s.split(","), default=["frequency", "brown"])
+    p.add_argument("--methods", type=lambda s: s.split(","), default=["frequency", "brown"],
+                   help="frequency, sqrt (frequency binning by sqrt mass), brown (default frequency,brown)")
     p.add_argument("--no-train", action="store_true", help="measure the classes only")
     p.add_argument("--steps", type=int, default=3000, help="training steps per model")
     p.add_argument("--dim", type=int, default=64)
