@@ -278,3 +278,15 @@ def test_wcluster_malformed_line_names_file_and_line(tmp_path: Path, bad_line: s
     with pytest.raises(InputError, match=message) as exc:
         load_wcluster(path, vocab)
     assert f"{path}:3:" in str(exc.value)
+
+
+@pytest.mark.parametrize("num_classes", [1, 2, 8])
+def test_brown_clusters_degenerate_sizes(tmp_path: Path, num_classes: int) -> None:
+    vocab = Vocabulary(["a", "b", "c", "d", "e"])  # V = 8
+    text = tmp_path / "t.txt"
+    text.write_text("a b c\nd e a\nb\na a a\n", encoding="utf-8")
+    corpus = CorpusIds.encode(text, vocab, tmp_path / "t.ids")
+    wc = brown_clusters(corpus, len(vocab), num_classes)
+    assert_partition(wc, len(vocab), num_classes)
+    if num_classes == len(vocab):  # every word alone: nothing can move
+        assert wc.word_class.tolist() == frequency_binning(corpus.unigram_counts(len(vocab)), 8).word_class.tolist()
