@@ -3,11 +3,12 @@ limit, single-request latency and the micro-batching gain, all measured in one r
 
     .venv/bin/python bench/serve.py [--kenlm-model lm.arpa|lm.binary] [--json out.json]
 
-The model is one like a realistic one (order 5, width 256, 20k words, sqrt(V) frequency
-classes, random weights: speed does not depend on the values), built and saved through the
-lm API and served by a real ``nlmserve serve`` process on 127.0.0.1. Test n-grams are drawn
-from a Zipf distribution over the vocabulary (the one the classes were binned on), so target
-class sizes are as in real text. Ratios are printed against the targets of the serving issue.
+The model is one like a realistic one (order 5, width 256, the 20k most frequent words of
+the shipped Europarl training slice, sqrt(V) frequency classes on their counts, random
+weights: speed does not depend on the values), built and saved through the lm API and
+served by a real ``nlmserve serve`` process on 127.0.0.1. Test n-grams are the n-grams of
+the shipped held-out Europarl text, so target class sizes are those of real text; KenLM (d)
+scores the same n-grams as words. Ratios are printed against the targets of the serving issue.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import asyncio
 import json
 import logging
+import lzma
 import os
 import platform
 import re
@@ -25,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -36,9 +39,13 @@ from nlmserve.lm.classes import default_num_classes, frequency_binning
 from nlmserve.lm.model import ModelConfig, NeuralLM
 from nlmserve.lm.model_file import save_model
 from nlmserve.lm.scoring import LanguageModel
-from nlmserve.lm.vocab import BOS_ID, Vocabulary
+from nlmserve.lm.vocab import Vocabulary
 
 log = logging.getLogger("bench.serve")
+
+DATA = Path(__file__).resolve().parent.parent / "data" / "lm"
+TRAIN_XZ = DATA / "europarl.train.50k.lc-moses.en.xz"
+DEV_TXT = DATA / "europarl.dev.1k.lc-moses.en"
 
 
 @dataclass(frozen=True)
@@ -77,22 +84,31 @@ def machine() -> dict[str, Any]:
             "load_average_1m": round(os.getloadavg()[0], 2), "platform": platform.platform()}
 
 
-def build_model(cfg: BenchConfig, path: Path) -> np.ndarray:
-    """Save a random class-factored model; returns the unigram distribution it was binned on."""
-    V = cfg.vocab_size
-    counts = 1e7 / np.arange(1, V + 1)  # Zipf, s = 1
-    counts[BOS_ID] = 0.0
-    classes = frequency_binning(counts, default_num_classes(V))
+def build_model(cfg: BenchConfig, path: Path) -> None:
+    """Save a random class-factored model over the real vocabulary of the shipped training slice
+    (the ``vocab_size`` most frequent words, sqrt(V) frequency classes on their counts)."""
+    counts: Counter[str] = Counter()
+    with lzma.open(TRAIN_XZ, "rt", encoding="utf-8") as f:
+        for line in f:
+            counts.update(line.split())
+    vocab = Vocabulary.build(counts, max_vocab=cfg.vocab_size)
+    unigram = np.array([counts.get(w, 0) for w in vocab.words], dtype=np.float64)
+    classes = frequency_binning(unigram, default_num_classes(len(vocab)))
     torch.manual_seed(0)
-    net = NeuralLM(ModelConfig(vocab_size=V, order=cfg.order, dim=cfg.dim, num_classes=classes.num_classes),
+    net = NeuralLM(ModelConfig(vocab_size=len(vocab), order=cfg.order, dim=cfg.dim, num_classes=classes.num_classes),
                    classes.word_class)
-    save_model(path, net, Vocabulary(f"w{i}" for i in range(V - 3)), classes, objective="nce")
-    return counts / counts.sum()
+    net.init_biases(unigram)
+    save_model(path, net, vocab, classes, objective="nce", lowercase=True)
 
 
-def test_ngrams(p: np.ndarray, n: int, order: int, seed: int = 0) -> np.ndarray:
-    ids = np.random.default_rng(seed).choice(len(p), size=(n, order), p=p).astype(np.uint32)
-    return ids
+def test_ngrams(lm: LanguageModel, n: int) -> tuple[np.ndarray, list[list[str]]]:
+    """The first ``n`` n-grams of the shipped held-out text (as ids, ``<s>``-padded, and as words)."""
+    with open(DEV_TXT, encoding="utf-8") as f:
+        sentences = [line.split() for line in f]
+    ids, _, _, _ = lm.sentence_ngrams(sentences)
+    ids = ids[:n].astype(np.uint32)
+    words = [lm.vocab.decode(row) for row in ids.tolist()]
+    return ids, words
 
 
 def rate(fn: Callable[[], int], seconds: float) -> float:
@@ -151,6 +167,11 @@ class ServerProcess:
                 if key == name:
                     return float(value)
         return 0.0
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of the server process so far (all its threads)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
@@ -212,6 +233,19 @@ def concurrent_single(target: str, ids: np.ndarray, clients: int, seconds: float
     return {"ngrams_per_s": done / elapsed, "p50_ms": percentile_ms(lat, 50), "p99_ms": percentile_ms(lat, 99)}
 
 
+def concurrent_measure(server: ServerProcess, ids: np.ndarray, cfg: BenchConfig) -> dict[str, float]:
+    """:func:`concurrent_single` plus the server's view: requests per forward pass, CPU per request."""
+    before = (server.metric("nlmserve_batch_requests_count"), server.metric("nlmserve_batch_requests_sum"),
+              server.cpu_seconds())
+    out = concurrent_single(server.target, ids, cfg.concurrency, cfg.seconds)
+    batches = server.metric("nlmserve_batch_requests_count") - before[0]
+    parts = server.metric("nlmserve_batch_requests_sum") - before[1]
+    cpu = server.cpu_seconds() - before[2]
+    out["requests_per_forward_pass"] = parts / max(batches, 1)
+    out["server_cpu_us_per_request"] = 1e6 * cpu / max(parts, 1)
+    return out
+
+
 def kenlm_rate(path: str, words: list[list[str]], seconds: float) -> float | None:
     try:
         import kenlm  # type: ignore[import-not-found]
@@ -220,11 +254,17 @@ def kenlm_rate(path: str, words: list[list[str]], seconds: float) -> float | Non
         return None
     model = kenlm.Model(path)
 
+    # <s> padding: start from the sentence-start state and drop the <s> words.
+    stripped = [(ng.count("<s>") > 0, [w for w in ng if w != "<s>"]) for ng in words]
+
     def run() -> int:
         s_in, s_out = kenlm.State(), kenlm.State()
         total = 0.0
-        for ng in words:
-            model.NullContextWrite(s_in)
+        for at_start, ng in stripped:
+            if at_start:
+                model.BeginSentenceWrite(s_in)
+            else:
+                model.NullContextWrite(s_in)
             for w in ng[:-1]:
                 model.BaseScore(s_in, w, s_out)
                 s_in, s_out = s_out, s_in
@@ -251,10 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(res["machine"]))
     with tempfile.TemporaryDirectory() as tmp:
         model_path = Path(tmp) / "bench.nlm"
-        p = build_model(cfg, model_path)
+        build_model(cfg, model_path)
         lm = LanguageModel.load(model_path, device="cpu")
-        ids = test_ngrams(p, 20_000, cfg.order)
-        ids[ids[:, -1] == BOS_ID, -1] = 3
+        ids, words = test_ngrams(lm, 20_000)
         res["flops_per_ngram"] = flops_per_ngram(lm, ids)
         res["gemm_flops"] = gemm_rate(cfg.dim, cfg.seconds / 2)
         res["compute_limit"] = res["gemm_flops"] / res["flops_per_ngram"]
@@ -283,34 +322,33 @@ def main(argv: list[str] | None = None) -> int:
                     res[f"grpc_packed_{bs}"] = rate(lambda: len(client.score_ids(batch).log_probs), cfg.seconds)
                     print(f"(b) gRPC packed ids, batch {bs}: {res[f'grpc_packed_{bs}']:,.0f} n-grams/s "
                           f"({res[f'grpc_packed_{bs}'] / res['engine_10000']:.0%} of the engine)")
-            words = [[f"w{i - 3}" if i >= 3 else ("<unk>", "<s>", "</s>")[i] for i in row] for row in ids[:10_000].tolist()]
             with LMClient(server.target, pack_ids=False) as client:
-                res["grpc_strings_10000"] = rate(lambda: len(client.score_ngrams(words).log_probs), cfg.seconds)
+                res["grpc_strings_10000"] = rate(lambda: len(client.score_ngrams(words[:10_000]).log_probs),
+                                                 cfg.seconds)
             print(f"(c) gRPC strings, batch 10000: {res['grpc_strings_10000']:,.0f} n-grams/s "
                   f"({res['grpc_strings_10000'] / res['engine_10000']:.0%} of the engine)")
             res["latency_c1"] = single_latency(server.target, ids, cfg.latency_requests)
             print(f"single n-gram, concurrency 1: p50 {res['latency_c1']['p50_ms']:.3f} ms, "
                   f"p99 {res['latency_c1']['p99_ms']:.3f} ms")
-            before = server.metric("nlmserve_batch_requests_count"), server.metric("nlmserve_batch_requests_sum")
-            res["concurrent_batching"] = concurrent_single(server.target, ids, cfg.concurrency, cfg.seconds)
-            batches = server.metric("nlmserve_batch_requests_count") - before[0]
-            parts = server.metric("nlmserve_batch_requests_sum") - before[1]
-            res["concurrent_batching"]["requests_per_forward_pass"] = parts / max(batches, 1)
+            res["concurrent_batching"] = concurrent_measure(server, ids, cfg)
         finally:
             server.stop()
         server = ServerProcess(model_path, *threads, "--max-batch-ngrams", "1")
         try:
-            res["concurrent_no_batching"] = concurrent_single(server.target, ids, cfg.concurrency, cfg.seconds)
+            res["concurrent_no_batching"] = concurrent_measure(server, ids, cfg)
         finally:
             server.stop()
         b, nb = res["concurrent_batching"], res["concurrent_no_batching"]
         gain = b["ngrams_per_s"] / nb["ngrams_per_s"]
         res["batching_gain"] = gain
+        res["batching_cpu_gain"] = nb["server_cpu_us_per_request"] / b["server_cpu_us_per_request"]
         print(f"{cfg.concurrency} clients x 1 n-gram: micro-batching {b['ngrams_per_s']:,.0f}/s (p99 {b['p99_ms']:.2f} ms)"
               f" vs --max-batch-ngrams 1 {nb['ngrams_per_s']:,.0f}/s (p99 {nb['p99_ms']:.2f} ms): {gain:.1f}x;"
               f" {b['requests_per_forward_pass']:.1f} requests per forward pass")
+        print(f"  server CPU per request: {b['server_cpu_us_per_request']:.0f} us batched vs "
+              f"{nb['server_cpu_us_per_request']:.0f} us unbatched ({res['batching_cpu_gain']:.1f}x less)")
         if cfg.kenlm_model:
-            kr = kenlm_rate(cfg.kenlm_model, [r for r in words], cfg.seconds)
+            kr = kenlm_rate(cfg.kenlm_model, words[:10_000], cfg.seconds)
             if kr is not None:
                 res["kenlm"] = kr
                 print(f"(d) KenLM Python module: {kr:,.0f} n-grams/s (engine / KenLM = {res['engine_10000'] / kr:.2f})")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import AsyncIterator, Awaitable, Sequence, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Sequence, TypeVar
 
 import grpc
 import numpy as np
@@ -70,6 +70,7 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
         self.order = engine.order
         self.max_items = engine.config.max_ngrams_per_request
         self.model_hash = str(lm.model_hash)
+        self._children: dict[Any, Any] = {}  # metric children by label values
         self.info = lm_pb2.ModelInfo(
             order=self.order,
             vocab_size=len(self.words),
@@ -236,10 +237,16 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
         finally:
             if m is not None:
                 m.in_flight.dec()
-                m.request_latency.labels(rpc=rpc).observe(time.perf_counter() - start)
+                latency = self._children.get(rpc)
+                if latency is None:
+                    latency = self._children[rpc] = m.request_latency.labels(rpc=rpc)
+                latency.observe(time.perf_counter() - start)
         self._count(rpc, grpc.StatusCode.OK)
         return result
 
     def _count(self, rpc: str, code: grpc.StatusCode) -> None:
         if self.metrics is not None:
-            self.metrics.requests.labels(rpc=rpc, code=code.name).inc()
+            child = self._children.get((rpc, code))
+            if child is None:  # labels() takes a lock and builds a key: do it once per pair
+                child = self._children[(rpc, code)] = self.metrics.requests.labels(rpc=rpc, code=code.name)
+            child.inc()
