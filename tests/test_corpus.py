@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nlmserve.errors import CorpusError
 from nlmserve.lm.corpus import CorpusIds, count_words, read_sentences
@@ -210,6 +212,24 @@ def test_examples_match_slow_reference(corpus: CorpusIds, order: int) -> None:
     assert ctx.shape == (positions.size, order - 1)
     np.testing.assert_array_equal(tgt, ref_tgt)
     np.testing.assert_array_equal(ctx, ref_ctx)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.lists(st.sampled_from(["a", "b", "c", "zz"]), min_size=1, max_size=6), min_size=1, max_size=8),
+    st.integers(1, 7),
+)
+def test_examples_on_random_sentences(tmp_path_factory: pytest.TempPathFactory, sentences: list[list[str]], order: int) -> None:
+    tmp = tmp_path_factory.mktemp("h")
+    text = tmp / "s.txt"
+    text.write_text("".join(" ".join(s) + "\n" for s in sentences), encoding="utf-8")
+    corpus = CorpusIds.encode(text, Vocabulary(["a", "b", "c"]), tmp / "s.ids")
+    ids = np.asarray(corpus.ids)
+    everywhere = np.arange(corpus.num_tokens)
+    ctx, tgt = corpus.examples(everywhere, order)
+    ref_ctx, ref_tgt = _slow_examples(ids, everywhere, order)
+    np.testing.assert_array_equal(ctx, ref_ctx)
+    np.testing.assert_array_equal(tgt, ref_tgt)
 
 
 def test_examples_golden_tiny(tmp_path: Path) -> None:
