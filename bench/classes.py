@@ -15,7 +15,7 @@ data:
 
 Each row is also given as a ratio to the first row (frequency, smallest factor). Usage:
 
-    .venv/bin/python bench/classes.py                       # shipped 50k-line slice, ~10 min on 1 core
+    .venv/bin/python bench/classes.py                       # shipped 50k-line slice, 6-8 min on 1 core
     .venv/bin/python bench/classes.py --no-train            # classes only, under a minute
     .venv/bin/python bench/classes.py --train ../shared/data/lm/europarl.train.lc-moses.en.xz \\
         --dev ../shared/data/lm/europarl.dev.lc-moses.en --steps 20000 --threads 2
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", type=lambda s: s.split(","), default=["frequency", "brown"],
                    help="frequency, sqrt (frequency binning by sqrt mass), brown (default frequency,brown)")
     p.add_argument("--no-train", action="store_true", help="measure the classes only")
-    p.add_argument("--steps", type=int, default=3000, help="training steps per model")
+    p.add_argument("--steps", type=int, default=6000, help="training steps per model (default 6000, ≈ 2 epochs of the 50k slice)")
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--order", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=512)
