@@ -177,3 +177,23 @@ def test_resume_after_a_step_budget_continues(small_train: Path, dev_small_path:
     more = train(replace(cfg, resume=True, max_steps=30))
     assert more.steps == 30 and more.stopped == "max steps"
     assert LanguageModel.load(tmp_path / "budget.nlm", device="cpu").training["steps"] == 30
+
+
+@pytest.mark.parametrize("how", ["brown", "file"])
+def test_brown_classes_and_class_files(small_train: Path, dev_small_path: Path, tmp_path: Path, how: str) -> None:
+    kw: dict[str, object] = {"class_method": "brown"}
+    if how == "file":
+        paths = tmp_path / "paths"
+        paths.write_text("0\tthe\t10\n0\tof\t5\n10\tto\t4\n11\tand\t3\n", encoding="utf-8")
+        kw = {"class_file": str(paths), "classes": None}
+    out = tmp_path / f"{how}.nlm"
+    train(_config(small_train, dev_small_path, out, max_steps=5, **kw))
+    lm = LanguageModel.load(out, device="cpu")
+    assert lm.classes is not None and lm.classes.method == how
+    if how == "file":
+        # three classes from the file, plus one for every other word of the vocabulary
+        assert lm.num_classes == 4
+        wc = lm.classes.word_class
+        assert wc[lm.vocab.id("the")] == wc[lm.vocab.id("of")] != wc[lm.vocab.id("to")]
+    else:
+        assert lm.num_classes == 12
