@@ -463,3 +463,25 @@ def test_config_from_toml_and_flags(tmp_path: Path) -> None:
         build_config({}, f)
     with pytest.raises(InputError, match="max_queue_ngrams"):
         build_config({"model": "m", "max_queue_ngrams": 10, "max_ngrams_per_request": 100})
+
+
+def test_stop_drains_and_health_watchers_see_not_serving(tiny_lm: Any, dev_ids: np.ndarray) -> None:
+    running = start(tiny_lm)
+    gated = GatedScorer(running.engine.scorer)
+    running.engine.scorer = gated  # type: ignore[assignment]
+    with grpc.insecure_channel(running.target) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""))
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        in_flight = lm_pb2_grpc.LanguageModelStub(channel).ScoreNgrams.future(packed(dev_ids[:50]))
+        assert gated.entered.wait(5)
+        stopper = threading.Thread(target=running.stop, args=(10.0,))
+        t0 = time.monotonic()
+        stopper.start()
+        assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        watch.cancel()  # an open stream would hold the drain for the whole grace period
+        gated.gate.set()  # the in-flight request finishes during the drain
+        np.testing.assert_allclose(np.asarray(in_flight.result(10).log_probs),
+                                   tiny_lm.score_ngrams(dev_ids[:50], log10=True), atol=TOL, rtol=0)
+        stopper.join(15)
+        assert not stopper.is_alive() and not running.engine.check_health()
+    assert time.monotonic() - t0 < 8  # drained when the work was done, not at the grace deadline
