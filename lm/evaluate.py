@@ -47,7 +47,9 @@ class EvalResult:
     """Fields: ``perplexity`` (incl. OOVs), ``perplexity_excl_oov``, ``tokens`` (incl.
     ``</s>``), ``oov`` (OOV tokens), ``sentences``, ``log10_prob`` (total),
     ``entropy_bits`` (per token, incl. OOVs), ``bands`` (by training frequency),
-    ``model_hash``."""
+    ``model_hash``; for self-normalised (NCE) models ``log_z_mean`` and ``log_z_std``:
+    the natural-log normaliser over the text's contexts (unnormalised − normalised score),
+    0 for a perfectly self-normalised model."""
 
     perplexity: float
     perplexity_excl_oov: float
@@ -58,6 +60,8 @@ class EvalResult:
     entropy_bits: float
     model_hash: str
     bands: list[Band] = field(default_factory=list)
+    log_z_mean: float | None = None
+    log_z_std: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,11 +86,15 @@ def evaluate(lm: LanguageModel, text: str | os.PathLike[str], *, lowercase: bool
     log10_all: list[np.ndarray] = []
     oov_all: list[np.ndarray] = []
     freq_all: list[np.ndarray] = []
+    log_z: list[np.ndarray] = []
     n_sent = 0
     for batch in _batches(read_sentences(text, lowercase=lower), SENTENCES_PER_BATCH):
         n_sent += len(batch)
         ids, oov_b, _, _ = lm.sentence_ngrams(batch)
         log10_all.append(lm.score_ngrams(ids, log10=True).astype(np.float64))
+        if lm.self_normalized:
+            ln = lm.score_ngrams(ids).astype(np.float64)
+            log_z.append(lm.score_ngrams(ids, normalized=False).astype(np.float64) - ln)
         oov_all.append(oov_b)
         if counts is not None:
             target = ids[:, -1]
@@ -125,6 +133,8 @@ def evaluate(lm: LanguageModel, text: str | os.PathLike[str], *, lowercase: bool
         entropy_bits=float(bits.mean()),
         model_hash=lm.model_hash,
         bands=bands,
+        log_z_mean=float(np.concatenate(log_z).mean()) if log_z else None,
+        log_z_std=float(np.concatenate(log_z).std()) if log_z else None,
     )
 
 
@@ -138,6 +148,8 @@ def format_report(r: EvalResult) -> str:
         f"Sentences:\t{r.sentences}",
         f"Log10 probability:\t{r.log10_prob:.4f}",
     ]
+    if r.log_z_mean is not None:
+        lines.append(f"Self-normalisation log Z (ln):\tmean {r.log_z_mean:.4f}, std {r.log_z_std:.4f}")
     if r.bands:
         lines.append("")
         lines.append(f"{'training frequency':<26}{'tokens':>10}{'share':>9}{'bits/token':>12}")

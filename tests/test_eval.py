@@ -75,3 +75,14 @@ def test_lowercase_flag(tiny_lm: LanguageModel, tmp_path: Path) -> None:
     lower.write_text("the european parliament\n", encoding="utf-8")
     assert evaluate(tiny_lm, upper, lowercase=True).perplexity == pytest.approx(evaluate(tiny_lm, lower).perplexity)
     assert evaluate(tiny_lm, upper).oov == 3
+
+
+def test_self_normalisation_is_reported_for_nce(tiny_lm: LanguageModel, dev_small_path: Path) -> None:
+    r = evaluate(tiny_lm, dev_small_path)
+    assert r.log_z_mean is not None and r.log_z_std is not None
+    sents = [line.split() for line in dev_small_path.read_text().splitlines() if line.strip()]
+    ids, _, _, _ = tiny_lm.sentence_ngrams(sents)
+    d = tiny_lm.score_ngrams(ids, normalized=False).astype(np.float64) - tiny_lm.score_ngrams(ids)
+    assert r.log_z_mean == pytest.approx(d.mean(), abs=1e-6)
+    assert r.log_z_std == pytest.approx(d.std(), abs=1e-6)
+    assert abs(r.log_z_mean) < 1.0  # NCE keeps it near 0 even after 300 steps
