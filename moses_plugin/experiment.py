@@ -12,9 +12,7 @@ own checkpoint, rescoring from its sidecar). The server is stopped in ``finally`
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -22,7 +20,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from nlmserve.errors import NlmserveError
 
@@ -30,7 +28,6 @@ log = logging.getLogger(__name__)
 
 DATA = Path("data")
 NEWS = DATA / "nbest" / "newstest-fr-en"
-FEATURE = "NLM0"
 
 
 @dataclass(frozen=True)
@@ -165,13 +162,6 @@ def start_server(model: Path, extra: list[str] | None = None, timeout: float = 1
     return ServerProcess(process, target, found)
 
 
-def _step(path: Path, make: Callable[[], Any]) -> None:
-    if path.exists():
-        log.info("%s exists; reusing it", path)
-        return
-    make()
-
-
 def run(config: ExperimentConfig) -> dict[str, Any]:
     """Run (or resume) the experiment; returns the report also saved as JSON."""
     from nlmserve.moses_plugin.pipeline import Pipeline
@@ -197,11 +187,3 @@ def run(config: ExperimentConfig) -> dict[str, Any]:
 
     save_report(report, work)
     return report
-
-
-def env_summary() -> dict[str, str]:
-    return {"python": sys.version.split()[0], "cwd": os.getcwd()}
-
-
-def _dump(obj: Any) -> str:
-    return json.dumps(obj, indent=2, sort_keys=True)

@@ -39,7 +39,7 @@ def to_markdown(report: dict[str, Any]) -> str:
     out.append("|" + "---|" * len(COLUMNS))
     for row in report["rows"]:
         cells = _cells(row)
-        cells[-1] = f"`{cells[-1]}`"
+        cells[-1] = "`" + cells[-1].replace("|", "\\|") + "`"  # a pipe inside a table cell must be escaped
         out.append("| " + " | ".join(cells) + " |")
     out += ["", f"Model hash: `{report.get('model_hash', '')}`", ""]
     out.append("Weights (L1-normalised, moses.ini order):")
