@@ -89,6 +89,7 @@ def load_nbest_data(
     ``features`` restricts the dense groups used (names in list order); by default all.
     """
     data: MertData | None = None
+    warned_sparse = False
     for path in paths:
         added = 0
         for group in iter_sentences(path, skip_bad=skip_bad):
@@ -105,6 +106,9 @@ def load_nbest_data(
                 matrix = matrix[:, _columns(layout, data.layout)]
             elif layout != data.layout:
                 raise NbestFormatError(f"features {layout} differ from {data.layout} of the first list", path, group[0].line_no)
+            if not warned_sparse and any(e.sparse for e in group):
+                warned_sparse = True
+                log.warning("%s: sparse features (names with '_') are ignored by tuning", path)
             sent = group[0].sent_id
             hyps = [e.hyp for e in group]
             if sent >= len(scorer):

@@ -206,3 +206,15 @@ def test_bad_feature_name_and_missing_input(server: RunningServer, small_list: P
         rescore(str(small_list), str(tmp_path / "o"), lambda: LMClient(server.target), _config(feature_name="NLM_0"))
     with pytest.raises(InputError, match="no such n-best list"):
         rescore(str(tmp_path / "missing"), str(tmp_path / "o"), lambda: LMClient(server.target), _config())
+
+
+def test_skip_bad_lines_are_counted_and_dropped(server: RunningServer, tmp_path: Path) -> None:
+    path = tmp_path / "bad.nbest"
+    path.write_text("0 ||| a b ||| F0= 1 ||| 1\n0 ||| broken ||| F0= x ||| 1\n1 ||| c ||| F0= 2 ||| 2\n1 ||| d\n")
+    out = tmp_path / "bad.out"
+    with pytest.raises(InputError, match=f"{path}:2: feature value 'x'"):
+        rescore(str(path), str(out), lambda: LMClient(server.target), _config())
+    stats = rescore(str(path), str(out), lambda: LMClient(server.target), _config(skip_bad=True))
+    assert stats.bad_lines == 2 and stats.hypotheses == 2 and stats.sentences == 2
+    lines = out.read_text().splitlines()
+    assert [line.split(" NLM0= ")[0] for line in lines] == ["0 ||| a b ||| F0= 1", "1 ||| c ||| F0= 2"]

@@ -1,0 +1,61 @@
+"""Reranking: argmax of w·f per sentence, first on ties, gaps, weights that do not fit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nlmserve.errors import InputError
+from nlmserve.moses_plugin.rerank import first_best, rerank
+from nlmserve.moses_plugin.weights import Weights
+
+LIST = (
+    "0 ||| a ||| F0= 1 G0= 0 0 ||| 0\n"
+    "0 ||| b ||| F0= 0 G0= 1 1 ||| 0\n"
+    "0 ||| c ||| F0= 0 G0= 1 1 ||| 0\n"
+    "2 ||| d ||| F0= 1 G0= 0 0 ||| 0\n"
+    "2 ||| e ||| F0= 0 G0= 2 -1 ||| 0\n"
+)
+
+
+@pytest.fixture()
+def nbest(tmp_path: Path) -> Path:
+    path = tmp_path / "list.nbest"
+    path.write_text(LIST)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("f", "g", "expected"),
+    [
+        (1.0, (0.4, 0.4), ["a", "", "d"]),  # a 1 > b 0.8; d 1 > e 0.4
+        (1.0, (0.5, 0.5), ["a", "", "d"]),  # a = b = 1 → a, the first; d 1 > e 0.5
+        (0.5, (0.5, 0.5), ["b", "", "d"]),  # b = c = 1 → b; d = e = 0.5 → d
+        (-1.0, (0.0, 0.0), ["b", "", "e"]),  # a -1 < b 0; d -1 < e 0
+    ],
+)
+def test_argmax_with_first_on_ties(nbest: Path, f: float, g: tuple[float, float], expected: list[str]) -> None:
+    weights = Weights((("F0", (f,)), ("G0", g), ("Unused0", (3.0,))))
+    result = rerank(str(nbest), weights)
+    assert result.hyps == expected
+    assert result.missing == [1]
+
+
+def test_padding_and_missing_weights(nbest: Path) -> None:
+    weights = Weights((("F0", (1.0,)), ("G0", (0.0, 0.0))))
+    assert rerank(str(nbest), weights, n_sentences=5).hyps == ["a", "", "d", "", ""]
+    with pytest.raises(InputError, match="more than the 2 expected"):
+        rerank(str(nbest), weights, n_sentences=2)
+    with pytest.raises(InputError, match="no weight for feature 'G0'"):
+        rerank(str(nbest), Weights((("F0", (1.0,)),)))
+    with pytest.raises(InputError, match="has 2 values but 1 weights"):
+        rerank(str(nbest), Weights((("F0", (1.0,)), ("G0", (1.0,)))))
+    assert first_best(str(nbest)) == ["a", "", "d"]
+
+
+def test_split_sentence_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "split.nbest"
+    path.write_text(LIST + "0 ||| z ||| F0= 9 G0= 0 0 ||| 0\n")
+    with pytest.raises(InputError, match=":6: sentence 0 appears in two separate runs"):
+        rerank(str(path), Weights((("F0", (1.0,)), ("G0", (0.0, 0.0)))))
