@@ -162,6 +162,7 @@ class Engine:
         self._last_batch_requests = 1
         self._stopping = False
         self._healthy = True
+        self._torch_threads = config.torch_threads or torch.get_num_threads()
         self._worker = threading.Thread(target=self._run, name="nlmserve-batcher", daemon=True)
         self._worker.start()
         if metrics is not None:
@@ -335,6 +336,8 @@ class Engine:
 
     # -------------------------------------------------------------- worker
     def _run(self) -> None:
+        # OpenMP thread counts are per thread: set it in the thread that runs the forward passes.
+        torch.set_num_threads(self._torch_threads)
         torch.set_grad_enabled(False)
         while True:
             batch = self._take_batch()
