@@ -1,0 +1,31 @@
+"""A shorter run of bench/load.py: 64 concurrent clients against a real ``nlmserve serve``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+LOAD = Path(__file__).resolve().parent.parent / "bench" / "load.py"
+
+
+@pytest.mark.slow
+def test_64_clients_mixing_tiny_and_large_requests_lose_nothing(tiny_model_path: Path, tmp_path: Path) -> None:
+    out = tmp_path / "load.json"
+    done = subprocess.run([sys.executable, str(LOAD), "--model", str(tiny_model_path), "--seconds", "15",
+                           "--warmup", "4", "--clients", "64", "--json", str(out)],
+                          capture_output=True, text=True, timeout=240)
+    assert out.exists(), done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    classes = result["classes"]
+    assert result["failed"] == 0, {k: c["examples"] for k, c in classes.items()}
+    for name in ("tiny", "large_ids", "large_strings"):
+        assert classes[name]["requests"] >= (200 if name == "tiny" else 10), classes[name]
+        assert classes[name]["p50_ms"] <= classes[name]["p99_ms"]
+    assert classes["large_ids"]["ngrams"] >= 10 * 5_000
+    assert result["rss_growth"] < 0.10, result["rss_kib"]
+    assert result["server_exit_code"] == 0
+    assert done.returncode == 0 and "OK" in done.stdout.splitlines()[-1], done.stdout
