@@ -88,7 +88,7 @@ def _train(args: argparse.Namespace) -> int:
     ppl = f"{result.best_valid_ppl:.3f}" if result.best_valid_ppl is not None else "n/a"
     print(f"model\t{result.model_path}\nsteps\t{result.steps}\ntokens\t{result.tokens}\n"
           f"valid_perplexity\t{ppl}\nstopped\t{result.stopped}")
-    return 0
+    return 130 if result.stopped == "interrupted" else 0
 
 
 def _eval(args: argparse.Namespace) -> int:

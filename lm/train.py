@@ -374,166 +374,219 @@ def _batches(perm: np.ndarray, start: int, size: int) -> Iterator[tuple[int, np.
         yield pos + min(size, perm.size - pos), perm[pos : pos + size]
 
 
-def train(cfg: TrainConfig, *, _interrupt_after_step: int | None = None) -> TrainResult:
-    """Train as ``cfg`` says and write the model file; returns the final state.
+class _Interrupted(Exception):
+    """Raised inside the loop by the test hook that imitates a kill."""
 
-    ``_interrupt_after_step`` (tests) stops dead right after that step, as a kill would
-    (no final validation, no model file, no final checkpoint).
-    """
-    torch.set_num_threads(max(1, cfg.threads))
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    t_start = time.monotonic()
-    data = prepare_data(cfg)
-    mconf = model_config(cfg, data)
-    torch.manual_seed(cfg.seed)
-    model = NeuralLM(mconf, data.classes.word_class if data.classes is not None else None)
-    model.init_biases(data.unigram)
-    # NCE touches few rows per batch: sparse AdaGrad updates only those (MLE touches most).
-    model.set_sparse_grads(cfg.optimizer == "adagrad" and cfg.objective == "nce")
-    if model.sparse_grads:
-        torch.sparse.check_sparse_tensor_invariants.disable()  # opt out explicitly (and quietly)
-    model.to(device).train()
-    opt = _make_optimizer(cfg, model)
-    gen = torch.Generator(device=device)
-    gen.manual_seed(cfg.seed)
-    noise = NoiseDistribution(data.unigram, data.classes.word_class if data.classes else None, device)
-    state = _State(lr=cfg.lr)
-    best: dict[str, torch.Tensor] | None = None
-    resumed = False
-    if cfg.resume and os.path.exists(cfg.checkpoint_path):
+
+class _Trainer:
+    """One training run: set-up (or resume), the step loop, validation, the outputs."""
+
+    def __init__(self, cfg: TrainConfig, interrupt_after_step: int | None) -> None:
+        self.cfg = cfg
+        self.interrupt_after_step = interrupt_after_step
+        self.t_start = time.monotonic()
+        torch.set_num_threads(max(1, cfg.threads))
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.data = data = prepare_data(cfg)
+        self.mconf = model_config(cfg, data)
+        self.word_class = data.classes.word_class if data.classes is not None else None
+        torch.manual_seed(cfg.seed)
+        self.model = NeuralLM(self.mconf, self.word_class)
+        self.model.init_biases(data.unigram)
+        # NCE touches few rows per batch: sparse AdaGrad updates only those (MLE touches most).
+        self.model.set_sparse_grads(cfg.optimizer == "adagrad" and cfg.objective == "nce")
+        if self.model.sparse_grads:
+            torch.sparse.check_sparse_tensor_invariants.disable()  # opt out explicitly (and quietly)
+        self.model.to(self.device).train()
+        self.opt = _make_optimizer(cfg, self.model)
+        self.gen = torch.Generator(device=self.device)
+        self.gen.manual_seed(cfg.seed)
+        self.noise = NoiseDistribution(data.unigram, self.word_class, self.device)
+        self.state = _State(lr=cfg.lr)
+        self.best: dict[str, torch.Tensor] | None = None
+        resumed = cfg.resume and os.path.exists(cfg.checkpoint_path)
+        if resumed:
+            self._resume()
+        _set_lr(self.opt, self.state.lr)
+        self.log = _Log(cfg.log_path, append=resumed)
+        if not resumed:
+            self.log.write(event="start", config=dataclasses.asdict(cfg), model=self.mconf.to_json(),
+                           vocab_size=len(data.vocab), train_tokens=data.train.num_tokens, step=0, tokens=0)
+        self.stopped = self.state.stopped or "epochs"
+        self.loss_sum, self.loss_n = 0.0, 0
+
+    def _resume(self) -> None:
+        cfg = self.cfg
         ck = load_checkpoint(cfg.checkpoint_path)
-        if ck["vocab_sha256"] != data.vocab.sha256() or ck["model_config"] != mconf.to_json():
+        if ck["vocab_sha256"] != self.data.vocab.sha256() or ck["model_config"] != self.mconf.to_json():
             raise InputError("checkpoint was made with another vocabulary or model shape", cfg.checkpoint_path)
-        model.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["optimizer"])
-        gen.set_state(ck["generator"])
-        state = _State(**ck["state"])
-        best = ck["best"]
-        resumed = True
-        if state.stopped in ("max steps", "max minutes"):  # a budget, not convergence: go on
-            state.done, state.stopped = False, ""
-        log.info("resumed from %s at step %d (epoch %d, position %d)", cfg.checkpoint_path, state.step, state.epoch, state.pos)
-    _set_lr(opt, state.lr)
-    train_log = _Log(cfg.log_path, append=resumed)
-    if not resumed:
-        train_log.write(event="start", config=dataclasses.asdict(cfg), model=mconf.to_json(),
-                        vocab_size=len(data.vocab), train_tokens=data.train.num_tokens, step=0, tokens=0)
-    elapsed_before = state.elapsed
-    t_loop = time.monotonic()
-    deadline = t_loop + cfg.max_minutes * 60.0 - (time.monotonic() - t_start) if cfg.max_minutes else None
-    N = data.train.num_tokens
-    steps_per_epoch = math.ceil(N / cfg.batch_size)
-    stopped = state.stopped or "epochs"
+        self.model.load_state_dict(ck["model"])
+        self.opt.load_state_dict(ck["optimizer"])
+        self.gen.set_state(ck["generator"])
+        self.state = _State(**ck["state"])
+        self.best = ck["best"]
+        if self.state.stopped in ("max steps", "max minutes"):  # a budget, not convergence: go on
+            self.state.done, self.state.stopped = False, ""
+        log.info("resumed from %s at step %d (epoch %d, position %d)",
+                 cfg.checkpoint_path, self.state.step, self.state.epoch, self.state.pos)
 
-    def validate() -> float | None:
-        nonlocal best
-        if data.valid is None:
-            return None
-        ppl = perplexity(model, data.valid, mconf.order, device)
+    def checkpoint(self) -> None:
+        save_checkpoint(self.cfg.checkpoint_path, self.model, self.opt, self.gen, self.state, self.best,
+                        self.cfg, self.data.vocab.sha256())
+
+    def validate(self) -> None:
+        """Validation perplexity; keeps the best model, decays the rate on no improvement."""
+        state, cfg = self.state, self.cfg
+        if self.data.valid is None:
+            return
+        ppl = perplexity(self.model, self.data.valid, self.mconf.order, self.device)
         state.last_valid_step = state.step
         if ppl < state.best_ppl - 1e-9:
             state.best_ppl = ppl
             state.bad_validations = 0
-            best = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            self.best = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         else:
             state.bad_validations += 1
             state.lr *= cfg.lr_decay
-            _set_lr(opt, state.lr)
-        train_log.write(step=state.step, tokens=state.tokens, valid_ppl=ppl, lr=state.lr,
-                        best_ppl=state.best_ppl, elapsed=round(state.elapsed, 3))
+            _set_lr(self.opt, state.lr)
+            if state.bad_validations >= cfg.patience:
+                self.stop("early stopping")
+        self.log.write(step=state.step, tokens=state.tokens, valid_ppl=ppl, lr=state.lr,
+                       best_ppl=state.best_ppl, elapsed=round(state.elapsed, 3))
         log.info("step %d: valid ppl %.2f (best %.2f), lr %.4g", state.step, ppl, state.best_ppl, state.lr)
-        return ppl
 
-    from tqdm import tqdm
+    def stop(self, why: str) -> None:
+        self.state.done, self.stopped = True, why
 
-    bar = tqdm(total=steps_per_epoch * cfg.epochs, initial=state.epoch * steps_per_epoch + math.ceil(state.pos / cfg.batch_size),
-               disable=not cfg.progress, unit="step", dynamic_ncols=True)
-    loss_sum, loss_n = 0.0, 0
+    def step(self, positions: np.ndarray, next_pos: int, elapsed_before: float, t_loop: float) -> None:
+        """One optimiser step on the examples predicting ``positions``."""
+        state = self.state
+        ctx_np, tgt_np = self.data.train.examples(np.sort(positions), self.mconf.order)
+        ctx = torch.from_numpy(ctx_np).to(self.device)
+        tgt = torch.from_numpy(tgt_np).to(self.device)
+        self.opt.zero_grad(set_to_none=True)
+        loss = batch_loss(self.cfg.objective, self.model, ctx, tgt, self.noise, self.cfg.noise_samples, self.gen)
+        loss.backward()
+        self.opt.step()
+        state.step += 1
+        state.pos = next_pos
+        state.tokens += len(positions)
+        state.elapsed = elapsed_before + time.monotonic() - t_loop
+        lv = float(loss.detach())
+        if not math.isfinite(lv):
+            raise FloatingPointError(f"training loss became {lv} at step {state.step}; lower --lr")
+        self.loss_sum += lv
+        self.loss_n += 1
+
+    def after_step(self, bar: Any, deadline: float | None) -> None:
+        """Logging, validation, budgets and checkpoints after a step."""
+        state, cfg = self.state, self.cfg
+        bar.update(1)
+        if cfg.log_every and state.step % cfg.log_every == 0:
+            tps = state.tokens / max(state.elapsed, 1e-9)
+            bar.set_postfix(loss=f"{self.loss_sum / self.loss_n:.3f}", tok_s=f"{tps:,.0f}")
+            self.log.write(step=state.step, tokens=state.tokens, loss=self.loss_sum / self.loss_n, lr=state.lr,
+                           elapsed=round(state.elapsed, 3), tokens_per_s=round(tps, 1))
+            self.loss_sum, self.loss_n = 0.0, 0
+        if cfg.valid_every and state.step % cfg.valid_every == 0:
+            self.validate()
+        if cfg.max_steps is not None and state.step >= cfg.max_steps:
+            self.stop("max steps")
+        if deadline is not None and time.monotonic() >= deadline:
+            self.stop("max minutes")
+        if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
+            self.checkpoint()
+        if self.interrupt_after_step is not None and state.step >= self.interrupt_after_step:
+            raise _Interrupted
+
+    def loop(self) -> None:
+        """Epochs of shuffled minibatches until a stopping rule fires."""
+        state, cfg = self.state, self.cfg
+        N = self.data.train.num_tokens
+        steps_per_epoch = math.ceil(N / cfg.batch_size)
+        elapsed_before, t_loop = state.elapsed, time.monotonic()
+        deadline = self.t_start + cfg.max_minutes * 60.0 if cfg.max_minutes else None
+        from tqdm import tqdm
+
+        done_steps = state.epoch * steps_per_epoch + math.ceil(state.pos / cfg.batch_size)
+        with tqdm(total=steps_per_epoch * cfg.epochs, initial=done_steps, disable=not cfg.progress,
+                  unit="step", dynamic_ncols=True) as bar:
+            while state.epoch < cfg.epochs and not state.done:
+                perm = _permutation(cfg.seed, state.epoch, N)
+                for next_pos, positions in _batches(perm, state.pos, cfg.batch_size):
+                    if cfg.max_steps is not None and state.step >= cfg.max_steps:
+                        self.stop("max steps")
+                        break
+                    self.step(positions, next_pos, elapsed_before, t_loop)
+                    self.after_step(bar, deadline)
+                    if state.done:
+                        break
+                if not state.done:
+                    state.epoch += 1
+                    state.pos = 0
+                    if not cfg.valid_every:
+                        self.validate()
+
+    def finish(self) -> TrainResult:
+        """Write the best model (the last one without validation text), the log's last
+        record and the learning curve."""
+        cfg, state, data = self.cfg, self.state, self.data
+        final = self.model
+        if self.best is not None:
+            final = NeuralLM(self.mconf, self.word_class)
+            final.load_state_dict(self.best)
+        best_ppl = None if math.isinf(state.best_ppl) else state.best_ppl
+        training_meta: dict[str, Any] = {
+            "train": os.path.abspath(cfg.train),
+            "valid": os.path.abspath(cfg.valid) if cfg.valid else None,
+            "objective": cfg.objective,
+            "steps": state.step,
+            "tokens_seen": state.tokens,
+            "epochs_completed": state.epoch,
+            "valid_perplexity": best_ppl,
+            "stopped": self.stopped,
+            "seconds": round(state.elapsed, 1),
+            "train_config": dataclasses.asdict(cfg),
+            "torch": torch.__version__,
+        }
+        save_model(cfg.out, final, data.vocab, data.classes, objective=cfg.objective, lowercase=cfg.lowercase,
+                   training=training_meta, unigram_counts=data.unigram)
+        self.log.write(event="end", step=state.step, tokens=state.tokens, best_ppl=best_ppl,
+                       stopped=self.stopped, elapsed=round(state.elapsed, 3))
+        self.log.close()
+        if cfg.learning_curve:
+            write_learning_curve(cfg.log_path, cfg.curve_path)
+        log.info("stopped (%s) after %d steps, %d tokens; best valid ppl %s; wrote %s",
+                 self.stopped, state.step, state.tokens, best_ppl, cfg.out)
+        return TrainResult(self.model, best_ppl, state.step, state.tokens, self.stopped, cfg.out)
+
+
+def train(cfg: TrainConfig, *, _interrupt_after_step: int | None = None) -> TrainResult:
+    """Train as ``cfg`` says and write the model file; returns the final state.
+
+    Ctrl-C stops cleanly: the best model so far is written (no final validation or
+    checkpoint: the last periodic checkpoint stays valid for ``resume``). The result's
+    ``stopped`` is then ``"interrupted"``. ``_interrupt_after_step`` (tests) stops dead right
+    after that step, as a kill would (no final validation, no model file, no final
+    checkpoint).
+    """
+    trainer = _Trainer(cfg, _interrupt_after_step)
     try:
-        while state.epoch < cfg.epochs and not state.done:
-            perm = _permutation(cfg.seed, state.epoch, N)
-            for next_pos, positions in _batches(perm, state.pos, cfg.batch_size):
-                if cfg.max_steps is not None and state.step >= cfg.max_steps:
-                    state.done, stopped = True, "max steps"
-                    break
-                ctx_np, tgt_np = data.train.examples(np.sort(positions), mconf.order)
-                ctx = torch.from_numpy(ctx_np).to(device)
-                tgt = torch.from_numpy(tgt_np).to(device)
-                opt.zero_grad(set_to_none=True)
-                loss = batch_loss(cfg.objective, model, ctx, tgt, noise, cfg.noise_samples, gen)
-                loss.backward()
-                opt.step()
-                state.step += 1
-                state.pos = next_pos
-                state.tokens += len(positions)
-                state.elapsed = elapsed_before + time.monotonic() - t_loop
-                lv = float(loss.detach())
-                if not math.isfinite(lv):
-                    raise FloatingPointError(f"training loss became {lv} at step {state.step}; lower --lr")
-                loss_sum += lv
-                loss_n += 1
-                bar.update(1)
-                if cfg.log_every and state.step % cfg.log_every == 0:
-                    tps = state.tokens / max(state.elapsed, 1e-9)
-                    bar.set_postfix(loss=f"{loss_sum / loss_n:.3f}", tok_s=f"{tps:,.0f}")
-                    train_log.write(step=state.step, tokens=state.tokens, loss=loss_sum / loss_n, lr=state.lr,
-                                    elapsed=round(state.elapsed, 3), tokens_per_s=round(tps, 1))
-                    loss_sum, loss_n = 0.0, 0
-                if cfg.valid_every and state.step % cfg.valid_every == 0:
-                    validate()
-                    if state.bad_validations >= cfg.patience:
-                        state.done, stopped = True, "early stopping"
-                if cfg.max_steps is not None and state.step >= cfg.max_steps:
-                    state.done, stopped = True, "max steps"
-                if deadline is not None and time.monotonic() >= deadline:
-                    state.done, stopped = True, "max minutes"
-                if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
-                    save_checkpoint(cfg.checkpoint_path, model, opt, gen, state, best, cfg, data.vocab.sha256())
-                if _interrupt_after_step is not None and state.step >= _interrupt_after_step:
-                    train_log.close()
-                    return TrainResult(model, None, state.step, state.tokens, "interrupted", cfg.out)
-                if state.done:
-                    break
-            if not state.done:
-                state.epoch += 1
-                state.pos = 0
-                if not cfg.valid_every:
-                    validate()
-                    if state.bad_validations >= cfg.patience:
-                        state.done, stopped = True, "early stopping"
-        if data.valid is not None and state.last_valid_step != state.step:
-            validate()
-        state.done = True
-        state.stopped = stopped
-        if cfg.checkpoint_every:
-            save_checkpoint(cfg.checkpoint_path, model, opt, gen, state, best, cfg, data.vocab.sha256())
-    finally:
-        bar.close()
-    final = model
-    if best is not None:
-        final = NeuralLM(mconf, data.classes.word_class if data.classes is not None else None)
-        final.load_state_dict(best)
-    best_ppl = None if math.isinf(state.best_ppl) else state.best_ppl
-    training_meta: dict[str, Any] = {
-        "train": os.path.abspath(cfg.train),
-        "valid": os.path.abspath(cfg.valid) if cfg.valid else None,
-        "objective": cfg.objective,
-        "steps": state.step,
-        "tokens_seen": state.tokens,
-        "epochs_completed": state.epoch,
-        "valid_perplexity": best_ppl,
-        "stopped": stopped,
-        "seconds": round(state.elapsed, 1),
-        "train_config": dataclasses.asdict(cfg),
-        "torch": torch.__version__,
-    }
-    save_model(cfg.out, final, data.vocab, data.classes, objective=cfg.objective, lowercase=cfg.lowercase,
-               training=training_meta, unigram_counts=data.unigram)
-    train_log.write(event="end", step=state.step, tokens=state.tokens, best_ppl=training_meta["valid_perplexity"],
-                    stopped=stopped, elapsed=round(state.elapsed, 3))
-    train_log.close()
-    if cfg.learning_curve:
-        write_learning_curve(cfg.log_path, cfg.curve_path)
-    log.info("stopped (%s) after %d steps, %d tokens; best valid ppl %s; wrote %s",
-             stopped, state.step, state.tokens, training_meta["valid_perplexity"], cfg.out)
-    return TrainResult(model, best_ppl, state.step, state.tokens, stopped, cfg.out)
+        trainer.loop()
+    except _Interrupted:
+        trainer.log.close()
+        s = trainer.state
+        return TrainResult(trainer.model, None, s.step, s.tokens, "interrupted", cfg.out)
+    except KeyboardInterrupt:
+        log.warning("interrupted at step %d: writing the best model so far", trainer.state.step)
+        trainer.stopped = "interrupted"
+        return trainer.finish()
+    if trainer.data.valid is not None and trainer.state.last_valid_step != trainer.state.step:
+        why = trainer.stopped
+        trainer.validate()  # the best model may be this one; the reason to stop stays
+        trainer.stopped = why
+    trainer.state.done = True
+    trainer.state.stopped = trainer.stopped
+    if cfg.checkpoint_every:
+        trainer.checkpoint()
+    return trainer.finish()

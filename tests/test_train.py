@@ -76,7 +76,7 @@ _LM_TRAIN = (
 def test_killed_subprocess_resumes_exactly(small_train: Path, dev_small_path: Path, tmp_path: Path) -> None:
     args = ["--train", str(small_train), "--valid", str(dev_small_path), "--order", "4", "--dim", "8",
             "--classes", "12", "--min-count", "2", "--batch-size", "32", "--lr", "0.2", "--threads", "1",
-            "--seed", "5", "--valid-every", "50", "--checkpoint-every", "25", "--max-steps", "250",
+            "--seed", "5", "--valid-every", "50", "--checkpoint-every", "20", "--max-steps", "150",
             "--no-progress"]
     cmd = [sys.executable, "-c", _LM_TRAIN, "train"]
     ref = subprocess.run(cmd + args + ["--out", str(tmp_path / "ref.nlm")], capture_output=True, text=True)
@@ -91,12 +91,12 @@ def test_killed_subprocess_resumes_exactly(small_train: Path, dev_small_path: Pa
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     step_at_kill = load_checkpoint(str(ckpt))["state"]["step"]
-    assert 0 < step_at_kill < 250, "the run must be killed part-way"
+    assert 0 < step_at_kill < 150, "the run must be killed part-way"
     res = subprocess.run(cmd + args + ["--out", str(out), "--resume"], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     a = load_checkpoint(str(tmp_path / "ref.nlm") + ".ckpt")
     b = load_checkpoint(str(ckpt))
-    assert a["state"]["step"] == b["state"]["step"] == 250
+    assert a["state"]["step"] == b["state"]["step"] == 150
     for name, t in a["model"].items():
         assert torch.allclose(t, b["model"][name], atol=1e-6, rtol=0), name
 
@@ -197,3 +197,24 @@ def test_brown_classes_and_class_files(small_train: Path, dev_small_path: Path, 
         assert wc[lm.vocab.id("the")] == wc[lm.vocab.id("of")] != wc[lm.vocab.id("to")]
     else:
         assert lm.num_classes == 12
+
+
+@pytest.mark.slow
+def test_ctrl_c_writes_the_best_model_and_exits_130(small_train: Path, dev_small_path: Path, tmp_path: Path) -> None:
+    out = tmp_path / "sigint.nlm"
+    args = ["--train", str(small_train), "--valid", str(dev_small_path), "--order", "4", "--dim", "8",
+            "--classes", "12", "--min-count", "2", "--batch-size", "32", "--threads", "1",
+            "--valid-every", "20", "--checkpoint-every", "20", "--max-steps", "100000", "--no-progress",
+            "--out", str(out)]
+    proc = subprocess.Popen([sys.executable, "-c", _LM_TRAIN, "train", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ckpt = Path(str(out) + ".ckpt")
+    deadline = time.monotonic() + 120
+    while not ckpt.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "stopped\tinterrupted" in stdout
+    lm = LanguageModel.load(out, device="cpu")
+    assert lm.training["stopped"] == "interrupted" and lm.training["valid_perplexity"] is not None
