@@ -87,9 +87,9 @@ def test_killed_subprocess_resumes_exactly(small_train: Path, dev_small_path: Pa
     deadline = time.monotonic() + 120
     while not ckpt.exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.02)
-    time.sleep(0.3)
+    time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    assert proc.wait() == -signal.SIGKILL, "the run must be killed part-way"
     step_at_kill = load_checkpoint(str(ckpt))["state"]["step"]
     assert 0 < step_at_kill < 150, "the run must be killed part-way"
     res = subprocess.run(cmd + args + ["--out", str(out), "--resume"], capture_output=True, text=True)
