@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         from nlmserve.server.config import ServerConfig
         from nlmserve.server.engine import Engine
 
-        engine = Engine(lm, ServerConfig(model=str(model_path), max_batch_ngrams=10_000))
+        engine = Engine(lm, ServerConfig(model=str(model_path), torch_threads=cfg.torch_threads))
         for bs in (4096, 10_000):
             batch = ids[:bs]
             res[f"engine_{bs}"] = rate(lambda: len(engine.score_ngrams(batch, log10=True)), cfg.seconds)

@@ -12,7 +12,7 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--port", int, "gRPC port (default 50051; 0 picks a free port and prints it)"),
     ("--metrics-port", int, "Prometheus /metrics port (default off; 0 picks a free port)"),
     ("--device", str, "torch device: cpu, cuda, cuda:1 (default cuda when available)"),
-    ("--max-batch-ngrams", int, "most n-grams per forward pass (default 8192)"),
+    ("--max-batch-ngrams", int, "most n-grams per forward pass (default 4096)"),
     ("--max-delay-us", int, "longest wait for a batch to fill, microseconds (default 2000)"),
     ("--max-queue-ngrams", int, "most n-grams queued before RESOURCE_EXHAUSTED (default 1000000)"),
     ("--max-concurrent-rpcs", int, "most RPCs served at once (default 256)"),

@@ -30,7 +30,7 @@ class ServerConfig:
     #: Torch device (``cpu``, ``cuda``, ``cuda:1``); None: cuda when available, else cpu.
     device: str | None = None
     #: Most n-grams scored in one forward pass; larger requests are split.
-    max_batch_ngrams: int = 8192
+    max_batch_ngrams: int = 4096
     #: Longest wait (microseconds) for more requests to join a batch. The batcher only waits
     #: while other requests are on their way, so a lone client never pays it.
     max_delay_us: int = 2000
