@@ -485,3 +485,46 @@ def test_stop_drains_and_health_watchers_see_not_serving(tiny_lm: Any, dev_ids: 
         stopper.join(15)
         assert not stopper.is_alive() and not running.engine.check_health()
     assert time.monotonic() - t0 < 8  # drained when the work was done, not at the grace deadline
+
+
+@pytest.fixture(scope="module")
+def softmax_mle_model(tmp_path_factory: pytest.TempPathFactory, tiny_lm: Any) -> Path:
+    """A full-softmax, MLE-objective (not self-normalised) model over the tiny vocabulary, random weights."""
+    import torch
+
+    from nlmserve.lm.model import ModelConfig, NeuralLM
+    from nlmserve.lm.model_file import save_model
+
+    torch.manual_seed(11)
+    net = NeuralLM(ModelConfig(vocab_size=len(tiny_lm.vocab), order=3, dim=8, output="softmax"))
+    path = tmp_path_factory.mktemp("softmax") / "softmax.nlm"
+    save_model(path, net, tiny_lm.vocab, None, objective="mle", lowercase=False)
+    return path
+
+
+@pytest.mark.parametrize("caches", [0, 1000])
+def test_softmax_mle_model_is_served_normalised(softmax_mle_model: Path, caches: int) -> None:
+    from nlmserve.lm.scoring import LanguageModel
+
+    lm = LanguageModel.load(softmax_mle_model, device="cpu")
+    config = ServerConfig(model=str(softmax_mle_model), port=0, ngram_cache_size=caches, context_cache_size=caches)
+    running = create_server(config)  # loads the file itself, as `nlmserve serve` does
+    try:
+        ids, _, _, _ = lm.sentence_ngrams([s.split() for s in dev_sentences(50, 20)])
+        ids = ids.astype(np.uint32)
+        with grpc.insecure_channel(running.target) as channel:
+            s = lm_pb2_grpc.LanguageModelStub(channel)
+            info = s.GetModelInfo(lm_pb2.GetModelInfoRequest())
+            assert (info.output_type, info.objective, info.self_normalized, info.order) == ("softmax", "mle", False, 3)
+            for _ in range(2):
+                resp = s.ScoreNgrams(packed(ids, log_base=lm_pb2.LN, allow_unnormalized=True))
+                assert resp.normalized  # not self-normalised: always normalised values
+                np.testing.assert_allclose(np.asarray(resp.log_probs), lm.score_ngrams(ids), atol=TOL, rtol=0)
+            # the distribution over all words but <s> sums to one
+            ctx = np.tile(ids[5, :-1], (len(lm.vocab), 1))
+            every = np.column_stack([ctx, np.arange(len(lm.vocab))])
+            every = every[every[:, -1] != 1].astype(np.uint32)
+            probs = np.exp(np.asarray(s.ScoreNgrams(packed(every, log_base=lm_pb2.LN)).log_probs, dtype=np.float64))
+            assert probs.sum() == pytest.approx(1.0, abs=1e-4)
+    finally:
+        running.stop(1.0)
