@@ -67,6 +67,21 @@ class MertData:
         return len(hyps)
 
 
+def select_features(data: MertData, names: Sequence[str]) -> MertData:
+    """A copy of ``data`` with only the named feature groups (duplicates then merged)."""
+    unknown = set(names) - {name for name, _ in data.layout}
+    if unknown:
+        raise InputError(f"no features {sorted(unknown)} in the data")
+    layout = tuple(g for g in data.layout if g[0] in names)
+    columns = _columns(data.layout, layout)
+    out = MertData(layout)
+    for sent in sorted(data.feats):
+        feats = data.feats[sent][:, columns]
+        new = _new_indices(out, sent, feats, data.stats[sent])
+        out.add(sent, feats[new], data.stats[sent][new], [data.hyps[sent][i] for i in new])
+    return out
+
+
 def group_arrays(group: Sequence[NbestEntry], layout: Layout, path: str) -> np.ndarray:
     """The (K, d) feature matrix of one sentence's hypotheses, checking the layout."""
     rows = []

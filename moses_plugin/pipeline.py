@@ -89,7 +89,7 @@ class Pipeline:
         decoder, residual = mert.weights_from_totals([self.config.dev_nbest], base_layout)
         log.info("decoder weights fitted to the dev totals (largest residual %.3g)", residual)
         cfg = mert.MertConfig(restarts=self.config.restarts, seed=self.config.seed)
-        base_data = mert.load_nbest_data([self.config.dev_nbest], scorer)
+        base_data = mert.select_features(data, [name for name, _ in base_layout])
         out: dict[str, Weights] = {"moses": decoder.normalized_l1()}
         self.dev_bleu: dict[str, float] = {}
         out["mert"] = self._tune("mert", base_data, scorer, [decoder], None, cfg)

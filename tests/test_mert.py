@@ -223,3 +223,14 @@ def test_bad_layout_in_union_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(InputError, match=f"{path}:1: features"):
         mert.load_nbest_data([LISTS[0], str(path)], scorer)
     assert sum(1 for _ in iter_sentences(LISTS[0])) == 10
+
+
+def test_select_features_matches_loading_fewer_features() -> None:
+    scorer = SentenceStats(BleuConfig(), read_references([REF]))
+    full = mert.load_nbest_data(LISTS[:2], scorer)
+    some = mert.load_nbest_data(LISTS[:2], scorer, features=["lm", "w"])
+    picked = mert.select_features(full, ["lm", "w"])
+    assert picked.layout == some.layout == (("lm", 1), ("w", 1))
+    assert picked.n_hypotheses == some.n_hypotheses < full.n_hypotheses
+    for sent in some.feats:
+        assert (picked.feats[sent] == some.feats[sent]).all() and (picked.stats[sent] == some.stats[sent]).all()
