@@ -22,7 +22,9 @@ import gzip
 import json
 import logging
 import os
+import queue
 import shutil
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Protocol, Sequence
@@ -256,6 +258,44 @@ def _batches(groups: Iterator[list[NbestEntry]], batch_ngrams: int) -> Iterator[
         yield batch
 
 
+def _prefetch(items: Iterator[Any], depth: int = 2) -> Iterator[Any]:
+    """Yield ``items`` in order while a thread reads ahead (parsing overlaps scoring).
+
+    Exceptions of the reader are raised here, in order; closing this generator stops it.
+    """
+    done = object()
+    slots: queue.Queue[Any] = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def read() -> None:
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        slots.put((True, item), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            slots.put((True, done))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            slots.put((False, exc))
+
+    reader = threading.Thread(target=read, name="nbest-reader", daemon=True)
+    reader.start()
+    try:
+        while True:
+            ok, item = slots.get()
+            if not ok:
+                raise item
+            if item is done:
+                return
+            yield item
+    finally:
+        stop.set()
+
+
 class Checkpoint:
     """The sidecar ``OUT.progress.json``: which run it belongs to and how far it got."""
 
@@ -338,7 +378,7 @@ def rescore(
                 raise InputError(f"checkpoint says {done} sentences were done but the list is shorter", nbest_path)
         bar = _progress_bar(config.progress, done)
         try:
-            for batch in _batches(groups, config.batch_ngrams):
+            for batch in _prefetch(_batches(groups, config.batch_ngrams)):
                 values = score_batch(conn, batch, stats)
                 text = "".join(add_feature(e, config.feature_name, [v]) for g, vs in zip(batch, values) for e, v in zip(g, vs))
                 out.write(text.encode("utf-8"))
