@@ -26,7 +26,15 @@ from nlmserve.errors import NlmserveError
 
 log = logging.getLogger(__name__)
 
-DATA = Path("data")
+def _data_dir() -> Path:
+    """``data/`` of the current directory, else of the checkout this module is in."""
+    here = Path("data")
+    if (here / "nbest").is_dir():
+        return here
+    return Path(__file__).resolve().parent.parent / "data"
+
+
+DATA = _data_dir()
 NEWS = DATA / "nbest" / "newstest-fr-en"
 
 
