@@ -1,26 +1,27 @@
 """The inference engine: owns the model on its device and micro-batches requests.
 
-Callers (the gRPC threads) hand in validated id arrays; one worker thread takes queued
-request parts, merges them up to ``max_batch_ngrams`` n-grams (waiting at most
+Callers (the gRPC event loop, or any thread) hand in id arrays and get futures; one worker
+thread takes queued request parts, merges them up to ``max_batch_ngrams`` n-grams (waiting at most
 ``max_delay_us`` for requests known to be on their way), scores them in one forward pass
 under ``torch.inference_mode``, and scatters the results back in order. Requests larger
 than the batch limit are split into parts. The queue is bounded (``max_queue_ngrams``):
 a request that does not fit raises ``OverloadedError`` at once. Parts whose deadline has
 passed while queued are dropped and their request fails with ``RequestExpiredError``.
 
-Interface (STYLE.md 1, 3): ``score_ngrams``, ``score_sentences``, ``check_health``,
-``shutdown``; a list in, a list of the same length out, same order.
+Interface (STYLE.md 1, 3): ``submit_ngrams``/``score_ngrams``, ``submit_sentences``/
+``score_sentences``, ``check_health``, ``shutdown``; a list in, a list of the same length
+out, same order.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-from concurrent.futures import Future, InvalidStateError
-from concurrent.futures import TimeoutError as FutureTimeoutError
 import math
 import threading
 import time
+from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
 from typing import Any, Sequence, TypeVar
 
