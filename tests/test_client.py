@@ -248,3 +248,31 @@ def test_score_cli_output(server: RunningServer, tiny_lm: Any) -> None:
     assert lines[-4] == f"Perplexity including OOVs:\t{summary['perplexity']:.6g}"
     assert lines[-2:] == [f"OOVs:\t{oovs}", f"Tokens:\t{tokens}"]
     assert math.isfinite(summary["perplexity"])
+
+
+def test_deadline_gives_request_timeout_error(tiny_lm: Any) -> None:
+    from nlmserve.client import RequestTimeoutError
+
+    running = start(tiny_lm)
+    gate = threading.Event()
+    scorer = running.engine.scorer
+    real_score = scorer.score
+
+    def held(ids: np.ndarray, normalized: np.ndarray) -> np.ndarray:  # the real scorer, held at a gate
+        gate.wait(10)
+        return real_score(ids, normalized)
+
+    scorer.score = held  # type: ignore[method-assign]
+    try:
+        with LMClient(running.target, timeout=0.3, retries=0) as c:
+            c.info  # noqa: B018 - connect and fetch the info before the engine is held
+            t0 = time.monotonic()
+            with pytest.raises(RequestTimeoutError):
+                c.score("the house")
+            assert time.monotonic() - t0 < 3
+            gate.set()
+            assert c.score("the house") == pytest.approx(
+                tiny_lm.score_sentences([["the", "house"]], log10=True)[0].total, abs=1e-4)
+    finally:
+        gate.set()
+        running.stop(1.0)
