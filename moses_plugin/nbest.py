@@ -23,6 +23,7 @@ import io
 import logging
 import math
 import os
+import zlib
 from dataclasses import dataclass, field
 from typing import IO, Iterator, Sequence, cast
 
@@ -174,7 +175,7 @@ def iter_entries(
     stats = stats if stats is not None else ReadStats()
     name = os.fspath(path)
     with open_binary(path) as handle:
-        for line_no, data in enumerate(handle, start=1):
+        for line_no, data in enumerate(_lines(handle, name), start=1):
             stats.lines += 1
             try:
                 raw = data.decode("utf-8")
@@ -195,6 +196,23 @@ def iter_entries(
                 continue
             stats.entries += 1
             yield entry
+
+
+def _lines(handle: IO[bytes], name: str) -> Iterator[bytes]:
+    """The lines of ``handle``; a damaged gzip stream is an NbestFormatError naming the line.
+
+    A damaged stream cannot be resynchronised, so this is an error even with ``skip_bad``.
+    """
+    line_no = 0
+    while True:
+        try:
+            data = handle.readline()
+        except (EOFError, zlib.error, OSError) as exc:
+            raise NbestFormatError(f"damaged or truncated gzip data ({exc})", name, line_no + 1) from exc
+        if not data:
+            return
+        line_no += 1
+        yield data
 
 
 def _count_bad(stats: ReadStats, error: NbestFormatError) -> None:
@@ -357,6 +375,8 @@ def read_lines(path: str | os.PathLike[str]) -> list[str]:
         raise NbestFormatError("no such file", name) from exc
     except UnicodeDecodeError as exc:
         raise NbestFormatError(f"not UTF-8 ({exc.reason})", name) from exc
+    except (EOFError, zlib.error, OSError) as exc:
+        raise NbestFormatError(f"cannot read: {exc}", name) from exc
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()

@@ -155,3 +155,14 @@ def test_writer_is_atomic(tmp_path: Path) -> None:
             raise RuntimeError("interrupted")
     assert out.read_bytes() == before
     assert not (tmp_path / "out.nbest.tmp").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupt"])
+def test_damaged_gzip_names_the_file(damage: str, tmp_path: Path) -> None:
+    data = gzip.compress(b"0 ||| a b ||| LM0= -1 ||| -1\n" * 2000, mtime=0)
+    data = data[: len(data) // 2] if damage == "truncated" else data[:20] + b"\x00garbage" * 20
+    path = tmp_path / f"{damage}.nbest.gz"
+    path.write_bytes(data)
+    stats = ReadStats()
+    with pytest.raises(NbestFormatError, match=f"{path}:[0-9]+: damaged or truncated gzip data"):
+        list(iter_entries(path, skip_bad=True, stats=stats))
