@@ -21,7 +21,6 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--ngram-cache-size", int, "n-gram score LRU entries (default 0: off)"),
     ("--context-cache-size", int, "context normaliser LRU entries (default 0: off)"),
     ("--grace-seconds", float, "drain time after SIGTERM (default 10)"),
-    ("--threads", int, "gRPC worker threads (default 64)"),
     ("--torch-threads", int, "torch intra-op threads (default: torch's)"),
 )
 

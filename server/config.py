@@ -48,8 +48,6 @@ class ServerConfig:
     context_cache_size: int = 0
     #: Seconds in-flight requests get to finish after SIGTERM/SIGINT.
     grace_seconds: float = 10.0
-    #: gRPC worker threads (should exceed the number of concurrent clients to batch them).
-    threads: int = 64
     #: Torch intra-op threads (0: torch's default).
     torch_threads: int = 0
     #: Words per GetVocabulary chunk when the client does not say.
@@ -69,7 +67,6 @@ class ServerConfig:
             (self.ngram_cache_size >= 0, "ngram_cache_size must be >= 0"),
             (self.context_cache_size >= 0, "context_cache_size must be >= 0"),
             (self.grace_seconds >= 0, "grace_seconds must be >= 0"),
-            (self.threads >= 1, "threads must be >= 1"),
             (self.torch_threads >= 0, "torch_threads must be >= 0"),
             (0 <= self.port <= 65535, "port must be in [0, 65535]"),
             (self.metrics_port is None or 0 <= self.metrics_port <= 65535, "metrics_port must be in [0, 65535]"),
