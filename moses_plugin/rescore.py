@@ -18,6 +18,7 @@ backoff, up to ``wait_server`` seconds, then the client reconnects.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import logging
@@ -357,6 +358,8 @@ def rescore(
     identity = {"input": os.path.abspath(nbest_path), "input_size": stat.st_size, "input_mtime_ns": stat.st_mtime_ns,
                 "feature_name": config.feature_name, "lowercase": config.lowercase, "skip_bad": config.skip_bad,
                 "batch_ngrams": config.batch_ngrams}
+    if os.path.isdir(out_path):
+        raise InputError("the output is a directory", out_path)
     checkpoint = Checkpoint(out_path, identity)
     done, size, model_hash = checkpoint.load()
     stats = RescoreStats(resumed_sentences=done)
@@ -369,9 +372,12 @@ def rescore(
     read_stats = ReadStats()
     started = time.monotonic()
     mode = "r+b" if done else "wb"
-    with open(checkpoint.partial, mode) as out:
-        out.truncate(size)
-        out.seek(size)
+    with _writing(checkpoint.partial):
+        out = open(checkpoint.partial, mode)
+    with out:
+        with _writing(checkpoint.partial):
+            out.truncate(size)
+            out.seek(size)
         groups = iter_sentences(nbest_path, skip_bad=config.skip_bad, stats=read_stats)
         for _ in range(done):
             if next(groups, None) is None:
@@ -381,13 +387,15 @@ def rescore(
             for batch in _prefetch(_batches(groups, config.batch_ngrams)):
                 values = score_batch(conn, batch, stats)
                 text = "".join(add_feature(e, config.feature_name, [v]) for g, vs in zip(batch, values) for e, v in zip(g, vs))
-                out.write(text.encode("utf-8"))
-                out.flush()
-                os.fsync(out.fileno())
+                with _writing(checkpoint.partial):
+                    out.write(text.encode("utf-8"))
+                    out.flush()
+                    os.fsync(out.fileno())
                 done += len(batch)
                 stats.sentences += len(batch)
                 stats.hypotheses += sum(len(g) for g in batch)
-                checkpoint.save(done, out.tell(), conn.model_hash)
+                with _writing(checkpoint.path):
+                    checkpoint.save(done, out.tell(), conn.model_hash)
                 _advance(bar, len(batch), stats, time.monotonic() - started)
                 if on_checkpoint is not None:
                     on_checkpoint(done)
@@ -395,12 +403,24 @@ def rescore(
             if bar is not None:
                 bar.close()
             conn.close()
-    _finish(checkpoint.partial, out_path)
-    checkpoint.remove()
+    with _writing(out_path):
+        _finish(checkpoint.partial, out_path)
+        checkpoint.remove()
     stats.bad_lines = read_stats.bad_lines
     stats.bad_examples = read_stats.bad_examples
     stats.seconds = time.monotonic() - started
     return stats
+
+
+@contextlib.contextmanager
+def _writing(path: str) -> Iterator[None]:
+    """Turn a failed write (no permission, a directory, a full disk) into an error naming ``path``."""
+    try:
+        yield
+    except NlmserveError:
+        raise
+    except OSError as exc:
+        raise InputError(f"cannot write the output: {exc.strerror or exc}", path) from exc
 
 
 def _finish(partial: str, out_path: str) -> None:

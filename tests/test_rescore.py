@@ -218,3 +218,13 @@ def test_skip_bad_lines_are_counted_and_dropped(server: RunningServer, tmp_path:
     assert stats.bad_lines == 2 and stats.hypotheses == 2 and stats.sentences == 2
     lines = out.read_text().splitlines()
     assert [line.split(" NLM0= ")[0] for line in lines] == ["0 ||| a b ||| F0= 1", "1 ||| c ||| F0= 2"]
+
+
+def test_unwritable_output_is_one_clear_error(server: RunningServer, small_list: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "out.nbest"
+    folder.mkdir()
+    with pytest.raises(InputError, match=f"{folder}: the output is a directory"):
+        rescore(str(small_list), str(folder), lambda: LMClient(server.target), _config())
+    blocked = tmp_path / "missing-folder" / "out.nbest"
+    with pytest.raises(InputError, match=f"{blocked}.partial: cannot write the output"):
+        rescore(str(small_list), str(blocked), lambda: LMClient(server.target), _config())
