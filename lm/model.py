@@ -114,8 +114,9 @@ class NeuralLM(nn.Module):
     def __init__(self, config: ModelConfig, word_class: np.ndarray | None = None) -> None:
         super().__init__()
         self.config = config
-        # Sparse gradients for the embedding tables (training with AdaGrad): only the rows
-        # a batch touches are updated. Off by default (dense gradients everywhere).
+        # Sparse gradients for the output word embeddings (training with AdaGrad): only the
+        # rows a batch touches are updated. Off by default (dense gradients everywhere);
+        # the context embeddings' switch is ``self.embed.sparse``.
         self.sparse_grads = False
         self._offsets: list[int] = []
         V, D, n1 = config.vocab_size, config.dim, config.order - 1
@@ -197,10 +198,11 @@ class NeuralLM(nn.Module):
             self.word_bias.copy_(torch.from_numpy(word_logp))
 
     # ------------------------------------------------------------------ context
-    def set_sparse_grads(self, sparse: bool) -> None:
-        """Sparse gradients for the context and output word embeddings (AdaGrad only)."""
-        self.sparse_grads = sparse
-        self.embed.sparse = sparse
+    def set_sparse_grads(self, output: bool, context: bool | None = None) -> None:
+        """Sparse gradients (AdaGrad only) for the output word embeddings and for the
+        context embeddings (``context`` None: as ``output``)."""
+        self.sparse_grads = output
+        self.embed.sparse = output if context is None else context
 
     def encode(self, ctx: Tensor) -> Tensor:
         """ctx (N, order-1) word ids, oldest first → r (N, E)."""

@@ -393,9 +393,11 @@ class _Trainer:
         torch.manual_seed(cfg.seed)
         self.model = NeuralLM(self.mconf, self.word_class)
         self.model.init_biases(data.unigram)
-        # NCE touches few rows per batch: sparse AdaGrad updates only those (MLE touches most).
-        self.model.set_sparse_grads(cfg.optimizer == "adagrad" and cfg.objective == "nce")
-        if self.model.sparse_grads:
+        # A batch touches few context rows, and with NCE few output rows: sparse AdaGrad
+        # updates only those (MLE and softmax touch most output rows: dense is faster there).
+        adagrad = cfg.optimizer == "adagrad"
+        self.model.set_sparse_grads(output=adagrad and cfg.objective == "nce", context=adagrad)
+        if adagrad:
             torch.sparse.check_sparse_tensor_invariants.disable()  # opt out explicitly (and quietly)
         self.model.to(self.device).train()
         self.opt = _make_optimizer(cfg, self.model)
