@@ -25,11 +25,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from nlmserve.proto import lm_pb2, lm_pb2_grpc
+from nlmserve.proto import lm_pb2
 from nlmserve.server.config import ServerConfig
 from nlmserve.server.engine import Engine
 from nlmserve.server.metrics import ServerMetrics
-from nlmserve.server.servicer import LanguageModelServicer
+from nlmserve.server.servicer import LanguageModelServicer, add_to_server
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ async def _start(config: ServerConfig, engine: Engine, metrics: ServerMetrics) -
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs)
-    lm_pb2_grpc.add_LanguageModelServicer_to_server(LanguageModelServicer(engine, metrics), server)
+    add_to_server(LanguageModelServicer(engine, metrics), server)
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

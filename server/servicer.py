@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, AsyncIterator, Awaitable, Sequence, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 import grpc
 import numpy as np
@@ -55,6 +55,55 @@ def _remaining(context: grpc.aio.ServicerContext) -> float | None:
     """Seconds to the client's deadline; None without one (gRPC reports a huge number)."""
     left = context.time_remaining()
     return None if left is None or left > 1e6 else max(0.0, left)
+
+
+class MalformedRequest:
+    """What a request that does not parse becomes; every RPC answers it INVALID_ARGUMENT."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _parser(message_type: Any) -> Callable[[bytes], Any]:
+    """A request deserializer that turns a parse failure (corrupt wire data, invalid UTF-8 in
+    a string field) into a MalformedRequest instead of an UNKNOWN status."""
+    name = message_type.DESCRIPTOR.name
+
+    def parse(data: bytes) -> Any:
+        try:
+            return message_type.FromString(data)
+        except Exception as e:  # protobuf DecodeError and kin
+            return MalformedRequest(f"{name} does not parse: {e}")
+
+    return parse
+
+
+def _check_parsed(request: Any) -> None:
+    if isinstance(request, MalformedRequest):
+        raise InvalidRequestError(request.error)
+
+
+def add_to_server(servicer: "LanguageModelServicer", server: grpc.aio.Server) -> None:
+    """Register ``servicer`` as in the generated code, with the tolerant deserializers."""
+    handlers = {
+        "ScoreNgrams": grpc.unary_unary_rpc_method_handler(
+            servicer.ScoreNgrams, request_deserializer=_parser(lm_pb2.ScoreNgramsRequest),
+            response_serializer=lm_pb2.ScoreNgramsResponse.SerializeToString),
+        "ScoreSentences": grpc.unary_unary_rpc_method_handler(
+            servicer.ScoreSentences, request_deserializer=_parser(lm_pb2.ScoreSentencesRequest),
+            response_serializer=lm_pb2.ScoreSentencesResponse.SerializeToString),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetModelInfo, request_deserializer=_parser(lm_pb2.GetModelInfoRequest),
+            response_serializer=lm_pb2.ModelInfo.SerializeToString),
+        "GetVocabulary": grpc.unary_stream_rpc_method_handler(
+            servicer.GetVocabulary, request_deserializer=_parser(lm_pb2.GetVocabularyRequest),
+            response_serializer=lm_pb2.VocabularyChunk.SerializeToString),
+    }
+    service = lm_pb2.DESCRIPTOR.services_by_name["LanguageModel"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)  # type: ignore[attr-defined]
 
 
 class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
@@ -100,11 +149,17 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
 
     async def GetModelInfo(self, request: lm_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> lm_pb2.ModelInfo:
-        self._count("GetModelInfo", grpc.StatusCode.OK)
+        return await self._guard("GetModelInfo", context, self._model_info(request))
+
+    async def _model_info(self, request: lm_pb2.GetModelInfoRequest) -> lm_pb2.ModelInfo:
+        _check_parsed(request)
         return self.info
 
     async def GetVocabulary(self, request: lm_pb2.GetVocabularyRequest,
                             context: grpc.aio.ServicerContext) -> AsyncIterator[lm_pb2.VocabularyChunk]:
+        if isinstance(request, MalformedRequest):
+            self._count("GetVocabulary", grpc.StatusCode.INVALID_ARGUMENT)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         size = request.chunk_size or self.engine.config.vocab_chunk_size
         self._count("GetVocabulary", grpc.StatusCode.OK)
         for i in range(0, len(self.words), size):
@@ -113,8 +168,9 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
     # -------------------------------------------------------------- conversion
     async def _score_ngrams(self, request: lm_pb2.ScoreNgramsRequest,
                             context: grpc.aio.ServicerContext) -> lm_pb2.ScoreNgramsResponse:
-        if request.ngrams and request.packed_ids:
-            raise InvalidRequestError("send either n-gram strings or packed ids, not both")
+        _check_parsed(request)
+        if request.ngrams and (request.packed_ids or request.packed_order):
+            raise InvalidRequestError("send either n-gram strings or packed ids (with packed_order), not both")
         if request.packed_ids or request.packed_order:
             ids = self._unpack(request.packed_ids, request.packed_order)
             oov = ids[:, -1] == UNK_ID if ids.shape[1] else np.zeros(ids.shape[0], dtype=bool)
@@ -166,6 +222,7 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
 
     async def _score_sentences(self, request: lm_pb2.ScoreSentencesRequest,
                                context: grpc.aio.ServicerContext) -> lm_pb2.ScoreSentencesResponse:
+        _check_parsed(request)
         bos = request.bos if request.HasField("bos") else True
         eos = request.eos if request.HasField("eos") else True
         if len(request.sentences) > OFFLOAD_ITEMS // 20:

@@ -187,6 +187,8 @@ BAD_REQUESTS = {
     "id out of range": (packed(np.array([[4, 5], [4, 10**6]], dtype=np.uint32)), "INVALID_ARGUMENT", "item 1"),
     "both forms": (lm_pb2.ScoreNgramsRequest(ngrams=[lm_pb2.NgramStrings(words=["a"])], packed_ids=b"\4\0\0\0",
                                              packed_order=1), "INVALID_ARGUMENT", "either"),
+    "strings with packed_order": (lm_pb2.ScoreNgramsRequest(ngrams=[lm_pb2.NgramStrings(words=["a"])], packed_order=1),
+                                  "INVALID_ARGUMENT", "either"),
     "oversized": (packed(np.full((5000, 2), 4, dtype=np.uint32)), "INVALID_ARGUMENT", "max_ngrams_per_request = 4096"),
 }
 
@@ -210,6 +212,26 @@ def test_bad_requests_get_status_and_next_is_served(small_server: RunningServer,
         ok = s.ScoreNgrams(strings([["the", "european"]]))
         assert ok.log_probs[0] == pytest.approx(
             tiny_lm.score_ngrams(np.array([tiny_lm.vocab.encode(["the", "european"])]), log10=True)[0], abs=TOL)
+
+
+@pytest.mark.parametrize("rpc", ["ScoreNgrams", "ScoreSentences", "GetModelInfo", "GetVocabulary"])
+def test_requests_that_do_not_parse_are_invalid_argument(small_server: RunningServer, rpc: str) -> None:
+    # field 1, length-delimited, holding a string with a stray byte (invalid UTF-8); for
+    # ScoreNgrams the string sits inside an NgramStrings message.
+    bad_string = b"\x0a\x04the\xff"
+    data = {"ScoreNgrams": b"\x0a" + bytes([len(bad_string)]) + bad_string, "ScoreSentences": bad_string,
+            "GetModelInfo": b"\xff\xff\xff", "GetVocabulary": b"\x08"}[rpc]  # last: a truncated varint
+    with grpc.insecure_channel(small_server.target) as channel:
+        path = f"/nlmserve.v1.LanguageModel/{rpc}"
+        with pytest.raises(grpc.RpcError) as err:
+            if rpc == "GetVocabulary":
+                list(channel.unary_stream(path)(data, timeout=10))
+            else:
+                channel.unary_unary(path)(data, timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "does not parse" in err.value.details()
+        ok = lm_pb2_grpc.LanguageModelStub(channel).ScoreNgrams(strings([["the", "european"]]))
+        assert len(ok.log_probs) == 1
 
 
 def test_bad_sentences(small_server: RunningServer) -> None:
