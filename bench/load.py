@@ -14,8 +14,8 @@ classes of prepared requests built from the n-grams of the shipped held-out Euro
 Every answer is checked against the model loaded in this process (same length, every value
 within 1e-3 log10 of the in-process score); an RPC error or a wrong answer is a failed
 request. The server's resident set (``VmRSS`` of ``/proc/PID/status``) is read when the
-warm-up (``--warmup`` seconds of the same load) ends and again at the end; growth is
-``end / warm - 1``. Finally the server gets SIGTERM and must exit 0.
+warm-up (``--warmup`` seconds of the same load) ends, every second after, and at the end;
+growth is ``end / warm - 1`` and the trend is the slope of a line fitted to the readings. Finally the server gets SIGTERM and must exit 0.
 
 Without ``--model`` a small model is trained first (order 5, width 16, 300 NCE steps on the
 first 3,000 lines of the training slice: the test fixture's model). The result is printed as
@@ -273,11 +273,13 @@ def run(cfg: LoadConfig) -> dict[str, Any]:
             time.sleep(cfg.warmup)
             rss_warm = server.rss_kib()
             rss_max = rss_warm
+            samples = [(round(time.monotonic() - start, 1), rss_warm)]
             while time.monotonic() - start < cfg.seconds:
                 time.sleep(min(1.0, max(0.0, cfg.seconds - (time.monotonic() - start))))
                 if server.proc.poll() is not None:
                     raise RuntimeError(f"the server died: {server.error_text()}")
-                rss_max = max(rss_max, server.rss_kib())
+                samples.append((round(time.monotonic() - start, 1), server.rss_kib()))
+                rss_max = max(rss_max, samples[-1][1])
             rss_end = server.rss_kib()
             stop.set()
             for t in threads:
@@ -297,11 +299,16 @@ def run(cfg: LoadConfig) -> dict[str, Any]:
         }
     failed = sum(c["failed"] for c in classes.values())
     growth = rss_end / rss_warm - 1.0
+    when = np.array([x[0] for x in samples], dtype=np.float64)
+    rss = np.array([x[1] for x in samples], dtype=np.float64)
+    slope = float(np.polyfit(when, rss, 1)[0]) * 60.0 if len(samples) > 2 else 0.0  # KiB per minute
     return {
         "machine": machine(), "config": {**cfg.__dict__, "model": model if cfg.model else "(small test model)"},
         "seconds": round(elapsed, 1), "classes": classes,
         "requests": sum(c["requests"] for c in classes.values()), "failed": failed,
         "rss_kib": {"warm": rss_warm, "end": rss_end, "max": rss_max}, "rss_growth": round(growth, 4),
+        "rss_trend_kib_per_min": round(slope),
+        "rss_samples_kib": samples[:: max(1, len(samples) // 30)],
         "server_exit_code": exit_code,
         "ok": failed == 0 and growth < cfg.max_rss_growth and exit_code == 0,
     }
@@ -318,7 +325,8 @@ def print_table(result: dict[str, Any]) -> None:
             print(f"  e.g. {e}")
     r = result["rss_kib"]
     print(f"server RSS after warm-up {r['warm']} KiB, at the end {r['end']} KiB (max {r['max']}),"
-          f" growth {100 * result['rss_growth']:.1f}%; server exit code {result['server_exit_code']}")
+          f" growth {100 * result['rss_growth']:.1f}%, trend {result['rss_trend_kib_per_min']} KiB/min;"
+          f" server exit code {result['server_exit_code']}")
     print("OK" if result["ok"] else "FAILED")
 
 

@@ -280,9 +280,9 @@ def raw_call(server: RunningServer, rpc: str, data: bytes) -> tuple[grpc.StatusC
         path = f"/nlmserve.v1.LanguageModel/{rpc}"
         try:
             if rpc == "GetVocabulary":
-                list(channel.unary_stream(path)(data, timeout=30))
+                list(channel.unary_stream(path, None, None)(data, timeout=30))
             else:
-                channel.unary_unary(path)(data, timeout=30)
+                channel.unary_unary(path, None, None)(data, timeout=30)
             return grpc.StatusCode.OK, ""
         except grpc.RpcError as e:
             return e.code(), e.details() or ""

@@ -210,6 +210,8 @@ def test_sigterm_under_load_fails_no_request_sent_before_the_signal(tiny_model_p
     assert {r[2] for r in after} <= {"OK", "UNAVAILABLE"}
     assert all(r[3] for r in after if r[2] == "OK")
     assert "SIGTERM" in srv.stderr_text()
+    print(f"{len(before)} requests sent before SIGTERM ({sum(r[1] > signalled for r in before)} in flight at the "
+          f"signal), all OK; {len(after)} after it: {sorted((c, sum(r[2] == c for r in after)) for c in {r[2] for r in after})}")
 
 
 # ------------------------------------------------------------------ (c) output that cannot be written
@@ -325,11 +327,6 @@ def test_unwritable_output_fails_and_keeps_the_previous_output(kind: str, server
         assert list(fault.left) == [fault.out.name]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="moses_plugin: an OSError writing the output (EPERM/EACCES, EISDIR, EFBIG) escapes rescore() and the "
-           "CLI prints a Python traceback instead of one error line naming the file",
-)
 @pytest.mark.parametrize("kind", FAULT_KINDS)
 def test_unwritable_output_error_is_one_clear_line(kind: str, server: Server, news_list: Path,
                                                    fault_dir: Path) -> None:
