@@ -98,6 +98,8 @@ class AsyncLMClient:
         arr = np.asarray(ids)
         if arr.ndim != 2:
             raise InvalidRequestError(f"ids must be a 2-D array (N, n), got shape {arr.shape}")
+        if arr.shape[1] == 0 and arr.shape[0]:
+            raise InvalidRequestError("empty n-gram", index=0)
         info = await self.get_info()
         rows = core.rows_per_request(info, 4 * max(arr.shape[1], 1), self.max_message_bytes)
         responses = await asyncio.gather(*[

@@ -276,3 +276,12 @@ def test_deadline_gives_request_timeout_error(tiny_lm: Any) -> None:
     finally:
         gate.set()
         running.stop(1.0)
+
+
+def test_client_refuses_malformed_id_arrays(client: LMClient) -> None:
+    with pytest.raises(InvalidRequestError, match="item 0: empty n-gram"):
+        client.score_ids(np.zeros((3, 0), dtype=np.uint32))
+    with pytest.raises(InvalidRequestError, match="2-D"):
+        client.score_ids(np.zeros(3, dtype=np.uint32))
+    assert len(client.score_ids(np.zeros((0, 2), dtype=np.uint32)).log_probs) == 0
+    assert len(client.score_ngrams([]).log_probs) == 0 and client.score_sentences([]) == []
