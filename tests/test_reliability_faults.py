@@ -344,3 +344,35 @@ def test_after_a_full_disk_the_same_command_resumes_to_the_reference(server: Ser
     assert again.returncode == 0, again.stderr
     assert "sentences resumed from a checkpoint" in again.stdout
     assert fault.out.read_bytes() == reference
+
+
+# ------------------------------------------------------------------ bad lines in the rescored list
+BAD_LINES = [b"0 ||| broken \xff\xfe bytes ||| LM0= -1 ||| -1\n", b"just words, no fields\n",
+             b"12 ||| a b ||| LM0= one ||| -1\n", b"-1 ||| a ||| LM0= -1 ||| -1\n", b"3 ||| a ||| LM0= -1\n"]
+
+
+def test_bad_lines_are_refused_with_file_and_line_or_skipped_to_the_clean_output(
+        server: Server, news_list: Path, reference: bytes, tmp_path: Path) -> None:
+    with gzip.open(news_list, "rb") as handle:
+        lines = handle.read().splitlines(keepends=True)
+    dirty: list[bytes] = []
+    first_bad = 0
+    for i, line in enumerate(lines):
+        if i % 700 == 350:  # inside sentences as well as between them
+            dirty.append(BAD_LINES[(i // 700) % len(BAD_LINES)])
+            first_bad = first_bad or len(dirty)
+        dirty.append(line)
+    injected = len(dirty) - len(lines)
+    dirty_list = tmp_path / "dirty.nbest.gz"
+    dirty_list.write_bytes(gzip.compress(b"".join(dirty), mtime=0))
+    out = tmp_path / "out.nbest"
+    strict = subprocess.run(rescore_cmd(server.target, dirty_list, out), capture_output=True, text=True, env=ENV,
+                            timeout=120)
+    assert strict.returncode == 1 and "Traceback" not in strict.stderr, strict.stderr
+    assert f"{dirty_list}:{first_bad}:" in strict.stderr
+    assert not out.exists()
+    skipped = subprocess.run(rescore_cmd(server.target, dirty_list, out, "--skip-bad"), capture_output=True,
+                             text=True, env=ENV, timeout=120)
+    assert skipped.returncode == 0, skipped.stderr
+    assert f"skipped {injected} malformed lines" in skipped.stdout
+    assert out.read_bytes() == reference
