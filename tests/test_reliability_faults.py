@@ -203,7 +203,7 @@ def test_sigterm_under_load_fails_no_request_sent_before_the_signal(tiny_model_p
         srv.kill()
     before = [r for r in records if r[0] < signalled]
     after = [r for r in records if r[0] >= signalled]
-    assert len(before) > 50
+    assert len(before) > 20
     failed = [r for r in before if r[2] != "OK" or not r[3]]
     assert not failed, f"{len(failed)} of {len(before)} requests sent before SIGTERM failed: {failed[:5]}"
     assert any(r[1] > signalled for r in before), "some requests must have been in flight at the signal"
