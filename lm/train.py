@@ -17,7 +17,6 @@ resumed run ends at the same parameters as an uninterrupted one.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -30,7 +29,8 @@ import numpy as np
 import torch
 
 from nlmserve.errors import CorpusError, InputError
-from nlmserve.lm.classes import WordClasses, default_num_classes, frequency_binning
+from nlmserve.lm.checkpoint import TrainingLog, load_checkpoint, save_checkpoint, write_learning_curve
+from nlmserve.lm.classes import WordClasses, brown_clusters, default_num_classes, frequency_binning, load_wcluster
 from nlmserve.lm.corpus import CorpusIds, count_words
 from nlmserve.lm.model import ModelConfig, NeuralLM
 from nlmserve.lm.model_file import save_model
@@ -38,9 +38,6 @@ from nlmserve.lm.objectives import OBJECTIVES, NoiseDistribution, batch_loss
 from nlmserve.lm.vocab import Vocabulary
 
 log = logging.getLogger(__name__)
-
-CKPT_VERSION = 1
-
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -216,16 +213,12 @@ def prepare_data(cfg: TrainConfig) -> _Data:
     classes: WordClasses | None = None
     if cfg.objective != "softmax":
         if cfg.class_file is not None:
-            from nlmserve.lm.classes import load_wcluster
-
             classes = load_wcluster(cfg.class_file, vocab)
         else:
             K = cfg.classes if cfg.classes is not None else default_num_classes(len(vocab))
             if not 1 <= K <= len(vocab):
                 raise InputError(f"--classes {K} must lie in [1, {len(vocab)}] for this vocabulary")
             if cfg.class_method == "brown":
-                from nlmserve.lm.classes import brown_clusters
-
                 classes = brown_clusters(train_ids, len(vocab), K, seed=cfg.seed)
             else:
                 classes = frequency_binning(unigram, K)
@@ -270,7 +263,7 @@ def perplexity(model: NeuralLM, corpus: CorpusIds, order: int, device: torch.dev
     return math.exp(-ll / n)
 
 
-# ---------------------------------------------------------------------------- checkpoints
+# ---------------------------------------------------------------------------- optimiser
 
 
 def _make_optimizer(cfg: TrainConfig, model: NeuralLM) -> torch.optim.Optimizer:
@@ -282,84 +275,6 @@ def _make_optimizer(cfg: TrainConfig, model: NeuralLM) -> torch.optim.Optimizer:
 def _set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
     for group in opt.param_groups:
         group["lr"] = lr
-
-
-def save_checkpoint(
-    path: str, model: NeuralLM, opt: torch.optim.Optimizer, gen: torch.Generator,
-    state: _State, best: dict[str, torch.Tensor] | None, cfg: TrainConfig, vocab_sha: str,
-) -> None:
-    """Atomically write a checkpoint (tensors and plain values only: loads with weights_only)."""
-    payload = {
-        "version": CKPT_VERSION,
-        "model": model.state_dict(),
-        "optimizer": opt.state_dict(),
-        "generator": gen.get_state(),
-        "state": dataclasses.asdict(state),
-        "best": best,
-        "config": dataclasses.asdict(cfg),
-        "vocab_sha256": vocab_sha,
-        "model_config": model.config.to_json(),
-    }
-    tmp = path + ".tmp"
-    torch.save(payload, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def load_checkpoint(path: str) -> dict[str, Any]:
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises many types for a bad file
-        raise InputError(f"cannot read checkpoint: {exc}", path) from exc
-    if not isinstance(payload, dict) or payload.get("version") != CKPT_VERSION:
-        raise InputError("not a training checkpoint of this version", path)
-    return payload
-
-
-# ---------------------------------------------------------------------------- logging
-
-
-class _Log:
-    """The JSONL training log, appended to (a resumed run continues the same file)."""
-
-    def __init__(self, path: str, append: bool) -> None:
-        self.path = path
-        self.f = open(path, "a" if append else "w", encoding="utf-8")
-
-    def write(self, **record: Any) -> None:
-        self.f.write(json.dumps(record, sort_keys=True) + "\n")
-        self.f.flush()
-
-    def close(self) -> None:
-        self.f.close()
-
-
-def write_learning_curve(log_path: str, png_path: str) -> None:
-    """Validation perplexity against tokens seen, from the JSONL log (matplotlib Agg)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    xs, ys = [], []
-    with open(log_path, encoding="utf-8") as f:
-        for line in f:
-            rec = json.loads(line)
-            if rec.get("valid_ppl") is not None:
-                xs.append(rec["tokens"])
-                ys.append(rec["valid_ppl"])
-    if not xs:
-        return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(xs, ys, marker="o")
-    ax.set_xlabel("training tokens seen")
-    ax.set_ylabel("validation perplexity")
-    ax.set_title("best %.2f after %s tokens" % (min(ys), f"{xs[ys.index(min(ys))]:,}"))
-    ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
 
 
 # ---------------------------------------------------------------------------- the loop
@@ -410,7 +325,7 @@ class _Trainer:
         if resumed:
             self._resume()
         _set_lr(self.opt, self.state.lr)
-        self.log = _Log(cfg.log_path, append=resumed)
+        self.log = TrainingLog(cfg.log_path, append=resumed)
         if not resumed:
             self.log.write(event="start", config=dataclasses.asdict(cfg), model=self.mconf.to_json(),
                            vocab_size=len(data.vocab), train_tokens=data.train.num_tokens, step=0, tokens=0)
@@ -433,8 +348,8 @@ class _Trainer:
                  cfg.checkpoint_path, self.state.step, self.state.epoch, self.state.pos)
 
     def checkpoint(self) -> None:
-        save_checkpoint(self.cfg.checkpoint_path, self.model, self.opt, self.gen, self.state, self.best,
-                        self.cfg, self.data.vocab.sha256())
+        save_checkpoint(self.cfg.checkpoint_path, self.model, self.opt, self.gen, dataclasses.asdict(self.state),
+                        self.best, dataclasses.asdict(self.cfg), self.data.vocab.sha256())
 
     def validate(self) -> None:
         """Validation perplexity; keeps the best model, decays the rate on no improvement."""
@@ -592,3 +507,6 @@ def train(cfg: TrainConfig, *, _interrupt_after_step: int | None = None) -> Trai
     if cfg.checkpoint_every:
         trainer.checkpoint()
     return trainer.finish()
+
+
+__all__ = ["TrainConfig", "TrainResult", "train", "prepare_data", "model_config", "perplexity", "load_checkpoint"]
