@@ -11,6 +11,7 @@ normalised: left-padded with ``<s>``, and everything left of the newest ``<s>`` 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -58,7 +59,11 @@ class LanguageModel:
 
     def __init__(self, model_file: ModelFile, device: str | torch.device | None = None) -> None:
         self.device = torch.device(device) if device is not None else default_device()
-        self.model_file = model_file
+        counts = model_file.tensors.get("unigram_counts")
+        self._unigram_counts = np.array(counts) if counts is not None else None
+        self.net: NeuralLM = model_file.build_model().to(self.device).eval()
+        # The header without the raw tensors (they are views of the whole file's bytes).
+        self.model_file = dataclasses.replace(model_file, tensors={})
         self.config: ModelConfig = model_file.config
         self.vocab: Vocabulary = model_file.vocab
         self.classes = model_file.classes
@@ -67,7 +72,6 @@ class LanguageModel:
         self.objective: str = model_file.objective
         self.lowercase: bool = model_file.lowercase
         self.training: dict[str, Any] = model_file.training
-        self.net: NeuralLM = model_file.build_model().to(self.device).eval()
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], device: str | torch.device | None = None) -> "LanguageModel":
@@ -96,7 +100,7 @@ class LanguageModel:
     @property
     def unigram_counts(self) -> np.ndarray | None:
         """Training unigram counts (V,) when the file has them."""
-        return self.model_file.tensors.get("unigram_counts")
+        return self._unigram_counts
 
     def __repr__(self) -> str:
         return (

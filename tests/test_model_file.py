@@ -26,7 +26,7 @@ def _rows(lm: LanguageModel) -> np.ndarray:
 def test_round_trip_gives_identical_scores(tiny_lm: LanguageModel, tmp_path: Path) -> None:
     mf = tiny_lm.model_file
     out = tmp_path / "copy.nlm"
-    digest = save_model(out, mf.build_model(), mf.vocab, mf.classes, objective=mf.objective,
+    digest = save_model(out, tiny_lm.net, mf.vocab, mf.classes, objective=mf.objective,
                         lowercase=mf.lowercase, training=mf.training, unigram_counts=tiny_lm.unigram_counts)
     assert digest == tiny_lm.model_hash  # same content, same hash
     again = LanguageModel.load(out, device="cpu")
