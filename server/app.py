@@ -4,7 +4,11 @@
 background thread) and returns a :class:`RunningServer`; tests bind port 0 and talk to it.
 ``serve(config)`` adds the process lifecycle: SIGTERM/SIGINT → health NOT_SERVING → stop
 accepting → drain in-flight RPCs within ``grace_seconds`` → release the engine (in
-``finally``) → exit 0.
+``finally``) → exit 0. SIGHUP reloads the model file (and the token file) without failing a
+request (``server.admin``).
+
+Security (``server.auth``): TLS (``tls_cert``/``tls_key``, mutual with ``tls_client_ca``)
+and bearer tokens (``token_file``, a grpc.aio interceptor; the health service stays open).
 
 One event-loop thread receives every RPC and one engine thread runs the forward passes,
 so the GIL is shared by two busy threads, not by a pool of handler threads.
@@ -26,8 +30,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from nlmserve.proto import lm_pb2
+from nlmserve.server.admin import ADMIN_SERVICE, AdminServicer, Reloader, ReloadError, add_admin_to_server
+from nlmserve.server.auth import TokenInterceptor, TokenStore, server_credentials
 from nlmserve.server.config import ServerConfig
-from nlmserve.server.engine import Engine
+from nlmserve.server.engine import Engine, ModelState
 from nlmserve.server.metrics import ServerMetrics
 from nlmserve.server.servicer import LanguageModelServicer, add_to_server
 
@@ -49,6 +55,11 @@ class RunningServer:
     config: ServerConfig
     loop: asyncio.AbstractEventLoop
     thread: threading.Thread
+    reloader: Reloader
+
+    def reload(self, path: str | None = None) -> ModelState:
+        """Load ``path`` (default ``config.model``), check it, swap it in (ReloadError if refused)."""
+        return self.reloader.reload(path)
 
     @property
     def target(self) -> str:
@@ -76,20 +87,44 @@ class RunningServer:
             asyncio.run_coroutine_threadsafe(self.health.set(name, status), self.loop).result(5.0)
 
 
-async def _start(config: ServerConfig, engine: Engine, metrics: ServerMetrics) -> tuple[grpc.aio.Server, int, Any]:
+def exposure_warning(config: ServerConfig) -> str | None:
+    """The warning for a bind on every interface without TLS or tokens (None: nothing to say)."""
+    if config.host not in ("0.0.0.0", "::", "[::]", ""):
+        return None
+    missing = [name for name, on in (("TLS", config.tls_cert is not None), ("a token", config.token_file is not None))
+               if not on]
+    if not missing:
+        return None
+    return (f"SECURITY: binding {config.host or '*'} without {' or '.join(missing)}: any host that reaches this "
+            "port can use the service" + ("" if config.tls_cert else " and read its traffic")
+            + "; use --tls-cert/--tls-key and --token-file, or bind 127.0.0.1")
+
+
+async def _start(config: ServerConfig, engine: Engine, metrics: ServerMetrics,
+                 reloader: Reloader) -> tuple[grpc.aio.Server, int, Any]:
     options: list[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs)
+    interceptors = [TokenInterceptor(reloader.tokens, metrics)] if reloader.tokens is not None else []
+    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+                             interceptors=interceptors)
     add_to_server(LanguageModelServicer(engine, metrics), server)
+    add_admin_to_server(AdminServicer(reloader, metrics), server)
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
     address = f"[{config.host}]:{config.port}" if ":" in config.host else f"{config.host}:{config.port}"
     try:
-        port = server.add_insecure_port(address)
+        if config.tls_cert is not None and config.tls_key is not None:
+            port = server.add_secure_port(
+                address, server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+            )
+        else:
+            port = server.add_insecure_port(address)
     except RuntimeError as e:
         raise OSError(f"cannot bind {address}: {e}") from e
     if port == 0:
@@ -103,17 +138,20 @@ async def _start(config: ServerConfig, engine: Engine, metrics: ServerMetrics) -
 def create_server(config: ServerConfig, *, engine: Engine | None = None) -> RunningServer:
     """Load the model (unless ``engine`` is given), bind, start; port 0 picks a free port."""
     metrics = ServerMetrics()
+    tokens = TokenStore(config.token_file) if config.token_file is not None else None  # InputError first
     if engine is None:
         engine = Engine.load(config, metrics)
     else:
         engine.attach_metrics(metrics)
-    if config.host in ("0.0.0.0", "::", "[::]"):
-        log.warning("binding %s: the service is reachable from other hosts, without authentication", config.host)
+    warning = exposure_warning(config)
+    if warning is not None:
+        log.warning("%s", warning)
+    reloader = Reloader(engine, config, tokens, metrics)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="nlmserve-grpc", daemon=True)
     thread.start()
     try:
-        server, port, health_servicer = asyncio.run_coroutine_threadsafe(_start(config, engine, metrics), loop).result(60)
+        server, port, health_servicer = asyncio.run_coroutine_threadsafe(_start(config, engine, metrics, reloader), loop).result(60)
         metrics_port = None
         if config.metrics_port is not None:
             metrics_port = metrics.start_http(config.host, config.metrics_port)
@@ -122,26 +160,52 @@ def create_server(config: ServerConfig, *, engine: Engine | None = None) -> Runn
         thread.join(10.0)
         engine.shutdown()
         raise
-    log.info("serving %s on %s:%s", SERVICE_NAME, config.host, port)
-    return RunningServer(server, port, engine, health_servicer, metrics, metrics_port, config, loop, thread)
+    log.info("serving %s on %s:%s (%s, %s)", SERVICE_NAME, config.host, port,
+             "TLS" + (" with client certificates" if config.tls_client_ca else "") if config.tls_cert else "plaintext",
+             f"{len(tokens)} bearer token(s)" if tokens is not None else "no token")
+    return RunningServer(server, port, engine, health_servicer, metrics, metrics_port, config, loop, thread,
+                         reloader)
 
 
 def serve(config: ServerConfig) -> int:
-    """Run until SIGTERM/SIGINT; print ``listening on HOST:PORT`` on stdout once bound."""
+    """Run until SIGTERM/SIGINT; print ``listening on HOST:PORT`` on stdout once bound.
+
+    SIGHUP reloads ``config.model`` (and the token file) in this thread, off the serving
+    path; a file that fails to load or check is logged and the served model stays.
+    """
     running = create_server(config)
     stop = threading.Event()
+    hup = threading.Event()
+    wake = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         log.info("received %s: draining", signal.Signals(signum).name)
         stop.set()
+        wake.set()
+
+    def on_hup(signum: int, frame: FrameType | None) -> None:
+        hup.set()
+        wake.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, on_hup)
     code = 0
     try:
         print(f"listening on {config.host}:{running.port}", flush=True)
         if running.metrics_port is not None:
             print(f"metrics on http://{config.host}:{running.metrics_port}/metrics", flush=True)
-        while not stop.wait(0.5):
+        while True:
+            wake.wait(0.5)
+            wake.clear()
+            if stop.is_set():
+                break
+            if hup.is_set():
+                hup.clear()
+                log.info("received SIGHUP: reloading %s", config.model)
+                try:
+                    running.reload()
+                except ReloadError:
+                    pass  # logged by the reloader; the served model stays
             if not running.engine.check_health():
                 log.error("engine worker died; stopping")
                 running.set_serving(False)

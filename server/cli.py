@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 from nlmserve.errors import InputError, ModelFileError
+
+log = logging.getLogger(__name__)
 
 # flag → (type, help); defaults live in ServerConfig (None here means "not given").
 _FLAGS: tuple[tuple[str, type, str], ...] = (
@@ -22,6 +25,10 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--context-cache-size", int, "context normaliser LRU entries (default 0: off)"),
     ("--grace-seconds", float, "drain time after SIGTERM (default 10)"),
     ("--torch-threads", int, "torch intra-op threads (default: torch's)"),
+    ("--tls-cert", str, "PEM server certificate: serve TLS only (needs --tls-key)"),
+    ("--tls-key", str, "PEM private key of --tls-cert"),
+    ("--tls-client-ca", str, "PEM CA: require client certificates it signed (mutual TLS)"),
+    ("--token-file", str, "file of bearer tokens, one per line (re-read on SIGHUP); health stays open"),
 )
 
 
@@ -32,6 +39,10 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     p.add_argument("--config", help="TOML file with ServerConfig fields (flags override it)")
     for flag, typ, help_text in _FLAGS:
         p.add_argument(flag, type=typ, default=None, help=help_text)
+    p.add_argument("--allow-unauthenticated-admin", action="store_true", default=None,
+                   help="serve the Admin service (ReloadModel) without --token-file")
+    # Kept so that existing command lines still start; the asyncio server has no handler pool.
+    p.add_argument("--threads", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=run_serve)
 
 
@@ -41,6 +52,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     overrides = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, _, _ in _FLAGS}
     overrides["model"] = args.model
+    overrides["allow_unauthenticated_admin"] = args.allow_unauthenticated_admin
+    if args.threads is not None:
+        log.warning("--threads is ignored (the asyncio server has no handler threads)")
     config = build_config(overrides, args.config)
     try:
         return serve(config)

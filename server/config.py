@@ -21,7 +21,8 @@ class ServerConfig:
 
     #: Model file written by ``nlmserve train``.
     model: str
-    #: Address to bind. Loopback by default; ``0.0.0.0`` exposes the service (a warning is logged).
+    #: Address to bind. Loopback by default; ``0.0.0.0`` or ``::`` exposes the service (a loud
+    #: warning is logged unless both TLS and tokens are on).
     host: str = "127.0.0.1"
     #: gRPC port; 0 picks a free port (printed on stdout as ``listening on HOST:PORT``).
     port: int = 50051
@@ -52,6 +53,18 @@ class ServerConfig:
     torch_threads: int = 0
     #: Words per GetVocabulary chunk when the client does not say.
     vocab_chunk_size: int = 10_000
+    #: PEM server certificate (chain); with ``tls_key`` the port speaks TLS only.
+    tls_cert: str | None = None
+    #: PEM private key of ``tls_cert``.
+    tls_key: str | None = None
+    #: PEM CA bundle: clients must present a certificate it signed (mutual TLS).
+    tls_client_ca: str | None = None
+    #: File of bearer tokens, one per line; calls need ``authorization: Bearer <token>``
+    #: (the health service stays open). Re-read on reload. None: no token required.
+    token_file: str | None = None
+    #: Serve the Admin service (ReloadModel) on a server without tokens. Off by default:
+    #: without tokens anyone who reaches the port could make the server load a file.
+    allow_unauthenticated_admin: bool = False
 
     def __post_init__(self) -> None:
         checks = (
@@ -71,6 +84,8 @@ class ServerConfig:
             (0 <= self.port <= 65535, "port must be in [0, 65535]"),
             (self.metrics_port is None or 0 <= self.metrics_port <= 65535, "metrics_port must be in [0, 65535]"),
             (self.vocab_chunk_size >= 1, "vocab_chunk_size must be >= 1"),
+            ((self.tls_cert is None) == (self.tls_key is None), "tls_cert and tls_key go together"),
+            (self.tls_client_ca is None or self.tls_cert is not None, "tls_client_ca needs tls_cert and tls_key"),
         )
         for ok, message in checks:
             if not ok:

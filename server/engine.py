@@ -8,6 +8,10 @@ than the batch limit are split into parts. The queue is bounded (``max_queue_ngr
 a request that does not fit raises ``OverloadedError`` at once. Parts whose deadline has
 passed while queued are dropped and their request fails with ``RequestExpiredError``.
 
+Hot reload: ``prepare`` checks and wraps a newly loaded model off the serving path, ``swap``
+makes it the served one. Each queued part is pinned to the model state it was submitted
+against, a batch only merges parts of one state, and the answer names that state's hash.
+
 Interface (STYLE.md 1, 3): ``submit_ngrams``/``score_ngrams``, ``submit_sentences``/
 ``score_sentences``, ``check_health``, ``shutdown``; a list in, a list of the same length
 out, same order.
@@ -28,7 +32,7 @@ from typing import Any, Sequence, TypeVar
 import numpy as np
 import torch
 
-from nlmserve.errors import InvalidRequestError, NlmserveError, OverloadedError
+from nlmserve.errors import InvalidRequestError, ModelFileError, NlmserveError, OverloadedError
 from nlmserve.server.cache import Scorer
 from nlmserve.server.config import ServerConfig
 from nlmserve.server.metrics import ServerMetrics
@@ -142,19 +146,45 @@ class _Part:
     normalized: bool
     deadline: float | None  # time.monotonic()
     enqueued: float
+    state: "ModelState"  # the model that scores this part
 
 
-class Engine:
-    """One model, one batching worker. Thread-safe; ``submit_*`` return futures, ``score_*`` block."""
+def load_model(config: ServerConfig, path: str | None = None) -> Any:
+    """The model file ``path`` (default ``config.model``) loaded on the configured device."""
+    from nlmserve.lm.scoring import LanguageModel
+
+    path = config.model if path is None else path
+    lm = LanguageModel.load(path, device=config.device)
+    log.info("loaded %s: order %s, %s words, device %s, hash %s",
+             path, lm.order, len(lm.vocab), lm.device, lm.model_hash)
+    return lm
+
+
+class ModelState:
+    """One served model and what serving it needs: a scorer with caches of its own, and its
+    word index. Every queued part is pinned to the state it was submitted against, so a
+    batch is always scored by one model and a reload never changes a request half-way."""
 
     def __init__(self, lm: Any, config: ServerConfig, metrics: ServerMetrics | None = None) -> None:
         self.lm = lm
-        self.config = config
-        self.metrics = metrics
+        self.model_hash: str = str(lm.model_hash)
         self.order: int = int(lm.order)
         self.vocab_size: int = len(lm.vocab)
         self.self_normalized: bool = bool(lm.self_normalized)
+        self.lowercase: bool = bool(lm.lowercase)
+        self.words: list[str] = list(lm.vocab.words)
+        self.index: dict[str, int] = {w: i for i, w in enumerate(self.words)}
         self.scorer = Scorer(lm, config.ngram_cache_size, config.context_cache_size, metrics)
+
+
+class Engine:
+    """One model at a time, one batching worker. Thread-safe; ``submit_*`` return futures,
+    ``score_*`` block; ``swap`` replaces the model between batches (hot reload)."""
+
+    def __init__(self, lm: Any, config: ServerConfig, metrics: ServerMetrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics
+        self._state = ModelState(lm, config, metrics)
         self._cond = threading.Condition()
         self._queue: collections.deque[_Part] = collections.deque()
         self._queued_ngrams = 0
@@ -169,46 +199,109 @@ class Engine:
         if metrics is not None:
             self.attach_metrics(metrics)
 
+    # The served model (the newest state; queued parts keep the state they were submitted with).
+    @property
+    def state(self) -> ModelState:
+        return self._state
+
+    @property
+    def lm(self) -> Any:
+        return self._state.lm
+
+    @property
+    def order(self) -> int:
+        return self._state.order
+
+    @property
+    def vocab_size(self) -> int:
+        return self._state.vocab_size
+
+    @property
+    def self_normalized(self) -> bool:
+        return self._state.self_normalized
+
+    @property
+    def scorer(self) -> Scorer:
+        return self._state.scorer
+
+    @scorer.setter
+    def scorer(self, scorer: Scorer) -> None:
+        self._state.scorer = scorer
+
     def attach_metrics(self, metrics: ServerMetrics) -> None:
         """Report to ``metrics`` from now on (and publish the model-info gauge there)."""
-        lm = self.lm
-        self.metrics = self.scorer.metrics = metrics
+        self.metrics = self._state.scorer.metrics = metrics
+        self._publish_model(metrics, self._state)
+
+    def _publish_model(self, metrics: ServerMetrics, state: ModelState) -> None:
+        lm = state.lm
+        metrics.model_info.clear()
         metrics.set_model(
-            model_hash=str(lm.model_hash), order=str(self.order), device=str(lm.device),
-            objective=str(lm.objective), output_type=str(lm.output_type), vocab_size=str(self.vocab_size),
+            model_hash=state.model_hash, order=str(state.order), device=str(lm.device),
+            objective=str(lm.objective), output_type=str(lm.output_type), vocab_size=str(state.vocab_size),
         )
+
+    def prepare(self, lm: Any) -> ModelState:
+        """Check that ``lm`` can replace the served model and build its state (off the serving path).
+
+        The vocabulary, its lowercasing and the order must be those of the served model
+        (clients pack ids with the vocabulary they fetched once); a few real n-grams must
+        score to finite values. Raises ModelFileError otherwise.
+        """
+        cur = self._state
+        if int(lm.order) != cur.order:
+            raise ModelFileError(f"order {lm.order} differs from the served model's {cur.order}")
+        if bool(lm.lowercase) != cur.lowercase or list(lm.vocab.words) != cur.words:
+            raise ModelFileError("vocabulary differs from the served model's (restart the server to change it)")
+        probe = np.full((4, cur.order), BOS_ID, dtype=np.int64)
+        probe[:, -1] = np.arange(4) % max(cur.vocab_size, 1)
+        probe[:, -1][probe[:, -1] == BOS_ID] = EOS_ID
+        with torch.inference_mode():
+            values = np.asarray(lm.score_ngrams(probe))
+        if values.shape != (4,) or not np.isfinite(values).all():
+            raise ModelFileError(f"the model scores non-finite values on a probe: {values.tolist()}")
+        return ModelState(lm, self.config, self.metrics)
+
+    def swap(self, state: ModelState) -> None:
+        """Serve ``state`` from now on: parts submitted later use it (with its empty caches);
+        parts already queued finish with the model they were submitted to."""
+        with self._cond:
+            old, self._state = self._state, state
+        if self.metrics is not None:
+            self._publish_model(self.metrics, state)
+            for cache in ("ngram", "context", "in_class"):
+                self.metrics.cache_entries.labels(cache=cache).set(0)
+        log.info("model swapped: %s -> %s", old.model_hash, state.model_hash)
 
     @classmethod
     def load(cls, config: ServerConfig, metrics: ServerMetrics | None = None) -> "Engine":
         """Load the model file named in ``config`` on its device (ModelFileError if unreadable)."""
-        from nlmserve.lm.scoring import LanguageModel
-
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
-        lm = LanguageModel.load(config.model, device=config.device)
-        log.info("loaded %s: order %s, %s words, device %s, hash %s",
-                 config.model, lm.order, len(lm.vocab), lm.device, lm.model_hash)
-        return cls(lm, config, metrics)
+        return cls(load_model(config), config, metrics)
 
     # -------------------------------------------------------------- public API
     def submit_ngrams(self, ids: np.ndarray, *, normalized: bool = True, log10: bool = False,
-                      timeout: float | None = None) -> Future[np.ndarray]:
+                      timeout: float | None = None, state: ModelState | None = None) -> Future[np.ndarray]:
         """Queue n-gram rows (N, n), 1 <= n <= order; the future gets float32 (N,), ln or log10.
 
         Raises at once InvalidRequestError (bad ids), OverloadedError (queue full) or
         EngineStoppedError. ``normalized=False`` gives the unnormalised score when the model
         is self-normalised, the exact normalised value otherwise. ``timeout``: seconds after
-        which a part still queued is dropped (the future gets RequestExpiredError).
+        which a part still queued is dropped (the future gets RequestExpiredError). ``state``:
+        the model to score with (default: the served one; callers that mapped words with a
+        state's vocabulary pass that state, and name its ``model_hash`` in their answer).
         """
+        state = self._state if state is None else state
         with self._cond:
             self._arriving += 1
         try:
-            rows = normalize_ngrams(ids, self.order, self.vocab_size)
+            rows = normalize_ngrams(ids, state.order, state.vocab_size)
         except BaseException:
             with self._cond:
                 self._arriving -= 1
             raise
-        return self._submit(rows, normalized or not self.self_normalized, log10, timeout)
+        return self._submit(rows, normalized or not state.self_normalized, log10, timeout, state)
 
     def score_ngrams(self, ids: np.ndarray, *, normalized: bool = True, log10: bool = False,
                      timeout: float | None = None) -> np.ndarray:
@@ -217,17 +310,18 @@ class Engine:
         return _wait(future, timeout)
 
     def submit_sentences(self, sentences: Sequence[np.ndarray], *, bos: bool = True, eos: bool = True,
-                         normalized: bool = True, log10: bool = False,
-                         timeout: float | None = None) -> Future[list[SentenceResult]]:
+                         normalized: bool = True, log10: bool = False, timeout: float | None = None,
+                         state: ModelState | None = None) -> Future[list[SentenceResult]]:
         """Queue id sentences (``</s>`` appended when eos); the future gets one result per sentence."""
+        state = self._state if state is None else state
         for i, s in enumerate(sentences):
             a = np.asarray(s)
-            if a.size and (a.min() < 0 or a.max() >= self.vocab_size):
-                raise InvalidRequestError(f"word id out of range [0, {self.vocab_size})", index=i)
+            if a.size and (a.min() < 0 or a.max() >= state.vocab_size):
+                raise InvalidRequestError(f"word id out of range [0, {state.vocab_size})", index=i)
             if a.size and (a == BOS_ID).any():
                 raise InvalidRequestError("<s> inside a sentence cannot be predicted", index=i)
-        rows, lengths, counts = sentence_ngrams(sentences, self.order, bos=bos, eos=eos)
-        inner = self.submit_ngrams(rows, normalized=normalized, log10=log10, timeout=timeout)
+        rows, lengths, counts = sentence_ngrams(sentences, state.order, bos=bos, eos=eos)
+        inner = self.submit_ngrams(rows, normalized=normalized, log10=log10, timeout=timeout, state=state)
         outer: Future[list[SentenceResult]] = Future()
 
         def split(done: Future[np.ndarray]) -> None:
@@ -270,14 +364,15 @@ class Engine:
         return self._queued_ngrams
 
     # -------------------------------------------------------------- queueing
-    def _submit(self, rows: np.ndarray, normalized: bool, log10: bool, timeout: float | None) -> Future[np.ndarray]:
+    def _submit(self, rows: np.ndarray, normalized: bool, log10: bool, timeout: float | None,
+                state: ModelState) -> Future[np.ndarray]:
         n = rows.shape[0]
         step = self.config.max_batch_ngrams
         now = time.monotonic()
         deadline = None if timeout is None else now + timeout
         nparts = max(1, math.ceil(n / step))
         request = _Request(n, nparts, log10)
-        parts = [_Part(request, rows[i : i + step], i, normalized, deadline, now) for i in range(0, max(n, 1), step)]
+        parts = [_Part(request, rows[i : i + step], i, normalized, deadline, now, state) for i in range(0, max(n, 1), step)]
         with self._cond:
             self._arriving -= 1
             if self._stopping:
@@ -316,8 +411,9 @@ class Engine:
             wait_until = time.monotonic() + delay
             while size < limit:
                 if self._queue:
-                    if size + self._queue[0].ids.shape[0] > limit:
-                        break
+                    head = self._queue[0]
+                    if size + head.ids.shape[0] > limit or head.state is not batch[0].state:
+                        break  # a batch is scored by one model
                     part = self._queue.popleft()
                     batch.append(part)
                     size += part.ids.shape[0]
@@ -372,22 +468,22 @@ class Engine:
         norm = np.concatenate([np.full(p.ids.shape[0], p.normalized) for p in live])
         t0 = time.perf_counter()
         with torch.inference_mode():
-            scores = self.scorer.score(ids, norm)
+            scores = live[0].state.scorer.score(ids, norm)
         elapsed = time.perf_counter() - t0
-        start = 0
-        for part in live:
-            n = part.ids.shape[0]
-            part.request.out[part.offset : part.offset + n] = scores[start : start + n]
-            start += n
-            self._finish(part, None)
         m = self.metrics
-        if m is not None:
+        if m is not None:  # before the answers go out, so a client that got one sees its batch counted
             m.batch_size.observe(ids.shape[0])
             m.batch_requests.observe(len(live))
             m.inference_time.observe(elapsed)
             m.ngrams_scored.inc(ids.shape[0])
             for part in live:
                 m.queue_delay.observe(now - part.enqueued)
+        start = 0
+        for part in live:
+            n = part.ids.shape[0]
+            part.request.out[part.offset : part.offset + n] = scores[start : start + n]
+            start += n
+            self._finish(part, None)
 
     @staticmethod
     def _finish(part: _Part, error: BaseException | None) -> None:

@@ -63,6 +63,12 @@ class ServerMetrics:
             "nlmserve_model_info", "The served model (value 1)",
             ["model_hash", "order", "device", "objective", "output_type", "vocab_size"], registry=r,
         )
+        self.reloads = Counter(
+            "nlmserve_model_reloads", "Model reloads (SIGHUP or Admin/ReloadModel), by result", ["result"],
+            registry=r,
+        )
+        for result in ("ok", "error"):
+            self.reloads.labels(result=result)
         for cache in ("ngram", "context", "in_class"):
             self.cache_hits.labels(cache=cache)
             self.cache_misses.labels(cache=cache)

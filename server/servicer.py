@@ -26,7 +26,9 @@ import numpy as np
 
 from nlmserve.errors import InvalidRequestError, OverloadedError
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
-from nlmserve.server.engine import BOS_ID, EOS_ID, UNK_ID, Engine, EngineStoppedError, RequestExpiredError
+from nlmserve.server.engine import (
+    BOS_ID, EOS_ID, UNK_ID, Engine, EngineStoppedError, ModelState, RequestExpiredError,
+)
 from nlmserve.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -106,37 +108,45 @@ def add_to_server(servicer: "LanguageModelServicer", server: grpc.aio.Server) ->
     server.add_registered_method_handlers(service, handlers)  # type: ignore[attr-defined]
 
 
+def model_info(state: ModelState, max_items: int) -> lm_pb2.ModelInfo:
+    """The ModelInfo message of a served model."""
+    lm = state.lm
+    return lm_pb2.ModelInfo(
+        order=state.order,
+        vocab_size=state.vocab_size,
+        num_classes=int(getattr(lm, "num_classes", 0) or 0),
+        native_log_base=lm_pb2.LN,
+        objective=str(lm.objective),
+        output_type=str(lm.output_type),
+        model_hash=state.model_hash,
+        format_version=int(lm.format_version),
+        device=str(lm.device),
+        bos_id=BOS_ID,
+        eos_id=EOS_ID,
+        unk_id=UNK_ID,
+        self_normalized=state.self_normalized,
+        max_ngrams_per_request=max_items,
+        lowercase=state.lowercase,
+    )
+
+
 class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
     """``nlmserve.v1.LanguageModel`` over one :class:`Engine`."""
 
     def __init__(self, engine: Engine, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
-        lm = engine.lm
-        self.words: list[str] = lm.vocab.words
-        self.index: dict[str, int] = {w: i for i, w in enumerate(self.words)}
-        self.lowercase = bool(lm.lowercase)
-        self.order = engine.order
         self.max_items = engine.config.max_ngrams_per_request
-        self.model_hash = str(lm.model_hash)
         self._children: dict[Any, Any] = {}  # metric children by label values
-        self.info = lm_pb2.ModelInfo(
-            order=self.order,
-            vocab_size=len(self.words),
-            num_classes=int(getattr(lm, "num_classes", 0) or 0),
-            native_log_base=lm_pb2.LN,
-            objective=str(lm.objective),
-            output_type=str(lm.output_type),
-            model_hash=self.model_hash,
-            format_version=int(lm.format_version),
-            device=str(lm.device),
-            bos_id=BOS_ID,
-            eos_id=EOS_ID,
-            unk_id=UNK_ID,
-            self_normalized=engine.self_normalized,
-            max_ngrams_per_request=self.max_items,
-            lowercase=self.lowercase,
-        )
+        self._info: tuple[ModelState, lm_pb2.ModelInfo] | None = None
+
+    @property
+    def info(self) -> lm_pb2.ModelInfo:
+        """ModelInfo of the served model (rebuilt after a reload)."""
+        state = self.engine.state
+        if self._info is None or self._info[0] is not state:
+            self._info = (state, model_info(state, self.max_items))
+        return self._info[1]
 
     # -------------------------------------------------------------- RPCs
     async def ScoreNgrams(self, request: lm_pb2.ScoreNgramsRequest,
@@ -161,33 +171,36 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
             self._count("GetVocabulary", grpc.StatusCode.INVALID_ARGUMENT)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         size = request.chunk_size or self.engine.config.vocab_chunk_size
+        words = self.engine.state.words
         self._count("GetVocabulary", grpc.StatusCode.OK)
-        for i in range(0, len(self.words), size):
-            yield lm_pb2.VocabularyChunk(offset=i, words=self.words[i : i + size])
+        for i in range(0, len(words), size):
+            yield lm_pb2.VocabularyChunk(offset=i, words=words[i : i + size])
 
     # -------------------------------------------------------------- conversion
     async def _score_ngrams(self, request: lm_pb2.ScoreNgramsRequest,
                             context: grpc.aio.ServicerContext) -> lm_pb2.ScoreNgramsResponse:
         _check_parsed(request)
+        state = self.engine.state  # the model that maps, scores and is named in the answer
         if request.ngrams and (request.packed_ids or request.packed_order):
             raise InvalidRequestError("send either n-gram strings or packed ids (with packed_order), not both")
         if request.packed_ids or request.packed_order:
             ids = self._unpack(request.packed_ids, request.packed_order)
             oov = ids[:, -1] == UNK_ID if ids.shape[1] else np.zeros(ids.shape[0], dtype=bool)
         elif len(request.ngrams) > OFFLOAD_ITEMS:  # keep the event loop free for other requests
-            ids, oov = await asyncio.to_thread(self._map_ngrams, request.ngrams)
+            ids, oov = await asyncio.to_thread(self._map_ngrams, request.ngrams, state)
         else:
-            ids, oov = self._map_ngrams(request.ngrams)
+            ids, oov = self._map_ngrams(request.ngrams, state)
         normalized = not request.allow_unnormalized
         log10 = request.log_base != lm_pb2.LN
-        future = self.engine.submit_ngrams(ids, normalized=normalized, log10=log10, timeout=_remaining(context))
+        future = self.engine.submit_ngrams(ids, normalized=normalized, log10=log10, timeout=_remaining(context),
+                                           state=state)
         scores = await asyncio.wrap_future(future)
         return lm_pb2.ScoreNgramsResponse(
             log_probs=scores.tolist(),
             oov=oov.tolist(),
             log_base=lm_pb2.LOG10 if log10 else lm_pb2.LN,
-            normalized=normalized or not self.engine.self_normalized,
-            model_hash=self.model_hash,
+            normalized=normalized or not state.self_normalized,
+            model_hash=state.model_hash,
         )
 
     def _unpack(self, data: bytes, packed_order: int) -> np.ndarray:
@@ -202,10 +215,10 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
         self._check_size(n, "n-grams")
         return np.frombuffer(data, dtype="<u4").reshape(n, packed_order)
 
-    def _map_ngrams(self, ngrams: Sequence[lm_pb2.NgramStrings]) -> tuple[np.ndarray, np.ndarray]:
+    def _map_ngrams(self, ngrams: Sequence[lm_pb2.NgramStrings], state: ModelState) -> tuple[np.ndarray, np.ndarray]:
         n = len(ngrams)
         self._check_size(n, "n-grams")
-        order, get, lower = self.order, self.index.get, self.lowercase
+        order, get, lower = state.order, state.index.get, state.lowercase
         ids = np.full((n, order), BOS_ID, dtype=np.int64)
         oov = np.zeros(n, dtype=bool)
         for i, ng in enumerate(ngrams):
@@ -223,16 +236,18 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
     async def _score_sentences(self, request: lm_pb2.ScoreSentencesRequest,
                                context: grpc.aio.ServicerContext) -> lm_pb2.ScoreSentencesResponse:
         _check_parsed(request)
+        state = self.engine.state
         bos = request.bos if request.HasField("bos") else True
         eos = request.eos if request.HasField("eos") else True
         if len(request.sentences) > OFFLOAD_ITEMS // 20:
-            sentences, oovs = await asyncio.to_thread(self._map_sentences, request.sentences, eos)
+            sentences, oovs = await asyncio.to_thread(self._map_sentences, request.sentences, eos, state)
         else:
-            sentences, oovs = self._map_sentences(request.sentences, eos)
+            sentences, oovs = self._map_sentences(request.sentences, eos, state)
         normalized = not request.allow_unnormalized
         log10 = request.log_base != lm_pb2.LN
         future = self.engine.submit_sentences(
-            sentences, bos=bos, eos=eos, normalized=normalized, log10=log10, timeout=_remaining(context)
+            sentences, bos=bos, eos=eos, normalized=normalized, log10=log10, timeout=_remaining(context),
+            state=state,
         )
         results = await asyncio.wrap_future(future)
         out = []
@@ -245,12 +260,13 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
         return lm_pb2.ScoreSentencesResponse(
             sentences=out,
             log_base=lm_pb2.LOG10 if log10 else lm_pb2.LN,
-            normalized=normalized or not self.engine.self_normalized,
-            model_hash=self.model_hash,
+            normalized=normalized or not state.self_normalized,
+            model_hash=state.model_hash,
         )
 
-    def _map_sentences(self, texts: Sequence[str], eos: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        get, lower = self.index.get, self.lowercase
+    def _map_sentences(self, texts: Sequence[str], eos: bool,
+                       state: ModelState) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        get, lower = state.index.get, state.lowercase
         sentences: list[np.ndarray] = []
         oovs: list[np.ndarray] = []
         total = 0

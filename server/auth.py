@@ -1,0 +1,159 @@
+"""Bearer tokens and TLS credentials for the server.
+
+Tokens: ``--token-file FILE`` holds one or more tokens, one per line (blank lines and lines
+starting with ``#`` are skipped). A call must carry ``authorization: Bearer <token>``
+metadata naming one of them; the comparison is constant-time (``hmac.compare_digest``,
+against every token). Calls without a valid token end UNAUTHENTICATED before reaching a
+servicer, and are counted in ``nlmserve_requests{code="UNAUTHENTICATED"}``. The health
+service (``grpc.health.v1.Health``) stays open, so load balancers and container health
+checks need no secret; reflection needs the token like every other service. The file is
+re-read on reload (SIGHUP or the Admin ReloadModel RPC); a file that cannot be read or holds
+no token keeps the tokens in force.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import grpc
+
+from nlmserve.errors import InputError
+from nlmserve.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+#: Services reachable without a token (full names as in the method path).
+OPEN_SERVICES = ("grpc.health.v1.Health",)
+
+
+def read_tokens(path: str | Path) -> tuple[bytes, ...]:
+    """The tokens in ``path``; InputError naming the file (and line) when it is unusable."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise InputError(f"cannot read token file: {e.strerror}", str(path)) from e
+    except UnicodeDecodeError as e:
+        raise InputError(f"token file is not UTF-8: {e}", str(path)) from e
+    tokens = []
+    for number, line in enumerate(text.splitlines(), 1):
+        token = line.strip()
+        if not token or token.startswith("#"):
+            continue
+        if any(c.isspace() for c in token) or not token.isprintable():
+            raise InputError("a token must be printable and hold no whitespace", str(path), number)
+        tokens.append(token.encode("utf-8"))
+    if not tokens:
+        raise InputError("token file holds no token", str(path))
+    return tuple(tokens)
+
+
+def read_client_token(path: str | Path) -> str:
+    """The first token of a token file (what a client sends)."""
+    return read_tokens(path)[0].decode("utf-8")
+
+
+class TokenStore:
+    """The accepted tokens; thread-safe; ``reload`` re-reads the file."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+        self._tokens = read_tokens(path)
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def reload(self) -> None:
+        """Re-read the file; on an error the tokens in force stay (and the error is raised)."""
+        tokens = read_tokens(self.path)
+        with self._lock:
+            self._tokens = tokens
+        log.info("token file %s: %s token(s)", self.path, len(tokens))
+
+    def check(self, header: str | bytes | None) -> bool:
+        """True when ``header`` is ``Bearer <token>`` with an accepted token (constant time per token)."""
+        if header is None:
+            return False
+        raw = header.encode("utf-8", "replace") if isinstance(header, str) else header
+        scheme, _, given = raw.partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        given = given.strip()
+        ok = False
+        for token in self._tokens:  # compare with every token: the time does not say which matched
+            ok |= hmac.compare_digest(given, token)
+        return ok
+
+
+def _deny(kind: str, message: str) -> Any:
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover (abort raises)
+
+    if kind == "unary_stream":
+        return grpc.unary_stream_rpc_method_handler(stream)
+    if kind == "stream_unary":
+        return grpc.stream_unary_rpc_method_handler(unary)
+    if kind == "stream_stream":
+        return grpc.stream_stream_rpc_method_handler(stream)
+    return grpc.unary_unary_rpc_method_handler(unary)
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):
+    """UNAUTHENTICATED for calls without a valid bearer token, except to ``OPEN_SERVICES``."""
+
+    def __init__(self, tokens: TokenStore, metrics: ServerMetrics | None = None) -> None:
+        self.tokens = tokens
+        self.metrics = metrics
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        method: str = handler_call_details.method  # type: ignore[attr-defined]
+        service, _, name = method.lstrip("/").rpartition("/")
+        if service in OPEN_SERVICES:
+            return await continuation(handler_call_details)
+        header = None
+        for key, value in handler_call_details.invocation_metadata or ():  # type: ignore[attr-defined]
+            if key == "authorization":
+                header = value
+                break
+        if self.tokens.check(header):
+            return await continuation(handler_call_details)
+        message = "missing bearer token" if header is None else "invalid bearer token"
+        log.debug("%s: %s", method, message)
+        if self.metrics is not None:
+            self.metrics.requests.labels(rpc=name or method, code=grpc.StatusCode.UNAUTHENTICATED.name).inc()
+        handler = await continuation(handler_call_details)
+        kind = "unary_unary"
+        if handler is not None:
+            if handler.request_streaming and handler.response_streaming:
+                kind = "stream_stream"
+            elif handler.request_streaming:
+                kind = "stream_unary"
+            elif handler.response_streaming:
+                kind = "unary_stream"
+        return _deny(kind, message)
+
+
+def read_file_bytes(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise InputError(f"cannot read {what}: {e.strerror}", path) from e
+
+
+def server_credentials(cert: str, key: str, client_ca: str | None) -> grpc.ServerCredentials:
+    """TLS credentials from PEM files; with ``client_ca`` clients must present a certificate it signed."""
+    pair = (read_file_bytes(key, "TLS key"), read_file_bytes(cert, "TLS certificate"))
+    ca = read_file_bytes(client_ca, "client CA") if client_ca else None
+    return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
