@@ -218,3 +218,13 @@ def test_ctrl_c_writes_the_best_model_and_exits_130(small_train: Path, dev_small
     assert "stopped\tinterrupted" in stdout
     lm = LanguageModel.load(out, device="cpu")
     assert lm.training["stopped"] == "interrupted" and lm.training["valid_perplexity"] is not None
+
+
+def test_lowercase_models_lowercase_what_they_score(small_train: Path, dev_small_path: Path, tmp_path: Path) -> None:
+    out = tmp_path / "lower.nlm"
+    train(_config(small_train, dev_small_path, out, max_steps=5, lowercase=True, max_vocab=300))
+    lm = LanguageModel.load(out, device="cpu")
+    assert lm.lowercase and len(lm.vocab) == 300
+    upper, lower = lm.score_sentences([["The", "Commission"], ["the", "commission"]])
+    assert np.array_equal(upper.token_log_probs, lower.token_log_probs)
+    assert not upper.oov.any()
