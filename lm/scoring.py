@@ -117,10 +117,10 @@ class LanguageModel:
         if arr.size and not np.issubdtype(arr.dtype, np.integer):
             raise InvalidRequestError(f"n-gram ids must be integers, got {arr.dtype}")
         n = arr.shape[1]
+        if arr.shape[0] == 0:
+            return np.empty((0, min(max(n, 1), self.order)), dtype=np.int64)
         if n == 0:
-            if arr.shape[0]:
-                raise InvalidRequestError("empty n-gram", index=0)
-            return arr.astype(np.int64).reshape(0, 1)
+            raise InvalidRequestError("empty n-gram", index=0)
         if n > self.order:
             raise InvalidRequestError(f"n-gram of length {n} is longer than the model order {self.order}", index=0)
         arr = arr.astype(np.int64, copy=False)

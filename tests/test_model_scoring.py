@@ -62,6 +62,7 @@ def test_too_long_and_empty_ngrams(tiny_lm: LanguageModel) -> None:
         tiny_lm.score_ngrams(np.zeros((3, 0), dtype=np.int64))
     assert exc.value.index == 0
     assert tiny_lm.score_ngrams(np.zeros((0, 3), dtype=np.int64)).shape == (0,)
+    assert tiny_lm.score_ngrams(np.zeros((0, 9), dtype=np.int64)).shape == (0,)
     with pytest.raises(InvalidRequestError):
         tiny_lm.score_ngrams(np.array([1.5, 2.0]))
 
