@@ -1,7 +1,9 @@
 """Python client for the nlmserve service (sync and asyncio). Never imports torch."""
 
 from nlmserve.client.aio import AsyncLMClient
-from nlmserve.client.core import ModelInfo, NgramScores, RequestTimeoutError, RetryPolicy, RpcError, SentenceScore
+from nlmserve.client.core import (
+    ModelInfo, NgramScores, RequestTimeoutError, RetryPolicy, RpcError, Security, SentenceScore,
+)
 from nlmserve.client.sync import LMClient
 
 __all__ = [
@@ -12,5 +14,6 @@ __all__ = [
     "RequestTimeoutError",
     "RetryPolicy",
     "RpcError",
+    "Security",
     "SentenceScore",
 ]

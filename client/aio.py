@@ -32,14 +32,22 @@ class AsyncLMClient:
 
     def __init__(self, target: str, *, timeout: float | None = 30.0, retries: int = 5,
                  retry_policy: RetryPolicy | None = None, pack_ids: bool = True,
-                 max_message_bytes: int = 64 * 1024 * 1024) -> None:
+                 max_message_bytes: int = 64 * 1024 * 1024, tls: bool = False, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None, tls_server_name: str | None = None,
+                 token: str | None = None, token_file: str | None = None) -> None:
         self.target = target
         self.timeout = timeout
         self.retry = retry_policy or RetryPolicy(retries=retries)
         self.pack_ids = pack_ids
         self.max_message_bytes = max_message_bytes
-        self._channel = aio.insecure_channel(target, options=core.channel_options(max_message_bytes))
+        self.security = core.security_of(tls, tls_ca, tls_cert, tls_key, tls_server_name, token, token_file)
+        self._metadata = self.security.metadata()
+        options = core.channel_options(max_message_bytes) + self.security.options()
+        credentials = self.security.credentials()
+        self._channel = (aio.insecure_channel(target, options=options) if credentials is None
+                         else aio.secure_channel(target, credentials, options=options))
         self._stub: Any = lm_pb2_grpc.LanguageModelStub(self._channel)
+        self._admin: Any = lm_pb2_grpc.AdminStub(self._channel)
         self._info: ModelInfo | None = None
         self._idmap: IdMap | None = None
         self._lock = asyncio.Lock()
@@ -86,8 +94,8 @@ class AsyncLMClient:
             if self._idmap is None:
                 info = await self.get_info()
 
-                async def fetch(req: lm_pb2.GetVocabularyRequest, timeout: float | None) -> list[Any]:
-                    return [chunk async for chunk in self._stub.GetVocabulary(req, timeout=timeout)]
+                async def fetch(req: lm_pb2.GetVocabularyRequest, **kw: Any) -> list[Any]:
+                    return [chunk async for chunk in self._stub.GetVocabulary(req, **kw)]
 
                 chunks = await self._call(fetch, lm_pb2.GetVocabularyRequest())
                 self._idmap = IdMap(core.vocabulary_from_chunks(chunks, info.vocab_size), info)
@@ -135,6 +143,21 @@ class AsyncLMClient:
         ])
         return core.merge_sentence_responses(responses, log_base)
 
+    async def reload_model(self, path: str = "") -> ModelInfo:
+        """Admin/ReloadModel: the server loads ``path`` (empty: its ``--model``) and serves it.
+
+        Not retried. Returns the new model's info; ``RpcError`` with FAILED_PRECONDITION when
+        the server refused the file (it keeps serving the old model), PERMISSION_DENIED or
+        UNAUTHENTICATED when this client may not reload.
+        """
+        try:
+            reply = await self._admin.ReloadModel(lm_pb2.ReloadModelRequest(path=path), timeout=self.timeout,
+                                                  metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise core.map_error(e) from e
+        self._info = ModelInfo.from_proto(reply)
+        return self._info
+
     async def score(self, sentence: str, bos: bool = True, eos: bool = True) -> float:
         return (await self.score_sentences([sentence], bos=bos, eos=eos))[0].total
 
@@ -149,7 +172,7 @@ class AsyncLMClient:
         attempt = 0
         while True:
             try:
-                return await method(request, timeout=self.timeout)
+                return await method(request, timeout=self.timeout, metadata=self._metadata)
             except grpc.RpcError as e:  # aio.AioRpcError
                 if not self.retry.should_retry(e, attempt):
                     raise core.map_error(e, index_offset) from e

@@ -1,4 +1,5 @@
-"""``nlmserve score --server HOST:PORT [--json] < text``: per-sentence scores, like KenLM's ``query``.
+"""``nlmserve score --server HOST:PORT [--json] < text``: per-sentence scores, like KenLM's ``query``;
+``nlmserve reload --server HOST:PORT [--path FILE]``: make the server load a model file.
 
 Plain output, one line per sentence, then a summary (KenLM's layout)::
 
@@ -19,7 +20,7 @@ import json
 import math
 import sys
 from dataclasses import dataclass
-from typing import Iterator, TextIO
+from typing import Any, Iterator, TextIO
 
 BATCH_LINES = 1000
 
@@ -33,7 +34,40 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     p.add_argument("--no-bos", action="store_true", help="do not condition the first word on <s>")
     p.add_argument("--no-eos", action="store_true", help="do not score </s>")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per request (default 60)")
+    add_security_flags(p)
     p.set_defaults(func=run_score)
+
+    r = subparsers.add_parser("reload", help="make a running server load a model file (Admin/ReloadModel)",
+                              description="Ask `nlmserve serve` to load and serve a model file without "
+                                          "failing a request; prints the new model hash.")
+    r.add_argument("--server", required=True, help="HOST:PORT of `nlmserve serve`")
+    r.add_argument("--path", default="", help="model file on the server (default: its --model)")
+    r.add_argument("--timeout", type=float, default=300.0, help="seconds to wait (default 300)")
+    add_security_flags(r)
+    r.set_defaults(func=run_reload)
+
+
+def add_security_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls", action="store_true", help="TLS with the system's root certificates")
+    p.add_argument("--tls-ca", help="PEM CA that signed the server certificate (implies TLS)")
+    p.add_argument("--tls-cert", help="PEM client certificate (mutual TLS)")
+    p.add_argument("--tls-key", help="PEM key of --tls-cert")
+    p.add_argument("--tls-server-name", help="name to check the server certificate against")
+    p.add_argument("--token-file", help="file whose first line is the bearer token")
+
+
+def security_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {"tls": args.tls, "tls_ca": args.tls_ca, "tls_cert": args.tls_cert, "tls_key": args.tls_key,
+            "tls_server_name": args.tls_server_name, "token_file": args.token_file}
+
+
+def run_reload(args: argparse.Namespace) -> int:
+    from nlmserve.client.sync import LMClient
+
+    with LMClient(args.server, timeout=args.timeout, **security_kwargs(args)) as client:
+        info = client.reload_model(args.path)
+    sys.stdout.write(f"serving {info.model_hash}\n")
+    return 0
 
 
 @dataclass
@@ -67,7 +101,7 @@ def run_score(args: argparse.Namespace) -> int:
 
     totals = Totals()
     out = sys.stdout
-    with LMClient(args.server, timeout=args.timeout) as client:
+    with LMClient(args.server, timeout=args.timeout, **security_kwargs(args)) as client:
         vocab = client.vocabulary()
         lower = client.info.lowercase
         eos = not args.no_eos

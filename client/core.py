@@ -15,7 +15,7 @@ from typing import Any, Iterator, Sequence
 import grpc
 import numpy as np
 
-from nlmserve.errors import InvalidRequestError, NlmserveError, OverloadedError, ServerUnavailableError
+from nlmserve.errors import InputError, InvalidRequestError, NlmserveError, OverloadedError, ServerUnavailableError
 from nlmserve.proto import lm_pb2
 
 LOG_BASES = {"log10": lm_pb2.LOG10, "ln": lm_pb2.LN}
@@ -313,3 +313,86 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", 30_000),
     ]
+
+
+# ------------------------------------------------------------------ security
+@dataclass(frozen=True)
+class Security:
+    """How a client reaches a secured server.
+
+    Fields:
+        tls: use TLS (implied by any of the files below); without ``tls_ca`` the system's
+            root certificates verify the server.
+        tls_ca: PEM file of the CA that signed the server's certificate.
+        tls_cert: PEM client certificate, for servers that require one (mutual TLS).
+        tls_key: PEM private key of ``tls_cert``.
+        tls_server_name: the name to check the server's certificate against, when it
+            differs from the host in the target (e.g. connecting by IP address).
+        token: bearer token sent as ``authorization: Bearer <token>`` on every call.
+    """
+
+    tls: bool = False
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_server_name: str | None = None
+    token: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        if self.token is not None and (not self.token or any(c.isspace() for c in self.token)):
+            raise ValueError("a token must be non-empty and hold no whitespace")
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.tls or self.tls_ca is not None or self.tls_cert is not None
+
+    def metadata(self) -> tuple[tuple[str, str], ...] | None:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else None
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        """Channel credentials for TLS (None: plaintext)."""
+        if not self.uses_tls:
+            return None
+        ca = _read_pem(self.tls_ca, "TLS CA") if self.tls_ca else None
+        key = _read_pem(self.tls_key, "TLS key") if self.tls_key else None
+        cert = _read_pem(self.tls_cert, "TLS certificate") if self.tls_cert else None
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+    def options(self) -> list[tuple[str, str]]:
+        return [("grpc.ssl_target_name_override", self.tls_server_name)] if self.tls_server_name else []
+
+
+def _read_pem(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise InputError(f"cannot read {what}: {e.strerror}", path) from e
+
+
+def read_token_file(path: str) -> str:
+    """The first token in a token file (one per line; blank and ``#`` lines skipped)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"cannot read token file: {e}", path) from e
+    for number, line in enumerate(lines, 1):
+        token = line.strip()
+        if token and not token.startswith("#"):
+            if any(c.isspace() for c in token):
+                raise InputError("a token must hold no whitespace", path, number)
+            return token
+    raise InputError("token file holds no token", path)
+
+
+def security_of(tls: bool, tls_ca: str | None, tls_cert: str | None, tls_key: str | None,
+                tls_server_name: str | None, token: str | None, token_file: str | None) -> Security:
+    """The client constructors' security arguments as one ``Security``."""
+    if token is not None and token_file is not None:
+        raise ValueError("give token or token_file, not both")
+    if token_file is not None:
+        token = read_token_file(token_file)
+    return Security(tls, tls_ca, tls_cert, tls_key, tls_server_name, token)

@@ -4,7 +4,7 @@
         lm.score("this is a sentence")          # log10, as kenlm.Model.score
         lm.score_ngrams([["is", "a"], ["a", "sentence"]]).log_probs
 
-One channel for the client's life. Each RPC gets ``timeout`` seconds; UNAVAILABLE (and
+One channel for the client's life (TLS and a bearer token when the server needs them). Each RPC gets ``timeout`` seconds; UNAVAILABLE (and
 RESOURCE_EXHAUSTED from a full queue) is retried with exponential backoff, then
 ``ServerUnavailableError`` (``OverloadedError``). Inputs larger than the server's
 ``max_ngrams_per_request`` or the message size are split and the results joined in order.
@@ -40,18 +40,33 @@ class LMClient:
         pack_ids: score string n-grams by mapping them to ids here and sending packed ids
             (the fast path; fetches the vocabulary once). False sends the strings.
         max_message_bytes: the largest message sent or accepted.
+        tls: use TLS with the system's root certificates (implied by ``tls_ca``/``tls_cert``).
+        tls_ca: PEM CA file that signed the server's certificate.
+        tls_cert, tls_key: PEM client certificate and key, for servers that require one.
+        tls_server_name: the name the server's certificate is checked against, when it
+            is not the host in ``target``.
+        token: bearer token for servers started with ``--token-file``; ``token_file``
+            reads it (the first token) from such a file instead.
     """
 
     def __init__(self, target: str, *, timeout: float | None = 30.0, retries: int = 5,
                  retry_policy: RetryPolicy | None = None, pack_ids: bool = True,
-                 max_message_bytes: int = 64 * 1024 * 1024) -> None:
+                 max_message_bytes: int = 64 * 1024 * 1024, tls: bool = False, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None, tls_server_name: str | None = None,
+                 token: str | None = None, token_file: str | None = None) -> None:
         self.target = target
         self.timeout = timeout
         self.retry = retry_policy or RetryPolicy(retries=retries)
         self.pack_ids = pack_ids
         self.max_message_bytes = max_message_bytes
-        self._channel = grpc.insecure_channel(target, options=core.channel_options(max_message_bytes))
+        self.security = core.security_of(tls, tls_ca, tls_cert, tls_key, tls_server_name, token, token_file)
+        self._metadata = self.security.metadata()
+        options = core.channel_options(max_message_bytes) + self.security.options()
+        credentials = self.security.credentials()
+        self._channel = (grpc.insecure_channel(target, options=options) if credentials is None
+                         else grpc.secure_channel(target, credentials, options=options))
         self._stub = lm_pb2_grpc.LanguageModelStub(self._channel)
+        self._admin = lm_pb2_grpc.AdminStub(self._channel)
         self._info: ModelInfo | None = None
         self._idmap: IdMap | None = None
         self._lock = threading.Lock()
@@ -86,7 +101,7 @@ class LMClient:
         with self._lock:
             if self._idmap is None:
                 info = self.info
-                chunks = self._call(lambda req, timeout: list(self._stub.GetVocabulary(req, timeout=timeout)),
+                chunks = self._call(lambda req, **kw: list(self._stub.GetVocabulary(req, **kw)),
                                     lm_pb2.GetVocabularyRequest())
                 self._idmap = IdMap(core.vocabulary_from_chunks(chunks, info.vocab_size), info)
             return self._idmap
@@ -131,6 +146,22 @@ class LMClient:
                                             log_base=log_base, normalized=normalized)]
         return core.merge_sentence_responses(responses, log_base)
 
+    def reload_model(self, path: str = "") -> ModelInfo:
+        """Admin/ReloadModel: the server loads ``path`` (empty: its ``--model``) and serves it.
+
+        Not retried. Returns the new model's info; ``RpcError`` with FAILED_PRECONDITION when
+        the server refused the file (it keeps serving the old model), PERMISSION_DENIED or
+        UNAUTHENTICATED when this client may not reload.
+        """
+        try:
+            reply = self._admin.ReloadModel(lm_pb2.ReloadModelRequest(path=path), timeout=self.timeout,
+                                            metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise core.map_error(e) from e
+        with self._lock:
+            self._info = ModelInfo.from_proto(reply)
+        return self._info
+
     # -------------------------------------------------------------- KenLM surface
     def score(self, sentence: str, bos: bool = True, eos: bool = True) -> float:
         """log10 probability of the sentence (kenlm.Model.score)."""
@@ -149,7 +180,7 @@ class LMClient:
         attempt = 0
         while True:
             try:
-                return method(request, timeout=self.timeout)
+                return method(request, timeout=self.timeout, metadata=self._metadata)
             except grpc.RpcError as e:
                 if not self.retry.should_retry(e, attempt):
                     raise core.map_error(e, index_offset) from e
