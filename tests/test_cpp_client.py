@@ -95,7 +95,7 @@ class Server:
         self.log = open(log_path, "a", encoding="utf-8")
         self.proc = subprocess.Popen(
             [*SERVE, "serve", "--model", str(model), "--port", str(port), "--device", "cpu",
-             "--torch-threads", "1", "--threads", "16"],
+             "--torch-threads", "1"],
             stdout=subprocess.PIPE, stderr=self.log)
         assert self.proc.stdout is not None
         try:
