@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 import grpc
@@ -138,14 +139,14 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
         self.metrics = metrics
         self.max_items = engine.config.max_ngrams_per_request
         self._children: dict[Any, Any] = {}  # metric children by label values
-        self._info: tuple[ModelState, lm_pb2.ModelInfo] | None = None
+        self._info: tuple[weakref.ref[ModelState], lm_pb2.ModelInfo] | None = None
 
     @property
     def info(self) -> lm_pb2.ModelInfo:
-        """ModelInfo of the served model (rebuilt after a reload)."""
+        """ModelInfo of the served model (rebuilt after a reload; a replaced model is not kept alive)."""
         state = self.engine.state
-        if self._info is None or self._info[0] is not state:
-            self._info = (state, model_info(state, self.max_items))
+        if self._info is None or self._info[0]() is not state:
+            self._info = (weakref.ref(state), model_info(state, self.max_items))
         return self._info[1]
 
     # -------------------------------------------------------------- RPCs

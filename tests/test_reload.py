@@ -203,6 +203,25 @@ def test_a_model_with_another_vocabulary_is_refused(tiny_lm: Any, tiny_model_pat
         running.stop(0.5)
 
 
+def test_reload_cli(tiny_lm: Any, tiny_model_path: Path, other_model_path: Path, tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("cli-admin-token\n", encoding="utf-8")
+    config = ServerConfig(model=str(tiny_model_path), port=0, token_file=str(tokens))
+    running = create_server(config, engine=Engine(tiny_lm, config))
+    cmd = NLMSERVE + ["reload", "--server", running.target, "--path", str(other_model_path)]
+    try:
+        denied = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        ok = subprocess.run(cmd + ["--token-file", str(tokens)], capture_output=True, text=True, timeout=60)
+        with LMClient(running.target, token="cli-admin-token") as client:
+            served = client.info.model_hash
+    finally:
+        running.stop(0.5)
+    assert denied.returncode == 1 and "UNAUTHENTICATED" in denied.stderr
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.split() == ["serving", served]
+    assert served != tiny_lm.model_hash
+
+
 @pytest.fixture()
 def serve_process(tiny_model_path: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Path, str, int]]:
     model = tmp_path / "served.nlm"

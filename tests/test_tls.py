@@ -150,6 +150,12 @@ def test_async_client_over_mutual_tls_with_a_token(tiny_lm: Any, pki: Pki, tmp_p
         async with AsyncLMClient(running.target, tls_ca=pki.ca, tls_cert=pki.client_cert, tls_key=pki.client_key,
                                  token_file=str(tokens), timeout=10) as lm:
             totals = [s.total for s in await lm.score_sentences(sentences)]
+            try:  # this server was given no model file to reload
+                await lm.reload_model()
+            except RpcError as e:
+                assert e.code.name == "FAILED_PRECONDITION" and "(in-process)" in str(e)
+            else:
+                raise AssertionError("reloading '(in-process)' succeeded")
         async with AsyncLMClient(running.target, tls_ca=pki.ca, tls_cert=pki.client_cert, tls_key=pki.client_key,
                                  retries=0, timeout=5) as anonymous:
             try:
