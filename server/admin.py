@@ -3,8 +3,9 @@
 A reload loads the model file in the calling thread (never the event loop or the engine
 worker), checks it (``Engine.prepare``: same vocabulary and order, finite scores on a
 probe), then swaps it in between batches (``Engine.swap``: fresh caches, a new model-info
-gauge). A file that fails any step is an error and the served model stays. The token file,
-when there is one, is re-read by the same reload. Reloads run one at a time.
+gauge). A file that fails any step is an error and the served model stays. The token file
+and the TLS certificate files, when there are, are re-read by the same reload (each kept
+as it was when its files are unusable). Reloads run one at a time.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import grpc
 
 from nlmserve.errors import InputError, ModelFileError
 from nlmserve.proto import lm_pb2
-from nlmserve.server.auth import TokenStore
+from nlmserve.server.auth import TlsFiles, TokenStore
 from nlmserve.server.config import ServerConfig
 from nlmserve.server.engine import Engine, ModelState, load_model
 from nlmserve.server.metrics import ServerMetrics
@@ -36,10 +37,11 @@ class Reloader:
     """Reloads the model (and the token file) of one running server."""
 
     def __init__(self, engine: Engine, config: ServerConfig, tokens: TokenStore | None = None,
-                 metrics: ServerMetrics | None = None) -> None:
+                 metrics: ServerMetrics | None = None, tls: TlsFiles | None = None) -> None:
         self.engine = engine
         self.config = config
         self.tokens = tokens
+        self.tls = tls
         self.metrics = metrics
         self._lock = threading.Lock()
 
@@ -52,6 +54,11 @@ class Reloader:
                     self.tokens.reload()
                 except InputError as e:
                     log.error("token file not reloaded, the previous tokens stay: %s", e)
+            if self.tls is not None:
+                try:
+                    self.tls.reload()
+                except InputError as e:
+                    log.error("TLS files not reloaded, the certificate in use stays: %s", e)
             try:
                 state = self.engine.prepare(load_model(self.config, path))
             except (ModelFileError, InputError, OSError) as e:

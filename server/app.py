@@ -4,8 +4,8 @@
 background thread) and returns a :class:`RunningServer`; tests bind port 0 and talk to it.
 ``serve(config)`` adds the process lifecycle: SIGTERM/SIGINT → health NOT_SERVING → stop
 accepting → drain in-flight RPCs within ``grace_seconds`` → release the engine (in
-``finally``) → exit 0. SIGHUP reloads the model file (and the token file) without failing a
-request (``server.admin``).
+``finally``) → exit 0. SIGHUP reloads the model file (and the token and TLS files) without
+failing a request (``server.admin``).
 
 Security (``server.auth``): TLS (``tls_cert``/``tls_key``, mutual with ``tls_client_ca``)
 and bearer tokens (``token_file``, a grpc.aio interceptor; the health service stays open).
@@ -31,7 +31,7 @@ from grpc_reflection.v1alpha import reflection
 
 from nlmserve.proto import lm_pb2
 from nlmserve.server.admin import ADMIN_SERVICE, AdminServicer, Reloader, ReloadError, add_admin_to_server
-from nlmserve.server.auth import TokenInterceptor, TokenStore, server_credentials
+from nlmserve.server.auth import TlsFiles, TokenInterceptor, TokenStore
 from nlmserve.server.config import ServerConfig
 from nlmserve.server.engine import Engine, ModelState
 from nlmserve.server.metrics import ServerMetrics
@@ -119,10 +119,8 @@ async def _start(config: ServerConfig, engine: Engine, metrics: ServerMetrics,
     )
     address = f"[{config.host}]:{config.port}" if ":" in config.host else f"{config.host}:{config.port}"
     try:
-        if config.tls_cert is not None and config.tls_key is not None:
-            port = server.add_secure_port(
-                address, server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
-            )
+        if reloader.tls is not None:
+            port = server.add_secure_port(address, reloader.tls.credentials())
         else:
             port = server.add_insecure_port(address)
     except RuntimeError as e:
@@ -138,7 +136,11 @@ async def _start(config: ServerConfig, engine: Engine, metrics: ServerMetrics,
 def create_server(config: ServerConfig, *, engine: Engine | None = None) -> RunningServer:
     """Load the model (unless ``engine`` is given), bind, start; port 0 picks a free port."""
     metrics = ServerMetrics()
-    tokens = TokenStore(config.token_file) if config.token_file is not None else None  # InputError first
+    # Unusable token or TLS files are an InputError before the model is loaded.
+    tokens = TokenStore(config.token_file) if config.token_file is not None else None
+    tls = None
+    if config.tls_cert is not None and config.tls_key is not None:
+        tls = TlsFiles(config.tls_cert, config.tls_key, config.tls_client_ca)
     if engine is None:
         engine = Engine.load(config, metrics)
     else:
@@ -146,7 +148,7 @@ def create_server(config: ServerConfig, *, engine: Engine | None = None) -> Runn
     warning = exposure_warning(config)
     if warning is not None:
         log.warning("%s", warning)
-    reloader = Reloader(engine, config, tokens, metrics)
+    reloader = Reloader(engine, config, tokens, metrics, tls)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="nlmserve-grpc", daemon=True)
     thread.start()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import ssl
 import threading
 from pathlib import Path
 from typing import Any, Awaitable, Callable
@@ -152,8 +153,45 @@ def read_file_bytes(path: str, what: str) -> bytes:
         raise InputError(f"cannot read {what}: {e.strerror}", path) from e
 
 
-def server_credentials(cert: str, key: str, client_ca: str | None) -> grpc.ServerCredentials:
-    """TLS credentials from PEM files; with ``client_ca`` clients must present a certificate it signed."""
-    pair = (read_file_bytes(key, "TLS key"), read_file_bytes(cert, "TLS certificate"))
-    ca = read_file_bytes(client_ca, "client CA") if client_ca else None
-    return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+class TlsFiles:
+    """Server TLS from PEM files; ``reload`` re-reads them and new connections get the new
+    certificate (connections already open keep theirs). With ``client_ca`` clients must
+    present a certificate it signed (mutual TLS)."""
+
+    def __init__(self, cert: str, key: str, client_ca: str | None = None) -> None:
+        self.cert, self.key, self.client_ca = cert, key, client_ca
+        self._initial = self._configuration()
+        self._pending: Any = None
+        self._lock = threading.Lock()
+
+    def _configuration(self) -> Any:
+        """The certificate configuration; InputError naming the file when unusable."""
+        try:  # the key must belong to the certificate: check now, not at the first handshake
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(self.cert, self.key)
+        except OSError as e:  # ssl.SSLError is an OSError
+            raise InputError(f"TLS certificate and key do not load together ({self.key}): {e}", self.cert) from e
+        pair = (read_file_bytes(self.key, "TLS key"), read_file_bytes(self.cert, "TLS certificate"))
+        ca = read_file_bytes(self.client_ca, "client CA") if self.client_ca else None
+        if ca is not None:
+            try:
+                ssl.create_default_context(cadata=ca.decode("ascii"))
+            except (ValueError, OSError) as e:
+                raise InputError(f"client CA is not a PEM certificate: {e}", self.client_ca) from e
+        return grpc.ssl_server_certificate_configuration([pair], root_certificates=ca)
+
+    def reload(self) -> None:
+        """Re-read the files for new connections; on an error the certificate in use stays."""
+        configuration = self._configuration()
+        with self._lock:
+            self._pending = configuration
+        log.info("TLS certificate %s re-read", self.cert)
+
+    def _fetch(self) -> Any:  # called by gRPC before each handshake; None: keep the current one
+        with self._lock:
+            configuration, self._pending = self._pending, None
+        return configuration
+
+    def credentials(self) -> grpc.ServerCredentials:
+        return grpc.dynamic_ssl_server_credentials(
+            self._initial, self._fetch, require_client_authentication=self.client_ca is not None
+        )

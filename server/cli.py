@@ -25,7 +25,7 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--context-cache-size", int, "context normaliser LRU entries (default 0: off)"),
     ("--grace-seconds", float, "drain time after SIGTERM (default 10)"),
     ("--torch-threads", int, "torch intra-op threads (default: torch's)"),
-    ("--tls-cert", str, "PEM server certificate: serve TLS only (needs --tls-key)"),
+    ("--tls-cert", str, "PEM server certificate: serve TLS only (needs --tls-key; re-read on SIGHUP)"),
     ("--tls-key", str, "PEM private key of --tls-cert"),
     ("--tls-client-ca", str, "PEM CA: require client certificates it signed (mutual TLS)"),
     ("--token-file", str, "file of bearer tokens, one per line (re-read on SIGHUP); health stays open"),

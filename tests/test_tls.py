@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 
 from nlmserve.client import AsyncLMClient, LMClient, RpcError
-from nlmserve.errors import ServerUnavailableError
+from nlmserve.errors import InputError, ServerUnavailableError
 from nlmserve.server.app import RunningServer, create_server
 from nlmserve.server.config import ServerConfig
 from nlmserve.server.engine import Engine
@@ -39,6 +40,8 @@ class Pki:
     rogue_ca: str
     rogue_cert: str
     rogue_key: str
+    rogue_server_cert: str
+    rogue_server_key: str
 
 
 def _openssl(*args: str, cwd: Path) -> None:
@@ -70,9 +73,11 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     _leaf(d, "server", "ca", "serverAuth", "DNS:localhost,IP:127.0.0.1")
     _leaf(d, "client", "ca", "clientAuth", "DNS:decoder-1")
     _leaf(d, "rogue-client", "rogue-ca", "clientAuth", "DNS:decoder-2")
-    p = {n: str(d / n) for n in ("ca", "server", "client", "rogue-ca", "rogue-client")}
+    _leaf(d, "rogue-server", "rogue-ca", "serverAuth", "DNS:localhost,IP:127.0.0.1")
+    p = {n: str(d / n) for n in ("ca", "server", "client", "rogue-ca", "rogue-client", "rogue-server")}
     return Pki(p["ca"] + ".pem", p["server"] + ".pem", p["server"] + ".key", p["client"] + ".pem",
-               p["client"] + ".key", p["rogue-ca"] + ".pem", p["rogue-client"] + ".pem", p["rogue-client"] + ".key")
+               p["client"] + ".key", p["rogue-ca"] + ".pem", p["rogue-client"] + ".pem", p["rogue-client"] + ".key",
+               p["rogue-server"] + ".pem", p["rogue-server"] + ".key")
 
 
 def dev_sentences(count: int) -> list[str]:
@@ -207,3 +212,50 @@ def test_all_interfaces_with_tls_and_a_token_log_no_warning(tiny_lm: Any, pki: P
         running.stop(0.5)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "without a token" in warnings[0] and warnings[0].startswith("SECURITY")
+
+
+def test_certificate_rotation_on_reload(tiny_lm: Any, tiny_model_path: Path, pki: Pki, tmp_path: Path,
+                                        caplog: pytest.LogCaptureFixture) -> None:
+    cert, key = tmp_path / "server.pem", tmp_path / "server.key"
+    shutil.copyfile(pki.server_cert, cert)
+    shutil.copyfile(pki.server_key, key)
+    config = ServerConfig(model=str(tiny_model_path), port=0, tls_cert=str(cert), tls_key=str(key))
+    running = create_server(config, engine=Engine(tiny_lm, config))
+    try:
+        with LMClient(running.target, tls_ca=pki.ca, timeout=10) as old_client:
+            assert old_client.info.model_hash == tiny_lm.model_hash
+            # The certificate is renewed (here: by another CA) and the server told to reload.
+            shutil.copyfile(pki.rogue_server_cert, cert)
+            shutil.copyfile(pki.rogue_server_key, key)
+            running.reload()
+            with LMClient(running.target, tls_ca=pki.rogue_ca, timeout=10) as new_client:
+                assert np.isfinite(new_client.score("the european parliament"))
+            with LMClient(running.target, tls_ca=pki.ca, retries=0, timeout=5) as stale, \
+                    pytest.raises(ServerUnavailableError):
+                stale.info
+            assert np.isfinite(old_client.score("the european parliament"))  # its connection stays
+            # A damaged certificate at reload time is logged and the one in use stays.
+            cert.write_text("not a certificate\n", encoding="ascii")
+            with caplog.at_level(logging.ERROR, logger="nlmserve.server.admin"):
+                running.reload()
+            assert any("TLS files not reloaded" in r.getMessage() for r in caplog.records)
+            with LMClient(running.target, tls_ca=pki.rogue_ca, timeout=10) as new_client:
+                assert new_client.info.model_hash == tiny_lm.model_hash
+    finally:
+        running.stop(0.5)
+
+
+def test_unusable_tls_files_are_refused_naming_the_file(pki: Pki, tmp_path: Path) -> None:
+    def start_with(**tls: str) -> None:  # the files are checked before the model is looked at
+        create_server(ServerConfig(model=str(tmp_path / "no-model"), port=0, **tls))
+
+    with pytest.raises(InputError, match="do not load together") as err:
+        start_with(tls_cert=pki.server_cert, tls_key=pki.client_key)  # the key of another certificate
+    assert pki.server_cert in str(err.value)
+    with pytest.raises(InputError, match="do not load together"):
+        start_with(tls_cert=str(tmp_path / "absent.pem"), tls_key=pki.server_key)
+    bad_ca = tmp_path / "ca.pem"
+    bad_ca.write_text("garbage\n", encoding="ascii")
+    with pytest.raises(InputError, match="client CA") as err:
+        start_with(tls_cert=pki.server_cert, tls_key=pki.server_key, tls_client_ca=str(bad_ca))
+    assert str(bad_ca) in str(err.value)
