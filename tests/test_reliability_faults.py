@@ -116,8 +116,10 @@ def sentences_done(progress: Path) -> int:
 
 # ------------------------------------------------------------------ (a) kill -9 of the server
 @pytest.mark.slow
-def test_kill_9_of_the_server_during_rescore_then_restart_gives_identical_output(
-        tiny_model_path: Path, news_list: Path, reference: bytes, tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "sigterm"])
+def test_server_killed_or_stopped_during_rescore_then_restarted_gives_identical_output(
+        tiny_model_path: Path, news_list: Path, reference: bytes, tmp_path: Path, sig: signal.Signals) -> None:
+    """kill -9 (a crash) or SIGTERM (a restart by the operator) of the server in the middle of the job."""
     port = free_port()
     first = Server(tiny_model_path, port)
     second: Server | None = None
@@ -129,8 +131,8 @@ def test_kill_9_of_the_server_during_rescore_then_restart_gives_identical_output
         deadline = time.monotonic() + 60
         while sentences_done(progress) < 3 and job.poll() is None and time.monotonic() < deadline:
             time.sleep(0.005)
-        first.proc.send_signal(signal.SIGKILL)
-        first.proc.wait(10)
+        first.proc.send_signal(sig)
+        first.proc.wait(30)
         killed_at = sentences_done(progress)
         assert job.poll() is None and 3 <= killed_at < N_SENTENCES, "the server must die in the middle of the job"
         time.sleep(2.0)  # the job finds no server for a while
