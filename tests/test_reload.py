@@ -125,6 +125,15 @@ class Hammer:
     def hashes_since(self, mark: int) -> set[str]:
         return {h for _, h, _ in self.answers[mark:]}
 
+    def hashes_of_next(self, count: int, timeout: float = 60.0) -> set[str]:
+        """The model hashes of ``count`` answers to requests sent from now on."""
+        mark = len(self.answers) + THREADS  # answers in flight may predate this call
+        deadline = time.monotonic() + timeout
+        while len(self.answers) < mark + count and not self.failures:
+            assert time.monotonic() < deadline, f"fewer than {count} answers within {timeout} s"
+            time.sleep(0.02)
+        return {h for _, h, _ in self.answers[mark : mark + count]}
+
     def wait_for(self, model_hash: str, timeout: float = 60.0) -> None:
         """Until an answer started after this call names ``model_hash``."""
         mark = len(self.answers) + THREADS  # answers in flight may predate the swap
@@ -174,9 +183,7 @@ def test_admin_reloads_under_load_lose_nothing(tiny_lm: Any, tiny_model_path: Pa
                 with pytest.raises(RpcError) as err:
                     admin.reload_model(str(broken))
                 assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
-                mark = len(hammer.answers) + THREADS
-                time.sleep(0.5)
-                assert hammer.hashes_since(mark) == {b}  # the refused file changed nothing
+                assert hammer.hashes_of_next(20) == {b}  # the refused file changed nothing
             counts = check_answers(hammer, expected)
         assert counts[a] > 0 and counts[b] > 0
         gauge = metric_lines(running.metrics_port or 0, "nlmserve_model_info")
@@ -275,12 +282,53 @@ def test_sighup_reloads_the_model_file_under_load(serve_process: tuple[subproces
         while 'result="error"} 1.0' not in "".join(metric_lines(metrics_port, "nlmserve_model_reloads_total")):
             assert time.monotonic() < deadline, "the refused reload was not counted"
             time.sleep(0.05)
-        mark = len(hammer.answers) + THREADS
-        time.sleep(0.3)
-        assert hammer.hashes_since(mark) == {b}
+        assert hammer.hashes_of_next(20) == {b}
     counts = check_answers(hammer, expected)
     assert counts[a] > 0 and counts[b] > 0
     assert proc.poll() is None
     gauge = metric_lines(metrics_port, "nlmserve_model_info")
     assert len(gauge) == 1 and f'model_hash="{b}"' in gauge[0]
     assert 'nlmserve_model_reloads_total{result="ok"} 3.0' in metric_lines(metrics_port, "nlmserve_model_reloads_total")
+
+
+class GatedScorer:
+    """The real scorer of the served model behind a gate, to hold the batching thread in a batch."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.rows: list[int] = []
+
+    def score(self, ids: np.ndarray, normalized: np.ndarray) -> np.ndarray:
+        self.rows.append(ids.shape[0])
+        self.entered.set()
+        assert self.gate.wait(30)
+        return self.inner.score(ids, normalized)
+
+
+def test_parts_queued_before_a_swap_keep_their_model_and_no_batch_mixes_models(
+        tiny_lm: Any, models: dict[str, Any], requests: list[np.ndarray]) -> None:
+    other = next(lm for h, lm in models.items() if h != tiny_lm.model_hash)
+    engine = Engine(tiny_lm, ServerConfig(model="(in-process)", max_batch_ngrams=4096, max_delay_us=0))
+    try:
+        gated = GatedScorer(engine.scorer)
+        engine.scorer = gated  # type: ignore[assignment]
+        old_state = engine.state
+        first = engine.submit_ngrams(requests[0])
+        assert gated.entered.wait(30)  # the batching thread is inside the old model's batch
+        queued_old = engine.submit_ngrams(requests[1])
+        engine.swap(engine.prepare(other))
+        queued_new = engine.submit_ngrams(requests[2])
+        pinned_old = engine.submit_ngrams(requests[3], state=old_state)  # explicitly pinned
+        gated.gate.set()
+        np.testing.assert_allclose(first.result(30), tiny_lm.score_ngrams(requests[0]), atol=TOL, rtol=0)
+        np.testing.assert_allclose(queued_old.result(30), tiny_lm.score_ngrams(requests[1]), atol=TOL, rtol=0)
+        np.testing.assert_allclose(queued_new.result(30), other.score_ngrams(requests[2]), atol=TOL, rtol=0)
+        np.testing.assert_allclose(pinned_old.result(30), tiny_lm.score_ngrams(requests[3]), atol=TOL, rtol=0)
+        # The old model's batches: the first request, then the one queued before the swap
+        # (not merged with the next, which belongs to the new model), then the pinned one.
+        assert gated.rows == [len(requests[0]), len(requests[1]), len(requests[3])]
+        assert engine.state.model_hash == other.model_hash
+    finally:
+        engine.shutdown()
