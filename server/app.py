@@ -153,7 +153,8 @@ def create_server(config: ServerConfig, *, engine: Engine | None = None) -> Runn
     thread = threading.Thread(target=loop.run_forever, name="nlmserve-grpc", daemon=True)
     thread.start()
     try:
-        server, port, health_servicer = asyncio.run_coroutine_threadsafe(_start(config, engine, metrics, reloader), loop).result(60)
+        started = asyncio.run_coroutine_threadsafe(_start(config, engine, metrics, reloader), loop)
+        server, port, health_servicer = started.result(60)
         metrics_port = None
         if config.metrics_port is not None:
             metrics_port = metrics.start_http(config.host, config.metrics_port)

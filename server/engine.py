@@ -372,7 +372,8 @@ class Engine:
         deadline = None if timeout is None else now + timeout
         nparts = max(1, math.ceil(n / step))
         request = _Request(n, nparts, log10)
-        parts = [_Part(request, rows[i : i + step], i, normalized, deadline, now, state) for i in range(0, max(n, 1), step)]
+        parts = [_Part(request, rows[i : i + step], i, normalized, deadline, now, state)
+                 for i in range(0, max(n, 1), step)]
         with self._cond:
             self._arriving -= 1
             if self._stopping:
