@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from nlmserve.errors import InvalidRequestError
@@ -72,6 +73,7 @@ class LanguageModel:
         self.objective: str = model_file.objective
         self.lowercase: bool = model_file.lowercase
         self.training: dict[str, Any] = model_file.training
+        self._fast: _InferenceTables | None = None
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], device: str | torch.device | None = None) -> "LanguageModel":
@@ -169,7 +171,45 @@ class LanguageModel:
         """log Σ_{w ∈ cls} exp s_w(h) → (N,); the full-softmax log Z for the softmax output
         (``cls`` ignored)."""
         with torch.inference_mode():
+            tables = self._tables()
+            if tables is not None and r.dtype == torch.float32 and r.device.type == "cpu":
+                return tables.in_class(r, cls)
             return self.net.in_class_log_normalizer(r, cls)
+
+    def _tables(self) -> "_InferenceTables | None":
+        """The CPU inference tables of a class-output model (None on other devices or for
+        the softmax output), rebuilt when a parameter was changed in place."""
+        if self.device.type != "cpu" or self.config.output != "class":
+            return None
+        if self._fast is None or self._fast.versions != _versions(self.net):
+            self._fast = _InferenceTables(self.net)
+        return self._fast
+
+    def score_prepared(self, ctx: np.ndarray, target: np.ndarray, normalized: np.ndarray) -> np.ndarray:
+        """Natural-log scores of rows whose contexts are already normalised (``prepare_contexts``
+        as numpy: ctx (N, order-1), target (N,), valid ids); ``normalized`` (N,) bool per row
+        (False: s_c + s_w). No validation: the caller (the server) has done it."""
+        with torch.inference_mode():
+            tables = self._tables()
+            if tables is not None and ctx.shape[0] <= TINY_ROWS:
+                return tables.log_prob_numpy(ctx, target, normalized)
+            ctx_t = torch.from_numpy(np.ascontiguousarray(ctx, dtype=np.int64)).to(self.device)
+            target_t = torch.from_numpy(np.ascontiguousarray(target, dtype=np.int64)).to(self.device)
+            if tables is not None:
+                return tables.log_prob(ctx_t, target_t, normalized)
+            r = self.net.encode(ctx_t)
+            class_score, word_score = self.raw_scores(r, target_t)
+            score = class_score + word_score
+            if normalized.all():
+                cls = self.word_classes(target_t)
+                score = score - self.class_log_normalizer(r) - self.in_class_log_normalizer(r, cls)
+            elif normalized.any():
+                rows = torch.from_numpy(np.flatnonzero(normalized)).to(r.device)
+                cls = self.word_classes(target_t[rows])
+                lognorm = self.class_log_normalizer(r[rows]) + self.in_class_log_normalizer(r[rows], cls)
+                score = score.clone()
+                score[rows] = score[rows] - lognorm
+            return score.float().cpu().numpy()
 
     def word_classes(self, target: Tensor) -> Tensor:
         """Class id of each target (zeros for the softmax output)."""
@@ -200,8 +240,8 @@ class LanguageModel:
         with torch.inference_mode():
             for start in range(0, arr.shape[0], chunk):
                 ctx, target = self.prepare_contexts(arr[start : start + chunk])
-                lp = self.net.log_prob(ctx, target, normalized=not use_raw)
-                out[start : start + chunk] = lp.float().cpu().numpy()
+                norm = np.full(ctx.shape[0], not use_raw)
+                out[start : start + chunk] = self.score_prepared(ctx.cpu().numpy(), target.cpu().numpy(), norm)
         if log10:
             out *= np.float32(LOG10_E)
         return out
@@ -265,6 +305,156 @@ class LanguageModel:
             lp = scores[a:b]
             out.append(SentenceScores(lp, oov[a:b], lens[a:b], float(lp.astype(np.float64).sum())))
         return out
+
+
+# ---------------------------------------------------------------------- inference fast path
+#: Batches up to this many rows are scored with numpy on the CPU (torch's fixed cost of some
+#: thirty small operations, ~10 µs each, dominates there).
+TINY_ROWS = 16
+#: Largest size of the per-position context tables of a diagonal-context model (bytes).
+ENCODE_TABLE_BYTES = 512 << 20
+
+
+def _versions(net: NeuralLM) -> tuple[int, ...]:
+    return tuple(p._version for p in net.parameters())
+
+
+class _InferenceTables:
+    """Read-only copies for CPU inference of a class-output model, rebuilt whenever a
+    parameter changes in place: the output word embeddings and biases sorted by class (each
+    class is a contiguous slice, so the in-class normaliser needs no gather), and numpy
+    views of every weight for the tiny-batch path."""
+
+    def __init__(self, net: NeuralLM) -> None:
+        self.versions = _versions(net)
+        cfg = net.config
+        with torch.no_grad():
+            order = net.class_order
+            self.sorted_embed = net.word_embed.detach()[order].contiguous()  # (V, E)
+            self.sorted_bias = (net.word_bias + net.word_mask).detach()[order].contiguous()  # (V,)
+            self.offsets: list[int] = list(net._offsets)
+            self.np_embed = net.embed.weight.detach().numpy()
+            w = net.ctx_weight.detach().numpy()
+            n1, d = cfg.order - 1, cfg.dim
+            # full context: r_e = Σ_j Σ_d W[j, e, d] q[j, d] = q.reshape(n1*D) @ Wf
+            self.np_ctx = w if cfg.context == "diagonal" else np.ascontiguousarray(
+                w.transpose(0, 2, 1).reshape(n1 * d, d))
+            self.np_hidden_w = None if net.hidden is None else np.ascontiguousarray(net.hidden.weight.detach().numpy().T)
+            self.np_hidden_b = None if net.hidden is None else net.hidden.bias.detach().numpy()
+            self.np_word_embed = net.word_embed.detach().numpy()
+            self.np_word_bias = (net.word_bias + net.word_mask).detach().numpy()
+            self.np_class_embed_t = np.ascontiguousarray(net.class_embed.detach().numpy().T)  # (E, K)
+            self.np_class_bias = (net.class_bias + net.class_mask).detach().numpy()
+            self.np_word_class = net.word_class.numpy()
+            self.np_sorted_embed = self.sorted_embed.numpy()
+            self.np_sorted_bias = self.sorted_bias.numpy()
+        self.context = cfg.context
+        self.activation = cfg.activation
+        self.hidden = net.hidden
+        # Diagonal context: one table per position, q(w) * c_j, stacked (n-1 x V, D), so that
+        # r = Σ_j c_j ⊙ q(w_j) is one fused gather-and-sum (embedding_bag) with no (N, n-1, D)
+        # intermediate; kept when it fits in ENCODE_TABLE_BYTES.
+        self.position_tables: Tensor | None = None
+        if cfg.context == "diagonal" and (cfg.order - 1) * cfg.vocab_size * cfg.dim * 4 <= ENCODE_TABLE_BYTES:
+            with torch.no_grad():
+                emb, cw = net.embed.weight.detach(), net.ctx_weight.detach()
+                self.position_tables = torch.cat([emb * cw[j] for j in range(cfg.order - 1)])
+                self.position_shift = torch.arange(cfg.order - 1) * cfg.vocab_size
+        self.net = net
+
+    def encode(self, ctx: Tensor) -> Tensor:
+        """ctx (N, order-1) → r (N, E), as ``NeuralLM.encode``."""
+        if self.position_tables is None:
+            return self.net.encode(ctx)
+        r = F.embedding_bag(ctx + self.position_shift, self.position_tables, mode="sum")
+        if self.hidden is not None:
+            r = self.hidden(r)
+        if self.activation == "tanh":
+            r = torch.tanh(r)
+        elif self.activation == "relu":
+            r = torch.relu(r)
+        return r
+
+    # -------------------------------------------------------------- torch, any batch size
+    def in_class(self, r: Tensor, cls: Tensor) -> Tensor:
+        """log Σ_{w ∈ cls} exp s_w(h) → (N,), one addmm per class present on contiguous slices."""
+        cls_np = cls.numpy()
+        perm = np.argsort(cls_np, kind="stable")
+        classes, counts = np.unique(cls_np[perm], return_counts=True)
+        rs = r[torch.from_numpy(perm)]
+        out = torch.empty(r.shape[0], dtype=r.dtype)
+        emb, bias, offsets = self.sorted_embed, self.sorted_bias, self.offsets
+        start = 0
+        for c, n in zip(classes.tolist(), counts.tolist()):
+            a, b = offsets[c], offsets[c + 1]
+            o = out[start : start + n]
+            if b - a == 1:  # a one-word class: its score is its own normaliser
+                torch.mv(rs[start : start + n], emb[a], out=o).add_(bias[a])
+            else:  # logsumexp in place on the (n_c, S_c) logits
+                logits = torch.addmm(bias[a:b], rs[start : start + n], emb[a:b].t())
+                m = logits.amax(dim=1, keepdim=True)
+                torch.sum(logits.sub_(m).exp_(), dim=1, out=o)
+                o.log_().add_(m.squeeze(1))
+            start += n
+        result = torch.empty_like(out)
+        result[torch.from_numpy(perm)] = out
+        return result
+
+    def log_prob(self, ctx: Tensor, target: Tensor, normalized: np.ndarray) -> np.ndarray:
+        """log P(target | ctx) (or s_c + s_w where not ``normalized``) → float32 (N,), with
+        the class scores computed once for the score and the class normaliser."""
+        net = self.net
+        r = self.encode(ctx)
+        cls = net.word_class[target]
+        word = net.word_score(r, target)
+        if normalized.all():
+            class_logits = net.class_logits(r)  # (N, K)
+            score = class_logits.gather(1, cls.unsqueeze(1)).squeeze(1) + word
+            score -= torch.logsumexp(class_logits, dim=1)
+            score -= self.in_class(r, cls)
+            return score.numpy()
+        score = net.class_score(r, cls) + word
+        if normalized.any():
+            rows = torch.from_numpy(np.flatnonzero(normalized))
+            rr = r[rows]
+            score[rows] -= torch.logsumexp(net.class_logits(rr), dim=1) + self.in_class(rr, cls[rows])
+        return score.numpy()
+
+    # -------------------------------------------------------------- numpy, tiny batches
+    def log_prob_numpy(self, ctx: np.ndarray, target: np.ndarray, normalized: np.ndarray) -> np.ndarray:
+        """log P(target | ctx) (or s_c + s_w where not ``normalized``) → float32 (N,)."""
+        q = self.np_embed[ctx]  # (N, n-1, D)
+        if self.context == "diagonal":
+            r = (q * self.np_ctx).sum(axis=1)
+        else:
+            r = _mm(q.reshape(q.shape[0], -1), self.np_ctx)
+        if self.np_hidden_w is not None:
+            r = _mm(r, self.np_hidden_w) + self.np_hidden_b
+        if self.activation == "tanh":
+            r = np.tanh(r)
+        elif self.activation == "relu":
+            r = np.maximum(r, 0)
+        cls = self.np_word_class[target]
+        class_logits = _mm(r, self.np_class_embed_t) + self.np_class_bias  # (N, K)
+        rows = np.arange(len(target))
+        word = np.einsum("ne,ne->n", r, self.np_word_embed[target]) + self.np_word_bias[target]
+        out = class_logits[rows, cls] + word
+        for i in np.flatnonzero(normalized).tolist():
+            a, b = self.offsets[cls[i]], self.offsets[cls[i] + 1]
+            in_class = torch.mv(self.sorted_embed[a:b], torch.from_numpy(r[i])).numpy() + self.np_sorted_bias[a:b]
+            out[i] -= _logsumexp(class_logits[i]) + _logsumexp(in_class)
+        return out.astype(np.float32, copy=False)
+
+
+def _mm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a @ b through torch: its BLAS runs on the threads torch was given, where numpy's
+    would start a pool of its own on every core (10-1000x slower on a busy machine)."""
+    return torch.mm(torch.from_numpy(np.ascontiguousarray(a)), torch.from_numpy(b)).numpy()
+
+
+def _logsumexp(x: np.ndarray) -> np.floating[Any]:
+    m = x.max()
+    return m + np.log(np.exp(x - m).sum())  # type: ignore[no-any-return]
 
 
 __all__ = ["LanguageModel", "SentenceScores", "FORMAT_VERSION", "UNK_ID", "BOS_ID", "EOS_ID"]

@@ -140,6 +140,9 @@ class Scorer:
     def _score_direct(self, ids: np.ndarray, normalized: np.ndarray) -> np.ndarray:
         """The uncached path: the model pieces over the whole batch."""
         lm = self.lm
+        fast = getattr(lm, "score_prepared", None)
+        if fast is not None:  # the rows are canonical already: contexts and targets as they are
+            return np.asarray(fast(ids[:, :-1], ids[:, -1], normalized), dtype=np.float32)
         ctx, target = lm.prepare_contexts(ids)
         r = lm.encode_contexts(ctx)
         class_score, word_score = lm.raw_scores(r, target)
