@@ -2,14 +2,16 @@
 
 from nlmserve.client.aio import AsyncLMClient
 from nlmserve.client.core import (
-    ModelInfo, NgramScores, RequestTimeoutError, RetryPolicy, RpcError, Security, SentenceScore,
+    Endpoint, ModelInfo, ModelMismatchError, NgramScores, RequestTimeoutError, RetryPolicy, RpcError, Security, SentenceScore,
 )
 from nlmserve.client.sync import LMClient
 
 __all__ = [
     "AsyncLMClient",
+    "Endpoint",
     "LMClient",
     "ModelInfo",
+    "ModelMismatchError",
     "NgramScores",
     "RequestTimeoutError",
     "RetryPolicy",

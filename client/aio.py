@@ -28,24 +28,29 @@ R = TypeVar("R")
 
 
 class AsyncLMClient:
-    """Asyncio client; arguments as :class:`nlmserve.client.LMClient`. Create it inside the event loop."""
+    """Asyncio client; arguments (replicas too) as :class:`nlmserve.client.LMClient`. Create it inside
+    the event loop."""
 
     def __init__(self, target: str, *, timeout: float | None = 30.0, retries: int = 5,
                  retry_policy: RetryPolicy | None = None, pack_ids: bool = True,
                  max_message_bytes: int = 64 * 1024 * 1024, tls: bool = False, tls_ca: str | None = None,
                  tls_cert: str | None = None, tls_key: str | None = None, tls_server_name: str | None = None,
-                 token: str | None = None, token_file: str | None = None) -> None:
-        self.target = target
+                 token: str | None = None, token_file: str | None = None,
+                 allow_mixed_models: bool = False) -> None:
+        self.endpoint = core.endpoint_of(target)
+        self.target = self.endpoint.target
         self.timeout = timeout
         self.retry = retry_policy or RetryPolicy(retries=retries)
         self.pack_ids = pack_ids
         self.max_message_bytes = max_message_bytes
         self.security = core.security_of(tls, tls_ca, tls_cert, tls_key, tls_server_name, token, token_file)
         self._metadata = self.security.metadata()
-        options = core.channel_options(max_message_bytes) + self.security.options()
+        options = (core.channel_options(max_message_bytes) + self.security.options()
+                   + core.balancing_options(self.endpoint) + core.tls_name_options(self.endpoint, self.security))
         credentials = self.security.credentials()
-        self._channel = (aio.insecure_channel(target, options=options) if credentials is None
-                         else aio.secure_channel(target, credentials, options=options))
+        self._channel = (aio.insecure_channel(self.target, options=options) if credentials is None
+                         else aio.secure_channel(self.target, credentials, options=options))
+        self._guard = core.ModelGuard(self.target, self.endpoint.replicated, allow_mixed_models)
         self._stub: Any = lm_pb2_grpc.LanguageModelStub(self._channel)
         self._admin: Any = lm_pb2_grpc.AdminStub(self._channel)
         self._info: ModelInfo | None = None
@@ -63,8 +68,12 @@ class AsyncLMClient:
 
     # -------------------------------------------------------------- model
     async def get_info(self) -> ModelInfo:
+        """The model's description (fetched once; from every ready replica, which must agree)."""
         if self._info is None:
-            self._info = ModelInfo.from_proto(await self._call(self._stub.GetModelInfo, lm_pb2.GetModelInfoRequest()))
+            replies = [await self._call(self._stub.GetModelInfo, lm_pb2.GetModelInfoRequest())
+                       for _ in range(self.endpoint.probe_calls)]
+            self._guard.check(r.model_hash for r in replies)
+            self._info = ModelInfo.from_proto(replies[0])
         return self._info
 
     @property
@@ -115,10 +124,9 @@ class AsyncLMClient:
             for start, chunk in core.id_chunks(arr, rows)
         ])
         result = core.merge_ngram_responses(responses, log_base)
-        if arr.shape[1]:
-            result = NgramScores(result.log_probs, arr[:, -1] == info.unk_id, result.log_base,
-                                 result.normalized, result.model_hash)
-        return result
+        model_hash = self._guard.check(r.model_hash for r in responses)
+        oov = arr[:, -1] == info.unk_id if arr.shape[1] else result.oov
+        return NgramScores(result.log_probs, oov, result.log_base, result.normalized, model_hash)
 
     async def score_ngrams(self, ngrams: Sequence[Sequence[str]], log_base: str = "log10",
                            normalized: bool = True) -> NgramScores:
@@ -131,7 +139,9 @@ class AsyncLMClient:
             self._call(self._stub.ScoreNgrams, req, start)
             for start, req in core.string_requests(ngrams, info, self.max_message_bytes, log_base, normalized)
         ])
-        return core.merge_ngram_responses(responses, log_base)
+        result = core.merge_ngram_responses(responses, log_base)
+        model_hash = self._guard.check(r.model_hash for r in responses)
+        return NgramScores(result.log_probs, result.oov, result.log_base, result.normalized, model_hash)
 
     async def score_sentences(self, sentences: Sequence[str], bos: bool = True, eos: bool = True,
                               log_base: str = "log10", normalized: bool = True) -> list[SentenceScore]:
@@ -141,6 +151,7 @@ class AsyncLMClient:
             for start, req in core.sentence_requests(sentences, info, self.max_message_bytes, bos=bos, eos=eos,
                                                      log_base=log_base, normalized=normalized)
         ])
+        self._guard.check(r.model_hash for r in responses)
         return core.merge_sentence_responses(responses, log_base)
 
     async def reload_model(self, path: str = "") -> ModelInfo:
@@ -148,14 +159,18 @@ class AsyncLMClient:
 
         Not retried. Returns the new model's info; ``RpcError`` with FAILED_PRECONDITION when
         the server refused the file (it keeps serving the old model), PERMISSION_DENIED or
-        UNAUTHENTICATED when this client may not reload.
+        UNAUTHENTICATED when this client may not reload. A replicated client refuses
+        (``ValueError``): reload replicas one by one through their own addresses.
         """
+        if self.endpoint.replicated:
+            raise ValueError(f"{self.target} is replicated: reload each replica through its own address")
         try:
             reply = await self._admin.ReloadModel(lm_pb2.ReloadModelRequest(path=path), timeout=self.timeout,
                                                   metadata=self._metadata)
         except grpc.RpcError as e:
             raise core.map_error(e) from e
         self._info = ModelInfo.from_proto(reply)
+        self._guard.pin(reply.model_hash)
         return self._info
 
     async def score(self, sentence: str, bos: bool = True, eos: bool = True) -> float:

@@ -1,6 +1,10 @@
 """``nlmserve score --server HOST:PORT [--json] < text``: per-sentence scores, like KenLM's ``query``;
 ``nlmserve reload --server HOST:PORT [--path FILE]``: make the server load a model file.
 
+``--server`` of ``score`` (and of ``rescore``/``experiment``) also takes replicas of one model:
+``a:1,b:2`` or ``dns:///name:port`` (round_robin, health-checked); ``reload`` takes a
+comma-separated list and reloads the replicas one after the other.
+
 Plain output, one line per sentence, then a summary (KenLM's layout)::
 
     word=id ngram_length log10prob<TAB>...</s>=2 n log10prob<TAB>Total: T OOV: k
@@ -20,15 +24,22 @@ import json
 import math
 import sys
 from dataclasses import dataclass
-from typing import Any, Iterator, TextIO
+from typing import TYPE_CHECKING, Any, Iterator, TextIO
+
+from nlmserve.errors import InputError
+
+if TYPE_CHECKING:
+    from nlmserve.client.sync import LMClient
 
 BATCH_LINES = 1000
+SERVER_HELP = ("HOST:PORT of `nlmserve serve`, or replicas of one model: HOST:PORT,HOST:PORT,... "
+               "or dns:///NAME:PORT (balanced round_robin, unhealthy replicas skipped)")
 
 
 def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     p = subparsers.add_parser("score", help="score sentences from stdin against a server (like KenLM's query)",
                               description="Score whitespace-tokenised sentences (one per line) from stdin.")
-    p.add_argument("--server", required=True, help="HOST:PORT of `nlmserve serve`")
+    p.add_argument("--server", required=True, help=SERVER_HELP)
     p.add_argument("--json", action="store_true", help="one JSON object per sentence")
     p.add_argument("--lowercase", action="store_true", help="lowercase the input first")
     p.add_argument("--no-bos", action="store_true", help="do not condition the first word on <s>")
@@ -40,7 +51,8 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     r = subparsers.add_parser("reload", help="make a running server load a model file (Admin/ReloadModel)",
                               description="Ask `nlmserve serve` to load and serve a model file without "
                                           "failing a request; prints the new model hash.")
-    r.add_argument("--server", required=True, help="HOST:PORT of `nlmserve serve`")
+    r.add_argument("--server", required=True,
+                   help="HOST:PORT of `nlmserve serve`; HOST:PORT,HOST:PORT reloads replicas one by one")
     r.add_argument("--path", default="", help="model file on the server (default: its --model)")
     r.add_argument("--timeout", type=float, default=300.0, help="seconds to wait (default 300)")
     add_security_flags(r)
@@ -61,12 +73,25 @@ def security_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "tls_server_name": args.tls_server_name, "token_file": args.token_file}
 
 
-def run_reload(args: argparse.Namespace) -> int:
+def connect(server: str, args: argparse.Namespace, timeout: float) -> "LMClient":
+    """An ``LMClient`` for ``--server`` with the security flags of ``add_security_flags``."""
     from nlmserve.client.sync import LMClient
 
-    with LMClient(args.server, timeout=args.timeout, **security_kwargs(args)) as client:
-        info = client.reload_model(args.path)
-    sys.stdout.write(f"serving {info.model_hash}\n")
+    try:
+        return LMClient(server, timeout=timeout, **security_kwargs(args))
+    except ValueError as e:
+        raise InputError(f"--server {server}: {e}") from e
+
+
+def run_reload(args: argparse.Namespace) -> int:
+    replicas = [a.strip() for a in args.server.split(",") if a.strip()]
+    if any(a.startswith("dns:") for a in replicas):
+        raise InputError("reload replicas through their own HOST:PORT addresses, not a DNS name")
+    for address in replicas:
+        with connect(address, args, args.timeout) as client:
+            info = client.reload_model(args.path)
+        sys.stdout.write(f"serving {info.model_hash}" + (f" on {address}\n" if len(replicas) > 1 else "\n"))
+        sys.stdout.flush()
     return 0
 
 
@@ -97,11 +122,9 @@ def _batches(stream: TextIO, lowercase: bool) -> Iterator[list[str]]:
 
 
 def run_score(args: argparse.Namespace) -> int:
-    from nlmserve.client.sync import LMClient
-
     totals = Totals()
     out = sys.stdout
-    with LMClient(args.server, timeout=args.timeout, **security_kwargs(args)) as client:
+    with connect(args.server, args, args.timeout) as client:
         vocab = client.vocabulary()
         lower = client.info.lowercase
         eos = not args.no_eos

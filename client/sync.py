@@ -4,10 +4,14 @@
         lm.score("this is a sentence")          # log10, as kenlm.Model.score
         lm.score_ngrams([["is", "a"], ["a", "sentence"]]).log_probs
 
+    LMClient(["10.0.0.1:50051", "10.0.0.2:50051"])   # replicas, or "a:1,b:2", or "dns:///lm:50051"
+
 One channel for the client's life (TLS and a bearer token when the server needs them). Each RPC gets ``timeout`` seconds; UNAVAILABLE (and
 RESOURCE_EXHAUSTED from a full queue) is retried with exponential backoff, then
 ``ServerUnavailableError`` (``OverloadedError``). Inputs larger than the server's
 ``max_ngrams_per_request`` or the message size are split and the results joined in order.
+Several replicas are balanced by gRPC's ``round_robin`` policy with client-side health
+checking; a request that failed on a dying replica is retried on another one.
 """
 
 from __future__ import annotations
@@ -34,7 +38,10 @@ class LMClient:
     """Blocking client for ``nlmserve.v1.LanguageModel``; thread-safe.
 
     Args:
-        target: ``host:port`` of the server.
+        target: ``host:port`` of the server; or replicas serving the same model file: a list
+            of ``host:port``, a comma-separated string of them, or ``dns:///name:port``
+            (every address the name resolves to). Replicas are balanced by gRPC's
+            ``round_robin`` policy; one whose grpc.health.v1 check fails gets no requests.
         timeout: seconds per RPC (a deadline the server honours too).
         retries: extra attempts on UNAVAILABLE / overload (``retry_policy`` for more control).
         pack_ids: score string n-grams by mapping them to ids here and sending packed ids
@@ -47,24 +54,31 @@ class LMClient:
             is not the host in ``target``.
         token: bearer token for servers started with ``--token-file``; ``token_file``
             reads it (the first token) from such a file instead.
+        allow_mixed_models: replicated targets only: accept answers from replicas that serve
+            different models (during a rolling reload) instead of raising
+            ``ModelMismatchError``; the result's ``model_hash`` then names every model used.
     """
 
     def __init__(self, target: str, *, timeout: float | None = 30.0, retries: int = 5,
                  retry_policy: RetryPolicy | None = None, pack_ids: bool = True,
                  max_message_bytes: int = 64 * 1024 * 1024, tls: bool = False, tls_ca: str | None = None,
                  tls_cert: str | None = None, tls_key: str | None = None, tls_server_name: str | None = None,
-                 token: str | None = None, token_file: str | None = None) -> None:
-        self.target = target
+                 token: str | None = None, token_file: str | None = None,
+                 allow_mixed_models: bool = False) -> None:
+        self.endpoint = core.endpoint_of(target)
+        self.target = self.endpoint.target
         self.timeout = timeout
         self.retry = retry_policy or RetryPolicy(retries=retries)
         self.pack_ids = pack_ids
         self.max_message_bytes = max_message_bytes
         self.security = core.security_of(tls, tls_ca, tls_cert, tls_key, tls_server_name, token, token_file)
         self._metadata = self.security.metadata()
-        options = core.channel_options(max_message_bytes) + self.security.options()
+        options = (core.channel_options(max_message_bytes) + self.security.options()
+                   + core.balancing_options(self.endpoint) + core.tls_name_options(self.endpoint, self.security))
         credentials = self.security.credentials()
-        self._channel = (grpc.insecure_channel(target, options=options) if credentials is None
-                         else grpc.secure_channel(target, credentials, options=options))
+        self._channel = (grpc.insecure_channel(self.target, options=options) if credentials is None
+                         else grpc.secure_channel(self.target, credentials, options=options))
+        self._guard = core.ModelGuard(self.target, self.endpoint.replicated, allow_mixed_models)
         self._stub = lm_pb2_grpc.LanguageModelStub(self._channel)
         self._admin = lm_pb2_grpc.AdminStub(self._channel)
         self._info: ModelInfo | None = None
@@ -84,9 +98,12 @@ class LMClient:
     # -------------------------------------------------------------- model
     @property
     def info(self) -> ModelInfo:
-        """The model's description (fetched once)."""
+        """The model's description (fetched once; from every ready replica, which must agree)."""
         if self._info is None:
-            self._info = ModelInfo.from_proto(self._call(self._stub.GetModelInfo, lm_pb2.GetModelInfoRequest()))
+            replies = [self._call(self._stub.GetModelInfo, lm_pb2.GetModelInfoRequest())
+                       for _ in range(self.endpoint.probe_calls)]
+            self._guard.check(r.model_hash for r in replies)
+            self._info = ModelInfo.from_proto(replies[0])
         return self._info
 
     @property
@@ -122,10 +139,9 @@ class LMClient:
         for start, chunk in core.id_chunks(arr, rows):
             responses.append(self._call(self._stub.ScoreNgrams, core.packed_request(chunk, log_base, normalized), start))
         result = core.merge_ngram_responses(responses, log_base)
-        if arr.shape[1]:
-            result = NgramScores(result.log_probs, arr[:, -1] == self.info.unk_id, result.log_base,
-                                 result.normalized, result.model_hash)
-        return result
+        model_hash = self._guard.check(r.model_hash for r in responses)
+        oov = arr[:, -1] == self.info.unk_id if arr.shape[1] else result.oov
+        return NgramScores(result.log_probs, oov, result.log_base, result.normalized, model_hash)
 
     def score_ngrams(self, ngrams: Sequence[Sequence[str]], log_base: str = "log10",
                      normalized: bool = True) -> NgramScores:
@@ -136,7 +152,9 @@ class LMClient:
             return NgramScores(scores.log_probs, oov, scores.log_base, scores.normalized, scores.model_hash)
         responses = [self._call(self._stub.ScoreNgrams, req, start) for start, req in
                      core.string_requests(ngrams, self.info, self.max_message_bytes, log_base, normalized)]
-        return core.merge_ngram_responses(responses, log_base)
+        result = core.merge_ngram_responses(responses, log_base)
+        model_hash = self._guard.check(r.model_hash for r in responses)
+        return NgramScores(result.log_probs, result.oov, result.log_base, result.normalized, model_hash)
 
     def score_sentences(self, sentences: Sequence[str], bos: bool = True, eos: bool = True,
                         log_base: str = "log10", normalized: bool = True) -> list[SentenceScore]:
@@ -144,6 +162,7 @@ class LMClient:
         responses = [self._call(self._stub.ScoreSentences, req, start) for start, req in
                      core.sentence_requests(sentences, self.info, self.max_message_bytes, bos=bos, eos=eos,
                                             log_base=log_base, normalized=normalized)]
+        self._guard.check(r.model_hash for r in responses)
         return core.merge_sentence_responses(responses, log_base)
 
     def reload_model(self, path: str = "") -> ModelInfo:
@@ -151,8 +170,11 @@ class LMClient:
 
         Not retried. Returns the new model's info; ``RpcError`` with FAILED_PRECONDITION when
         the server refused the file (it keeps serving the old model), PERMISSION_DENIED or
-        UNAUTHENTICATED when this client may not reload.
+        UNAUTHENTICATED when this client may not reload. A replicated client refuses
+        (``ValueError``): reload replicas one by one through their own addresses.
         """
+        if self.endpoint.replicated:
+            raise ValueError(f"{self.target} is replicated: reload each replica through its own address")
         try:
             reply = self._admin.ReloadModel(lm_pb2.ReloadModelRequest(path=path), timeout=self.timeout,
                                             metadata=self._metadata)
@@ -160,6 +182,7 @@ class LMClient:
             raise core.map_error(e) from e
         with self._lock:
             self._info = ModelInfo.from_proto(reply)
+        self._guard.pin(reply.model_hash)
         return self._info
 
     # -------------------------------------------------------------- KenLM surface

@@ -11,6 +11,7 @@ import logging
 import os
 from typing import Any
 
+from nlmserve.client.cli import SERVER_HELP, add_security_flags
 from nlmserve.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ def register(subparsers: Any) -> None:
 
 def _register_rescore(subparsers: Any) -> None:
     p = subparsers.add_parser("rescore", help="add the neural LM's sentence log-probability to an n-best list")
-    p.add_argument("--server", required=True, help="HOST:PORT of `nlmserve serve`")
+    p.add_argument("--server", required=True, help=SERVER_HELP)
     p.add_argument("--nbest", required=True, help="Moses n-best list (plain or gzip)")
     p.add_argument("--out", required=True, help="output n-best list (gzip when it ends in .gz)")
     p.add_argument("--feature-name", default="NLM0", help="name of the new dense feature (no '_'; default NLM0)")
@@ -36,6 +37,7 @@ def _register_rescore(subparsers: Any) -> None:
     p.add_argument("--wait-server", type=float, default=60.0, help="seconds to wait for a lost server (default 60)")
     p.add_argument("--timeout", type=float, default=60.0, help="per-request timeout in seconds (default 60)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_security_flags(p)
     p.set_defaults(func=_rescore)
 
 
@@ -105,9 +107,9 @@ def _rescore(args: argparse.Namespace) -> int:
     )
 
     def connect() -> Any:
-        from nlmserve.client import LMClient
+        from nlmserve.client.cli import connect
 
-        return LMClient(args.server, timeout=args.timeout)
+        return connect(args.server, args, args.timeout)
 
     stats = rescore(args.nbest, args.out, connect, config)
     rate = stats.seconds or float("nan")

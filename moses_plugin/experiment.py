@@ -83,11 +83,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=d.minutes, help=f"training budget (default {d.minutes})")
     p.add_argument("--train-args", default=" ".join(d.train_args), help="extra `nlmserve train` flags (one string)")
     p.add_argument("--model", help="use this model file (no training)")
-    p.add_argument("--server", help="use this running server HOST:PORT (no model, no serve)")
+    p.add_argument("--server", help="use this running server HOST:PORT, or replicas HOST:PORT,HOST:PORT "
+                                    "or dns:///NAME:PORT (no model, no serve)")
     p.add_argument("--restarts", type=int, default=d.restarts, help="MERT random restarts")
     p.add_argument("--seed", type=int, default=d.seed, help="MERT seed")
     p.add_argument("--samples", type=int, default=d.samples, help="paired bootstrap resamples")
     p.add_argument("--lowercase", action="store_true", help="lowercase hypotheses (LM and BLEU)")
+    from nlmserve.client.cli import add_security_flags
+
+    add_security_flags(p)  # for --server; a server started here is plaintext on 127.0.0.1
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -100,7 +104,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     )
     from nlmserve.moses_plugin.report import format_table
 
-    report = run(config)
+    from nlmserve.client.cli import security_kwargs
+
+    report = run(config, security_kwargs(args))
     print(format_table(report))
     print(f"wrote {report['files']['markdown']}, {report['files']['json']} and {report['files']['chart']}")
     return 0
@@ -170,8 +176,11 @@ def start_server(model: Path, extra: list[str] | None = None, timeout: float = 1
     return ServerProcess(process, target, found)
 
 
-def run(config: ExperimentConfig) -> dict[str, Any]:
-    """Run (or resume) the experiment; returns the report also saved as JSON."""
+def run(config: ExperimentConfig, client_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run (or resume) the experiment; returns the report also saved as JSON.
+
+    ``client_kwargs``: TLS and token arguments of ``LMClient`` for ``config.server``.
+    """
     from nlmserve.moses_plugin.pipeline import Pipeline
 
     work = Path(config.workdir)
@@ -181,10 +190,11 @@ def run(config: ExperimentConfig) -> dict[str, Any]:
     try:
         target = config.server
         if target is None:
+            client_kwargs = None
             model = Path(config.model) if config.model else train_model(config, work / "nlm.model")
             server = start_server(model)
             target = server.target
-        pipeline = Pipeline(config, work, target)
+        pipeline = Pipeline(config, work, target, client_kwargs)
         report = pipeline.run()
     finally:
         if server is not None:

@@ -36,8 +36,10 @@ BASELINES = {"mert+NLM0": "mert", "moses+NLM0": "moses"}
 
 
 class Pipeline:
-    def __init__(self, config: "ExperimentConfig", work: Path, target: str) -> None:
+    def __init__(self, config: "ExperimentConfig", work: Path, target: str,
+                 client_kwargs: dict[str, Any] | None = None) -> None:
         self.config = config
+        self.client_kwargs = dict(client_kwargs or {})
         self.work = work
         self.target = target
         self.bleu_config = bleu.BleuConfig(lowercase=config.lowercase)
@@ -61,7 +63,7 @@ class Pipeline:
     def connect(self) -> Any:
         from nlmserve.client import LMClient
 
-        return LMClient(self.target, timeout=120.0)
+        return LMClient(self.target, timeout=120.0, **self.client_kwargs)
 
     def rescored(self, name: str, nbest: str) -> Path:
         out = self.work / f"{name}.nlm.nbest.gz"
