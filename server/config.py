@@ -35,6 +35,10 @@ class ServerConfig:
     #: Longest wait (microseconds) for more requests to join a batch. The batcher only waits
     #: while other requests are on their way, so a lone client never pays it.
     max_delay_us: int = 2000
+    #: Requests of at most this many n-grams (decoder lookups) are queued ahead of larger
+    #: ones (rescoring batches) and never wait behind them; a batch is filled with them
+    #: first, then with a slice of the oldest large request. 0: one first-come queue.
+    priority_ngrams: int = 256
     #: Most n-grams waiting in the queue; beyond it requests get RESOURCE_EXHAUSTED.
     max_queue_ngrams: int = 1_000_000
     #: Most RPCs served at once (gRPC answers RESOURCE_EXHAUSTED beyond it).
@@ -70,6 +74,7 @@ class ServerConfig:
         checks = (
             (self.max_batch_ngrams >= 1, "max_batch_ngrams must be >= 1"),
             (self.max_delay_us >= 0, "max_delay_us must be >= 0"),
+            (self.priority_ngrams >= 0, "priority_ngrams must be >= 0"),
             (self.max_ngrams_per_request >= 1, "max_ngrams_per_request must be >= 1"),
             (
                 self.max_queue_ngrams >= self.max_ngrams_per_request,

@@ -186,7 +186,8 @@ class Engine:
         self.metrics = metrics
         self._state = ModelState(lm, config, metrics)
         self._cond = threading.Condition()
-        self._queue: collections.deque[_Part] = collections.deque()
+        self._queue: collections.deque[_Part] = collections.deque()  # large requests' parts
+        self._small: collections.deque[_Part] = collections.deque()  # requests <= priority_ngrams
         self._queued_ngrams = 0
         self._arriving = 0
         self._busy = False  # a forward pass is running
@@ -387,7 +388,7 @@ class Engine:
                 raise OverloadedError(
                     f"queue full: {self._queued_ngrams} n-grams waiting, limit {self.config.max_queue_ngrams}"
                 )
-            self._queue.extend(parts)
+            (self._small if n <= self.config.priority_ngrams else self._queue).extend(parts)
             self._queued_ngrams += n
             self._set_depth()
             self._cond.notify()
@@ -398,35 +399,54 @@ class Engine:
             self.metrics.queue_depth.set(self._queued_ngrams)
 
     def _take_batch(self) -> list[_Part] | None:
-        """Block until work is queued; gather a batch (None when stopping and drained)."""
+        """Block until work is queued; gather a batch (None when stopping and drained).
+
+        Small requests (``priority_ngrams``) come first: a batch starts with the oldest small
+        part if there is one, takes every small part that fits, then fills the rest with the
+        oldest large parts, splitting the last one so that the batch is full. A small request
+        therefore waits for at most the forward pass in progress, never for a queue of large
+        ones, and large requests still get every row the small ones leave free."""
         limit = self.config.max_batch_ngrams
         delay = self.config.max_delay_us / 1e6
+        small, large = self._small, self._queue
         with self._cond:
-            while not self._queue or self._busy:
-                if self._stopping and not self._queue:
+            while not (small or large) or self._busy:
+                if self._stopping and not (small or large):
                     return None
                 self._cond.wait()
             self._busy = True
-            batch = [self._queue.popleft()]
+            batch = [(small or large).popleft()]
+            state = batch[0].state
             size = batch[0].ids.shape[0]
             wait_until = time.monotonic() + delay
             while size < limit:
-                if self._queue:
-                    head = self._queue[0]
-                    if size + head.ids.shape[0] > limit or head.state is not batch[0].state:
-                        break  # a batch is scored by one model
-                    part = self._queue.popleft()
-                    batch.append(part)
-                    size += part.ids.shape[0]
+                if small and small[0].state is state and size + small[0].ids.shape[0] <= limit:
+                    part = small.popleft()
+                elif large and large[0].state is state:  # a batch is scored by one model
+                    part = large[0]
+                    room = limit - size
+                    if part.ids.shape[0] <= room:
+                        large.popleft()
+                    else:  # the rows that fit now, the rest stays first in line
+                        head = _Part(part.request, part.ids[:room], part.offset, part.normalized, part.deadline,
+                                     part.enqueued, part.state)
+                        part.ids, part.offset = part.ids[room:], part.offset + room
+                        part.request.remaining += 1
+                        part = head
+                elif small or large:
+                    break  # the next part belongs to another model state, or does not fit
+                else:
+                    # Wait for more only while callers are known to be on their way, or
+                    # while fewer requests joined than in the last batch (clients that were
+                    # answered together tend to come back together); never past max_delay_us.
+                    expecting = self._arriving > 0 or len(batch) < self._last_batch_requests
+                    remaining = wait_until - time.monotonic()
+                    if not expecting or remaining <= 0 or self._stopping:
+                        break
+                    self._cond.wait(remaining)
                     continue
-                # Wait for more only while callers are known to be on their way, or while
-                # fewer requests joined than in the last batch (clients that were answered
-                # together tend to come back together); never past max_delay_us.
-                expecting = self._arriving > 0 or len(batch) < self._last_batch_requests
-                remaining = wait_until - time.monotonic()
-                if not expecting or remaining <= 0 or self._stopping:
-                    break
-                self._cond.wait(remaining)
+                batch.append(part)
+                size += part.ids.shape[0]
             self._queued_ngrams -= size
             self._last_batch_requests = len(batch)
             self._set_depth()
