@@ -58,8 +58,11 @@ def _run(tiny_lm: Any, dev_ids: np.ndarray, priority: int) -> tuple[list[str], l
         assert rec.entered.wait(10)
         futures["large"] = engine.submit_ngrams(dev_ids[:640])
         futures["small"] = engine.submit_ngrams(dev_ids[700:701])
+        def finished(name: str) -> Any:
+            return lambda _: done.append(name)
+
         for name in ("large", "small"):
-            futures[name].add_done_callback(lambda f, name=name: done.append(name))
+            futures[name].add_done_callback(finished(name))
         rec.gate.set()
         answers = {name: f.result(30) for name, f in futures.items()}
     finally:
