@@ -48,6 +48,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--valid-every", type=int, default=0, help="validate every N steps (0: each epoch)")
     p.add_argument("--checkpoint-every", type=int, default=1000, help="write OUT.ckpt every N steps (0: never)")
     p.add_argument("--log-every", type=int, default=100, help="append a record to OUT.log.jsonl every N steps")
+    p.add_argument("--ngram-features", action="store_true",
+                   help="direct hashed n-gram features on the class and word scores (OxLM)")
+    p.add_argument("--ngram-class-bits", type=int, default=20,
+                   help="log2 of the class feature table size (with --ngram-features)")
+    p.add_argument("--ngram-word-bits", type=int, default=22,
+                   help="log2 of the word feature table size (with --ngram-features)")
     p.add_argument("--workdir", help="where the id files go (default OUT.work)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_train)
@@ -80,6 +86,8 @@ def _train(args: argparse.Namespace) -> int:
             seed=args.seed, resume=args.resume, batch_size=args.batch_size, lr=args.lr,
             optimizer=args.optimizer, patience=args.patience, valid_every=args.valid_every,
             checkpoint_every=args.checkpoint_every, log_every=args.log_every, workdir=args.workdir, progress=not args.no_progress,
+            ngram_class_table=_table_size(args.ngram_features, args.ngram_class_bits, "--ngram-class-bits"),
+            ngram_word_table=_table_size(args.ngram_features, args.ngram_word_bits, "--ngram-word-bits"),
         )
     except ValueError as exc:
         print(f"nlmserve train: error: {exc}", file=sys.stderr)
@@ -89,6 +97,15 @@ def _train(args: argparse.Namespace) -> int:
     print(f"model\t{result.model_path}\nsteps\t{result.steps}\ntokens\t{result.tokens}\n"
           f"valid_perplexity\t{ppl}\nstopped\t{result.stopped}")
     return 130 if result.stopped == "interrupted" else 0
+
+
+def _table_size(enabled: bool, bits: int, flag: str) -> int:
+    """2^bits when the n-gram features are on (bits 0: no table), else 0."""
+    if not enabled:
+        return 0
+    if not 0 <= bits <= 30:
+        raise ValueError(f"{flag} must be between 0 and 30, got {bits}")
+    return 1 << bits if bits else 0
 
 
 def _eval(args: argparse.Namespace) -> int:

@@ -40,6 +40,35 @@ CONTEXT_TYPES = ("diagonal", "full")
 ACTIVATIONS = ("none", "tanh", "relu")
 OUTPUT_TYPES = ("class", "softmax")
 
+# Direct n-gram features (OxLM, Baltescu, Blunsom & Hoang 2014; the maximum-entropy features of
+# Mikolov's RNNME): for every suffix of the context of length 0..order-1 one hashed weight per
+# (suffix, class) added to the class score and one per (suffix, word) added to the word score.
+# All arithmetic stays below 2^63 in int64: hashes < 2^31, multipliers < 2^31, ids < 2^24.
+HASH_MOD = (1 << 31) - 1  # the Mersenne prime 2^31 - 1
+HASH_SEED = 1_000_003  # hash of the empty suffix
+HASH_CTX = 1_299_709  # suffix hash: h_l = (h_{l-1} * HASH_CTX + w_{-l} + 1) mod HASH_MOD
+HASH_KEY = 1_640_531_527  # slot: ((h_l * HASH_KEY + y * HASH_OUT) mod HASH_MOD) mod size
+HASH_OUT = 805_306_457
+
+
+def context_hashes(ctx: Tensor) -> Tensor:
+    """ctx (N, order-1) word ids, oldest first → (N, order) int64 hashes of the context
+    suffixes of length 0, 1, …, order-1 (the newest words)."""
+    N, n1 = ctx.shape
+    h = torch.full((N,), HASH_SEED, dtype=torch.int64, device=ctx.device)
+    out = [h]
+    for length in range(1, n1 + 1):
+        h = (h * HASH_CTX + ctx[:, n1 - length].long() + 1) % HASH_MOD
+        out.append(h)
+    return torch.stack(out, dim=1)
+
+
+def ngram_feature_index(h: Tensor, y: Tensor, size: int) -> Tensor:
+    """Table slots of the features (suffix, y): h (N, L) suffix hashes, y (N, ...) class or
+    word ids → (N, ..., L)."""
+    hh = h.view(h.shape[0], *([1] * (y.dim() - 1)), h.shape[1])
+    return ((hh * HASH_KEY + y.long().unsqueeze(-1) * HASH_OUT) % HASH_MOD) % size
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -56,6 +85,10 @@ class ModelConfig:
             (after the hidden layer when there is one).
         output: ``"class"`` (P(c|h)·P(w|c,h)) or ``"softmax"`` (the full-softmax baseline).
         num_classes: K for the class output (0 for softmax).
+        ngram_class_table: size of the hashed direct n-gram feature table for the class
+            scores (0: no class features). See :func:`ngram_feature_index`.
+        ngram_word_table: size of the hashed direct n-gram feature table for the word
+            scores (0: no word features).
     """
 
     vocab_size: int
@@ -66,6 +99,8 @@ class ModelConfig:
     activation: str = "none"
     output: str = "class"
     num_classes: int = 0
+    ngram_class_table: int = 0
+    ngram_word_table: int = 0
 
     def __post_init__(self) -> None:
         if self.vocab_size < 4:
@@ -82,6 +117,16 @@ class ModelConfig:
             raise ValueError(f"output must be one of {OUTPUT_TYPES}, got {self.output!r}")
         if self.output == "class" and not 1 <= self.num_classes <= self.vocab_size:
             raise ValueError(f"class output needs 1 <= num_classes <= vocab_size, got {self.num_classes}")
+        if self.ngram_class_table < 0 or self.ngram_word_table < 0:
+            raise ValueError("n-gram feature table sizes must be >= 0")
+        if self.has_ngram_features and self.output != "class":
+            raise ValueError("direct n-gram features need the class output")
+        if self.has_ngram_features and self.vocab_size >= 1 << 24:
+            raise ValueError("direct n-gram features need vocab_size < 2^24")
+
+    @property
+    def has_ngram_features(self) -> bool:
+        return self.ngram_class_table > 0 or self.ngram_word_table > 0
 
     @property
     def out_dim(self) -> int:
@@ -110,6 +155,8 @@ class NeuralLM(nn.Module):
     class_offsets: Tensor  # (K+1,) class c is class_order[offsets[c]:offsets[c+1]]
     class_mask: Tensor  # (K,) 0, -inf for a class holding only <s>
     class_words_padded: Tensor  # (K, M) class words, padded with V
+    ngram_class: nn.Parameter | None  # (ngram_class_table, 1) hashed (suffix, class) weights
+    ngram_word: nn.Parameter | None  # (ngram_word_table, 1) hashed (suffix, word) weights
 
     def __init__(self, config: ModelConfig, word_class: np.ndarray | None = None) -> None:
         super().__init__()
@@ -161,6 +208,10 @@ class NeuralLM(nn.Module):
             pos = np.arange(V) - offsets[wc[order]]
             padded[wc[order], pos] = order
             self.register_buffer("class_words_padded", torch.from_numpy(padded), persistent=False)
+        # Direct n-gram features; their gradients are sparse when ``feature_sparse`` (AdaGrad).
+        self.feature_sparse = False
+        self.ngram_class = nn.Parameter(torch.zeros(config.ngram_class_table, 1)) if config.ngram_class_table else None
+        self.ngram_word = nn.Parameter(torch.zeros(config.ngram_word_table, 1)) if config.ngram_word_table else None
         self.reset_parameters()
 
     # ------------------------------------------------------------------ set-up
@@ -176,6 +227,9 @@ class NeuralLM(nn.Module):
                 eye = torch.eye(self.config.dim).expand(n1, -1, -1)
                 self.ctx_weight.copy_(eye / n1 + torch.randn_like(self.ctx_weight) * std / self.config.dim**0.5)
             self.word_bias.zero_()
+            for table in (self.ngram_class, self.ngram_word):
+                if table is not None:
+                    table.zero_()
             if self.config.output == "class":
                 nn.init.normal_(self.class_embed, std=std)
                 self.class_bias.zero_()
@@ -205,7 +259,9 @@ class NeuralLM(nn.Module):
         self.embed.sparse = output if context is None else context
 
     def encode(self, ctx: Tensor) -> Tensor:
-        """ctx (N, order-1) word ids, oldest first → r (N, E)."""
+        """ctx (N, order-1) word ids, oldest first → r (N, E); with direct n-gram features
+        r (N, E + order-1): the context ids follow as floats (exact below 2^24), so every
+        output method below gets the context from r alone (the server caches r per context)."""
         q = self.embed(ctx)  # (N, n-1, D)
         if self.config.context == "diagonal":
             r = (q * self.ctx_weight).sum(dim=1)  # (N, n-1, D) * (n-1, D) → sum over j → (N, D)
@@ -217,26 +273,60 @@ class NeuralLM(nn.Module):
             r = torch.tanh(r)
         elif self.config.activation == "relu":
             r = torch.relu(r)
+        if self.config.has_ngram_features:
+            r = torch.cat([r, ctx.to(r.dtype)], dim=1)  # (N, E + order-1)
         return r
+
+    # ------------------------------------------------------------------ direct n-gram features
+    def split_context(self, r: Tensor) -> tuple[Tensor, Tensor | None]:
+        """r from :meth:`encode` → (the context vector (N, E), suffix hashes (N, order) or
+        None without n-gram features)."""
+        if not self.config.has_ngram_features:
+            return r, None
+        E = self.config.out_dim
+        ctx = r[:, E:].detach().round().long()
+        return r[:, :E], context_hashes(ctx)
+
+    def _feature(self, table: nn.Parameter | None, h: Tensor | None, y: Tensor) -> Tensor | None:
+        """Σ over the context suffixes of the hashed weights of (suffix, y) → y.shape."""
+        if table is None or h is None:
+            return None
+        idx = ngram_feature_index(h, y, table.shape[0])  # (N, ..., L)
+        return F.embedding(idx, table, sparse=self.feature_sparse).squeeze(-1).sum(-1)
 
     # ------------------------------------------------------------------ output scores
     def class_logits(self, r: Tensor) -> Tensor:
         """All class scores s_c(h): (N, E) @ (E, K) → (N, K)."""
-        return r @ self.class_embed.t() + self.class_bias + self.class_mask
+        r, h = self.split_context(r)
+        s = r @ self.class_embed.t() + self.class_bias + self.class_mask
+        all_classes = torch.arange(self.config.num_classes, device=r.device).expand(r.shape[0], -1)
+        f = self._feature(self.ngram_class, h, all_classes)
+        return s if f is None else s + f
 
     def class_score(self, r: Tensor, cls: Tensor) -> Tensor:
-        """s_c(h) of one class per row: (N, E)·(N, E) → (N,)."""
-        return (r * self.class_embed[cls]).sum(-1) + self.class_bias[cls] + self.class_mask[cls]
+        """s_c(h) of one class per row (any shape of ``cls`` with leading N) → cls.shape."""
+        r, h = self.split_context(r)
+        rr = r.reshape(r.shape[0], *([1] * (cls.dim() - 1)), r.shape[1])  # (N, 1.., E)
+        s = (rr * self.class_embed[cls]).sum(-1) + self.class_bias[cls] + self.class_mask[cls]
+        f = self._feature(self.ngram_class, h, cls)
+        return s if f is None else s + f
 
     def word_score(self, r: Tensor, word: Tensor) -> Tensor:
         """s_w(h) of one word per row (any shape of ``word`` with leading N): → word.shape."""
+        r, h = self.split_context(r)
         emb = F.embedding(word, self.word_embed, sparse=self.sparse_grads)  # (N, ..., E)
         rr = r.reshape(r.shape[0], *([1] * (word.dim() - 1)), r.shape[1])  # (N, 1.., E)
-        return (emb * rr).sum(-1) + self.word_bias[word] + self.word_mask[word]
+        s = (emb * rr).sum(-1) + self.word_bias[word] + self.word_mask[word]
+        f = self._feature(self.ngram_word, h, word)
+        return s if f is None else s + f
 
     def word_logits(self, r: Tensor) -> Tensor:
         """All word scores: (N, E) @ (E, V) → (N, V), ``<s>`` at -inf."""
-        return r @ self.word_embed.t() + self.word_bias + self.word_mask
+        r, h = self.split_context(r)
+        s = r @ self.word_embed.t() + self.word_bias + self.word_mask
+        all_words = torch.arange(self.config.vocab_size, device=r.device).expand(r.shape[0], -1)
+        f = self._feature(self.ngram_word, h, all_words)
+        return s if f is None else s + f
 
     def class_log_normalizer(self, r: Tensor) -> Tensor:
         """log Σ_c exp s_c(h) → (N,); zeros for the softmax output."""
@@ -255,6 +345,7 @@ class NeuralLM(nn.Module):
         return self._in_class_grouped(r, cls)
 
     def _in_class_grouped(self, r: Tensor, cls: Tensor) -> Tensor:
+        r, h = self.split_context(r)
         perm = torch.argsort(cls, stable=True)  # rows sorted by class
         classes, counts = torch.unique_consecutive(cls[perm], return_counts=True)
         present = classes.tolist()
@@ -268,10 +359,19 @@ class NeuralLM(nn.Module):
         r_groups = torch.split(r[perm], counts.tolist())  # per class: (n_c, E)
         emb_groups = torch.split(emb, sizes)  # per class: (S_c, E)
         bias_groups = torch.split(bias, sizes)  # per class: (S_c,)
-        pieces = [
-            torch.logsumexp(rg @ eg.t() + bg, dim=-1)  # (n_c, E) @ (E, S_c) → (n_c, S_c) → (n_c,)
-            for rg, eg, bg in zip(r_groups, emb_groups, bias_groups)
-        ]
+        if h is None or self.ngram_word is None:
+            pieces = [
+                torch.logsumexp(rg @ eg.t() + bg, dim=-1)  # (n_c, E) @ (E, S_c) → (n_c, S_c) → (n_c,)
+                for rg, eg, bg in zip(r_groups, emb_groups, bias_groups)
+            ]
+        else:  # plus the word features of every word of the class: (n_c, S_c, order) lookups
+            h_groups = torch.split(h[perm], counts.tolist())  # per class: (n_c, order)
+            word_groups = torch.split(words, sizes)  # per class: (S_c,)
+            pieces = []
+            for rg, eg, bg, hg, wg in zip(r_groups, emb_groups, bias_groups, h_groups, word_groups):
+                f = self._feature(self.ngram_word, hg, wg.expand(hg.shape[0], -1))  # (n_c, S_c)
+                assert f is not None
+                pieces.append(torch.logsumexp(rg @ eg.t() + bg + f, dim=-1))
         sorted_norm = torch.cat(pieces)  # (N,) in class-sorted order
         inverse = torch.empty_like(perm)
         inverse[perm] = torch.arange(perm.numel(), device=perm.device)
@@ -293,6 +393,8 @@ class NeuralLM(nn.Module):
             width = self.config.vocab_size
         else:
             width = max(b - a for a, b in zip(self._offsets, self._offsets[1:]))
+            if self.ngram_word is not None:  # (rows, width, order) int64 slots and floats
+                width *= 3 * self.config.order
         return int(min(8192, max(64, budget // max(width, 1))))
 
     # ------------------------------------------------------------------ probabilities

@@ -129,8 +129,7 @@ def nce_loss(
     if noise_classes is None:
         raise ValueError("the class output needs noise classes")
     cls = model.word_class[target]
-    # s_c of the noise classes: (n, E) · (n, k, E) → (n, k)
-    noise_class_score = (r.unsqueeze(1) * model.class_embed[noise_classes]).sum(-1) + model.class_bias[noise_classes]
+    noise_class_score = model.class_score(r, noise_classes)  # (n, k)
     class_term = _nce_term(
         model.class_score(r, cls),
         noise_class_score,

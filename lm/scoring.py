@@ -178,8 +178,9 @@ class LanguageModel:
 
     def _tables(self) -> "_InferenceTables | None":
         """The CPU inference tables of a class-output model (None on other devices or for
-        the softmax output), rebuilt when a parameter was changed in place."""
-        if self.device.type != "cpu" or self.config.output != "class":
+        the softmax output or with direct n-gram features), rebuilt when a parameter was
+        changed in place."""
+        if self.device.type != "cpu" or self.config.output != "class" or self.config.has_ngram_features:
             return None
         if self._fast is None or self._fast.versions != _versions(self.net):
             self._fast = _InferenceTables(self.net)

@@ -68,6 +68,8 @@ class TrainConfig:
         log_every: append a JSONL record every N steps.
         progress: show a tqdm progress bar; learning_curve: write ``out.curve.png``.
         workdir: where id files go (None: ``out + ".work"``).
+        ngram_class_table, ngram_word_table: sizes of the hashed direct n-gram feature
+            tables for the class and the word scores (0: none; class output only).
     """
 
     train: str
@@ -104,6 +106,8 @@ class TrainConfig:
     progress: bool = True
     learning_curve: bool = True
     workdir: str | None = None
+    ngram_class_table: int = 0
+    ngram_word_table: int = 0
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -114,6 +118,10 @@ class TrainConfig:
             raise ValueError(f"class_method must be frequency or brown, got {self.class_method!r}")
         if self.batch_size < 1 or self.lr <= 0 or self.noise_samples < 1 or self.epochs < 1:
             raise ValueError("batch_size, lr, noise_samples and epochs must be positive")
+        if self.ngram_class_table < 0 or self.ngram_word_table < 0:
+            raise ValueError("n-gram feature table sizes must be >= 0")
+        if (self.ngram_class_table or self.ngram_word_table) and self.objective == "softmax":
+            raise ValueError("direct n-gram features need the class output (objective nce or mle)")
 
     @property
     def checkpoint_path(self) -> str:
@@ -236,6 +244,8 @@ def model_config(cfg: TrainConfig, data: _Data) -> ModelConfig:
         activation=cfg.activation,
         output="softmax" if cfg.objective == "softmax" else "class",
         num_classes=data.classes.num_classes if data.classes is not None else 0,
+        ngram_class_table=cfg.ngram_class_table,
+        ngram_word_table=cfg.ngram_word_table,
     )
 
 
@@ -266,10 +276,50 @@ def perplexity(model: NeuralLM, corpus: CorpusIds, order: int, device: torch.dev
 # ---------------------------------------------------------------------------- optimiser
 
 
+class HashedAdagrad(torch.optim.Adagrad):
+    """AdaGrad whose param groups marked ``hashed`` (the n-gram feature tables, sparse
+    gradients with many repeated slots) are updated by one unique + index_add per table:
+    the same update as ``torch.optim.Adagrad`` (lr_decay 0) on the coalesced gradient,
+    several times faster than its generic sparse path for these tables. The state layout
+    (``sum``, ``step``) is Adagrad's, so checkpoints resume either way."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # noqa: D102
+        for group in self.param_groups:
+            if not group.get("hashed"):
+                continue
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    continue
+                state = self.state[p]
+                state["step"] += 1
+                if g.is_sparse:
+                    idx, val = g._indices()[0], g._values().reshape(-1)
+                else:  # dense gradient: the slots it touches
+                    flat = g.reshape(-1)
+                    idx = torch.nonzero(flat).squeeze(1)
+                    val = flat[idx]
+                slots, inverse = torch.unique(idx, return_inverse=True)
+                gsum = torch.zeros(slots.numel(), dtype=val.dtype, device=val.device).index_add_(0, inverse, val)
+                acc = state["sum"].view(-1)
+                acc.index_add_(0, slots, gsum * gsum)
+                upd = gsum / (acc[slots].sqrt() + group["eps"])
+                p.view(-1).index_add_(0, slots, upd, alpha=-group["lr"])
+                p.grad = None  # done: the generic step below skips it
+        return super().step(closure)
+
+
 def _make_optimizer(cfg: TrainConfig, model: NeuralLM) -> torch.optim.Optimizer:
     if cfg.optimizer == "adam":
         return torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    return torch.optim.Adagrad(model.parameters(), lr=cfg.lr)
+    tables = [p for p in (model.ngram_class, model.ngram_word) if p is not None]
+    if not tables:
+        return torch.optim.Adagrad(model.parameters(), lr=cfg.lr)
+    ids = {id(p) for p in tables}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    groups: list[dict[str, Any]] = [{"params": rest}, {"params": tables, "hashed": True}]
+    return HashedAdagrad(groups, lr=cfg.lr)
 
 
 def _set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
@@ -312,6 +362,7 @@ class _Trainer:
         # updates only those (MLE and softmax touch most output rows: dense is faster there).
         adagrad = cfg.optimizer == "adagrad"
         self.model.set_sparse_grads(output=adagrad and cfg.objective == "nce", context=adagrad)
+        self.model.feature_sparse = adagrad  # a batch touches few slots of the n-gram tables
         if adagrad:
             torch.sparse.check_sparse_tensor_invariants.disable()  # opt out explicitly (and quietly)
         self.model.to(self.device).train()
