@@ -411,6 +411,7 @@ def security_of(tls: bool, tls_ca: str | None, tls_cert: str | None, tls_key: st
 
 # ------------------------------------------------------------------ replicas
 HEALTH_SERVICE = "nlmserve.v1.LanguageModel"
+MAX_RECONNECT_BACKOFF_MS = 5_000  # a restarted replica gets requests again within about this long
 _RESOLVER_SCHEMES = ("dns:", "ipv4:", "ipv6:")
 _ADDRESS = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.%]+)\]|(?P<host>[^:\[\]/\s]+)):(?P<port>\d{1,5})$")
 
@@ -503,12 +504,15 @@ def _resolve(host: str, port: int, address: str) -> ipaddress.IPv4Address | ipad
 def balancing_options(endpoint: Endpoint) -> list[tuple[str, Any]]:
     """Channel options of a replicated endpoint: ``round_robin`` over the replicas, each
     subchannel health-checked with grpc.health.v1 (a NOT_SERVING or unreachable replica
-    gets no requests until it is SERVING again). Empty for a single server."""
+    gets no requests until it is SERVING again), reconnection attempts at most
+    ``MAX_RECONNECT_BACKOFF_MS`` apart (gRPC's default grows to 120 s). Empty for a single
+    server."""
     if not endpoint.replicated:
         return []
     config = {"loadBalancingConfig": [{"round_robin": {}}],
               "healthCheckConfig": {"serviceName": HEALTH_SERVICE}}
-    return [("grpc.service_config", json.dumps(config)), ("grpc.service_config_disable_resolution", 1)]
+    return [("grpc.service_config", json.dumps(config)), ("grpc.service_config_disable_resolution", 1),
+            ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS)]
 
 
 def tls_name_options(endpoint: Endpoint, security: Security) -> list[tuple[str, Any]]:

@@ -3,6 +3,7 @@ with client-side health checking; the model-hash guard; the container health che
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
@@ -166,8 +167,8 @@ def test_killing_a_replica_mid_stream_fails_no_request(replicas: list[Replica], 
 
 
 # ------------------------------------------------------------------ health checking, in process
-def _start(lm: Any) -> RunningServer:
-    config = ServerConfig(model="(in-process)", port=0)
+def _start(lm: Any, port: int = 0) -> RunningServer:
+    config = ServerConfig(model="(in-process)", port=port)
     return create_server(config, engine=Engine(lm, config))
 
 
@@ -196,6 +197,33 @@ def test_a_not_serving_replica_gets_no_requests_until_it_serves_again(tiny_lm: A
             b.set_serving(True)
             _wait_until(lambda: burst(4)[1] > 0)
             assert burst(20) == (10, 10)
+    finally:
+        a.stop(1.0)
+        b.stop(1.0)
+
+
+def test_a_restarted_replica_gets_requests_again_and_dns_targets_balance(tiny_lm: Any) -> None:
+    a, b = _start(tiny_lm), _start(tiny_lm)
+    port = b.port
+    try:
+        with LMClient([a.target, b.target], timeout=10) as client:
+            ngrams = [["the", "commission"]]
+            expected = client.score_ngrams(ngrams).log_probs
+            b.stop(0.5)
+            for _ in range(10):  # all on a while b is gone
+                np.testing.assert_allclose(client.score_ngrams(ngrams).log_probs, expected, atol=TOL, rtol=0)
+            b = _start(tiny_lm, port)  # the same address, a new process state
+            started = time.monotonic()
+
+            def b_served() -> bool:
+                client.score_ngrams(ngrams)
+                return int(b.metrics.requests.labels("ScoreNgrams", "OK")._value.get()) > 0
+
+            _wait_until(b_served, timeout=20.0)
+            assert time.monotonic() - started < 12.0  # reconnection backoff capped at 5 s
+        with LMClient(f"dns:///localhost:{a.port}", timeout=10) as by_name:
+            assert by_name.endpoint.replicated
+            np.testing.assert_allclose(by_name.score_ngrams(ngrams).log_probs, expected, atol=TOL, rtol=0)
     finally:
         a.stop(1.0)
         b.stop(1.0)
@@ -239,8 +267,6 @@ def test_replicas_serving_different_models_raise_unless_mixing_is_allowed(tiny_l
             async with AsyncLMClient([a.target, b.target], timeout=10) as aclient:
                 with pytest.raises(ModelMismatchError):
                     await aclient.get_info()
-
-        import asyncio
 
         asyncio.run(run())
         with LMClient(f"{a.target},{b.target}", timeout=10) as client, pytest.raises(ValueError, match="replica"):
@@ -292,6 +318,13 @@ def test_score_cli_takes_a_replica_list(tiny_lm: Any) -> None:
         total = float(done.stdout.splitlines()[0].split('"total": ')[1].split(",")[0])
         expected = tiny_lm.score_sentences([line.split()], log10=True)[0]
         assert abs(total - expected.total) < 1e-4
+        async def run() -> list[float]:
+            async with AsyncLMClient(f"{a.target},{b.target}", timeout=10) as aclient:
+                return [(await aclient.score_sentences([line]))[0].total for _ in range(4)]
+
+        assert np.allclose(asyncio.run(run()), expected.total, atol=1e-4)
+        served = [int(s.metrics.requests.labels("ScoreSentences", "OK")._value.get()) for s in (a, b)]
+        assert min(served) >= 2, served  # the CLI's request and the four above, round_robin
         bad = subprocess.run(NLMSERVE + ["score", "--server", f"{a.target},nowhere"], input=line + "\n",
                              capture_output=True, text=True, env=ENV, timeout=60)
         assert bad.returncode != 0 and "HOST:PORT" in bad.stderr and "Traceback" not in bad.stderr

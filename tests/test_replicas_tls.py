@@ -91,7 +91,7 @@ def test_rescore_takes_the_security_flags(tls_replicas: list[RunningServer], cer
         nbest.write_text("".join(line for _, line in zip(range(200), src)), encoding="utf-8")
     a, b = tls_replicas
     servers = f"{a.target},{b.target}"
-    base = NLMSERVE + ["rescore", "--nbest", str(nbest), "--no-progress", "--timeout", "10", "--wait-server", "5",
+    base = NLMSERVE + ["rescore", "--nbest", str(nbest), "--no-progress", "--timeout", "30", "--wait-server", "10",
                        "--batch-ngrams", "1000"]
     outs = []
     for i, target in enumerate((a.target, servers)):
@@ -101,12 +101,12 @@ def test_rescore_takes_the_security_flags(tls_replicas: list[RunningServer], cer
                               capture_output=True, text=True, env=ENV, timeout=120)
         assert done.returncode == 0, done.stderr
         outs.append(out.read_text(encoding="utf-8"))
-    assert outs[0] == outs[1]
     lines = outs[0].splitlines()
-    assert len(lines) == 200 and all(" NLM0= " in line for line in lines)
+    assert len(lines) == 200 and all(" NLM0= " in line for line in lines), outs[0][:500]
+    assert outs[0] == outs[1]
     refused = subprocess.run(base + ["--server", servers, "--out", str(tmp_path / "x.nbest"), "--tls-ca", certs["ca"]],
                              capture_output=True, text=True, env=ENV, timeout=120)
-    assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr
+    assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr, refused.stderr
 
 
 def _healthcheck(port: int, **env: str) -> subprocess.CompletedProcess[str]:
