@@ -31,7 +31,7 @@ class AsyncLMClient:
     """Asyncio client; arguments (replicas too) as :class:`nlmserve.client.LMClient`. Create it inside
     the event loop."""
 
-    def __init__(self, target: str, *, timeout: float | None = 30.0, retries: int = 5,
+    def __init__(self, target: str | Sequence[str], *, timeout: float | None = 30.0, retries: int = 5,
                  retry_policy: RetryPolicy | None = None, pack_ids: bool = True,
                  max_message_bytes: int = 64 * 1024 * 1024, tls: bool = False, tls_ca: str | None = None,
                  tls_cert: str | None = None, tls_key: str | None = None, tls_server_name: str | None = None,

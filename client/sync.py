@@ -59,7 +59,7 @@ class LMClient:
             ``ModelMismatchError``; the result's ``model_hash`` then names every model used.
     """
 
-    def __init__(self, target: str, *, timeout: float | None = 30.0, retries: int = 5,
+    def __init__(self, target: str | Sequence[str], *, timeout: float | None = 30.0, retries: int = 5,
                  retry_policy: RetryPolicy | None = None, pack_ids: bool = True,
                  max_message_bytes: int = 64 * 1024 * 1024, tls: bool = False, tls_ca: str | None = None,
                  tls_cert: str | None = None, tls_key: str | None = None, tls_server_name: str | None = None,
