@@ -402,19 +402,18 @@ class _InferenceTables:
         return result
 
     def log_prob(self, ctx: Tensor, target: Tensor, normalized: np.ndarray) -> np.ndarray:
-        """log P(target | ctx) (or s_c + s_w where not ``normalized``) → float32 (N,), with
-        the class scores computed once for the score and the class normaliser."""
+        """log P(target | ctx) (or s_c + s_w where not ``normalized``) → float32 (N,).
+
+        The scores s_c and s_w are row-wise products (not read off a matrix product), so a
+        row's unnormalised score does not depend on the rows batched with it."""
         net = self.net
         r = self.encode(ctx)
         cls = net.word_class[target]
-        word = net.word_score(r, target)
+        score = net.class_score(r, cls) + net.word_score(r, target)
         if normalized.all():
-            class_logits = net.class_logits(r)  # (N, K)
-            score = class_logits.gather(1, cls.unsqueeze(1)).squeeze(1) + word
-            score -= torch.logsumexp(class_logits, dim=1)
+            score -= torch.logsumexp(net.class_logits(r), dim=1)
             score -= self.in_class(r, cls)
             return score.numpy()
-        score = net.class_score(r, cls) + word
         if normalized.any():
             rows = torch.from_numpy(np.flatnonzero(normalized))
             rr = r[rows]
