@@ -2,8 +2,9 @@
 
 from nlmserve.client.aio import AsyncLMClient
 from nlmserve.client.core import (
-    Endpoint, ModelInfo, ModelMismatchError, NgramScores, RequestTimeoutError, RetryPolicy, RpcError, Security, SentenceScore,
+    ModelInfo, ModelMismatchError, NgramScores, RequestTimeoutError, RetryPolicy, RpcError, Security, SentenceScore,
 )
+from nlmserve.client.replicas import Endpoint
 from nlmserve.client.sync import LMClient
 
 __all__ = [

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 import grpc
 import numpy as np
 
-from nlmserve.client import core
+from nlmserve.client import core, replicas
 from nlmserve.client.core import IdMap, ModelInfo, NgramScores, RetryPolicy, SentenceScore
 from nlmserve.errors import InvalidRequestError
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
@@ -65,7 +65,7 @@ class LMClient:
                  tls_cert: str | None = None, tls_key: str | None = None, tls_server_name: str | None = None,
                  token: str | None = None, token_file: str | None = None,
                  allow_mixed_models: bool = False) -> None:
-        self.endpoint = core.endpoint_of(target)
+        self.endpoint = replicas.endpoint_of(target)
         self.target = self.endpoint.target
         self.timeout = timeout
         self.retry = retry_policy or RetryPolicy(retries=retries)
@@ -74,11 +74,11 @@ class LMClient:
         self.security = core.security_of(tls, tls_ca, tls_cert, tls_key, tls_server_name, token, token_file)
         self._metadata = self.security.metadata()
         options = (core.channel_options(max_message_bytes) + self.security.options()
-                   + core.balancing_options(self.endpoint) + core.tls_name_options(self.endpoint, self.security))
+                   + replicas.balancing_options(self.endpoint) + replicas.tls_name_options(self.endpoint, self.security))
         credentials = self.security.credentials()
         self._channel = (grpc.insecure_channel(self.target, options=options) if credentials is None
                          else grpc.secure_channel(self.target, credentials, options=options))
-        self._guard = core.ModelGuard(self.target, self.endpoint.replicated, allow_mixed_models)
+        self._guard = replicas.ModelGuard(self.target, self.endpoint.replicated, allow_mixed_models)
         self._stub = lm_pb2_grpc.LanguageModelStub(self._channel)
         self._admin = lm_pb2_grpc.AdminStub(self._channel)
         self._info: ModelInfo | None = None

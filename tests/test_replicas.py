@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from nlmserve.client import AsyncLMClient, LMClient, ModelMismatchError
-from nlmserve.client.core import Endpoint, ModelGuard, endpoint_of
+from nlmserve.client.replicas import Endpoint, ModelGuard, endpoint_of
 from nlmserve.server.app import RunningServer, create_server
 from nlmserve.server.config import ServerConfig
 from nlmserve.server.engine import Engine
