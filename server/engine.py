@@ -4,7 +4,9 @@ Callers (the gRPC event loop, or any thread) hand in id arrays and get futures; 
 thread takes queued request parts, merges them up to ``max_batch_ngrams`` n-grams (waiting at most
 ``max_delay_us`` for requests known to be on their way), scores them in one forward pass
 under ``torch.inference_mode``, and scatters the results back in order. Requests larger
-than the batch limit are split into parts. The queue is bounded (``max_queue_ngrams``):
+than the batch limit are split into parts. Requests of at most ``priority_ngrams`` n-grams
+have a queue of their own that goes first; the rows left in a batch are filled with a slice
+of the oldest large request. The queue is bounded (``max_queue_ngrams``):
 a request that does not fit raises ``OverloadedError`` at once. Parts whose deadline has
 passed while queued are dropped and their request fails with ``RequestExpiredError``.
 
