@@ -39,11 +39,13 @@ def _config(train_path: Path, valid: Path, out: Path, **kw: object) -> TrainConf
     return TrainConfig(**base)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("objective", ["nce", "mle"])
+@pytest.mark.parametrize("objective,tables", [("nce", 0), ("mle", 0), ("nce", 512), ("mle", 512)])
 def test_interrupt_then_resume_ends_at_the_same_parameters(small_train: Path, dev_small_path: Path,
-                                                          tmp_path: Path, objective: str) -> None:
-    straight = train(_config(small_train, dev_small_path, tmp_path / "a.nlm", objective=objective))
-    cfg_b = _config(small_train, dev_small_path, tmp_path / "b.nlm", objective=objective)
+                                                          tmp_path: Path, objective: str, tables: int) -> None:
+    # tables > 0: direct n-gram features (their HashedAdagrad state is checkpointed too)
+    feats = dict(ngram_class_table=tables // 2, ngram_word_table=tables)
+    straight = train(_config(small_train, dev_small_path, tmp_path / "a.nlm", objective=objective, **feats))
+    cfg_b = _config(small_train, dev_small_path, tmp_path / "b.nlm", objective=objective, **feats)
     # stop dead 5 steps after the checkpoint of step 20 (as a kill would): steps 21-25 are lost
     cut = train(cfg_b, _interrupt_after_step=25)
     assert cut.stopped == "interrupted" and not (tmp_path / "b.nlm").exists()
