@@ -312,6 +312,9 @@ class LanguageModel:
 #: Batches up to this many rows are scored with numpy on the CPU (torch's fixed cost of some
 #: thirty small operations, ~10 µs each, dominates there).
 TINY_ROWS = 16
+#: A log Σ exp computed without the max shift below this is recomputed with it (the sum
+#: was near float32's smallest normal numbers).
+LOG_SUM_FLOOR = -60.0
 #: Largest size of the per-position context tables of a diagonal-context model (bytes).
 ENCODE_TABLE_BYTES = 512 << 20
 
@@ -334,6 +337,9 @@ class _InferenceTables:
             self.sorted_embed = net.word_embed.detach()[order].contiguous()  # (V, E)
             self.sorted_bias = (net.word_bias + net.word_mask).detach()[order].contiguous()  # (V,)
             self.offsets: list[int] = list(net._offsets)
+            self.np_class_start = np.array(self.offsets[:-1], dtype=np.int64)  # (K,)
+            self.np_class_size = np.diff(np.array(self.offsets, dtype=np.int64))  # (K,)
+            self.class_bias = (net.class_bias + net.class_mask).detach().clone()  # (K,)
             self.np_embed = net.embed.weight.detach().numpy()
             w = net.ctx_weight.detach().numpy()
             n1, d = cfg.order - 1, cfg.dim
@@ -378,28 +384,44 @@ class _InferenceTables:
 
     # -------------------------------------------------------------- torch, any batch size
     def in_class(self, r: Tensor, cls: Tensor) -> Tensor:
-        """log Σ_{w ∈ cls} exp s_w(h) → (N,), one addmm per class present on contiguous slices."""
+        """log Σ_{w ∈ cls} exp s_w(h) → (N,).
+
+        Rows of one-word classes: that word's score, one row-wise product for all of them.
+        Other classes: one addmm per class present on its contiguous slice, then log Σ exp
+        without the max shift (two passes over the block instead of four); a row whose sum
+        overflows or underflows float32 is recomputed with the shift."""
         cls_np = cls.numpy()
-        perm = np.argsort(cls_np, kind="stable")
-        classes, counts = np.unique(cls_np[perm], return_counts=True)
-        rs = r[torch.from_numpy(perm)]
         out = torch.empty(r.shape[0], dtype=r.dtype)
+        single = self.np_class_size[cls_np] == 1
         emb, bias, offsets = self.sorted_embed, self.sorted_bias, self.offsets
+        if single.any():
+            rows = torch.from_numpy(np.flatnonzero(single))
+            first = torch.from_numpy(self.np_class_start[cls_np[single]])
+            out[rows] = (r[rows] * emb[first]).sum(-1) + bias[first]
+            if single.all():
+                return out
+            multi = np.flatnonzero(~single)
+        else:
+            multi = np.arange(len(cls_np))
+        perm = multi[np.argsort(cls_np[multi], kind="stable")]  # rows sorted by class
+        sorted_cls = cls_np[perm]
+        classes, counts = np.unique(sorted_cls, return_counts=True)
+        rs = r[torch.from_numpy(perm)]
+        sums = torch.empty(len(perm), dtype=r.dtype)
         start = 0
         for c, n in zip(classes.tolist(), counts.tolist()):
             a, b = offsets[c], offsets[c + 1]
-            o = out[start : start + n]
-            if b - a == 1:  # a one-word class: its score is its own normaliser
-                torch.mv(rs[start : start + n], emb[a], out=o).add_(bias[a])
-            else:  # logsumexp in place on the (n_c, S_c) logits
-                logits = torch.addmm(bias[a:b], rs[start : start + n], emb[a:b].t())
-                m = logits.amax(dim=1, keepdim=True)
-                torch.sum(logits.sub_(m).exp_(), dim=1, out=o)
-                o.log_().add_(m.squeeze(1))
+            logits = torch.addmm(bias[a:b], rs[start : start + n], emb[a:b].t())  # (n_c, S_c)
+            torch.sum(logits.exp_(), dim=1, out=sums[start : start + n])
             start += n
-        result = torch.empty_like(out)
-        result[torch.from_numpy(perm)] = out
-        return result
+        sums.log_()
+        bad = ~torch.isfinite(sums) | (sums < LOG_SUM_FLOOR)
+        if bool(bad.any()):  # rare: scores beyond exp's float32 range
+            for i in bad.nonzero().squeeze(1).tolist():
+                a, b = offsets[int(sorted_cls[i])], offsets[int(sorted_cls[i]) + 1]
+                sums[i] = torch.logsumexp(torch.mv(emb[a:b], rs[i]) + bias[a:b], dim=0)
+        out[torch.from_numpy(perm)] = sums
+        return out
 
     def log_prob(self, ctx: Tensor, target: Tensor, normalized: np.ndarray) -> np.ndarray:
         """log P(target | ctx) (or s_c + s_w where not ``normalized``) → float32 (N,).
@@ -411,7 +433,7 @@ class _InferenceTables:
         cls = net.word_class[target]
         score = net.class_score(r, cls) + net.word_score(r, target)
         if normalized.all():
-            score -= torch.logsumexp(net.class_logits(r), dim=1)
+            score -= torch.logsumexp(torch.addmm(self.class_bias, r, net.class_embed.t()), dim=1)
             score -= self.in_class(r, cls)
             return score.numpy()
         if normalized.any():

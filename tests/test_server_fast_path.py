@@ -80,3 +80,18 @@ def test_tables_follow_weights_changed_in_place(tiny_lm: Any, rows: np.ndarray) 
     after = lm.score_prepared(rows[:50, :-1], rows[:50, -1], np.ones(50, dtype=bool))
     assert np.abs(after - before).max() > 1e-3
     check(lm, rows)
+
+
+def test_scores_beyond_exp_range_fall_back_to_the_shifted_sum(tiny_lm: Any, rows: np.ndarray) -> None:
+    """Word scores of several hundred nats overflow exp in float32: those rows are recomputed."""
+    lm = copy.copy(tiny_lm)
+    lm.net = copy.deepcopy(tiny_lm.net)
+    lm._fast = None
+    with torch.no_grad():
+        lm.net.word_bias.add_(150.0)  # every in-class sum overflows without the shift
+        lm.net.word_embed.mul_(40.0)
+    want = reference(lm, rows, True)
+    assert np.isfinite(want).all()
+    for n in (TINY_ROWS + 1, len(rows)):
+        got = lm.score_prepared(rows[:n, :-1], rows[:n, -1], np.ones(n, dtype=bool))
+        np.testing.assert_allclose(got, want[:n], rtol=1e-5, atol=1e-4)
