@@ -3,8 +3,13 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+
 #include <algorithm>
 #include <chrono>
+#include <fstream>
 #include <locale>
 #include <mutex>
 #include <sstream>
@@ -43,7 +48,14 @@ struct Connection {
   uint64_t generation = 0;
 };
 
-std::shared_ptr<Connection> MakeConnection(const std::string &target, uint64_t generation) {
+// Health service name each replica is checked for, and the longest pause between
+// reconnection attempts to a replica (gRPC's default grows to 120 s).
+const char kHealthService[] = "nlmserve.v1.LanguageModel";
+const int kMaxReconnectBackoffMs = 5000;
+
+std::shared_ptr<Connection> MakeConnection(const Endpoint &endpoint,
+                                           const std::shared_ptr<grpc::ChannelCredentials> &creds,
+                                           const std::string &tls_name, uint64_t generation) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
@@ -52,15 +64,180 @@ std::shared_ptr<Connection> MakeConnection(const std::string &target, uint64_t g
   // Reconnect quickly to a server that restarts.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, endpoint.replicated ? kMaxReconnectBackoffMs : 1000);
+  if (endpoint.replicated) {
+    // round_robin over every replica; each subchannel watches its replica's
+    // grpc.health.v1 status and is picked only while SERVING.
+    args.SetServiceConfigJSON(std::string("{\"loadBalancingConfig\": [{\"round_robin\": {}}], "
+                                          "\"healthCheckConfig\": {\"serviceName\": \"") +
+                              kHealthService + "\"}}");
+    args.SetInt(GRPC_ARG_SERVICE_CONFIG_DISABLE_RESOLUTION, 1);
+  }
+  if (!tls_name.empty()) args.SetSslTargetNameOverride(tls_name);
   // Distinguishes channels so that gRPC does not share them.
   args.SetInt("nlmserve.generation", static_cast<int>(generation & 0x7fffffff));
   std::shared_ptr<Connection> c = std::make_shared<Connection>();
-  c->channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  c->channel = grpc::CreateCustomChannel(endpoint.target, creds, args);
   c->stub = pb::LanguageModel::NewStub(c->channel);
   c->generation = generation;
   return c;
 }
+
+std::string ReadFile(const std::string &path, const std::string &what) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream out;
+  if (!in || !(out << in.rdbuf())) {
+    throw ClientError(-1, "cannot read the " + what + " file " + path);
+  }
+  return out.str();
+}
+
+// The first token of a token file: blank lines and lines starting with '#' are skipped.
+std::string ReadToken(const std::string &path) {
+  std::istringstream in(ReadFile(path, "token"));
+  std::string line;
+  int number = 0;
+  while (std::getline(in, line)) {
+    ++number;
+    std::size_t a = line.find_first_not_of(" \t\r");
+    if (a == std::string::npos || line[a] == '#') continue;
+    std::size_t b = line.find_last_not_of(" \t\r");
+    std::string token = line.substr(a, b - a + 1);
+    if (token.find_first_of(" \t") != std::string::npos) {
+      throw ClientError(-1, path + ":" + std::to_string(number) + ": a token holds no whitespace");
+    }
+    return token;
+  }
+  throw ClientError(-1, "token file " + path + " holds no token");
+}
+
+std::shared_ptr<grpc::ChannelCredentials> Credentials(const ClientOptions &o) {
+  if (o.tls_ca.empty() && o.tls_cert.empty() && o.tls_key.empty() && o.tls_server_name.empty()) {
+    return grpc::InsecureChannelCredentials();
+  }
+  if (o.tls_cert.empty() != o.tls_key.empty()) {
+    throw ClientError(-1, "TLS client certificate and key go together (tls-cert and tls-key)");
+  }
+  grpc::SslCredentialsOptions ssl;
+  if (!o.tls_ca.empty()) ssl.pem_root_certs = ReadFile(o.tls_ca, "TLS CA");
+  if (!o.tls_cert.empty()) {
+    ssl.pem_cert_chain = ReadFile(o.tls_cert, "TLS certificate");
+    ssl.pem_private_key = ReadFile(o.tls_key, "TLS key");
+  }
+  return grpc::SslCredentials(ssl);
+}
+
+bool StartsWith(const std::string &s, const char *prefix) { return s.rfind(prefix, 0) == 0; }
+
+std::string Trim(const std::string &s) {
+  std::size_t a = s.find_first_not_of(" \t");
+  if (a == std::string::npos) return std::string();
+  return s.substr(a, s.find_last_not_of(" \t") - a + 1);
+}
+
+// HOST:PORT or [V6]:PORT -> (host, port); throws naming the address.
+std::pair<std::string, std::string> SplitAddress(const std::string &address) {
+  std::string host, port;
+  if (!address.empty() && address[0] == '[') {
+    std::size_t close = address.find("]:");
+    if (close != std::string::npos) {
+      host = address.substr(1, close - 1);
+      port = address.substr(close + 2);
+    }
+  } else {
+    std::size_t colon = address.rfind(':');
+    if (colon != std::string::npos && address.find(':') == colon) {
+      host = address.substr(0, colon);
+      port = address.substr(colon + 1);
+    }
+  }
+  bool digits = !port.empty() && port.size() <= 5 &&
+                port.find_first_not_of("0123456789") == std::string::npos;
+  if (host.empty() || !digits || std::stol(port) <= 0 || std::stol(port) > 65535) {
+    throw ClientError(-1, "not a HOST:PORT address: " + address);
+  }
+  return std::make_pair(host, port);
+}
+
+// The first address `host` resolves to, as text, and its family (4 or 6).
+std::pair<std::string, int> Resolve(const std::string &host, const std::string &address) {
+  addrinfo hints = addrinfo();
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo *found = nullptr;
+  int rc = getaddrinfo(host.c_str(), nullptr, &hints, &found);
+  if (rc != 0 || found == nullptr) {
+    throw ClientError(-1, "cannot resolve " + address + ": " + gai_strerror(rc));
+  }
+  char text[INET6_ADDRSTRLEN] = {0};
+  int family = found->ai_family == AF_INET6 ? 6 : 4;
+  const void *raw = family == 6
+                        ? static_cast<const void *>(&reinterpret_cast<sockaddr_in6 *>(found->ai_addr)->sin6_addr)
+                        : static_cast<const void *>(&reinterpret_cast<sockaddr_in *>(found->ai_addr)->sin_addr);
+  inet_ntop(family == 6 ? AF_INET6 : AF_INET, raw, text, sizeof(text));
+  freeaddrinfo(found);
+  return std::make_pair(std::string(text), family);
+}
+
+}  // namespace
+
+Endpoint ParseTarget(const std::string &given) {
+  Endpoint e;
+  std::string target = Trim(given);
+  if (StartsWith(target, "dns:") || StartsWith(target, "ipv4:") || StartsWith(target, "ipv6:")) {
+    e.target = target;
+    e.replicated = StartsWith(target, "dns:") || target.find(',') != std::string::npos;
+    if (!StartsWith(target, "dns:")) {
+      std::istringstream list(target.substr(target.find(':') + 1));
+      std::string part;
+      while (std::getline(list, part, ',')) e.replicas.push_back(part);
+    }
+    return e;
+  }
+  std::vector<std::string> parts;
+  {
+    std::istringstream list(target);
+    std::string part;
+    while (std::getline(list, part, ',')) {
+      part = Trim(part);
+      if (!part.empty()) parts.push_back(part);
+    }
+  }
+  if (parts.empty()) throw ClientError(-1, "no server address given");
+  if (parts.size() == 1) {
+    e.target = parts[0];
+    e.replicas = parts;
+    try {
+      e.host_name = SplitAddress(parts[0]).first;
+    } catch (const ClientError &) {
+      // gRPC reports a target it cannot use when connecting.
+    }
+    return e;
+  }
+  std::vector<std::string> resolved;
+  int families = 0;
+  std::string host_name;
+  bool one_host = true;
+  for (const std::string &address : parts) {
+    std::pair<std::string, std::string> hp = SplitAddress(address);
+    if (host_name.empty()) host_name = hp.first;
+    if (hp.first != host_name) one_host = false;
+    std::pair<std::string, int> ip = Resolve(hp.first, address);
+    families |= ip.second == 6 ? 2 : 1;
+    resolved.push_back(ip.second == 6 ? "[" + ip.first + "]:" + hp.second : ip.first + ":" + hp.second);
+  }
+  if (families == 3) {
+    throw ClientError(-1, "replica addresses mix IPv4 and IPv6 (" + target + "); use one family or a DNS name");
+  }
+  e.target = families == 2 ? "ipv6:" : "ipv4:";
+  for (std::size_t i = 0; i < resolved.size(); ++i) e.target += (i ? "," : "") + resolved[i];
+  e.replicas = parts;
+  e.replicated = true;
+  e.host_name = one_host ? host_name : std::string();
+  return e;
+}
+
+namespace {
 
 void PutU32(uint32_t v, std::string *out) {
   char b[4] = {static_cast<char>(v & 0xff), static_cast<char>((v >> 8) & 0xff),
@@ -157,6 +334,10 @@ std::string Lowercase(const std::string &text) {
 struct Client::Impl {
   std::string target;
   ClientOptions options;
+  Endpoint endpoint;
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  std::string tls_name;  // name the servers' certificates are checked against ("" : the target's)
+  std::string authorization;  // "Bearer <token>", or empty
   ModelInfo info;
   bool lowercase = false;
   std::vector<std::string> words;
@@ -173,7 +354,26 @@ struct Client::Impl {
   std::atomic<uint64_t> ngrams_sent{0};
 
   Impl(const std::string &t, const ClientOptions &o)
-      : target(t), options(o), cache(o.cache_size, o.cache_shards) {}
+      : target(t), options(o), endpoint(ParseTarget(t)), cache(o.cache_size, o.cache_shards) {
+    credentials = Credentials(options);
+    bool tls = !(options.tls_ca.empty() && options.tls_cert.empty() && options.tls_key.empty() &&
+                 options.tls_server_name.empty());
+    tls_name = options.tls_server_name;
+    if (tls && tls_name.empty() && endpoint.replicated && !endpoint.replicas.empty()) {
+      // A static list's target names no single host: check the certificates against
+      // the host name all replicas share.
+      if (endpoint.host_name.empty()) {
+        throw ClientError(-1, "replicas on different hosts over TLS need tls_server_name "
+                              "(the name in their certificates)");
+      }
+      tls_name = endpoint.host_name;
+    }
+    if (!options.token_file.empty()) authorization = "Bearer " + ReadToken(options.token_file);
+  }
+
+  std::shared_ptr<Connection> NewConnection() {
+    return MakeConnection(endpoint, credentials, tls_name, next_generation++);
+  }
 
   std::shared_ptr<Connection> Current() {
     std::lock_guard<std::mutex> lock(conn_mutex);
@@ -187,7 +387,7 @@ struct Client::Impl {
     {
       std::lock_guard<std::mutex> lock(conn_mutex);
       if (!conn || conn == failed) {
-        conn = MakeConnection(target, next_generation++);
+        conn = NewConnection();
         reconnects.fetch_add(1, std::memory_order_relaxed);
       }
       c = conn;
@@ -203,9 +403,18 @@ struct Client::Impl {
     std::shared_ptr<Connection> c = Current();
     grpc::Status status;
     for (int attempt = 0; attempt <= options.retries; ++attempt) {
-      if (attempt > 0) c = Reconnect(c);
+      if (attempt > 0) {
+        if (endpoint.replicated) {
+          // round_robin drops a dead or unhealthy replica from the channel by itself:
+          // the retry goes to a survivor on the same channel after a short pause.
+          std::this_thread::sleep_for(std::chrono::milliseconds(50 << std::min(attempt - 1, 5)));
+        } else {
+          c = Reconnect(c);
+        }
+      }
       grpc::ClientContext ctx;
       ctx.set_deadline(DeadlineIn(options.deadline_ms));
+      if (!authorization.empty()) ctx.AddMetadata("authorization", authorization);
       status = call(*c->stub, &ctx);
       if (status.ok()) return;
       failed_calls.fetch_add(1, std::memory_order_relaxed);
@@ -220,7 +429,7 @@ struct Client::Impl {
   void Connect() {
     {
       std::lock_guard<std::mutex> lock(conn_mutex);
-      conn = MakeConnection(target, next_generation++);
+      conn = NewConnection();
     }
     if (!Current()->channel->WaitForConnected(DeadlineIn(options.connect_timeout_ms))) {
       // Not fatal yet: WithRetries below reconnects and reports the final status.
@@ -229,6 +438,21 @@ struct Client::Impl {
     WithRetries("GetModelInfo", [&](pb::LanguageModel::Stub &stub, grpc::ClientContext *ctx) {
       return stub.GetModelInfo(ctx, pb::GetModelInfoRequest(), &mi);
     });
+    if (endpoint.replicated) {
+      // round_robin gives each ready replica its turn: ask each at least once (two
+      // calls per listed address, four for a resolver name) and require one model.
+      std::size_t probes = endpoint.replicas.empty() ? 4 : 2 * endpoint.replicas.size();
+      for (std::size_t i = 1; i < probes; ++i) {
+        pb::ModelInfo other;
+        WithRetries("GetModelInfo", [&](pb::LanguageModel::Stub &stub, grpc::ClientContext *ctx) {
+          return stub.GetModelInfo(ctx, pb::GetModelInfoRequest(), &other);
+        });
+        if (other.model_hash() != mi.model_hash()) {
+          throw ClientError(9, "replicas of " + target + " serve different models: " + mi.model_hash() +
+                                   " and " + other.model_hash());
+        }
+      }
+    }
     info.order = mi.order();
     info.vocab_size = mi.vocab_size();
     info.bos_id = mi.bos_id();

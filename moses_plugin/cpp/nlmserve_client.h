@@ -39,6 +39,18 @@ struct ClientOptions {
   // true: exactly normalised log-probabilities; false: the model's unnormalised
   // (self-normalised) score where the server offers one.
   bool normalized = true;
+  // TLS: PEM file of the CA that signed the servers' certificates. Any TLS field set
+  // makes the connection TLS (an empty tls_ca then means the system's root certificates).
+  std::string tls_ca;
+  // Mutual TLS: this client's certificate chain and private key (PEM files, both or neither).
+  std::string tls_cert;
+  std::string tls_key;
+  // Check the servers' certificates against this name instead of the target's host
+  // (replicas on different hosts whose certificates share one name).
+  std::string tls_server_name;
+  // File whose first token (blank and '#' lines skipped) is sent on every call as
+  // `authorization: Bearer <token>`. Empty: no token.
+  std::string token_file;
 };
 
 // Model facts fetched once from GetModelInfo.
@@ -80,10 +92,29 @@ struct ClientStats {
   uint64_t ngrams_sent = 0;     // n-grams sent to the server
 };
 
+// Where a Client's channel connects (see ParseTarget).
+struct Endpoint {
+  std::string target;              // the gRPC target given to the channel
+  std::vector<std::string> replicas;  // the addresses as given (empty for dns:///)
+  bool replicated = false;         // round_robin over health-checked replicas
+  std::string host_name;           // the one host all static replicas share ("" if they differ)
+};
+
+// The channel target for `HOST:PORT`, a comma-separated list of replica addresses
+// (`a:1,b:2`, host names resolved once, here: `ipv4:A:1,B:2` or `ipv6:[A]:1,[B]:2`),
+// or a resolver target (`dns:///name:port`, `ipv4:...`, `ipv6:...`) passed unchanged.
+// Throws ClientError (code -1) for an address that is not HOST:PORT or does not resolve.
+Endpoint ParseTarget(const std::string &target);
+
 class Client {
  public:
-  // Connects to HOST:PORT, fetches the model info and the vocabulary.
-  // Throws ClientError when the server cannot be reached within the deadlines.
+  // Connects to `target` (anything ParseTarget takes), fetches the model info and the
+  // vocabulary. Several replicas (a list or a dns:/// name) share one channel that
+  // balances with gRPC's round_robin policy and skips replicas whose grpc.health.v1
+  // status for nlmserve.v1.LanguageModel is not SERVING; every answer must carry the
+  // model hash of the first one (ClientError code 9 otherwise).
+  // Throws ClientError when the server cannot be reached within the deadlines, when a
+  // TLS or token file cannot be read, or when replicas serve different models.
   explicit Client(const std::string &target, const ClientOptions &options = ClientOptions());
   ~Client();
   Client(const Client &) = delete;

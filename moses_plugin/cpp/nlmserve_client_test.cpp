@@ -2,8 +2,11 @@
 //
 //   nlmserve_client_test --selftest
 //       checks the cache and lowercasing without a server; prints "selftest: N passed, 0 failed".
-//   nlmserve_client_test HOST:PORT [--deadline-ms N] [--connect-timeout-ms N] [--retries N]
+//   nlmserve_client_test TARGET [--deadline-ms N] [--connect-timeout-ms N] [--retries N]
 //                        [--cache-size N] [--lowercase] [--unnormalized]
+//                        [--tls-ca PEM] [--tls-cert PEM] [--tls-key PEM]
+//                        [--tls-server-name NAME] [--token-file FILE]
+//       TARGET: HOST:PORT, a replica list A:1,B:2, or dns:///NAME:PORT.
 //       connects, then reads one command per line on stdin and answers one block per
 //       command on stdout (a driver such as tests/test_cpp_client.py talks to it):
 //         info                      -> ok order=.. vocab=.. hash=.. bos=.. eos=.. unk=..
@@ -259,12 +262,24 @@ int main(int argc, char **argv) {
       }
       return std::atol(argv[++i]);
     };
+    auto text = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "%s needs a value\n", a.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
     if (a == "--deadline-ms") opts.deadline_ms = static_cast<int>(next());
     else if (a == "--connect-timeout-ms") opts.connect_timeout_ms = static_cast<int>(next());
     else if (a == "--retries") opts.retries = static_cast<int>(next());
     else if (a == "--cache-size") opts.cache_size = static_cast<std::size_t>(next());
     else if (a == "--lowercase") opts.lowercase = true;
     else if (a == "--unnormalized") opts.normalized = false;
+    else if (a == "--tls-ca") opts.tls_ca = text();
+    else if (a == "--tls-cert") opts.tls_cert = text();
+    else if (a == "--tls-key") opts.tls_key = text();
+    else if (a == "--tls-server-name") opts.tls_server_name = text();
+    else if (a == "--token-file") opts.token_file = text();
     else {
       std::fprintf(stderr, "unknown option %s\n", a.c_str());
       return 2;
