@@ -17,7 +17,7 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--device", str, "torch device: cpu, cuda, cuda:1 (default cuda when available)"),
     ("--max-batch-ngrams", int, "most n-grams per forward pass (default 4096)"),
     ("--max-delay-us", int, "longest wait for a batch to fill, microseconds (default 2000)"),
-    ("--priority-ngrams", int, "requests of at most this many n-grams go ahead of larger ones (default 256; 0: FIFO)"),
+    ("--priority-ngrams", int, "requests of at most this many n-grams go ahead of larger ones (default 0: first come, first served)"),
     ("--max-queue-ngrams", int, "most n-grams queued before RESOURCE_EXHAUSTED (default 1000000)"),
     ("--max-concurrent-rpcs", int, "most RPCs served at once (default 256)"),
     ("--max-ngrams-per-request", int, "most n-grams or tokens per request (default 200000)"),

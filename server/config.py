@@ -37,8 +37,10 @@ class ServerConfig:
     max_delay_us: int = 2000
     #: Requests of at most this many n-grams (decoder lookups) are queued ahead of larger
     #: ones (rescoring batches) and never wait behind them; a batch is filled with them
-    #: first, then with a slice of the oldest large request. 0: one first-come queue.
-    priority_ngrams: int = 256
+    #: first, then with a slice of the oldest large request. 0 (the default): one
+    #: first-come queue. Under saturation, more large requests are then in flight at once
+    #: (they wait longer), which takes memory: see docs/serving.md.
+    priority_ngrams: int = 0
     #: Most n-grams waiting in the queue; beyond it requests get RESOURCE_EXHAUSTED.
     max_queue_ngrams: int = 1_000_000
     #: Most RPCs served at once (gRPC answers RESOURCE_EXHAUSTED beyond it).
