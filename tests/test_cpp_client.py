@@ -187,7 +187,7 @@ def ngram_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[lis
 def test_selftest_cache_and_lowercase(driver: Path) -> None:
     done = subprocess.run([str(driver), "--selftest"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "selftest: 18 passed, 0 failed" in done.stdout
+    assert "selftest: 23 passed, 0 failed" in done.stdout
 
 
 @pytest.mark.parametrize("normalized", [True, False])

@@ -93,6 +93,8 @@ def test_killing_a_replica_mid_stream_fails_no_request(driver: Path, replicas: l
     assert after - before[1] >= 50, (before, after)
     assert stats["round_trips"] == int(fields["calls"]) + 2  # + the reference and the file
     assert stats["reconnects"] == 0  # retries stay on the balanced channel
+    # Requests in flight on the killed replica failed and were answered by the survivor.
+    assert stats["failed"] >= 1, stats
 
 
 def _start(lm: Any, **overrides: Any) -> RunningServer:

@@ -65,7 +65,7 @@ NeuralLMServer::NeuralLMServer(const std::string &line)
       m_errors(0) {
   ReadParameters();
   m_target = m_filePath;
-  UTIL_THROW_IF2(m_target.empty(), "NeuralLMServer needs path=HOST:PORT of an nlmserve server");
+  UTIL_THROW_IF2(m_target.empty(), "NeuralLMServer needs path=HOST:PORT (or A:1,B:2 or dns:///NAME:PORT) of nlmserve");
   UTIL_THROW_IF2(m_nGramOrder == NOT_FOUND, "NeuralLMServer needs order= (the served model's order)");
   UTIL_THROW_IF2(m_nGramOrder < 2, "NeuralLMServer: order must be at least 2, got " << m_nGramOrder);
 
@@ -106,6 +106,16 @@ void NeuralLMServer::SetParameter(const std::string &key, const std::string &val
     m_sentencePhrases = (value == "sentence");
   } else if (key == "prefetch") {
     m_prefetch = Scan<bool>(value);
+  } else if (key == "tls-ca") {
+    m_tlsCa = value;
+  } else if (key == "tls-cert") {
+    m_tlsCert = value;
+  } else if (key == "tls-key") {
+    m_tlsKey = value;
+  } else if (key == "tls-server-name") {
+    m_tlsServerName = value;
+  } else if (key == "token-file") {
+    m_tokenFile = value;
   } else if (key == "on-error") {
     UTIL_THROW_IF2(value != "fail" && value != "floor",
                    "NeuralLMServer: on-error must be fail or floor, got " << value);
@@ -126,6 +136,11 @@ void NeuralLMServer::Load(AllOptions::ptr const &opts) {
   options.cache_size = m_cacheSize;
   options.lowercase = m_lowercase;
   options.normalized = m_normalized;
+  options.tls_ca = m_tlsCa;
+  options.tls_cert = m_tlsCert;
+  options.tls_key = m_tlsKey;
+  options.tls_server_name = m_tlsServerName;
+  options.token_file = m_tokenFile;
   try {
     m_client.reset(new nlmserve::Client(m_target, options));
   } catch (const nlmserve::ClientError &e) {

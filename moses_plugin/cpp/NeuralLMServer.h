@@ -127,6 +127,8 @@ class NeuralLMServer : public LanguageModelSingleFactor {
   int m_deadlineMs;
   int m_connectTimeoutMs;
   int m_retries;
+  // TLS files (PEM), the certificate name to check, and the bearer token file: ClientOptions.
+  std::string m_tlsCa, m_tlsCert, m_tlsKey, m_tlsServerName, m_tokenFile;
   bool m_floorOnError;
   bool m_prefetch;
   bool m_sentencePhrases;

@@ -107,6 +107,32 @@ int SelfTest() {
   Check(nlmserve::Lowercase("The CAT") == "the cat", "ASCII lowercase");
   Check(nlmserve::Lowercase("\xc3\x89T\xc3\x89") == "\xc3\xa9t\xc3\xa9", "Latin-1 lowercase (ETE)");
   Check(nlmserve::Lowercase("\xff" "A") == "\xff" "a", "invalid UTF-8 bytes pass through");
+  {
+    nlmserve::Endpoint one = nlmserve::ParseTarget("127.0.0.1:50051");
+    Check(one.target == "127.0.0.1:50051" && !one.replicated && one.host_name == "127.0.0.1",
+          "one address: pick_first, unchanged");
+    nlmserve::Endpoint two = nlmserve::ParseTarget(" 127.0.0.1:1 , 127.0.0.2:2 ");
+    Check(two.target == "ipv4:127.0.0.1:1,127.0.0.2:2" && two.replicated && two.replicas.size() == 2 &&
+              two.host_name.empty(),
+          "address list: static ipv4 target");
+    nlmserve::Endpoint v6 = nlmserve::ParseTarget("[::1]:1,[::1]:2");
+    Check(v6.target == "ipv6:[::1]:1,[::1]:2" && v6.host_name == "::1", "IPv6 list");
+    nlmserve::Endpoint dns = nlmserve::ParseTarget("dns:///lm.example.org:50051");
+    Check(dns.target == "dns:///lm.example.org:50051" && dns.replicated && dns.replicas.empty(),
+          "dns:/// target: resolved by gRPC");
+    bool mixed = false, bad = false;
+    try {
+      nlmserve::ParseTarget("127.0.0.1:1,[::1]:2");
+    } catch (const nlmserve::ClientError &) {
+      mixed = true;
+    }
+    try {
+      nlmserve::ParseTarget("127.0.0.1:1,127.0.0.1");
+    } catch (const nlmserve::ClientError &) {
+      bad = true;
+    }
+    Check(mixed && bad, "mixed families and an address without port are errors");
+  }
   nlmserve::ClientError e(14, "unavailable");
   Check(e.code() == 14 && std::string(e.what()) == "unavailable", "ClientError carries the code");
   std::printf("selftest: %d passed, %d failed\n", g_passed, g_failed);
