@@ -23,7 +23,7 @@ from nlmserve.server.app import RunningServer, create_server
 from nlmserve.server.config import ServerConfig
 from nlmserve.server.engine import Engine
 from test_cpp_client import Driver, _ngrams, driver  # noqa: F401 - the driver fixture builds build/cpp
-from test_replicas import Replica
+from test_replicas import Replica, other_lm  # noqa: F401 - a second model, another hash
 from test_tls import Pki, pki  # noqa: F401 - the session's throwaway PKI
 
 TOL = 1e-5
@@ -140,6 +140,18 @@ def test_a_not_serving_replica_gets_no_requests(driver: Path, tiny_lm: Any) -> N
             cpp.close()
         a.stop(1.0)
         b.stop(1.0)
+
+
+def test_replicas_serving_different_models_are_refused(driver: Path, tiny_lm: Any, other_lm: Any) -> None:  # noqa: F811
+    assert other_lm.model_hash != tiny_lm.model_hash
+    a, b = _start(tiny_lm), _start(other_lm)
+    try:
+        out = _refused(driver, f"{a.target},{b.target}")
+    finally:
+        a.stop(1.0)
+        b.stop(1.0)
+    assert out.startswith("error 9 replicas of "), out
+    assert tiny_lm.model_hash in out and other_lm.model_hash in out
 
 
 @pytest.fixture(scope="module")

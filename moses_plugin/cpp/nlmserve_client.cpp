@@ -438,21 +438,7 @@ struct Client::Impl {
     WithRetries("GetModelInfo", [&](pb::LanguageModel::Stub &stub, grpc::ClientContext *ctx) {
       return stub.GetModelInfo(ctx, pb::GetModelInfoRequest(), &mi);
     });
-    if (endpoint.replicated) {
-      // round_robin gives each ready replica its turn: ask each at least once (two
-      // calls per listed address, four for a resolver name) and require one model.
-      std::size_t probes = endpoint.replicas.empty() ? 4 : 2 * endpoint.replicas.size();
-      for (std::size_t i = 1; i < probes; ++i) {
-        pb::ModelInfo other;
-        WithRetries("GetModelInfo", [&](pb::LanguageModel::Stub &stub, grpc::ClientContext *ctx) {
-          return stub.GetModelInfo(ctx, pb::GetModelInfoRequest(), &other);
-        });
-        if (other.model_hash() != mi.model_hash()) {
-          throw ClientError(9, "replicas of " + target + " serve different models: " + mi.model_hash() +
-                                   " and " + other.model_hash());
-        }
-      }
-    }
+    if (endpoint.replicated) CheckReplicaModels(mi.model_hash());
     info.order = mi.order();
     info.vocab_size = mi.vocab_size();
     info.bos_id = mi.bos_id();
@@ -471,6 +457,45 @@ struct Client::Impl {
     }
     lowercase = options.lowercase || info.lowercase;
     FetchVocabulary();
+  }
+
+  // Requires every reachable replica to serve the model `pinned` (ClientError 9
+  // otherwise). A static list asks each address once on its own channel; a resolver name
+  // asks the balanced channel four times (round_robin gives each ready replica a turn).
+  // Replicas that cannot be reached now are checked by their first answer instead.
+  void CheckReplicaModels(const std::string &pinned) {
+    std::vector<std::string> hashes;
+    if (StartsWith(endpoint.target, "dns:")) {
+      for (int i = 0; i < 4; ++i) {
+        pb::ModelInfo other;
+        WithRetries("GetModelInfo", [&](pb::LanguageModel::Stub &stub, grpc::ClientContext *ctx) {
+          return stub.GetModelInfo(ctx, pb::GetModelInfoRequest(), &other);
+        });
+        hashes.push_back(other.model_hash());
+      }
+    } else {
+      std::string scheme = endpoint.target.substr(0, endpoint.target.find(':') + 1);
+      std::istringstream list(endpoint.target.substr(scheme.size()));
+      std::string address;
+      while (std::getline(list, address, ',')) {
+        Endpoint one;
+        one.target = scheme + address;
+        std::shared_ptr<Connection> c = MakeConnection(one, credentials, tls_name, 0);
+        grpc::ClientContext ctx;
+        ctx.set_deadline(DeadlineIn(options.connect_timeout_ms));
+        if (!authorization.empty()) ctx.AddMetadata("authorization", authorization);
+        pb::ModelInfo other;
+        if (c->stub->GetModelInfo(&ctx, pb::GetModelInfoRequest(), &other).ok()) {
+          hashes.push_back(other.model_hash());
+        }
+      }
+    }
+    for (const std::string &h : hashes) {
+      if (h != pinned) {
+        throw ClientError(9, "replicas of " + target + " serve different models: " + pinned + " and " + h +
+                                 " (every replica must serve one model file)");
+      }
+    }
   }
 
   void FetchVocabulary() {
@@ -562,6 +587,10 @@ struct Client::Impl {
       throw ClientError(-1, "nlmserve server at " + target + " answered in LN where LOG10 was asked");
     }
     if (!resp.model_hash().empty() && resp.model_hash() != info.model_hash) {
+      if (endpoint.replicated) {
+        throw ClientError(9, "replicas of " + target + " serve different models: " + info.model_hash +
+                                 " and " + resp.model_hash() + " (every replica must serve one model file)");
+      }
       throw ClientError(9, "nlmserve server at " + target + " now serves model " + resp.model_hash() +
                                ", the client was set up for " + info.model_hash +
                                "; restart the client to use the new model");

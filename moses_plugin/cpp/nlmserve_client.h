@@ -111,8 +111,10 @@ class Client {
   // Connects to `target` (anything ParseTarget takes), fetches the model info and the
   // vocabulary. Several replicas (a list or a dns:/// name) share one channel that
   // balances with gRPC's round_robin policy and skips replicas whose grpc.health.v1
-  // status for nlmserve.v1.LanguageModel is not SERVING; every answer must carry the
-  // model hash of the first one (ClientError code 9 otherwise).
+  // status for nlmserve.v1.LanguageModel is not SERVING. Every listed replica reachable
+  // at construction must serve the model of the first answer, and every later answer
+  // must carry its hash (ClientError code 9 otherwise). Failed calls on a replicated
+  // target are retried on the same channel, where round_robin skips the dead replica.
   // Throws ClientError when the server cannot be reached within the deadlines, when a
   // TLS or token file cannot be read, or when replicas serve different models.
   explicit Client(const std::string &target, const ClientOptions &options = ClientOptions());
