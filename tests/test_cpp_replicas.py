@@ -206,3 +206,26 @@ def test_tls_and_token(driver: Path, secured: RunningServer, pki: Pki, tmp_path:
     assert f"token file {empty} holds no token" in _refused(driver, secured.target, "--tls-ca", pki.ca,
                                                             "--token-file", str(empty))
     assert f"{tmp_path / 'absent.pem'}" in _refused(driver, secured.target, "--tls-ca", str(tmp_path / "absent.pem"))
+
+
+def test_mutual_tls(driver: Path, tiny_lm: Any, pki: Pki) -> None:  # noqa: F811
+    server = _start(tiny_lm, tls_cert=pki.server_cert, tls_key=pki.server_key, tls_client_ca=pki.ca)
+    try:
+        cpp = Driver(driver, server.target, "--tls-ca", pki.ca, "--tls-cert", pki.client_cert,
+                     "--tls-key", pki.client_key)
+        try:
+            got = cpp.ask("score of the european union")
+        finally:
+            cpp.close()
+        with LMClient(server.target, tls_ca=pki.ca, tls_cert=pki.client_cert, tls_key=pki.client_key) as py:
+            expected = py.score_ngrams([["of", "the", "european", "union"]], log_base="log10").log_probs[0]
+        assert got.startswith("ok ") and abs(float(got.split()[1]) - expected) <= TOL, (got, expected)
+        # No client certificate, or one from another CA: the handshake fails.
+        assert _refused(driver, server.target, "--tls-ca", pki.ca).startswith(("error 14 ", "error 4 "))
+        assert _refused(driver, server.target, "--tls-ca", pki.ca, "--tls-cert", pki.rogue_cert,
+                        "--tls-key", pki.rogue_key).startswith(("error 14 ", "error 4 "))
+        # A certificate without its key is refused before connecting.
+        assert "tls-cert and tls-key" in _refused(driver, server.target, "--tls-ca", pki.ca,
+                                                  "--tls-cert", pki.client_cert)
+    finally:
+        server.stop(1.0)
