@@ -111,7 +111,8 @@ class SentenceScore:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Exponential backoff with jitter for UNAVAILABLE (and RESOURCE_EXHAUSTED from overload).
+    """Exponential backoff with jitter for UNAVAILABLE and CANCELLED (a server shutting down), and
+    RESOURCE_EXHAUSTED from overload.
 
     Fields:
         retries: extra attempts after the first (0: no retry).
@@ -137,7 +138,10 @@ class RetryPolicy:
         if attempt >= self.retries:
             return False
         code = error.code()
-        if code == grpc.StatusCode.UNAVAILABLE:
+        # CANCELLED reaches a client that did not cancel only from a server that is
+        # shutting down (a call that arrived as it stopped accepting); scoring is
+        # idempotent, so it is retried like UNAVAILABLE.
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
             return True
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and self.retry_overloaded:
             return "larger than max" not in (error.details() or "")
@@ -157,8 +161,8 @@ def map_error(error: grpc.RpcError, index_offset: int = 0) -> NlmserveError:
         return InvalidRequestError(details)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return OverloadedError(details)
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return ServerUnavailableError(f"server unavailable: {details}")
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        return ServerUnavailableError(f"server unavailable ({code.name}): {details}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return RequestTimeoutError(f"deadline exceeded: {details}")
     return RpcError(f"{code.name}: {details}", code)

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+import grpc
 import numpy as np
 import pytest
 
@@ -285,3 +286,33 @@ def test_client_refuses_malformed_id_arrays(client: LMClient) -> None:
         client.score_ids(np.zeros(3, dtype=np.uint32))
     assert len(client.score_ids(np.zeros((0, 2), dtype=np.uint32)).log_probs) == 0
     assert len(client.score_ngrams([]).log_probs) == 0 and client.score_sentences([]) == []
+
+
+class _Failed(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str = "") -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+@pytest.mark.parametrize(
+    ("code", "details", "retried"),
+    [
+        (grpc.StatusCode.UNAVAILABLE, "", True),
+        (grpc.StatusCode.CANCELLED, "Cancelled", True),  # a server shutting down
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full", True),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, "message larger than max (10 vs. 5)", False),
+        (grpc.StatusCode.INVALID_ARGUMENT, "item 3: bad", False),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, "", False),
+    ],
+)
+def test_retry_policy_codes(code: grpc.StatusCode, details: str, retried: bool) -> None:
+    from nlmserve.client.core import RetryPolicy
+
+    policy = RetryPolicy(retries=2)
+    assert policy.should_retry(_Failed(code, details), 0) is retried
+    assert policy.should_retry(_Failed(code, details), 2) is False

@@ -203,13 +203,22 @@ def test_sigterm_under_load_fails_no_request_sent_before_the_signal(tiny_model_p
     finally:
         stop.set()
         srv.kill()
-    before = [r for r in records if r[0] < signalled]
+    # A request's start is taken on the client before the call: one started in the last
+    # moment before the signal may reach the server only after it stopped accepting (a
+    # correct UNAVAILABLE). Requests started at least MARGIN earlier were surely sent.
+    margin = 0.25
+    before = [r for r in records if r[0] < signalled - margin]
     after = [r for r in records if r[0] >= signalled]
     assert len(before) > 20
     failed = [r for r in before if r[2] != "OK" or not r[3]]
     assert not failed, f"{len(failed)} of {len(before)} requests sent before SIGTERM failed: {failed[:5]}"
-    assert any(r[1] > signalled for r in before), "some requests must have been in flight at the signal"
-    assert {r[2] for r in after} <= {"OK", "UNAVAILABLE"}
+    sent_before = [r for r in records if r[0] < signalled]
+    assert any(r[1] > signalled for r in sent_before), "some requests must have been in flight at the signal"
+    # Calls that reach the server as it stops accepting end UNAVAILABLE or CANCELLED
+    # (never processed); LMClient retries both, so a rescoring job loses nothing.
+    assert {r[2] for r in sent_before} <= {"OK", "UNAVAILABLE", "CANCELLED"}
+    assert all(r[3] for r in sent_before if r[2] == "OK")
+    assert {r[2] for r in after} <= {"OK", "UNAVAILABLE", "CANCELLED"}
     assert all(r[3] for r in after if r[2] == "OK")
     assert "SIGTERM" in srv.stderr_text()
     print(f"{len(before)} requests sent before SIGTERM ({sum(r[1] > signalled for r in before)} in flight at the "
