@@ -10,8 +10,13 @@ from __future__ import annotations
 
 import lzma
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from nlmserve.lm.corpus import CorpusIds
+    from nlmserve.lm.vocab import Vocabulary
 
 REPO = Path(__file__).resolve().parent.parent
 DATA_LM = REPO / "data" / "lm"
@@ -48,6 +53,24 @@ def dev_small_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 break
             dst.write(line)
     return out
+
+
+@pytest.fixture(scope="module")
+def vocab(train_small_path: Path) -> "Vocabulary":
+    """The vocabulary of ``train_small_path`` (words seen at least twice)."""
+    from nlmserve.lm.corpus import count_words
+    from nlmserve.lm.vocab import Vocabulary
+
+    counts, _ = count_words(train_small_path)
+    return Vocabulary.build(counts, min_count=2)
+
+
+@pytest.fixture(scope="module")
+def corpus(train_small_path: Path, vocab: "Vocabulary", tmp_path_factory: pytest.TempPathFactory) -> "CorpusIds":
+    """``train_small_path`` as a memory-mapped id file over ``vocab``."""
+    from nlmserve.lm.corpus import CorpusIds
+
+    return CorpusIds.encode(train_small_path, vocab, tmp_path_factory.mktemp("ids") / "train.ids")
 
 
 @pytest.fixture(scope="session")

@@ -20,15 +20,15 @@ from nlmserve.proto import lm_pb2, lm_pb2_grpc
 from nlmserve.server.app import RunningServer, create_server
 from nlmserve.server.auth import TokenStore
 from nlmserve.server.config import ServerConfig
-from nlmserve.server.engine import Engine
+
+from support import start_server
 
 TOKENS = "# one per line\nfirst-token-0123\n\nsecond-token-4567\n"
 NGRAMS = [["the", "european", "parliament"], ["of", "the"], ["zzzunknownzzz"]]
 
 
-def start(lm: Any, model: str = "(in-process)", **overrides: Any) -> RunningServer:
-    config = ServerConfig(model=model, port=0, metrics_port=0, **overrides)
-    return create_server(config, engine=Engine(lm, config))
+def start(lm: Any, **overrides: Any) -> RunningServer:
+    return start_server(lm, metrics_port=0, **overrides)
 
 
 def metric(running: RunningServer, sample: str) -> float:

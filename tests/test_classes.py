@@ -22,19 +22,8 @@ from nlmserve.lm.classes import (
     load_wcluster,
     save_wcluster,
 )
-from nlmserve.lm.corpus import CorpusIds, count_words
+from nlmserve.lm.corpus import CorpusIds
 from nlmserve.lm.vocab import BOS_ID, Vocabulary
-
-
-@pytest.fixture(scope="module")
-def vocab(train_small_path: Path) -> Vocabulary:
-    counts, _ = count_words(train_small_path)
-    return Vocabulary.build(counts, min_count=2)
-
-
-@pytest.fixture(scope="module")
-def corpus(train_small_path: Path, vocab: Vocabulary, tmp_path_factory: pytest.TempPathFactory) -> CorpusIds:
-    return CorpusIds.encode(train_small_path, vocab, tmp_path_factory.mktemp("ids") / "train.ids")
 
 
 def assert_partition(wc: WordClasses, vocab_size: int, num_classes: int) -> None:

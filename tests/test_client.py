@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
 import grpc
@@ -19,29 +18,17 @@ import pytest
 
 from nlmserve.client import AsyncLMClient, LMClient, RetryPolicy
 from nlmserve.errors import InvalidRequestError, ServerUnavailableError
-from nlmserve.server.app import RunningServer, create_server
-from nlmserve.server.config import ServerConfig
-from nlmserve.server.engine import Engine
+from nlmserve.server.app import RunningServer
 
-DEV = Path(__file__).resolve().parent.parent / "data" / "lm" / "europarl.dev.1k.lc-moses.en"
+from support import dev_ngrams, dev_sentences, start_server
+
 TOL = 1e-5
-
-
-def dev_sentences(start: int, count: int) -> list[str]:
-    with open(DEV, encoding="utf-8") as f:
-        lines = [line.strip() for line in f]
-    return [s for s in lines[start : start + count] if s]
-
-
-def start(lm: Any, port: int = 0, **overrides: Any) -> RunningServer:
-    config = ServerConfig(model="(in-process)", port=port, **overrides)
-    return create_server(config, engine=Engine(lm, config))
 
 
 @pytest.fixture(scope="module")
 def server(tiny_lm: Any) -> Iterator[RunningServer]:
     # A small request limit, so that the client has to chunk.
-    running = start(tiny_lm, max_ngrams_per_request=300)
+    running = start_server(tiny_lm, max_ngrams_per_request=300)
     yield running
     running.stop(1.0)
 
@@ -92,8 +79,8 @@ def test_score_ngrams_equal_in_process_and_are_chunked(server: RunningServer, ti
 
 
 def test_score_ids_unnormalized(client: LMClient, tiny_lm: Any) -> None:
-    ids, _, _, _ = tiny_lm.sentence_ngrams([s.split() for s in dev_sentences(500, 30)])
-    got = client.score_ids(ids.astype(np.uint32), log_base="ln", normalized=False)
+    ids = dev_ngrams(tiny_lm, 500, 30)
+    got = client.score_ids(ids, log_base="ln", normalized=False)
     np.testing.assert_allclose(got.log_probs, tiny_lm.score_ngrams(ids, normalized=False), atol=TOL, rtol=0)
     assert not got.normalized and len(ids) > 600  # more than two chunks of 300
 
@@ -200,7 +187,7 @@ def test_unavailable_is_retried_until_the_budget(tiny_lm: Any) -> None:
 def test_retry_reaches_a_server_that_starts_late(tiny_lm: Any) -> None:
     port = free_port()
     holder: list[RunningServer] = []
-    timer = threading.Timer(0.5, lambda: holder.append(start(tiny_lm, port=port)))
+    timer = threading.Timer(0.5, lambda: holder.append(start_server(tiny_lm, port=port)))
     timer.start()
     try:
         policy = RetryPolicy(retries=10, initial_backoff=0.1, max_backoff=0.5)
@@ -254,7 +241,7 @@ def test_score_cli_output(server: RunningServer, tiny_lm: Any) -> None:
 def test_deadline_gives_request_timeout_error(tiny_lm: Any) -> None:
     from nlmserve.client import RequestTimeoutError
 
-    running = start(tiny_lm)
+    running = start_server(tiny_lm)
     gate = threading.Event()
     scorer = running.engine.scorer
     real_score = scorer.score

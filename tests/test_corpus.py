@@ -19,17 +19,6 @@ from nlmserve.lm.corpus import CorpusIds, count_words, read_sentences
 from nlmserve.lm.vocab import BOS_ID, EOS_ID, UNK_ID, Vocabulary
 
 
-@pytest.fixture(scope="module")
-def vocab(train_small_path: Path) -> Vocabulary:
-    counts, _ = count_words(train_small_path)
-    return Vocabulary.build(counts, min_count=2)
-
-
-@pytest.fixture(scope="module")
-def corpus(train_small_path: Path, vocab: Vocabulary, tmp_path_factory: pytest.TempPathFactory) -> CorpusIds:
-    return CorpusIds.encode(train_small_path, vocab, tmp_path_factory.mktemp("ids") / "train.ids")
-
-
 def _write(path: Path, data: bytes) -> Path:
     path.write_bytes(data)
     return path

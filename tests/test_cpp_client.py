@@ -22,11 +22,11 @@ from typing import IO, Iterator
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from support import DEV, REPO
+
 CPP_SRC = REPO / "moses_plugin" / "cpp"
 BUILD = REPO / "build" / "cpp"
 DRIVER = BUILD / "nlmserve_client_test"
-DEV = REPO / "data" / "lm" / "europarl.dev.1k.lc-moses.en"
 # `nlmserve serve` through the server room's own CLI module, so this test depends on the
 # serve subcommand only (not on every room's parser being importable).
 SERVE = [sys.executable, "-c",

@@ -23,7 +23,7 @@ from nlmserve.server.app import RunningServer, create_server
 from nlmserve.server.config import ServerConfig
 from nlmserve.server.engine import Engine
 from test_cpp_client import Driver, _ngrams, driver  # noqa: F401 - the driver fixture builds build/cpp
-from test_replicas import Replica, other_lm  # noqa: F401 - a second model, another hash
+from test_replicas import Replica, other_lm, replicas  # noqa: F401 - two replica processes; a second model
 from test_tls import Pki, pki  # noqa: F401 - the session's throwaway PKI
 
 TOL = 1e-5
@@ -36,18 +36,6 @@ def ngram_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[lis
     path = tmp_path_factory.mktemp("cpp-replica-ngrams") / "ngrams.txt"
     path.write_text("".join(" ".join(g) + "\n" for g in ngrams), encoding="utf-8")
     return path, ngrams
-
-
-@pytest.fixture()
-def replicas(tiny_model_path: Path) -> Iterator[list[Replica]]:
-    started: list[Replica] = []
-    try:
-        for _ in range(2):
-            started.append(Replica(tiny_model_path))
-        yield started
-    finally:
-        for r in started:
-            r.kill()
 
 
 def _fields(answer: str) -> dict[str, str]:

@@ -10,7 +10,6 @@ the others.
 from __future__ import annotations
 
 import gzip
-import math
 import os
 import tempfile
 from dataclasses import dataclass

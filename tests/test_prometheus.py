@@ -108,7 +108,7 @@ def test_prometheus_sees_the_traffic_and_the_dashboard_has_data(server: RunningS
             sentence_requests += 1
             ngrams_sent += tokens_per_sentence_batch
             time.sleep(0.05)
-    expected_ok = f'nlmserve_requests_total{{rpc="ScoreNgrams",code="OK"}}'
+    expected_ok = 'nlmserve_requests_total{rpc="ScoreNgrams",code="OK"}'
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         if (scalar(prometheus, "sum(nlmserve_ngrams_scored_total)") == ngrams_sent

@@ -24,11 +24,11 @@ import grpc
 import numpy as np
 import pytest
 
-from nlmserve.moses_plugin.nbest import iter_sentences
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
 
+from support import nbest_head
+
 NLMSERVE = [sys.executable, "-m", "nlmserve.cli"]
-NEWS = Path(__file__).resolve().parent.parent / "data" / "nbest" / "newstest-fr-en" / "newstest2013.300.nbest.gz"
 N_SENTENCES = 40
 BATCH_NGRAMS = "2000"
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
@@ -72,15 +72,7 @@ class Server:
 @pytest.fixture(scope="module")
 def news_list(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The first 40 sentences (about 3,900 hypotheses) of the shipped newstest2013 list, gzip."""
-    out = tmp_path_factory.mktemp("nbest") / "news40.nbest.gz"
-    lines: list[str] = []
-    for group in iter_sentences(NEWS):
-        if group[0].sent_id >= N_SENTENCES:
-            break
-        lines += [e.raw for e in group]
-    with gzip.open(out, "wt", encoding="utf-8") as handle:
-        handle.write("".join(lines))
-    return out
+    return nbest_head(tmp_path_factory.mktemp("nbest") / "news40.nbest.gz", N_SENTENCES)
 
 
 @pytest.fixture(scope="module")

@@ -26,11 +26,12 @@ import numpy as np
 import pytest
 
 from nlmserve.client import LMClient, RpcError
-from nlmserve.server.app import RunningServer, create_server
+from nlmserve.server.app import create_server
 from nlmserve.server.config import ServerConfig
 from nlmserve.server.engine import Engine
 
-DEV = Path(__file__).resolve().parent.parent / "data" / "lm" / "europarl.dev.1k.lc-moses.en"
+from support import DEV
+
 NLMSERVE = [sys.executable, "-m", "nlmserve.cli"]
 TOL = 1e-5
 SLICES = 16  # distinct requests the clients cycle through

@@ -22,12 +22,9 @@ import pytest
 
 from nlmserve.client import AsyncLMClient, LMClient, ModelMismatchError
 from nlmserve.client.replicas import Endpoint, ModelGuard, endpoint_of
-from nlmserve.server.app import RunningServer, create_server
-from nlmserve.server.config import ServerConfig
-from nlmserve.server.engine import Engine
 
-REPO = Path(__file__).resolve().parent.parent
-DEV = REPO / "data" / "lm" / "europarl.dev.1k.lc-moses.en"
+from support import DEV, REPO, start_server
+
 HEALTHCHECK = REPO / "docker" / "healthcheck.py"
 NLMSERVE = [sys.executable, "-m", "nlmserve.cli"]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
@@ -167,13 +164,8 @@ def test_killing_a_replica_mid_stream_fails_no_request(replicas: list[Replica], 
 
 
 # ------------------------------------------------------------------ health checking, in process
-def _start(lm: Any, port: int = 0) -> RunningServer:
-    config = ServerConfig(model="(in-process)", port=port)
-    return create_server(config, engine=Engine(lm, config))
-
-
 def test_a_not_serving_replica_gets_no_requests_until_it_serves_again(tiny_lm: Any) -> None:
-    a, b = _start(tiny_lm), _start(tiny_lm)
+    a, b = start_server(tiny_lm), start_server(tiny_lm)
     try:
         with LMClient(f"{a.target},{b.target}", timeout=10) as client:
             ngrams = [["of", "the"], ["the", "european", "union"]]
@@ -203,7 +195,7 @@ def test_a_not_serving_replica_gets_no_requests_until_it_serves_again(tiny_lm: A
 
 
 def test_a_restarted_replica_gets_requests_again_and_dns_targets_balance(tiny_lm: Any) -> None:
-    a, b = _start(tiny_lm), _start(tiny_lm)
+    a, b = start_server(tiny_lm), start_server(tiny_lm)
     port = b.port
     try:
         with LMClient([a.target, b.target], timeout=10) as client:
@@ -212,7 +204,7 @@ def test_a_restarted_replica_gets_requests_again_and_dns_targets_balance(tiny_lm
             b.stop(0.5)
             for _ in range(10):  # all on a while b is gone
                 np.testing.assert_allclose(client.score_ngrams(ngrams).log_probs, expected, atol=TOL, rtol=0)
-            b = _start(tiny_lm, port)  # the same address, a new process state
+            b = start_server(tiny_lm, port=port)  # the same address, a new process state
             started = time.monotonic()
 
             def b_served() -> bool:
@@ -253,7 +245,7 @@ def other_lm(tmp_path_factory: pytest.TempPathFactory, train_small_path: Path, d
 
 def test_replicas_serving_different_models_raise_unless_mixing_is_allowed(tiny_lm: Any, other_lm: Any) -> None:
     assert other_lm.model_hash != tiny_lm.model_hash
-    a, b = _start(tiny_lm), _start(other_lm)
+    a, b = start_server(tiny_lm), start_server(other_lm)
     try:
         with LMClient([a.target, b.target], timeout=10) as client, pytest.raises(ModelMismatchError) as info:
             client.info
@@ -309,7 +301,7 @@ def test_targets() -> None:
 
 
 def test_score_cli_takes_a_replica_list(tiny_lm: Any) -> None:
-    a, b = _start(tiny_lm), _start(tiny_lm)
+    a, b = start_server(tiny_lm), start_server(tiny_lm)
     try:
         line = "the european union is a union of states ."
         done = subprocess.run(NLMSERVE + ["score", "--server", f"{a.target},{b.target}", "--json"], input=line + "\n",
@@ -335,7 +327,7 @@ def test_score_cli_takes_a_replica_list(tiny_lm: Any) -> None:
 
 # ------------------------------------------------------------------ docker/healthcheck.py
 def test_container_health_check_against_a_real_server(tiny_lm: Any) -> None:
-    running = _start(tiny_lm)
+    running = start_server(tiny_lm)
     try:
         ok = subprocess.run([sys.executable, str(HEALTHCHECK)], capture_output=True, text=True, timeout=30,
                             env={**ENV, "NLMSERVE_PORT": str(running.port)})

@@ -18,19 +18,17 @@ import pytest
 
 from nlmserve.client import LMClient
 from nlmserve.errors import InputError
-from nlmserve.moses_plugin.nbest import iter_entries, iter_sentences
+from nlmserve.moses_plugin.nbest import iter_entries
 from nlmserve.moses_plugin.rescore import RescoreConfig, SentenceLM, rescore
-from nlmserve.server.app import RunningServer, create_server
-from nlmserve.server.config import ServerConfig
-from nlmserve.server.engine import Engine
+from nlmserve.server.app import RunningServer
 
-NEWS = Path(__file__).resolve().parent.parent / "data" / "nbest" / "newstest-fr-en" / "newstest2013.300.nbest.gz"
+from support import nbest_head, start_server
+
 N_SENTENCES = 30
 
 
 def start(lm: Any, port: int = 0) -> RunningServer:
-    config = ServerConfig(model="(in-process)", port=port, torch_threads=1)
-    return create_server(config, engine=Engine(lm, config))
+    return start_server(lm, port=port, torch_threads=1)
 
 
 @pytest.fixture(scope="module")
@@ -43,15 +41,7 @@ def server(tiny_lm: Any) -> Iterator[RunningServer]:
 @pytest.fixture(scope="module")
 def small_list(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The first 30 sentences (about 2,900 hypotheses) of the newstest2013 list, gzip."""
-    out = tmp_path_factory.mktemp("nbest") / "small.nbest.gz"
-    lines = []
-    for group in iter_sentences(NEWS):
-        if group[0].sent_id >= N_SENTENCES:
-            break
-        lines += [e.raw for e in group]
-    with gzip.open(out, "wt", encoding="utf-8") as handle:
-        handle.write("".join(lines))
-    return out
+    return nbest_head(tmp_path_factory.mktemp("nbest") / "small.nbest.gz", N_SENTENCES)
 
 
 @pytest.fixture(scope="module")

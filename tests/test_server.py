@@ -22,21 +22,14 @@ from nlmserve.errors import InputError
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
 from nlmserve.server.app import RunningServer, create_server
 from nlmserve.server.config import ServerConfig, build_config
-from nlmserve.server.engine import Engine
 
-DEV = Path(__file__).resolve().parent.parent / "data" / "lm" / "europarl.dev.1k.lc-moses.en"
+from support import dev_ngrams, dev_sentences, start_server
+
 TOL = 1e-5
 
 
-def dev_sentences(start: int, count: int) -> list[str]:
-    with open(DEV, encoding="utf-8") as f:
-        lines = [line.strip() for line in f]
-    return [s for s in lines[start : start + count] if s]
-
-
 def start(lm: Any, **overrides: Any) -> RunningServer:
-    config = ServerConfig(model="(in-process)", port=0, metrics_port=0, **overrides)
-    return create_server(config, engine=Engine(lm, config))
+    return start_server(lm, metrics_port=0, **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +48,7 @@ def stub(server: RunningServer) -> Iterator[lm_pb2_grpc.LanguageModelStub]:
 @pytest.fixture(scope="module")
 def dev_ids(tiny_lm: Any) -> np.ndarray:
     """All n-grams (T, order) of 40 real dev sentences, as the model sees them."""
-    ids, _, _, _ = tiny_lm.sentence_ngrams([s.split() for s in dev_sentences(100, 40)])
-    return np.asarray(ids, dtype=np.uint32)
+    return dev_ngrams(tiny_lm, 100, 40)
 
 
 def packed(ids: np.ndarray, **kw: Any) -> lm_pb2.ScoreNgramsRequest:
@@ -535,8 +527,7 @@ def test_softmax_mle_model_is_served_normalised(softmax_mle_model: Path, caches:
     config = ServerConfig(model=str(softmax_mle_model), port=0, ngram_cache_size=caches, context_cache_size=caches)
     running = create_server(config)  # loads the file itself, as `nlmserve serve` does
     try:
-        ids, _, _, _ = lm.sentence_ngrams([s.split() for s in dev_sentences(50, 20)])
-        ids = ids.astype(np.uint32)
+        ids = dev_ngrams(lm, 50, 20)
         with grpc.insecure_channel(running.target) as channel:
             s = lm_pb2_grpc.LanguageModelStub(channel)
             info = s.GetModelInfo(lm_pb2.GetModelInfoRequest())

@@ -8,7 +8,6 @@ full context matrices, a hidden layer and tanh, and weights changed in place aft
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,17 +18,15 @@ from nlmserve.lm.model import ModelConfig, NeuralLM
 from nlmserve.lm.scoring import TINY_ROWS
 from nlmserve.server.engine import normalize_ngrams
 
+from support import dev_ngrams
+
 TOL = 1e-5
-DEV = Path(__file__).resolve().parent.parent / "data" / "lm" / "europarl.dev.1k.lc-moses.en"
 
 
 @pytest.fixture(scope="module")
 def rows(tiny_lm: Any) -> np.ndarray:
     """Canonical n-gram rows (T, order) of 30 real dev sentences."""
-    with open(DEV, encoding="utf-8") as f:
-        sentences = [line.split() for _, line in zip(range(30), f) if line.strip()]
-    ids, _, _, _ = tiny_lm.sentence_ngrams(sentences)
-    return normalize_ngrams(np.asarray(ids), tiny_lm.order, len(tiny_lm.vocab))
+    return normalize_ngrams(dev_ngrams(tiny_lm, 0, 30), tiny_lm.order, len(tiny_lm.vocab))
 
 
 def reference(lm: Any, rows: np.ndarray, normalized: bool) -> np.ndarray:

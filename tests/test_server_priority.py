@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -13,18 +12,17 @@ import pytest
 from nlmserve.server.config import ServerConfig
 from nlmserve.server.engine import Engine
 
+from support import dev_ngrams
+
 TOL = 1e-5
-DEV = Path(__file__).resolve().parent.parent / "data" / "lm" / "europarl.dev.1k.lc-moses.en"
 
 
 @pytest.fixture(scope="module")
 def dev_ids(tiny_lm: Any) -> np.ndarray:
     """The n-grams (T, order) of the first 60 real dev sentences, as the model sees them."""
-    with open(DEV, encoding="utf-8") as f:
-        sentences = [line.split() for _, line in zip(range(60), f) if line.strip()]
-    ids, _, _, _ = tiny_lm.sentence_ngrams(sentences)
+    ids = dev_ngrams(tiny_lm, 0, 60)
     assert len(ids) >= 800
-    return np.asarray(ids, dtype=np.uint32)
+    return ids
 
 
 class RecordingScorer:

@@ -26,7 +26,8 @@ from nlmserve.server.app import RunningServer, create_server
 from nlmserve.server.config import ServerConfig
 from nlmserve.server.engine import Engine
 
-DEV = Path(__file__).resolve().parent.parent / "data" / "lm" / "europarl.dev.1k.lc-moses.en"
+from support import dev_sentences, start_server
+
 TOL = 1e-5
 
 
@@ -80,16 +81,6 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
                p["rogue-server"] + ".pem", p["rogue-server"] + ".key")
 
 
-def dev_sentences(count: int) -> list[str]:
-    with open(DEV, encoding="utf-8") as f:
-        return [line.strip() for _, line in zip(range(count), f) if line.strip()]
-
-
-def start(lm: Any, **overrides: Any) -> RunningServer:
-    config = ServerConfig(model="(in-process)", port=0, **overrides)
-    return create_server(config, engine=Engine(lm, config))
-
-
 def expected_totals(lm: Any, sentences: list[str]) -> np.ndarray:
     return np.asarray([lm.score_sentences([s.split()], log10=True)[0].total for s in sentences])
 
@@ -100,21 +91,21 @@ def _totals(client: LMClient, sentences: list[str]) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def tls_server(tiny_lm: Any, pki: Pki) -> Iterator[RunningServer]:
-    running = start(tiny_lm, tls_cert=pki.server_cert, tls_key=pki.server_key)
+    running = start_server(tiny_lm, tls_cert=pki.server_cert, tls_key=pki.server_key)
     yield running
     running.stop(1.0)
 
 
 @pytest.fixture(scope="module")
 def mtls_server(tiny_lm: Any, pki: Pki) -> Iterator[RunningServer]:
-    running = start(tiny_lm, tls_cert=pki.server_cert, tls_key=pki.server_key, tls_client_ca=pki.ca)
+    running = start_server(tiny_lm, tls_cert=pki.server_cert, tls_key=pki.server_key, tls_client_ca=pki.ca)
     yield running
     running.stop(1.0)
 
 
 def test_tls_client_scores_and_a_plaintext_client_is_refused(tls_server: RunningServer, tiny_lm: Any,
                                                              pki: Pki) -> None:
-    sentences = dev_sentences(20)
+    sentences = dev_sentences(0, 20)
     with LMClient(tls_server.target, tls_ca=pki.ca, timeout=10) as client:
         np.testing.assert_allclose(_totals(client, sentences), expected_totals(tiny_lm, sentences), atol=1e-3)
         assert client.score_ngrams([["the", "european"]]).model_hash == tiny_lm.model_hash
@@ -130,7 +121,7 @@ def test_tls_client_scores_and_a_plaintext_client_is_refused(tls_server: Running
 
 def test_mutual_tls_needs_a_client_certificate_signed_by_the_ca(mtls_server: RunningServer, tiny_lm: Any,
                                                                 pki: Pki) -> None:
-    sentences = dev_sentences(10)
+    sentences = dev_sentences(0, 10)
     with LMClient(mtls_server.target, tls_ca=pki.ca, tls_cert=pki.client_cert, tls_key=pki.client_key,
                   timeout=10) as client:
         np.testing.assert_allclose(_totals(client, sentences), expected_totals(tiny_lm, sentences), atol=1e-3)
@@ -147,9 +138,9 @@ def test_mutual_tls_needs_a_client_certificate_signed_by_the_ca(mtls_server: Run
 def test_async_client_over_mutual_tls_with_a_token(tiny_lm: Any, pki: Pki, tmp_path: Path) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text("s3cret-token\n", encoding="utf-8")
-    running = start(tiny_lm, tls_cert=pki.server_cert, tls_key=pki.server_key, tls_client_ca=pki.ca,
+    running = start_server(tiny_lm, tls_cert=pki.server_cert, tls_key=pki.server_key, tls_client_ca=pki.ca,
                     token_file=str(tokens))
-    sentences = dev_sentences(5)
+    sentences = dev_sentences(0, 5)
 
     async def run() -> tuple[list[float], str]:
         async with AsyncLMClient(running.target, tls_ca=pki.ca, tls_cert=pki.client_cert, tls_key=pki.client_key,
@@ -180,8 +171,8 @@ def test_async_client_over_mutual_tls_with_a_token(tiny_lm: Any, pki: Pki, tmp_p
 def test_score_cli_over_tls_with_a_token(tiny_lm: Any, pki: Pki, tmp_path: Path) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text("# decoder farm\ncli-token\n", encoding="utf-8")
-    running = start(tiny_lm, tls_cert=pki.server_cert, tls_key=pki.server_key, token_file=str(tokens))
-    sentences = dev_sentences(3)
+    running = start_server(tiny_lm, tls_cert=pki.server_cert, tls_key=pki.server_key, token_file=str(tokens))
+    sentences = dev_sentences(0, 3)
     cmd = [sys.executable, "-m", "nlmserve.cli", "score", "--server", running.target, "--json", "--tls-ca", pki.ca]
     try:
         ok = subprocess.run(cmd + ["--token-file", str(tokens)], input="\n".join(sentences) + "\n", text=True,
@@ -202,13 +193,13 @@ def test_all_interfaces_with_tls_and_a_token_log_no_warning(tiny_lm: Any, pki: P
     tokens = tmp_path / "tokens"
     tokens.write_text("t0ken\n", encoding="utf-8")
     with caplog.at_level(logging.WARNING, logger="nlmserve.server.app"):
-        running = start(tiny_lm, host="0.0.0.0", tls_cert=pki.server_cert, tls_key=pki.server_key,
+        running = start_server(tiny_lm, host="0.0.0.0", tls_cert=pki.server_cert, tls_key=pki.server_key,
                         token_file=str(tokens))
         running.stop(0.5)
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
         caplog.clear()
         # TLS alone is not enough: anyone holding a connection could still score.
-        running = start(tiny_lm, host="0.0.0.0", tls_cert=pki.server_cert, tls_key=pki.server_key)
+        running = start_server(tiny_lm, host="0.0.0.0", tls_cert=pki.server_cert, tls_key=pki.server_key)
         running.stop(0.5)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "without a token" in warnings[0] and warnings[0].startswith("SECURITY")

@@ -1,0 +1,56 @@
+"""Helpers the test modules share: the shipped dev slice and an in-process server.
+
+Fixtures live in ``conftest.py``; plain functions that modules import live here.
+"""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nlmserve.server.app import RunningServer, create_server
+from nlmserve.server.config import ServerConfig
+from nlmserve.server.engine import Engine
+
+REPO = Path(__file__).resolve().parent.parent
+DEV = REPO / "data" / "lm" / "europarl.dev.1k.lc-moses.en"
+
+
+def dev_sentences(start: int, count: int) -> list[str]:
+    """The non-empty lines among lines ``start .. start+count-1`` of the shipped dev slice."""
+    with open(DEV, encoding="utf-8") as f:
+        lines = [line.strip() for line in f]
+    return [s for s in lines[start : start + count] if s]
+
+
+def dev_ngrams(lm: Any, start: int, count: int) -> np.ndarray:
+    """Every n-gram (T, order) uint32 of those dev sentences, with ``<s>``/``</s>``, as ``lm`` sees them."""
+    ids, _, _, _ = lm.sentence_ngrams([s.split() for s in dev_sentences(start, count)])
+    return np.asarray(ids, dtype=np.uint32)
+
+
+def start_server(lm: Any, **overrides: Any) -> RunningServer:
+    """A real gRPC server on 127.0.0.1 (port 0 unless ``port`` is given) over an engine of ``lm``."""
+    fields: dict[str, Any] = {"model": "(in-process)", "port": 0, **overrides}
+    config = ServerConfig(**fields)
+    return create_server(config, engine=Engine(lm, config))
+
+
+NEWS_NBEST = REPO / "data" / "nbest" / "newstest-fr-en" / "newstest2013.300.nbest.gz"
+
+
+def nbest_head(out: Path, sentences: int, source: Path = NEWS_NBEST) -> Path:
+    """The first ``sentences`` sentences of a real Moses n-best list, written to ``out`` (gzip)."""
+    from nlmserve.moses_plugin.nbest import iter_sentences
+
+    lines: list[str] = []
+    for group in iter_sentences(source):
+        if group[0].sent_id >= sentences:
+            break
+        lines += [e.raw for e in group]
+    with gzip.open(out, "wt", encoding="utf-8") as handle:
+        handle.write("".join(lines))
+    return out
