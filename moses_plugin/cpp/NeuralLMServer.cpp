@@ -3,6 +3,7 @@
 #include "NeuralLMServer.h"
 
 #include <algorithm>
+#include <unordered_map>
 #include <boost/functional/hash.hpp>
 
 #include "moses/FactorCollection.h"
@@ -11,6 +12,8 @@
 #include "moses/Range.h"
 #include "moses/ScoreComponentCollection.h"
 #include "moses/InputPath.h"
+#include "moses/Manager.h"
+#include "moses/SearchNormal.h"
 #include "moses/ReorderingConstraint.h"
 #include "moses/StaticData.h"
 #include "moses/TranslationOption.h"
@@ -29,11 +32,47 @@ namespace Moses {
 namespace {
 // Round trips of this thread when its current sentence started.
 thread_local uint64_t tl_sentence_start = 0;
-// The hypothesis whose expansions this thread prefetched last, and the sentence it
-// belongs to (a pointer alone could be reused by a later sentence).
-thread_local const void *tl_prefetched = NULL;
+// Sentences this thread started (a count, so that pointers of an earlier sentence that
+// a later one reuses are never mistaken for its own).
 thread_local uint64_t tl_sentence = 0;
-thread_local uint64_t tl_prefetched_sentence = 0;
+
+// A predecessor hypothesis and the translation option that expands it.
+typedef std::pair<const void *, const void *> Expansion;
+struct ExpansionHash {
+  size_t operator()(const Expansion &e) const {
+    size_t seed = 0;
+    boost::hash_combine(seed, e.first);
+    boost::hash_combine(seed, e.second);
+    return seed;
+  }
+};
+
+}  // namespace
+
+// What one thread keeps for one NeuralLMServer feature.
+struct NeuralLMServerThread {
+  // Factor id -> word id (-1: not looked up yet): the vocabulary, a string map, is asked
+  // once per word.
+  std::vector<int64_t> ids;
+  // The hypothesis (prefetch=hypothesis) or stack (prefetch=stack) prefetched last, and
+  // the value of tl_sentence then.
+  const void *prefetched = NULL;
+  uint64_t prefetchedSentence = 0;
+  // The boundary score of every expansion prefetched last: EvaluateWhenApplied reads it
+  // instead of asking the client's cache n-gram by n-gram.
+  std::unordered_map<Expansion, float, ExpansionHash> boundary;
+};
+
+namespace {
+NeuralLMServerThread &Local(const void *feature) {
+  thread_local std::unordered_map<const void *, NeuralLMServerThread> states;
+  return states[feature];
+}
+// Manager keeps its Search protected; a pointer to the member named through a derived
+// class reads it without changing Moses.
+struct ManagerSearch : public Manager {
+  static const Search *Of(const Manager &manager) { return manager.*(&ManagerSearch::m_search); }
+};
 }  // namespace
 
 size_t NeuralLMServerState::hash() const {
@@ -53,7 +92,7 @@ NeuralLMServer::NeuralLMServer(const std::string &line)
       m_connectTimeoutMs(5000),
       m_retries(2),
       m_floorOnError(false),
-      m_prefetch(true),
+      m_prefetch(PrefetchStack),
       m_sentencePhrases(true),
       m_bosId(1),
       m_eosId(2),
@@ -80,8 +119,13 @@ NeuralLMServer::~NeuralLMServer() {
   if (m_sentences.load() > 0) {
     VERBOSE(1, "NeuralLMServer " << GetScoreProducerDescription() << ": " << m_sentences.load()
                                  << " sentences, " << m_sentenceRoundTrips.load()
-                                 << " round trips, " << m_errors.load() << " failed requests"
-                                 << std::endl);
+                                 << " round trips, " << m_errors.load() << " failed requests");
+    if (m_client) {
+      nlmserve::ClientStats stats = m_client->stats();
+      VERBOSE(1, ", " << stats.ngrams_sent << " n-grams sent, " << stats.cache_hits << " cache hits, "
+                      << stats.cache_misses << " misses");
+    }
+    VERBOSE(1, std::endl);
   }
   delete m_nullState;
   delete m_beginState;
@@ -105,7 +149,14 @@ void NeuralLMServer::SetParameter(const std::string &key, const std::string &val
                    "NeuralLMServer: phrase-scores must be sentence or load, got " << value);
     m_sentencePhrases = (value == "sentence");
   } else if (key == "prefetch") {
-    m_prefetch = Scan<bool>(value);
+    if (value == "stack" || value == "true") {
+      m_prefetch = PrefetchStack;
+    } else if (value == "hypothesis") {
+      m_prefetch = PrefetchHypothesis;
+    } else {
+      UTIL_THROW_IF2(value != "false", "NeuralLMServer: prefetch must be stack, hypothesis or false, got " << value);
+      m_prefetch = PrefetchOff;
+    }
   } else if (key == "tls-ca") {
     m_tlsCa = value;
   } else if (key == "tls-cert") {
@@ -168,7 +219,12 @@ uint32_t NeuralLMServer::Id(const Word &word) const {
   const Factor *f = word.GetFactor(m_factorType);
   if (f == m_sentenceStart) return m_bosId;
   if (f == m_sentenceEnd) return m_eosId;
-  return m_client->WordId(f->GetString().as_string());
+  // Factor ids are unique and dense.
+  std::vector<int64_t> &ids = Local(this).ids;
+  const size_t key = f->GetId();
+  if (key >= ids.size()) ids.resize(std::max(key + 1, 2 * ids.size()), -1);
+  if (ids[key] < 0) ids[key] = m_client->WordId(f->GetString().as_string());
+  return static_cast<uint32_t>(ids[key]);
 }
 
 std::vector<float> NeuralLMServer::ScoreIds(const std::vector<std::vector<uint32_t> > &ngrams) const {
@@ -344,18 +400,43 @@ FFState *NeuralLMServer::EvaluateWhenApplied(const Hypothesis &hypo, const FFSta
   if (hypo.GetCurrTargetLength() == 0) return ps ? NewState(ps) : NULL;
 
   const Hypothesis *prev = hypo.GetPrevHypo();
-  if (m_prefetch && prev != NULL &&
-      (prev != tl_prefetched || tl_prefetched_sentence != tl_sentence)) {
-    tl_prefetched = prev;
-    tl_prefetched_sentence = tl_sentence;
-    PrefetchExpansions(*prev);
+  const float *prefetched = NULL;
+  if (m_prefetch != PrefetchOff && prev != NULL) {
+    NeuralLMServerThread &local = Local(this);
+    Prefetch(*prev, local);
+    std::unordered_map<Expansion, float, ExpansionHash>::const_iterator found =
+        local.boundary.find(Expansion(prev, &hypo.GetTranslationOption()));
+    if (found != local.boundary.end()) prefetched = &found->second;
   }
 
+  const size_t order = m_nGramOrder;
+  const size_t size = hypo.GetSize();
+  std::vector<const Word *> last;  // the last order-1 words, the state
+  for (size_t i = 0; i + 1 < order; ++i) {
+    int pos = static_cast<int>(size) - static_cast<int>(order) + 1 + static_cast<int>(i);
+    last.push_back(pos >= 0 ? &hypo.GetWord(static_cast<size_t>(pos)) : &GetSentenceStartWord());
+  }
+  float lmScore = prefetched ? *prefetched : BoundaryScore(hypo, last);
+  if (hypo.IsSourceCompleted()) last.push_back(&GetSentenceEndWord());
+
+  FFState *res = NewState(ps);
+  SetState(last, *res);
+  if (OOVFeatureEnabled()) {
+    std::vector<float> values(2);
+    values[0] = lmScore;
+    values[1] = 0;
+    out->PlusEquals(this, values);
+  } else {
+    out->PlusEquals(this, lmScore);
+  }
+  return res;
+}
+
+float NeuralLMServer::BoundaryScore(const Hypothesis &hypo, const std::vector<const Word *> &last) const {
   const size_t order = m_nGramOrder;
   const size_t start = hypo.GetCurrTargetWordsRange().GetStartPos();
   const size_t end = hypo.GetCurrTargetWordsRange().GetEndPos();
   std::vector<std::vector<uint32_t> > ngrams;
-
   // Ids of the window ending at `last` (order words, <s> before the sentence).
   std::vector<uint32_t> window(order);
   for (size_t i = 0; i < order; ++i) {
@@ -369,36 +450,16 @@ FFState *NeuralLMServer::EvaluateWhenApplied(const Hypothesis &hypo, const FFSta
     window.push_back(Id(hypo.GetWord(pos)));
     ngrams.push_back(window);
   }
-
-  const size_t size = hypo.GetSize();
-  std::vector<const Word *> last;  // the last order-1 words, the state
-  for (size_t i = 0; i + 1 < order; ++i) {
-    int pos = static_cast<int>(size) - static_cast<int>(order) + 1 + static_cast<int>(i);
-    last.push_back(pos >= 0 ? &hypo.GetWord(static_cast<size_t>(pos)) : &GetSentenceStartWord());
-  }
   if (hypo.IsSourceCompleted()) {
     std::vector<uint32_t> eos;
     for (size_t i = 0; i < last.size(); ++i) eos.push_back(Id(*last[i]));
     eos.push_back(m_eosId);
     ngrams.push_back(eos);
-    last.push_back(&GetSentenceEndWord());
   }
-
   std::vector<float> scores = ScoreIds(ngrams);
-  float lmScore = 0;
+  float lmScore = 0;  // summed in this order by Prefetch too
   for (size_t i = 0; i < scores.size(); ++i) lmScore += scores[i];
-
-  FFState *res = NewState(ps);
-  SetState(last, *res);
-  if (OOVFeatureEnabled()) {
-    std::vector<float> values(2);
-    values[0] = lmScore;
-    values[1] = 0;
-    out->PlusEquals(this, values);
-  } else {
-    out->PlusEquals(this, lmScore);
-  }
-  return res;
+  return lmScore;
 }
 
 void NeuralLMServer::BoundaryNgrams(const std::vector<uint32_t> &context, const Phrase &phrase,
@@ -421,13 +482,53 @@ void NeuralLMServer::BoundaryNgrams(const std::vector<uint32_t> &context, const 
   }
 }
 
-void NeuralLMServer::PrefetchExpansions(const Hypothesis &prev) const {
+void NeuralLMServer::Prefetch(const Hypothesis &prev, NeuralLMServerThread &local) const {
+  Manager &manager = prev.GetManager();
+  // Only the normal stack search expands the hypotheses of one stack, and all options
+  // of each, in a row.
+  if (manager.GetSource().GetType() != SentenceInput || manager.options()->search.algo != Normal) return;
+  const void *key = &prev;
+  const HypothesisStack *stack = NULL;
+  if (m_prefetch == PrefetchStack) {
+    // SearchNormal processes stack k (hypotheses covering k source words) after
+    // pruning it; expanding it adds hypotheses only to later stacks.
+    const SearchNormal *search = dynamic_cast<const SearchNormal *>(ManagerSearch::Of(manager));
+    const size_t covered = prev.GetWordsBitmap().GetNumWordsCovered();
+    if (search != NULL && covered < search->GetHypothesisStacks().size()) {
+      stack = search->GetHypothesisStacks()[covered];
+      key = stack;
+    }
+  }
+  if (key == local.prefetched && local.prefetchedSentence == tl_sentence) return;
+  local.prefetched = key;
+  local.prefetchedSentence = tl_sentence;
+  local.boundary.clear();
+  std::vector<std::vector<uint32_t> > ngrams;
+  std::vector<std::pair<Expansion, size_t> > expansions;  // and the end of its n-grams
+  if (stack == NULL) {
+    ExpansionNgrams(prev, &ngrams, &expansions);
+  } else {
+    for (HypothesisStack::const_iterator it = stack->begin(); it != stack->end(); ++it) {
+      ExpansionNgrams(**it, &ngrams, &expansions);
+    }
+  }
+  if (ngrams.empty()) return;
+  std::vector<float> scores = ScoreIds(ngrams);
+  size_t begin = 0;
+  for (size_t e = 0; e < expansions.size(); ++e) {
+    float sum = 0;  // in BoundaryScore's order, so the values are identical
+    for (size_t i = begin; i < expansions[e].second; ++i) sum += scores[i];
+    local.boundary[expansions[e].first] = sum;
+    begin = expansions[e].second;
+  }
+}
+
+void NeuralLMServer::ExpansionNgrams(const Hypothesis &prev, std::vector<std::vector<uint32_t> > *ngrams,
+                                     std::vector<std::pair<Expansion, size_t> > *expansions) const {
   // Mirrors the loops of Moses' SearchNormal::ProcessOneHypothesis for sentence input;
   // n-grams of expansions that search will not make only cost server time.
   Manager &manager = prev.GetManager();
   const InputType &source = manager.GetSource();
-  // Only the normal stack search expands all options of one hypothesis in a row.
-  if (source.GetType() != SentenceInput || manager.options()->search.algo != Normal) return;
   const TranslationOptionCollection *options = manager.getSntTranslationOptions();
   if (options == NULL) return;
   const Bitmap &bitmap = prev.GetWordsBitmap();
@@ -446,7 +547,6 @@ void NeuralLMServer::PrefetchExpansions(const Hypothesis &prev) const {
     if (pos >= 0) context[i] = Id(prev.GetWord(static_cast<size_t>(pos)));
   }
 
-  std::vector<std::vector<uint32_t> > ngrams;
   for (size_t startPos = firstGap; startPos < sourceSize; ++startPos) {
     if (bitmap.GetValue(startPos)) continue;
     if (maxDistortion >= 0 &&
@@ -466,11 +566,11 @@ void NeuralLMServer::PrefetchExpansions(const Hypothesis &prev) const {
       }
       const bool completes = bitmap.GetNumWordsCovered() + range.GetNumWordsCovered() == sourceSize;
       for (TranslationOptionList::const_iterator it = list->begin(); it != list->end(); ++it) {
-        BoundaryNgrams(context, (*it)->GetTargetPhrase(), completes, &ngrams);
+        BoundaryNgrams(context, (*it)->GetTargetPhrase(), completes, ngrams);
+        expansions->push_back(std::make_pair(Expansion(&prev, *it), ngrams->size()));
       }
     }
   }
-  if (!ngrams.empty()) ScoreIds(ngrams);
 }
 
 void NeuralLMServer::InitializeForInput(ttasksptr const &ttask) {

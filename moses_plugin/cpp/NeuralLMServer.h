@@ -24,17 +24,20 @@
 //                           phrase scores are added per translation option
 //                           (EvaluateWithSourceContext); load: Moses' usual way, each target
 //                           phrase scored once when the table loads or looks it up
-//   prefetch=true|false     when Moses' normal stack search starts expanding a hypothesis,
-//                           score the boundary n-grams of all its possible expansions in one
-//                           request (default true; cube pruning and lattices score on demand)
+//   prefetch=stack|hypothesis|false
+//                           stack (default; also true): when Moses' normal stack search starts
+//                           expanding a stack, score the boundary n-grams of every possible
+//                           expansion of every hypothesis in it in one request; hypothesis:
+//                           one request per expanded hypothesis; false: one request per new
+//                           hypothesis (cube pruning and lattices always score on demand)
 //
 // Scores: the server answers log10; each n-gram is converted with Moses'
 // TransformLMScore (times ln 10) and FloorScore, as the other single-factor LMs.
 // State: the last order-1 words (left-padded with <s>), compared by value.
 // Round trips: each target phrase scored in isolation costs at most one request (all
-// its n-grams in one batch); with prefetch, each hypothesis that Moses expands costs one
-// request for the boundary n-grams (and </s>) of all its expansions, which then come from
-// the cache; cache hits cost none. With -v 1 the feature prints the round trips of every
+// its n-grams in one batch); with prefetch=stack, each stack that Moses expands costs one
+// request for the boundary n-grams (and </s>) of all expansions of its hypotheses, which
+// then come from the cache; cache hits cost none. With -v 1 the feature prints the round trips of every
 // sentence.
 #pragma once
 
@@ -51,6 +54,8 @@ class Client;
 }
 
 namespace Moses {
+
+struct NeuralLMServerThread;
 
 // The last order-1 words of a hypothesis (oldest first, <s>-padded).
 class NeuralLMServerState : public FFState {
@@ -107,9 +112,18 @@ class NeuralLMServer : public LanguageModelSingleFactor {
   std::vector<float> ScoreIds(const std::vector<std::vector<uint32_t> > &ngrams) const;
   // The last order-1 words of a context, <s>-padded, everything left of the newest <s> as <s>.
   void SetState(const std::vector<const Word *> &contextFactor, FFState &outState) const;
-  // Scores (into the cache) the boundary n-grams of every expansion Moses' normal search
-  // can make from `prev`, in one request.
-  void PrefetchExpansions(const Hypothesis &prev) const;
+  // Scores (into the cache), in one request, the boundary n-grams of every expansion
+  // Moses' normal search can make from `prev` (prefetch=hypothesis) or from every
+  // hypothesis of prev's stack (prefetch=stack), unless this thread just did so.
+  // Keeps the boundary score of each expansion in `local` for EvaluateWhenApplied.
+  void Prefetch(const Hypothesis &prev, NeuralLMServerThread &local) const;
+  // Appends the boundary n-grams of every expansion the normal search can make from `prev`,
+  // and for each expansion (prev, option) the end of its n-grams in `ngrams`.
+  void ExpansionNgrams(const Hypothesis &prev, std::vector<std::vector<uint32_t> > *ngrams,
+                       std::vector<std::pair<std::pair<const void *, const void *>, size_t> > *expansions) const;
+  // The n-grams of `hypo` that cross its phrase boundary (and </s>), scored and summed;
+  // `last` holds its last order-1 words.
+  float BoundaryScore(const Hypothesis &hypo, const std::vector<const Word *> &last) const;
   // The n-grams CalcScore sends for a phrase, and which of them have a full context.
   void PhraseNgrams(const Phrase &phrase, std::vector<std::vector<uint32_t> > *ngrams,
                     std::vector<bool> *complete, size_t *oovCount) const;
@@ -130,7 +144,8 @@ class NeuralLMServer : public LanguageModelSingleFactor {
   // TLS files (PEM), the certificate name to check, and the bearer token file: ClientOptions.
   std::string m_tlsCa, m_tlsCert, m_tlsKey, m_tlsServerName, m_tokenFile;
   bool m_floorOnError;
-  bool m_prefetch;
+  enum Prefetching { PrefetchOff, PrefetchHypothesis, PrefetchStack };
+  Prefetching m_prefetch;
   bool m_sentencePhrases;
 
   std::unique_ptr<nlmserve::Client> m_client;
