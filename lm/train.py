@@ -32,6 +32,7 @@ from nlmserve.errors import CorpusError, InputError
 from nlmserve.lm.checkpoint import TrainingLog, load_checkpoint, save_checkpoint, write_learning_curve
 from nlmserve.lm.classes import WordClasses, brown_clusters, default_num_classes, frequency_binning, load_wcluster
 from nlmserve.lm.corpus import CorpusIds, count_words
+from nlmserve.lm.distributed import array_digest, init_distributed
 from nlmserve.lm.model import ModelConfig, NeuralLM
 from nlmserve.lm.model_file import save_model
 from nlmserve.lm.objectives import OBJECTIVES, NoiseDistribution, batch_loss
@@ -58,7 +59,10 @@ class TrainConfig:
         max_steps: stop after this many optimiser steps (None: no limit).
         lowercase, min_count, max_vocab: vocabulary and text handling.
         max_train_lines: use only the first N lines of the training text.
-        threads: torch intra-op threads; seed: every random choice derives from it.
+        threads: torch intra-op threads (per process); seed: every random choice derives from it.
+        distributed: data-parallel under torchrun (lm/distributed.py); ``batch_size`` is then
+            the global batch, split across the processes.
+        dense_grads: dense embedding gradients even with AdaGrad (sparse is the default).
         resume: continue from ``out + ".ckpt"`` when it exists.
         batch_size, lr, optimizer (adagrad | adam): the optimiser.
         lr_decay: factor applied to the learning rate on a validation plateau.
@@ -93,6 +97,8 @@ class TrainConfig:
     max_vocab: int | None = None
     max_train_lines: int | None = None
     threads: int = 2
+    distributed: bool = False
+    dense_grads: bool = False
     seed: int = 1
     resume: bool = False
     batch_size: int = 512
@@ -147,6 +153,7 @@ class TrainResult:
     tokens: int
     stopped: str
     model_path: str
+    rank: int = 0
 
 
 @dataclass
@@ -252,20 +259,23 @@ def model_config(cfg: TrainConfig, data: _Data) -> ModelConfig:
 # ---------------------------------------------------------------------------- evaluation
 
 
-def corpus_log_likelihood(model: NeuralLM, corpus: CorpusIds, order: int, device: torch.device) -> tuple[float, int]:
-    """Σ ln P over every token of ``corpus`` (``</s>`` included) and the token count."""
+def corpus_log_likelihood(model: NeuralLM, corpus: CorpusIds, order: int, device: torch.device,
+                          span: range | None = None) -> tuple[float, int]:
+    """Σ ln P over every token of ``corpus`` (``</s>`` included; or the positions of
+    ``span``) and the token count."""
     chunk = model.scoring_chunk()
     total = 0.0
     was_training = model.training
+    span = span if span is not None else range(corpus.num_tokens)
     model.eval()
     with torch.inference_mode():
-        for start in range(0, corpus.num_tokens, chunk):
-            pos = np.arange(start, min(start + chunk, corpus.num_tokens))
+        for start in range(span.start, span.stop, chunk):
+            pos = np.arange(start, min(start + chunk, span.stop))
             ctx, tgt = corpus.examples(pos, order)
             lp = model.log_prob(torch.from_numpy(ctx).to(device), torch.from_numpy(tgt).to(device))
             total += float(lp.double().sum())
     model.train(was_training)
-    return total, corpus.num_tokens
+    return total, len(span)
 
 
 def perplexity(model: NeuralLM, corpus: CorpusIds, order: int, device: torch.device) -> float:
@@ -351,8 +361,12 @@ class _Trainer:
         self.interrupt_after_step = interrupt_after_step
         self.t_start = time.monotonic()
         torch.set_num_threads(max(1, cfg.threads))
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.data = data = prepare_data(cfg)
+        self.dist = init_distributed(cfg.distributed)
+        self.device = self.dist.device
+        with self.dist.main_first():  # rank 0 writes the id files, the others reuse them
+            self.data = data = prepare_data(cfg)
+        self.dist.check_same("vocabulary and word classes", data.vocab.sha256() + array_digest(
+            data.classes.word_class if data.classes is not None else None))
         self.mconf = model_config(cfg, data)
         self.word_class = data.classes.word_class if data.classes is not None else None
         torch.manual_seed(cfg.seed)
@@ -360,7 +374,7 @@ class _Trainer:
         self.model.init_biases(data.unigram)
         # A batch touches few context rows, and with NCE few output rows: sparse AdaGrad
         # updates only those (MLE and softmax touch most output rows: dense is faster there).
-        adagrad = cfg.optimizer == "adagrad"
+        adagrad = cfg.optimizer == "adagrad" and not cfg.dense_grads and self.dist.sparse_grads_ok
         self.model.set_sparse_grads(output=adagrad and cfg.objective == "nce", context=adagrad)
         self.model.feature_sparse = adagrad  # a batch touches few slots of the n-gram tables
         if adagrad:
@@ -368,15 +382,17 @@ class _Trainer:
         self.model.to(self.device).train()
         self.opt = _make_optimizer(cfg, self.model)
         self.gen = torch.Generator(device=self.device)
-        self.gen.manual_seed(cfg.seed)
+        self.gen.manual_seed(self.dist.rank_seed(cfg.seed))
         self.noise = NoiseDistribution(data.unigram, self.word_class, self.device)
         self.state = _State(lr=cfg.lr)
         self.best: dict[str, torch.Tensor] | None = None
         resumed = cfg.resume and os.path.exists(cfg.checkpoint_path)
         if resumed:
             self._resume()
+        self.dist.wrap(self.model)
         _set_lr(self.opt, self.state.lr)
-        self.log = TrainingLog(cfg.log_path, append=resumed)
+        self.log = TrainingLog(cfg.log_path, append=resumed, enabled=self.dist.is_main)
+        self.digests: list[str] | None = None
         if not resumed:
             self.log.write(event="start", config=dataclasses.asdict(cfg), model=self.mconf.to_json(),
                            vocab_size=len(data.vocab), train_tokens=data.train.num_tokens, step=0, tokens=0)
@@ -390,7 +406,7 @@ class _Trainer:
             raise InputError("checkpoint was made with another vocabulary or model shape", cfg.checkpoint_path)
         self.model.load_state_dict(ck["model"])
         self.opt.load_state_dict(ck["optimizer"])
-        self.gen.set_state(ck["generator"])
+        self.dist.restore_generator(self.gen, ck, cfg.seed, int(ck["state"]["step"]))
         self.state = _State(**ck["state"])
         self.best = ck["best"]
         if self.state.stopped in ("max steps", "max minutes"):  # a budget, not convergence: go on
@@ -399,15 +415,21 @@ class _Trainer:
                  cfg.checkpoint_path, self.state.step, self.state.epoch, self.state.pos)
 
     def checkpoint(self) -> None:
-        save_checkpoint(self.cfg.checkpoint_path, self.model, self.opt, self.gen, dataclasses.asdict(self.state),
-                        self.best, dataclasses.asdict(self.cfg), self.data.vocab.sha256())
+        gens = self.dist.gather_generators(self.gen)  # rank 0 only writes
+        if gens is not None:
+            save_checkpoint(self.cfg.checkpoint_path, self.model, self.opt, self.gen, dataclasses.asdict(self.state),
+                            self.best, dataclasses.asdict(self.cfg), self.data.vocab.sha256(),
+                            extra={"rank_generators": gens, "world_size": self.dist.world_size})
 
     def validate(self) -> None:
         """Validation perplexity; keeps the best model, decays the rate on no improvement."""
         state, cfg = self.state, self.cfg
         if self.data.valid is None:
             return
-        ppl = perplexity(self.model, self.data.valid, self.mconf.order, self.device)
+        valid = self.data.valid  # split across ranks, summed: the same number everywhere
+        part = corpus_log_likelihood(self.model, valid, self.mconf.order, self.device, self.dist.shard(valid.num_tokens))
+        ll, n = self.dist.sum(*part)
+        ppl = math.exp(-ll / n)
         state.last_valid_step = state.step
         if ppl < state.best_ppl - 1e-9:
             state.best_ppl = ppl
@@ -429,12 +451,15 @@ class _Trainer:
     def step(self, positions: np.ndarray, next_pos: int, elapsed_before: float, t_loop: float) -> None:
         """One optimiser step on the examples predicting ``positions``."""
         state = self.state
-        ctx_np, tgt_np = self.data.train.examples(np.sort(positions), self.mconf.order)
+        mine, weight = self.dist.local_batch(positions)  # this process's share (all of it alone)
+        ctx_np, tgt_np = self.data.train.examples(np.sort(mine), self.mconf.order)
         ctx = torch.from_numpy(ctx_np).to(self.device)
         tgt = torch.from_numpy(tgt_np).to(self.device)
         self.opt.zero_grad(set_to_none=True)
-        loss = batch_loss(self.cfg.objective, self.model, ctx, tgt, self.noise, self.cfg.noise_samples, self.gen)
-        loss.backward()
+        loss = self.dist.forward(lambda: batch_loss(self.cfg.objective, self.model, ctx, tgt, self.noise,
+                                                    self.cfg.noise_samples, self.gen))
+        (loss * weight).backward()
+        self.dist.reduce_sparse()
         self.opt.step()
         state.step += 1
         state.pos = next_pos
@@ -460,7 +485,7 @@ class _Trainer:
             self.validate()
         if cfg.max_steps is not None and state.step >= cfg.max_steps:
             self.stop("max steps")
-        if deadline is not None and time.monotonic() >= deadline:
+        if deadline is not None and self.dist.any(time.monotonic() >= deadline):
             self.stop("max minutes")
         if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
             self.checkpoint()
@@ -477,7 +502,7 @@ class _Trainer:
         from tqdm import tqdm
 
         done_steps = state.epoch * steps_per_epoch + math.ceil(state.pos / cfg.batch_size)
-        with tqdm(total=steps_per_epoch * cfg.epochs, initial=done_steps, disable=not cfg.progress,
+        with tqdm(total=steps_per_epoch * cfg.epochs, initial=done_steps, disable=not cfg.progress or not self.dist.is_main,
                   unit="step", dynamic_ncols=True) as bar:
             while state.epoch < cfg.epochs and not state.done:
                 perm = _permutation(cfg.seed, state.epoch, N)
@@ -517,16 +542,19 @@ class _Trainer:
             "train_config": dataclasses.asdict(cfg),
             "torch": torch.__version__,
         }
-        save_model(cfg.out, final, data.vocab, data.classes, objective=cfg.objective, lowercase=cfg.lowercase,
-                   training=training_meta, unigram_counts=data.unigram)
+        rank = self.dist.rank
+        if self.dist.is_main:
+            save_model(cfg.out, final, data.vocab, data.classes, objective=cfg.objective, lowercase=cfg.lowercase,
+                       training=training_meta, unigram_counts=data.unigram)
+        dist = {"world_size": self.dist.world_size, "rank_param_sha256": self.digests} if self.dist.enabled else {}
         self.log.write(event="end", step=state.step, tokens=state.tokens, best_ppl=best_ppl,
-                       stopped=self.stopped, elapsed=round(state.elapsed, 3))
+                       stopped=self.stopped, elapsed=round(state.elapsed, 3), **dist)
         self.log.close()
-        if cfg.learning_curve:
+        if cfg.learning_curve and self.dist.is_main:
             write_learning_curve(cfg.log_path, cfg.curve_path)
         log.info("stopped (%s) after %d steps, %d tokens; best valid ppl %s; wrote %s",
                  self.stopped, state.step, state.tokens, best_ppl, cfg.out)
-        return TrainResult(self.model, best_ppl, state.step, state.tokens, self.stopped, cfg.out)
+        return TrainResult(self.model, best_ppl, state.step, state.tokens, self.stopped, cfg.out, rank)
 
 
 def train(cfg: TrainConfig, *, _interrupt_after_step: int | None = None) -> TrainResult:
@@ -539,6 +567,14 @@ def train(cfg: TrainConfig, *, _interrupt_after_step: int | None = None) -> Trai
     checkpoint).
     """
     trainer = _Trainer(cfg, _interrupt_after_step)
+    try:
+        return _run(trainer)
+    finally:
+        trainer.dist.close()
+
+
+def _run(trainer: _Trainer) -> TrainResult:
+    cfg = trainer.cfg
     try:
         trainer.loop()
     except _Interrupted:
@@ -557,6 +593,10 @@ def train(cfg: TrainConfig, *, _interrupt_after_step: int | None = None) -> Trai
     trainer.state.stopped = trainer.stopped
     if cfg.checkpoint_every:
         trainer.checkpoint()
+    if trainer.dist.enabled:  # every rank must hold the same parameters
+        trainer.digests = trainer.dist.param_digests(trainer.model)
+        if len(set(trainer.digests)) != 1:
+            log.error("the ranks' parameters differ: %s", trainer.digests)
     return trainer.finish()
 
 
