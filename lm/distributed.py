@@ -33,6 +33,7 @@ What is split and what is shared:
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import logging
 import os
@@ -48,6 +49,10 @@ from nlmserve.lm.model import NeuralLM
 
 log = logging.getLogger(__name__)
 
+# How long a collective may wait: the other ranks wait at a barrier while rank 0 counts and
+# encodes the corpus (about 1M tokens/s on one core here: ~20 minutes for 1 billion tokens),
+# longer than NCCL's default of 10 minutes. torchrun stops every rank when one fails.
+SETUP_TIMEOUT = datetime.timedelta(hours=3)
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -257,7 +262,7 @@ def init_distributed(enabled: bool) -> Distributed:
         torch.cuda.set_device(device)
     else:
         backend, device = "gloo", torch.device("cpu")
-    torch.distributed.init_process_group(backend, rank=rank, world_size=world)
+    torch.distributed.init_process_group(backend, rank=rank, world_size=world, timeout=SETUP_TIMEOUT)
     if rank != 0:  # the log is rank 0's; the others say only what goes wrong
         logging.getLogger("nlmserve").setLevel(logging.WARNING)
     log.info("rank %d of %d (%s, %s)", rank, world, backend, device)
