@@ -28,7 +28,8 @@ def register(subparsers: Any) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--classes", type=int, help="number of word classes (default: the documented default for V)")
     g.add_argument("--class-file", help="word classes from a wcluster paths file (bits<TAB>word<TAB>count)")
-    p.add_argument("--class-method", choices=("frequency", "brown"), default="frequency")
+    p.add_argument("--class-method", choices=("frequency", "frequency-sqrt", "brown"), default="frequency",
+                   help="frequency-sqrt: bins on square roots of counts (narrow classes for V >= 100k)")
     p.add_argument("--objective", choices=("nce", "mle", "softmax"), default="nce")
     p.add_argument("--noise-samples", type=int, default=10, help="k noise samples per example (nce)")
     p.add_argument("--epochs", type=int, default=10)

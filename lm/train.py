@@ -50,7 +50,9 @@ class TrainConfig:
         order, dim, context, hidden, activation: the network (see ModelConfig).
         classes: number of word classes (None: ``default_num_classes(V)``).
         class_file: a wcluster ``paths`` file with the classes (overrides class_method).
-        class_method: ``frequency`` (Mikolov binning) or ``brown`` (exchange algorithm).
+        class_method: ``frequency`` (Mikolov binning), ``frequency-sqrt`` (binning on square
+            roots of counts: narrower rare-word classes, for V of 100k and more) or ``brown``
+            (exchange algorithm).
         objective: ``nce`` | ``mle`` (exact class-factored) | ``softmax`` (full softmax
             output and loss, the baseline).
         noise_samples: k for NCE.
@@ -120,8 +122,8 @@ class TrainConfig:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         if self.optimizer not in ("adagrad", "adam"):
             raise ValueError(f"optimizer must be adagrad or adam, got {self.optimizer!r}")
-        if self.class_method not in ("frequency", "brown"):
-            raise ValueError(f"class_method must be frequency or brown, got {self.class_method!r}")
+        if self.class_method not in ("frequency", "frequency-sqrt", "brown"):
+            raise ValueError(f"class_method must be frequency, frequency-sqrt or brown, got {self.class_method!r}")
         if self.batch_size < 1 or self.lr <= 0 or self.noise_samples < 1 or self.epochs < 1:
             raise ValueError("batch_size, lr, noise_samples and epochs must be positive")
         if self.ngram_class_table < 0 or self.ngram_word_table < 0:
@@ -236,7 +238,7 @@ def prepare_data(cfg: TrainConfig) -> _Data:
             if cfg.class_method == "brown":
                 classes = brown_clusters(train_ids, len(vocab), K, seed=cfg.seed)
             else:
-                classes = frequency_binning(unigram, K)
+                classes = frequency_binning(unigram, K, sqrt=cfg.class_method == "frequency-sqrt")
         log.info("%d %s word classes", classes.num_classes, classes.method)
     return _Data(vocab, train_ids, valid_ids, unigram, classes)
 
