@@ -369,7 +369,11 @@ def _set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
 
 
 def _permutation(seed: int, epoch: int, n: int) -> np.ndarray:
-    return np.random.default_rng([seed, epoch]).permutation(n)
+    """The epoch's order of positions: ``Generator.permutation(n)``'s, held as uint32 below
+    2^32 positions (half the memory: 4 GB instead of 8 GB per process for 1B tokens)."""
+    perm = np.arange(n, dtype=np.uint32 if n < 1 << 32 else np.int64)
+    np.random.default_rng([seed, epoch]).shuffle(perm)  # the same draws as permutation(n)
+    return perm
 
 
 def _batches(perm: np.ndarray, start: int, size: int) -> Iterator[tuple[int, np.ndarray]]:

@@ -57,3 +57,13 @@ def test_validation_chunks_by_class_width_score_every_position_once(tiny_model_p
     ctx, tgt = dev.examples(np.arange(span.start, span.stop), lm.order)
     ref = lm.score_ngrams(np.concatenate([ctx, tgt[:, None]], axis=1)).astype(np.float64).sum()
     assert n == len(span) and ll == pytest.approx(ref, rel=1e-5)
+
+
+def test_epoch_permutation_is_numpys_in_half_the_memory() -> None:
+    # the same order as Generator.permutation (checkpoints of earlier runs resume alike), as uint32
+    from nlmserve.lm.train import _permutation
+
+    for n in (1, 17, 100_003):
+        perm = _permutation(5, 2, n)
+        assert perm.dtype == np.uint32
+        assert np.array_equal(perm, np.random.default_rng([5, 2]).permutation(n))
