@@ -102,8 +102,9 @@ def main() -> int:
         work.mkdir(parents=True, exist_ok=True)
         rows = [run(f"{name} r{i}" if args.repeats > 1 else name, procs, threads, extra, args, work, env)
                 for i in range(args.repeats) for name, procs, threads, extra, env in configs]
-    one = rows[0]["tokens_per_s"]
-    two = rows[1]["tokens_per_s"]
+    by_kind = {r["name"].split(" r")[0]: r["tokens_per_s"] for r in reversed(rows)}  # first repeat of each
+    one = by_kind.get("1x1", rows[0]["tokens_per_s"])
+    two = by_kind.get("1x2", float("nan"))
     print("| run | processes × threads | steps | tokens | loop s | tokens/s | × 1x1 | × 1x2 | dev ppl | load avg before–after |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
