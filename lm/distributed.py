@@ -180,11 +180,6 @@ class Distributed:
         torch.distributed.all_reduce(t)
         return [float(x) for x in t.tolist()]
 
-    def shard(self, num_positions: int) -> range:
-        """This rank's contiguous share of ``range(num_positions)`` (validation text)."""
-        r, n = self.rank, self.world_size
-        return range(r * num_positions // n, (r + 1) * num_positions // n)
-
     # ------------------------------------------------------------------ checkpoints and the end
     def gather_generators(self, gen: torch.Generator) -> list[Tensor] | None:
         """Every rank's noise-generator state, on rank 0 (None elsewhere)."""

@@ -459,7 +459,8 @@ class _Trainer:
         if self.data.valid is None:
             return
         valid = self.data.valid  # split across ranks, summed: the same number everywhere
-        part = corpus_log_likelihood(self.model, valid, self.mconf.order, self.device, self.dist.shard(valid.num_tokens))
+        part = corpus_log_likelihood(self.model, valid, self.mconf.order, self.device,
+                                     valid.shard(self.dist.rank, self.dist.world_size))
         ll, n = self.dist.sum(*part)
         ppl = math.exp(-ll / n)
         state.last_valid_step = state.step
