@@ -34,9 +34,9 @@ DEV = REPO / "data" / "lm" / "europarl.dev.1k.lc-moses.en"
 log = logging.getLogger("bench.replicas")
 
 
-def start_replica(model: str) -> tuple[subprocess.Popen[str], str, str]:
+def start_replica(model: str, *flags: str) -> tuple[subprocess.Popen[str], str, str]:
     cmd = [sys.executable, "-m", "nlmserve.cli", "serve", "--model", model, "--port", "0", "--metrics-port", "0",
-           "--torch-threads", "1"]
+           "--torch-threads", "1", *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
     assert proc.stdout is not None

@@ -23,8 +23,10 @@ CKPT_VERSION = 1
 def save_checkpoint(
     path: str, model: NeuralLM, opt: torch.optim.Optimizer, gen: torch.Generator,
     state: dict[str, Any], best: dict[str, torch.Tensor] | None, config: dict[str, Any], vocab_sha: str,
+    extra: dict[str, Any] | None = None,
 ) -> None:
-    """Atomically write a checkpoint (tensors and plain values only: loads with weights_only)."""
+    """Atomically write a checkpoint (tensors and plain values only: loads with weights_only);
+    ``extra``: more entries of that kind (data-parallel runs: every rank's noise generator)."""
     payload = {
         "version": CKPT_VERSION,
         "model": model.state_dict(),
@@ -35,6 +37,7 @@ def save_checkpoint(
         "config": config,
         "vocab_sha256": vocab_sha,
         "model_config": model.config.to_json(),
+        **(extra or {}),
     }
     tmp = path + ".tmp"
     torch.save(payload, tmp)
@@ -57,18 +60,21 @@ def load_checkpoint(path: str) -> dict[str, Any]:
 
 
 class TrainingLog:
-    """The JSONL training log, appended to (a resumed run continues the same file)."""
+    """The JSONL training log, appended to (a resumed run continues the same file);
+    ``enabled=False`` (data-parallel ranks other than 0) writes nothing."""
 
-    def __init__(self, path: str, append: bool) -> None:
+    def __init__(self, path: str, append: bool, enabled: bool = True) -> None:
         self.path = path
-        self.f = open(path, "a" if append else "w", encoding="utf-8")
+        self.f = open(path, "a" if append else "w", encoding="utf-8") if enabled else None
 
     def write(self, **record: Any) -> None:
-        self.f.write(json.dumps(record, sort_keys=True) + "\n")
-        self.f.flush()
+        if self.f is not None:
+            self.f.write(json.dumps(record, sort_keys=True) + "\n")
+            self.f.flush()
 
     def close(self) -> None:
-        self.f.close()
+        if self.f is not None:
+            self.f.close()
 
 
 def write_learning_curve(log_path: str, png_path: str) -> None:

@@ -28,7 +28,8 @@ def register(subparsers: Any) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--classes", type=int, help="number of word classes (default: the documented default for V)")
     g.add_argument("--class-file", help="word classes from a wcluster paths file (bits<TAB>word<TAB>count)")
-    p.add_argument("--class-method", choices=("frequency", "brown"), default="frequency")
+    p.add_argument("--class-method", choices=("frequency", "frequency-sqrt", "brown"), default="frequency",
+                   help="frequency-sqrt: bins on square roots of counts (narrow classes for V >= 100k)")
     p.add_argument("--objective", choices=("nce", "mle", "softmax"), default="nce")
     p.add_argument("--noise-samples", type=int, default=10, help="k noise samples per example (nce)")
     p.add_argument("--epochs", type=int, default=10)
@@ -38,7 +39,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--min-count", type=int, default=1, help="words seen fewer times become <unk>")
     p.add_argument("--max-vocab", type=int, help="keep at most this many words (with <unk>, <s>, </s>)")
     p.add_argument("--max-train-lines", type=int, help="train on the first N lines only")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2, help="torch threads (per process with --distributed)")
+    p.add_argument("--distributed", action="store_true",
+                   help="data-parallel training under torchrun (gloo on CPU, NCCL on GPU); "
+                        "--batch-size is then the global batch, split across the processes")
+    p.add_argument("--dense-grads", action="store_true", help="dense embedding gradients even with AdaGrad")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--resume", action="store_true", help="continue from OUT.ckpt when it exists")
     p.add_argument("--batch-size", type=int, default=512)
@@ -83,6 +88,7 @@ def _train(args: argparse.Namespace) -> int:
             noise_samples=args.noise_samples, epochs=args.epochs, max_minutes=args.max_minutes,
             max_steps=args.max_steps, lowercase=args.lowercase, min_count=args.min_count,
             max_vocab=args.max_vocab, max_train_lines=args.max_train_lines, threads=args.threads,
+            distributed=args.distributed, dense_grads=args.dense_grads,
             seed=args.seed, resume=args.resume, batch_size=args.batch_size, lr=args.lr,
             optimizer=args.optimizer, patience=args.patience, valid_every=args.valid_every,
             checkpoint_every=args.checkpoint_every, log_every=args.log_every, workdir=args.workdir, progress=not args.no_progress,
@@ -93,6 +99,8 @@ def _train(args: argparse.Namespace) -> int:
         print(f"nlmserve train: error: {exc}", file=sys.stderr)
         return 2
     result = train(cfg)
+    if result.rank != 0:  # data-parallel: rank 0 reports
+        return 130 if result.stopped == "interrupted" else 0
     ppl = f"{result.best_valid_ppl:.3f}" if result.best_valid_ppl is not None else "n/a"
     print(f"model\t{result.model_path}\nsteps\t{result.steps}\ntokens\t{result.tokens}\n"
           f"valid_perplexity\t{ppl}\nstopped\t{result.stopped}")

@@ -32,6 +32,7 @@ from nlmserve.errors import CorpusError, InputError
 from nlmserve.lm.checkpoint import TrainingLog, load_checkpoint, save_checkpoint, write_learning_curve
 from nlmserve.lm.classes import WordClasses, brown_clusters, default_num_classes, frequency_binning, load_wcluster
 from nlmserve.lm.corpus import CorpusIds, count_words
+from nlmserve.lm.distributed import array_digest, init_distributed
 from nlmserve.lm.model import ModelConfig, NeuralLM
 from nlmserve.lm.model_file import save_model
 from nlmserve.lm.objectives import OBJECTIVES, NoiseDistribution, batch_loss
@@ -49,7 +50,9 @@ class TrainConfig:
         order, dim, context, hidden, activation: the network (see ModelConfig).
         classes: number of word classes (None: ``default_num_classes(V)``).
         class_file: a wcluster ``paths`` file with the classes (overrides class_method).
-        class_method: ``frequency`` (Mikolov binning) or ``brown`` (exchange algorithm).
+        class_method: ``frequency`` (Mikolov binning), ``frequency-sqrt`` (binning on square
+            roots of counts: narrower rare-word classes, for V of 100k and more) or ``brown``
+            (exchange algorithm).
         objective: ``nce`` | ``mle`` (exact class-factored) | ``softmax`` (full softmax
             output and loss, the baseline).
         noise_samples: k for NCE.
@@ -58,7 +61,10 @@ class TrainConfig:
         max_steps: stop after this many optimiser steps (None: no limit).
         lowercase, min_count, max_vocab: vocabulary and text handling.
         max_train_lines: use only the first N lines of the training text.
-        threads: torch intra-op threads; seed: every random choice derives from it.
+        threads: torch intra-op threads (per process); seed: every random choice derives from it.
+        distributed: data-parallel under torchrun (lm/distributed.py); ``batch_size`` is then
+            the global batch, split across the processes.
+        dense_grads: dense embedding gradients even with AdaGrad (sparse is the default).
         resume: continue from ``out + ".ckpt"`` when it exists.
         batch_size, lr, optimizer (adagrad | adam): the optimiser.
         lr_decay: factor applied to the learning rate on a validation plateau.
@@ -93,6 +99,8 @@ class TrainConfig:
     max_vocab: int | None = None
     max_train_lines: int | None = None
     threads: int = 2
+    distributed: bool = False
+    dense_grads: bool = False
     seed: int = 1
     resume: bool = False
     batch_size: int = 512
@@ -114,8 +122,8 @@ class TrainConfig:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         if self.optimizer not in ("adagrad", "adam"):
             raise ValueError(f"optimizer must be adagrad or adam, got {self.optimizer!r}")
-        if self.class_method not in ("frequency", "brown"):
-            raise ValueError(f"class_method must be frequency or brown, got {self.class_method!r}")
+        if self.class_method not in ("frequency", "frequency-sqrt", "brown"):
+            raise ValueError(f"class_method must be frequency, frequency-sqrt or brown, got {self.class_method!r}")
         if self.batch_size < 1 or self.lr <= 0 or self.noise_samples < 1 or self.epochs < 1:
             raise ValueError("batch_size, lr, noise_samples and epochs must be positive")
         if self.ngram_class_table < 0 or self.ngram_word_table < 0:
@@ -147,6 +155,7 @@ class TrainResult:
     tokens: int
     stopped: str
     model_path: str
+    rank: int = 0
 
 
 @dataclass
@@ -229,7 +238,7 @@ def prepare_data(cfg: TrainConfig) -> _Data:
             if cfg.class_method == "brown":
                 classes = brown_clusters(train_ids, len(vocab), K, seed=cfg.seed)
             else:
-                classes = frequency_binning(unigram, K)
+                classes = frequency_binning(unigram, K, sqrt=cfg.class_method == "frequency-sqrt")
         log.info("%d %s word classes", classes.num_classes, classes.method)
     return _Data(vocab, train_ids, valid_ids, unigram, classes)
 
@@ -252,20 +261,49 @@ def model_config(cfg: TrainConfig, data: _Data) -> ModelConfig:
 # ---------------------------------------------------------------------------- evaluation
 
 
-def corpus_log_likelihood(model: NeuralLM, corpus: CorpusIds, order: int, device: torch.device) -> tuple[float, int]:
-    """Σ ln P over every token of ``corpus`` (``</s>`` included) and the token count."""
-    chunk = model.scoring_chunk()
+def scoring_spans(model: NeuralLM, corpus: CorpusIds, span: range, budget: int = 1 << 24,
+                  max_rows: int = 8192) -> Iterator[range]:
+    """Consecutive chunks of ``span`` for exact scoring, each holding at most ``max_rows``
+    positions whose targets' class widths sum to at most ``budget`` (one row at least).
+
+    The class-factored normaliser materialises (rows of class c) × |c| scores per class
+    present, so that sum bounds the largest score matrix by the rows actually scored;
+    ``model.scoring_chunk()`` assumes every row is in the largest class, which at V ≥ 100k
+    (a 58,333-word rare-word class) made chunks of 287 rows and validation 3.9× slower.
+    """
+    if model.config.output != "class":
+        chunk = model.scoring_chunk(budget)
+        yield from (range(a, min(a + chunk, span.stop)) for a in range(span.start, span.stop, chunk))
+        return
+    sizes = np.diff(model.class_offsets.cpu().numpy())  # (K,)
+    widths = sizes[model.word_class.cpu().numpy()[np.asarray(corpus.ids[span.start : span.stop])]]  # (len,)
+    if model.ngram_word is not None:  # (rows, width, order) int64 slots and floats
+        widths = widths * 3 * model.config.order
+    cum = np.concatenate([[0], np.cumsum(widths)])  # cum[i]: widths of the first i positions
+    i = 0
+    while i < len(span):
+        end = int(np.searchsorted(cum, cum[i] + budget, side="right")) - 1  # widths of i..end-1 ≤ budget
+        end = min(max(end, i + 1), i + max_rows, len(span))
+        yield range(span.start + i, span.start + end)
+        i = end
+
+
+def corpus_log_likelihood(model: NeuralLM, corpus: CorpusIds, order: int, device: torch.device,
+                          span: range | None = None, budget: int = 1 << 24) -> tuple[float, int]:
+    """Σ ln P over every token of ``corpus`` (``</s>`` included; or the positions of
+    ``span``) and the token count; chunks of :func:`scoring_spans`."""
     total = 0.0
     was_training = model.training
+    span = span if span is not None else range(corpus.num_tokens)
     model.eval()
     with torch.inference_mode():
-        for start in range(0, corpus.num_tokens, chunk):
-            pos = np.arange(start, min(start + chunk, corpus.num_tokens))
+        for part in scoring_spans(model, corpus, span, budget):
+            pos = np.arange(part.start, part.stop)
             ctx, tgt = corpus.examples(pos, order)
             lp = model.log_prob(torch.from_numpy(ctx).to(device), torch.from_numpy(tgt).to(device))
             total += float(lp.double().sum())
     model.train(was_training)
-    return total, corpus.num_tokens
+    return total, len(span)
 
 
 def perplexity(model: NeuralLM, corpus: CorpusIds, order: int, device: torch.device) -> float:
@@ -331,7 +369,11 @@ def _set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
 
 
 def _permutation(seed: int, epoch: int, n: int) -> np.ndarray:
-    return np.random.default_rng([seed, epoch]).permutation(n)
+    """The epoch's order of positions: ``Generator.permutation(n)``'s, held as uint32 below
+    2^32 positions (half the memory: 4 GB instead of 8 GB per process for 1B tokens)."""
+    perm = np.arange(n, dtype=np.uint32 if n < 1 << 32 else np.int64)
+    np.random.default_rng([seed, epoch]).shuffle(perm)  # the same draws as permutation(n)
+    return perm
 
 
 def _batches(perm: np.ndarray, start: int, size: int) -> Iterator[tuple[int, np.ndarray]]:
@@ -351,8 +393,12 @@ class _Trainer:
         self.interrupt_after_step = interrupt_after_step
         self.t_start = time.monotonic()
         torch.set_num_threads(max(1, cfg.threads))
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.data = data = prepare_data(cfg)
+        self.dist = init_distributed(cfg.distributed)
+        self.device = self.dist.device
+        with self.dist.main_first():  # rank 0 writes the id files, the others reuse them
+            self.data = data = prepare_data(cfg)
+        self.dist.check_same("vocabulary and word classes", data.vocab.sha256() + array_digest(
+            data.classes.word_class if data.classes is not None else None))
         self.mconf = model_config(cfg, data)
         self.word_class = data.classes.word_class if data.classes is not None else None
         torch.manual_seed(cfg.seed)
@@ -360,7 +406,7 @@ class _Trainer:
         self.model.init_biases(data.unigram)
         # A batch touches few context rows, and with NCE few output rows: sparse AdaGrad
         # updates only those (MLE and softmax touch most output rows: dense is faster there).
-        adagrad = cfg.optimizer == "adagrad"
+        adagrad = cfg.optimizer == "adagrad" and not cfg.dense_grads and self.dist.sparse_grads_ok
         self.model.set_sparse_grads(output=adagrad and cfg.objective == "nce", context=adagrad)
         self.model.feature_sparse = adagrad  # a batch touches few slots of the n-gram tables
         if adagrad:
@@ -368,15 +414,17 @@ class _Trainer:
         self.model.to(self.device).train()
         self.opt = _make_optimizer(cfg, self.model)
         self.gen = torch.Generator(device=self.device)
-        self.gen.manual_seed(cfg.seed)
+        self.gen.manual_seed(self.dist.rank_seed(cfg.seed))
         self.noise = NoiseDistribution(data.unigram, self.word_class, self.device)
         self.state = _State(lr=cfg.lr)
         self.best: dict[str, torch.Tensor] | None = None
         resumed = cfg.resume and os.path.exists(cfg.checkpoint_path)
         if resumed:
             self._resume()
+        self.dist.wrap(self.model)
         _set_lr(self.opt, self.state.lr)
-        self.log = TrainingLog(cfg.log_path, append=resumed)
+        self.log = TrainingLog(cfg.log_path, append=resumed, enabled=self.dist.is_main)
+        self.digests: list[str] | None = None
         if not resumed:
             self.log.write(event="start", config=dataclasses.asdict(cfg), model=self.mconf.to_json(),
                            vocab_size=len(data.vocab), train_tokens=data.train.num_tokens, step=0, tokens=0)
@@ -390,7 +438,7 @@ class _Trainer:
             raise InputError("checkpoint was made with another vocabulary or model shape", cfg.checkpoint_path)
         self.model.load_state_dict(ck["model"])
         self.opt.load_state_dict(ck["optimizer"])
-        self.gen.set_state(ck["generator"])
+        self.dist.restore_generator(self.gen, ck, cfg.seed, int(ck["state"]["step"]))
         self.state = _State(**ck["state"])
         self.best = ck["best"]
         if self.state.stopped in ("max steps", "max minutes"):  # a budget, not convergence: go on
@@ -399,15 +447,22 @@ class _Trainer:
                  cfg.checkpoint_path, self.state.step, self.state.epoch, self.state.pos)
 
     def checkpoint(self) -> None:
-        save_checkpoint(self.cfg.checkpoint_path, self.model, self.opt, self.gen, dataclasses.asdict(self.state),
-                        self.best, dataclasses.asdict(self.cfg), self.data.vocab.sha256())
+        gens = self.dist.gather_generators(self.gen)  # rank 0 only writes
+        if gens is not None:
+            save_checkpoint(self.cfg.checkpoint_path, self.model, self.opt, self.gen, dataclasses.asdict(self.state),
+                            self.best, dataclasses.asdict(self.cfg), self.data.vocab.sha256(),
+                            extra={"rank_generators": gens, "world_size": self.dist.world_size})
 
     def validate(self) -> None:
         """Validation perplexity; keeps the best model, decays the rate on no improvement."""
         state, cfg = self.state, self.cfg
         if self.data.valid is None:
             return
-        ppl = perplexity(self.model, self.data.valid, self.mconf.order, self.device)
+        valid = self.data.valid  # split across ranks, summed: the same number everywhere
+        part = corpus_log_likelihood(self.model, valid, self.mconf.order, self.device,
+                                     valid.shard(self.dist.rank, self.dist.world_size))
+        ll, n = self.dist.sum(*part)
+        ppl = math.exp(-ll / n)
         state.last_valid_step = state.step
         if ppl < state.best_ppl - 1e-9:
             state.best_ppl = ppl
@@ -429,12 +484,15 @@ class _Trainer:
     def step(self, positions: np.ndarray, next_pos: int, elapsed_before: float, t_loop: float) -> None:
         """One optimiser step on the examples predicting ``positions``."""
         state = self.state
-        ctx_np, tgt_np = self.data.train.examples(np.sort(positions), self.mconf.order)
+        mine, weight = self.dist.local_batch(positions)  # this process's share (all of it alone)
+        ctx_np, tgt_np = self.data.train.examples(np.sort(mine), self.mconf.order)
         ctx = torch.from_numpy(ctx_np).to(self.device)
         tgt = torch.from_numpy(tgt_np).to(self.device)
         self.opt.zero_grad(set_to_none=True)
-        loss = batch_loss(self.cfg.objective, self.model, ctx, tgt, self.noise, self.cfg.noise_samples, self.gen)
-        loss.backward()
+        loss = self.dist.forward(lambda: batch_loss(self.cfg.objective, self.model, ctx, tgt, self.noise,
+                                                    self.cfg.noise_samples, self.gen))
+        (loss * weight).backward()
+        self.dist.reduce_sparse()
         self.opt.step()
         state.step += 1
         state.pos = next_pos
@@ -460,7 +518,7 @@ class _Trainer:
             self.validate()
         if cfg.max_steps is not None and state.step >= cfg.max_steps:
             self.stop("max steps")
-        if deadline is not None and time.monotonic() >= deadline:
+        if deadline is not None and self.dist.any(time.monotonic() >= deadline):
             self.stop("max minutes")
         if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
             self.checkpoint()
@@ -477,7 +535,7 @@ class _Trainer:
         from tqdm import tqdm
 
         done_steps = state.epoch * steps_per_epoch + math.ceil(state.pos / cfg.batch_size)
-        with tqdm(total=steps_per_epoch * cfg.epochs, initial=done_steps, disable=not cfg.progress,
+        with tqdm(total=steps_per_epoch * cfg.epochs, initial=done_steps, disable=not cfg.progress or not self.dist.is_main,
                   unit="step", dynamic_ncols=True) as bar:
             while state.epoch < cfg.epochs and not state.done:
                 perm = _permutation(cfg.seed, state.epoch, N)
@@ -517,16 +575,19 @@ class _Trainer:
             "train_config": dataclasses.asdict(cfg),
             "torch": torch.__version__,
         }
-        save_model(cfg.out, final, data.vocab, data.classes, objective=cfg.objective, lowercase=cfg.lowercase,
-                   training=training_meta, unigram_counts=data.unigram)
+        rank = self.dist.rank
+        if self.dist.is_main:
+            save_model(cfg.out, final, data.vocab, data.classes, objective=cfg.objective, lowercase=cfg.lowercase,
+                       training=training_meta, unigram_counts=data.unigram)
+        dist = {"world_size": self.dist.world_size, "rank_param_sha256": self.digests} if self.dist.enabled else {}
         self.log.write(event="end", step=state.step, tokens=state.tokens, best_ppl=best_ppl,
-                       stopped=self.stopped, elapsed=round(state.elapsed, 3))
+                       stopped=self.stopped, elapsed=round(state.elapsed, 3), **dist)
         self.log.close()
-        if cfg.learning_curve:
+        if cfg.learning_curve and self.dist.is_main:
             write_learning_curve(cfg.log_path, cfg.curve_path)
         log.info("stopped (%s) after %d steps, %d tokens; best valid ppl %s; wrote %s",
                  self.stopped, state.step, state.tokens, best_ppl, cfg.out)
-        return TrainResult(self.model, best_ppl, state.step, state.tokens, self.stopped, cfg.out)
+        return TrainResult(self.model, best_ppl, state.step, state.tokens, self.stopped, cfg.out, rank)
 
 
 def train(cfg: TrainConfig, *, _interrupt_after_step: int | None = None) -> TrainResult:
@@ -539,6 +600,14 @@ def train(cfg: TrainConfig, *, _interrupt_after_step: int | None = None) -> Trai
     checkpoint).
     """
     trainer = _Trainer(cfg, _interrupt_after_step)
+    try:
+        return _run(trainer)
+    finally:
+        trainer.dist.close()
+
+
+def _run(trainer: _Trainer) -> TrainResult:
+    cfg = trainer.cfg
     try:
         trainer.loop()
     except _Interrupted:
@@ -557,6 +626,10 @@ def train(cfg: TrainConfig, *, _interrupt_after_step: int | None = None) -> Trai
     trainer.state.stopped = trainer.stopped
     if cfg.checkpoint_every:
         trainer.checkpoint()
+    if trainer.dist.enabled:  # every rank must hold the same parameters
+        trainer.digests = trainer.dist.param_digests(trainer.model)
+        if len(set(trainer.digests)) != 1:
+            log.error("the ranks' parameters differ: %s", trainer.digests)
     return trainer.finish()
 
 

@@ -1,0 +1,156 @@
+"""Data-parallel training: two gloo processes under torchrun on the CPU hold identical
+parameters, match one process with the same global batch, and resume with one process."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from nlmserve.cli import main
+from nlmserve.lm.distributed import TORCHRUN_VARS, Distributed, state_digest
+from nlmserve.lm.train import TrainConfig, load_checkpoint, train
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def small_train(tmp_path_factory: pytest.TempPathFactory, train_small_path: Path) -> Path:
+    """The first 600 lines of the shipped slice: one epoch is 296 steps of 64 positions."""
+    with open(train_small_path, encoding="utf-8") as src:
+        head = list(itertools.islice(src, 600))
+    path = tmp_path_factory.mktemp("dist") / "train.600.en"
+    path.write_text("".join(head), encoding="utf-8")
+    return path
+
+
+def _args(train_path: Path, valid: Path, out: Path, **kw: object) -> list[str]:
+    base: dict[str, object] = dict(train=train_path, valid=valid, out=out, order=4, dim=8, classes=12, min_count=2,
+                                   batch_size=64, lr=0.2, threads=1, seed=3, valid_every=40, checkpoint_every=40)
+    base.update(kw)
+    args = []
+    for k, v in base.items():
+        args += [f"--{k.replace('_', '-')}"] if v is True else [f"--{k.replace('_', '-')}", str(v)]
+    return args + ["--no-progress"]
+
+
+def _config(args: list[str]) -> TrainConfig:
+    """The TrainConfig the CLI builds from ``args`` (keys as flags)."""
+    kv: dict[str, object] = {}
+    it = iter(a for a in args if a != "--no-progress")
+    for flag in it:
+        kv[flag[2:].replace("-", "_")] = next(it)
+    ints = {"order", "dim", "classes", "min_count", "batch_size", "threads", "seed", "valid_every",
+            "checkpoint_every", "max_steps", "log_every", "ngram_class_table", "ngram_word_table"}
+    typed = {k: int(str(v)) if k in ints else float(str(v)) if k == "lr" else str(v) for k, v in kv.items()}
+    return TrainConfig(progress=False, learning_curve=False, **typed)  # type: ignore[arg-type]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "nlmserve", "train",
+           "--distributed", *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _log(out: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in Path(str(out) + ".log.jsonl").read_text().splitlines()]
+
+
+def _check_ranks_and_loss(out: Path) -> None:
+    """One writer (a single start and end record); every rank's parameters are those of
+    the checkpoint; the loss falls."""
+    records = _log(out)
+    assert [r.get("event") for r in records].count("start") == 1
+    end = records[-1]
+    assert end["event"] == "end" and end["world_size"] == 2
+    digests = end["rank_param_sha256"]
+    assert isinstance(digests, list) and len(digests) == 2
+    assert digests[0] == digests[1] == state_digest(load_checkpoint(str(out) + ".ckpt")["model"])
+    losses = [float(str(r["loss"])) for r in records if "loss" in r]
+    assert len(losses) >= 2 and losses[-1] < losses[0] - 0.3, losses
+
+
+def test_two_ranks_equal_one_process_and_resume_with_one(small_train: Path, dev_small_path: Path,
+                                                         tmp_path: Path) -> None:
+    # exact MLE (no noise samples): two ranks with the global batch of 64 take the same
+    # steps as one process with batch 64, up to the order of floating-point sums
+    dist_out, one_out = tmp_path / "dist.nlm", tmp_path / "one.nlm"
+    proc = _torchrun(2, _args(small_train, dev_small_path, dist_out, objective="mle", max_steps=120, log_every=20))
+    assert proc.stdout.count("steps\t120") == 1  # rank 0 alone reports
+    _check_ranks_and_loss(dist_out)
+    ck = load_checkpoint(str(dist_out) + ".ckpt")
+    assert ck["world_size"] == 2 and len(ck["rank_generators"]) == 2
+    assert ck["state"]["step"] == 120 and ck["state"]["pos"] == 120 * 64  # global progress
+
+    one = train(_config(_args(small_train, dev_small_path, one_out, objective="mle", max_steps=200)))
+    # the two-rank run, stopped at step 120, resumed by one process up to step 200
+    resumed = train(replace(_config(_args(small_train, dev_small_path, dist_out, objective="mle", max_steps=200)),
+                            resume=True))
+    assert resumed.steps == one.steps == 200 and resumed.tokens == one.tokens == 200 * 64
+    a, b = one.model.state_dict(), resumed.model.state_dict()
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=1e-3, rtol=0), (name, float((a[name] - b[name]).abs().max()))
+    assert resumed.best_valid_ppl == pytest.approx(one.best_valid_ppl, rel=1e-4)
+
+
+def test_two_ranks_with_sparse_gradients_stay_identical(small_train: Path, dev_small_path: Path,
+                                                        tmp_path: Path) -> None:
+    # NCE with AdaGrad: sparse gradients for the context and output embeddings and the
+    # hashed n-gram tables (sparse all-reduce), dense ones through DDP
+    out = tmp_path / "nce.nlm"
+    _torchrun(2, _args(small_train, dev_small_path, out, objective="nce", max_steps=300, log_every=50,
+                       valid_every=100, checkpoint_every=100, ngram_features=True, ngram_class_bits=8,
+                       ngram_word_bits=10))
+    _check_ranks_and_loss(out)
+    # 300 steps cross the end of the first epoch (its last batch is partial)
+    n = int(str(_log(out)[0]["train_tokens"]))
+    steps_per_epoch = -(-n // 64)
+    state = load_checkpoint(str(out) + ".ckpt")["state"]
+    assert steps_per_epoch < 300 and state["epoch"] == 1
+    assert state["tokens"] == n + (300 - steps_per_epoch) * 64 and state["pos"] == (300 - steps_per_epoch) * 64
+
+
+def test_distributed_without_torchrun_is_a_clear_error(small_train: Path, dev_small_path: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    for var in TORCHRUN_VARS:
+        monkeypatch.delenv(var, raising=False)
+    rc = main(["train", "--distributed", *_args(small_train, dev_small_path, tmp_path / "m.nlm", max_steps=5)])
+    err = capsys.readouterr().err
+    assert rc == 1 and "torchrun" in err and "RANK" in err and "WORLD_SIZE" in err
+    assert not (tmp_path / "m.nlm").exists()
+
+
+@pytest.mark.parametrize("world,batch", [(2, 64), (3, 10), (4, 3)])
+def test_shares_of_a_batch_weight_to_its_mean(world: int, batch: int) -> None:
+    rng = np.random.default_rng(0)
+    positions = rng.permutation(1000)[:batch]
+    losses = rng.random(1000)  # a per-position loss
+    shares, total = [], 0.0
+    for rank in range(world):
+        mine, weight = Distributed(rank=rank, world_size=world, backend="gloo").local_batch(positions)
+        shares.append(mine if weight else mine[:0])
+        total += weight * losses[mine].mean()  # what each rank's loss contributes
+    # every position in exactly one share; DDP's average of the weighted losses is the batch mean
+    assert sorted(np.concatenate(shares).tolist()) == sorted(positions.tolist())
+    assert total / world == pytest.approx(losses[positions].mean(), rel=1e-12)
