@@ -3,6 +3,7 @@
 #include "NeuralLMServer.h"
 
 #include <algorithm>
+#include <chrono>
 #include <unordered_map>
 #include <boost/functional/hash.hpp>
 
@@ -64,6 +65,11 @@ struct NeuralLMServerThread {
 };
 
 namespace {
+int64_t SteadyMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 NeuralLMServerThread &Local(const void *feature) {
   thread_local std::unordered_map<const void *, NeuralLMServerThread> states;
   return states[feature];
@@ -101,7 +107,10 @@ NeuralLMServer::NeuralLMServer(const std::string &line)
       m_beginState(NULL),
       m_sentences(0),
       m_sentenceRoundTrips(0),
-      m_errors(0) {
+      m_errors(0),
+      m_floored(0),
+      m_pauseMs(0),
+      m_downUntilMs(0) {
   ReadParameters();
   m_target = m_filePath;
   UTIL_THROW_IF2(m_target.empty(), "NeuralLMServer needs path=HOST:PORT (or A:1,B:2 or dns:///NAME:PORT) of nlmserve");
@@ -119,7 +128,8 @@ NeuralLMServer::~NeuralLMServer() {
   if (m_sentences.load() > 0) {
     VERBOSE(1, "NeuralLMServer " << GetScoreProducerDescription() << ": " << m_sentences.load()
                                  << " sentences, " << m_sentenceRoundTrips.load()
-                                 << " round trips, " << m_errors.load() << " failed requests");
+                                 << " round trips, " << m_errors.load() << " failed requests, "
+                                 << m_floored.load() << " requests floored");
     if (m_client) {
       nlmserve::ClientStats stats = m_client->stats();
       VERBOSE(1, ", " << stats.ngrams_sent << " n-grams sent, " << stats.cache_hits << " cache hits, "
@@ -229,6 +239,13 @@ uint32_t NeuralLMServer::Id(const Word &word) const {
 
 std::vector<float> NeuralLMServer::ScoreIds(const std::vector<std::vector<uint32_t> > &ngrams) const {
   std::vector<float> scores;
+  // on-error=floor: after a failed request the server is left alone for a pause (1 s,
+  // doubling after each further failure up to 60 s), so that a dead server costs one
+  // failed request per pause instead of one per request.
+  if (m_floorOnError && SteadyMs() < m_downUntilMs.load()) {
+    m_floored.fetch_add(1);
+    return std::vector<float>(ngrams.size(), LOWEST_SCORE);
+  }
   try {
     scores = m_client->ScoreBatch(ngrams);
   } catch (const nlmserve::ClientError &e) {
@@ -236,11 +253,16 @@ std::vector<float> NeuralLMServer::ScoreIds(const std::vector<std::vector<uint32
     if (!m_floorOnError) {
       UTIL_THROW2("NeuralLMServer " << GetScoreProducerDescription() << ": " << e.what());
     }
-    VERBOSE(1, "NeuralLMServer " << GetScoreProducerDescription() << ": " << e.what()
-                                 << "; scoring " << ngrams.size() << " n-grams " << LOWEST_SCORE
-                                 << std::endl);
+    const int64_t pause = std::min<int64_t>(60000, std::max<int64_t>(1000, 2 * m_pauseMs.load()));
+    m_pauseMs.store(pause);
+    m_downUntilMs.store(SteadyMs() + pause);
+    m_floored.fetch_add(1);
+    VERBOSE(1, "NeuralLMServer " << GetScoreProducerDescription() << ": " << e.what() << "; scoring "
+                                 << ngrams.size() << " n-grams " << LOWEST_SCORE
+                                 << ", and every request of the next " << pause << " ms" << std::endl);
     return std::vector<float>(ngrams.size(), LOWEST_SCORE);
   }
+  m_pauseMs.store(0);
   for (size_t i = 0; i < scores.size(); ++i) scores[i] = FloorScore(TransformLMScore(scores[i]));
   return scores;
 }

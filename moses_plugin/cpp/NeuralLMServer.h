@@ -16,7 +16,9 @@
 //   connect-timeout-ms=N    how long a reconnection may wait (default 5000)
 //   retries=N               further attempts on a fresh channel after a failure (default 2)
 //   on-error=fail|floor     after the retries: stop the decoder with an exception naming
-//                           the server (default), or score the n-grams LOWEST_SCORE and go on
+//                           the server (default), or score the n-grams LOWEST_SCORE and go on,
+//                           leaving the server alone for a pause (1 s, doubling up to 60 s
+//                           while it keeps failing) in which every request is floored
 //   phrase-scores=sentence|load
 //                           sentence (default, phrase-based search): when a sentence starts,
 //                           the phrase-internal n-grams of all its target phrases in the
@@ -156,6 +158,11 @@ class NeuralLMServer : public LanguageModelSingleFactor {
   mutable std::atomic<uint64_t> m_sentences;
   mutable std::atomic<uint64_t> m_sentenceRoundTrips;
   mutable std::atomic<uint64_t> m_errors;
+  // on-error=floor: requests answered LOWEST_SCORE, the current pause after failures, and
+  // the steady-clock time (ms) until which the server is not asked.
+  mutable std::atomic<uint64_t> m_floored;
+  mutable std::atomic<int64_t> m_pauseMs;
+  mutable std::atomic<int64_t> m_downUntilMs;
 };
 
 }  // namespace Moses
