@@ -10,6 +10,11 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+# Kept here (torch-free) so that --help needs no torch; lm.strategies and lm.objectives
+# check that they agree.
+OUTPUT_CHOICES = ("class", "softmax", "dsoftmax", "huffman", "random", "balanced", "adaptive", "adaptive-eps")
+OBJECTIVE_CHOICES = ("nce", "mle", "softmax", "sampling", "weaknorm", "weaknormsq")
+
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
@@ -29,8 +34,21 @@ def register(subparsers: Any) -> None:
     g.add_argument("--classes", type=int, help="number of word classes (default: the documented default for V)")
     g.add_argument("--class-file", help="word classes from a wcluster paths file (bits<TAB>word<TAB>count)")
     p.add_argument("--class-method", choices=("frequency", "brown"), default="frequency")
-    p.add_argument("--objective", choices=("nce", "mle", "softmax"), default="nce")
-    p.add_argument("--noise-samples", type=int, default=10, help="k noise samples per example (nce)")
+    p.add_argument("--output", choices=OUTPUT_CHOICES, default=None,
+                   help="output layer: class-factored, full softmax, differentiated softmax, or a binary tree "
+                        "(huffman, random, or Mnih & Hinton's balanced/adaptive/adaptive-eps); "
+                        "default: softmax for --objective softmax/sampling/weaknorm/weaknormsq, else class")
+    p.add_argument("--objective", choices=OBJECTIVE_CHOICES, default="nce",
+                   help="nce, mle (exact likelihood of the output), softmax (full softmax, as --output softmax "
+                        "--objective mle), sampling (target sampling), weaknorm, weaknormsq (self-normalising)")
+    p.add_argument("--noise-samples", type=int, default=10,
+                   help="k noise samples per example (nce); shared sample size per batch (sampling)")
+    p.add_argument("--tree-eps", type=float, default=0.25, help="ε of the adaptive-eps tree")
+    p.add_argument("--tree-pretrain-steps", type=int, default=2000,
+                   help="steps of the random-tree model behind the balanced/adaptive trees")
+    p.add_argument("--norm-fraction", type=float, default=0.1,
+                   help="γ: fraction of examples whose normaliser weaknorm(sq) computes")
+    p.add_argument("--norm-weight", type=float, help="α of the log Z penalty (weaknorm 0.1, weaknormsq 1.0)")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--max-minutes", type=float, help="wall-time budget; stops cleanly and writes the best model")
     p.add_argument("--max-steps", type=int, help="stop after this many optimiser steps")
@@ -88,6 +106,8 @@ def _train(args: argparse.Namespace) -> int:
             checkpoint_every=args.checkpoint_every, log_every=args.log_every, workdir=args.workdir, progress=not args.no_progress,
             ngram_class_table=_table_size(args.ngram_features, args.ngram_class_bits, "--ngram-class-bits"),
             ngram_word_table=_table_size(args.ngram_features, args.ngram_word_bits, "--ngram-word-bits"),
+            output=args.output, tree_eps=args.tree_eps, tree_pretrain_steps=args.tree_pretrain_steps,
+            norm_fraction=args.norm_fraction, norm_weight=args.norm_weight,
         )
     except ValueError as exc:
         print(f"nlmserve train: error: {exc}", file=sys.stderr)
