@@ -87,6 +87,10 @@ def register(subparsers: Any) -> None:
     e.add_argument("--lowercase", action="store_true", help="lowercase the text (also done when the model was trained so)")
     e.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda if available)")
     e.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    e.add_argument("--kn", help="a Kneser-Ney model (ARPA or KenLM binary) to interpolate with")
+    w = e.add_mutually_exclusive_group()
+    w.add_argument("--kn-weight", type=float, help="weight λ of the neural model in the mix")
+    w.add_argument("--tune-kn-weight", metavar="DEV", help="tune λ on this text (maximum likelihood)")
     e.set_defaults(func=_eval)
 
 
@@ -138,8 +142,21 @@ def _eval(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     lm = LanguageModel.load(args.model, device=args.device)
     result = evaluate(lm, args.text, lowercase=args.lowercase)
+    out = result.to_json()
+    mix = None
+    if args.kn:
+        from nlmserve.lm.interpolate import format_interpolation, interpolate
+
+        if args.kn_weight is None and args.tune_kn_weight is None:
+            print("nlmserve eval: error: --kn needs --kn-weight or --tune-kn-weight", file=sys.stderr)
+            return 2
+        mix = interpolate(lm, args.kn, args.text, weight=args.kn_weight, tune_text=args.tune_kn_weight,
+                          lowercase=args.lowercase)
+        out["interpolation"] = mix.to_json()
     if args.json:
-        print(json.dumps(result.to_json(), sort_keys=True))
+        print(json.dumps(out, sort_keys=True))
     else:
         print(format_report(result))
+        if mix is not None:
+            print("\n" + format_interpolation(mix))
     return 0

@@ -75,8 +75,9 @@ class TreeOutput(nn.Module):
         nodes = self.code_nodes[safe]  # (N, ..., M, L)
         sign = self.code_sign[safe]  # (N, ..., M, L)
         q = F.embedding(nodes, self.node_embed, sparse=sparse)  # (N, ..., M, L, E)
-        rr = r.reshape(r.shape[0], *([1] * (nodes.dim() - 1)), r.shape[1])  # (N, 1, .., 1, E)
-        x = (q * rr).sum(-1) + self.node_bias[nodes]  # (N, ..., M, L)
+        N, E = r.shape
+        dots = torch.bmm(q.reshape(N, -1, E), r.unsqueeze(2))  # (N, ...·M·L, E) @ (N, E, 1)
+        x = dots.view(nodes.shape) + self.node_bias[nodes]  # (N, ..., M, L)
         per_code = (F.logsigmoid(sign * x) * sign.abs()).sum(-1)  # (N, ..., M)
         per_code = per_code.masked_fill(~valid, -math.inf)
         if per_code.shape[-1] == 1:

@@ -110,6 +110,7 @@ def pretrain_features(cfg: "TrainConfig", train_ids: "CorpusIds", unigram: np.nd
     model = NeuralLM(mconf, tree=tree)
     model.init_biases(unigram)
     model.set_sparse_grads(output=True, context=True)
+    torch.sparse.check_sparse_tensor_invariants.disable()  # as training does (AdaGrad, sparse)
     model.to(device).train()
     opt = torch.optim.Adagrad(model.parameters(), lr=cfg.lr)
     rng = np.random.default_rng([cfg.seed, 17])

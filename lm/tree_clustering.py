@@ -12,7 +12,9 @@ responsibility p (of the first component):
                    both sides and get several codes (at most ``max_codes`` each); where
                    a side would keep every word, the ADAPTIVE rule is used instead.
 
-Sets of one word are leaves; a set of two is split without a mixture.
+Sets of one word are leaves; a set of two is split without a mixture. Departure from the
+paper: codes are kept no longer than twice a balanced tree's depth (sets that would not
+fit are split in balanced halves), which bounds the cost of a prediction.
 """
 
 from __future__ import annotations
@@ -30,28 +32,35 @@ log = logging.getLogger(__name__)
 RULES = ("balanced", "adaptive", "adaptive-eps")
 
 
-def two_gaussians(x: np.ndarray, rng: np.random.Generator, iters: int = 25) -> np.ndarray:
+def two_gaussians(x: np.ndarray, rng: np.random.Generator, iters: int = 12, tol: float = 1e-3) -> np.ndarray:
     """EM for a mixture of two spherical Gaussians on x (n, D) → (n,) responsibility of
-    the first component. Initialised at a random point and the point farthest from it."""
+    the first component. Initialised at a random point and the point farthest from it;
+    stops after ``iters`` iterations or when no responsibility moves by ``tol``."""
     n, D = x.shape
+    sq = (x * x).sum(1)  # (n,)
+
+    def dist2(means: np.ndarray) -> np.ndarray:  # (n, 2) squared distances, by one product
+        return np.maximum(sq[:, None] - 2.0 * (x @ means.T) + (means * means).sum(1)[None], 0.0)
+
     i = int(rng.integers(n))
-    j = int(np.argmax(((x - x[i]) ** 2).sum(1)))
+    j = int(np.argmax(dist2(x[i : i + 1])[:, 0]))
     means = np.stack([x[i], x[j]])  # (2, D)
     var = np.full(2, max(float(x.var(axis=0).sum()) / D, 1e-8))  # (2,) per-dimension variance
     weights = np.array([0.5, 0.5])
     resp = np.full(n, 0.5)
     for _ in range(iters):
-        d2 = ((x[:, None, :] - means[None]) ** 2).sum(-1)  # (n, 2)
-        logp = np.log(weights) - 0.5 * D * np.log(var) - d2 / (2 * var)  # (n, 2) up to a constant
+        logp = np.log(weights) - 0.5 * D * np.log(var) - dist2(means) / (2 * var)  # (n, 2) up to a constant
         logp -= logp.max(axis=1, keepdims=True)
         p = np.exp(logp)
         p /= p.sum(axis=1, keepdims=True)
+        moved = float(np.abs(p[:, 0] - resp).max())
         resp = p[:, 0]
         mass = p.sum(0) + 1e-12  # (2,)
-        weights = mass / n
+        weights = np.maximum(mass / n, 1e-12)
         means = (p.T @ x) / mass[:, None]
-        d2 = ((x[:, None, :] - means[None]) ** 2).sum(-1)
-        var = np.maximum((p * d2).sum(0) / (mass * D), 1e-8)
+        var = np.maximum((p * dist2(means)).sum(0) / (mass * D), 1e-8)
+        if moved < tol:
+            break
     return resp
 
 
@@ -82,9 +91,11 @@ def _split(subset: np.ndarray, resp: np.ndarray, rule: str, eps: float, copies: 
 
 
 def cluster_tree(features: np.ndarray, words: np.ndarray, rule: str, *, eps: float = 0.25, seed: int = 1,
-                 max_codes: int = 4) -> Tree:
+                 max_codes: int = 4, max_depth: int | None = None) -> Tree:
     """The tree over ``words`` (ids) by recursive two-Gaussian splits of ``features``
-    (V, D) rows (indexed by word id) under ``rule`` (one of RULES)."""
+    (V, D) rows (indexed by word id) under ``rule`` (one of RULES). No code is longer than
+    ``max_depth`` (None: twice a balanced tree's depth): a set that could not otherwise
+    fit in the remaining depth is split in balanced halves."""
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
     if not 0.0 <= eps < 0.5:
@@ -96,9 +107,11 @@ def cluster_tree(features: np.ndarray, words: np.ndarray, rule: str, *, eps: flo
     copies = np.ones(x.shape[0], dtype=np.int64)
     left: list[int] = []
     right: list[int] = []
-    queue: deque[tuple[np.ndarray, int, int]] = deque([(np.asarray(words), -1, 0)])
+    if max_depth is None:
+        max_depth = 2 * int(np.ceil(np.log2(words.size)))
+    queue: deque[tuple[np.ndarray, int, int, int]] = deque([(np.asarray(words), -1, 0, 0)])
     while queue:
-        subset, parent, side = queue.popleft()
+        subset, parent, side, depth = queue.popleft()
         if subset.size == 1:
             ref = -int(subset[0]) - 1
         else:
@@ -108,9 +121,11 @@ def cluster_tree(features: np.ndarray, words: np.ndarray, rule: str, *, eps: flo
             if subset.size == 2:
                 a, b = subset[:1], subset[1:]
             else:
-                a, b = _split(subset, two_gaussians(x[subset], rng), rule, eps, copies, max_codes)
-            queue.append((a, ref, 1))
-            queue.append((b, ref, 0))
+                # Below max_depth the remaining words are split in balanced halves.
+                here = rule if depth < max_depth - int(np.ceil(np.log2(subset.size))) else "balanced"
+                a, b = _split(subset, two_gaussians(x[subset], rng), here, eps, copies, max_codes)
+            queue.append((a, ref, 1, depth + 1))
+            queue.append((b, ref, 0, depth + 1))
         if parent >= 0:
             (left if side == 1 else right)[parent] = ref
     method = rule
