@@ -10,8 +10,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-# Kept here (torch-free) so that --help needs no torch; lm.strategies and lm.objectives
-# check that they agree.
+# Kept here (torch-free) so that --help needs no torch; a test checks that lm.strategies and
+# lm.objectives agree.
 OUTPUT_CHOICES = ("class", "softmax", "dsoftmax", "huffman", "random", "balanced", "adaptive", "adaptive-eps")
 OBJECTIVE_CHOICES = ("nce", "mle", "softmax", "sampling", "weaknorm", "weaknormsq")
 

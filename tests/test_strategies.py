@@ -183,3 +183,12 @@ def test_train_help_names_every_strategy(capsys: pytest.CaptureFixture[str]) -> 
     text = " ".join(capsys.readouterr().out.split())
     for name in ("huffman", "random", "balanced", "adaptive-eps", "dsoftmax", "sampling", "weaknorm", "weaknormsq"):
         assert name in text
+
+
+def test_cli_choices_match_the_library() -> None:
+    from nlmserve.lm import cli
+    from nlmserve.lm.objectives import OBJECTIVES
+    from nlmserve.lm.strategies import OUTPUT_CHOICES
+
+    assert set(cli.OUTPUT_CHOICES) == set(OUTPUT_CHOICES)
+    assert set(cli.OBJECTIVE_CHOICES) == set(OBJECTIVES)
