@@ -285,9 +285,19 @@ def write_doc(rows: list[dict[str, Any]], args: argparse.Namespace, info: dict[s
         worse = [r["name"] for r in rows if r["test_ppl"] > kn_ppl]
         lines.append(f"* Against Kneser-Ney alone ({kn_ppl:.1f}): {len(worse)} of {len(rows)} strategies are worse "
                      f"alone within this budget; every mix is below both of its parts"
-                     if all(r["mix_test_ppl"] < min(r["test_ppl"], kn_ppl) for r in rows)
+                     + "." if all(r["mix_test_ppl"] < min(r["test_ppl"], kn_ppl) for r in rows)
                      else f"* Against Kneser-Ney alone ({kn_ppl:.1f}): {len(worse)} of {len(rows)} strategies are "
                      "worse alone within this budget.")
+    same = {r["name"]: r["tokens_per_s"] for r in rows if r["objective"] in ("weaknorm", "weaknormsq")}
+    if len(same) == 2:
+        hi, lo = max(same.values()), min(same.values())
+        lines.append(f"* **Speeds are noisy in this run.** Weaknorm and WeaknormSQ do the same work per step, yet "
+                     f"trained at {lo:,.0f} and {hi:,.0f} tokens/s ({hi / lo:.1f}×): the machine's load from other "
+                     "jobs changed while the strategies ran one after the other, and it moves the tokens/s and "
+                     "n-grams/s columns (and, through the steps a budget buys, the perplexities) by that much. "
+                     "Speed differences smaller than that factor are not evidence, and the ranking by perplexity "
+                     "within a wall-time budget inherits that noise: a re-run on an idle machine is needed before "
+                     "reading more into it than the large gaps (the full softmax family against the rest).")
     lines += ["", "Raw results: `strategies.json` next to this page.", ""]
     doc.write_text("\n".join(lines) + NOTES, encoding="utf-8")
 
@@ -301,8 +311,8 @@ NOTES = """
   trees train a model on a random balanced tree (up to a third of the budget here; Mnih &
   Hinton trained it to convergence), average its predicted context vectors r over each
   word's occurrences (400,000 training positions at most), and split the words recursively
-  with a two-component spherical Gaussian mixture fitted by EM (25 iterations from a random
-  word and the word farthest from it, at most 12 iterations). ADAPTIVE(ε) uses ε = 0.25 (Mnih & Hinton tried 0.25
+  with a two-component spherical Gaussian mixture fitted by EM (at most 12 iterations, from a
+  random word and the word farthest from it). ADAPTIVE(ε) uses ε = 0.25 (Mnih & Hinton tried 0.25
   and 0.4) and caps each word at 4 codes. The tree model is then trained from scratch on
   the new tree, as in the paper. Mnih & Hinton's log-bilinear model is this project's
   diagonal-context model.
@@ -345,7 +355,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", help="comma-separated strategy names or outputs")
     p.add_argument("--work", default="/tmp/nlmserve-strategies")
     p.add_argument("--doc", default=str(REPO / "docs" / "strategies.md"))
+    p.add_argument("--doc-only", action="store_true", help="rewrite the page from strategies.json (no training)")
     args = p.parse_args(argv)
+    if args.doc_only:
+        doc = Path(args.doc)
+        saved = json.loads(doc.with_name("strategies.json").read_text())
+        saved_args = argparse.Namespace(**{**vars(args), **saved["info"].get("args", {})})
+        write_doc(saved["rows"], saved_args, saved["info"], doc, doc.with_name("strategies-curves.png"))
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("nlmserve").setLevel(logging.WARNING)
     t_start = time.monotonic()
@@ -363,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = LanguageModel.load(work / f"{slug(chosen[0].name)}.nlm", device="cpu").config.vocab_size
     info = {"machine": machine(), "load_start": load_start, "load_end": os.getloadavg()[0],
             "minutes": (time.monotonic() - t_start) / 60, "vocab": vocab,
+            "args": {k: v for k, v in vars(args).items() if k != "doc_only"},
             "command": "python bench/strategies.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     doc.with_name("strategies.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
     write_doc(rows, args, info, doc, png)
