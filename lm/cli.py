@@ -10,6 +10,11 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+# Kept here (torch-free) so that --help needs no torch; a test checks that lm.strategies and
+# lm.objectives agree.
+OUTPUT_CHOICES = ("class", "softmax", "dsoftmax", "huffman", "random", "balanced", "adaptive", "adaptive-eps")
+OBJECTIVE_CHOICES = ("nce", "mle", "softmax", "sampling", "weaknorm", "weaknormsq")
+
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
@@ -30,8 +35,21 @@ def register(subparsers: Any) -> None:
     g.add_argument("--class-file", help="word classes from a wcluster paths file (bits<TAB>word<TAB>count)")
     p.add_argument("--class-method", choices=("frequency", "frequency-sqrt", "brown"), default="frequency",
                    help="frequency-sqrt: bins on square roots of counts (narrow classes for V >= 100k)")
-    p.add_argument("--objective", choices=("nce", "mle", "softmax"), default="nce")
-    p.add_argument("--noise-samples", type=int, default=10, help="k noise samples per example (nce)")
+    p.add_argument("--output", choices=OUTPUT_CHOICES, default=None,
+                   help="output layer: class-factored, full softmax, differentiated softmax, or a binary tree "
+                        "(huffman, random, or Mnih & Hinton's balanced/adaptive/adaptive-eps); "
+                        "default: softmax for --objective softmax/sampling/weaknorm/weaknormsq, else class")
+    p.add_argument("--objective", choices=OBJECTIVE_CHOICES, default="nce",
+                   help="nce, mle (exact likelihood of the output), softmax (full softmax, as --output softmax "
+                        "--objective mle), sampling (target sampling), weaknorm, weaknormsq (self-normalising)")
+    p.add_argument("--noise-samples", type=int, default=10,
+                   help="k noise samples per example (nce); shared sample size per batch (sampling)")
+    p.add_argument("--tree-eps", type=float, default=0.25, help="ε of the adaptive-eps tree")
+    p.add_argument("--tree-pretrain-steps", type=int, default=2000,
+                   help="steps of the random-tree model behind the balanced/adaptive trees")
+    p.add_argument("--norm-fraction", type=float, default=0.1,
+                   help="γ: fraction of examples whose normaliser weaknorm(sq) computes")
+    p.add_argument("--norm-weight", type=float, help="α of the log Z penalty (weaknorm 0.1, weaknormsq 1.0)")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--max-minutes", type=float, help="wall-time budget; stops cleanly and writes the best model")
     p.add_argument("--max-steps", type=int, help="stop after this many optimiser steps")
@@ -74,6 +92,10 @@ def register(subparsers: Any) -> None:
     e.add_argument("--lowercase", action="store_true", help="lowercase the text (also done when the model was trained so)")
     e.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda if available)")
     e.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    e.add_argument("--kn", help="a Kneser-Ney model (ARPA or KenLM binary) to interpolate with")
+    w = e.add_mutually_exclusive_group()
+    w.add_argument("--kn-weight", type=float, help="weight λ of the neural model in the mix")
+    w.add_argument("--tune-kn-weight", metavar="DEV", help="tune λ on this text (maximum likelihood)")
     e.set_defaults(func=_eval)
 
 
@@ -94,6 +116,8 @@ def _train(args: argparse.Namespace) -> int:
             checkpoint_every=args.checkpoint_every, log_every=args.log_every, workdir=args.workdir, progress=not args.no_progress,
             ngram_class_table=_table_size(args.ngram_features, args.ngram_class_bits, "--ngram-class-bits"),
             ngram_word_table=_table_size(args.ngram_features, args.ngram_word_bits, "--ngram-word-bits"),
+            output=args.output, tree_eps=args.tree_eps, tree_pretrain_steps=args.tree_pretrain_steps,
+            norm_fraction=args.norm_fraction, norm_weight=args.norm_weight,
         )
     except ValueError as exc:
         print(f"nlmserve train: error: {exc}", file=sys.stderr)
@@ -126,8 +150,21 @@ def _eval(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     lm = LanguageModel.load(args.model, device=args.device)
     result = evaluate(lm, args.text, lowercase=args.lowercase)
+    out = result.to_json()
+    mix = None
+    if args.kn:
+        from nlmserve.lm.interpolate import format_interpolation, interpolate
+
+        if args.kn_weight is None and args.tune_kn_weight is None:
+            print("nlmserve eval: error: --kn needs --kn-weight or --tune-kn-weight", file=sys.stderr)
+            return 2
+        mix = interpolate(lm, args.kn, args.text, weight=args.kn_weight, tune_text=args.tune_kn_weight,
+                          lowercase=args.lowercase)
+        out["interpolation"] = mix.to_json()
     if args.json:
-        print(json.dumps(result.to_json(), sort_keys=True))
+        print(json.dumps(out, sort_keys=True))
     else:
         print(format_report(result))
+        if mix is not None:
+            print("\n" + format_interpolation(mix))
     return 0

@@ -38,7 +38,7 @@ import hashlib
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import numpy as np
 import torch
@@ -48,6 +48,8 @@ from nlmserve.errors import InputError
 from nlmserve.lm.model import NeuralLM
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # How long a collective may wait: the other ranks wait at a barrier while rank 0 counts and
 # encodes the corpus (about 0.7M tokens/s on one core here: ~25 minutes for 1 billion tokens),
@@ -100,6 +102,15 @@ class Distributed:
         if self.rank == 0 and step == 0:
             return seed
         return int(np.random.SeedSequence([seed, self.rank, step]).generate_state(1)[0])
+
+    def from_main(self, make: Callable[[], T]) -> T:
+        """``make()`` run on rank 0 only, its result sent to every rank (a tree fitted with a
+        time budget may differ between runs: one rank fits it for all)."""
+        if not self.enabled:
+            return make()
+        box: list[Any] = [make() if self.is_main else None]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]  # type: ignore[no-any-return]
 
     @contextlib.contextmanager
     def main_first(self) -> Iterator[None]:
@@ -221,8 +232,13 @@ def sparse_parameters(model: NeuralLM) -> list[Tensor]:
     out: list[Tensor] = []
     if model.embed.sparse:
         out.append(model.embed.weight)
-    if model.sparse_grads:
-        out.append(model.word_embed)
+    if model.sparse_grads:  # the output embeddings of whichever output layer the model has
+        if model.tree_out is not None:
+            out.append(model.tree_out.node_embed)
+        elif model.band_out is not None:
+            out.extend(model.band_out.embeds)
+        else:
+            out.append(model.word_embed)
     if model.feature_sparse:
         out.extend(t for t in (model.ngram_class, model.ngram_word) if t is not None)
     return out

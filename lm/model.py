@@ -12,7 +12,9 @@ Output, class-factored (``output="class"``, Goodman 2001; Mikolov et al. 2011)::
     log P(w | h) = s_c(h) - log Σ_c' exp s_c'(h)  +  s_w(h) - log Σ_{w' ∈ c} exp s_w'(h)
     s_c(h) = S_c · r + b_c          s_w(h) = R_w · r + b_w          c = class(w)
 
-or a full softmax (``output="softmax"``): ``log P(w | h) = s_w(h) - log Σ_w' exp s_w'(h)``.
+or a full softmax (``output="softmax"``): ``log P(w | h) = s_w(h) - log Σ_w' exp s_w'(h)``,
+or a binary tree over the words (``output="tree"``) or the differentiated softmax
+(``output="dsoftmax"``), both in :mod:`nlmserve.lm.outputs`.
 
 ``<s>`` is never predicted: its score is masked to -inf, so the distribution over the
 other V-1 words sums to one. The exact in-class normaliser groups the rows of a batch by
@@ -34,11 +36,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from nlmserve.lm.outputs import BandedOutput, TreeOutput
+from nlmserve.lm.trees import Tree
 from nlmserve.lm.vocab import BOS_ID
 
 CONTEXT_TYPES = ("diagonal", "full")
 ACTIVATIONS = ("none", "tanh", "relu")
-OUTPUT_TYPES = ("class", "softmax")
+OUTPUT_TYPES = ("class", "softmax", "tree", "dsoftmax")
+#: Outputs whose word scores are a full softmax's logits (normaliser: log Σ over all words).
+SOFTMAX_LIKE = ("softmax", "dsoftmax")
 
 # Direct n-gram features (OxLM, Baltescu, Blunsom & Hoang 2014; the maximum-entropy features of
 # Mikolov's RNNME): for every suffix of the context of length 0..order-1 one hashed weight per
@@ -89,6 +95,10 @@ class ModelConfig:
             scores (0: no class features). See :func:`ngram_feature_index`.
         ngram_word_table: size of the hashed direct n-gram feature table for the word
             scores (0: no word features).
+        tree_nodes: internal nodes of the output tree (``output="tree"``; the tree itself
+            is stored in the model file), tree_method how it was built.
+        band_sizes, band_dims: words per frequency band and their embedding widths
+            (``output="dsoftmax"``; sizes sum to V, widths to the context width).
     """
 
     vocab_size: int
@@ -101,6 +111,10 @@ class ModelConfig:
     num_classes: int = 0
     ngram_class_table: int = 0
     ngram_word_table: int = 0
+    tree_nodes: int = 0
+    tree_method: str = ""
+    band_sizes: tuple[int, ...] = ()
+    band_dims: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.vocab_size < 4:
@@ -123,6 +137,14 @@ class ModelConfig:
             raise ValueError("direct n-gram features need the class output")
         if self.has_ngram_features and self.vocab_size >= 1 << 24:
             raise ValueError("direct n-gram features need vocab_size < 2^24")
+        if self.output == "tree" and self.tree_nodes < 1:
+            raise ValueError("the tree output needs tree_nodes >= 1")
+        if self.output == "dsoftmax" and (
+            sum(self.band_sizes) != self.vocab_size or sum(self.band_dims) != self.out_dim
+            or len(self.band_sizes) != len(self.band_dims) or min(self.band_dims, default=0) < 1
+        ):
+            raise ValueError(f"dsoftmax bands {self.band_sizes} x {self.band_dims} must cover V={self.vocab_size} "
+                             f"words and the width {self.out_dim}")
 
     @property
     def has_ngram_features(self) -> bool:
@@ -134,7 +156,15 @@ class ModelConfig:
         return self.hidden if self.hidden > 0 else self.dim
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields as JSON; the tree and band fields only when set, so a class or
+        softmax model's header reads as before (older readers load it)."""
+        d = dataclasses.asdict(self)
+        for name in _LATER_FIELDS:
+            if d[name] == _DEFAULTS[name]:
+                del d[name]
+            elif isinstance(d[name], tuple):
+                d[name] = list(d[name])
+        return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ModelConfig":
@@ -142,7 +172,12 @@ class ModelConfig:
         unknown = set(d) - names
         if unknown:
             raise ValueError(f"unknown model config fields: {sorted(unknown)}")
+        d = {k: tuple(int(x) for x in v) if k in ("band_sizes", "band_dims") else v for k, v in d.items()}
         return cls(**d)
+
+
+_LATER_FIELDS = ("tree_nodes", "tree_method", "band_sizes", "band_dims")
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 
 
 class NeuralLM(nn.Module):
@@ -158,7 +193,10 @@ class NeuralLM(nn.Module):
     ngram_class: nn.Parameter | None  # (ngram_class_table, 1) hashed (suffix, class) weights
     ngram_word: nn.Parameter | None  # (ngram_word_table, 1) hashed (suffix, word) weights
 
-    def __init__(self, config: ModelConfig, word_class: np.ndarray | None = None) -> None:
+    tree_out: TreeOutput | None
+    band_out: BandedOutput | None
+
+    def __init__(self, config: ModelConfig, word_class: np.ndarray | None = None, tree: Tree | None = None) -> None:
         super().__init__()
         self.config = config
         # Sparse gradients for the output word embeddings (training with AdaGrad): only the
@@ -174,12 +212,20 @@ class NeuralLM(nn.Module):
             self.ctx_weight = nn.Parameter(torch.empty(n1, D, D))  # C_j as matrices (out, in)
         self.hidden = nn.Linear(D, config.hidden) if config.hidden > 0 else None
         E = config.out_dim
-        self.word_embed = nn.Parameter(torch.empty(V, E))  # R_w
-        self.word_bias = nn.Parameter(torch.zeros(V))  # b_w
         # <s> is never predicted: -inf added to its score everywhere.
         word_mask = torch.zeros(V)
         word_mask[BOS_ID] = -math.inf
         self.register_buffer("word_mask", word_mask, persistent=False)
+        self.tree_out = self.band_out = None
+        if config.output == "tree":
+            if tree is None or tree.num_nodes != config.tree_nodes:
+                raise ValueError(f"the tree output needs a tree of {config.tree_nodes} internal nodes")
+            self.tree_out = TreeOutput(tree, V, E)
+        elif config.output == "dsoftmax":
+            self.band_out = BandedOutput(config.band_sizes, config.band_dims, word_mask)
+        else:
+            self.word_embed = nn.Parameter(torch.empty(V, E))  # R_w
+            self.word_bias = nn.Parameter(torch.zeros(V))  # b_w
         if config.output == "class":
             if word_class is None:
                 raise ValueError("the class output needs word_class")
@@ -219,14 +265,19 @@ class NeuralLM(nn.Module):
         """Gaussian embeddings; context weights near 1/(n-1) (identity for ``full``)."""
         n1 = self.config.order - 1
         nn.init.normal_(self.embed.weight, std=std)
-        nn.init.normal_(self.word_embed, std=std)
+        for out in (self.tree_out, self.band_out):
+            if out is not None:
+                out.reset_parameters(std)
+        if self.config.output in ("class", "softmax"):
+            nn.init.normal_(self.word_embed, std=std)
         with torch.no_grad():
             if self.config.context == "diagonal":
                 self.ctx_weight.normal_(1.0 / n1, std)
             else:
                 eye = torch.eye(self.config.dim).expand(n1, -1, -1)
                 self.ctx_weight.copy_(eye / n1 + torch.randn_like(self.ctx_weight) * std / self.config.dim**0.5)
-            self.word_bias.zero_()
+            if self.config.output in ("class", "softmax"):
+                self.word_bias.zero_()
             for table in (self.ngram_class, self.ngram_word):
                 if table is not None:
                     table.zero_()
@@ -239,10 +290,14 @@ class NeuralLM(nn.Module):
         = log P(w|c) (softmax output: log P(w)). ``<s>`` gets no mass."""
         counts = np.asarray(unigram_counts, dtype=np.float64) + 1.0
         counts[BOS_ID] = 0.0
+        if self.tree_out is not None:
+            self.tree_out.init_biases(unigram_counts)
+            return
         with torch.no_grad():
-            if self.config.output == "softmax":
+            if self.config.output in SOFTMAX_LIKE:
                 logp = np.log(np.maximum(counts, 1e-30) / counts.sum())
-                self.word_bias.copy_(torch.from_numpy(logp))
+                bias = self.band_out.bias if self.band_out is not None else self.word_bias
+                bias.copy_(torch.from_numpy(logp))
                 return
             wc = self.word_class.cpu().numpy()
             mass = np.bincount(wc, weights=counts, minlength=self.config.num_classes)
@@ -312,7 +367,12 @@ class NeuralLM(nn.Module):
         return s if f is None else s + f
 
     def word_score(self, r: Tensor, word: Tensor) -> Tensor:
-        """s_w(h) of one word per row (any shape of ``word`` with leading N): → word.shape."""
+        """s_w(h) of one word per row (any shape of ``word`` with leading N): → word.shape.
+        For the tree output: log P(w | h) itself."""
+        if self.tree_out is not None:
+            return self.tree_out.log_prob(r, word, self.sparse_grads)
+        if self.band_out is not None:
+            return self.band_out.score(r, word, self.sparse_grads)
         r, h = self.split_context(r)
         emb = F.embedding(word, self.word_embed, sparse=self.sparse_grads)  # (N, ..., E)
         rr = r.reshape(r.shape[0], *([1] * (word.dim() - 1)), r.shape[1])  # (N, 1.., E)
@@ -321,22 +381,41 @@ class NeuralLM(nn.Module):
         return s if f is None else s + f
 
     def word_logits(self, r: Tensor) -> Tensor:
-        """All word scores: (N, E) @ (E, V) → (N, V), ``<s>`` at -inf."""
+        """All word scores: (N, E) @ (E, V) → (N, V), ``<s>`` at -inf (the tree output:
+        all log-probabilities)."""
+        if self.tree_out is not None:
+            return self.tree_out.all_log_probs(r)
+        if self.band_out is not None:
+            return self.band_out.logits(r)
         r, h = self.split_context(r)
         s = r @ self.word_embed.t() + self.word_bias + self.word_mask
         all_words = torch.arange(self.config.vocab_size, device=r.device).expand(r.shape[0], -1)
         f = self._feature(self.ngram_word, h, all_words)
         return s if f is None else s + f
 
+    def candidate_logits(self, r: Tensor, words: Tensor) -> Tensor:
+        """Scores of the same words (C,) for every row: (N, E) @ (E, C) → (N, C)
+        (softmax and differentiated softmax outputs: target sampling)."""
+        if self.band_out is not None:
+            return self.band_out.logits_of(r, words, self.sparse_grads)
+        if self.config.output != "softmax":
+            raise ValueError(f"candidate scores need a softmax-like output, not {self.config.output!r}")
+        r, _ = self.split_context(r)
+        emb = F.embedding(words, self.word_embed, sparse=self.sparse_grads)  # (C, E)
+        return r @ emb.t() + self.word_bias[words] + self.word_mask[words]
+
     def class_log_normalizer(self, r: Tensor) -> Tensor:
-        """log Σ_c exp s_c(h) → (N,); zeros for the softmax output."""
-        if self.config.output == "softmax":
+        """log Σ_c exp s_c(h) → (N,); zeros for the other outputs."""
+        if self.config.output != "class":
             return r.new_zeros(r.shape[0])
         return torch.logsumexp(self.class_logits(r), dim=-1)
 
     def in_class_log_normalizer(self, r: Tensor, cls: Tensor, method: str = "grouped") -> Tensor:
-        """log Σ_{w ∈ cls} exp s_w(h) → (N,); the full-softmax log Z for the softmax output."""
-        if self.config.output == "softmax":
+        """log Σ_{w ∈ cls} exp s_w(h) → (N,); the full-softmax log Z for the (differentiated)
+        softmax output; zeros for the tree output (normalised by construction)."""
+        if self.config.output == "tree":
+            return r.new_zeros(r.shape[0])
+        if self.config.output in SOFTMAX_LIKE:
             return torch.logsumexp(self.word_logits(r), dim=-1)
         if method == "padded":
             return self._in_class_padded(r, cls)
@@ -389,8 +468,10 @@ class NeuralLM(nn.Module):
         """Rows per chunk for exact scoring: bounded so that the widest score matrix
         (N × V for softmax, N × largest class for the class output) holds ~``budget``
         floats, between 64 and 8192 rows."""
-        if self.config.output == "softmax":
+        if self.config.output in SOFTMAX_LIKE:
             width = self.config.vocab_size
+        elif self.tree_out is not None:
+            width = self.tree_out.tree.depth * self.config.out_dim  # log_prob's (rows, L, E) gather
         else:
             width = max(b - a for a, b in zip(self._offsets, self._offsets[1:]))
             if self.ngram_word is not None:  # (rows, width, order) int64 slots and floats
@@ -404,7 +485,9 @@ class NeuralLM(nn.Module):
         return self.log_prob_from_r(r, target, normalized=normalized)
 
     def log_prob_from_r(self, r: Tensor, target: Tensor, *, normalized: bool = True) -> Tensor:
-        if self.config.output == "softmax":
+        if self.config.output == "tree":
+            return self.word_score(r, target)  # normalised by construction
+        if self.config.output in SOFTMAX_LIKE:
             score = self.word_score(r, target)
             return score - self.in_class_log_normalizer(r, target) if normalized else score
         cls = self.word_class[target]
@@ -417,7 +500,9 @@ class NeuralLM(nn.Module):
         """The whole distribution log P(· | ctx) → (N, V) (``<s>`` at -inf). For tests and
         small vocabularies."""
         r = self.encode(ctx)
-        if self.config.output == "softmax":
+        if self.config.output == "tree":
+            return self.word_logits(r)
+        if self.config.output in SOFTMAX_LIKE:
             return torch.log_softmax(self.word_logits(r), dim=-1)
         class_logp = torch.log_softmax(self.class_logits(r), dim=-1)  # (N, K)
         word_logits = self.word_logits(r)  # (N, V)

@@ -16,6 +16,13 @@ offset, nbytes), ``data_size`` and ``sha256``: the hex digest of the canonical J
 the header without ``sha256`` (sorted keys, no spaces) followed by the data bytes. Loading
 checks magic, version, sizes and the digest, and raises :class:`ModelFileError` with the
 file name on any mismatch.
+
+Version 2 (written only for the outputs added with it, ``tree`` and ``dsoftmax``, so older
+readers refuse those files by their version instead of failing later): the config may
+hold ``tree_nodes``, ``tree_method``, ``band_sizes``, ``band_dims``, and a tree model
+stores its tree as the int32 arrays ``tree_left``, ``tree_right``, ``tree_code_word``,
+``tree_code_nodes``, ``tree_code_bits`` (:meth:`nlmserve.lm.trees.Tree.arrays`). Class
+and softmax models are still written as version 1, byte for byte as before.
 """
 
 from __future__ import annotations
@@ -42,7 +49,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAGIC = b"NLMSERVE"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: The version a file is written with: 1 unless its output type needs 2.
+_V1_OUTPUTS = ("class", "softmax")
 _PREFIX = struct.Struct("<8sIQ")  # magic, version, header length
 _ALIGN = 64
 _DTYPES = {"float32": np.float32, "float64": np.float64, "int64": np.int64, "int32": np.int32, "uint32": np.uint32}
@@ -75,7 +84,15 @@ class ModelFile:
     def build_model(self) -> NeuralLM:
         """The network with the stored weights (float32, on the CPU)."""
         word_class = self.classes.word_class if self.classes is not None else None
-        model = NeuralLM(self.config, word_class)
+        tree = None
+        if self.config.output == "tree":
+            from nlmserve.lm.trees import Tree
+
+            try:
+                tree = Tree.from_arrays(self.tensors, self.config.tree_method)
+            except (KeyError, ValueError) as exc:
+                raise ModelFileError(f"{self.path}: invalid output tree: {exc}") from exc
+        model = NeuralLM(self.config, word_class, tree)
         state = model.state_dict()
         missing = set(state) - set(self.tensors)
         if missing:
@@ -108,6 +125,8 @@ def save_model(
     arrays: dict[str, np.ndarray] = {
         name: t.detach().to("cpu", torch.float32).contiguous().numpy() for name, t in model.state_dict().items()
     }
+    if model.tree_out is not None:
+        arrays.update(model.tree_out.tree.arrays())
     if unigram_counts is not None:
         arrays["unigram_counts"] = np.ascontiguousarray(unigram_counts, dtype=np.int64)
     index: dict[str, dict[str, Any]] = {}
@@ -136,7 +155,8 @@ def save_model(
     digest.update(data)
     header["sha256"] = digest.hexdigest()
     header_bytes = _canonical(header)
-    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header_bytes))
+    version = 1 if model.config.output in _V1_OUTPUTS else FORMAT_VERSION
+    prefix = _PREFIX.pack(MAGIC, version, len(header_bytes))
     pad = _align(len(prefix) + len(header_bytes)) - len(prefix) - len(header_bytes)
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")

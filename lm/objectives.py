@@ -11,6 +11,22 @@ For the class-factored output each factor gets its own NCE term (Baltescu & Blun
 
 with s the unnormalised log score (s_c(h) or s_w(h)). For the softmax output the word
 term alone runs with noise from the word unigram.
+
+For the (differentiated) softmax outputs (Chen, Grangier & Auli 2016, §2):
+
+    sampling    target sampling (Jean et al. 2015): one set of k words per batch drawn
+                from the unigram q; each row's softmax runs over the batch's targets and
+                that set, every candidate's score corrected by -log q(w) (importance
+                sampling of the normaliser).
+    weaknorm    -s_y(h) on every row, plus (log Z(h) + α (log Z(h))²) / γ on a random
+                fraction γ of the rows (an unbiased estimate of the cross-entropy plus a
+                self-normalisation penalty, computed on γ of the rows only).
+    weaknormsq  -s_y(h) on every row plus α (log Z(h))² / γ on the fraction γ (Andreas &
+                Klein 2015's weak normalisation: the likelihood is never normalised, the
+                penalty alone keeps log Z near 0; its fixed point has log Z ≈ 1/(2α)).
+
+``mle`` is the exact cross-entropy of whatever output the model has (class, softmax,
+differentiated softmax, tree).
 """
 
 from __future__ import annotations
@@ -25,7 +41,9 @@ from torch import Tensor
 from nlmserve.lm.model import NeuralLM
 from nlmserve.lm.vocab import BOS_ID
 
-OBJECTIVES = ("nce", "mle", "softmax")
+OBJECTIVES = ("nce", "mle", "softmax", "sampling", "weaknorm", "weaknormsq")
+#: Objectives whose unnormalised scores approximate log-probabilities (the fast path).
+SELF_NORMALIZING = ("nce", "weaknorm", "weaknormsq")
 
 
 class NoiseDistribution:
@@ -98,6 +116,10 @@ class NoiseDistribution:
         return self.sample_classes(n, k, generator), self.sample_words_in_class(cls, k, generator)
 
 
+#: α of the self-normalising objectives when not given.
+DEFAULT_NORM_WEIGHT = {"weaknorm": 0.1, "weaknormsq": 1.0}
+
+
 def _nce_term(data_score: Tensor, noise_score: Tensor, log_q_data: Tensor, log_q_noise: Tensor, k: int) -> Tensor:
     """Per-example NCE loss: data (n,), noise (n, k) scores and noise log-probabilities."""
     log_k = math.log(k)
@@ -145,6 +167,28 @@ def mle_loss(model: NeuralLM, ctx: Tensor, target: Tensor) -> Tensor:
     return -model.log_prob(ctx, target).mean()
 
 
+def sampling_loss(model: NeuralLM, ctx: Tensor, target: Tensor, noise: NoiseDistribution, samples: Tensor) -> Tensor:
+    """Mean target-sampling loss with a given shared sample (k,) of words."""
+    r = model.encode(ctx)  # (n, E)
+    cand = torch.unique(torch.cat([target, samples]))  # (C,) sorted
+    pos = torch.searchsorted(cand, target)  # (n,) each target's column
+    logits = model.candidate_logits(r, cand) - noise.log_q_word[cand].to(r.dtype)  # (n, C)
+    return F.cross_entropy(logits, pos)
+
+
+def weaknorm_loss(model: NeuralLM, ctx: Tensor, target: Tensor, rows: Tensor, gamma: float, alpha: float,
+                  squared_only: bool) -> Tensor:
+    """Mean Weaknorm (``squared_only`` False) or WeaknormSQ loss; ``rows`` (m,) are the
+    rows whose normaliser is computed, drawn with probability ``gamma``."""
+    r = model.encode(ctx)  # (n, E)
+    loss = -model.word_score(r, target).mean()
+    if rows.numel():
+        log_z = torch.logsumexp(model.word_logits(r[rows]), dim=-1)  # (m,)
+        term = alpha * log_z * log_z if squared_only else log_z + alpha * log_z * log_z
+        loss = loss + term.sum() / (gamma * target.shape[0])
+    return loss
+
+
 def batch_loss(
     objective: str,
     model: NeuralLM,
@@ -153,13 +197,27 @@ def batch_loss(
     noise: NoiseDistribution | None = None,
     k: int = 10,
     generator: torch.Generator | None = None,
+    *,
+    norm_fraction: float = 0.1,
+    norm_weight: float | None = None,
 ) -> Tensor:
-    """The training loss of one batch for ``objective`` (nce draws its own noise)."""
-    if objective == "nce":
+    """The training loss of one batch for ``objective`` (nce and sampling draw their own
+    noise, weaknorm(sq) its rows). ``norm_fraction`` is γ, ``norm_weight`` α (None: the
+    default of the objective, see DEFAULT_NORM_WEIGHT)."""
+    if objective in ("nce", "sampling"):
         if noise is None or generator is None:
-            raise ValueError("nce needs a noise distribution and a generator")
+            raise ValueError(f"{objective} needs a noise distribution and a generator")
+        if objective == "sampling":
+            return sampling_loss(model, ctx, target, noise, noise.sample_words(1, k, generator).view(-1))
         noise_classes, noise_words = noise.sample(model, target, k, generator)
         return nce_loss(model, ctx, target, noise, noise_classes, noise_words)
+    if objective in ("weaknorm", "weaknormsq"):
+        if generator is None:
+            raise ValueError(f"{objective} needs a generator")
+        u = torch.rand(target.shape[0], generator=generator, device=generator.device)
+        rows = (u < norm_fraction).nonzero().squeeze(1).to(target.device)
+        alpha = DEFAULT_NORM_WEIGHT[objective] if norm_weight is None else norm_weight
+        return weaknorm_loss(model, ctx, target, rows, norm_fraction, alpha, objective == "weaknormsq")
     if objective in ("mle", "softmax"):
         return mle_loss(model, ctx, target)
     raise ValueError(f"unknown objective {objective!r}; expected one of {OBJECTIVES}")

@@ -26,6 +26,7 @@ from torch import Tensor
 from nlmserve.errors import InvalidRequestError
 from nlmserve.lm.model import ModelConfig, NeuralLM
 from nlmserve.lm.model_file import FORMAT_VERSION, ModelFile, read_model_file
+from nlmserve.lm.objectives import SELF_NORMALIZING
 from nlmserve.lm.vocab import BOS_ID, EOS_ID, UNK_ID, Vocabulary
 
 log = logging.getLogger(__name__)
@@ -92,8 +93,10 @@ class LanguageModel:
 
     @property
     def self_normalized(self) -> bool:
-        """Unnormalised scores approximate log-probabilities (NCE with fixed normalisers)."""
-        return self.objective == "nce"
+        """Unnormalised scores approximate log-probabilities: NCE with fixed normalisers,
+        the self-normalising objectives (weaknorm, weaknormsq), and the tree output (whose
+        score is the log-probability itself)."""
+        return self.objective in SELF_NORMALIZING or self.config.output == "tree"
 
     @property
     def num_classes(self) -> int:
@@ -213,17 +216,18 @@ class LanguageModel:
             return score.float().cpu().numpy()
 
     def word_classes(self, target: Tensor) -> Tensor:
-        """Class id of each target (zeros for the softmax output)."""
-        if self.config.output == "softmax":
+        """Class id of each target (zeros for the outputs without classes)."""
+        if self.config.output != "class":
             return torch.zeros_like(target)
         return self.net.word_class[target]
 
     def raw_scores(self, r: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
-        """(class_score (N,), word_score (N,)); class_score is 0 for the softmax output.
-        log p = class_score - class_lognorm + word_score - in_class_lognorm."""
+        """(class_score (N,), word_score (N,)); class_score is 0 without classes.
+        log p = class_score - class_lognorm + word_score - in_class_lognorm (both
+        normalisers are 0 for the tree output, the whole log-probability is word_score)."""
         with torch.inference_mode():
             word = self.net.word_score(r, target)
-            if self.config.output == "softmax":
+            if self.config.output != "class":
                 return torch.zeros_like(word), word
             return self.net.class_score(r, self.net.word_class[target]), word
 

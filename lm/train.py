@@ -36,6 +36,8 @@ from nlmserve.lm.distributed import array_digest, init_distributed
 from nlmserve.lm.model import ModelConfig, NeuralLM
 from nlmserve.lm.model_file import save_model
 from nlmserve.lm.objectives import OBJECTIVES, NoiseDistribution, batch_loss
+from nlmserve.lm.strategies import SPARSE_OUTPUT_OBJECTIVES, build_tree, model_output, output_fields, resolve_output
+from nlmserve.lm.trees import Tree
 from nlmserve.lm.vocab import Vocabulary
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,10 @@ class TrainConfig:
         workdir: where id files go (None: ``out + ".work"``).
         ngram_class_table, ngram_word_table: sizes of the hashed direct n-gram feature
             tables for the class and the word scores (0: none; class output only).
+        output: the output strategy (nlmserve.lm.strategies; None: from the objective).
+        tree_eps: ε of the adaptive-eps tree; tree_pretrain_steps: steps of the
+            random-tree model whose context vectors the feature-based trees split.
+        norm_fraction, norm_weight: γ and α of weaknorm / weaknormsq (None: their default).
     """
 
     train: str
@@ -116,10 +122,18 @@ class TrainConfig:
     workdir: str | None = None
     ngram_class_table: int = 0
     ngram_word_table: int = 0
+    output: str | None = None
+    tree_eps: float = 0.25
+    tree_pretrain_steps: int = 2000
+    norm_fraction: float = 0.1
+    norm_weight: float | None = None
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        resolve_output(self.objective, self.output)
+        if not 0 < self.norm_fraction <= 1 or self.tree_pretrain_steps < 1 or not 0 <= self.tree_eps < 0.5:
+            raise ValueError("norm_fraction must lie in (0, 1], tree_pretrain_steps >= 1, tree_eps in [0, 0.5)")
         if self.optimizer not in ("adagrad", "adam"):
             raise ValueError(f"optimizer must be adagrad or adam, got {self.optimizer!r}")
         if self.class_method not in ("frequency", "frequency-sqrt", "brown"):
@@ -128,8 +142,12 @@ class TrainConfig:
             raise ValueError("batch_size, lr, noise_samples and epochs must be positive")
         if self.ngram_class_table < 0 or self.ngram_word_table < 0:
             raise ValueError("n-gram feature table sizes must be >= 0")
-        if (self.ngram_class_table or self.ngram_word_table) and self.objective == "softmax":
+        if (self.ngram_class_table or self.ngram_word_table) and self.resolved_output != "class":
             raise ValueError("direct n-gram features need the class output (objective nce or mle)")
+
+    @property
+    def resolved_output(self) -> str:
+        return resolve_output(self.objective, self.output)
 
     @property
     def checkpoint_path(self) -> str:
@@ -228,7 +246,7 @@ def prepare_data(cfg: TrainConfig) -> _Data:
         valid_ids = CorpusIds.encode(cfg.valid, vocab, work / "valid.ids", lowercase=cfg.lowercase)
     unigram = train_ids.unigram_counts(len(vocab))
     classes: WordClasses | None = None
-    if cfg.objective != "softmax":
+    if cfg.resolved_output == "class":
         if cfg.class_file is not None:
             classes = load_wcluster(cfg.class_file, vocab)
         else:
@@ -243,7 +261,9 @@ def prepare_data(cfg: TrainConfig) -> _Data:
     return _Data(vocab, train_ids, valid_ids, unigram, classes)
 
 
-def model_config(cfg: TrainConfig, data: _Data) -> ModelConfig:
+def model_config(cfg: TrainConfig, data: _Data, tree: Tree | None = None) -> ModelConfig:
+    out = cfg.resolved_output
+    width = cfg.hidden if cfg.hidden > 0 else cfg.dim
     return ModelConfig(
         vocab_size=len(data.vocab),
         order=cfg.order,
@@ -251,10 +271,11 @@ def model_config(cfg: TrainConfig, data: _Data) -> ModelConfig:
         context=cfg.context,
         hidden=cfg.hidden,
         activation=cfg.activation,
-        output="softmax" if cfg.objective == "softmax" else "class",
+        output=model_output(out),
         num_classes=data.classes.num_classes if data.classes is not None else 0,
         ngram_class_table=cfg.ngram_class_table,
         ngram_word_table=cfg.ngram_word_table,
+        **output_fields(out, len(data.vocab), width, tree),  # type: ignore[arg-type]
     )
 
 
@@ -397,17 +418,23 @@ class _Trainer:
         self.device = self.dist.device
         with self.dist.main_first():  # rank 0 writes the id files, the others reuse them
             self.data = data = prepare_data(cfg)
-        self.dist.check_same("vocabulary and word classes", data.vocab.sha256() + array_digest(
-            data.classes.word_class if data.classes is not None else None))
-        self.mconf = model_config(cfg, data)
+        deadline = self.t_start + cfg.max_minutes * 60.0 if cfg.max_minutes else None
+        self.tree = self.dist.from_main(
+            lambda: build_tree(cfg, cfg.resolved_output, data.train, data.unigram, self.device, deadline))
+        tree_arrays = None if self.tree is None else np.concatenate(
+            [self.tree.code_word.ravel(), self.tree.code_nodes.ravel(), self.tree.code_bits.ravel().astype(np.int32)])
+        self.dist.check_same("vocabulary, word classes and tree", data.vocab.sha256() + array_digest(
+            data.classes.word_class if data.classes is not None else None) + array_digest(tree_arrays))
+        self.mconf = model_config(cfg, data, self.tree)
         self.word_class = data.classes.word_class if data.classes is not None else None
         torch.manual_seed(cfg.seed)
-        self.model = NeuralLM(self.mconf, self.word_class)
+        self.model = NeuralLM(self.mconf, self.word_class, self.tree)
         self.model.init_biases(data.unigram)
         # A batch touches few context rows, and with NCE few output rows: sparse AdaGrad
         # updates only those (MLE and softmax touch most output rows: dense is faster there).
         adagrad = cfg.optimizer == "adagrad" and not cfg.dense_grads and self.dist.sparse_grads_ok
-        self.model.set_sparse_grads(output=adagrad and cfg.objective == "nce", context=adagrad)
+        sparse_out = cfg.objective in SPARSE_OUTPUT_OBJECTIVES or self.mconf.output == "tree"
+        self.model.set_sparse_grads(output=adagrad and sparse_out, context=adagrad)
         self.model.feature_sparse = adagrad  # a batch touches few slots of the n-gram tables
         if adagrad:
             torch.sparse.check_sparse_tensor_invariants.disable()  # opt out explicitly (and quietly)
@@ -489,8 +516,9 @@ class _Trainer:
         ctx = torch.from_numpy(ctx_np).to(self.device)
         tgt = torch.from_numpy(tgt_np).to(self.device)
         self.opt.zero_grad(set_to_none=True)
-        loss = self.dist.forward(lambda: batch_loss(self.cfg.objective, self.model, ctx, tgt, self.noise,
-                                                    self.cfg.noise_samples, self.gen))
+        loss = self.dist.forward(lambda: batch_loss(
+            self.cfg.objective, self.model, ctx, tgt, self.noise, self.cfg.noise_samples, self.gen,
+            norm_fraction=self.cfg.norm_fraction, norm_weight=self.cfg.norm_weight))
         (loss * weight).backward()
         self.dist.reduce_sparse()
         self.opt.step()
@@ -559,7 +587,7 @@ class _Trainer:
         cfg, state, data = self.cfg, self.state, self.data
         final = self.model
         if self.best is not None:
-            final = NeuralLM(self.mconf, self.word_class)
+            final = NeuralLM(self.mconf, self.word_class, self.tree)
             final.load_state_dict(self.best)
         best_ppl = None if math.isinf(state.best_ppl) else state.best_ppl
         training_meta: dict[str, Any] = {

@@ -39,6 +39,8 @@ def _args(train_path: Path, valid: Path, out: Path, **kw: object) -> list[str]:
     base.update(kw)
     args = []
     for k, v in base.items():
+        if v is None:  # flag left out
+            continue
         args += [f"--{k.replace('_', '-')}"] if v is True else [f"--{k.replace('_', '-')}", str(v)]
     return args + ["--no-progress"]
 
@@ -154,3 +156,18 @@ def test_shares_of_a_batch_weight_to_its_mean(world: int, batch: int) -> None:
     # every position in exactly one share; DDP's average of the weighted losses is the batch mean
     assert sorted(np.concatenate(shares).tolist()) == sorted(positions.tolist())
     assert total / world == pytest.approx(losses[positions].mean(), rel=1e-12)
+
+
+def test_two_ranks_train_a_fitted_tree_on_identical_parameters(small_train: Path, dev_small_path: Path,
+                                                               tmp_path: Path) -> None:
+    # Mnih & Hinton's adaptive(eps) tree: rank 0 fits it (after a short random-tree model)
+    # and sends it to rank 1; the node vectors' sparse gradients are all-reduced
+    out = tmp_path / "tree.nlm"
+    _torchrun(2, _args(small_train, dev_small_path, out, output="adaptive-eps", objective="mle", classes=None,
+                       tree_pretrain_steps=30, max_steps=200, log_every=40, valid_every=100,
+                       checkpoint_every=100))
+    _check_ranks_and_loss(out)
+    from nlmserve.lm.scoring import LanguageModel
+
+    lm = LanguageModel.load(out, device="cpu")
+    assert lm.output_type == "tree"

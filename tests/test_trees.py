@@ -1,0 +1,184 @@
+"""Output trees: Huffman codes by hand, golden tree probabilities by hand, words with two
+codes, the feature-based clustering rules, and normalisation of every output type."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from nlmserve.lm.model import ModelConfig, NeuralLM
+from nlmserve.lm.outputs import TreeOutput, default_bands
+from nlmserve.lm.tree_clustering import cluster_tree
+from nlmserve.lm.trees import Tree, huffman_tree, node_log_odds, random_tree, tree_from_splits, tree_words
+from nlmserve.lm.vocab import BOS_ID
+
+
+def sig(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+def test_huffman_code_lengths_match_the_hand_built_tree() -> None:
+    # The textbook example (Cormen et al., 16.3): counts 45, 13, 12, 16, 9, 5 give code
+    # lengths 1, 3, 3, 3, 4, 4. Ids: 0 <unk>, 1 <s> (never a leaf), 2 </s>, 3.., so 7 ids.
+    counts = np.array([45, 1000, 13, 12, 16, 9, 5])
+    tree = huffman_tree(counts)
+    lengths = {int(w): int(n) for w, n in zip(tree.code_word, tree.code_lengths())}
+    assert lengths == {0: 1, 2: 3, 3: 3, 4: 3, 5: 4, 6: 4}
+    assert tree.num_nodes == 5 and tree.num_codes == 6
+    # Kraft: a full binary tree's code lengths satisfy Σ 2^-l = 1 exactly.
+    assert sum(2.0 ** -n for n in lengths.values()) == 1.0
+    # Prefix-free and all different.
+    codes = [tree.codes_of(w)[0] for w in lengths]
+    assert len(set(codes)) == 6
+    assert not any(a != b and b.startswith(a) for a in codes for b in codes)
+
+
+def test_random_tree_is_balanced_over_all_words_but_bos() -> None:
+    tree = random_tree(11, seed=3)
+    assert sorted(tree.code_word.tolist()) == [w for w in range(11) if w != BOS_ID]
+    lengths = tree.code_lengths()
+    assert lengths.min() >= 3 and lengths.max() == math.ceil(math.log2(10))
+    assert not np.array_equal(random_tree(11, seed=3).code_word, random_tree(11, seed=4).code_word)
+
+
+def _tree_output(tree: Tree, V: int, q: list[list[float]], b: list[float]) -> TreeOutput:
+    out = TreeOutput(tree, V, 2)
+    with torch.no_grad():
+        out.node_embed.copy_(torch.tensor(q))
+        out.node_bias.copy_(torch.tensor(b))
+    return out
+
+
+def test_golden_tree_probabilities_by_hand() -> None:
+    # ((0, 2), 3): root 0 (left: node 1, right: word 3), node 1 (left: word 0, right: word 2).
+    tree = tree_from_splits(((0, 2), 3), "test")
+    out = _tree_output(tree, 4, [[0.5, -0.25], [0.2, 0.3]], [0.1, -0.4])
+    r = torch.tensor([[1.0, 2.0]])
+    x0 = 0.5 * 1 - 0.25 * 2 + 0.1  # 0.1
+    x1 = 0.2 * 1 + 0.3 * 2 - 0.4  # 0.4
+    want = {0: sig(x0) * sig(x1), 2: sig(x0) * sig(-x1), 3: sig(-x0)}
+    for w, p in want.items():
+        got = out.log_prob(r, torch.tensor([w])).item()
+        assert got == pytest.approx(math.log(p), abs=1e-6)
+    full = out.all_log_probs(r)[0]
+    assert full[BOS_ID].item() == -math.inf
+    assert full.exp().sum().item() == pytest.approx(1.0, abs=1e-6)
+    assert tree.codes_of(0) == ["11"] and tree.codes_of(2) == ["10"] and tree.codes_of(3) == ["0"]
+
+
+def test_a_word_with_two_codes_gets_the_sum_of_both_paths() -> None:
+    # ((0, 3), (3, (2, 4))): word 3 is a leaf under both children of the root.
+    tree = tree_from_splits(((0, 3), (3, (2, 4))), "test")
+    assert sorted(tree.codes_of(3)) == ["01", "10"]
+    q = [[0.3, -0.1], [0.7, 0.2], [-0.4, 0.5], [0.1, 0.1]]
+    b = [0.2, -0.3, 0.05, 0.4]
+    out = _tree_output(tree, 5, q, b)
+    r = torch.tensor([[0.6, -1.2]])
+    x = [q[n][0] * 0.6 - q[n][1] * 1.2 + b[n] for n in range(4)]
+    # Nodes in creation order: 0 root, 1 = (0, 3), 2 = (3, (2, 4)), 3 = (2, 4).
+    p3 = sig(x[0]) * sig(-x[1]) + sig(-x[0]) * sig(x[2])
+    assert out.log_prob(r, torch.tensor([3])).item() == pytest.approx(math.log(p3), abs=1e-6)
+    full = out.all_log_probs(r)[0].exp()
+    assert full[3].item() == pytest.approx(p3, abs=1e-6)
+    assert full.sum().item() == pytest.approx(1.0, abs=1e-6)
+    # (N, k) shapes as in batched scoring.
+    two = out.log_prob(r, torch.tensor([[3, 0]]))
+    assert two.shape == (1, 2) and two[0, 0].item() == pytest.approx(math.log(p3), abs=1e-6)
+
+
+def test_bias_initialisation_gives_the_unigram() -> None:
+    counts = np.array([9, 0, 4, 2, 1, 0])
+    tree = huffman_tree(counts)
+    out = TreeOutput(tree, 6, 3)
+    with torch.no_grad():
+        out.node_embed.zero_()
+        out.node_bias.copy_(torch.from_numpy(node_log_odds(tree, counts)))
+    with torch.no_grad():
+        p = out.all_log_probs(torch.zeros(1, 3))[0].exp().numpy()
+    add_one = counts + 1.0
+    add_one[BOS_ID] = 0
+    np.testing.assert_allclose(p, add_one / add_one.sum(), atol=1e-6)
+
+
+def _features(V: int, seed: int) -> np.ndarray:
+    """Two well separated groups of words, and a few words half way between them."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(0, 0.05, size=(V, 4))
+    x[: V // 2, 0] += 3.0
+    x[V // 2 :, 0] -= 3.0
+    x[-3:, 0] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("rule", ["balanced", "adaptive", "adaptive-eps"])
+def test_clustering_rules(rule: str) -> None:
+    V = 40
+    words = tree_words(V)
+    tree = cluster_tree(_features(V, 1), words, rule, eps=0.45, seed=2)
+    tree.validate(V)
+    counts = np.bincount(tree.code_word, minlength=V)
+    assert counts[BOS_ID] == 0
+    if rule == "adaptive-eps":
+        assert counts.max() >= 2  # the words half way belong to both groups
+        assert counts.max() <= 4
+    else:
+        assert (counts[words] == 1).all()
+    if rule == "balanced":
+        lengths = tree.code_lengths()
+        assert lengths.max() - lengths.min() <= 1
+    # The first split separates the two groups (bar the words half way).
+    first_left = {int(w) for w in tree.code_word[tree.code_bits[:, 0] == 1]}
+    group_a = {int(w) for w in words if w < V // 2}
+    assert group_a <= first_left or not (group_a & first_left - set(range(V - 3, V)))
+
+
+def _random_model(output: str, V: int = 23, seed: int = 0) -> NeuralLM:
+    torch.manual_seed(seed)
+    extra: dict[str, object] = {}
+    tree = None
+    if output in ("huffman", "random", "balanced", "adaptive", "adaptive-eps"):
+        counts = np.arange(V)[::-1] * 3 + 1
+        if output == "huffman":
+            tree = huffman_tree(counts)
+        elif output == "random":
+            tree = random_tree(V, 5)
+        else:
+            tree = cluster_tree(np.random.default_rng(1).normal(size=(V, 3)), tree_words(V), output, eps=0.3)
+        extra = {"output": "tree", "tree_nodes": tree.num_nodes, "tree_method": tree.method}
+    elif output == "dsoftmax":
+        extra = {"output": "dsoftmax", "band_sizes": (5, 8, V - 13), "band_dims": (4, 2, 2)}
+    else:
+        extra = {"output": output}
+    config = ModelConfig(vocab_size=V, order=3, dim=8, **extra)  # type: ignore[arg-type]
+    model = NeuralLM(config, tree=tree)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.7)
+    return model
+
+
+OUTPUTS = ["huffman", "random", "balanced", "adaptive", "adaptive-eps", "dsoftmax", "softmax"]
+
+
+@pytest.mark.parametrize("output", OUTPUTS)
+def test_every_output_sums_to_one(output: str) -> None:
+    model = _random_model(output)
+    ctx = torch.tensor([[1, 1], [4, 7], [12, 3], [22, 0]])
+    with torch.no_grad():
+        logp = model.full_log_probs(ctx)
+    assert torch.isinf(logp[:, BOS_ID]).all()
+    np.testing.assert_allclose(logp.exp().sum(1).numpy(), 1.0, atol=1e-4)
+    # log_prob of each word agrees with the full distribution.
+    for w in (0, 2, 9, 22):
+        with torch.no_grad():
+            lp = model.log_prob(ctx, torch.full((4,), w))
+        np.testing.assert_allclose(lp.numpy(), logp[:, w].numpy(), atol=1e-5)
+
+
+def test_default_bands_cover_the_vocabulary_and_the_width() -> None:
+    assert default_bands(50_000, 128) == ((2500, 7500, 40_000), (64, 32, 32))
+    assert default_bands(5000, 128) == ((2500, 2500), (96, 32))
+    assert default_bands(100, 16) == ((100,), (16,))
