@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -477,6 +477,33 @@ class NeuralLM(nn.Module):
             if self.ngram_word is not None:  # (rows, width, order) int64 slots and floats
                 width *= 3 * self.config.order
         return int(min(8192, max(64, budget // max(width, 1))))
+
+    def scoring_bounds(self, targets: np.ndarray, budget: int = 1 << 24,
+                       max_rows: int = 8192) -> Iterator[tuple[int, int]]:
+        """Consecutive (start, end) chunks of ``targets`` (N,) for exact scoring, each of at
+        most ``max_rows`` rows whose targets' class widths sum to at most ``budget`` (one row
+        at least).
+
+        The class-factored normaliser materialises (rows of class c) × |c| scores per class
+        present, so the sum over the rows actually scored bounds the largest score matrix;
+        :meth:`scoring_chunk` assumes every row is in the largest class, which at V ≥ 100k
+        (a 58,333-word rare-word class) means chunks of a few hundred rows."""
+        n = int(targets.shape[0])
+        if self.config.output != "class":
+            chunk = min(max_rows, self.scoring_chunk(budget))
+            yield from ((a, min(a + chunk, n)) for a in range(0, n, chunk))
+            return
+        sizes = np.diff(np.asarray(self._offsets))  # (K,)
+        widths = sizes[self.word_class.cpu().numpy()[np.asarray(targets, dtype=np.int64)]]  # (N,)
+        if self.ngram_word is not None:  # (rows, width, order) int64 slots and floats
+            widths = widths * 3 * self.config.order
+        cum = np.concatenate([[0], np.cumsum(widths)])  # cum[i]: widths of the first i rows
+        i = 0
+        while i < n:
+            end = int(np.searchsorted(cum, cum[i] + budget, side="right")) - 1  # widths of i..end-1 ≤ budget
+            end = min(max(end, i + 1), i + max_rows, n)
+            yield i, end
+            i = end
 
     # ------------------------------------------------------------------ probabilities
     def log_prob(self, ctx: Tensor, target: Tensor, *, normalized: bool = True) -> Tensor:

@@ -16,7 +16,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -241,12 +241,15 @@ class LanguageModel:
         arr = self.validate_ngrams(ids)
         out = np.empty(arr.shape[0], dtype=np.float32)
         use_raw = not normalized and self.self_normalized
-        chunk = CHUNK if use_raw else min(CHUNK, self.net.scoring_chunk())
+        if use_raw:
+            bounds: Iterable[tuple[int, int]] = ((a, min(a + CHUNK, len(arr))) for a in range(0, len(arr), CHUNK))
+        else:  # sized by the classes of the rows scored (see NeuralLM.scoring_bounds)
+            bounds = self.net.scoring_bounds(arr[:, -1], max_rows=CHUNK)
         with torch.inference_mode():
-            for start in range(0, arr.shape[0], chunk):
-                ctx, target = self.prepare_contexts(arr[start : start + chunk])
+            for start, end in bounds:
+                ctx, target = self.prepare_contexts(arr[start:end])
                 norm = np.full(ctx.shape[0], not use_raw)
-                out[start : start + chunk] = self.score_prepared(ctx.cpu().numpy(), target.cpu().numpy(), norm)
+                out[start:end] = self.score_prepared(ctx.cpu().numpy(), target.cpu().numpy(), norm)
         if log10:
             out *= np.float32(LOG10_E)
         return out

@@ -292,21 +292,9 @@ def scoring_spans(model: NeuralLM, corpus: CorpusIds, span: range, budget: int =
     ``model.scoring_chunk()`` assumes every row is in the largest class, which at V ≥ 100k
     (a 58,333-word rare-word class) made chunks of 287 rows and validation 3.9× slower.
     """
-    if model.config.output != "class":
-        chunk = model.scoring_chunk(budget)
-        yield from (range(a, min(a + chunk, span.stop)) for a in range(span.start, span.stop, chunk))
-        return
-    sizes = np.diff(model.class_offsets.cpu().numpy())  # (K,)
-    widths = sizes[model.word_class.cpu().numpy()[np.asarray(corpus.ids[span.start : span.stop])]]  # (len,)
-    if model.ngram_word is not None:  # (rows, width, order) int64 slots and floats
-        widths = widths * 3 * model.config.order
-    cum = np.concatenate([[0], np.cumsum(widths)])  # cum[i]: widths of the first i positions
-    i = 0
-    while i < len(span):
-        end = int(np.searchsorted(cum, cum[i] + budget, side="right")) - 1  # widths of i..end-1 ≤ budget
-        end = min(max(end, i + 1), i + max_rows, len(span))
-        yield range(span.start + i, span.start + end)
-        i = end
+    targets = np.asarray(corpus.ids[span.start : span.stop])
+    for a, b in model.scoring_bounds(targets, budget, max_rows):
+        yield range(span.start + a, span.start + b)
 
 
 def corpus_log_likelihood(model: NeuralLM, corpus: CorpusIds, order: int, device: torch.device,
