@@ -71,8 +71,11 @@ class InterpolationResult:
 
 def load_kn(path: str | os.PathLike[str]) -> Any:
     """A ``kenlm.Model`` (ARPA or binary); InputError naming the file when it cannot be read."""
-    import kenlm
-
+    try:
+        import kenlm
+    except ImportError as exc:
+        raise InputError("reading a Kneser-Ney model needs the kenlm module: pip install 'nlmserve[bench]' "
+                         "(or pip install kenlm)", str(path)) from exc
     if not os.path.exists(path):
         raise InputError("no such Kneser-Ney model file", str(path))
     try:
