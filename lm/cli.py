@@ -30,6 +30,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--context", choices=("diagonal", "full"), default="diagonal", help="context weights")
     p.add_argument("--hidden", type=int, default=0, help="hidden layer width (0: none)")
     p.add_argument("--activation", choices=("none", "tanh", "relu"), default="none")
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="dropout on the context vector while training (0: none)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--classes", type=int, help="number of word classes (default: the documented default for V)")
     g.add_argument("--class-file", help="word classes from a wcluster paths file (bits<TAB>word<TAB>count)")
@@ -117,7 +119,7 @@ def _train(args: argparse.Namespace) -> int:
             ngram_class_table=_table_size(args.ngram_features, args.ngram_class_bits, "--ngram-class-bits"),
             ngram_word_table=_table_size(args.ngram_features, args.ngram_word_bits, "--ngram-word-bits"),
             output=args.output, tree_eps=args.tree_eps, tree_pretrain_steps=args.tree_pretrain_steps,
-            norm_fraction=args.norm_fraction, norm_weight=args.norm_weight,
+            norm_fraction=args.norm_fraction, norm_weight=args.norm_weight, dropout=args.dropout,
         )
     except ValueError as exc:
         print(f"nlmserve train: error: {exc}", file=sys.stderr)

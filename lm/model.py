@@ -256,6 +256,10 @@ class NeuralLM(nn.Module):
             self.register_buffer("class_words_padded", torch.from_numpy(padded), persistent=False)
         # Direct n-gram features; their gradients are sparse when ``feature_sparse`` (AdaGrad).
         self.feature_sparse = False
+        # Dropout on the context vector while training (0: none); masks drawn from
+        # ``dropout_gen`` (the trainer's generator, so a resumed run draws the same masks).
+        self.dropout = 0.0
+        self.dropout_gen: torch.Generator | None = None
         self.ngram_class = nn.Parameter(torch.zeros(config.ngram_class_table, 1)) if config.ngram_class_table else None
         self.ngram_word = nn.Parameter(torch.zeros(config.ngram_word_table, 1)) if config.ngram_word_table else None
         self.reset_parameters()
@@ -328,6 +332,9 @@ class NeuralLM(nn.Module):
             r = torch.tanh(r)
         elif self.config.activation == "relu":
             r = torch.relu(r)
+        if self.training and self.dropout > 0.0:
+            keep = torch.rand(r.shape, generator=self.dropout_gen, device=r.device) >= self.dropout
+            r = r * keep / (1.0 - self.dropout)
         if self.config.has_ngram_features:
             r = torch.cat([r, ctx.to(r.dtype)], dim=1)  # (N, E + order-1)
         return r

@@ -82,6 +82,8 @@ class TrainConfig:
         tree_eps: ε of the adaptive-eps tree; tree_pretrain_steps: steps of the
             random-tree model whose context vectors the feature-based trees split.
         norm_fraction, norm_weight: γ and α of weaknorm / weaknormsq (None: their default).
+        dropout: probability of zeroing each unit of the context vector while training
+            (inverted dropout; 0: none). A regulariser for several epochs over small data.
     """
 
     train: str
@@ -127,6 +129,7 @@ class TrainConfig:
     tree_pretrain_steps: int = 2000
     norm_fraction: float = 0.1
     norm_weight: float | None = None
+    dropout: float = 0.0
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -138,6 +141,8 @@ class TrainConfig:
             raise ValueError(f"optimizer must be adagrad or adam, got {self.optimizer!r}")
         if self.class_method not in ("frequency", "frequency-sqrt", "brown"):
             raise ValueError(f"class_method must be frequency, frequency-sqrt or brown, got {self.class_method!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must lie in [0, 1), got {self.dropout}")
         if self.batch_size < 1 or self.lr <= 0 or self.noise_samples < 1 or self.epochs < 1:
             raise ValueError("batch_size, lr, noise_samples and epochs must be positive")
         if self.ngram_class_table < 0 or self.ngram_word_table < 0:
@@ -430,6 +435,7 @@ class _Trainer:
         self.opt = _make_optimizer(cfg, self.model)
         self.gen = torch.Generator(device=self.device)
         self.gen.manual_seed(self.dist.rank_seed(cfg.seed))
+        self.model.dropout, self.model.dropout_gen = cfg.dropout, self.gen
         self.noise = NoiseDistribution(data.unigram, self.word_class, self.device)
         self.state = _State(lr=cfg.lr)
         self.best: dict[str, torch.Tensor] | None = None

@@ -39,11 +39,13 @@ def _config(train_path: Path, valid: Path, out: Path, **kw: object) -> TrainConf
     return TrainConfig(**base)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("objective,tables", [("nce", 0), ("mle", 0), ("nce", 512), ("mle", 512)])
-def test_interrupt_then_resume_ends_at_the_same_parameters(small_train: Path, dev_small_path: Path,
-                                                          tmp_path: Path, objective: str, tables: int) -> None:
-    # tables > 0: direct n-gram features (their HashedAdagrad state is checkpointed too)
-    feats = dict(ngram_class_table=tables // 2, ngram_word_table=tables)
+@pytest.mark.parametrize("objective,tables,dropout",
+                         [("nce", 0, 0.0), ("mle", 0, 0.0), ("nce", 512, 0.0), ("mle", 512, 0.0), ("nce", 512, 0.3)])
+def test_interrupt_then_resume_ends_at_the_same_parameters(small_train: Path, dev_small_path: Path, tmp_path: Path,
+                                                          objective: str, tables: int, dropout: float) -> None:
+    # tables > 0: direct n-gram features (their HashedAdagrad state is checkpointed too);
+    # dropout > 0: the masks come from the checkpointed generator, so they repeat after a resume
+    feats = dict(ngram_class_table=tables // 2, ngram_word_table=tables, dropout=dropout)
     straight = train(_config(small_train, dev_small_path, tmp_path / "a.nlm", objective=objective, **feats))
     cfg_b = _config(small_train, dev_small_path, tmp_path / "b.nlm", objective=objective, **feats)
     # stop dead 5 steps after the checkpoint of step 20 (as a kill would): steps 21-25 are lost
@@ -61,6 +63,27 @@ def test_interrupt_then_resume_ends_at_the_same_parameters(small_train: Path, de
     lb = LanguageModel.load(tmp_path / "b.nlm", device="cpu")
     rows = np.array([[1, 1, 5], [3, 4, 9], [7, 8, 2]])
     assert np.allclose(la.score_ngrams(rows), lb.score_ngrams(rows), atol=1e-6)
+
+
+def test_dropout_regularises_training_only(small_train: Path, dev_small_path: Path, tmp_path: Path) -> None:
+    plain = train(_config(small_train, dev_small_path, tmp_path / "a.nlm", max_steps=10, valid_every=0))
+    dropped = train(_config(small_train, dev_small_path, tmp_path / "b.nlm", max_steps=10, valid_every=0,
+                            dropout=0.5))
+    assert not torch.equal(plain.model.ctx_weight, dropped.model.ctx_weight)  # the masks changed the updates
+    m = dropped.model.eval()
+    ctx = torch.tensor([[4, 5, 6], [7, 8, 9]])
+    tgt = torch.tensor([10, 11])
+    with torch.inference_mode():  # no masks at scoring time: the same values every call
+        assert torch.equal(m.log_prob(ctx, tgt), m.log_prob(ctx, tgt))
+    m.train()
+    r1, r2 = m.encode(ctx), m.encode(ctx)  # masks while training: units zeroed, the rest scaled by 2
+    assert not torch.equal(r1, r2)
+    with torch.no_grad():
+        full = m.eval().encode(ctx)
+    kept = r1 != 0
+    assert torch.allclose(r1[kept], 2 * full[kept], atol=1e-6)
+    with pytest.raises(ValueError, match="dropout"):
+        _config(small_train, dev_small_path, tmp_path / "c.nlm", dropout=1.0)
 
 
 # `nlmserve train` with only this room's subcommands registered.
