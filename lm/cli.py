@@ -63,6 +63,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--distributed", action="store_true",
                    help="data-parallel training under torchrun (gloo on CPU, NCCL on GPU); "
                         "--batch-size is then the global batch, split across the processes")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes training one model together on the CPU, lock-free (Hogwild); "
+                        "each takes its own minibatch of --batch-size")
     p.add_argument("--dense-grads", action="store_true", help="dense embedding gradients even with AdaGrad")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--resume", action="store_true", help="continue from OUT.ckpt when it exists")
@@ -119,7 +122,7 @@ def _train(args: argparse.Namespace) -> int:
             ngram_class_table=_table_size(args.ngram_features, args.ngram_class_bits, "--ngram-class-bits"),
             ngram_word_table=_table_size(args.ngram_features, args.ngram_word_bits, "--ngram-word-bits"),
             output=args.output, tree_eps=args.tree_eps, tree_pretrain_steps=args.tree_pretrain_steps,
-            norm_fraction=args.norm_fraction, norm_weight=args.norm_weight, dropout=args.dropout,
+            norm_fraction=args.norm_fraction, norm_weight=args.norm_weight, dropout=args.dropout, workers=args.workers,
         )
     except ValueError as exc:
         print(f"nlmserve train: error: {exc}", file=sys.stderr)

@@ -33,6 +33,7 @@ from nlmserve.lm.checkpoint import TrainingLog, load_checkpoint, save_checkpoint
 from nlmserve.lm.classes import WordClasses, brown_clusters, default_num_classes, frequency_binning, load_wcluster
 from nlmserve.lm.corpus import CorpusIds, count_words
 from nlmserve.lm.distributed import array_digest, init_distributed
+from nlmserve.lm.hogwild import HogwildPool
 from nlmserve.lm.model import ModelConfig, NeuralLM
 from nlmserve.lm.model_file import save_model
 from nlmserve.lm.objectives import OBJECTIVES, NoiseDistribution, batch_loss
@@ -84,6 +85,9 @@ class TrainConfig:
         norm_fraction, norm_weight: γ and α of weaknorm / weaknormsq (None: their default).
         dropout: probability of zeroing each unit of the context vector while training
             (inverted dropout; 0: none). A regulariser for several epochs over small data.
+        workers: processes that train one model together on the CPU, lock-free (Hogwild!,
+            lm/hogwild.py): each round takes ``workers`` minibatches of ``batch_size``, one
+            per process, and every process applies its own update to the shared parameters.
     """
 
     train: str
@@ -130,6 +134,7 @@ class TrainConfig:
     norm_fraction: float = 0.1
     norm_weight: float | None = None
     dropout: float = 0.0
+    workers: int = 1
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -141,6 +146,10 @@ class TrainConfig:
             raise ValueError(f"optimizer must be adagrad or adam, got {self.optimizer!r}")
         if self.class_method not in ("frequency", "frequency-sqrt", "brown"):
             raise ValueError(f"class_method must be frequency, frequency-sqrt or brown, got {self.class_method!r}")
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.workers > 1 and self.distributed:
+            raise ValueError("workers > 1 (Hogwild on one machine) and distributed exclude each other")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must lie in [0, 1), got {self.dropout}")
         if self.batch_size < 1 or self.lr <= 0 or self.noise_samples < 1 or self.epochs < 1:
@@ -451,6 +460,10 @@ class _Trainer:
                            vocab_size=len(data.vocab), train_tokens=data.train.num_tokens, step=0, tokens=0)
         self.stopped = self.state.stopped or "epochs"
         self.loss_sum, self.loss_n = 0.0, 0
+        if cfg.workers > 1 and self.device.type != "cpu":
+            raise InputError("--workers > 1 trains on the CPU cores; on a GPU use one process", str(self.device))
+        self.pool: HogwildPool | None = None
+        self.taken = 1  # minibatches of the last round
 
     def _resume(self) -> None:
         cfg = self.cfg
@@ -502,47 +515,68 @@ class _Trainer:
     def stop(self, why: str) -> None:
         self.state.done, self.stopped = True, why
 
-    def step(self, positions: np.ndarray, next_pos: int, elapsed_before: float, t_loop: float) -> None:
-        """One optimiser step on the examples predicting ``positions``."""
-        state = self.state
+    def update(self, positions: np.ndarray, gen: torch.Generator, lr: float | None = None) -> float:
+        """Forward, backward and the optimiser's update for the examples predicting
+        ``positions`` (noise and dropout from ``gen``) → the loss. Hogwild helpers run it
+        on their own minibatches with their own generator and the round's rate."""
+        if lr is not None:
+            _set_lr(self.opt, lr)
+        self.model.dropout_gen = gen
         mine, weight = self.dist.local_batch(positions)  # this process's share (all of it alone)
         ctx_np, tgt_np = self.data.train.examples(np.sort(mine), self.mconf.order)
         ctx = torch.from_numpy(ctx_np).to(self.device)
         tgt = torch.from_numpy(tgt_np).to(self.device)
         self.opt.zero_grad(set_to_none=True)
         loss = self.dist.forward(lambda: batch_loss(
-            self.cfg.objective, self.model, ctx, tgt, self.noise, self.cfg.noise_samples, self.gen,
+            self.cfg.objective, self.model, ctx, tgt, self.noise, self.cfg.noise_samples, gen,
             norm_fraction=self.cfg.norm_fraction, norm_weight=self.cfg.norm_weight))
         (loss * weight).backward()
         self.dist.reduce_sparse()
         self.opt.step()
-        state.step += 1
+        return float(loss.detach())
+
+    def step(self, positions: np.ndarray, next_pos: int, elapsed_before: float, t_loop: float) -> None:
+        """One round: one optimiser step on the examples predicting ``positions`` (with
+        Hogwild helpers, one minibatch of ``batch_size`` per process, at once)."""
+        state, bs = self.state, self.cfg.batch_size
+        parts = [positions[i : i + bs] for i in range(0, len(positions), bs)]
+        if self.pool is not None:
+            self.pool.submit(parts[1:], state.lr, state.step)
+        losses = [self.update(parts[0], self.gen)]
+        if self.pool is not None:
+            losses += self.pool.collect(len(parts) - 1)
+        self.taken = len(parts)
+        state.step += len(parts)
         state.pos = next_pos
         state.tokens += len(positions)
         state.elapsed = elapsed_before + time.monotonic() - t_loop
-        lv = float(loss.detach())
-        if not math.isfinite(lv):
-            raise FloatingPointError(f"training loss became {lv} at step {state.step}; lower --lr")
-        self.loss_sum += lv
-        self.loss_n += 1
+        for lv in losses:
+            if not math.isfinite(lv):
+                raise FloatingPointError(f"training loss became {lv} at step {state.step}; lower --lr")
+        self.loss_sum += sum(losses)
+        self.loss_n += len(losses)
+
+    def _every(self, n: int) -> bool:
+        """Whether the last round crossed a multiple of ``n`` steps (a round may take several)."""
+        return n > 0 and self.state.step // n > (self.state.step - self.taken) // n
 
     def after_step(self, bar: Any, deadline: float | None) -> None:
         """Logging, validation, budgets and checkpoints after a step."""
         state, cfg = self.state, self.cfg
-        bar.update(1)
-        if cfg.log_every and state.step % cfg.log_every == 0:
+        bar.update(self.taken)
+        if self._every(cfg.log_every):
             tps = state.tokens / max(state.elapsed, 1e-9)
             bar.set_postfix(loss=f"{self.loss_sum / self.loss_n:.3f}", tok_s=f"{tps:,.0f}")
             self.log.write(step=state.step, tokens=state.tokens, loss=self.loss_sum / self.loss_n, lr=state.lr,
                            elapsed=round(state.elapsed, 3), tokens_per_s=round(tps, 1))
             self.loss_sum, self.loss_n = 0.0, 0
-        if cfg.valid_every and state.step % cfg.valid_every == 0:
+        if self._every(cfg.valid_every):
             self.validate()
         if cfg.max_steps is not None and state.step >= cfg.max_steps:
             self.stop("max steps")
         if deadline is not None and self.dist.any(time.monotonic() >= deadline):
             self.stop("max minutes")
-        if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
+        if self._every(cfg.checkpoint_every):
             self.checkpoint()
         if self.interrupt_after_step is not None and state.step >= self.interrupt_after_step:
             raise _Interrupted
@@ -556,12 +590,14 @@ class _Trainer:
         deadline = self.t_start + cfg.max_minutes * 60.0 if cfg.max_minutes else None
         from tqdm import tqdm
 
+        if cfg.workers > 1 and self.pool is None:  # after a resume: the restored tensors are shared
+            self.pool = HogwildPool(self.model, self.opt, self.update, cfg.workers, cfg.seed, max(1, cfg.threads))
         done_steps = state.epoch * steps_per_epoch + math.ceil(state.pos / cfg.batch_size)
         with tqdm(total=steps_per_epoch * cfg.epochs, initial=done_steps, disable=not cfg.progress or not self.dist.is_main,
                   unit="step", dynamic_ncols=True) as bar:
             while state.epoch < cfg.epochs and not state.done:
                 perm = _permutation(cfg.seed, state.epoch, N)
-                for next_pos, positions in _batches(perm, state.pos, cfg.batch_size):
+                for next_pos, positions in _batches(perm, state.pos, cfg.batch_size * cfg.workers):
                     if cfg.max_steps is not None and state.step >= cfg.max_steps:
                         self.stop("max steps")
                         break
@@ -625,6 +661,8 @@ def train(cfg: TrainConfig, *, _interrupt_after_step: int | None = None) -> Trai
     try:
         return _run(trainer)
     finally:
+        if trainer.pool is not None:
+            trainer.pool.close()
         trainer.dist.close()
 
 

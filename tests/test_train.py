@@ -86,6 +86,28 @@ def test_dropout_regularises_training_only(small_train: Path, dev_small_path: Pa
         _config(small_train, dev_small_path, tmp_path / "c.nlm", dropout=1.0)
 
 
+def test_hogwild_workers_share_one_model(small_train: Path, dev_small_path: Path, tmp_path: Path) -> None:
+    one = train(_config(small_train, dev_small_path, tmp_path / "a.nlm", dropout=0.1))
+    two = train(_config(small_train, dev_small_path, tmp_path / "b.nlm", dropout=0.1, workers=2))
+    # 40 minibatches of 64 either way; with two processes they come in 20 rounds of two
+    assert one.steps == two.steps == 40 and one.tokens == two.tokens == 40 * 64
+    assert one.best_valid_ppl is not None and two.best_valid_ppl is not None
+    assert abs(two.best_valid_ppl / one.best_valid_ppl - 1) < 0.05
+    # the helper's updates reached the shared parameters: the model is not the one that the
+    # trainer's 20 minibatches alone make
+    alone = train(_config(small_train, dev_small_path, tmp_path / "c.nlm", dropout=0.1, max_steps=20))
+    assert alone.best_valid_ppl is not None and two.best_valid_ppl < alone.best_valid_ppl
+    # a killed Hogwild run resumes from its checkpoint (statistically, not bit for bit)
+    cfg = _config(small_train, dev_small_path, tmp_path / "d.nlm", workers=2)
+    assert train(cfg, _interrupt_after_step=25).stopped == "interrupted"
+    assert load_checkpoint(cfg.checkpoint_path)["state"]["step"] == 20
+    resumed = train(replace(cfg, resume=True))
+    assert resumed.steps == 40 and resumed.best_valid_ppl is not None
+    assert abs(resumed.best_valid_ppl / one.best_valid_ppl - 1) < 0.05
+    with pytest.raises(ValueError, match="workers"):
+        _config(small_train, dev_small_path, tmp_path / "e.nlm", workers=2, distributed=True)
+
+
 # `nlmserve train` with only this room's subcommands registered.
 _LM_TRAIN = (
     "import argparse, sys\n"
