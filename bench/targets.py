@@ -144,6 +144,8 @@ def run_target(row: Row, args: argparse.Namespace, work: Path) -> None:
         cmd.append("--ngram-features")
     if args.dropout:
         cmd += ["--dropout", str(args.dropout)]
+    if args.min_improvement:
+        cmd += ["--min-improvement", str(args.min_improvement)]
     if args.workers > 1:
         cmd += ["--workers", str(args.workers)]
     log.info("%s: %s", t.name, " ".join(cmd))
@@ -201,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--valid-every", type=int, default=4000)
     p.add_argument("--ngram-features", action="store_true")
+    p.add_argument("--min-improvement", type=float, default=0.0,
+                   help="nlmserve train --min-improvement (learning-rate decay on small gains)")
     p.add_argument("--workers", type=int, default=1, help="Hogwild processes (nlmserve train --workers)")
     p.add_argument("--dropout", type=float, default=0.0, help="dropout on the context vector (0: none)")
     p.add_argument("--json", type=Path, help="also write the rows as JSON here")

@@ -72,6 +72,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--optimizer", choices=("adagrad", "adam"), default="adagrad")
+    p.add_argument("--min-improvement", type=float, default=0.0,
+                   help="halve the learning rate when validation improves by less than this fraction "
+                        "(e.g. 0.005); 0: only when it does not improve")
     p.add_argument("--patience", type=int, default=3, help="validations without improvement before stopping")
     p.add_argument("--valid-every", type=int, default=0, help="validate every N steps (0: each epoch)")
     p.add_argument("--checkpoint-every", type=int, default=1000, help="write OUT.ckpt every N steps (0: never)")
@@ -122,7 +125,8 @@ def _train(args: argparse.Namespace) -> int:
             ngram_class_table=_table_size(args.ngram_features, args.ngram_class_bits, "--ngram-class-bits"),
             ngram_word_table=_table_size(args.ngram_features, args.ngram_word_bits, "--ngram-word-bits"),
             output=args.output, tree_eps=args.tree_eps, tree_pretrain_steps=args.tree_pretrain_steps,
-            norm_fraction=args.norm_fraction, norm_weight=args.norm_weight, dropout=args.dropout, workers=args.workers,
+            norm_fraction=args.norm_fraction, norm_weight=args.norm_weight, dropout=args.dropout,
+            workers=args.workers, min_improvement=args.min_improvement,
         )
     except ValueError as exc:
         print(f"nlmserve train: error: {exc}", file=sys.stderr)

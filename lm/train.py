@@ -71,6 +71,10 @@ class TrainConfig:
         resume: continue from ``out + ".ckpt"`` when it exists.
         batch_size, lr, optimizer (adagrad | adam): the optimiser.
         lr_decay: factor applied to the learning rate on a validation plateau.
+        min_improvement: a validation that lowers the perplexity by less than this fraction
+            counts as a plateau for the learning rate (the model is still kept, and
+            patience is not charged); 0: only no improvement at all does. RNNLM-style
+            schedules use a few tenths of a percent.
         patience: validations without improvement before stopping.
         valid_every: validate every N steps (0: at the end of each epoch only).
         checkpoint_every: write ``out.ckpt`` every N steps (0: never).
@@ -119,6 +123,7 @@ class TrainConfig:
     lr: float = 0.1
     optimizer: str = "adagrad"
     lr_decay: float = 0.5
+    min_improvement: float = 0.0
     patience: int = 3
     valid_every: int = 0
     checkpoint_every: int = 1000
@@ -146,6 +151,8 @@ class TrainConfig:
             raise ValueError(f"optimizer must be adagrad or adam, got {self.optimizer!r}")
         if self.class_method not in ("frequency", "frequency-sqrt", "brown"):
             raise ValueError(f"class_method must be frequency, frequency-sqrt or brown, got {self.class_method!r}")
+        if not 0.0 <= self.min_improvement < 1.0:
+            raise ValueError(f"min_improvement must lie in [0, 1), got {self.min_improvement}")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.workers > 1 and self.distributed:
@@ -498,10 +505,14 @@ class _Trainer:
         ll, n = self.dist.sum(*part)
         ppl = math.exp(-ll / n)
         state.last_valid_step = state.step
+        small = ppl > state.best_ppl * (1.0 - cfg.min_improvement)  # below the bar (or worse)
         if ppl < state.best_ppl - 1e-9:
             state.best_ppl = ppl
             state.bad_validations = 0
             self.best = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            if small:  # better, but by less than min_improvement: keep it, slow down
+                state.lr *= cfg.lr_decay
+                _set_lr(self.opt, state.lr)
         else:
             state.bad_validations += 1
             state.lr *= cfg.lr_decay

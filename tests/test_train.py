@@ -86,6 +86,23 @@ def test_dropout_regularises_training_only(small_train: Path, dev_small_path: Pa
         _config(small_train, dev_small_path, tmp_path / "c.nlm", dropout=1.0)
 
 
+def test_min_improvement_slows_the_rate_on_small_gains(small_train: Path, dev_small_path: Path, tmp_path: Path) -> None:
+    def schedule(**kw: object) -> list[tuple[float, float]]:
+        cfg = _config(small_train, dev_small_path, tmp_path / "m.nlm", valid_every=10, checkpoint_every=0, **kw)
+        train(cfg)
+        records = [json.loads(x) for x in Path(cfg.log_path).read_text().splitlines()]
+        return [(r["valid_ppl"], r["lr"]) for r in records if "valid_ppl" in r]
+
+    plain = schedule()
+    assert all(b[0] < a[0] for a, b in zip(plain, plain[1:]))  # every validation improves here ...
+    assert {lr for _, lr in plain} == {0.2}  # ... so the rate stays
+    # a 50% bar: every gain after the first validation is "small", so each later validation
+    # halves the rate, and the model still improves and is kept (no early stop: 40 steps done)
+    slow = schedule(min_improvement=0.5)
+    assert [lr for _, lr in slow] == pytest.approx([0.2 * 0.5 ** i for i in range(len(slow))])
+    assert slow[-1][0] < slow[0][0]
+
+
 def test_hogwild_workers_share_one_model(small_train: Path, dev_small_path: Path, tmp_path: Path) -> None:
     one = train(_config(small_train, dev_small_path, tmp_path / "a.nlm", dropout=0.1))
     two = train(_config(small_train, dev_small_path, tmp_path / "b.nlm", dropout=0.1, workers=2))
