@@ -336,9 +336,15 @@ def corpus_log_likelihood(model: NeuralLM, corpus: CorpusIds, order: int, device
     return total, len(span)
 
 
+def perplexity_of(ll: float, n: float) -> float:
+    """exp(-ll / n); ``inf`` when that overflows a float (a diverged model), not an error."""
+    x = -ll / n
+    return math.exp(x) if x < 709.0 else math.inf
+
+
 def perplexity(model: NeuralLM, corpus: CorpusIds, order: int, device: torch.device) -> float:
     ll, n = corpus_log_likelihood(model, corpus, order, device)
-    return math.exp(-ll / n)
+    return perplexity_of(ll, n)
 
 
 # ---------------------------------------------------------------------------- optimiser
@@ -503,7 +509,10 @@ class _Trainer:
         part = corpus_log_likelihood(self.model, valid, self.mconf.order, self.device,
                                      valid.shard(self.dist.rank, self.dist.world_size))
         ll, n = self.dist.sum(*part)
-        ppl = math.exp(-ll / n)
+        ppl = perplexity_of(ll, n)
+        if math.isinf(ppl):
+            log.warning("step %d: validation perplexity overflows (mean -ln p %.3g): the model diverges; "
+                        "the learning rate is lowered (start lower with --lr)", state.step, -ll / n)
         state.last_valid_step = state.step
         small = ppl > state.best_ppl * (1.0 - cfg.min_improvement)  # below the bar (or worse)
         if ppl < state.best_ppl - 1e-9:

@@ -4,6 +4,7 @@ objectives end to end, logs, learning curve and the time budget."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -101,6 +102,13 @@ def test_min_improvement_slows_the_rate_on_small_gains(small_train: Path, dev_sm
     slow = schedule(min_improvement=0.5)
     assert [lr for _, lr in slow] == pytest.approx([0.2 * 0.5 ** i for i in range(len(slow))])
     assert slow[-1][0] < slow[0][0]
+
+
+def test_a_diverged_model_validates_as_infinite_perplexity_not_a_crash() -> None:
+    from nlmserve.lm.train import perplexity_of
+
+    assert perplexity_of(-2.0 * 10, 10) == pytest.approx(math.exp(2.0))
+    assert perplexity_of(-800.0 * 10, 10) == math.inf  # math.exp(800) raises OverflowError
 
 
 def test_hogwild_workers_share_one_model(small_train: Path, dev_small_path: Path, tmp_path: Path) -> None:
