@@ -514,20 +514,20 @@ class _Trainer:
             log.warning("step %d: validation perplexity overflows (mean -ln p %.3g): the model diverges; "
                         "the learning rate is lowered (start lower with --lr)", state.step, -ll / n)
         state.last_valid_step = state.step
-        small = ppl > state.best_ppl * (1.0 - cfg.min_improvement)  # below the bar (or worse)
-        if ppl < state.best_ppl - 1e-9:
+        improved = ppl < state.best_ppl - 1e-9
+        # a plateau for the rate: no gain, or one below the min_improvement bar (that model is kept)
+        plateau = not improved or ppl > state.best_ppl * (1.0 - cfg.min_improvement)
+        if improved:
             state.best_ppl = ppl
             state.bad_validations = 0
             self.best = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-            if small:  # better, but by less than min_improvement: keep it, slow down
-                state.lr *= cfg.lr_decay
-                _set_lr(self.opt, state.lr)
         else:
             state.bad_validations += 1
-            state.lr *= cfg.lr_decay
-            _set_lr(self.opt, state.lr)
             if state.bad_validations >= cfg.patience:
                 self.stop("early stopping")
+        if plateau:
+            state.lr *= cfg.lr_decay
+            _set_lr(self.opt, state.lr)
         self.log.write(step=state.step, tokens=state.tokens, valid_ppl=ppl, lr=state.lr,
                        best_ppl=state.best_ppl, elapsed=round(state.elapsed, 3))
         log.info("step %d: valid ppl %.2f (best %.2f), lr %.4g", state.step, ppl, state.best_ppl, state.lr)
