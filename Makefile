@@ -60,7 +60,8 @@ SYSTEM_DEPS := cmake g++ make pkg-config libgrpc++-dev protobuf-compiler-grpc li
 system-deps:
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(SYSTEM_DEPS)
 
-# C++ client library and its test driver, built incrementally in build/cpp.
+# C++ client library, its test driver and load generator, and the native front end
+# (server/native), built incrementally in build/cpp.
 cpp:
 	cmake -S moses_plugin/cpp -B build/cpp -DCMAKE_BUILD_TYPE=Release
 	cmake --build build/cpp -j2

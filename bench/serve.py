@@ -15,7 +15,11 @@ threads of ``nlmserve_load`` (moses_plugin/cpp, the client library a decoder lin
 into build/cpp on first use) when the C++ toolchain is there, Python asyncio clients
 otherwise. It runs against the batching server, ``--max-batch-ngrams 1`` and a no-op server
 on the same gRPC stack that answers without touching a model, twice each in turn: the no-op
-rate is the ceiling that no batching can pass on this machine.
+rate is the ceiling that no batching can pass on this machine. When the C++ project builds,
+the same load also goes through the native front end (server/native's ``nlmserve_frontend``)
+before the batching server, and through the front end with ``--max-batch-ngrams 1`` before
+a ``--max-batch-ngrams 1`` server; the gain of the native path is stated against the Python
+server with ``--max-batch-ngrams 1`` (the faster of the two unbatched set-ups).
 """
 
 from __future__ import annotations
@@ -200,6 +204,33 @@ class ServerProcess:
             self.proc.wait(10)
 
 
+class FrontendProcess:
+    """``nlmserve_frontend`` (server/native) on 127.0.0.1, port 0, in front of ``backend``."""
+
+    def __init__(self, binary: Path, backend: ServerProcess, *flags: str) -> None:
+        self.proc = subprocess.Popen([str(binary), "--backend", backend.target, "--listen", "127.0.0.1:0", *flags],
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        m = re.match(r"listening on (\S+)", line)
+        if not m:
+            self.proc.kill()
+            raise RuntimeError(f"front end did not start: {line!r}")
+        self.target = m.group(1)
+
+    def cpu_seconds(self) -> float:
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
 def noop_serve(model: Path) -> int:
     """A gRPC server with the served API on the same asyncio stack as ``nlmserve serve`` whose
     ScoreNgrams answers at once (-1 for every n-gram): the RPC cost alone, the ceiling that
@@ -308,19 +339,20 @@ REPO = Path(__file__).resolve().parent.parent
 CPP_BUILD = REPO / "build" / "cpp"
 
 
-def cpp_load_tool() -> Path | None:
-    """``nlmserve_load`` (moses_plugin/cpp), built with cmake into build/cpp when missing; None
-    when the C++ toolchain or Debian's gRPC packages are not there (``make system-deps``)."""
-    tool = CPP_BUILD / "nlmserve_load"
+def cpp_tool(name: str) -> Path | None:
+    """A binary of the C++ project (moses_plugin/cpp: ``nlmserve_load``, ``nlmserve_frontend``),
+    built with cmake into build/cpp when missing; None when the C++ toolchain or Debian's gRPC
+    packages are not there (``make system-deps``)."""
+    tool = CPP_BUILD / name
     if tool.exists():
         return tool
     try:
         for cmd in (["cmake", "-S", str(REPO / "moses_plugin" / "cpp"), "-B", str(CPP_BUILD),
                      "-DCMAKE_BUILD_TYPE=Release"],
-                    ["cmake", "--build", str(CPP_BUILD), "-j2", "--target", "nlmserve_load"]):
+                    ["cmake", "--build", str(CPP_BUILD), "-j2", "--target", name]):
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     except (OSError, subprocess.CalledProcessError) as e:
-        print(f"(the C++ load generator could not be built: {e}; using Python asyncio clients)")
+        print(f"({name} could not be built: {e})")
         return None
     return tool
 
@@ -341,22 +373,31 @@ def cpp_concurrent_single(tool: Path, target: str, words: list[list[str]], clien
 
 
 def concurrent_measure(server: ServerProcess, ids: np.ndarray, words: list[list[str]], cfg: BenchConfig,
-                       tool: Path | None) -> dict[str, float]:
-    """One-n-gram requests from ``cfg.concurrency`` clients (C++ threads when ``tool`` is
-    built, else Python asyncio), plus the server's view: requests per forward pass, CPU per
-    request."""
-    before = (server.metric("nlmserve_batch_requests_count"), server.metric("nlmserve_batch_requests_sum"),
-              server.cpu_seconds())
+                       tool: Path | None, frontend: FrontendProcess | None = None,
+                       clients: int | None = None) -> dict[str, float]:
+    """One-n-gram requests from ``clients`` (default ``cfg.concurrency``) clients (C++ threads
+    when ``tool`` is built, else Python asyncio), sent to the server or to the native front end
+    before it, plus the serving side's view: requests per forward pass, CPU per request (front
+    end and server together)."""
+    clients = clients or cfg.concurrency
+
+    def cpu() -> float:
+        return server.cpu_seconds() + (frontend.cpu_seconds() if frontend else 0.0)
+
+    target = frontend.target if frontend else server.target
+    before = (server.metric("nlmserve_batch_requests_count"), server.metric("nlmserve_batch_requests_sum"), cpu())
     if tool is not None:
-        out = cpp_concurrent_single(tool, server.target, words, cfg.concurrency, cfg.seconds)
+        out = cpp_concurrent_single(tool, target, words, clients, cfg.seconds)
     else:
-        out = concurrent_single(server.target, ids, cfg.concurrency, cfg.seconds)
+        out = concurrent_single(target, ids, clients, cfg.seconds)
     served = out["ngrams_per_s"] * cfg.seconds
     batches = server.metric("nlmserve_batch_requests_count") - before[0]
     parts = server.metric("nlmserve_batch_requests_sum") - before[1]
-    cpu = server.cpu_seconds() - before[2]
+    used = cpu() - before[2]
+    if frontend is not None:  # the server sees the front end's merged requests, not the clients'
+        parts = served
     out["requests_per_forward_pass"] = parts / max(batches, 1) if batches else 0.0
-    out["server_cpu_us_per_request"] = 1e6 * cpu / max(parts if batches else served, 1)
+    out["server_cpu_us_per_request"] = 1e6 * used / max(parts if batches else served, 1)
     return out
 
 
@@ -449,19 +490,33 @@ def main(argv: list[str] | None = None) -> int:
                   f"p99 {res['latency_c1']['p99_ms']:.3f} ms")
         finally:
             server.stop()
-        tool = cpp_load_tool()
+        tool = cpp_tool("nlmserve_load")
+        native = cpp_tool("nlmserve_frontend") if tool else None
         res["load_clients"] = "C++ nlmserve_load threads" if tool else "Python asyncio"
         # The three servers one after the other, twice, so that a change of load on the
         # machine during the run shows as a difference between the rounds.
-        variants = (("concurrent_batching", ()), ("concurrent_no_batching", ("--max-batch-ngrams", "1")),
-                    ("concurrent_noop", None))
+        variants: list[tuple[str, tuple[str, ...] | None]] = [
+            ("concurrent_batching", ()), ("concurrent_no_batching", ("--max-batch-ngrams", "1")),
+            ("concurrent_noop", None)]
         rounds: dict[str, list[dict[str, float]]] = {name: [] for name, _ in variants}
+        # The native front end (server/native) before the batching server, and with
+        # --max-batch-ngrams 1 (one server call per client request, as many in flight as
+        # there are clients) before a --max-batch-ngrams 1 server.
+        fe_variants: dict[str, tuple[str, ...]] = {}
+        if native is not None:
+            fe_variants = {"native_batching": (), "native_no_batching": (
+                "--max-batch-ngrams", "1", "--max-inflight", str(cfg.concurrency))}
+            variants += [("native_batching", ()), ("native_no_batching", ("--max-batch-ngrams", "1"))]
+            rounds.update({name: [] for name in fe_variants})
         for _ in range(2):
             for name, flags in variants:
                 server = ServerProcess(model_path, *threads, *(flags or ()), noop=flags is None)
+                frontend = FrontendProcess(native, server, *fe_variants[name]) if name in fe_variants and native else None
                 try:
-                    rounds[name].append(concurrent_measure(server, ids, words, cfg, tool))
+                    rounds[name].append(concurrent_measure(server, ids, words, cfg, tool, frontend))
                 finally:
+                    if frontend is not None:
+                        frontend.stop()
                     server.stop()
         for name, runs in rounds.items():  # the better round of each
             res[name] = max(runs, key=lambda r: r["ngrams_per_s"])
@@ -481,6 +536,30 @@ def main(argv: list[str] | None = None) -> int:
               f"{noop['p99_ms']:.2f} ms), {noop['server_cpu_us_per_request']:.0f} us CPU per request: "
               f"micro-batching reaches {b['ngrams_per_s'] / noop['ngrams_per_s']:.0%} of it; no batching "
               f"can gain more than {res['noop_ceiling_gain']:.1f}x over --max-batch-ngrams 1 here")
+        if native is not None and tool is not None:
+            nb_native, b_native = res["native_no_batching"], res["native_batching"]
+            res["native_gain"] = b_native["ngrams_per_s"] / nb["ngrams_per_s"]
+            res["native_gain_same_stack"] = b_native["ngrams_per_s"] / nb_native["ngrams_per_s"]
+            print(f"  native front end (server/native) before the batching server: "
+                  f"{b_native['ngrams_per_s']:,.0f}/s (p50 {b_native['p50_ms']:.2f} ms, p99 {b_native['p99_ms']:.2f} ms), "
+                  f"{b_native['requests_per_forward_pass']:.1f} client requests per forward pass, "
+                  f"{b_native['server_cpu_us_per_request']:.0f} us CPU per request (front end + server): "
+                  f"{res['native_gain']:.1f}x the server with --max-batch-ngrams 1")
+            print(f"  native front end with --max-batch-ngrams 1 before a --max-batch-ngrams 1 server: "
+                  f"{nb_native['ngrams_per_s']:,.0f}/s (p99 {nb_native['p99_ms']:.2f} ms): batching in the front "
+                  f"end gains {res['native_gain_same_stack']:.1f}x on the same stack")
+            # One client thread: the latency a decoder thread sees through the C++ client.
+            for name, fe_flags in (("latency_c1_cpp", None), ("latency_c1_cpp_native", ())):
+                server = ServerProcess(model_path, *threads)
+                frontend = FrontendProcess(native, server, *fe_flags) if fe_flags is not None else None
+                try:
+                    res[name] = concurrent_measure(server, ids, words, cfg, tool, frontend, clients=1)
+                finally:
+                    if frontend is not None:
+                        frontend.stop()
+                    server.stop()
+            print(f"single n-gram, concurrency 1, C++ client: p50 {res['latency_c1_cpp']['p50_ms']:.3f} ms "
+                  f"(server), {res['latency_c1_cpp_native']['p50_ms']:.3f} ms (through the native front end)")
         if cfg.kenlm_model:
             kr = kenlm_rate(cfg.kenlm_model, words[:10_000], cfg.seconds)
             if kr is not None:
@@ -502,6 +581,14 @@ def main(argv: list[str] | None = None) -> int:
         ("(no-op server / --max-batch-ngrams 1 >= 5x)", f"{res['noop_ceiling_gain']:.1f}x",
          res["noop_ceiling_gain"] >= 5.0),
     ]
+    if "native_gain" in res:
+        nat = res["native_batching"]
+        cpp_lat = res["latency_c1_cpp"]["p50_ms"]
+        checks += [
+            ("single n-gram p50 <= 1 ms (C++ client)", f"{cpp_lat:.3f} ms", cpp_lat <= 1.0),
+            ("native front end gain >= 5x", f"{res['native_gain']:.1f}x", res["native_gain"] >= 5.0),
+            ("native front end p99 <= 10 ms", f"{nat['p99_ms']:.2f} ms", nat["p99_ms"] <= 10.0),
+        ]
     print("\ntarget                                     measured     met")
     for name, value, met in checks:
         print(f"{name:42s} {value:>10s}   {'yes' if met else 'NO'}")

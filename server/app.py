@@ -17,6 +17,7 @@ so the GIL is shared by two busy threads, not by a pool of handler threads.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
@@ -176,7 +177,19 @@ def serve(config: ServerConfig) -> int:
     SIGHUP reloads ``config.model`` (and the token file) in this thread, off the serving
     path; a file that fails to load or check is logged and the served model stays.
     """
+    public = config
+    binary = None
+    if config.frontend == "native":
+        from nlmserve.server.frontend import find_binary
+
+        binary = find_binary(config.frontend_binary)
+        warning = exposure_warning(config)  # the front end is what the network reaches
+        if warning is not None:
+            log.warning("%s", warning)
+        # The model server on a private loopback port; the front end takes the public one.
+        config = dataclasses.replace(config, host="127.0.0.1", port=0, metrics_port=None)
     running = create_server(config)
+    frontend = None
     stop = threading.Event()
     hup = threading.Event()
     wake = threading.Event()
@@ -194,9 +207,17 @@ def serve(config: ServerConfig) -> int:
     previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, on_hup)
     code = 0
     try:
-        print(f"listening on {config.host}:{running.port}", flush=True)
+        if binary is not None:
+            from nlmserve.server.frontend import NativeFrontend
+
+            if public.metrics_port is not None:
+                running.metrics_port = running.metrics.start_http(public.host, public.metrics_port)
+            frontend = NativeFrontend(binary, public, running.target)
+            print(f"listening on {public.host}:{frontend.port}", flush=True)
+        else:
+            print(f"listening on {config.host}:{running.port}", flush=True)
         if running.metrics_port is not None:
-            print(f"metrics on http://{config.host}:{running.metrics_port}/metrics", flush=True)
+            print(f"metrics on http://{public.host}:{running.metrics_port}/metrics", flush=True)
         while True:
             wake.wait(0.5)
             wake.clear()
@@ -214,7 +235,13 @@ def serve(config: ServerConfig) -> int:
                 running.set_serving(False)
                 code = 1
                 break
+            if frontend is not None and not frontend.alive():
+                log.error("the native front end exited (code %s); stopping", frontend.proc.returncode)
+                code = 1
+                break
     finally:
+        if frontend is not None:  # first, so that its in-flight requests still reach the model
+            frontend.stop(public.grace_seconds + 10)
         running.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)

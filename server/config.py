@@ -71,6 +71,16 @@ class ServerConfig:
     #: Serve the Admin service (ReloadModel) on a server without tokens. Off by default:
     #: without tokens anyone who reaches the port could make the server load a file.
     allow_unauthenticated_admin: bool = False
+    #: ``python``: this process serves the public port. ``native``: the C++ front end
+    #: (server/native, ``nlmserve_frontend``) serves it and micro-batches small ScoreNgrams
+    #: requests before this process, which binds a private loopback port (plaintext only).
+    frontend: str = "python"
+    #: Path of ``nlmserve_frontend``; None: on PATH, else the checkout's build/cpp.
+    frontend_binary: str | None = None
+    #: The native front end's longest wait for a batch to fill, microseconds.
+    frontend_max_delay_us: int = 500
+    #: Merged requests the native front end keeps at this server at once.
+    frontend_max_inflight: int = 4
 
     def __post_init__(self) -> None:
         checks = (
@@ -93,6 +103,11 @@ class ServerConfig:
             (self.vocab_chunk_size >= 1, "vocab_chunk_size must be >= 1"),
             ((self.tls_cert is None) == (self.tls_key is None), "tls_cert and tls_key go together"),
             (self.tls_client_ca is None or self.tls_cert is not None, "tls_client_ca needs tls_cert and tls_key"),
+            (self.frontend in ("python", "native"), "frontend must be python or native"),
+            (self.frontend == "python" or self.tls_cert is None,
+             "the native front end serves plaintext only: use frontend python for TLS"),
+            (self.frontend_max_delay_us >= 0, "frontend_max_delay_us must be >= 0"),
+            (self.frontend_max_inflight >= 1, "frontend_max_inflight must be >= 1"),
         )
         for ok, message in checks:
             if not ok:

@@ -1,0 +1,91 @@
+"""``nlmserve serve --frontend native``: the C++ front end (server/native) before this server.
+
+The model server binds a private loopback port; ``nlmserve_frontend`` binds the public
+address, micro-batches the small ScoreNgrams requests of many clients in C++ and forwards
+everything else (docs/serving.md, "Native front end"). This module finds the binary,
+starts it, relays its log lines and stops it first on shutdown, so that in-flight requests
+drain through it while the model server is still up.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+from pathlib import Path
+from typing import IO
+
+from nlmserve.errors import InputError
+from nlmserve.server.config import ServerConfig
+
+log = logging.getLogger(__name__)
+
+BINARY = "nlmserve_frontend"
+# `make cpp` builds it here in a source checkout.
+BUILD_PATH = Path(__file__).resolve().parent.parent / "build" / "cpp" / BINARY
+
+
+def find_binary(given: str | None) -> Path:
+    """``--frontend-binary``, else ``nlmserve_frontend`` on PATH, else the checkout's build/cpp."""
+    if given is not None:
+        path = Path(given)
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise InputError("not an executable file", given)
+        return path
+    on_path = shutil.which(BINARY)
+    if on_path is not None:
+        return Path(on_path)
+    if BUILD_PATH.is_file() and os.access(BUILD_PATH, os.X_OK):
+        return BUILD_PATH
+    raise InputError(f"{BINARY} not found on PATH or in {BUILD_PATH.parent}: build it with `make cpp` "
+                     "(needs `make system-deps`) or give --frontend-binary")
+
+
+class NativeFrontend:
+    """A running ``nlmserve_frontend`` listening on ``host:port`` before ``backend``."""
+
+    def __init__(self, binary: Path, config: ServerConfig, backend: str) -> None:
+        host = f"[{config.host}]" if ":" in config.host and not config.host.startswith("[") else config.host
+        cmd = [str(binary), "--listen", f"{host}:{config.port}", "--backend", backend,
+               "--max-batch-ngrams", str(config.max_batch_ngrams),
+               "--max-delay-us", str(config.frontend_max_delay_us),
+               "--max-inflight", str(config.frontend_max_inflight),
+               "--max-queue-ngrams", str(config.max_queue_ngrams),
+               "--max-message-mb", str(max(1, config.max_message_bytes // (1024 * 1024))),
+               "--grace-s", str(max(0, int(round(config.grace_seconds))))]
+        log.info("starting the native front end: %s", " ".join(cmd))
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        self._relay = threading.Thread(target=self._log_lines, args=(self.proc.stderr,), daemon=True)
+        self._relay.start()
+        line = self.proc.stdout.readline()
+        m = re.fullmatch(r"listening on (.+):(\d+)\n", line)
+        if m is None:
+            code = self.proc.wait(30)
+            raise InputError(f"the native front end did not start (exit {code}); its log is above")
+        self.port = int(m.group(2))
+
+    @staticmethod
+    def _log_lines(stream: IO[str]) -> None:
+        for line in stream:
+            log.info("%s", line.rstrip("\n").removeprefix("nlmserve_frontend: "))
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float) -> int:
+        """SIGTERM (drain within its grace period), then wait; SIGKILL after ``timeout``."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.error("the native front end did not stop within %.0f s: killing it", timeout)
+            self.proc.kill()
+            code = self.proc.wait(10)
+        self._relay.join(5)
+        return code

@@ -1,0 +1,587 @@
+// nlmserve_frontend: a native micro-batching gRPC front end for `nlmserve serve`.
+//
+// Many decoder threads send ScoreNgrams requests of one or a few n-grams each. Answering
+// each of them in Python costs a few hundred microseconds of gRPC machinery alone, which
+// caps what the Python server's own micro-batching can gain. This process takes those
+// small requests in C++, merges concurrent ones into one packed-id (or string) request of
+// up to --max-batch-ngrams n-grams, waiting at most --max-delay-us for company, sends it
+// to the Python server (the backend), and scatters the scores back in request order.
+// Every other RPC (ScoreSentences, GetModelInfo, GetVocabulary, Admin.ReloadModel) is
+// forwarded unchanged. It serves grpc.health.v1 (SERVING while the backend answers) and
+// server reflection.
+//
+//   nlmserve_frontend --backend HOST:PORT [--listen 127.0.0.1:0] [--max-batch-ngrams 4096]
+//       [--max-delay-us 500] [--max-inflight 4] [--max-queue-ngrams 1000000]
+//       [--backend-timeout-ms 30000] [--max-message-mb 64] [--grace-s 30]
+//       [--connect-timeout-s 30]
+//
+// Prints `listening on HOST:PORT` on stdout once bound (port 0 picks a free port) and logs
+// to stderr. SIGTERM or SIGINT: health NOT_SERVING, stop accepting, finish in-flight
+// requests within --grace-s, exit 0.
+//
+// Exactness: requests are merged only when they agree on log base, normalisation and the
+// caller's `authorization` metadata; packed rows shorter than the batch's widest are
+// left-padded with <s>, which the contract makes equivalent. A request that fails a cheap
+// shape check, or is larger than a batch, goes to the backend alone. When the backend
+// rejects a merged batch as INVALID_ARGUMENT, each request of it is sent again alone, so
+// every caller gets the backend's own status and message for its own request.
+#include <signal.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <iostream>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+#ifdef NLMSERVE_REFLECTION
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#endif
+#include <grpcpp/health_check_service_interface.h>
+
+#include "nlmserve/v1/lm.grpc.pb.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using nlmserve::v1::Admin;
+using nlmserve::v1::GetModelInfoRequest;
+using nlmserve::v1::GetVocabularyRequest;
+using nlmserve::v1::LanguageModel;
+using nlmserve::v1::ModelInfo;
+using nlmserve::v1::ReloadModelRequest;
+using nlmserve::v1::ScoreNgramsRequest;
+using nlmserve::v1::ScoreNgramsResponse;
+using nlmserve::v1::ScoreSentencesRequest;
+using nlmserve::v1::ScoreSentencesResponse;
+using nlmserve::v1::VocabularyChunk;
+
+const char kServiceName[] = "nlmserve.v1.LanguageModel";
+
+struct Options {
+  std::string listen = "127.0.0.1:0";
+  std::string backend;
+  long max_batch_ngrams = 4096;
+  long max_delay_us = 500;
+  long max_inflight = 4;
+  long max_queue_ngrams = 1000000;
+  long backend_timeout_ms = 30000;
+  long max_message_mb = 64;
+  long grace_s = 30;
+  long connect_timeout_s = 30;
+};
+
+void Log(const std::string &message) {
+  std::ostringstream line;
+  line << "nlmserve_frontend: " << message << "\n";
+  std::cerr << line.str() << std::flush;
+}
+
+[[noreturn]] void Usage(const std::string &error) {
+  std::cerr << "nlmserve_frontend: " << error << "\n"
+            << "usage: nlmserve_frontend --backend HOST:PORT [--listen HOST:PORT] [--max-batch-ngrams N]\n"
+            << "         [--max-delay-us US] [--max-inflight N] [--max-queue-ngrams N]\n"
+            << "         [--backend-timeout-ms MS] [--max-message-mb MB] [--grace-s S] [--connect-timeout-s S]\n";
+  std::exit(2);
+}
+
+long ParsePositive(const std::string &flag, const char *text, long minimum) {
+  char *end = nullptr;
+  errno = 0;
+  long v = std::strtol(text, &end, 10);
+  if (errno != 0 || end == text || *end != '\0' || v < minimum) {
+    Usage(flag + " needs an integer >= " + std::to_string(minimum) + ", got '" + text + "'");
+  }
+  return v;
+}
+
+Options ParseArgs(int argc, char **argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    std::string flag = argv[i];
+    if (flag == "-h" || flag == "--help") Usage("a micro-batching front end for `nlmserve serve`");
+    if (i + 1 >= argc) Usage(flag + " needs a value");
+    const char *v = argv[++i];
+    if (flag == "--listen") o.listen = v;
+    else if (flag == "--backend") o.backend = v;
+    else if (flag == "--max-batch-ngrams") o.max_batch_ngrams = ParsePositive(flag, v, 1);
+    else if (flag == "--max-delay-us") o.max_delay_us = ParsePositive(flag, v, 0);
+    else if (flag == "--max-inflight") o.max_inflight = ParsePositive(flag, v, 1);
+    else if (flag == "--max-queue-ngrams") o.max_queue_ngrams = ParsePositive(flag, v, 1);
+    else if (flag == "--backend-timeout-ms") o.backend_timeout_ms = ParsePositive(flag, v, 1);
+    else if (flag == "--max-message-mb") o.max_message_mb = ParsePositive(flag, v, 1);
+    else if (flag == "--grace-s") o.grace_s = ParsePositive(flag, v, 0);
+    else if (flag == "--connect-timeout-s") o.connect_timeout_s = ParsePositive(flag, v, 1);
+    else Usage("unknown flag " + flag);
+  }
+  if (o.backend.empty()) Usage("--backend HOST:PORT is required");
+  if (o.max_queue_ngrams < o.max_batch_ngrams) Usage("--max-queue-ngrams must be >= --max-batch-ngrams");
+  return o;
+}
+
+// The caller's bearer token, forwarded so the backend checks it (empty: none).
+std::string Authorization(const grpc::ServerContextBase &ctx) {
+  auto range = ctx.client_metadata().equal_range("authorization");
+  if (range.first == range.second) return std::string();
+  return std::string(range.first->second.data(), range.first->second.size());
+}
+
+// A client context for a backend call made on behalf of `ctx`: same deadline (capped by
+// the backend timeout) and the caller's authorization.
+std::unique_ptr<grpc::ClientContext> ForwardContext(const grpc::ServerContextBase &ctx, long timeout_ms) {
+  std::unique_ptr<grpc::ClientContext> out(new grpc::ClientContext());
+  auto cap = std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms);
+  out->set_deadline(std::min(ctx.deadline(), cap));
+  std::string auth = Authorization(ctx);
+  if (!auth.empty()) out->AddMetadata("authorization", auth);
+  return out;
+}
+
+// What merged requests must agree on.
+struct BatchKey {
+  bool packed = true;
+  int log_base = 0;
+  bool allow_unnormalized = false;
+  std::string authorization;
+  bool operator==(const BatchKey &o) const {
+    return packed == o.packed && log_base == o.log_base && allow_unnormalized == o.allow_unnormalized &&
+           authorization == o.authorization;
+  }
+};
+
+// One queued ScoreNgrams call.
+struct Pending {
+  grpc::CallbackServerContext *ctx;
+  const ScoreNgramsRequest *request;
+  ScoreNgramsResponse *response;
+  grpc::ServerUnaryReactor *reactor;
+  BatchKey key;
+  long ngrams;
+  Clock::time_point arrival;
+};
+
+// One merged backend call and the calls it answers.
+struct Batch {
+  std::vector<Pending> items;
+  grpc::ClientContext context;
+  ScoreNgramsRequest request;
+  ScoreNgramsResponse response;
+  long ngrams = 0;
+};
+
+class Frontend {
+ public:
+  Frontend(const Options &options, std::shared_ptr<grpc::Channel> channel, const ModelInfo &info)
+      : options_(options),
+        stub_(LanguageModel::NewStub(channel)),
+        admin_(Admin::NewStub(channel)),
+        order_(info.order()),
+        bos_id_(info.bos_id()),
+        max_batch_(std::min<long>(options.max_batch_ngrams,
+                                  info.max_ngrams_per_request() ? static_cast<long>(info.max_ngrams_per_request())
+                                                                : options.max_batch_ngrams)) {
+    batcher_ = std::thread([this]() { Run(); });
+  }
+
+  ~Frontend() { Stop(); }
+
+  LanguageModel::Stub *stub() { return stub_.get(); }
+  Admin::Stub *admin() { return admin_.get(); }
+  const Options &options() const { return options_; }
+
+  // Drains the queue and the in-flight batches, then ends the batching thread.
+  void Stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) return;
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    if (batcher_.joinable()) batcher_.join();
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, [this]() { return inflight_ == 0; });
+  }
+
+  std::string Stats() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::ostringstream s;
+    s << requests_ << " ScoreNgrams requests (" << ngrams_ << " n-grams) in " << batches_
+      << " backend batches, " << alone_ << " sent alone, " << rejected_ << " refused (queue full)";
+    return s.str();
+  }
+
+  // Entry point of the ScoreNgrams callback.
+  void Submit(grpc::CallbackServerContext *ctx, const ScoreNgramsRequest *request, ScoreNgramsResponse *response,
+              grpc::ServerUnaryReactor *reactor) {
+    Pending p{ctx, request, response, reactor, BatchKey(), 0, Clock::now()};
+    if (!Shape(*request, &p.key, &p.ngrams) || p.ngrams > max_batch_) {
+      SendAlone(p);
+      return;
+    }
+    p.key.log_base = request->log_base();
+    p.key.allow_unnormalized = request->allow_unnormalized();
+    p.key.authorization = Authorization(*ctx);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++requests_;
+      ngrams_ += p.ngrams;
+      if (stopping_ || queued_ngrams_ + p.ngrams > options_.max_queue_ngrams) {
+        ++rejected_;
+        reactor->Finish(stopping_ ? grpc::Status(grpc::StatusCode::UNAVAILABLE, "the front end is shutting down")
+                                  : grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                                                 "the front end's queue is full (" +
+                                                     std::to_string(options_.max_queue_ngrams) +
+                                                     " n-grams); retry later"));
+        return;
+      }
+      queued_ngrams_ += p.ngrams;
+      queue_.push_back(std::move(p));
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  // Whether the request has a shape that can be merged, and its key kind and size.
+  bool Shape(const ScoreNgramsRequest &r, BatchKey *key, long *ngrams) const {
+    bool has_packed = !r.packed_ids().empty() || r.packed_order() != 0;
+    if (has_packed && r.ngrams_size() > 0) return false;
+    if (has_packed) {
+      std::size_t bytes = r.packed_ids().size();
+      uint32_t k = r.packed_order();
+      if (k == 0 || k > order_ || bytes == 0 || bytes % (4u * k) != 0) return false;
+      key->packed = true;
+      *ngrams = static_cast<long>(bytes / (4u * k));
+      return true;
+    }
+    if (r.ngrams_size() == 0) return false;
+    for (const auto &g : r.ngrams()) {
+      if (g.words_size() == 0 || static_cast<uint32_t>(g.words_size()) > order_) return false;
+    }
+    key->packed = false;
+    *ngrams = r.ngrams_size();
+    return true;
+  }
+
+  // Forwards one request unchanged; the caller gets the backend's answer as it is.
+  void SendAlone(const Pending &p) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++alone_;
+    }
+    auto *ctx = ForwardContext(*p.ctx, options_.backend_timeout_ms).release();
+    grpc::ServerUnaryReactor *reactor = p.reactor;
+    stub_->async()->ScoreNgrams(ctx, p.request, p.response, [ctx, reactor](grpc::Status status) {
+      delete ctx;
+      reactor->Finish(status);
+    });
+  }
+
+  // The batching thread: waits for company up to the delay, takes one key's requests in
+  // arrival order up to the batch size, and sends them while fewer than --max-inflight
+  // batches are at the backend.
+  void Run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    const auto delay = std::chrono::microseconds(options_.max_delay_us);
+    for (;;) {
+      cv_.wait(lock, [this]() { return (!queue_.empty() && inflight_ < options_.max_inflight) || (stopping_ && queue_.empty()); });
+      if (queue_.empty()) return;  // stopping, nothing left
+      auto until = queue_.front().arrival + delay;
+      while (!stopping_ && queued_ngrams_ < max_batch_ && Clock::now() < until) {
+        cv_.wait_until(lock, until);
+      }
+      std::unique_ptr<Batch> batch(new Batch());
+      const BatchKey key = queue_.front().key;
+      for (auto it = queue_.begin(); it != queue_.end();) {
+        if (it->key == key && batch->ngrams + it->ngrams <= max_batch_) {
+          batch->ngrams += it->ngrams;
+          batch->items.push_back(std::move(*it));
+          it = queue_.erase(it);
+          if (batch->ngrams == max_batch_) break;
+        } else {
+          ++it;
+        }
+      }
+      queued_ngrams_ -= batch->ngrams;
+      ++inflight_;
+      ++batches_;
+      lock.unlock();
+      Send(std::move(batch));
+      lock.lock();
+    }
+  }
+
+  void Send(std::unique_ptr<Batch> batch) {
+    const BatchKey &key = batch->items.front().key;
+    ScoreNgramsRequest &req = batch->request;
+    req.set_log_base(static_cast<nlmserve::v1::LogBase>(key.log_base));
+    req.set_allow_unnormalized(key.allow_unnormalized);
+    if (key.packed) {
+      uint32_t width = 0;
+      for (const auto &p : batch->items) width = std::max(width, p.request->packed_order());
+      std::string *out = req.mutable_packed_ids();
+      out->reserve(static_cast<std::size_t>(batch->ngrams) * width * 4);
+      unsigned char bos[4] = {static_cast<unsigned char>(bos_id_ & 0xff),
+                              static_cast<unsigned char>((bos_id_ >> 8) & 0xff),
+                              static_cast<unsigned char>((bos_id_ >> 16) & 0xff),
+                              static_cast<unsigned char>((bos_id_ >> 24) & 0xff)};
+      for (const auto &p : batch->items) {
+        const std::string &in = p.request->packed_ids();
+        uint32_t k = p.request->packed_order();
+        if (k == width) {
+          out->append(in);
+          continue;
+        }
+        for (std::size_t row = 0; row < in.size(); row += 4u * k) {
+          for (uint32_t pad = k; pad < width; ++pad) out->append(reinterpret_cast<const char *>(bos), 4);
+          out->append(in, row, 4u * k);
+        }
+      }
+      req.set_packed_order(width);
+    } else {
+      for (const auto &p : batch->items) {
+        for (const auto &g : p.request->ngrams()) *req.add_ngrams() = g;
+      }
+    }
+    batch->context.set_deadline(std::chrono::system_clock::now() +
+                                std::chrono::milliseconds(options_.backend_timeout_ms));
+    if (!key.authorization.empty()) batch->context.AddMetadata("authorization", key.authorization);
+    Batch *raw = batch.release();
+    stub_->async()->ScoreNgrams(&raw->context, &raw->request, &raw->response,
+                                [this, raw](grpc::Status status) { Done(std::unique_ptr<Batch>(raw), status); });
+  }
+
+  // Backend answer for a merged batch: scatter, or hand every request its error.
+  void Done(std::unique_ptr<Batch> batch, const grpc::Status &status) {
+    const ScoreNgramsResponse &res = batch->response;
+    if (status.ok() && res.log_probs_size() == batch->ngrams && res.oov_size() == batch->ngrams) {
+      int at = 0;
+      for (auto &p : batch->items) {
+        ScoreNgramsResponse *out = p.response;
+        out->mutable_log_probs()->Reserve(static_cast<int>(p.ngrams));
+        out->mutable_oov()->Reserve(static_cast<int>(p.ngrams));
+        for (long i = 0; i < p.ngrams; ++i, ++at) {
+          out->add_log_probs(res.log_probs(at));
+          out->add_oov(res.oov(at));
+        }
+        out->set_log_base(res.log_base());
+        out->set_normalized(res.normalized());
+        out->set_model_hash(res.model_hash());
+        p.reactor->Finish(grpc::Status::OK);
+      }
+    } else if (status.error_code() == grpc::StatusCode::INVALID_ARGUMENT && batch->items.size() > 1) {
+      // Some request of the batch is invalid: each one alone gets its own exact answer.
+      for (auto &p : batch->items) SendAlone(p);
+    } else {
+      grpc::Status err = status.ok() ? grpc::Status(grpc::StatusCode::INTERNAL,
+                                                    "the backend answered " + std::to_string(res.log_probs_size()) +
+                                                        " scores for " + std::to_string(batch->ngrams) + " n-grams")
+                                     : status;
+      for (auto &p : batch->items) p.reactor->Finish(err);
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      --inflight_;
+    }
+    cv_.notify_one();
+    done_cv_.notify_all();
+  }
+
+  const Options options_;
+  std::unique_ptr<LanguageModel::Stub> stub_;
+  std::unique_ptr<Admin::Stub> admin_;
+  const uint32_t order_;
+  const uint32_t bos_id_;
+  const long max_batch_;
+
+  std::mutex mu_;
+  std::condition_variable cv_, done_cv_;
+  std::deque<Pending> queue_;
+  long queued_ngrams_ = 0;
+  long inflight_ = 0;
+  bool stopping_ = false;
+  uint64_t requests_ = 0, ngrams_ = 0, batches_ = 0, alone_ = 0, rejected_ = 0;
+  std::thread batcher_;
+};
+
+// nlmserve.v1.LanguageModel: ScoreNgrams batched on the callback API; the other methods
+// forwarded synchronously (they are few and large).
+class LanguageModelService final : public LanguageModel::WithCallbackMethod_ScoreNgrams<LanguageModel::Service> {
+ public:
+  explicit LanguageModelService(Frontend *frontend) : frontend_(frontend) {}
+
+  grpc::ServerUnaryReactor *ScoreNgrams(grpc::CallbackServerContext *ctx, const ScoreNgramsRequest *request,
+                                        ScoreNgramsResponse *response) override {
+    grpc::ServerUnaryReactor *reactor = ctx->DefaultReactor();
+    frontend_->Submit(ctx, request, response, reactor);
+    return reactor;
+  }
+
+  grpc::Status ScoreSentences(grpc::ServerContext *ctx, const ScoreSentencesRequest *request,
+                              ScoreSentencesResponse *response) override {
+    auto fwd = ForwardContext(*ctx, frontend_->options().backend_timeout_ms);
+    return frontend_->stub()->ScoreSentences(fwd.get(), *request, response);
+  }
+
+  grpc::Status GetModelInfo(grpc::ServerContext *ctx, const GetModelInfoRequest *request,
+                            ModelInfo *response) override {
+    auto fwd = ForwardContext(*ctx, frontend_->options().backend_timeout_ms);
+    return frontend_->stub()->GetModelInfo(fwd.get(), *request, response);
+  }
+
+  grpc::Status GetVocabulary(grpc::ServerContext *ctx, const GetVocabularyRequest *request,
+                             grpc::ServerWriter<VocabularyChunk> *writer) override {
+    auto fwd = ForwardContext(*ctx, frontend_->options().backend_timeout_ms);
+    std::unique_ptr<grpc::ClientReader<VocabularyChunk> > reader(frontend_->stub()->GetVocabulary(fwd.get(), *request));
+    VocabularyChunk chunk;
+    while (reader->Read(&chunk)) {
+      if (!writer->Write(chunk)) {
+        fwd->TryCancel();
+        break;
+      }
+    }
+    return reader->Finish();
+  }
+
+ private:
+  Frontend *frontend_;
+};
+
+class AdminService final : public Admin::Service {
+ public:
+  explicit AdminService(Frontend *frontend) : frontend_(frontend) {}
+
+  grpc::Status ReloadModel(grpc::ServerContext *ctx, const ReloadModelRequest *request, ModelInfo *response) override {
+    // A reload reads and checks a model file: give it the caller's deadline, not ours.
+    auto fwd = ForwardContext(*ctx, 24L * 3600 * 1000);
+    return frontend_->admin()->ReloadModel(fwd.get(), *request, response);
+  }
+
+ private:
+  Frontend *frontend_;
+};
+
+// The backend's model info, waiting up to the connect timeout for it to come up.
+bool FetchInfo(LanguageModel::Stub *stub, long timeout_s, ModelInfo *info, grpc::Status *last) {
+  auto until = std::chrono::system_clock::now() + std::chrono::seconds(timeout_s);
+  while (std::chrono::system_clock::now() < until) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::min(until, std::chrono::system_clock::now() + std::chrono::seconds(5)));
+    ctx.set_wait_for_ready(true);
+    *last = stub->GetModelInfo(&ctx, GetModelInfoRequest(), info);
+    if (last->ok()) return true;
+    if (last->error_code() != grpc::StatusCode::UNAVAILABLE &&
+        last->error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
+      return false;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  return false;
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+  Options options = ParseArgs(argc, argv);
+
+  // SIGTERM and SIGINT are taken by sigwait in the main thread: block them before any
+  // thread starts so every thread inherits the mask.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  const int max_bytes = static_cast<int>(std::min<long>(options.max_message_mb * 1024L * 1024L, INT32_MAX));
+  grpc::ChannelArguments channel_args;
+  channel_args.SetMaxReceiveMessageSize(max_bytes);
+  channel_args.SetMaxSendMessageSize(max_bytes);
+  auto channel = grpc::CreateCustomChannel(options.backend, grpc::InsecureChannelCredentials(), channel_args);
+  std::unique_ptr<LanguageModel::Stub> probe(LanguageModel::NewStub(channel));
+  ModelInfo info;
+  grpc::Status status;
+  if (!FetchInfo(probe.get(), options.connect_timeout_s, &info, &status)) {
+    Log("no answer from the backend " + options.backend + " within " + std::to_string(options.connect_timeout_s) +
+        " s: " + status.error_message());
+    return 1;
+  }
+  Log("backend " + options.backend + ": model " + info.model_hash().substr(0, 12) + ", order " +
+      std::to_string(info.order()) + ", vocabulary " + std::to_string(info.vocab_size()) + ", device " + info.device());
+
+  Frontend frontend(options, channel, info);
+  LanguageModelService lm_service(&frontend);
+  AdminService admin_service(&frontend);
+
+  grpc::EnableDefaultHealthCheckService(true);
+#ifdef NLMSERVE_REFLECTION
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+#endif
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(max_bytes);
+  builder.SetMaxSendMessageSize(max_bytes);
+  builder.RegisterService(&lm_service);
+  builder.RegisterService(&admin_service);
+  std::unique_ptr<grpc::Server> server(builder.BuildAndStart());
+  if (!server || port == 0) {
+    Log("cannot listen on " + options.listen);
+    return 1;
+  }
+  grpc::HealthCheckServiceInterface *health = server->GetHealthCheckService();
+  health->SetServingStatus(true);
+  health->SetServingStatus(kServiceName, true);
+
+  std::string host = options.listen.substr(0, options.listen.rfind(':'));
+  std::cout << "listening on " << host << ":" << port << std::endl;
+  Log("listening on " + host + ":" + std::to_string(port) + ", batches of up to " +
+      std::to_string(std::min<long>(options.max_batch_ngrams, info.max_ngrams_per_request()
+                                                                   ? static_cast<long>(info.max_ngrams_per_request())
+                                                                   : options.max_batch_ngrams)) +
+      " n-grams, delay " + std::to_string(options.max_delay_us) + " us, " + std::to_string(options.max_inflight) +
+      " in flight");
+
+  // Health follows the backend: one GetModelInfo a second.
+  std::atomic<bool> stopping(false);
+  std::thread monitor([&]() {
+    bool serving = true;
+    while (!stopping.load()) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+      ModelInfo now;
+      bool ok = probe->GetModelInfo(&ctx, GetModelInfoRequest(), &now).ok();
+      if (stopping.load()) break;
+      if (ok != serving) {
+        serving = ok;
+        Log(ok ? "backend answers again: SERVING" : "backend does not answer: NOT_SERVING");
+        health->SetServingStatus(ok);
+        health->SetServingStatus(kServiceName, ok);
+      }
+      for (int i = 0; i < 10 && !stopping.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  });
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  Log(std::string("got ") + (sig == SIGTERM ? "SIGTERM" : "SIGINT") + ": draining");
+  stopping = true;
+  health->SetServingStatus(false);
+  health->SetServingStatus(kServiceName, false);
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(options.grace_s));
+  frontend.Stop();
+  monitor.join();
+  Log(frontend.Stats());
+  return 0;
+}

@@ -1,0 +1,364 @@
+"""The native micro-batching front end (server/native) before a real ``nlmserve serve``.
+
+The backend is a real server on the tiny model (127.0.0.1, port 0); ``nlmserve_frontend``
+is built with cmake into build/cpp (by test_cpp_client's ``driver`` fixture, which builds
+the whole C++ project) and started on port 0 in front of it. Values through the front end
+must equal the backend's own; merged batches must reach the backend as fewer requests than
+the clients sent; errors must be the backend's, for the request that caused them only.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from nlmserve.client import LMClient
+from nlmserve.proto import lm_pb2, lm_pb2_grpc
+from nlmserve.server.app import RunningServer
+from support import dev_ngrams, dev_sentences, start_server
+from test_cpp_client import BUILD, SERVE, driver  # noqa: F401 - the driver fixture builds build/cpp
+
+FRONTEND = BUILD / "nlmserve_frontend"
+SERVICE = "nlmserve.v1.LanguageModel"
+BOS_ID = 1  # the id of <s> in every model (lm/vocab.py)
+
+
+class Frontend:
+    """A running nlmserve_frontend process; ``stop()`` sends SIGTERM and returns its stderr."""
+
+    def __init__(self, binary: Path, backend: str, *flags: str) -> None:
+        self.proc = subprocess.Popen([str(binary), "--backend", backend, "--listen", "127.0.0.1:0", *flags],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        m = re.fullmatch(r"listening on (127\.0\.0\.1:\d+)\n", line)
+        if m is None:
+            self.proc.kill()
+            raise AssertionError(f"front end did not start: {line!r} {self.proc.stderr.read() if self.proc.stderr else ''}")
+        self.target = m.group(1)
+
+    def stop(self) -> tuple[int, str]:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        _, err = self.proc.communicate(timeout=30)
+        return self.proc.returncode, err
+
+
+def packed(ids: np.ndarray, **kw: Any) -> lm_pb2.ScoreNgramsRequest:
+    return lm_pb2.ScoreNgramsRequest(packed_ids=ids.astype("<u4").tobytes(), packed_order=ids.shape[1], **kw)
+
+
+def strings(ngrams: list[list[str]], **kw: Any) -> lm_pb2.ScoreNgramsRequest:
+    return lm_pb2.ScoreNgramsRequest(ngrams=[lm_pb2.NgramStrings(words=ng) for ng in ngrams], **kw)
+
+
+def backend_requests(running: RunningServer, code: str = "OK") -> float:
+    """ScoreNgrams RPCs the backend finished with ``code``, from its live metrics."""
+    return running.metrics.requests.labels(rpc="ScoreNgrams", code=code)._value.get()  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_lm: Any) -> Iterator[RunningServer]:
+    running = start_server(tiny_lm, metrics_port=0, max_ngrams_per_request=4096, max_queue_ngrams=8192)
+    yield running
+    running.stop(1.0)
+
+
+@pytest.fixture(scope="module")
+def frontend(driver: Path, backend: RunningServer) -> Iterator[Frontend]:  # noqa: F811
+    fe = Frontend(FRONTEND, backend.target, "--max-delay-us", "2000")
+    yield fe
+    code, err = fe.stop()
+    assert code == 0, err
+
+
+@pytest.fixture(scope="module")
+def stubs(frontend: Frontend, backend: RunningServer) -> Iterator[tuple[Any, Any]]:
+    with grpc.insecure_channel(frontend.target) as fch, grpc.insecure_channel(backend.target) as bch:
+        yield lm_pb2_grpc.LanguageModelStub(fch), lm_pb2_grpc.LanguageModelStub(bch)
+
+
+@pytest.mark.parametrize("log_base", ["LN", "LOG10"])
+@pytest.mark.parametrize("unnormalized", [False, True])
+def test_packed_ids_equal_the_backend(stubs: tuple[Any, Any], tiny_lm: Any, log_base: str, unnormalized: bool) -> None:
+    fe, be = stubs
+    ids = dev_ngrams(tiny_lm, 100, 10)
+    kw = {"log_base": getattr(lm_pb2, log_base), "allow_unnormalized": unnormalized}
+    got, want = fe.ScoreNgrams(packed(ids, **kw)), be.ScoreNgrams(packed(ids, **kw))
+    np.testing.assert_allclose(got.log_probs, want.log_probs, rtol=0, atol=1e-6)
+    assert (got.log_base, got.normalized, got.model_hash) == (want.log_base, want.normalized, want.model_hash)
+    assert list(got.oov) == list(want.oov)
+
+
+def test_strings_with_oov_and_short_contexts_equal_the_backend(stubs: tuple[Any, Any]) -> None:
+    fe, be = stubs
+    ngrams = [["the"], ["<s>", "<s>", "<s>", "<s>", "the"], ["zzqx-not-a-word", "of", "the"], ["the", "zzqx"],
+              ["of", "the", "european", "parliament", "."]]
+    got, want = fe.ScoreNgrams(strings(ngrams)), be.ScoreNgrams(strings(ngrams))
+    np.testing.assert_allclose(got.log_probs, want.log_probs, rtol=0, atol=1e-6)
+    assert list(got.oov) == list(want.oov) == [False, False, False, True, False]
+
+
+def _strip_padding(row: np.ndarray, bos: int) -> np.ndarray:
+    """The row without its leading <s> padding (at least the predicted word): the same n-gram."""
+    k = 0
+    while k < len(row) - 1 and row[k] == bos:
+        k += 1
+    return row[k:]
+
+
+def test_concurrent_clients_get_their_own_answers_in_fewer_backend_calls(
+        frontend: Frontend, backend: RunningServer, tiny_lm: Any) -> None:
+    # 32 clients send one n-gram per request; every other request drops its <s> padding,
+    # so merged batches mix packed orders and the front end pads them again.
+    ids = dev_ngrams(tiny_lm, 0, 30)
+    assert any(len(_strip_padding(r, BOS_ID)) < tiny_lm.order for r in ids)
+    with grpc.insecure_channel(backend.target) as ch:
+        want = list(lm_pb2_grpc.LanguageModelStub(ch).ScoreNgrams(packed(ids, log_base=lm_pb2.LN)).log_probs)
+    assert len(want) == len(ids)
+    clients, rounds = 32, 12
+    before = backend_requests(backend)
+    got: dict[int, list[float]] = {}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(clients)
+
+    def client(c: int) -> None:
+        try:
+            with grpc.insecure_channel(frontend.target) as ch:
+                stub = lm_pb2_grpc.LanguageModelStub(ch)
+                stub.GetModelInfo(lm_pb2.GetModelInfoRequest())
+                barrier.wait()
+                out = []
+                for r in range(rounds):
+                    row = ids[(c * rounds + r) % len(ids)]
+                    if (c + r) % 2:
+                        row = _strip_padding(row, BOS_ID)
+                    out.append(stub.ScoreNgrams(packed(row[None, :], log_base=lm_pb2.LN)).log_probs[0])
+                got[c] = out
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    for c in range(clients):
+        expected = [want[(c * rounds + r) % len(ids)] for r in range(rounds)]
+        np.testing.assert_allclose(got[c], expected, rtol=0, atol=1e-5)
+    sent = clients * rounds
+    reached = backend_requests(backend) - before
+    # The requests were merged: the backend saw clearly fewer calls than the clients made.
+    assert reached < sent * 0.5, (reached, sent)
+
+
+def test_short_context_is_left_padded_like_the_backend(stubs: tuple[Any, Any], tiny_lm: Any) -> None:
+    fe, be = stubs
+    the, of = tiny_lm.vocab.id("the"), tiny_lm.vocab.id("of")
+    short = np.array([[of, the]], dtype=np.uint32)
+    want = be.ScoreNgrams(packed(short)).log_probs[0]
+    assert fe.ScoreNgrams(packed(short)).log_probs[0] == pytest.approx(want, abs=1e-6)
+
+
+def test_invalid_requests_get_the_backends_error_and_others_are_served(
+        frontend: Frontend, stubs: tuple[Any, Any], tiny_lm: Any) -> None:
+    fe, be = stubs
+    the = tiny_lm.vocab.id("the")
+    bad = {
+        "too long": strings([["the"], ["a", "b", "c", "d", "e", "f"]]),
+        "<s> predicted": packed(np.array([[the, the], [the, BOS_ID]], dtype=np.uint32)),
+        "id out of range": packed(np.array([[the, 10**6]], dtype=np.uint32)),
+        "ragged": lm_pb2.ScoreNgramsRequest(packed_ids=b"\x01\x00\x00\x00\x02", packed_order=1),
+    }
+    for name, req in bad.items():
+        with pytest.raises(grpc.RpcError) as want:
+            be.ScoreNgrams(req)
+        with pytest.raises(grpc.RpcError) as got:
+            fe.ScoreNgrams(req)
+        assert got.value.code() == want.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+        assert got.value.details() == want.value.details(), name
+    # An invalid request merged with valid ones fails alone: valid ones sent at the same
+    # moment get their values.
+    good = packed(np.array([[the, the]], dtype=np.uint32))
+    want_good = be.ScoreNgrams(good).log_probs[0]
+    results: dict[int, Any] = {}
+    barrier = threading.Barrier(8)
+
+    def client(i: int) -> None:
+        with grpc.insecure_channel(frontend.target) as ch:
+            stub = lm_pb2_grpc.LanguageModelStub(ch)
+            stub.GetModelInfo(lm_pb2.GetModelInfoRequest())
+            barrier.wait()
+            try:
+                results[i] = stub.ScoreNgrams(bad["<s> predicted"] if i == 3 else good).log_probs[0]
+            except grpc.RpcError as e:
+                results[i] = e.code()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results.pop(3) == grpc.StatusCode.INVALID_ARGUMENT
+    assert results and all(v == pytest.approx(want_good, abs=1e-6) for v in results.values()), results
+
+
+def test_other_rpcs_pass_through(stubs: tuple[Any, Any], tiny_lm: Any) -> None:
+    fe, be = stubs
+    assert fe.GetModelInfo(lm_pb2.GetModelInfoRequest()) == be.GetModelInfo(lm_pb2.GetModelInfoRequest())
+    chunks = list(fe.GetVocabulary(lm_pb2.GetVocabularyRequest(chunk_size=100)))
+    assert [w for c in chunks for w in c.words] == tiny_lm.vocab.words
+    req = lm_pb2.ScoreSentencesRequest(sentences=dev_sentences(0, 5), log_base=lm_pb2.LN)
+    got, want = fe.ScoreSentences(req), be.ScoreSentences(req)
+    assert [s.total for s in got.sentences] == pytest.approx([s.total for s in want.sentences], abs=1e-6)
+    with pytest.raises(grpc.RpcError) as err:
+        fe.ScoreSentences(lm_pb2.ScoreSentencesRequest(sentences=["the " * 300_000]))
+    with pytest.raises(grpc.RpcError) as direct:
+        be.ScoreSentences(lm_pb2.ScoreSentencesRequest(sentences=["the " * 300_000]))
+    assert (err.value.code(), err.value.details()) == (direct.value.code(), direct.value.details())
+
+
+def test_python_client_works_through_the_front_end(frontend: Frontend, backend: RunningServer) -> None:
+    text = dev_sentences(20, 3)
+    with LMClient(frontend.target) as fe, LMClient(backend.target) as be:
+        assert fe.info.model_hash == be.info.model_hash
+        for s in text:
+            assert fe.score(s) == pytest.approx(be.score(s), abs=1e-5)
+
+
+def test_health_and_reflection(frontend: Frontend) -> None:
+    with grpc.insecure_channel(frontend.target) as ch:
+        h = health_pb2_grpc.HealthStub(ch)
+        for service in ("", SERVICE):
+            assert h.Check(health_pb2.HealthCheckRequest(service=service)).status == health_pb2.HealthCheckResponse.SERVING
+        r = reflection_pb2_grpc.ServerReflectionStub(ch)
+        answers = list(r.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        names = {s.name for s in answers[0].list_services_response.service}
+        assert SERVICE in names and "nlmserve.v1.Admin" in names
+
+
+def test_full_queue_is_resource_exhausted(driver: Path, backend: RunningServer, tiny_lm: Any) -> None:  # noqa: F811
+    # Batches of 4 wait up to 3 s for company; the queue holds 4 n-grams. A first request
+    # of 3 waits; a second of 3 does not fit and is refused at once; the first is then
+    # answered with its values.
+    fe = Frontend(FRONTEND, backend.target, "--max-batch-ngrams", "4", "--max-queue-ngrams", "4",
+                  "--max-delay-us", "3000000")
+    try:
+        ids = dev_ngrams(tiny_lm, 0, 2)[:3]
+        first: dict[str, Any] = {}
+
+        def send() -> None:
+            with grpc.insecure_channel(fe.target) as ch:
+                first["r"] = lm_pb2_grpc.LanguageModelStub(ch).ScoreNgrams(packed(ids), timeout=30)
+
+        t = threading.Thread(target=send)
+        t.start()
+        time.sleep(0.5)
+        with grpc.insecure_channel(fe.target) as ch, pytest.raises(grpc.RpcError) as err:
+            lm_pb2_grpc.LanguageModelStub(ch).ScoreNgrams(packed(ids), timeout=30)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in (err.value.details() or "")
+        t.join()
+        with grpc.insecure_channel(backend.target) as ch:
+            want = lm_pb2_grpc.LanguageModelStub(ch).ScoreNgrams(packed(ids)).log_probs
+        np.testing.assert_allclose(first["r"].log_probs, want, rtol=0, atol=1e-6)
+    finally:
+        code, err_text = fe.stop()
+    assert code == 0, err_text
+    assert "1 refused (queue full)" in err_text
+
+
+def test_sigterm_drains_in_flight_requests(driver: Path, backend: RunningServer, tiny_lm: Any) -> None:  # noqa: F811
+    # Requests wait 2 s in the queue; SIGTERM arrives meanwhile: they are still answered,
+    # and the process exits 0.
+    fe = Frontend(FRONTEND, backend.target, "--max-batch-ngrams", "1000", "--max-delay-us", "2000000")
+    ids = dev_ngrams(tiny_lm, 0, 2)[:5]
+    answers: list[Any] = []
+
+    def send() -> None:
+        with grpc.insecure_channel(fe.target) as ch:
+            answers.append(lm_pb2_grpc.LanguageModelStub(ch).ScoreNgrams(packed(ids), timeout=30))
+
+    t = threading.Thread(target=send)
+    t.start()
+    time.sleep(0.7)
+    fe.proc.send_signal(signal.SIGTERM)
+    t.join()
+    code, err = fe.stop()
+    assert code == 0, err
+    assert len(answers) == 1 and len(answers[0].log_probs) == 5
+    assert "SIGTERM" in err
+
+
+def test_health_follows_the_backend(driver: Path, tiny_lm: Any) -> None:  # noqa: F811
+    running = start_server(tiny_lm)
+    fe = Frontend(FRONTEND, running.target)
+    try:
+        with grpc.insecure_channel(fe.target) as ch:
+            h = health_pb2_grpc.HealthStub(ch)
+            assert h.Check(health_pb2.HealthCheckRequest(service=SERVICE)).status == health_pb2.HealthCheckResponse.SERVING
+            running.stop(0.5)
+            deadline = time.monotonic() + 10
+            status = None
+            while time.monotonic() < deadline:
+                status = h.Check(health_pb2.HealthCheckRequest(service=SERVICE)).status
+                if status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    break
+                time.sleep(0.2)
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.RpcError) as err:
+                lm_pb2_grpc.LanguageModelStub(ch).ScoreNgrams(packed(np.array([[4, 5]], dtype=np.uint32)), timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        code, err_text = fe.stop()
+    assert code == 0, err_text
+
+
+def test_bad_flags_and_absent_backend_are_clear_errors(driver: Path) -> None:  # noqa: F811
+    done = subprocess.run([str(FRONTEND), "--backend", "127.0.0.1:1", "--max-batch-ngrams", "0"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and "--max-batch-ngrams needs an integer >= 1" in done.stderr
+    done = subprocess.run([str(FRONTEND), "--backend", "127.0.0.1:1", "--connect-timeout-s", "1"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 1 and "no answer from the backend 127.0.0.1:1" in done.stderr
+
+
+def test_serve_with_the_native_front_end_is_one_command(driver: Path, tiny_model_path: Path, tiny_lm: Any) -> None:  # noqa: F811
+    # `nlmserve serve --frontend native`: the front end on the public port, the model server
+    # on a private one; values equal the in-process model; SIGTERM stops both, exit 0.
+    proc = subprocess.Popen([*SERVE, "serve", "--model", str(tiny_model_path), "--port", "0", "--metrics-port", "0",
+                             "--frontend", "native", "--frontend-binary", str(FRONTEND)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        m = re.fullmatch(r"listening on (127\.0\.0\.1:\d+)\n", proc.stdout.readline())
+        assert m is not None
+        ids = dev_ngrams(tiny_lm, 50, 5)
+        with grpc.insecure_channel(m.group(1)) as ch:
+            got = lm_pb2_grpc.LanguageModelStub(ch).ScoreNgrams(packed(ids, log_base=lm_pb2.LN)).log_probs
+        want = tiny_lm.score_ngrams(ids)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+
+
+def test_native_front_end_refuses_tls_and_a_missing_binary(tiny_model_path: Path, tmp_path: Path) -> None:
+    done = subprocess.run([*SERVE, "serve", "--model", str(tiny_model_path), "--port", "0", "--frontend", "native",
+                           "--tls-cert", "c.pem", "--tls-key", "k.pem"], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "native front end serves plaintext only" in done.stderr
+    done = subprocess.run([*SERVE, "serve", "--model", str(tiny_model_path), "--port", "0", "--frontend", "native",
+                           "--frontend-binary", str(tmp_path / "absent")], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "not an executable file" in done.stderr
