@@ -57,6 +57,8 @@ class NativeFrontend:
                "--max-queue-ngrams", str(config.max_queue_ngrams),
                "--max-message-mb", str(max(1, config.max_message_bytes // (1024 * 1024))),
                "--grace-s", str(max(0, int(round(config.grace_seconds))))]
+        if config.token_file is not None:
+            cmd += ["--token-file", config.token_file]
         log.info("starting the native front end: %s", " ".join(cmd))
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None and self.proc.stderr is not None

@@ -362,3 +362,25 @@ def test_native_front_end_refuses_tls_and_a_missing_binary(tiny_model_path: Path
     done = subprocess.run([*SERVE, "serve", "--model", str(tiny_model_path), "--port", "0", "--frontend", "native",
                            "--frontend-binary", str(tmp_path / "absent")], capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "not an executable file" in done.stderr
+
+
+def test_bearer_tokens_are_checked_by_the_backend(driver: Path, tiny_lm: Any, tiny_model_path: Path,  # noqa: F811
+                                                  tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# the front end's own token first\nfrontend-token-0123\ncaller-token-456789\n")
+    running = start_server(tiny_lm, model=str(tiny_model_path), token_file=str(tokens))
+    fe = Frontend(FRONTEND, running.target, "--token-file", str(tokens))
+    try:
+        ids = dev_ngrams(tiny_lm, 0, 2)
+        with grpc.insecure_channel(fe.target) as ch:
+            stub = lm_pb2_grpc.LanguageModelStub(ch)
+            for metadata in ((), (("authorization", "Bearer wrong-token-0000"),)):
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.ScoreNgrams(packed(ids), metadata=metadata)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            got = stub.ScoreNgrams(packed(ids), metadata=(("authorization", "Bearer caller-token-456789"),))
+        np.testing.assert_allclose(got.log_probs, np.asarray(tiny_lm.score_ngrams(ids)) / np.log(10), rtol=0, atol=1e-5)
+    finally:
+        code, err_text = fe.stop()
+        running.stop(0.5)
+    assert code == 0, err_text

@@ -13,11 +13,15 @@
 //   nlmserve_frontend --backend HOST:PORT [--listen 127.0.0.1:0] [--max-batch-ngrams 4096]
 //       [--max-delay-us 500] [--max-inflight 4] [--max-queue-ngrams 1000000]
 //       [--backend-timeout-ms 30000] [--max-message-mb 64] [--grace-s 30]
-//       [--connect-timeout-s 30]
+//       [--connect-timeout-s 30] [--token-file F]
 //
 // Prints `listening on HOST:PORT` on stdout once bound (port 0 picks a free port) and logs
 // to stderr. SIGTERM or SIGINT: health NOT_SERVING, stop accepting, finish in-flight
 // requests within --grace-s, exit 0.
+//
+// Bearer tokens: each caller's `authorization` metadata is forwarded with its requests, so
+// the backend checks it; --token-file gives the token of the front end's own calls (the
+// model info at start and the health probe) when the backend requires one.
 //
 // Exactness: requests are merged only when they agree on log base, normalisation and the
 // caller's `authorization` metadata; packed rows shorter than the batch's widest are
@@ -37,6 +41,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <fstream>
 #include <iostream>
 #include <memory>
 #include <mutex>
@@ -82,6 +87,8 @@ struct Options {
   long max_message_mb = 64;
   long grace_s = 30;
   long connect_timeout_s = 30;
+  // Bearer token for the front end's own calls to the backend (model info, health).
+  std::string token;
 };
 
 void Log(const std::string &message) {
@@ -94,7 +101,8 @@ void Log(const std::string &message) {
   std::cerr << "nlmserve_frontend: " << error << "\n"
             << "usage: nlmserve_frontend --backend HOST:PORT [--listen HOST:PORT] [--max-batch-ngrams N]\n"
             << "         [--max-delay-us US] [--max-inflight N] [--max-queue-ngrams N]\n"
-            << "         [--backend-timeout-ms MS] [--max-message-mb MB] [--grace-s S] [--connect-timeout-s S]\n";
+            << "         [--backend-timeout-ms MS] [--max-message-mb MB] [--grace-s S] [--connect-timeout-s S]\n"
+            << "         [--token-file F]\n";
   std::exit(2);
 }
 
@@ -106,6 +114,19 @@ long ParsePositive(const std::string &flag, const char *text, long minimum) {
     Usage(flag + " needs an integer >= " + std::to_string(minimum) + ", got '" + text + "'");
   }
   return v;
+}
+
+// The first token of a token file (blank lines and lines starting with '#' skipped).
+std::string ReadToken(const std::string &path) {
+  std::ifstream in(path);
+  if (!in) Usage("cannot read --token-file " + path);
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream words(line);
+    std::string token;
+    if (words >> token && token[0] != '#') return token;
+  }
+  Usage("no token in --token-file " + path);
 }
 
 Options ParseArgs(int argc, char **argv) {
@@ -125,6 +146,7 @@ Options ParseArgs(int argc, char **argv) {
     else if (flag == "--max-message-mb") o.max_message_mb = ParsePositive(flag, v, 1);
     else if (flag == "--grace-s") o.grace_s = ParsePositive(flag, v, 0);
     else if (flag == "--connect-timeout-s") o.connect_timeout_s = ParsePositive(flag, v, 1);
+    else if (flag == "--token-file") o.token = ReadToken(v);
     else Usage("unknown flag " + flag);
   }
   if (o.backend.empty()) Usage("--backend HOST:PORT is required");
@@ -474,12 +496,14 @@ class AdminService final : public Admin::Service {
 };
 
 // The backend's model info, waiting up to the connect timeout for it to come up.
-bool FetchInfo(LanguageModel::Stub *stub, long timeout_s, ModelInfo *info, grpc::Status *last) {
+bool FetchInfo(LanguageModel::Stub *stub, long timeout_s, const std::string &token, ModelInfo *info,
+               grpc::Status *last) {
   auto until = std::chrono::system_clock::now() + std::chrono::seconds(timeout_s);
   while (std::chrono::system_clock::now() < until) {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::min(until, std::chrono::system_clock::now() + std::chrono::seconds(5)));
     ctx.set_wait_for_ready(true);
+    if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token);
     *last = stub->GetModelInfo(&ctx, GetModelInfoRequest(), info);
     if (last->ok()) return true;
     if (last->error_code() != grpc::StatusCode::UNAVAILABLE &&
@@ -512,7 +536,7 @@ int main(int argc, char **argv) {
   std::unique_ptr<LanguageModel::Stub> probe(LanguageModel::NewStub(channel));
   ModelInfo info;
   grpc::Status status;
-  if (!FetchInfo(probe.get(), options.connect_timeout_s, &info, &status)) {
+  if (!FetchInfo(probe.get(), options.connect_timeout_s, options.token, &info, &status)) {
     Log("no answer from the backend " + options.backend + " within " + std::to_string(options.connect_timeout_s) +
         " s: " + status.error_message());
     return 1;
@@ -560,6 +584,7 @@ int main(int argc, char **argv) {
     while (!stopping.load()) {
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+      if (!options.token.empty()) ctx.AddMetadata("authorization", "Bearer " + options.token);
       ModelInfo now;
       bool ok = probe->GetModelInfo(&ctx, GetModelInfoRequest(), &now).ok();
       if (stopping.load()) break;
