@@ -148,6 +148,8 @@ def run_target(row: Row, args: argparse.Namespace, work: Path) -> None:
         cmd += ["--min-improvement", str(args.min_improvement)]
     if args.workers > 1:
         cmd += ["--workers", str(args.workers)]
+    if args.lr_schedule != "plateau":
+        cmd += ["--lr-schedule", args.lr_schedule]
     log.info("%s: %s", t.name, " ".join(cmd))
     t0 = time.monotonic()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -203,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--valid-every", type=int, default=8000)
     p.add_argument("--no-ngram-features", dest="ngram_features", action="store_false")
+    p.add_argument("--lr-schedule", choices=("plateau", "linear"), default="plateau",
+                   help="nlmserve train --lr-schedule (linear: the rate falls to 0 over the budget)")
     p.add_argument("--min-improvement", type=float, default=0.005,
                    help="nlmserve train --min-improvement (learning-rate decay on small gains)")
     p.add_argument("--workers", type=int, default=2, help="Hogwild processes (nlmserve train --workers)")

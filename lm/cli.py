@@ -75,6 +75,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--min-improvement", type=float, default=0.0,
                    help="halve the learning rate when validation improves by less than this fraction "
                         "(e.g. 0.005); 0: only when it does not improve")
+    p.add_argument("--lr-schedule", choices=("plateau", "linear"), default="plateau",
+                   help="plateau: change the rate on validation plateaus only; linear: also let it fall "
+                        "linearly to 0 over the budget (--max-minutes, --max-steps or --epochs)")
     p.add_argument("--patience", type=int, default=3, help="validations without improvement before stopping")
     p.add_argument("--valid-every", type=int, default=0, help="validate every N steps (0: each epoch)")
     p.add_argument("--checkpoint-every", type=int, default=1000, help="write OUT.ckpt every N steps (0: never)")
@@ -126,7 +129,7 @@ def _train(args: argparse.Namespace) -> int:
             ngram_word_table=_table_size(args.ngram_features, args.ngram_word_bits, "--ngram-word-bits"),
             output=args.output, tree_eps=args.tree_eps, tree_pretrain_steps=args.tree_pretrain_steps,
             norm_fraction=args.norm_fraction, norm_weight=args.norm_weight, dropout=args.dropout,
-            workers=args.workers, min_improvement=args.min_improvement,
+            workers=args.workers, min_improvement=args.min_improvement, lr_schedule=args.lr_schedule,
         )
     except ValueError as exc:
         print(f"nlmserve train: error: {exc}", file=sys.stderr)

@@ -75,6 +75,10 @@ class TrainConfig:
             counts as a plateau for the learning rate (the model is still kept, and
             patience is not charged); 0: only no improvement at all does. RNNLM-style
             schedules use a few tenths of a percent.
+        lr_schedule: ``plateau``: the rate changes only on validation plateaus. ``linear``:
+            besides, every step uses the rate times the fraction of the budget left, so it
+            falls linearly to 0 at the end of the run (budget: ``max_minutes`` counted from
+            the start of the run, else ``max_steps``, else ``epochs``; the first to run out).
         patience: validations without improvement before stopping.
         valid_every: validate every N steps (0: at the end of each epoch only).
         checkpoint_every: write ``out.ckpt`` every N steps (0: never).
@@ -124,6 +128,7 @@ class TrainConfig:
     optimizer: str = "adagrad"
     lr_decay: float = 0.5
     min_improvement: float = 0.0
+    lr_schedule: str = "plateau"
     patience: int = 3
     valid_every: int = 0
     checkpoint_every: int = 1000
@@ -155,6 +160,8 @@ class TrainConfig:
             raise ValueError(f"min_improvement must lie in [0, 1), got {self.min_improvement}")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.lr_schedule not in ("plateau", "linear"):
+            raise ValueError(f"lr_schedule must be plateau or linear, got {self.lr_schedule!r}")
         if self.workers > 1 and self.distributed:
             raise ValueError("workers > 1 (Hogwild on one machine) and distributed exclude each other")
         if not 0.0 <= self.dropout < 1.0:
@@ -555,14 +562,28 @@ class _Trainer:
         self.opt.step()
         return float(loss.detach())
 
+    def rate(self) -> float:
+        """The learning rate of the next step: the plateau-decayed rate, times the fraction
+        of the budget left under ``--lr-schedule linear``."""
+        cfg, state = self.cfg, self.state
+        if cfg.lr_schedule != "linear":
+            return state.lr
+        done = state.step / (cfg.epochs * math.ceil(self.data.train.num_tokens / cfg.batch_size))
+        if cfg.max_steps is not None:
+            done = max(done, state.step / cfg.max_steps)
+        if cfg.max_minutes:
+            done = max(done, (time.monotonic() - self.t_start) / (cfg.max_minutes * 60.0))
+        return state.lr * max(0.0, 1.0 - done)
+
     def step(self, positions: np.ndarray, next_pos: int, elapsed_before: float, t_loop: float) -> None:
         """One round: one optimiser step on the examples predicting ``positions`` (with
         Hogwild helpers, one minibatch of ``batch_size`` per process, at once)."""
         state, bs = self.state, self.cfg.batch_size
         parts = [positions[i : i + bs] for i in range(0, len(positions), bs)]
+        lr = self.rate()
         if self.pool is not None:
-            self.pool.submit(parts[1:], state.lr, state.step)
-        losses = [self.update(parts[0], self.gen)]
+            self.pool.submit(parts[1:], lr, state.step)
+        losses = [self.update(parts[0], self.gen, lr)]
         if self.pool is not None:
             losses += self.pool.collect(len(parts) - 1)
         self.taken = len(parts)
@@ -587,7 +608,7 @@ class _Trainer:
         if self._every(cfg.log_every):
             tps = state.tokens / max(state.elapsed, 1e-9)
             bar.set_postfix(loss=f"{self.loss_sum / self.loss_n:.3f}", tok_s=f"{tps:,.0f}")
-            self.log.write(step=state.step, tokens=state.tokens, loss=self.loss_sum / self.loss_n, lr=state.lr,
+            self.log.write(step=state.step, tokens=state.tokens, loss=self.loss_sum / self.loss_n, lr=self.rate(),
                            elapsed=round(state.elapsed, 3), tokens_per_s=round(tps, 1))
             self.loss_sum, self.loss_n = 0.0, 0
         if self._every(cfg.valid_every):

@@ -104,6 +104,27 @@ def test_min_improvement_slows_the_rate_on_small_gains(small_train: Path, dev_sm
     assert slow[-1][0] < slow[0][0]
 
 
+def test_linear_schedule_lets_the_rate_fall_to_zero_over_the_budget(small_train: Path, dev_small_path: Path,
+                                                                     tmp_path: Path) -> None:
+    cfg = _config(small_train, dev_small_path, tmp_path / "lin.nlm", lr_schedule="linear", log_every=10,
+                  checkpoint_every=0)
+    result = train(cfg)
+    records = [json.loads(x) for x in Path(cfg.log_path).read_text().splitlines()]
+    rates = {r["step"]: r["lr"] for r in records if "loss" in r}
+    # 40 steps (max_steps): after step k the next step's rate is 0.2 * (1 - k / 40)
+    assert rates == pytest.approx({k: 0.2 * (1 - k / 40) for k in (10, 20, 30, 40)})
+    plain = train(_config(small_train, dev_small_path, tmp_path / "plain.nlm", checkpoint_every=0))
+    assert result.best_valid_ppl is not None and plain.best_valid_ppl is not None
+    assert result.best_valid_ppl != plain.best_valid_ppl  # the rates did reach the updates
+    # an interrupted linear run resumes exactly: the schedule follows the checkpointed step
+    cfg2 = _config(small_train, dev_small_path, tmp_path / "lin2.nlm", lr_schedule="linear", checkpoint_every=20)
+    assert train(cfg2, _interrupt_after_step=25).stopped == "interrupted"
+    resumed = train(replace(cfg2, resume=True))
+    assert resumed.best_valid_ppl == pytest.approx(result.best_valid_ppl, rel=1e-6)
+    with pytest.raises(ValueError, match="lr_schedule"):
+        _config(small_train, dev_small_path, tmp_path / "x.nlm", lr_schedule="cosine")
+
+
 def test_a_diverged_model_validates_as_infinite_perplexity_not_a_crash() -> None:
     from nlmserve.lm.train import perplexity_of
 
