@@ -34,7 +34,7 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
                         "and micro-batches small requests before this process"),
     ("--frontend-binary", str, "path of nlmserve_frontend (default: on PATH, else build/cpp of the checkout)"),
     ("--frontend-max-delay-us", int, "native front end: longest wait for a batch to fill (default 500)"),
-    ("--frontend-max-inflight", int, "native front end: merged requests at the model server at once (default 4)"),
+    ("--frontend-max-inflight", int, "native front end: merged requests at the model server at once (default 1)"),
 )
 
 

@@ -80,7 +80,7 @@ class ServerConfig:
     #: The native front end's longest wait for a batch to fill, microseconds.
     frontend_max_delay_us: int = 500
     #: Merged requests the native front end keeps at this server at once.
-    frontend_max_inflight: int = 4
+    frontend_max_inflight: int = 1
 
     def __post_init__(self) -> None:
         checks = (

@@ -11,7 +11,7 @@
 // server reflection.
 //
 //   nlmserve_frontend --backend HOST:PORT [--listen 127.0.0.1:0] [--max-batch-ngrams 4096]
-//       [--max-delay-us 500] [--max-inflight 4] [--max-queue-ngrams 1000000]
+//       [--max-delay-us 500] [--max-inflight 1] [--max-queue-ngrams 1000000]
 //       [--backend-timeout-ms 30000] [--max-message-mb 64] [--grace-s 30]
 //       [--connect-timeout-s 30] [--token-file F]
 //
@@ -81,7 +81,7 @@ struct Options {
   std::string backend;
   long max_batch_ngrams = 4096;
   long max_delay_us = 500;
-  long max_inflight = 4;
+  long max_inflight = 1;
   long max_queue_ngrams = 1000000;
   long backend_timeout_ms = 30000;
   long max_message_mb = 64;
