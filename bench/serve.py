@@ -156,7 +156,26 @@ def flops_per_ngram(lm: LanguageModel, ids: np.ndarray) -> float:
     return float(ctx + hidden + 2 * c.num_classes * E + 2 * sizes.mean() * E + 4 * E)
 
 
-class ServerProcess:
+class _Process:
+    """A benchmark subprocess: its CPU time and a SIGTERM stop."""
+
+    proc: subprocess.Popen[str]
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of the process so far (all its threads)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+class ServerProcess(_Process):
     """A server subprocess on 127.0.0.1, port 0: ``nlmserve serve`` with its /metrics on a free
     port, or (``noop=True``) this script's no-op server (same gRPC stack, no model work)."""
 
@@ -190,21 +209,8 @@ class ServerProcess:
                     return float(value)
         return 0.0
 
-    def cpu_seconds(self) -> float:
-        """User + system CPU time of the server process so far (all its threads)."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-
-
-class FrontendProcess:
+class FrontendProcess(_Process):
     """``nlmserve_frontend`` (server/native) on 127.0.0.1, port 0, in front of ``backend``."""
 
     def __init__(self, binary: Path, backend: ServerProcess, *flags: str) -> None:
@@ -217,18 +223,6 @@ class FrontendProcess:
             self.proc.kill()
             raise RuntimeError(f"front end did not start: {line!r}")
         self.target = m.group(1)
-
-    def cpu_seconds(self) -> float:
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
 
 
 def noop_serve(model: Path) -> int:

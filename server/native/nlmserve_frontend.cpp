@@ -240,7 +240,7 @@ class Frontend {
   std::string Stats() {
     std::lock_guard<std::mutex> lock(mu_);
     std::ostringstream s;
-    s << requests_ << " ScoreNgrams requests (" << ngrams_ << " n-grams) in " << batches_
+    s << requests_ << " ScoreNgrams requests (" << ngrams_ << " n-grams merged) in " << batches_
       << " backend batches, " << alone_ << " sent alone, " << rejected_ << " refused (queue full)";
     return s.str();
   }
@@ -298,10 +298,11 @@ class Frontend {
   }
 
   // Forwards one request unchanged; the caller gets the backend's answer as it is.
-  void SendAlone(const Pending &p) {
+  void SendAlone(const Pending &p, bool resent = false) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       ++alone_;
+      if (!resent) ++requests_;
     }
     auto *ctx = ForwardContext(*p.ctx, options_.backend_timeout_ms).release();
     grpc::ServerUnaryReactor *reactor = p.reactor;
@@ -405,7 +406,7 @@ class Frontend {
       }
     } else if (status.error_code() == grpc::StatusCode::INVALID_ARGUMENT && batch->items.size() > 1) {
       // Some request of the batch is invalid: each one alone gets its own exact answer.
-      for (auto &p : batch->items) SendAlone(p);
+      for (auto &p : batch->items) SendAlone(p, true);
     } else {
       grpc::Status err = status.ok() ? grpc::Status(grpc::StatusCode::INTERNAL,
                                                     "the backend answered " + std::to_string(res.log_probs_size()) +
