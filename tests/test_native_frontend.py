@@ -254,7 +254,7 @@ def test_full_queue_is_resource_exhausted(driver: Path, backend: RunningServer, 
     # of 3 waits; a second of 3 does not fit and is refused at once; the first is then
     # answered with its values.
     fe = Frontend(FRONTEND, backend.target, "--max-batch-ngrams", "4", "--max-queue-ngrams", "4",
-                  "--max-delay-us", "3000000")
+                  "--max-delay-us", "3000000", "--delay-policy", "fixed")
     try:
         ids = dev_ngrams(tiny_lm, 0, 2)[:3]
         first: dict[str, Any] = {}
@@ -282,7 +282,8 @@ def test_full_queue_is_resource_exhausted(driver: Path, backend: RunningServer, 
 def test_sigterm_drains_in_flight_requests(driver: Path, backend: RunningServer, tiny_lm: Any) -> None:  # noqa: F811
     # Requests wait 2 s in the queue; SIGTERM arrives meanwhile: they are still answered,
     # and the process exits 0.
-    fe = Frontend(FRONTEND, backend.target, "--max-batch-ngrams", "1000", "--max-delay-us", "2000000")
+    fe = Frontend(FRONTEND, backend.target, "--max-batch-ngrams", "1000", "--max-delay-us", "2000000",
+                  "--delay-policy", "fixed")
     ids = dev_ngrams(tiny_lm, 0, 2)[:5]
     answers: list[Any] = []
 

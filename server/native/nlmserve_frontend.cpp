@@ -11,7 +11,7 @@
 // server reflection.
 //
 //   nlmserve_frontend --backend HOST:PORT [--listen 127.0.0.1:0] [--max-batch-ngrams 4096]
-//       [--max-delay-us 500] [--max-inflight 1] [--max-queue-ngrams 1000000]
+//       [--max-delay-us 500] [--delay-policy adaptive] [--max-inflight 1] [--max-queue-ngrams 1000000]
 //       [--backend-timeout-ms 30000] [--max-message-mb 64] [--grace-s 30]
 //       [--connect-timeout-s 30] [--token-file F]
 //
@@ -82,6 +82,9 @@ struct Options {
   long max_batch_ngrams = 4096;
   long max_delay_us = 500;
   long max_inflight = 1;
+  // adaptive: wait for company only while fewer requests are queued than the last batch
+  // held (a lone client never waits); fixed: always wait up to --max-delay-us.
+  bool fixed_delay = false;
   long max_queue_ngrams = 1000000;
   long backend_timeout_ms = 30000;
   long max_message_mb = 64;
@@ -100,7 +103,7 @@ void Log(const std::string &message) {
 [[noreturn]] void Usage(const std::string &error) {
   std::cerr << "nlmserve_frontend: " << error << "\n"
             << "usage: nlmserve_frontend --backend HOST:PORT [--listen HOST:PORT] [--max-batch-ngrams N]\n"
-            << "         [--max-delay-us US] [--max-inflight N] [--max-queue-ngrams N]\n"
+            << "         [--max-delay-us US] [--delay-policy adaptive|fixed] [--max-inflight N] [--max-queue-ngrams N]\n"
             << "         [--backend-timeout-ms MS] [--max-message-mb MB] [--grace-s S] [--connect-timeout-s S]\n"
             << "         [--token-file F]\n";
   std::exit(2);
@@ -141,6 +144,11 @@ Options ParseArgs(int argc, char **argv) {
     else if (flag == "--max-batch-ngrams") o.max_batch_ngrams = ParsePositive(flag, v, 1);
     else if (flag == "--max-delay-us") o.max_delay_us = ParsePositive(flag, v, 0);
     else if (flag == "--max-inflight") o.max_inflight = ParsePositive(flag, v, 1);
+    else if (flag == "--delay-policy") {
+      std::string policy = v;
+      if (policy != "adaptive" && policy != "fixed") Usage("--delay-policy is adaptive or fixed, got '" + policy + "'");
+      o.fixed_delay = policy == "fixed";
+    }
     else if (flag == "--max-queue-ngrams") o.max_queue_ngrams = ParsePositive(flag, v, 1);
     else if (flag == "--backend-timeout-ms") o.backend_timeout_ms = ParsePositive(flag, v, 1);
     else if (flag == "--max-message-mb") o.max_message_mb = ParsePositive(flag, v, 1);
@@ -321,8 +329,13 @@ class Frontend {
     for (;;) {
       cv_.wait(lock, [this]() { return (!queue_.empty() && inflight_ < options_.max_inflight) || (stopping_ && queue_.empty()); });
       if (queue_.empty()) return;  // stopping, nothing left
+      // Wait for company up to the delay; under the adaptive policy only while fewer
+      // requests are queued than the last batch held: a lone client's request (last batch:
+      // one request) goes at once, a crowd's batches wait for the crowd.
       auto until = queue_.front().arrival + delay;
-      while (!stopping_ && queued_ngrams_ < max_batch_ && Clock::now() < until) {
+      while (!stopping_ && queued_ngrams_ < max_batch_ &&
+             (options_.fixed_delay || static_cast<long>(queue_.size()) < last_batch_requests_) &&
+             Clock::now() < until) {
         cv_.wait_until(lock, until);
       }
       std::unique_ptr<Batch> batch(new Batch());
@@ -338,6 +351,7 @@ class Frontend {
         }
       }
       queued_ngrams_ -= batch->ngrams;
+      last_batch_requests_ = static_cast<long>(batch->items.size());
       ++inflight_;
       ++batches_;
       lock.unlock();
@@ -434,6 +448,7 @@ class Frontend {
   std::deque<Pending> queue_;
   long queued_ngrams_ = 0;
   long inflight_ = 0;
+  long last_batch_requests_ = 1;
   bool stopping_ = false;
   uint64_t requests_ = 0, ngrams_ = 0, batches_ = 0, alone_ = 0, rejected_ = 0;
   std::thread batcher_;
