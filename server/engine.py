@@ -306,6 +306,44 @@ class Engine:
             raise
         return self._submit(rows, normalized or not state.self_normalized, log10, timeout, state)
 
+    def try_score_now(self, ids: np.ndarray, *, normalized: bool = True, log10: bool = False,
+                      state: ModelState | None = None) -> np.ndarray | None:
+        """Score a small request in the calling thread when the engine is idle (nothing
+        queued, no forward pass running, nobody on the way in), else None (then submit it).
+
+        A lone client's request then costs no hand-over to the batching thread and back. The
+        engine is marked busy meanwhile, so the batching thread (and its caches) wait for it,
+        and a batch of the same rows scores the same values. Raises InvalidRequestError for
+        bad ids, as :meth:`submit_ngrams` does.
+        """
+        state = self._state if state is None else state
+        rows = normalize_ngrams(ids, state.order, state.vocab_size)
+        with self._cond:
+            if (self._busy or self._small or self._queue or self._arriving or self._stopping
+                    or state is not self._state):
+                return None
+            self._busy = True
+        try:
+            n = rows.shape[0]
+            norm = np.full(n, normalized or not state.self_normalized)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                scores = np.array(state.scorer.score(rows, norm), dtype=np.float32)
+            m = self.metrics
+            if m is not None:
+                m.batch_size.observe(n)
+                m.batch_requests.observe(1)
+                m.inference_time.observe(time.perf_counter() - t0)
+                m.ngrams_scored.inc(n)
+                m.queue_delay.observe(0.0)
+            if log10:
+                scores *= np.float32(LOG10_E)
+            return scores
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify()
+
     def score_ngrams(self, ids: np.ndarray, *, normalized: bool = True, log10: bool = False,
                      timeout: float | None = None) -> np.ndarray:
         """Blocking :meth:`submit_ngrams`."""

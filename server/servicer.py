@@ -38,6 +38,9 @@ T = TypeVar("T")
 
 #: Requests with more n-grams than this are converted off the event loop thread.
 OFFLOAD_ITEMS = 20_000
+# A request of at most this many n-grams from a lone client is scored in the event-loop
+# thread when the engine is idle (Engine.try_score_now): no thread hand-over and back.
+INLINE_ITEMS = 16
 
 _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -140,6 +143,9 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
         self.max_items = engine.config.max_ngrams_per_request
         self._children: dict[Any, Any] = {}  # metric children by label values
         self._info: tuple[weakref.ref[ModelState], lm_pb2.ModelInfo] | None = None
+        self._active = 0  # RPCs being served (the event loop's own count)
+        self._last_end = 0.0  # when the last ScoreNgrams was scored (perf_counter) ...
+        self._last_took = 0.0  # ... and how long it took
 
     @property
     def info(self) -> lm_pb2.ModelInfo:
@@ -193,9 +199,20 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
             ids, oov = self._map_ngrams(request.ngrams, state)
         normalized = not request.allow_unnormalized
         log10 = request.log_base != lm_pb2.LN
-        future = self.engine.submit_ngrams(ids, normalized=normalized, log10=log10, timeout=_remaining(context),
-                                           state=state)
-        scores = await asyncio.wrap_future(future)
+        scores = None
+        started = time.perf_counter()
+        # A lone client: alone in the server, and arriving after a pause longer than the last
+        # request took (a crowd's requests follow each other without one, and go to the
+        # batching thread so that they are merged).
+        if (self._active == 1 and ids.shape[0] <= INLINE_ITEMS
+                and started - self._last_end > self._last_took):
+            scores = self.engine.try_score_now(ids, normalized=normalized, log10=log10, state=state)
+        if scores is None:
+            future = self.engine.submit_ngrams(ids, normalized=normalized, log10=log10,
+                                               timeout=_remaining(context), state=state)
+            scores = await asyncio.wrap_future(future)
+        self._last_end = time.perf_counter()
+        self._last_took = self._last_end - started
         return lm_pb2.ScoreNgramsResponse(
             log_probs=scores.tolist(),
             oov=oov.tolist(),
@@ -290,6 +307,7 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
     async def _guard(self, rpc: str, context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
         m = self.metrics
         start = time.perf_counter()
+        self._active += 1
         if m is not None:
             m.in_flight.inc()
         try:
@@ -309,6 +327,7 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
             await context.abort(code, message)
             raise  # not reached: abort raises
         finally:
+            self._active -= 1
             if m is not None:
                 m.in_flight.dec()
                 latency = self._children.get(rpc)

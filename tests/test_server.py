@@ -18,10 +18,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from nlmserve.errors import InputError
+from nlmserve.errors import InputError, InvalidRequestError
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
 from nlmserve.server.app import RunningServer, create_server
 from nlmserve.server.config import ServerConfig, build_config
+from nlmserve.server.engine import Engine
 
 from support import dev_ngrams, dev_sentences, start_server
 
@@ -305,6 +306,53 @@ def test_micro_batching_merges_concurrent_requests(tiny_lm: Any) -> None:
         assert batches < parts * 0.8
         assert single < batches
         assert metric(running, "nlmserve_batch_size_ngrams_sum") == n_threads * 5
+    finally:
+        running.stop(1.0)
+
+
+@pytest.mark.parametrize("log10", [False, True])
+@pytest.mark.parametrize("normalized", [True, False])
+def test_a_lone_small_request_is_scored_in_the_callers_thread(tiny_lm: Any, dev_ids: np.ndarray, log10: bool,
+                                                               normalized: bool) -> None:
+    engine = Engine(tiny_lm, ServerConfig(model="(in-process)"))
+    try:
+        rows = dev_ids[:16]
+        now = engine.try_score_now(rows, normalized=normalized, log10=log10)
+        assert now is not None and now.dtype == np.float32
+        np.testing.assert_array_equal(now, engine.score_ngrams(rows, normalized=normalized, log10=log10))
+        np.testing.assert_allclose(now, tiny_lm.score_ngrams(rows, normalized=normalized, log10=log10),
+                                   atol=TOL, rtol=0)
+        with pytest.raises(InvalidRequestError, match="item 1"):
+            engine.try_score_now(np.array([[4, 5], [4, 10**6]], dtype=np.uint32))
+        # a forward pass running (or parts queued): the caller must queue instead
+        with engine._cond:
+            engine._busy = True
+        assert engine.try_score_now(rows) is None
+        with engine._cond:
+            engine._busy = False
+            engine._cond.notify()
+        assert engine.try_score_now(rows) is not None
+    finally:
+        engine.shutdown()
+    assert engine.try_score_now(dev_ids[:1]) is None  # stopped
+
+
+def test_a_lone_client_over_grpc_skips_the_queue(tiny_lm: Any, dev_ids: np.ndarray) -> None:
+    running = start(tiny_lm)
+    try:
+        with grpc.insecure_channel(running.target) as channel:
+            s = lm_pb2_grpc.LanguageModelStub(channel)
+            s.GetModelInfo(lm_pb2.GetModelInfoRequest())
+            passes = metric(running, "nlmserve_batch_requests_count")
+            waited = metric(running, "nlmserve_queue_delay_seconds_sum")
+            got = [s.ScoreNgrams(packed(dev_ids[i : i + 1], log_base=lm_pb2.LN)).log_probs[0] for i in range(20)]
+            # scored in the event-loop thread: each counted as a pass that waited exactly 0 s
+            assert metric(running, "nlmserve_batch_requests_count") - passes == 20
+            assert metric(running, "nlmserve_queue_delay_seconds_sum") == waited
+            big = s.ScoreNgrams(packed(dev_ids[:100], log_base=lm_pb2.LN)).log_probs  # over 16 rows: queued
+            assert metric(running, "nlmserve_queue_delay_seconds_sum") > waited
+        np.testing.assert_allclose(got, tiny_lm.score_ngrams(dev_ids[:20]), atol=TOL, rtol=0)
+        np.testing.assert_allclose(big, tiny_lm.score_ngrams(dev_ids[:100]), atol=TOL, rtol=0)
     finally:
         running.stop(1.0)
 
