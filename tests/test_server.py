@@ -345,7 +345,12 @@ def test_a_lone_client_over_grpc_skips_the_queue(tiny_lm: Any, dev_ids: np.ndarr
             s.GetModelInfo(lm_pb2.GetModelInfoRequest())
             passes = metric(running, "nlmserve_batch_requests_count")
             waited = metric(running, "nlmserve_queue_delay_seconds_sum")
-            got = [s.ScoreNgrams(packed(dev_ids[i : i + 1], log_base=lm_pb2.LN)).log_probs[0] for i in range(20)]
+            got = []
+            for i in range(20):
+                # a pause longer than a one-row pass takes, even on a loaded machine: a lone
+                # client, not one of a crowd whose requests follow each other back to back
+                time.sleep(0.05)
+                got.append(s.ScoreNgrams(packed(dev_ids[i : i + 1], log_base=lm_pb2.LN)).log_probs[0])
             # scored in the event-loop thread: each counted as a pass that waited exactly 0 s
             assert metric(running, "nlmserve_batch_requests_count") - passes == 20
             assert metric(running, "nlmserve_queue_delay_seconds_sum") == waited
