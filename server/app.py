@@ -19,8 +19,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 from dataclasses import dataclass
 from types import FrameType
@@ -35,6 +38,7 @@ from nlmserve.server.admin import ADMIN_SERVICE, AdminServicer, Reloader, Reload
 from nlmserve.server.auth import TlsFiles, TokenInterceptor, TokenStore
 from nlmserve.server.config import ServerConfig
 from nlmserve.server.engine import Engine, ModelState
+from nlmserve.server.local import LocalBackend
 from nlmserve.server.metrics import ServerMetrics
 from nlmserve.server.servicer import LanguageModelServicer, add_to_server
 
@@ -57,6 +61,14 @@ class RunningServer:
     loop: asyncio.AbstractEventLoop
     thread: threading.Thread
     reloader: Reloader
+    local: LocalBackend | None = None
+
+    def start_local_backend(self, path: str) -> LocalBackend:
+        """Serve the native front end's packed batches on the Unix socket ``path`` too
+        (server/local.py); closed by :meth:`stop`."""
+        if self.local is None:
+            self.local = LocalBackend(path, self.engine, self.metrics, self.reloader.tokens)
+        return self.local
 
     def reload(self, path: str | None = None) -> ModelState:
         """Load ``path`` (default ``config.model``), check it, swap it in (ReloadError if refused)."""
@@ -73,6 +85,8 @@ class RunningServer:
             done = asyncio.run_coroutine_threadsafe(self._drain(grace), self.loop)
             done.result(grace + 10.0)
         finally:
+            if self.local is not None:
+                self.local.close()
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10.0)
             self.engine.shutdown()
@@ -203,6 +217,7 @@ def serve(config: ServerConfig) -> int:
         hup.set()
         wake.set()
 
+    socket_dir = None
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, on_hup)
     code = 0
@@ -212,7 +227,11 @@ def serve(config: ServerConfig) -> int:
 
             if public.metrics_port is not None:
                 running.metrics_port = running.metrics.start_http(public.host, public.metrics_port)
-            frontend = NativeFrontend(binary, public, running.target)
+            socket_path = None
+            if public.frontend_channel == "socket":  # in a directory only this user may enter
+                socket_dir = tempfile.mkdtemp(prefix="nlmserve-")
+                socket_path = running.start_local_backend(os.path.join(socket_dir, "backend.sock")).path
+            frontend = NativeFrontend(binary, public, running.target, socket_path)
             print(f"listening on {public.host}:{frontend.port}", flush=True)
         else:
             print(f"listening on {config.host}:{running.port}", flush=True)
@@ -243,6 +262,8 @@ def serve(config: ServerConfig) -> int:
         if frontend is not None:  # first, so that its in-flight requests still reach the model
             frontend.stop(public.grace_seconds + 10)
         running.stop()
+        if socket_dir is not None:
+            shutil.rmtree(socket_dir, ignore_errors=True)
         for s, handler in previous.items():
             signal.signal(s, handler)
         sys.stdout.flush()

@@ -48,7 +48,7 @@ def find_binary(given: str | None) -> Path:
 class NativeFrontend:
     """A running ``nlmserve_frontend`` listening on ``host:port`` before ``backend``."""
 
-    def __init__(self, binary: Path, config: ServerConfig, backend: str) -> None:
+    def __init__(self, binary: Path, config: ServerConfig, backend: str, socket_path: str | None = None) -> None:
         host = f"[{config.host}]" if ":" in config.host and not config.host.startswith("[") else config.host
         cmd = [str(binary), "--listen", f"{host}:{config.port}", "--backend", backend,
                "--max-batch-ngrams", str(config.max_batch_ngrams),
@@ -59,6 +59,8 @@ class NativeFrontend:
                "--grace-s", str(max(0, int(round(config.grace_seconds))))]
         if config.token_file is not None:
             cmd += ["--token-file", config.token_file]
+        if socket_path is not None:
+            cmd += ["--backend-socket", socket_path]
         log.info("starting the native front end: %s", " ".join(cmd))
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None and self.proc.stderr is not None

@@ -5,12 +5,16 @@ is built with cmake into build/cpp (by test_cpp_client's ``driver`` fixture, whi
 the whole C++ project) and started on port 0 in front of it. Values through the front end
 must equal the backend's own; merged batches must reach the backend as fewer requests than
 the clients sent; errors must be the backend's, for the request that caused them only.
+Every test of a front end runs twice: with merged packed batches sent over gRPC, and over
+the backend's private Unix socket (``--backend-socket``, server/local.py).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import signal
+import stat
 import subprocess
 import threading
 import time
@@ -63,6 +67,16 @@ def strings(ngrams: list[list[str]], **kw: Any) -> lm_pb2.ScoreNgramsRequest:
     return lm_pb2.ScoreNgramsRequest(ngrams=[lm_pb2.NgramStrings(words=ng) for ng in ngrams], **kw)
 
 
+CHANNELS = ("grpc", "socket")
+
+
+def channel_flags(running: RunningServer, channel: str, tmp: Path) -> tuple[str, ...]:
+    """The front end's flags for ``channel`` (socket: the backend serves one in ``tmp``)."""
+    if channel == "grpc":
+        return ()
+    return ("--backend-socket", running.start_local_backend(str(tmp / "backend.sock")).path)
+
+
 def backend_requests(running: RunningServer, code: str = "OK") -> float:
     """ScoreNgrams RPCs the backend finished with ``code``, from its live metrics."""
     return running.metrics.requests.labels(rpc="ScoreNgrams", code=code)._value.get()  # type: ignore[no-any-return]
@@ -75,9 +89,11 @@ def backend(tiny_lm: Any) -> Iterator[RunningServer]:
     running.stop(1.0)
 
 
-@pytest.fixture(scope="module")
-def frontend(driver: Path, backend: RunningServer) -> Iterator[Frontend]:  # noqa: F811
-    fe = Frontend(FRONTEND, backend.target, "--max-delay-us", "2000")
+@pytest.fixture(scope="module", params=CHANNELS)
+def frontend(request: pytest.FixtureRequest, driver: Path, backend: RunningServer,  # noqa: F811
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Frontend]:
+    flags = channel_flags(backend, request.param, tmp_path_factory.mktemp("sock"))
+    fe = Frontend(FRONTEND, backend.target, "--max-delay-us", "2000", *flags)
     yield fe
     code, err = fe.stop()
     assert code == 0, err
@@ -249,12 +265,14 @@ def test_health_and_reflection(frontend: Frontend) -> None:
         assert SERVICE in names and "nlmserve.v1.Admin" in names
 
 
-def test_full_queue_is_resource_exhausted(driver: Path, backend: RunningServer, tiny_lm: Any) -> None:  # noqa: F811
+@pytest.mark.parametrize("channel", CHANNELS)
+def test_full_queue_is_resource_exhausted(driver: Path, backend: RunningServer, tiny_lm: Any,  # noqa: F811
+                                          channel: str, tmp_path: Path) -> None:
     # Batches of 4 wait up to 3 s for company; the queue holds 4 n-grams. A first request
     # of 3 waits; a second of 3 does not fit and is refused at once; the first is then
     # answered with its values.
     fe = Frontend(FRONTEND, backend.target, "--max-batch-ngrams", "4", "--max-queue-ngrams", "4",
-                  "--max-delay-us", "3000000", "--delay-policy", "fixed")
+                  "--max-delay-us", "3000000", "--delay-policy", "fixed", *channel_flags(backend, channel, tmp_path))
     try:
         ids = dev_ngrams(tiny_lm, 0, 2)[:3]
         first: dict[str, Any] = {}
@@ -279,11 +297,13 @@ def test_full_queue_is_resource_exhausted(driver: Path, backend: RunningServer, 
     assert "1 refused (queue full)" in err_text
 
 
-def test_sigterm_drains_in_flight_requests(driver: Path, backend: RunningServer, tiny_lm: Any) -> None:  # noqa: F811
+@pytest.mark.parametrize("channel", CHANNELS)
+def test_sigterm_drains_in_flight_requests(driver: Path, backend: RunningServer, tiny_lm: Any,  # noqa: F811
+                                           channel: str, tmp_path: Path) -> None:
     # Requests wait 2 s in the queue; SIGTERM arrives meanwhile: they are still answered,
     # and the process exits 0.
     fe = Frontend(FRONTEND, backend.target, "--max-batch-ngrams", "1000", "--max-delay-us", "2000000",
-                  "--delay-policy", "fixed")
+                  "--delay-policy", "fixed", *channel_flags(backend, channel, tmp_path))
     ids = dev_ngrams(tiny_lm, 0, 2)[:5]
     answers: list[Any] = []
 
@@ -335,12 +355,17 @@ def test_bad_flags_and_absent_backend_are_clear_errors(driver: Path) -> None:  #
     assert done.returncode == 1 and "no answer from the backend 127.0.0.1:1" in done.stderr
 
 
-def test_serve_with_the_native_front_end_is_one_command(driver: Path, tiny_model_path: Path, tiny_lm: Any) -> None:  # noqa: F811
+@pytest.mark.parametrize("channel", CHANNELS)
+def test_serve_with_the_native_front_end_is_one_command(driver: Path, tiny_model_path: Path, tiny_lm: Any,  # noqa: F811
+                                                        channel: str, tmp_path: Path) -> None:
     # `nlmserve serve --frontend native`: the front end on the public port, the model server
-    # on a private one; values equal the in-process model; SIGTERM stops both, exit 0.
+    # on a private one (and, by default, its private socket); values equal the in-process
+    # model; SIGTERM stops both, exit 0, and the socket's directory is gone.
     proc = subprocess.Popen([*SERVE, "serve", "--model", str(tiny_model_path), "--port", "0", "--metrics-port", "0",
-                             "--frontend", "native", "--frontend-binary", str(FRONTEND)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--frontend", "native", "--frontend-binary", str(FRONTEND),
+                             "--frontend-channel", channel],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp_path)})
     try:
         assert proc.stdout is not None
         m = re.fullmatch(r"listening on (127\.0\.0\.1:\d+)\n", proc.stdout.readline())
@@ -350,10 +375,14 @@ def test_serve_with_the_native_front_end_is_one_command(driver: Path, tiny_model
             got = lm_pb2_grpc.LanguageModelStub(ch).ScoreNgrams(packed(ids, log_base=lm_pb2.LN)).log_probs
         want = tiny_lm.score_ngrams(ids)
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+        sockets = list(tmp_path.glob("nlmserve-*/backend.sock"))
+        assert len(sockets) == (channel == "socket")
+        assert all(stat.S_IMODE(p.parent.stat().st_mode) == 0o700 for p in sockets)
     finally:
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
+    assert not list(tmp_path.glob("nlmserve-*"))
 
 
 def test_native_front_end_refuses_tls_and_a_missing_binary(tiny_model_path: Path, tmp_path: Path) -> None:
@@ -365,12 +394,13 @@ def test_native_front_end_refuses_tls_and_a_missing_binary(tiny_model_path: Path
     assert done.returncode != 0 and "not an executable file" in done.stderr
 
 
+@pytest.mark.parametrize("channel", CHANNELS)
 def test_bearer_tokens_are_checked_by_the_backend(driver: Path, tiny_lm: Any, tiny_model_path: Path,  # noqa: F811
-                                                  tmp_path: Path) -> None:
+                                                  tmp_path: Path, channel: str) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text("# the front end's own token first\nfrontend-token-0123\ncaller-token-456789\n")
     running = start_server(tiny_lm, model=str(tiny_model_path), token_file=str(tokens))
-    fe = Frontend(FRONTEND, running.target, "--token-file", str(tokens))
+    fe = Frontend(FRONTEND, running.target, "--token-file", str(tokens), *channel_flags(running, channel, tmp_path))
     try:
         ids = dev_ngrams(tiny_lm, 0, 2)
         with grpc.insecure_channel(fe.target) as ch:

@@ -13,7 +13,7 @@
 //   nlmserve_frontend --backend HOST:PORT [--listen 127.0.0.1:0] [--max-batch-ngrams 4096]
 //       [--max-delay-us 500] [--delay-policy adaptive] [--max-inflight 1] [--max-queue-ngrams 1000000]
 //       [--backend-timeout-ms 30000] [--max-message-mb 64] [--grace-s 30]
-//       [--connect-timeout-s 30] [--token-file F]
+//       [--connect-timeout-s 30] [--token-file F] [--backend-socket PATH]
 //
 // Prints `listening on HOST:PORT` on stdout once bound (port 0 picks a free port) and logs
 // to stderr. SIGTERM or SIGINT: health NOT_SERVING, stop accepting, finish in-flight
@@ -23,6 +23,11 @@
 // the backend checks it; --token-file gives the token of the front end's own calls (the
 // model info at start and the health probe) when the backend requires one.
 //
+// --backend-socket PATH (what `nlmserve serve --frontend native` gives): merged packed-id
+// batches go to the model server over its private Unix socket (server/local.py) instead
+// of gRPC: one write and one read per batch instead of a Python gRPC call. String batches,
+// re-sends and every other RPC still go over gRPC to --backend.
+//
 // Exactness: requests are merged only when they agree on log base, normalisation and the
 // caller's `authorization` metadata; packed rows shorter than the batch's widest are
 // left-padded with <s>, which the contract makes equivalent. A request that fails a cheap
@@ -30,6 +35,10 @@
 // rejects a merged batch as INVALID_ARGUMENT, each request of it is sent again alone, so
 // every caller gets the backend's own status and message for its own request.
 #include <signal.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -92,6 +101,8 @@ struct Options {
   long connect_timeout_s = 30;
   // Bearer token for the front end's own calls to the backend (model info, health).
   std::string token;
+  // The model server's private Unix socket for merged packed batches (empty: gRPC only).
+  std::string backend_socket;
 };
 
 void Log(const std::string &message) {
@@ -105,7 +116,7 @@ void Log(const std::string &message) {
             << "usage: nlmserve_frontend --backend HOST:PORT [--listen HOST:PORT] [--max-batch-ngrams N]\n"
             << "         [--max-delay-us US] [--delay-policy adaptive|fixed] [--max-inflight N] [--max-queue-ngrams N]\n"
             << "         [--backend-timeout-ms MS] [--max-message-mb MB] [--grace-s S] [--connect-timeout-s S]\n"
-            << "         [--token-file F]\n";
+            << "         [--token-file F] [--backend-socket PATH]\n";
   std::exit(2);
 }
 
@@ -155,6 +166,7 @@ Options ParseArgs(int argc, char **argv) {
     else if (flag == "--grace-s") o.grace_s = ParsePositive(flag, v, 0);
     else if (flag == "--connect-timeout-s") o.connect_timeout_s = ParsePositive(flag, v, 1);
     else if (flag == "--token-file") o.token = ReadToken(v);
+    else if (flag == "--backend-socket") o.backend_socket = v;
     else Usage("unknown flag " + flag);
   }
   if (o.backend.empty()) Usage("--backend HOST:PORT is required");
@@ -179,6 +191,127 @@ std::unique_ptr<grpc::ClientContext> ForwardContext(const grpc::ServerContextBas
   if (!auth.empty()) out->AddMetadata("authorization", auth);
   return out;
 }
+
+// One connection of the private channel to the model server (server/local.py: the wire
+// format is described there), used by one sender thread: one batch out, its answer back.
+class LocalChannel {
+ public:
+  LocalChannel(std::string path, long timeout_ms) : path_(std::move(path)), timeout_ms_(timeout_ms) {}
+  ~LocalChannel() { Close(); }
+  LocalChannel(const LocalChannel &) = delete;
+  LocalChannel &operator=(const LocalChannel &) = delete;
+
+  // Sends the merged packed request and fills `res` (scores, OOV flags from `unk_id`, log
+  // base, normalisation, model hash) as the gRPC servicer would; the status is the server's.
+  grpc::Status Call(const ScoreNgramsRequest &req, const std::string &authorization, uint32_t unk_id,
+                    ScoreNgramsResponse *res) {
+    std::string error;
+    if (fd_ < 0 && !Connect(&error)) return grpc::Status(grpc::StatusCode::UNAVAILABLE, error);
+    const std::string &ids = req.packed_ids();
+    const uint32_t width = req.packed_order();
+    const uint32_t rows = width ? static_cast<uint32_t>(ids.size() / (4u * width)) : 0;
+    const uint32_t id = next_id_++;
+    uint32_t flags = (req.log_base() == nlmserve::v1::LN ? 0u : 1u) | (req.allow_unnormalized() ? 2u : 0u);
+    uint32_t head[6] = {id, flags, static_cast<uint32_t>(timeout_ms_), rows, width,
+                        static_cast<uint32_t>(authorization.size())};
+    std::string frame("NLQ1", 4);
+    frame.append(reinterpret_cast<const char *>(head), sizeof(head));  // little-endian hosts (x86-64, aarch64)
+    frame.append(authorization);
+    if (!WriteAll(frame.data(), frame.size()) || !WriteAll(ids.data(), ids.size())) return Broken("send");
+    char rmagic[4];
+    uint32_t rhead[6];
+    if (!ReadAll(rmagic, 4) || !ReadAll(reinterpret_cast<char *>(rhead), sizeof(rhead))) return Broken("receive");
+    if (std::memcmp(rmagic, "NLR1", 4) != 0 || rhead[0] != id) return Broken("a malformed answer from");
+    const uint32_t status = rhead[1], rflags = rhead[2], n = rhead[3], hash_len = rhead[4], msg_len = rhead[5];
+    if (hash_len > 4096 || msg_len > (1u << 20) || (status == 0 && n != rows) || (status != 0 && n != 0)) {
+      return Broken("an inconsistent answer from");
+    }
+    std::string hash(hash_len, '\0'), message(msg_len, '\0');
+    if (!ReadAll(&hash[0], hash_len) || !ReadAll(&message[0], msg_len)) return Broken("receive");
+    if (status != 0) return grpc::Status(static_cast<grpc::StatusCode>(status), message);
+    auto *scores = res->mutable_log_probs();
+    scores->Resize(static_cast<int>(n), 0.0f);
+    if (!ReadAll(reinterpret_cast<char *>(scores->mutable_data()), 4u * n)) return Broken("receive");
+    auto *oov = res->mutable_oov();
+    oov->Reserve(static_cast<int>(n));
+    for (uint32_t row = 0; row < n; ++row) {
+      uint32_t last;
+      std::memcpy(&last, ids.data() + (static_cast<std::size_t>(row) * width + width - 1) * 4, 4);
+      oov->Add(last == unk_id);
+    }
+    res->set_log_base((rflags & 1u) ? nlmserve::v1::LOG10 : nlmserve::v1::LN);
+    res->set_normalized((rflags & 2u) != 0);
+    res->set_model_hash(hash);
+    return grpc::Status::OK;
+  }
+
+ private:
+  bool Connect(std::string *error) {
+    fd_ = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    if (fd_ < 0 || path_.size() >= sizeof(addr.sun_path)) {
+      *error = "cannot open the backend socket " + path_;
+      Close();
+      return false;
+    }
+    std::memcpy(addr.sun_path, path_.c_str(), path_.size() + 1);
+    if (connect(fd_, reinterpret_cast<sockaddr *>(&addr), sizeof(addr)) != 0) {
+      *error = "cannot connect to the backend socket " + path_ + ": " + std::strerror(errno);
+      Close();
+      return false;
+    }
+    // A backend that stops answering costs a batch its timeout, not the front end forever.
+    timeval tv{};
+    tv.tv_sec = timeout_ms_ / 1000 + 1;
+    setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+    return true;
+  }
+
+  void Close() {
+    if (fd_ >= 0) close(fd_);
+    fd_ = -1;
+  }
+
+  // The connection is unusable (server gone, timeout, garbage): drop it; the next call reconnects.
+  grpc::Status Broken(const std::string &what) {
+    bool timed_out = errno == EAGAIN || errno == EWOULDBLOCK;
+    Close();
+    if (timed_out) return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "the backend socket did not answer in time");
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "cannot " + what + " the backend socket " + path_);
+  }
+
+  bool WriteAll(const char *p, std::size_t n) {
+    while (n > 0) {
+      ssize_t k = send(fd_, p, n, MSG_NOSIGNAL);
+      if (k < 0 && errno == EINTR) continue;
+      if (k <= 0) return false;
+      p += k;
+      n -= static_cast<std::size_t>(k);
+    }
+    return true;
+  }
+
+  bool ReadAll(char *p, std::size_t n) {
+    while (n > 0) {
+      ssize_t k = recv(fd_, p, n, 0);
+      if (k < 0 && errno == EINTR) continue;
+      if (k <= 0) {
+        if (k == 0) errno = ECONNRESET;
+        return false;
+      }
+      p += k;
+      n -= static_cast<std::size_t>(k);
+    }
+    return true;
+  }
+
+  const std::string path_;
+  const long timeout_ms_;
+  int fd_ = -1;
+  uint32_t next_id_ = 1;
+};
 
 // What merged requests must agree on.
 struct BatchKey {
@@ -220,10 +353,14 @@ class Frontend {
         admin_(Admin::NewStub(channel)),
         order_(info.order()),
         bos_id_(info.bos_id()),
+        unk_id_(info.unk_id()),
         max_batch_(std::min<long>(options.max_batch_ngrams,
                                   info.max_ngrams_per_request() ? static_cast<long>(info.max_ngrams_per_request())
                                                                 : options.max_batch_ngrams)) {
     batcher_ = std::thread([this]() { Run(); });
+    if (!options_.backend_socket.empty()) {
+      for (long i = 0; i < options_.max_inflight; ++i) senders_.emplace_back([this]() { SendLocal(); });
+    }
   }
 
   ~Frontend() { Stop(); }
@@ -243,6 +380,11 @@ class Frontend {
     if (batcher_.joinable()) batcher_.join();
     std::unique_lock<std::mutex> lock(mu_);
     done_cv_.wait(lock, [this]() { return inflight_ == 0; });
+    senders_done_ = true;
+    lock.unlock();
+    outbox_cv_.notify_all();
+    for (auto &t : senders_) t.join();
+    senders_.clear();
   }
 
   std::string Stats() {
@@ -392,12 +534,38 @@ class Frontend {
         for (const auto &g : p.request->ngrams()) *req.add_ngrams() = g;
       }
     }
+    if (key.packed && !options_.backend_socket.empty()) {  // to a sender thread of the local channel
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        outbox_.push_back(std::move(batch));
+      }
+      outbox_cv_.notify_one();
+      return;
+    }
     batch->context.set_deadline(std::chrono::system_clock::now() +
                                 std::chrono::milliseconds(options_.backend_timeout_ms));
     if (!key.authorization.empty()) batch->context.AddMetadata("authorization", key.authorization);
     Batch *raw = batch.release();
     stub_->async()->ScoreNgrams(&raw->context, &raw->request, &raw->response,
                                 [this, raw](grpc::Status status) { Done(std::unique_ptr<Batch>(raw), status); });
+  }
+
+  // A sender thread of the local channel: one connection, one batch at a time.
+  void SendLocal() {
+    LocalChannel channel(options_.backend_socket, options_.backend_timeout_ms);
+    for (;;) {
+      std::unique_ptr<Batch> batch;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        outbox_cv_.wait(lock, [this]() { return !outbox_.empty() || senders_done_; });
+        if (outbox_.empty()) return;
+        batch = std::move(outbox_.front());
+        outbox_.pop_front();
+      }
+      grpc::Status status =
+          channel.Call(batch->request, batch->items.front().key.authorization, unk_id_, &batch->response);
+      Done(std::move(batch), status);
+    }
   }
 
   // Backend answer for a merged batch: scatter, or hand every request its error.
@@ -441,6 +609,7 @@ class Frontend {
   std::unique_ptr<Admin::Stub> admin_;
   const uint32_t order_;
   const uint32_t bos_id_;
+  const uint32_t unk_id_;
   const long max_batch_;
 
   std::mutex mu_;
@@ -452,6 +621,10 @@ class Frontend {
   bool stopping_ = false;
   uint64_t requests_ = 0, ngrams_ = 0, batches_ = 0, alone_ = 0, rejected_ = 0;
   std::thread batcher_;
+  std::deque<std::unique_ptr<Batch>> outbox_;  // batches for the local channel's senders
+  std::condition_variable outbox_cv_;
+  bool senders_done_ = false;
+  std::vector<std::thread> senders_;
 };
 
 // nlmserve.v1.LanguageModel: ScoreNgrams batched on the callback API; the other methods
@@ -558,7 +731,8 @@ int main(int argc, char **argv) {
     return 1;
   }
   Log("backend " + options.backend + ": model " + info.model_hash().substr(0, 12) + ", order " +
-      std::to_string(info.order()) + ", vocabulary " + std::to_string(info.vocab_size()) + ", device " + info.device());
+      std::to_string(info.order()) + ", vocabulary " + std::to_string(info.vocab_size()) + ", device " + info.device() +
+      (options.backend_socket.empty() ? std::string() : ", packed batches over " + options.backend_socket));
 
   Frontend frontend(options, channel, info);
   LanguageModelService lm_service(&frontend);
