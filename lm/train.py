@@ -391,9 +391,51 @@ class HashedAdagrad(torch.optim.Adagrad):
         return super().step(closure)
 
 
+class HogwildAdagrad(torch.optim.Adagrad):
+    """AdaGrad for lock-free training by several processes (``--workers``, lm/hogwild.py).
+
+    The update of every parameter is ``g / sqrt(max(sum, g²))``, where ``sum`` is the shared
+    accumulator after this process added ``g²``. In one process ``sum >= g²`` always, so this is
+    AdaGrad's own update; under Hogwild another process's read-modify-write of the same
+    accumulator element can lose this process's ``g²`` (both read, both write), and with a
+    young accumulator the plain update ``g / sqrt(sum)`` is then unbounded: a frequent word's
+    row or a context weight takes a step of hundreds of times the rate, and training
+    diverges within the first hundred steps. With the guard no element ever moves by more
+    than the rate in one update. Sparse gradients (embedding rows, the hashed n-gram tables)
+    touch only their rows; the state layout (``sum``, ``step``) is Adagrad's, so checkpoints
+    resume with either class."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # noqa: D102
+        for group in self.param_groups:
+            lr, eps = group["lr"], group["eps"]
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    continue
+                state = self.state[p]
+                state["step"] += 1
+                acc = state["sum"]
+                if g.is_sparse:
+                    g = g.coalesce()
+                    idx, val = g._indices()[0], g._values()  # (n,), (n, ...) one row each
+                    sq = val * val
+                    acc.index_add_(0, idx, sq)
+                    den = torch.maximum(acc[idx], sq).sqrt_().add_(eps)
+                    p.index_add_(0, idx, val / den, alpha=-lr)
+                else:
+                    sq = g * g
+                    acc.add_(sq)
+                    den = torch.maximum(acc, sq).sqrt_().add_(eps)
+                    p.addcdiv_(g, den, value=-lr)
+        return None
+
+
 def _make_optimizer(cfg: TrainConfig, model: NeuralLM) -> torch.optim.Optimizer:
     if cfg.optimizer == "adam":
         return torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    if cfg.workers > 1:  # lock-free processes: an update bounded by the rate (see HogwildAdagrad)
+        return HogwildAdagrad(model.parameters(), lr=cfg.lr)
     tables = [p for p in (model.ngram_class, model.ngram_word) if p is not None]
     if not tables:
         return torch.optim.Adagrad(model.parameters(), lr=cfg.lr)

@@ -154,6 +154,36 @@ def test_hogwild_workers_share_one_model(small_train: Path, dev_small_path: Path
         _config(small_train, dev_small_path, tmp_path / "e.nlm", workers=2, distributed=True)
 
 
+def test_hogwild_adagrad_is_adagrad_alone_and_bounded_when_an_update_is_lost() -> None:
+    from nlmserve.lm.train import HogwildAdagrad
+
+    torch.manual_seed(0)
+    emb = [torch.nn.Embedding(50, 8, sparse=True) for _ in range(2)]
+    dense = [torch.nn.Parameter(torch.randn(8)) for _ in range(2)]
+    dense[1].data.copy_(dense[0].data)
+    emb[1].weight.data.copy_(emb[0].weight.data)
+    ref = torch.optim.Adagrad([emb[0].weight, dense[0]], lr=0.1)
+    ours = HogwildAdagrad([emb[1].weight, dense[1]], lr=0.1)
+    for step in range(5):  # one process: the same steps as torch's AdaGrad (rows repeat in a batch)
+        idx = torch.randint(0, 50, (20,), generator=torch.Generator().manual_seed(step))
+        for e, d, opt in ((emb[0], dense[0], ref), (emb[1], dense[1], ours)):
+            opt.zero_grad()
+            ((e(idx) * d).sum(-1) ** 2).mean().backward()
+            opt.step()
+    torch.testing.assert_close(emb[1].weight, emb[0].weight, rtol=0, atol=1e-6)
+    torch.testing.assert_close(dense[1], dense[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(ours.state[dense[1]]["sum"], ref.state[dense[0]]["sum"], rtol=1e-6, atol=0)
+    # Another process's write lost this one's g² (its accumulator holds less than g² after the
+    # add): AdaGrad's plain update g / sqrt(sum) would be unbounded; this one moves by the rate.
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = HogwildAdagrad([p], lr=0.1)
+    g = torch.tensor([5.0, -3.0, 1e-3])
+    opt.state[p]["sum"].copy_(-g * g + torch.tensor([0.0, 1e-12, 0.0]))
+    p.grad = g.clone()
+    opt.step()
+    torch.testing.assert_close(p.detach(), torch.tensor([-0.1, 0.1, -0.1]), rtol=1e-4, atol=1e-6)
+
+
 # `nlmserve train` with only this room's subcommands registered.
 _LM_TRAIN = (
     "import argparse, sys\n"
