@@ -346,6 +346,35 @@ def test_health_follows_the_backend(driver: Path, tiny_lm: Any) -> None:  # noqa
     assert code == 0, err_text
 
 
+def test_socket_channel_reconnects_after_the_model_server_reopens_it(driver: Path, tiny_lm: Any,  # noqa: F811
+                                                                     tmp_path: Path) -> None:
+    # The model server's socket goes away under a running front end: the batch in its way
+    # gets UNAVAILABLE (the client may retry), the front end keeps serving, and once the
+    # socket is back the next batch reconnects and gets its values.
+    running = start_server(tiny_lm)
+    path = str(tmp_path / "backend.sock")
+    fe = Frontend(FRONTEND, running.target, "--backend-socket", running.start_local_backend(path).path)
+    ids = dev_ngrams(tiny_lm, 0, 2)
+    want = np.asarray(tiny_lm.score_ngrams(ids)) / np.log(10)
+    try:
+        with grpc.insecure_channel(fe.target) as ch:
+            stub = lm_pb2_grpc.LanguageModelStub(ch)
+            np.testing.assert_allclose(stub.ScoreNgrams(packed(ids), timeout=30).log_probs, want, rtol=0, atol=1e-5)
+            assert running.local is not None
+            running.local.close()
+            running.local = None
+            for _ in range(2):  # the dead connection, then no socket to connect to
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.ScoreNgrams(packed(ids), timeout=30)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "backend socket" in (err.value.details() or "")
+            running.start_local_backend(path)
+            np.testing.assert_allclose(stub.ScoreNgrams(packed(ids), timeout=30).log_probs, want, rtol=0, atol=1e-5)
+    finally:
+        code, err_text = fe.stop()
+        running.stop(0.5)
+    assert code == 0, err_text
+
+
 def test_bad_flags_and_absent_backend_are_clear_errors(driver: Path) -> None:  # noqa: F811
     done = subprocess.run([str(FRONTEND), "--backend", "127.0.0.1:1", "--max-batch-ngrams", "0"],
                           capture_output=True, text=True, timeout=30)

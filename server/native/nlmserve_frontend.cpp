@@ -221,10 +221,14 @@ class LocalChannel {
     char rmagic[4];
     uint32_t rhead[6];
     if (!ReadAll(rmagic, 4) || !ReadAll(reinterpret_cast<char *>(rhead), sizeof(rhead))) return Broken("receive");
-    if (std::memcmp(rmagic, "NLR1", 4) != 0 || rhead[0] != id) return Broken("a malformed answer from");
+    if (std::memcmp(rmagic, "NLR1", 4) != 0 || rhead[0] != id) {
+      errno = EPROTO;
+      return Broken("accept a malformed answer from");
+    }
     const uint32_t status = rhead[1], rflags = rhead[2], n = rhead[3], hash_len = rhead[4], msg_len = rhead[5];
     if (hash_len > 4096 || msg_len > (1u << 20) || (status == 0 && n != rows) || (status != 0 && n != 0)) {
-      return Broken("an inconsistent answer from");
+      errno = EPROTO;
+      return Broken("accept an inconsistent answer from");
     }
     std::string hash(hash_len, '\0'), message(msg_len, '\0');
     if (!ReadAll(&hash[0], hash_len) || !ReadAll(&message[0], msg_len)) return Broken("receive");
