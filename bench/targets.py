@@ -14,8 +14,10 @@ KenLM's ``query`` reports it):
 Kneser-Ney: with ``--lmplz PATH`` (and ``--query``, default next to it) a modified
 Kneser-Ney 5-gram is built with ``lmplz -o 5`` on each experiment's training lines and
 scored with ``query``; otherwise the perplexities above are used (``--kn NAME=PPL``
-overrides one). KenLM refuses ``<unk>`` in its training text, so its 120k-line model is
-built on the raw lines (its own OOV handling) rather than on the singleton-mapped text.
+overrides one). For the 120k-line targets Kneser-Ney sees the same tokens as our model:
+words seen fewer than ``--min-count`` times in the training lines, and dev words outside
+that vocabulary, become one placeholder word in both texts (KenLM refuses ``<unk>`` itself
+in its input), so both sides predict the same events, including the unknown-word ones.
 
 ``--scale F`` multiplies every budget (e.g. 0.1 for a short end-to-end check); the table
 then says so. The model settings (width, classes, threads, features) are flags; training
@@ -110,6 +112,33 @@ def head_lines(src: Path, n: int | None, dst: Path) -> Path:
     return dst
 
 
+PLACEHOLDER = "UNKWORD"  # stands for <unk> in KenLM's texts (the corpus is lowercased)
+
+
+def map_rare(text: Path, dev: Path, min_count: int, work: Path) -> tuple[Path, Path]:
+    """Copies of ``text`` and ``dev`` with words outside the min-count vocabulary of ``text``
+    replaced by :data:`PLACEHOLDER` (the OxLM set-up: singletons mapped to ``<unk>``)."""
+    out_text = work / f"{text.stem}.min{min_count}.txt"
+    out_dev = work / f"{dev.stem}.min{min_count}.{text.stem}.txt"
+    if out_text.exists() and out_dev.exists():
+        return out_text, out_dev
+    counts: dict[str, int] = {}
+    with open(text, encoding="utf-8") as f:
+        for line in f:
+            for w in line.split():
+                counts[w] = counts.get(w, 0) + 1
+    if PLACEHOLDER in counts:
+        raise RuntimeError(f"{text} contains the placeholder word {PLACEHOLDER!r}")
+    keep = {w for w, c in counts.items() if c >= min_count}
+    for src, dst in ((text, out_text), (dev, out_dev)):
+        tmp = dst.with_name(dst.name + ".tmp")
+        with open(src, encoding="utf-8") as fin, open(tmp, "w", encoding="utf-8") as fout:
+            for line in fin:
+                fout.write(" ".join(w if w in keep else PLACEHOLDER for w in line.split()) + "\n")
+        os.replace(tmp, dst)
+    return out_text, out_dev
+
+
 def kenlm_perplexity(lmplz: Path, query: Path, text: Path, dev: Path, work: Path) -> float:
     """Build a 5-gram with lmplz on ``text`` and return query's dev perplexity (incl. OOVs)."""
     arpa = work / (text.stem + ".kn5.arpa")
@@ -141,7 +170,8 @@ def run_target(row: Row, args: argparse.Namespace, work: Path) -> None:
         "--epochs", "100",
     ]
     if args.ngram_features:
-        cmd.append("--ngram-features")
+        cmd += ["--ngram-features", "--ngram-class-bits", str(args.ngram_class_bits),
+                "--ngram-word-bits", str(args.ngram_word_bits)]
     if args.dropout:
         cmd += ["--dropout", str(args.dropout)]
     if args.min_improvement:
@@ -205,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--valid-every", type=int, default=8000)
     p.add_argument("--no-ngram-features", dest="ngram_features", action="store_false")
+    p.add_argument("--ngram-class-bits", type=int, default=20, help="nlmserve train --ngram-class-bits")
+    p.add_argument("--ngram-word-bits", type=int, default=22, help="nlmserve train --ngram-word-bits")
     p.add_argument("--lr-schedule", choices=("plateau", "linear"), default="plateau",
                    help="nlmserve train --lr-schedule (linear: the rate falls to 0 over the budget)")
     p.add_argument("--min-improvement", type=float, default=0.005,
@@ -241,7 +273,10 @@ def main(argv: list[str] | None = None) -> int:
             kn, source = given[t.name], "given"
         elif args.lmplz is not None and query is not None:
             kn_text = head_lines(TRAIN, t.lines, work / f"train.{t.lines or 'full'}.txt")
-            kn, source = kenlm_perplexity(args.lmplz, query, kn_text, DEV, work), "lmplz"
+            kn_dev = DEV
+            if t.min_count > 1:
+                kn_text, kn_dev = map_rare(kn_text, DEV, t.min_count, work)
+            kn, source = kenlm_perplexity(args.lmplz, query, kn_text, kn_dev, work), "lmplz"
         else:
             kn, source = t.kn, "measured"
         row = Row(t, t.minutes * args.scale, kn, source)
