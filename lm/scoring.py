@@ -317,8 +317,10 @@ class LanguageModel:
 
 # ---------------------------------------------------------------------- inference fast path
 #: Batches up to this many rows are scored with numpy on the CPU (torch's fixed cost of some
-#: thirty small operations, ~10 µs each, dominates there).
-TINY_ROWS = 16
+#: thirty small operations, ~10 µs each, plus a few per class present, dominates there:
+#: measured on a 20,000-word, 141-class model, numpy takes 0.92 ms for 20 rows against 1.44,
+#: 1.39 for 32 against 1.77, and the two meet near 48).
+TINY_ROWS = 32
 #: A log Σ exp computed without the max shift below this is recomputed with it (the sum
 #: was near float32's smallest normal numbers).
 LOG_SUM_FLOOR = -60.0
@@ -468,10 +470,12 @@ class _InferenceTables:
         rows = np.arange(len(target))
         word = np.einsum("ne,ne->n", r, self.np_word_embed[target]) + self.np_word_bias[target]
         out = class_logits[rows, cls] + word
-        for i in np.flatnonzero(normalized).tolist():
+        norm_rows = np.flatnonzero(normalized)
+        class_norm = _logsumexp_rows(class_logits[norm_rows])  # every row's class normaliser at once
+        for j, i in enumerate(norm_rows.tolist()):
             a, b = self.offsets[cls[i]], self.offsets[cls[i] + 1]
             in_class = torch.mv(self.sorted_embed[a:b], torch.from_numpy(r[i])).numpy() + self.np_sorted_bias[a:b]
-            out[i] -= _logsumexp(class_logits[i]) + _logsumexp(in_class)
+            out[i] -= class_norm[j] + _logsumexp(in_class)
         return out.astype(np.float32, copy=False)
 
 
@@ -484,6 +488,12 @@ def _mm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def _logsumexp(x: np.ndarray) -> np.floating[Any]:
     m = x.max()
     return m + np.log(np.exp(x - m).sum())  # type: ignore[no-any-return]
+
+
+def _logsumexp_rows(x: np.ndarray) -> np.ndarray:
+    """log Σ exp of each row of x (N, K) → (N,), as :func:`_logsumexp` row by row."""
+    m = x.max(axis=1)
+    return m + np.log(np.exp(x - m[:, None]).sum(axis=1))  # type: ignore[no-any-return]
 
 
 __all__ = ["LanguageModel", "SentenceScores", "FORMAT_VERSION", "UNK_ID", "BOS_ID", "EOS_ID"]
