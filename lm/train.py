@@ -357,6 +357,18 @@ def perplexity(model: NeuralLM, corpus: CorpusIds, order: int, device: torch.dev
 # ---------------------------------------------------------------------------- optimiser
 
 
+def _gradients(opt: torch.optim.Optimizer,
+               groups: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], torch.Tensor, torch.Tensor, dict[str, Any]]]:
+    """(group, parameter, gradient, state) of every parameter of ``groups`` that has a
+    gradient, its AdaGrad step count advanced."""
+    for group in groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                state = opt.state[p]
+                state["step"] += 1
+                yield group, p, p.grad, state
+
+
 class HashedAdagrad(torch.optim.Adagrad):
     """AdaGrad whose param groups marked ``hashed`` (the n-gram feature tables, sparse
     gradients with many repeated slots) are updated by one unique + index_add per table:
@@ -366,28 +378,21 @@ class HashedAdagrad(torch.optim.Adagrad):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # noqa: D102
-        for group in self.param_groups:
-            if not group.get("hashed"):
-                continue
-            for p in group["params"]:
-                g = p.grad
-                if g is None:
-                    continue
-                state = self.state[p]
-                state["step"] += 1
-                if g.is_sparse:
-                    idx, val = g._indices()[0], g._values().reshape(-1)
-                else:  # dense gradient: the slots it touches
-                    flat = g.reshape(-1)
-                    idx = torch.nonzero(flat).squeeze(1)
-                    val = flat[idx]
-                slots, inverse = torch.unique(idx, return_inverse=True)
-                gsum = torch.zeros(slots.numel(), dtype=val.dtype, device=val.device).index_add_(0, inverse, val)
-                acc = state["sum"].view(-1)
-                acc.index_add_(0, slots, gsum * gsum)
-                upd = gsum / (acc[slots].sqrt() + group["eps"])
-                p.view(-1).index_add_(0, slots, upd, alpha=-group["lr"])
-                p.grad = None  # done: the generic step below skips it
+        hashed = [group for group in self.param_groups if group.get("hashed")]
+        for group, p, g, state in _gradients(self, hashed):
+            if g.is_sparse:
+                idx, val = g._indices()[0], g._values().reshape(-1)
+            else:  # dense gradient: the slots it touches
+                flat = g.reshape(-1)
+                idx = torch.nonzero(flat).squeeze(1)
+                val = flat[idx]
+            slots, inverse = torch.unique(idx, return_inverse=True)
+            gsum = torch.zeros(slots.numel(), dtype=val.dtype, device=val.device).index_add_(0, inverse, val)
+            acc = state["sum"].view(-1)
+            acc.index_add_(0, slots, gsum * gsum)
+            upd = gsum / (acc[slots].sqrt() + group["eps"])
+            p.view(-1).index_add_(0, slots, upd, alpha=-group["lr"])
+            p.grad = None  # done: the generic step below skips it
         return super().step(closure)
 
 
@@ -407,27 +412,21 @@ class HogwildAdagrad(torch.optim.Adagrad):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # noqa: D102
-        for group in self.param_groups:
+        for group, p, g, state in _gradients(self, self.param_groups):
             lr, eps = group["lr"], group["eps"]
-            for p in group["params"]:
-                g = p.grad
-                if g is None:
-                    continue
-                state = self.state[p]
-                state["step"] += 1
-                acc = state["sum"]
-                if g.is_sparse:
-                    g = g.coalesce()
-                    idx, val = g._indices()[0], g._values()  # (n,), (n, ...) one row each
-                    sq = val * val
-                    acc.index_add_(0, idx, sq)
-                    den = torch.maximum(acc[idx], sq).sqrt_().add_(eps)
-                    p.index_add_(0, idx, val / den, alpha=-lr)
-                else:
-                    sq = g * g
-                    acc.add_(sq)
-                    den = torch.maximum(acc, sq).sqrt_().add_(eps)
-                    p.addcdiv_(g, den, value=-lr)
+            acc = state["sum"]
+            if g.is_sparse:
+                g = g.coalesce()
+                idx, val = g._indices()[0], g._values()  # (n,), (n, ...) one row each
+                sq = val * val
+                acc.index_add_(0, idx, sq)
+                den = torch.maximum(acc[idx], sq).sqrt_().add_(eps)
+                p.index_add_(0, idx, val / den, alpha=-lr)
+            else:
+                sq = g * g
+                acc.add_(sq)
+                den = torch.maximum(acc, sq).sqrt_().add_(eps)
+                p.addcdiv_(g, den, value=-lr)
         return None
 
 
