@@ -16,10 +16,11 @@ into build/cpp on first use) when the C++ toolchain is there, Python asyncio cli
 otherwise. It runs against the batching server, ``--max-batch-ngrams 1`` and a no-op server
 on the same gRPC stack that answers without touching a model, twice each in turn: the no-op
 rate is the ceiling that no batching can pass on this machine. When the C++ project builds,
-the same load also goes through the native front end (server/native's ``nlmserve_frontend``)
-before the batching server, and through the front end with ``--max-batch-ngrams 1`` before
-a ``--max-batch-ngrams 1`` server; the gain of the native path is stated against the Python
-server with ``--max-batch-ngrams 1`` (the faster of the two unbatched set-ups).
+the same load also goes to ``serve --frontend native`` (server/native's ``nlmserve_frontend``
+before the batching server), with its merged batches over the private socket (the default)
+and over gRPC, and to ``serve --frontend native --max-batch-ngrams 1``; the gain of the
+native path is stated against the Python server with ``--max-batch-ngrams 1`` (the faster of
+the two unbatched set-ups).
 """
 
 from __future__ import annotations
