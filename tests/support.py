@@ -6,6 +6,7 @@ Fixtures live in ``conftest.py``; plain functions that modules import live here.
 from __future__ import annotations
 
 import gzip
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -54,3 +55,19 @@ def nbest_head(out: Path, sentences: int, source: Path = NEWS_NBEST) -> Path:
     with gzip.open(out, "wt", encoding="utf-8") as handle:
         handle.write("".join(lines))
     return out
+
+
+class GatedScorer:
+    """The real scorer behind a gate the test opens, to hold the batching thread busy."""
+
+    def __init__(self, scorer: Any) -> None:
+        self.scorer = scorer
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.rows_scored = 0
+
+    def score(self, ids: np.ndarray, normalized: np.ndarray) -> np.ndarray:
+        self.entered.set()
+        self.gate.wait(10)
+        self.rows_scored += len(ids)
+        return self.scorer.score(ids, normalized)  # type: ignore[no-any-return]

@@ -24,7 +24,7 @@ from nlmserve.server.app import RunningServer, create_server
 from nlmserve.server.config import ServerConfig, build_config
 from nlmserve.server.engine import Engine
 
-from support import dev_ngrams, dev_sentences, start_server
+from support import GatedScorer, dev_ngrams, dev_sentences, start_server
 
 TOL = 1e-5
 
@@ -276,37 +276,46 @@ def test_concurrent_clients_get_their_own_answers(server: RunningServer, tiny_lm
     assert not errors
 
 
-def test_micro_batching_merges_concurrent_requests(tiny_lm: Any) -> None:
-    running = start(tiny_lm, max_delay_us=20_000)
+def test_micro_batching_merges_concurrent_requests(tiny_lm: Any, dev_ids: np.ndarray) -> None:
+    """Requests that queue while a forward pass runs are answered by one merged pass, each
+    client getting its own rows back. The pass in progress is held at a gate until all the
+    clients' requests are queued, so the merge does not depend on how the threads are scheduled."""
+    running = start(tiny_lm)
+    gated = GatedScorer(running.engine.scorer)
+    running.engine.scorer = gated  # type: ignore[assignment]
+    n_threads = 16
+    rows = [dev_ids[3 * i: 3 * i + 1 + i % 3] for i in range(n_threads)]  # 1 to 3 n-grams each
+    got: dict[int, np.ndarray] = {}
     try:
-        n_threads = 16
-        barrier = threading.Barrier(n_threads)
-        the = tiny_lm.vocab.id("the")
+        with grpc.insecure_channel(running.target) as channel:
+            s = lm_pb2_grpc.LanguageModelStub(channel)
+            # Larger than a lone request scored inline, so the batching thread takes it.
+            holder = s.ScoreNgrams.future(packed(dev_ids[:100]))  # the pass held at the gate
+            assert gated.entered.wait(5)
 
-        def client(i: int) -> None:
-            with grpc.insecure_channel(running.target) as channel:
-                s = lm_pb2_grpc.LanguageModelStub(channel)
-                s.GetModelInfo(lm_pb2.GetModelInfoRequest())  # connected
-                for _ in range(5):
-                    barrier.wait()
-                    s.ScoreNgrams(packed(np.array([[the, 4 + i]], dtype=np.uint32)))
+            def client(i: int) -> None:
+                got[i] = np.asarray(s.ScoreNgrams(packed(rows[i])).log_probs)
 
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(n_threads)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        batches = metric(running, "nlmserve_batch_requests_count")
-        parts = metric(running, "nlmserve_batch_requests_sum")
-        single = metric(running, 'nlmserve_batch_requests_bucket{le="1.0"}')
-        assert parts == n_threads * 5
-        # Requests were merged: clearly fewer forward passes than requests. (On an idle
-        # machine about 4 requests share a pass; under heavy load from other jobs the 16
-        # client threads reach the server less together, so the bound is loose.)
-        assert batches < parts * 0.8
-        assert single < batches
-        assert metric(running, "nlmserve_batch_size_ngrams_sum") == n_threads * 5
+            threads = [threading.Thread(target=client, args=(i,)) for i in range(n_threads)]
+            for t in threads:
+                t.start()
+            queued = sum(len(r) for r in rows)
+            deadline = time.monotonic() + 10
+            while running.engine.queue_depth() < queued and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert running.engine.queue_depth() == queued
+            gated.gate.set()
+            for t in threads:
+                t.join(10)
+            holder.result(10)
+        for i in range(n_threads):
+            np.testing.assert_allclose(got[i], tiny_lm.score_ngrams(rows[i], log10=True), atol=TOL, rtol=0)
+        assert metric(running, "nlmserve_batch_requests_count") == 2  # the held pass, then one merged pass
+        assert metric(running, "nlmserve_batch_requests_sum") == 1 + n_threads
+        assert metric(running, 'nlmserve_batch_requests_bucket{le="1.0"}') == 1
+        assert metric(running, "nlmserve_batch_size_ngrams_sum") == 100 + queued
     finally:
+        gated.gate.set()
         running.stop(1.0)
 
 
@@ -372,22 +381,6 @@ def test_large_request_is_split_into_batches(tiny_lm: Any, dev_ids: np.ndarray) 
         assert metric(running, 'nlmserve_batch_size_ngrams_bucket{le="128.0"}') == 10
     finally:
         running.stop(1.0)
-
-
-class GatedScorer:
-    """The real scorer behind a gate the test opens, to hold the batching thread busy."""
-
-    def __init__(self, scorer: Any) -> None:
-        self.scorer = scorer
-        self.gate = threading.Event()
-        self.entered = threading.Event()
-        self.rows_scored = 0
-
-    def score(self, ids: np.ndarray, normalized: np.ndarray) -> np.ndarray:
-        self.entered.set()
-        self.gate.wait(10)
-        self.rows_scored += len(ids)
-        return self.scorer.score(ids, normalized)  # type: ignore[no-any-return]
 
 
 def test_overload_gets_resource_exhausted_then_recovers(tiny_lm: Any, dev_ids: np.ndarray) -> None:
