@@ -112,6 +112,7 @@ def register(subparsers: Any) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     from nlmserve.lm.train import TrainConfig, train
+    from nlmserve.memory import keep_freed_memory
 
     try:
         cfg = TrainConfig(
@@ -134,6 +135,7 @@ def _train(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"nlmserve train: error: {exc}", file=sys.stderr)
         return 2
+    keep_freed_memory()  # the steps' large tensors reuse the heap instead of fresh pages
     result = train(cfg)
     if result.rank != 0:  # data-parallel: rank 0 reports
         return 130 if result.stopped == "interrupted" else 0

@@ -139,9 +139,13 @@ def nce_loss(
     """Mean NCE loss of a batch with given noise samples (see the module docstring)."""
     k = noise_words.shape[1]
     r = model.encode(ctx)  # (n, E)
+    # The data and the noise are scored in one call per factor: (n, 1 + k), data first (one
+    # gather and one sparse gradient per table instead of two to be added).
+    words = torch.cat([target.unsqueeze(1), noise_words], dim=1)
+    word_scores = model.word_score(r, words)
     word_term = _nce_term(
-        model.word_score(r, target),  # (n,)
-        model.word_score(r, noise_words),  # (n, k)
+        word_scores[:, 0],  # (n,)
+        word_scores[:, 1:],  # (n, k)
         noise.log_q_word[target],
         noise.log_q_word[noise_words],
         k,
@@ -151,10 +155,10 @@ def nce_loss(
     if noise_classes is None:
         raise ValueError("the class output needs noise classes")
     cls = model.word_class[target]
-    noise_class_score = model.class_score(r, noise_classes)  # (n, k)
+    class_scores = model.class_score(r, torch.cat([cls.unsqueeze(1), noise_classes], dim=1))
     class_term = _nce_term(
-        model.class_score(r, cls),
-        noise_class_score,
+        class_scores[:, 0],
+        class_scores[:, 1:],
         noise.log_q_class[cls],
         noise.log_q_class[noise_classes],
         noise_classes.shape[1],

@@ -83,6 +83,34 @@ def test_grouped_and_padded_in_class_normalisers_agree() -> None:
     assert torch.allclose(a, b, atol=1e-5)
 
 
+def test_class_scores_by_gemm_and_by_gather_agree_with_their_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NCE scores m classes per row through one GEMM over all K classes when K is small
+    # enough, otherwise by gathering the m class vectors; both must give the same scores
+    # and the same gradients, and both must match the one-class-per-row path.
+    import nlmserve.lm.model as model_module
+
+    model = make_model("class", V=60, K=7, bos_alone=True)
+    ctx = torch.randint(0, 60, (30, 3))
+    cls = torch.randint(0, 7, (30, 4))
+    results = []
+    for per_score in (model_module.GEMM_CLASSES_PER_SCORE, 0):
+        monkeypatch.setattr(model_module, "GEMM_CLASSES_PER_SCORE", per_score)
+        model.zero_grad()
+        s = model.class_score(model.encode(ctx), cls)
+        (s[torch.isfinite(s)] * torch.linspace(-1, 1, int(torch.isfinite(s).sum()))).sum().backward()
+        results.append((s.detach(), [p.grad.clone() for p in (model.class_embed, model.ctx_weight, model.embed.weight)]))
+    (s_gemm, g_gemm), (s_gather, g_gather) = results
+    assert torch.equal(torch.isinf(s_gemm), torch.isinf(s_gather)) and torch.isinf(s_gemm).any()
+    finite = torch.isfinite(s_gemm)
+    torch.testing.assert_close(s_gemm[finite], s_gather[finite], atol=1e-5, rtol=0)
+    for a, b in zip(g_gemm, g_gather):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        r = model.encode(ctx)
+        one_by_one = torch.stack([model.class_score(r, cls[:, j]) for j in range(cls.shape[1])], dim=1)
+    torch.testing.assert_close(one_by_one[finite], s_gemm[finite], atol=1e-5, rtol=0)
+
+
 def test_class_layout_partitions_the_vocabulary() -> None:
     model = make_model("class", V=50, K=9)
     order = model.class_order.tolist()

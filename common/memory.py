@@ -1,0 +1,45 @@
+"""Process-wide allocator settings for the hot loops (training).
+
+A training step allocates and frees the same large tensors every time (at width 512 the
+(N, 1 + k, E) noise products are 11.5 MB each). glibc serves allocations above its mmap
+threshold with fresh ``mmap`` pages and gives them back on ``free``, so each step pays a
+page fault per 4 KiB of every such tensor, and freed heap top is trimmed back to the
+system. :func:`keep_freed_memory` raises the mmap threshold to its 32 MiB maximum and
+turns trimming off (the same as ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``),
+so the memory of one step is reused by the next. One NCE step at width 512 with n-gram
+features: 42 ms → 35 ms (docs/training.md). The cost is that the process keeps its peak
+heap until it exits; ``nlmserve train`` calls it, the library does not.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+log = logging.getLogger(__name__)
+
+_M_TRIM_THRESHOLD = -1
+_M_TOP_PAD = -2
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's largest (64-bit)
+_TRIM_OFF = (1 << 31) - 1
+_TOP_PAD = 64 << 20
+
+
+def keep_freed_memory() -> bool:
+    """Tell glibc's malloc to serve large blocks from the heap and keep freed memory;
+    False (and nothing changed) where there is no glibc ``mallopt``."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    ok = all(mallopt(param, value) == 1 for param, value in (
+        (_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX), (_M_TRIM_THRESHOLD, _TRIM_OFF), (_M_TOP_PAD, _TOP_PAD)))
+    log.debug("malloc keeps freed memory: %s", ok)
+    return ok
