@@ -61,7 +61,7 @@ class Target:
         kn: Kneser-Ney dev perplexity measured on this machine (used without ``--lmplz``).
         objective: nce or mle.
         min_count: 2 maps singletons to ``<unk>`` (the OxLM set-up).
-        dim: embedding width (None: the ``--dim`` flag).
+        dim: embedding width (None: the ``--dim`` flag; the OxLM targets' 256 yields to ``--oxlm-dim``).
         peer: the peer's perplexity to print beside it (OxLM), or None.
     """
 
@@ -95,6 +95,7 @@ class Row:
     steps: int | None = None
     tokens_seen: int | None = None
     train_seconds: float | None = None
+    dim: int | None = None
 
 
 def head_lines(src: Path, n: int | None, dst: Path) -> Path:
@@ -161,10 +162,11 @@ def run_target(row: Row, args: argparse.Namespace, work: Path) -> None:
     t = row.target
     train_text = head_lines(TRAIN, t.lines, work / f"train.{t.lines or 'full'}.txt")
     out = work / f"{t.name}.nlm"
+    row.dim = (args.oxlm_dim or t.dim) if t.dim else args.dim
     cmd = [
         sys.executable, "-m", "nlmserve.cli", "train", "--train", str(train_text), "--valid", str(args.valid),
         "--out", str(out), "--objective", t.objective, "--min-count", str(t.min_count),
-        "--dim", str(t.dim or args.dim), "--class-method", args.class_method, "--threads", str(args.threads),
+        "--dim", str(row.dim), "--class-method", args.class_method, "--threads", str(args.threads),
         "--max-minutes", f"{row.minutes:.3f}", "--valid-every", str(args.valid_every), "--patience", "100",
         "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--checkpoint-every", "0", "--no-progress",
         "--epochs", "100",
@@ -203,8 +205,8 @@ def _model_header(path: Path) -> str:
 def format_table(rows: list[Row], scale: float) -> str:
     lines = [
         f"budget scale {scale:g}" + ("" if scale == 1 else " (short runs: NOT the issue's budgets)"),
-        "| target | budget (min) | KN ppl | KN from | our ppl | excl. OOV | vs KN | steps | tokens seen | wall (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| target | budget (min) | width | KN ppl | KN from | our ppl | excl. OOV | vs KN | steps | tokens seen | wall (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         t = r.target
@@ -214,7 +216,7 @@ def format_table(rows: list[Row], scale: float) -> str:
         if t.peer is not None:
             rel += f" (OxLM {t.peer:g}: {(t.peer / t.kn - 1) * 100:+.1f}%)"
         seen = f"{r.tokens_seen:,}" if r.tokens_seen is not None else ""
-        lines.append(f"| {t.name} | {r.minutes:.2f} | {r.kn_ppl:.1f} | {r.kn_source} | {ours} | {excl} | {rel} "
+        lines.append(f"| {t.name} | {r.minutes:.2f} | {r.dim or ''} | {r.kn_ppl:.1f} | {r.kn_source} | {ours} | {excl} | {rel} "
                      f"| {r.steps or ''} | {seen} | {r.train_seconds or 0:.0f} |")
     return "\n".join(lines)
 
@@ -229,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=Path("runs/targets"), help="texts, models and logs go here")
     p.add_argument("--valid", type=Path, default=DEV, help="validation text for the schedule (default: the dev text)")
     p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--oxlm-dim", type=int, help="width for the oxlm-* targets (default: 256, OxLM's own)")
     p.add_argument("--class-method", choices=("frequency", "brown"), default="brown")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=512)
