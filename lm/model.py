@@ -465,11 +465,15 @@ class NeuralLM(nn.Module):
         else:  # plus the word features of every word of the class: (n_c, S_c, order) lookups
             h_groups = torch.split(h[perm], counts.tolist())  # per class: (n_c, order)
             word_groups = torch.split(words, sizes)  # per class: (S_c,)
-            pieces = []
-            for rg, eg, bg, hg, wg in zip(r_groups, emb_groups, bias_groups, h_groups, word_groups):
-                f = self._feature(self.ngram_word, hg, wg.expand(hg.shape[0], -1))  # (n_c, S_c)
-                assert f is not None
-                pieces.append(torch.logsumexp(rg @ eg.t() + bg + f, dim=-1))
+            # The slots of every group in one lookup, so that the table gets one sparse
+            # gradient (one per group would be added one after the other: quadratic).
+            size = self.ngram_word.shape[0]
+            idx = torch.cat([ngram_feature_index(hg, wg.expand(hg.shape[0], -1), size).reshape(-1, hg.shape[1])
+                             for hg, wg in zip(h_groups, word_groups)])  # (Σ n_c S_c, order)
+            feats = F.embedding(idx, self.ngram_word, sparse=self.feature_sparse).squeeze(-1).sum(-1)
+            f_groups = torch.split(feats, [n * sz for n, sz in zip(counts.tolist(), sizes)])
+            pieces = [torch.logsumexp(rg @ eg.t() + bg + fg.view(rg.shape[0], -1), dim=-1)  # (n_c, S_c) → (n_c,)
+                      for rg, eg, bg, fg in zip(r_groups, emb_groups, bias_groups, f_groups)]
         sorted_norm = torch.cat(pieces)  # (N,) in class-sorted order
         inverse = torch.empty_like(perm)
         inverse[perm] = torch.arange(perm.numel(), device=perm.device)
