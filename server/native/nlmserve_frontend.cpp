@@ -410,6 +410,7 @@ class Frontend {
     p.key.log_base = request->log_base();
     p.key.allow_unnormalized = request->allow_unnormalized();
     p.key.authorization = Authorization(*ctx);
+    bool wake = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
       ++requests_;
@@ -423,10 +424,17 @@ class Frontend {
                                                      " n-grams); retry later"));
         return;
       }
+      const bool was_empty = queue_.empty();
       queued_ngrams_ += p.ngrams;
       queue_.push_back(std::move(p));
+      // Wake the batching thread only when this arrival can change what it waits for: the
+      // first request of an empty queue, a full batch, or (adaptive policy) as many
+      // requests as the last batch held. Otherwise it is waiting out the delay or for a
+      // batch in flight, and a wake-up would only cost a context switch.
+      wake = was_empty || queued_ngrams_ >= max_batch_ ||
+             (!options_.fixed_delay && static_cast<long>(queue_.size()) >= last_batch_requests_);
     }
-    cv_.notify_one();
+    if (wake) cv_.notify_one();
   }
 
  private:
