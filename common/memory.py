@@ -1,17 +1,18 @@
 """Process-wide allocator settings for the hot loops (training).
 
 A training step allocates and frees the same large tensors every time (at width 512 the
-(N, 1 + k, E) noise products are 11.5 MB each). glibc serves allocations above its mmap
-threshold with fresh ``mmap`` pages and gives them back on ``free``, so each step pays a
-page fault per 4 KiB of every such tensor, and freed heap top is trimmed back to the
-system. :func:`keep_freed_memory` raises the mmap threshold to its 32 MiB maximum and
-turns trimming off (the same as ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``),
-and sets torch's own ``THP_MEM_ALLOC_ENABLE``, with which tensors of 2 MiB and more are
-aligned to 2 MiB and advised as transparent huge pages (one fault per 2 MiB instead of per
-4 KiB where the kernel grants them). One NCE step at width 512 with n-gram features, one
-thread: 34.9–40.3 ms without, 32.6–33.6 ms with both (docs/training.md). The cost is that
-the process keeps its peak heap until it exits; ``nlmserve train`` calls it, the library
-does not. Call it before the first large tensor is allocated.
+(N, 1 + k, E) noise products are 11.5 MB each). With glibc's defaults some of them come
+from fresh ``mmap`` pages or from heap memory that was trimmed back to the system, and the
+step pays a page fault per 4 KiB it touches. :func:`keep_freed_memory` raises the mmap
+threshold to its 32 MiB maximum and turns trimming off (as ``MALLOC_MMAP_THRESHOLD_`` /
+``MALLOC_TRIM_THRESHOLD_`` would), and sets torch's own ``THP_MEM_ALLOC_ENABLE``, with which
+tensors of 2 MiB and more are aligned to 2 MiB and advised as transparent huge pages (one
+fault per 2 MiB where the kernel grants them). Neither removes every fault (torch allocates
+with ``posix_memalign``, whose requests freed blocks do not always fit); measured on the
+step itself, one NCE step at width 512 with n-gram features and one thread takes
+34.9–40.3 ms without and 32.6–33.6 ms with both (docs/training.md). The cost is that the
+process keeps its peak heap until it exits; ``nlmserve train`` calls it, the library does
+not. Call it before the first large tensor is allocated.
 """
 
 from __future__ import annotations
