@@ -467,10 +467,10 @@ class NeuralLM(nn.Module):
             word_groups = torch.split(words, sizes)  # per class: (S_c,)
             # The slots of every group in one lookup, so that the table gets one sparse
             # gradient (one per group would be added one after the other: quadratic).
-            size = self.ngram_word.shape[0]
-            idx = torch.cat([ngram_feature_index(hg, wg.expand(hg.shape[0], -1), size).reshape(-1, hg.shape[1])
-                             for hg, wg in zip(h_groups, word_groups)])  # (Σ n_c S_c, order)
-            feats = F.embedding(idx, self.ngram_word, sparse=self.feature_sparse).squeeze(-1).sum(-1)
+            h_rows = torch.cat([hg.repeat_interleave(wg.numel(), dim=0) for hg, wg in zip(h_groups, word_groups)])
+            y_rows = torch.cat([wg.repeat(hg.shape[0]) for hg, wg in zip(h_groups, word_groups)])
+            feats = self._feature(self.ngram_word, h_rows, y_rows)  # (Σ n_c S_c,)
+            assert feats is not None
             f_groups = torch.split(feats, [n * sz for n, sz in zip(counts.tolist(), sizes)])
             pieces = [torch.logsumexp(rg @ eg.t() + bg + fg.view(rg.shape[0], -1), dim=-1)  # (n_c, S_c) → (n_c,)
                       for rg, eg, bg, fg in zip(r_groups, emb_groups, bias_groups, f_groups)]
