@@ -2,9 +2,10 @@
 
 ``create_server(config)`` builds and starts everything on an event loop of its own (a
 background thread) and returns a :class:`RunningServer`; tests bind port 0 and talk to it.
-``serve(config)`` adds the process lifecycle: SIGTERM/SIGINT → health NOT_SERVING → stop
-accepting → drain in-flight RPCs within ``grace_seconds`` → release the engine (in
-``finally``) → exit 0. SIGHUP reloads the model file (and the token and TLS files) without
+``serve(config)`` adds the process lifecycle: SIGTERM/SIGINT → health NOT_SERVING → new RPCs
+get UNAVAILABLE → in-flight RPCs finish within ``grace_seconds`` and their answers get
+:data:`SETTLE_SECONDS` to reach the client → stop (gRPC closes the connections) → release the
+engine (in ``finally``) → exit 0. SIGHUP reloads the model file (and the token and TLS files) without
 failing a request (``server.admin``).
 
 Security (``server.auth``): TLS (``tls_cert``/``tls_key``, mutual with ``tls_client_ca``)
@@ -25,6 +26,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -44,6 +46,13 @@ from nlmserve.server.servicer import LanguageModelServicer, add_to_server
 
 log = logging.getLogger(__name__)
 
+#: How long the drain keeps connections open after the last large answer (beyond the
+#: client's initial HTTP/2 flow-control window) was sent. gRPC closes a
+#: connection as soon as its last stream is written to the socket; a client still reading a
+#: large answer then sends a flow-control update to a closed socket, gets a TCP reset and
+#: loses the rest of the answer ("Connection reset by peer"). Waiting lets it read first.
+SETTLE_SECONDS = 1.0
+
 SERVICE_NAME = lm_pb2.DESCRIPTOR.services_by_name["LanguageModel"].full_name  # nlmserve.v1.LanguageModel
 
 
@@ -55,6 +64,7 @@ class RunningServer:
     port: int
     engine: Engine
     health: Any  # grpc_health.v1.health.aio.HealthServicer
+    servicer: LanguageModelServicer
     metrics: ServerMetrics
     metrics_port: int | None
     config: ServerConfig
@@ -93,8 +103,17 @@ class RunningServer:
             self.metrics.stop_http()
 
     async def _drain(self, grace: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace)
+        servicer = self.servicer
+        servicer.draining = True
+        while servicer.active > 0 and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        settle = servicer.large_answer_at + SETTLE_SECONDS - time.monotonic()
+        if settle > 0:
+            await asyncio.sleep(min(settle, max(0.0, deadline - loop.time())))
+        await self.server.stop(max(0.0, deadline - loop.time()))
 
     def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -116,7 +135,7 @@ def exposure_warning(config: ServerConfig) -> str | None:
 
 
 async def _start(config: ServerConfig, engine: Engine, metrics: ServerMetrics,
-                 reloader: Reloader) -> tuple[grpc.aio.Server, int, Any]:
+                 reloader: Reloader) -> tuple[grpc.aio.Server, int, Any, LanguageModelServicer]:
     options: list[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -125,7 +144,8 @@ async def _start(config: ServerConfig, engine: Engine, metrics: ServerMetrics,
     interceptors = [TokenInterceptor(reloader.tokens, metrics)] if reloader.tokens is not None else []
     server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs,
                              interceptors=interceptors)
-    add_to_server(LanguageModelServicer(engine, metrics), server)
+    servicer = LanguageModelServicer(engine, metrics)
+    add_to_server(servicer, server)
     add_admin_to_server(AdminServicer(reloader, metrics), server)
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -145,7 +165,7 @@ async def _start(config: ServerConfig, engine: Engine, metrics: ServerMetrics,
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, port, health_servicer
+    return server, port, health_servicer, servicer
 
 
 def create_server(config: ServerConfig, *, engine: Engine | None = None) -> RunningServer:
@@ -169,7 +189,7 @@ def create_server(config: ServerConfig, *, engine: Engine | None = None) -> Runn
     thread.start()
     try:
         started = asyncio.run_coroutine_threadsafe(_start(config, engine, metrics, reloader), loop)
-        server, port, health_servicer = started.result(60)
+        server, port, health_servicer, servicer = started.result(60)
         metrics_port = None
         if config.metrics_port is not None:
             metrics_port = metrics.start_http(config.host, config.metrics_port)
@@ -181,7 +201,7 @@ def create_server(config: ServerConfig, *, engine: Engine | None = None) -> Runn
     log.info("serving %s on %s:%s (%s, %s)", SERVICE_NAME, config.host, port,
              "TLS" + (" with client certificates" if config.tls_client_ca else "") if config.tls_cert else "plaintext",
              f"{len(tokens)} bearer token(s)" if tokens is not None else "no token")
-    return RunningServer(server, port, engine, health_servicer, metrics, metrics_port, config, loop, thread,
+    return RunningServer(server, port, engine, health_servicer, servicer, metrics, metrics_port, config, loop, thread,
                          reloader)
 
 

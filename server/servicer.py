@@ -24,6 +24,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 import grpc
 import numpy as np
+from google.protobuf.message import Message
 
 from nlmserve.errors import InvalidRequestError, OverloadedError
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
@@ -35,6 +36,10 @@ from nlmserve.server.metrics import ServerMetrics
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: HTTP/2's initial flow-control window: a client reads a larger answer in parts and sends
+#: window updates meanwhile, so the shutdown drain lets such an answer settle (server.app).
+INITIAL_WINDOW_BYTES = 65_535
 
 #: Requests with more n-grams than this are converted off the event loop thread.
 OFFLOAD_ITEMS = 20_000
@@ -144,8 +149,18 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
         self._children: dict[Any, Any] = {}  # metric children by label values
         self._info: tuple[weakref.ref[ModelState], lm_pb2.ModelInfo] | None = None
         self._active = 0  # RPCs being served (the event loop's own count)
+        #: Set when the server drains for shutdown: new RPCs get UNAVAILABLE (server.app).
+        self.draining = False
+        #: When the last answer larger than the client's initial flow-control window was sent
+        #: (time.monotonic); the drain lets it reach the client before connections close.
+        self.large_answer_at = 0.0
         self._last_end = 0.0  # when the last ScoreNgrams was scored (perf_counter) ...
         self._last_took = 0.0  # ... and how long it took
+
+    @property
+    def active(self) -> int:
+        """RPCs being served now."""
+        return self._active
 
     @property
     def info(self) -> lm_pb2.ModelInfo:
@@ -177,11 +192,19 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
         if isinstance(request, MalformedRequest):
             self._count("GetVocabulary", grpc.StatusCode.INVALID_ARGUMENT)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+        if self.draining:
+            self._count("GetVocabulary", grpc.StatusCode.UNAVAILABLE)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
         size = request.chunk_size or self.engine.config.vocab_chunk_size
         words = self.engine.state.words
         self._count("GetVocabulary", grpc.StatusCode.OK)
-        for i in range(0, len(words), size):
-            yield lm_pb2.VocabularyChunk(offset=i, words=words[i : i + size])
+        self._active += 1
+        try:
+            for i in range(0, len(words), size):
+                yield lm_pb2.VocabularyChunk(offset=i, words=words[i : i + size])
+        finally:
+            self._active -= 1
+            self.large_answer_at = time.monotonic()
 
     # -------------------------------------------------------------- conversion
     async def _score_ngrams(self, request: lm_pb2.ScoreNgramsRequest,
@@ -306,6 +329,11 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
     # -------------------------------------------------------------- errors and metrics
     async def _guard(self, rpc: str, context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
         m = self.metrics
+        if self.draining:
+            if asyncio.iscoroutine(work):
+                work.close()  # never started
+            self._count(rpc, grpc.StatusCode.UNAVAILABLE)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
         start = time.perf_counter()
         self._active += 1
         if m is not None:
@@ -335,6 +363,8 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
                     latency = self._children[rpc] = m.request_latency.labels(rpc=rpc)
                 latency.observe(time.perf_counter() - start)
         self._count(rpc, grpc.StatusCode.OK)
+        if isinstance(result, Message) and result.ByteSize() > INITIAL_WINDOW_BYTES:
+            self.large_answer_at = time.monotonic()
         return result
 
     def _count(self, rpc: str, code: grpc.StatusCode) -> None:

@@ -542,12 +542,41 @@ def test_stop_drains_and_health_watchers_see_not_serving(tiny_lm: Any, dev_ids: 
         stopper.start()
         assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
         watch.cancel()  # an open stream would hold the drain for the whole grace period
+        deadline = time.monotonic() + 5
+        while not running.servicer.draining and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(grpc.RpcError) as err:  # a new request during the drain is refused
+            lm_pb2_grpc.LanguageModelStub(channel).ScoreNgrams(packed(dev_ids[:5]), timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in (err.value.details() or "")
         gated.gate.set()  # the in-flight request finishes during the drain
         np.testing.assert_allclose(np.asarray(in_flight.result(10).log_probs),
                                    tiny_lm.score_ngrams(dev_ids[:50], log10=True), atol=TOL, rtol=0)
         stopper.join(15)
         assert not stopper.is_alive() and not running.engine.check_health()
     assert time.monotonic() - t0 < 8  # drained when the work was done, not at the grace deadline
+
+
+def test_stop_keeps_connections_open_while_a_large_answer_settles(tiny_lm: Any) -> None:
+    """gRPC closes a connection once its last answer is written to the socket; a client still
+    reading a large answer would then be reset and lose its tail. The drain waits
+    SETTLE_SECONDS after an answer beyond the initial flow-control window, not after a small one."""
+    from nlmserve.server.app import SETTLE_SECONDS
+    from nlmserve.server.servicer import INITIAL_WINDOW_BYTES
+
+    rng = np.random.default_rng(3)
+    large = rng.integers(3, len(tiny_lm.vocab), size=(INITIAL_WINDOW_BYTES // 4 + 1000, tiny_lm.order))
+    for ids, settles in ((large, True), (large[:20], False)):
+        running = start(tiny_lm)
+        with grpc.insecure_channel(running.target) as channel:
+            resp = lm_pb2_grpc.LanguageModelStub(channel).ScoreNgrams(packed(ids))
+            assert resp.ByteSize() > INITIAL_WINDOW_BYTES if settles else resp.ByteSize() < INITIAL_WINDOW_BYTES
+            assert len(resp.log_probs) == len(ids)
+            answered = running.servicer.large_answer_at
+            running.stop(10.0)
+            if settles:
+                assert time.monotonic() >= answered + SETTLE_SECONDS
+            else:
+                assert answered == 0.0  # nothing to wait for
 
 
 @pytest.fixture(scope="module")
