@@ -88,6 +88,8 @@ def register(subparsers: Any) -> None:
                    help="log2 of the class feature table size (with --ngram-features)")
     p.add_argument("--ngram-word-bits", type=int, default=22,
                    help="log2 of the word feature table size (with --ngram-features)")
+    p.add_argument("--ngram-order", type=int, default=0,
+                   help="longest n-gram with a direct feature (with --ngram-features; default: --order)")
     p.add_argument("--workdir", help="where the id files go (default OUT.work)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_train)
@@ -128,6 +130,7 @@ def _train(args: argparse.Namespace) -> int:
             checkpoint_every=args.checkpoint_every, log_every=args.log_every, workdir=args.workdir, progress=not args.no_progress,
             ngram_class_table=_table_size(args.ngram_features, args.ngram_class_bits, "--ngram-class-bits"),
             ngram_word_table=_table_size(args.ngram_features, args.ngram_word_bits, "--ngram-word-bits"),
+            ngram_order=args.ngram_order,
             output=args.output, tree_eps=args.tree_eps, tree_pretrain_steps=args.tree_pretrain_steps,
             norm_fraction=args.norm_fraction, norm_weight=args.norm_weight, dropout=args.dropout,
             workers=args.workers, min_improvement=args.min_improvement, lr_schedule=args.lr_schedule,

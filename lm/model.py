@@ -100,6 +100,9 @@ class ModelConfig:
             scores (0: no class features). See :func:`ngram_feature_index`.
         ngram_word_table: size of the hashed direct n-gram feature table for the word
             scores (0: no word features).
+        ngram_order: longest n-gram (predicted word included) with a direct feature; 0: the
+            model's order. A model with a long context (order 10) keeps its features at
+            5-grams, where they generalise, instead of memorising the training text's long n-grams.
         tree_nodes: internal nodes of the output tree (``output="tree"``; the tree itself
             is stored in the model file), tree_method how it was built.
         band_sizes, band_dims: words per frequency band and their embedding widths
@@ -116,6 +119,7 @@ class ModelConfig:
     num_classes: int = 0
     ngram_class_table: int = 0
     ngram_word_table: int = 0
+    ngram_order: int = 0
     tree_nodes: int = 0
     tree_method: str = ""
     band_sizes: tuple[int, ...] = ()
@@ -138,6 +142,9 @@ class ModelConfig:
             raise ValueError(f"class output needs 1 <= num_classes <= vocab_size, got {self.num_classes}")
         if self.ngram_class_table < 0 or self.ngram_word_table < 0:
             raise ValueError("n-gram feature table sizes must be >= 0")
+        if not 0 <= self.ngram_order <= self.order:
+            raise ValueError(f"ngram_order must be between 0 (the model's order) and order = {self.order}, "
+                             f"got {self.ngram_order}")
         if self.has_ngram_features and self.output != "class":
             raise ValueError("direct n-gram features need the class output")
         if self.has_ngram_features and self.vocab_size >= 1 << 24:
@@ -152,6 +159,11 @@ class ModelConfig:
                              f"words and the width {self.out_dim}")
 
     @property
+    def feature_order(self) -> int:
+        """Context suffixes with a direct feature: lengths 0 .. feature_order - 1."""
+        return self.ngram_order or self.order
+
+    @property
     def has_ngram_features(self) -> bool:
         return self.ngram_class_table > 0 or self.ngram_word_table > 0
 
@@ -161,8 +173,8 @@ class ModelConfig:
         return self.hidden if self.hidden > 0 else self.dim
 
     def to_json(self) -> dict[str, Any]:
-        """The fields as JSON; the tree and band fields only when set, so a class or
-        softmax model's header reads as before (older readers load it)."""
+        """The fields as JSON; the tree, band and ngram_order fields only when set, so a class
+        or softmax model's header reads as before (older readers load it)."""
         d = dataclasses.asdict(self)
         for name in _LATER_FIELDS:
             if d[name] == _DEFAULTS[name]:
@@ -181,7 +193,7 @@ class ModelConfig:
         return cls(**d)
 
 
-_LATER_FIELDS = ("tree_nodes", "tree_method", "band_sizes", "band_dims")
+_LATER_FIELDS = ("tree_nodes", "tree_method", "band_sizes", "band_dims", "ngram_order")
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 
 
@@ -324,7 +336,7 @@ class NeuralLM(nn.Module):
 
     def encode(self, ctx: Tensor) -> Tensor:
         """ctx (N, order-1) word ids, oldest first → r (N, E); with direct n-gram features
-        r (N, E + order-1): the context ids follow as floats (exact below 2^24), so every
+        r (N, E + feature_order-1): the newest context ids follow as floats (exact below 2^24), so every
         output method below gets the context from r alone (the server caches r per context)."""
         q = self.embed(ctx)  # (N, n-1, D)
         if self.config.context == "diagonal":
@@ -340,14 +352,15 @@ class NeuralLM(nn.Module):
         if self.training and self.dropout > 0.0:
             keep = torch.rand(r.shape, generator=self.dropout_gen, device=r.device) >= self.dropout
             r = r * keep / (1.0 - self.dropout)
-        if self.config.has_ngram_features:
-            r = torch.cat([r, ctx.to(r.dtype)], dim=1)  # (N, E + order-1)
+        if self.config.has_ngram_features:  # the newest feature_order-1 words
+            newest = ctx[:, ctx.shape[1] - (self.config.feature_order - 1):]
+            r = torch.cat([r, newest.to(r.dtype)], dim=1)
         return r
 
     # ------------------------------------------------------------------ direct n-gram features
     def split_context(self, r: Tensor) -> tuple[Tensor, Tensor | None]:
-        """r from :meth:`encode` → (the context vector (N, E), suffix hashes (N, order) or
-        None without n-gram features)."""
+        """r from :meth:`encode` → (the context vector (N, E), suffix hashes (N, feature_order)
+        or None without n-gram features)."""
         if not self.config.has_ngram_features:
             return r, None
         E = self.config.out_dim
@@ -497,8 +510,8 @@ class NeuralLM(nn.Module):
             width = self.tree_out.tree.depth * self.config.out_dim  # log_prob's (rows, L, E) gather
         else:
             width = max(b - a for a, b in zip(self._offsets, self._offsets[1:]))
-            if self.ngram_word is not None:  # (rows, width, order) int64 slots and floats
-                width *= 3 * self.config.order
+            if self.ngram_word is not None:  # (rows, width, feature_order) int64 slots and floats
+                width *= 3 * self.config.feature_order
         return int(min(8192, max(64, budget // max(width, 1))))
 
     def scoring_bounds(self, targets: np.ndarray, budget: int = 1 << 24,
@@ -518,8 +531,8 @@ class NeuralLM(nn.Module):
             return
         sizes = np.diff(np.asarray(self._offsets))  # (K,)
         widths = sizes[self.word_class.cpu().numpy()[np.asarray(targets, dtype=np.int64)]]  # (N,)
-        if self.ngram_word is not None:  # (rows, width, order) int64 slots and floats
-            widths = widths * 3 * self.config.order
+        if self.ngram_word is not None:  # (rows, width, feature_order) int64 slots and floats
+            widths = widths * 3 * self.config.feature_order
         cum = np.concatenate([[0], np.cumsum(widths)])  # cum[i]: widths of the first i rows
         i = 0
         while i < n:

@@ -17,9 +17,10 @@ the header without ``sha256`` (sorted keys, no spaces) followed by the data byte
 checks magic, version, sizes and the digest, and raises :class:`ModelFileError` with the
 file name on any mismatch.
 
-Version 2 (written only for the outputs added with it, ``tree`` and ``dsoftmax``, so older
-readers refuse those files by their version instead of failing later): the config may
-hold ``tree_nodes``, ``tree_method``, ``band_sizes``, ``band_dims``, and a tree model
+Version 2 (written only for the outputs added with it, ``tree`` and ``dsoftmax``, and for
+direct features shorter than the model's order, so older readers refuse those files by their
+version instead of failing later): the config may hold ``tree_nodes``, ``tree_method``,
+``band_sizes``, ``band_dims``, ``ngram_order``, and a tree model
 stores its tree as the int32 arrays ``tree_left``, ``tree_right``, ``tree_code_word``,
 ``tree_code_nodes``, ``tree_code_bits`` (:meth:`nlmserve.lm.trees.Tree.arrays`). Class
 and softmax models are still written as version 1, byte for byte as before.
@@ -155,7 +156,7 @@ def save_model(
     digest.update(data)
     header["sha256"] = digest.hexdigest()
     header_bytes = _canonical(header)
-    version = 1 if model.config.output in _V1_OUTPUTS else FORMAT_VERSION
+    version = 1 if model.config.output in _V1_OUTPUTS and not model.config.ngram_order else FORMAT_VERSION
     prefix = _PREFIX.pack(MAGIC, version, len(header_bytes))
     pad = _align(len(prefix) + len(header_bytes)) - len(prefix) - len(header_bytes)
     path = Path(path)

@@ -87,6 +87,7 @@ class TrainConfig:
         workdir: where id files go (None: ``out + ".work"``).
         ngram_class_table, ngram_word_table: sizes of the hashed direct n-gram feature
             tables for the class and the word scores (0: none; class output only).
+        ngram_order: longest n-gram with a direct feature (0: ``order``).
         output: the output strategy (nlmserve.lm.strategies; None: from the objective).
         tree_eps: ε of the adaptive-eps tree; tree_pretrain_steps: steps of the
             random-tree model whose context vectors the feature-based trees split.
@@ -138,6 +139,7 @@ class TrainConfig:
     workdir: str | None = None
     ngram_class_table: int = 0
     ngram_word_table: int = 0
+    ngram_order: int = 0
     output: str | None = None
     tree_eps: float = 0.25
     tree_pretrain_steps: int = 2000
@@ -170,6 +172,9 @@ class TrainConfig:
             raise ValueError("batch_size, lr, noise_samples and epochs must be positive")
         if self.ngram_class_table < 0 or self.ngram_word_table < 0:
             raise ValueError("n-gram feature table sizes must be >= 0")
+        if not 0 <= self.ngram_order <= self.order:
+            raise ValueError(f"ngram_order must be between 0 (the model's order) and order = {self.order}, "
+                             f"got {self.ngram_order}")
         if (self.ngram_class_table or self.ngram_word_table) and self.resolved_output != "class":
             raise ValueError("direct n-gram features need the class output (objective nce or mle)")
 
@@ -303,6 +308,7 @@ def model_config(cfg: TrainConfig, data: _Data, tree: Tree | None = None) -> Mod
         num_classes=data.classes.num_classes if data.classes is not None else 0,
         ngram_class_table=cfg.ngram_class_table,
         ngram_word_table=cfg.ngram_word_table,
+        ngram_order=cfg.ngram_order,
         **output_fields(out, len(data.vocab), width, tree),  # type: ignore[arg-type]
     )
 

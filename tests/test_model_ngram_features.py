@@ -68,6 +68,47 @@ def test_hash_slots_and_feature_value_by_hand() -> None:
     assert after - before == pytest.approx(1.5, abs=1e-6)
 
 
+
+def test_feature_order_caps_the_suffixes_by_hand(tmp_path: Path) -> None:
+    """Order 5 with ngram_order 3: the word score gets the features of the suffixes "", "7",
+    "5 7" (trigrams at most); the older context words change the LBL part only."""
+    from nlmserve.lm.model_file import read_model_file, save_model
+    from nlmserve.lm.vocab import Vocabulary
+
+    size, word = 101, 9
+    h0 = HASH_SEED
+    h1 = (h0 * HASH_CTX + 7 + 1) % HASH_MOD
+    h2 = (h1 * HASH_CTX + 5 + 1) % HASH_MOD
+    slots = [((h * HASH_KEY + word * HASH_OUT) % HASH_MOD) % size for h in (h0, h1, h2)]
+    cfg = ModelConfig(vocab_size=12, order=5, dim=2, num_classes=3, ngram_word_table=size, ngram_class_table=7,
+                      ngram_order=3)
+    assert cfg.feature_order == 3 and ModelConfig(vocab_size=12, order=5, num_classes=3).feature_order == 5
+    classes = frequency_binning(np.arange(12) + 1, 3)
+    model = NeuralLM(cfg, classes.word_class.copy())
+    ctx, tgt = torch.tensor([[3, 4, 5, 7]]), torch.tensor([word])
+    with torch.no_grad():
+        r = model.encode(ctx)
+        assert r.shape == (1, 2 + 2)  # the two newest context ids follow the context vector
+        _, h = model.split_context(r)
+        assert h is not None and h.tolist() == [[h0, h1, h2]]
+        before = float(model.word_score(model.encode(ctx), tgt))
+        assert model.ngram_word is not None
+        for i, s in enumerate(slots):
+            model.ngram_word[s, 0] += 0.25 * (i + 1)
+        after = float(model.word_score(model.encode(ctx), tgt))
+        full = model.double().full_log_probs(ctx)
+    assert after - before == pytest.approx(1.5, abs=1e-6)
+    assert float(full.exp().sum()) == pytest.approx(1.0, abs=1e-10)
+    with pytest.raises(ValueError, match="ngram_order"):
+        ModelConfig(vocab_size=12, order=5, num_classes=3, ngram_word_table=size, ngram_order=6)
+    # The field round-trips through the model file (format 2: older readers refuse it by version).
+    words = Vocabulary([f"w{i}" for i in range(9)])
+    path = tmp_path / "capped.nlm"
+    save_model(path, model.float(), words, classes, objective="nce", lowercase=False)
+    mf = read_model_file(path)
+    assert mf.format_version == 2 and mf.config == cfg
+
+
 def test_context_hash_depends_on_every_suffix_word_and_only_on_the_suffix() -> None:
     h = context_hashes(torch.tensor([[3, 4, 5], [9, 4, 5], [3, 8, 5], [3, 4, 6]]))
     assert h[:, 0].unique().numel() == 1  # empty suffix
