@@ -175,6 +175,8 @@ class TrainConfig:
         if not 0 <= self.ngram_order <= self.order:
             raise ValueError(f"ngram_order must be between 0 (the model's order) and order = {self.order}, "
                              f"got {self.ngram_order}")
+        if self.ngram_order and not (self.ngram_class_table or self.ngram_word_table):
+            raise ValueError("--ngram-order needs the direct n-gram features (--ngram-features)")
         if (self.ngram_class_table or self.ngram_word_table) and self.resolved_output != "class":
             raise ValueError("direct n-gram features need the class output (objective nce or mle)")
 

@@ -101,6 +101,10 @@ def test_feature_order_caps_the_suffixes_by_hand(tmp_path: Path) -> None:
     assert float(full.exp().sum()) == pytest.approx(1.0, abs=1e-10)
     with pytest.raises(ValueError, match="ngram_order"):
         ModelConfig(vocab_size=12, order=5, num_classes=3, ngram_word_table=size, ngram_order=6)
+    from nlmserve.lm.train import TrainConfig
+
+    with pytest.raises(ValueError, match="needs the direct n-gram features"):
+        TrainConfig(train="t", valid="v", out=str(tmp_path / "m.nlm"), ngram_order=3)
     # The field round-trips through the model file (format 2: older readers refuse it by version).
     words = Vocabulary([f"w{i}" for i in range(9)])
     path = tmp_path / "capped.nlm"
