@@ -41,6 +41,9 @@ T = TypeVar("T")
 #: window updates meanwhile, so the shutdown drain lets such an answer settle (server.app).
 INITIAL_WINDOW_BYTES = 65_535
 
+#: What a request gets while the server drains for shutdown (with UNAVAILABLE).
+DRAINING_MESSAGE = "the server is shutting down; retry on another replica"
+
 #: Requests with more n-grams than this are converted off the event loop thread.
 OFFLOAD_ITEMS = 20_000
 # A request of at most this many n-grams from a lone client is scored in the event-loop
@@ -194,7 +197,7 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         if self.draining:
             self._count("GetVocabulary", grpc.StatusCode.UNAVAILABLE)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)
         size = request.chunk_size or self.engine.config.vocab_chunk_size
         words = self.engine.state.words
         self._count("GetVocabulary", grpc.StatusCode.OK)
@@ -333,7 +336,7 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
             if asyncio.iscoroutine(work):
                 work.close()  # never started
             self._count(rpc, grpc.StatusCode.UNAVAILABLE)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)
         start = time.perf_counter()
         self._active += 1
         if m is not None:
