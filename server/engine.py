@@ -342,7 +342,8 @@ class Engine:
         finally:
             with self._cond:
                 self._busy = False
-                self._cond.notify()
+                if self._small or self._queue or self._stopping:  # else the batching thread has nothing to do
+                    self._cond.notify()
 
     def score_ngrams(self, ids: np.ndarray, *, normalized: bool = True, log10: bool = False,
                      timeout: float | None = None) -> np.ndarray:
