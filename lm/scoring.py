@@ -324,10 +324,10 @@ TINY_ROWS = 32
 #: A log Σ exp computed without the max shift below this is recomputed with it (the sum
 #: was near float32's smallest normal numbers).
 LOG_SUM_FLOOR = -60.0
-#: Rows of one numpy matrix-vector product in the tiny path's in-class normaliser: below the
-#: size at which numpy's OpenBLAS splits a product over threads of its own (about 2,000 rows
-#: of 256 here), so every slice runs on the calling thread.
-MV_ROWS = 1024
+#: Elements of one numpy matrix-vector product in the tiny path's in-class normaliser: below
+#: the size at which numpy's OpenBLAS splits a product over threads of its own (measured
+#: between 256k and 512k elements), so every slice runs on the calling thread.
+MV_ELEMENTS = 1 << 18
 #: Largest size of the per-position context tables of a diagonal-context model (bytes).
 ENCODE_TABLE_BYTES = 512 << 20
 
@@ -489,15 +489,16 @@ def _mm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _mv(a: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """a @ x for a (S, D) float32 block, in slices of MV_ROWS rows: numpy's BLAS runs each
-    slice on the calling thread (it starts its own thread pool only for larger products, see
-    :func:`_mm`), and its matrix-vector product streams the block faster than torch.mv
+    """a @ x for a (S, D) float32 block, in slices of at most MV_ELEMENTS: numpy's BLAS runs
+    each slice on the calling thread (it starts its own thread pool only for larger products,
+    see :func:`_mm`), and its matrix-vector product streams the block faster than torch.mv
     (measured on one thread, 7,942 x 256: 135-139 µs against 206-215 µs)."""
-    if a.shape[0] <= MV_ROWS:
+    rows = max(1, MV_ELEMENTS // max(1, a.shape[1]))
+    if a.shape[0] <= rows:
         return a @ x  # type: ignore[no-any-return]
     out = np.empty(a.shape[0], dtype=np.result_type(a, x))
-    for s in range(0, a.shape[0], MV_ROWS):
-        np.dot(a[s : s + MV_ROWS], x, out=out[s : s + MV_ROWS])
+    for s in range(0, a.shape[0], rows):
+        np.dot(a[s : s + rows], x, out=out[s : s + rows])
     return out
 
 

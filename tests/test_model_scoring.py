@@ -148,3 +148,19 @@ def test_distribution_over_vocabulary_sums_to_one(tiny_lm: LanguageModel) -> Non
     ctx = ids(tiny_lm, "the european parliament")
     rows = np.array([ctx + [w] for w in targets])
     assert abs(np.exp(tiny_lm.score_ngrams(rows).astype(np.float64)).sum() - 1.0) < 1e-4
+
+
+@pytest.mark.parametrize(("shape", "sliced"), [((7942, 256), True), ((3000, 768), True), ((100, 16), False)])
+def test_in_class_matrix_vector_product_in_slices_equals_the_whole(shape: tuple[int, int], sliced: bool) -> None:
+    # The tiny path's in-class normaliser multiplies a class's embedding block by the context
+    # vector in slices (so numpy's BLAS stays on the calling thread); a block larger than a
+    # slice must give the product of the whole block.
+    from nlmserve.lm.scoring import MV_ELEMENTS, _mv
+
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal(shape).astype(np.float32)
+    x = rng.standard_normal(shape[1]).astype(np.float32)
+    got = _mv(a, x)
+    assert got.shape == (shape[0],) and got.dtype == np.float32
+    np.testing.assert_allclose(got, a.astype(np.float64) @ x.astype(np.float64), rtol=1e-4, atol=1e-4)
+    assert (shape[0] > MV_ELEMENTS // shape[1]) == sliced
