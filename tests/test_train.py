@@ -328,7 +328,9 @@ def test_ctrl_c_writes_the_best_model_and_exits_130(small_train: Path, dev_small
     args = ["--train", str(small_train), "--valid", str(dev_small_path), "--order", "4", "--dim", "8",
             "--classes", "12", "--min-count", "2", "--batch-size", "32", "--threads", "1",
             "--valid-every", "20", "--checkpoint-every", "20", "--max-steps", "100000", "--no-progress",
-            "--out", str(out)]
+            # only the interrupt may end this run: no epoch limit or early stop before the signal
+            # arrives on a loaded machine
+            "--epochs", "100000", "--patience", "100000", "--out", str(out)]
     proc = subprocess.Popen([sys.executable, "-c", _LM_TRAIN, "train", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ckpt = Path(str(out) + ".ckpt")
