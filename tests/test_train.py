@@ -331,8 +331,11 @@ def test_ctrl_c_writes_the_best_model_and_exits_130(small_train: Path, dev_small
             # only the interrupt may end this run: no epoch limit or early stop before the signal
             # arrives on a loaded machine
             "--epochs", "100000", "--patience", "100000", "--out", str(out)]
+    # Ctrl-C as a terminal delivers it: with SIGINT's default action, which a test run started
+    # in the background (`make test &`) would otherwise pass down as "ignored"
     proc = subprocess.Popen([sys.executable, "-c", _LM_TRAIN, "train", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     ckpt = Path(str(out) + ".ckpt")
     deadline = time.monotonic() + 120
     while not ckpt.exists() and time.monotonic() < deadline and proc.poll() is None:
