@@ -10,10 +10,15 @@ served by a real ``nlmserve serve`` process on 127.0.0.1. Test n-grams are the n
 the shipped held-out Europarl text, so target class sizes are those of real text; KenLM (d)
 scores the same n-grams as words. Ratios are printed against the targets of the serving issue.
 
-The micro-batching measurement sends one n-gram per request from 32 concurrent clients: C++
-threads of ``nlmserve_load`` (moses_plugin/cpp, the client library a decoder links; built
-into build/cpp on first use) when the C++ toolchain is there, Python asyncio clients
-otherwise. It runs against the batching server, ``--max-batch-ngrams 1`` and a no-op server
+The micro-batching measurement sends one n-gram per request from 32 concurrent clients, each
+on its own connection, each sending its next request when its last is answered:
+``nlmserve_load`` (moses_plugin/cpp, built into build/cpp on first use) when the C++
+toolchain is there, Python asyncio clients otherwise. ``--load-mode async`` (the default)
+drives the 32 clients from one thread through a gRPC completion queue, as Triton's
+perf_analyzer does in its async mode; ``threads`` gives each client a thread calling the C++
+client library a Moses decoder links. The load generator shares the two cores with the
+server it measures, so the cheaper one measures the server better; the batching server and
+``--max-batch-ngrams 1`` are also measured with the other mode, and both are printed. It runs against the batching server, ``--max-batch-ngrams 1`` and a no-op server
 on the same gRPC stack that answers without touching a model, twice each in turn: the no-op
 rate is the ceiling that no batching can pass on this machine. When the C++ project builds,
 the same load also goes to ``serve --frontend native`` (server/native's ``nlmserve_frontend``
@@ -68,6 +73,8 @@ class BenchConfig:
         seconds: time spent on each throughput measurement.
         torch_threads: torch threads of the engine (in-process and in the server).
         concurrency: clients sending one n-gram each in the micro-batching test.
+        load_mode: how nlmserve_load drives them: async (one thread, a completion queue) or
+            threads (a thread per client, through the C++ client library).
         latency_requests: single-n-gram requests timed at concurrency 1.
         kenlm_model: ARPA or binary KenLM file for (d); None skips (d).
     """
@@ -78,6 +85,7 @@ class BenchConfig:
     seconds: float = 4.0
     torch_threads: int = 1
     concurrency: int = 32
+    load_mode: str = "async"
     latency_requests: int = 2000
     kenlm_model: str | None = None
 
@@ -357,13 +365,14 @@ def cpp_tool(name: str) -> Path | None:
 
 
 def cpp_concurrent_single(tool: Path, target: str, words: list[list[str]], clients: int,
-                          seconds: float) -> dict[str, float]:
-    """``clients`` C++ client threads (the library a Moses decoder links), one n-gram per request."""
+                          seconds: float, mode: str) -> dict[str, float]:
+    """``clients`` C++ clients, one n-gram per request: ``mode`` threads (a thread each, through
+    the client library a Moses decoder links) or async (one thread, a completion queue)."""
     with tempfile.NamedTemporaryFile("w", suffix=".ngrams", encoding="utf-8", delete=False) as f:
         f.write("".join(" ".join(w) + "\n" for w in words))
     try:
-        out = subprocess.run([str(tool), target, f.name, "--threads", str(clients), "--batch", "1",
-                              "--seconds", str(seconds), "--warmup", "1"],
+        out = subprocess.run([str(tool), target, f.name, "--clients", str(clients), "--batch", "1",
+                              "--seconds", str(seconds), "--warmup", "1", "--mode", mode],
                              check=True, capture_output=True, text=True, timeout=seconds + 120)
     finally:
         os.unlink(f.name)
@@ -372,9 +381,9 @@ def cpp_concurrent_single(tool: Path, target: str, words: list[list[str]], clien
 
 
 def concurrent_measure(server: ServerProcess, ids: np.ndarray, words: list[list[str]], cfg: BenchConfig,
-                       tool: Path | None, clients: int | None = None) -> dict[str, float]:
-    """One-n-gram requests from ``clients`` (default ``cfg.concurrency``) clients (C++ threads
-    when ``tool`` is built, else Python asyncio), sent to the server (with ``--frontend
+                       tool: Path | None, clients: int | None = None, mode: str | None = None) -> dict[str, float]:
+    """One-n-gram requests from ``clients`` (default ``cfg.concurrency``) clients (``tool`` in
+    ``mode``, default ``cfg.load_mode``, when built, else Python asyncio), sent to the server (with ``--frontend
     native``: to the front end before it), plus the serving side's view: requests per
     forward pass, CPU per request (front end and server together)."""
     clients = clients or cfg.concurrency
@@ -382,7 +391,7 @@ def concurrent_measure(server: ServerProcess, ids: np.ndarray, words: list[list[
     target = server.target
     before = (server.metric("nlmserve_batch_requests_count"), server.metric("nlmserve_batch_requests_sum"), cpu())
     if tool is not None:
-        out = cpp_concurrent_single(tool, target, words, clients, cfg.seconds)
+        out = cpp_concurrent_single(tool, target, words, clients, cfg.seconds, mode or cfg.load_mode)
     else:
         out = concurrent_single(target, ids, clients, cfg.seconds)
     served = out["ngrams_per_s"] * cfg.seconds
@@ -431,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab-size", type=int, default=BenchConfig.vocab_size)
     ap.add_argument("--dim", type=int, default=BenchConfig.dim)
     ap.add_argument("--torch-threads", type=int, default=BenchConfig.torch_threads)
+    ap.add_argument("--load-mode", choices=("async", "threads"), default=BenchConfig.load_mode,
+                    help="how nlmserve_load drives the concurrent clients (default: %(default)s)")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--noop-server", type=Path, metavar="MODEL", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -438,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         return noop_serve(args.noop_server)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     cfg = BenchConfig(vocab_size=args.vocab_size, dim=args.dim, seconds=args.seconds,
-                      torch_threads=args.torch_threads, kenlm_model=args.kenlm_model)
+                      torch_threads=args.torch_threads, kenlm_model=args.kenlm_model, load_mode=args.load_mode)
     torch.set_num_threads(cfg.torch_threads)
     res: dict[str, Any] = {"machine": machine(), "config": cfg.__dict__}
     print(json.dumps(res["machine"]))
@@ -487,13 +498,13 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
         tool = cpp_tool("nlmserve_load")
         native = cpp_tool("nlmserve_frontend") if tool else None
-        res["load_clients"] = "C++ nlmserve_load threads" if tool else "Python asyncio"
+        other = res["load_mode_other"] = "threads" if cfg.load_mode == "async" else "async"
+        res["load_clients"] = f"C++ nlmserve_load, {cfg.load_mode}" if tool else "Python asyncio"
         # The three servers one after the other, twice, so that a change of load on the
         # machine during the run shows as a difference between the rounds.
-        variants: list[tuple[str, tuple[str, ...] | None]] = [
-            ("concurrent_batching", ()), ("concurrent_no_batching", ("--max-batch-ngrams", "1")),
-            ("concurrent_noop", None)]
-        rounds: dict[str, list[dict[str, float]]] = {name: [] for name, _ in variants}
+        variants: list[tuple[str, tuple[str, ...] | None, str | None]] = [
+            ("concurrent_batching", (), None), ("concurrent_no_batching", ("--max-batch-ngrams", "1"), None),
+            ("concurrent_noop", None, None)]
         # The native front end (server/native) before the batching server, and with
         # --max-batch-ngrams 1 (one server call per client request, as many in flight as
         # there are clients) before a --max-batch-ngrams 1 server.
@@ -501,15 +512,20 @@ def main(argv: list[str] | None = None) -> int:
         # or over gRPC; unbatched, the front end keeps one request per client in flight.
         fe = ("--frontend", "native", "--frontend-binary", str(native)) if native is not None else ()
         if native is not None:
-            variants += [("native_batching", fe), ("native_batching_grpc", (*fe, "--frontend-channel", "grpc")),
+            variants += [("native_batching", fe, None),
+                         ("native_batching_grpc", (*fe, "--frontend-channel", "grpc"), None),
                          ("native_no_batching", (*fe, "--max-batch-ngrams", "1", "--frontend-max-inflight",
-                                                 str(cfg.concurrency)))]
-            rounds.update({name: [] for name, _ in variants[3:]})
+                                                 str(cfg.concurrency)), None)]
+        if tool is not None:  # the main pair again, driven by the load generator's other mode
+            variants += [("concurrent_no_batching_" + other, ("--max-batch-ngrams", "1"), other)]
+            if native is not None:
+                variants += [("native_batching_" + other, fe, other)]
+        rounds: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in variants}
         for _ in range(2):
-            for name, flags in variants:
+            for name, flags, mode in variants:
                 server = ServerProcess(model_path, *threads, *(flags or ()), noop=flags is None)
                 try:
-                    rounds[name].append(concurrent_measure(server, ids, words, cfg, tool))
+                    rounds[name].append(concurrent_measure(server, ids, words, cfg, tool, mode=mode))
                 finally:
                     server.stop()
         for name, runs in rounds.items():  # the better round of each
@@ -544,11 +560,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  serve --frontend native --max-batch-ngrams 1 (one request per client in flight): "
                   f"{nb_native['ngrams_per_s']:,.0f}/s (p99 {nb_native['p99_ms']:.2f} ms): batching in the front "
                   f"end gains {res['native_gain_same_stack']:.1f}x on the same stack")
+            b_o, nb_o = res["native_batching_" + other], res["concurrent_no_batching_" + other]
+            res["native_gain_" + other] = b_o["ngrams_per_s"] / nb_o["ngrams_per_s"]
+            print(f"  the same two with nlmserve_load --mode {other}: serve --frontend native "
+                  f"{b_o['ngrams_per_s']:,.0f}/s (p50 {b_o['p50_ms']:.2f} ms, p99 {b_o['p99_ms']:.2f} ms) vs "
+                  f"--max-batch-ngrams 1 {nb_o['ngrams_per_s']:,.0f}/s (p99 {nb_o['p99_ms']:.2f} ms): "
+                  f"{res['native_gain_' + other]:.1f}x")
             # One client thread: the latency a decoder thread sees through the C++ client.
             for name, flags in (("latency_c1_cpp", ()), ("latency_c1_cpp_native", fe)):
                 server = ServerProcess(model_path, *threads, *flags)
                 try:
-                    res[name] = concurrent_measure(server, ids, words, cfg, tool, clients=1)
+                    res[name] = concurrent_measure(server, ids, words, cfg, tool, clients=1, mode="threads")
                     if flags:  # and the Python client's, through the front end
                         res["latency_c1_native"] = single_latency(server.target, ids, cfg.latency_requests)
                 finally:
@@ -585,6 +607,13 @@ def main(argv: list[str] | None = None) -> int:
         checks += [
             ("native front end gain >= 5x", f"{res['native_gain']:.1f}x", res["native_gain"] >= 5.0),
             ("native front end p99 <= 10 ms", f"{nat['p99_ms']:.2f} ms", nat["p99_ms"] <= 10.0),
+        ]
+        other = res["load_mode_other"]
+        nat_o = res["native_batching_" + other]
+        checks += [  # the same with the load generator's other mode, for comparison
+            (f"(the same, {other} clients: gain >= 5x)", f"{res['native_gain_' + other]:.1f}x",
+             res["native_gain_" + other] >= 5.0),
+            (f"(the same, {other} clients: p99 <= 10 ms)", f"{nat_o['p99_ms']:.2f} ms", nat_o["p99_ms"] <= 10.0),
         ]
     print("\ntarget                                     measured     met")
     for name, value, met in checks:

@@ -9,6 +9,7 @@ where .ci/run installs them and a missing tool chain is a failure.
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import shutil
@@ -317,3 +318,26 @@ def test_lowercase_option(driver: Path, server: Server) -> None:
         lower.close()
     assert expected.startswith("ok ") and folded == expected
     assert mixed != expected
+
+
+@pytest.mark.parametrize("mode", ["threads", "async"])
+def test_load_generator_counts_answered_requests(driver: Path, server: Server, mode: str,
+                                                 ngram_file: tuple[Path, list[list[str]]]) -> None:
+    """bench/serve.py's load generator: every request it counts was answered with a score."""
+    path, _ = ngram_file
+    done = subprocess.run([str(BUILD / "nlmserve_load"), server.target, str(path), "--clients", "4", "--batch", "3",
+                           "--seconds", "0.5", "--warmup", "0.2", "--mode", mode],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    r = json.loads(done.stdout)
+    assert r["mode"] == mode and r["clients"] == 4 and r["failed"] == 0
+    assert r["requests"] > 10 and r["ngrams_per_s"] == pytest.approx(3 * r["requests_per_s"], rel=1e-3)
+    assert 0 < r["p50_ms"] <= r["p90_ms"] <= r["p99_ms"]
+
+
+def test_load_generator_refuses_ngrams_longer_than_the_order(driver: Path, server: Server, tmp_path: Path) -> None:
+    path = tmp_path / "long.txt"
+    path.write_text("a b c d e f g\n", encoding="utf-8")
+    done = subprocess.run([str(BUILD / "nlmserve_load"), server.target, str(path), "--mode", "async"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "longer than the model's order" in done.stderr

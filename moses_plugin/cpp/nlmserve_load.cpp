@@ -1,9 +1,17 @@
-// nlmserve_load: a closed-loop load generator written against the C++ client library, the
-// client a Moses decoder uses. N threads, each with its own Client (one channel each, the
-// client-side cache off), send requests of B n-grams back to back for S seconds and
-// report requests/s, n-grams/s and latency percentiles as one JSON line.
+// nlmserve_load: a closed-loop load generator. N clients, each on its own channel (its own
+// connection), send requests of B n-grams back to back for S seconds: a client sends its
+// next request the moment the answer to the last one arrives, so N requests are always in
+// flight. Prints requests/s, n-grams/s and latency percentiles as one JSON line.
 //
-//   nlmserve_load TARGET NGRAM_FILE [--threads 32] [--batch 1] [--seconds 5] [--warmup 1]
+//   nlmserve_load TARGET NGRAM_FILE [--clients 32] [--batch 1] [--seconds 5] [--warmup 1]
+//       [--mode threads|async]
+//
+// --mode threads (the default): each client is a thread calling the C++ client library
+// (nlmserve_client.h, the client a Moses decoder links; its n-gram cache off) synchronously.
+// --mode async: one thread drives all N clients' calls through a gRPC completion queue, as
+// Triton's perf_analyzer does in its async mode. Both send the same packed-id requests; the
+// async generator spends several times less CPU per request, which matters when it shares
+// the machine with the server it measures. --threads N is a synonym of --clients N.
 //
 // NGRAM_FILE: one n-gram per line, words separated by spaces (oldest first); words are
 // mapped to ids once with the server's vocabulary, then sent as packed ids.
@@ -19,6 +27,9 @@
 #include <thread>
 #include <vector>
 
+#include <grpcpp/grpcpp.h>
+
+#include "nlmserve/v1/lm.grpc.pb.h"
 #include "nlmserve_client.h"
 
 namespace {
@@ -32,11 +43,13 @@ struct Args {
   int batch = 1;
   double seconds = 5.0;
   double warmup = 1.0;
+  bool async = false;
 };
 
 Args Parse(int argc, char **argv) {
   if (argc < 3) {
-    std::cerr << "usage: nlmserve_load TARGET NGRAM_FILE [--threads N] [--batch B] [--seconds S] [--warmup W]\n";
+    std::cerr << "usage: nlmserve_load TARGET NGRAM_FILE [--clients N] [--batch B] [--seconds S] [--warmup W]"
+                 " [--mode threads|async]\n";
     std::exit(2);
   }
   Args a;
@@ -45,17 +58,25 @@ Args Parse(int argc, char **argv) {
   for (int i = 3; i + 1 < argc; i += 2) {
     std::string flag = argv[i];
     const char *v = argv[i + 1];
-    if (flag == "--threads") a.threads = std::atoi(v);
+    if (flag == "--threads" || flag == "--clients") a.threads = std::atoi(v);
     else if (flag == "--batch") a.batch = std::atoi(v);
     else if (flag == "--seconds") a.seconds = std::atof(v);
     else if (flag == "--warmup") a.warmup = std::atof(v);
+    else if (flag == "--mode") {
+      std::string mode = v;
+      if (mode != "threads" && mode != "async") {
+        std::cerr << "nlmserve_load: --mode is threads or async, got '" << mode << "'\n";
+        std::exit(2);
+      }
+      a.async = mode == "async";
+    }
     else {
       std::cerr << "nlmserve_load: unknown flag " << flag << "\n";
       std::exit(2);
     }
   }
   if (a.threads < 1 || a.batch < 1 || a.seconds <= 0) {
-    std::cerr << "nlmserve_load: --threads, --batch and --seconds must be positive\n";
+    std::cerr << "nlmserve_load: --clients, --batch and --seconds must be positive\n";
     std::exit(2);
   }
   return a;
@@ -90,25 +111,42 @@ double Percentile(std::vector<double> v, double q) {
   return v[k];
 }
 
-}  // namespace
+// What a run measured: the latency of every answered request in the measured window, the
+// failed ones, and the window's length.
+struct Result {
+  std::vector<double> latencies;
+  uint64_t failed = 0;
+  double elapsed = 0.0;
+};
 
-int main(int argc, char **argv) {
-  Args args = Parse(argc, argv);
-  std::vector<std::vector<std::string> > words = ReadNgrams(args.ngram_file);
+// Rows in the server's canonical shape: `order` ids, shorter n-grams left-padded with <s>
+// (the contract makes the two equivalent; the client library sends the same).
+std::vector<std::vector<uint32_t> > CanonicalRows(const nlmserve::Client &client,
+                                                  const std::vector<std::vector<std::string> > &words) {
+  const auto &info = client.info();
+  std::vector<std::vector<uint32_t> > rows;
+  for (const auto &ngram : words) {
+    if (ngram.size() > info.order) {
+      std::cerr << "nlmserve_load: an n-gram of " << ngram.size() << " words is longer than the model's order "
+                << info.order << "\n";
+      std::exit(2);
+    }
+    std::vector<uint32_t> row(info.order - ngram.size(), info.bos_id);
+    for (const auto &w : ngram) row.push_back(client.WordId(w));
+    rows.push_back(row);
+  }
+  return rows;
+}
+
+// --mode threads: one thread and one client library Client per client.
+Result RunThreads(const Args &args, const std::vector<std::vector<uint32_t> > &ids) {
   nlmserve::ClientOptions options;
   options.cache_size = 0;  // every request reaches the server
   std::vector<std::unique_ptr<nlmserve::Client> > clients;
   for (int t = 0; t < args.threads; ++t) clients.emplace_back(new nlmserve::Client(args.target, options));
-  std::vector<std::vector<uint32_t> > ids;
-  for (const auto &ngram : words) {
-    std::vector<uint32_t> row;
-    for (const auto &w : ngram) row.push_back(clients[0]->WordId(w));
-    ids.push_back(row);
-  }
-
   std::atomic<bool> measuring(false), stop(false);
   std::vector<std::vector<double> > latencies(args.threads);
-  std::vector<uint64_t> done(args.threads, 0), failed(args.threads, 0);
+  std::vector<uint64_t> failed(args.threads, 0);
   std::vector<std::thread> pool;
   for (int t = 0; t < args.threads; ++t) {
     pool.emplace_back([&, t]() {
@@ -128,7 +166,6 @@ int main(int argc, char **argv) {
         if (measuring.load(std::memory_order_relaxed)) {
           if (ok) {
             latencies[t].push_back(ms);
-            ++done[t];
           } else {
             ++failed[t];
           }
@@ -141,23 +178,112 @@ int main(int argc, char **argv) {
   measuring = true;
   std::this_thread::sleep_for(std::chrono::duration<double>(args.seconds));
   measuring = false;
-  double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+  Result r;
+  r.elapsed = std::chrono::duration<double>(Clock::now() - start).count();
   stop = true;
   for (auto &th : pool) th.join();
-
-  std::vector<double> all;
-  uint64_t requests = 0, failures = 0;
   for (int t = 0; t < args.threads; ++t) {
-    all.insert(all.end(), latencies[t].begin(), latencies[t].end());
-    requests += done[t];
-    failures += failed[t];
+    r.latencies.insert(r.latencies.end(), latencies[t].begin(), latencies[t].end());
+    r.failed += failed[t];
   }
+  return r;
+}
+
+// --mode async: one thread, one completion queue, one channel per client.
+Result RunAsync(const Args &args, const nlmserve::Client &client, const std::vector<std::vector<uint32_t> > &ids) {
+  namespace pb = nlmserve::v1;
+  struct Call {
+    std::unique_ptr<pb::LanguageModel::Stub> stub;
+    std::unique_ptr<grpc::ClientContext> ctx;
+    pb::ScoreNgramsRequest request;
+    pb::ScoreNgramsResponse response;
+    grpc::Status status;
+    std::unique_ptr<grpc::ClientAsyncResponseReader<pb::ScoreNgramsResponse> > rpc;
+    Clock::time_point sent;
+    std::size_t next = 0;
+  };
+  grpc::CompletionQueue cq;
+  std::vector<Call> calls(args.threads);
+  const uint32_t order = client.info().order;
+  auto start_call = [&](std::size_t c) {
+    Call &call = calls[c];
+    std::string *packed = call.request.mutable_packed_ids();
+    packed->clear();
+    for (int b = 0; b < args.batch; ++b) {
+      const auto &row = ids[(call.next + b) % ids.size()];
+      packed->append(reinterpret_cast<const char *>(row.data()), row.size() * 4);  // little-endian hosts
+    }
+    call.next += static_cast<std::size_t>(args.threads) * args.batch;
+    call.ctx.reset(new grpc::ClientContext());
+    call.ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    call.response.Clear();
+    call.sent = Clock::now();
+    call.rpc = call.stub->AsyncScoreNgrams(call.ctx.get(), call.request, &cq);
+    call.rpc->Finish(&call.response, &call.status, reinterpret_cast<void *>(c));
+  };
+  for (int c = 0; c < args.threads; ++c) {
+    grpc::ChannelArguments channel_args;
+    channel_args.SetMaxReceiveMessageSize(-1);
+    channel_args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a connection of its own
+    channel_args.SetInt("nlmserve.load_client", c);
+    auto channel = grpc::CreateCustomChannel(args.target, grpc::InsecureChannelCredentials(), channel_args);
+    calls[c].stub = pb::LanguageModel::NewStub(channel);
+    calls[c].request.set_packed_order(order);
+    calls[c].request.set_log_base(pb::LOG10);
+    calls[c].next = static_cast<std::size_t>(c) * args.batch;
+  }
+  for (int c = 0; c < args.threads; ++c) start_call(c);
+
+  Result r;
+  const auto t_begin = Clock::now();
+  const auto t_measure = t_begin + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(args.warmup));
+  const auto t_end = t_measure + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(args.seconds));
+  int outstanding = args.threads;
+  while (outstanding > 0) {
+    void *tag = nullptr;
+    bool ok = false;
+    if (!cq.Next(&tag, &ok)) break;
+    const auto now = Clock::now();
+    Call &call = calls[reinterpret_cast<std::size_t>(tag)];
+    if (now >= t_measure && now <= t_end) {  // answered inside the measured window
+      if (ok && call.status.ok() && call.response.log_probs_size() == args.batch) {
+        r.latencies.push_back(std::chrono::duration<double, std::milli>(now - call.sent).count());
+      } else {
+        ++r.failed;
+      }
+    }
+    if (now < t_end) {
+      start_call(reinterpret_cast<std::size_t>(tag));
+    } else {
+      --outstanding;
+    }
+  }
+  r.elapsed = args.seconds;
+  cq.Shutdown();
+  void *tag;
+  bool ok;
+  while (cq.Next(&tag, &ok)) {
+  }
+  return r;
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+  Args args = Parse(argc, argv);
+  std::vector<std::vector<std::string> > words = ReadNgrams(args.ngram_file);
+  nlmserve::ClientOptions options;
+  options.cache_size = 0;
+  nlmserve::Client vocabulary(args.target, options);  // fetches the id map once
+  std::vector<std::vector<uint32_t> > ids = CanonicalRows(vocabulary, words);
+  Result r = args.async ? RunAsync(args, vocabulary, ids) : RunThreads(args, ids);
+  const uint64_t requests = r.latencies.size();
   std::printf(
-      "{\"threads\": %d, \"batch\": %d, \"seconds\": %.3f, \"requests\": %llu, \"failed\": %llu, "
+      "{\"mode\": \"%s\", \"clients\": %d, \"batch\": %d, \"seconds\": %.3f, \"requests\": %llu, \"failed\": %llu, "
       "\"requests_per_s\": %.1f, \"ngrams_per_s\": %.1f, \"p50_ms\": %.3f, \"p90_ms\": %.3f, "
       "\"p99_ms\": %.3f}\n",
-      args.threads, args.batch, elapsed, static_cast<unsigned long long>(requests),
-      static_cast<unsigned long long>(failures), requests / elapsed, requests * args.batch / elapsed,
-      Percentile(all, 50), Percentile(all, 90), Percentile(all, 99));
-  return failures == 0 ? 0 : 1;
+      args.async ? "async" : "threads", args.threads, args.batch, r.elapsed, static_cast<unsigned long long>(requests),
+      static_cast<unsigned long long>(r.failed), requests / r.elapsed, requests * args.batch / r.elapsed,
+      Percentile(r.latencies, 50), Percentile(r.latencies, 90), Percentile(r.latencies, 99));
+  return r.failed == 0 ? 0 : 1;
 }
