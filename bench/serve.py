@@ -593,9 +593,11 @@ def main(argv: list[str] | None = None) -> int:
          best_engine >= 0.5 * res["compute_limit"]),
         ("gRPC packed (10k) >= 80% of the engine", f"{res['grpc_packed_10000'] / res['engine_10000']:.0%}",
          res["grpc_packed_10000"] >= 0.8 * res["engine_10000"]),
-        ("single n-gram p50 <= 1 ms", f"{lat['p50_ms']:.3f} ms", lat["p50_ms"] <= 1.0),
-        ("micro-batching gain >= 5x", f"{res['batching_gain']:.1f}x", res["batching_gain"] >= 5.0),
-        ("micro-batching p99 <= 10 ms", f"{conc['p99_ms']:.2f} ms", conc["p99_ms"] <= 10.0),
+        ("single n-gram p50 <= 1 ms (Python client)", f"{lat['p50_ms']:.3f} ms", lat["p50_ms"] <= 1.0),
+        # The Python server's own micro-batching, for comparison: the target is met (or
+        # not) through the native front end below.
+        ("(Python server alone: batching gain >= 5x)", f"{res['batching_gain']:.1f}x", res["batching_gain"] >= 5.0),
+        ("(Python server alone: p99 <= 10 ms)", f"{conc['p99_ms']:.2f} ms", conc["p99_ms"] <= 10.0),
         ("(no-op server / --max-batch-ngrams 1 >= 5x)", f"{res['noop_ceiling_gain']:.1f}x",
          res["noop_ceiling_gain"] >= 5.0),
     ]
@@ -605,8 +607,9 @@ def main(argv: list[str] | None = None) -> int:
                    for label, key in (("C++ client", "latency_c1_cpp"), ("native, C++ client", "latency_c1_cpp_native"),
                                       ("native, Python client", "latency_c1_native"))]
         checks += [
-            ("native front end gain >= 5x", f"{res['native_gain']:.1f}x", res["native_gain"] >= 5.0),
-            ("native front end p99 <= 10 ms", f"{nat['p99_ms']:.2f} ms", nat["p99_ms"] <= 10.0),
+            ("micro-batching gain >= 5x (serve --frontend native)", f"{res['native_gain']:.1f}x",
+             res["native_gain"] >= 5.0),
+            ("micro-batching p99 <= 10 ms (serve --frontend native)", f"{nat['p99_ms']:.2f} ms", nat["p99_ms"] <= 10.0),
         ]
         other = res["load_mode_other"]
         nat_o = res["native_batching_" + other]
@@ -615,9 +618,9 @@ def main(argv: list[str] | None = None) -> int:
              res["native_gain_" + other] >= 5.0),
             (f"(the same, {other} clients: p99 <= 10 ms)", f"{nat_o['p99_ms']:.2f} ms", nat_o["p99_ms"] <= 10.0),
         ]
-    print("\ntarget                                     measured     met")
+    print(f"\n{'target':54s} {'measured':>10s}   met")
     for name, value, met in checks:
-        print(f"{name:42s} {value:>10s}   {'yes' if met else 'NO'}")
+        print(f"{name:54s} {value:>10s}   {'yes' if met else 'NO'}")
     res["checks"] = {name: {"measured": value, "met": met} for name, value, met in checks}
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2, default=str))
