@@ -17,8 +17,9 @@ toolchain is there, Python asyncio clients otherwise. ``--load-mode async`` (the
 drives the 32 clients from one thread through a gRPC completion queue, as Triton's
 perf_analyzer does in its async mode; ``threads`` gives each client a thread calling the C++
 client library a Moses decoder links. The load generator shares the two cores with the
-server it measures, so the cheaper one measures the server better; the batching server and
-``--max-batch-ngrams 1`` are also measured with the other mode, and both are printed. It runs against the batching server, ``--max-batch-ngrams 1`` and a no-op server
+server it measures, so the cheaper one measures the server better; ``serve --frontend
+native`` and ``--max-batch-ngrams 1`` are also measured with the other mode, and both are
+printed. It runs against the batching server, ``--max-batch-ngrams 1`` and a no-op server
 on the same gRPC stack that answers without touching a model, twice each in turn: the no-op
 rate is the ceiling that no batching can pass on this machine. When the C++ project builds,
 the same load also goes to ``serve --frontend native`` (server/native's ``nlmserve_frontend``
@@ -383,8 +384,8 @@ def cpp_concurrent_single(tool: Path, target: str, words: list[list[str]], clien
 def concurrent_measure(server: ServerProcess, ids: np.ndarray, words: list[list[str]], cfg: BenchConfig,
                        tool: Path | None, clients: int | None = None, mode: str | None = None) -> dict[str, float]:
     """One-n-gram requests from ``clients`` (default ``cfg.concurrency``) clients (``tool`` in
-    ``mode``, default ``cfg.load_mode``, when built, else Python asyncio), sent to the server (with ``--frontend
-    native``: to the front end before it), plus the serving side's view: requests per
+    ``mode``, default ``cfg.load_mode``, when built, else Python asyncio), sent to the server
+    (with ``--frontend native``: to the front end before it), plus the serving side's view: requests per
     forward pass, CPU per request (front end and server together)."""
     clients = clients or cfg.concurrency
     cpu = server.cpu_seconds
