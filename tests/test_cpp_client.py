@@ -231,6 +231,23 @@ def test_invalid_ngrams_are_errors_not_crashes(driver: Path, server: Server) -> 
         cpp.close()
 
 
+def test_canonical_rows_are_the_ones_sent(driver: Path, server: Server) -> None:
+    from nlmserve.client import LMClient
+
+    with LMClient(server.target) as py:
+        vocab = py.vocabulary()
+        bos, of, the = py.info.bos_id, vocab["of"], vocab["the"]
+    cpp = Driver(driver, server.target)
+    try:
+        assert cpp.ask("row the") == f"ok {bos} {bos} {bos} {bos} {the}"
+        assert cpp.ask("row of the") == f"ok {bos} {bos} {bos} {of} {the}"
+        assert cpp.ask("row of <s> of the") == f"ok {bos} {bos} {bos} {of} {the}"
+        assert cpp.ask("row of of of of the") == f"ok {of} {of} {of} {of} {the}"
+        assert cpp.ask("row of of of of of the").startswith("error 3 n-gram 0 has 6 words")
+    finally:
+        cpp.close()
+
+
 def test_eight_threads_consistent(driver: Path, server: Server, ngram_file: tuple[Path, list[list[str]]]) -> None:
     path, _ = ngram_file
     cpp = Driver(driver, server.target)
@@ -340,4 +357,4 @@ def test_load_generator_refuses_ngrams_longer_than_the_order(driver: Path, serve
     path.write_text("a b c d e f g\n", encoding="utf-8")
     done = subprocess.run([str(BUILD / "nlmserve_load"), server.target, str(path), "--mode", "async"],
                           capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and "longer than the model's order" in done.stderr
+    assert done.returncode == 2 and "n-gram 0 has 7 words; the model takes 1 to 5" in done.stderr

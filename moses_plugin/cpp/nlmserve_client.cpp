@@ -660,6 +660,13 @@ const std::string &Client::target() const { return impl_->target; }
 
 uint32_t Client::WordId(const std::string &word) const { return impl_->WordId(word); }
 
+std::vector<uint32_t> Client::CanonicalRow(const std::vector<uint32_t> &ngram, std::size_t index) const {
+  std::vector<uint32_t> row;
+  std::string key;
+  impl_->Canonical(ngram, index, &row, &key);
+  return row;
+}
+
 bool Client::Known(const std::string &word) const {
   return impl_->ids.count(impl_->lowercase ? Lowercase(word) : word) > 0;
 }

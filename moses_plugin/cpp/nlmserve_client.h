@@ -140,6 +140,12 @@ class Client {
   // server failure after the retries).
   std::vector<float> ScoreBatch(const std::vector<std::vector<uint32_t> > &ngrams);
 
+  // The row the library sends for `ngram`: `order` ids, left-padded with <s>, everything
+  // left of the newest <s> in the context set to <s> (the contract scores all three
+  // shapes alike). For callers that build their own requests. Throws ClientError
+  // (code 3) as ScoreBatch does for the same n-gram; its message names `index`.
+  std::vector<uint32_t> CanonicalRow(const std::vector<uint32_t> &ngram, std::size_t index = 0) const;
+
   // The same for n-grams given as words (mapped with WordId).
   std::vector<float> ScoreStrings(const std::vector<std::vector<std::string> > &ngrams);
 

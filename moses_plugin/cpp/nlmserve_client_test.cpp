@@ -12,6 +12,7 @@
 //         info                      -> ok order=.. vocab=.. hash=.. bos=.. eos=.. unk=..
 //         score W1 .. Wn            -> ok SCORE            (log10, %.9g)
 //         ids I1 .. In              -> ok SCORE
+//         row W1 .. Wn              -> ok I1 .. I_order   (the canonical row the client sends)
 //         file PATH                 -> ok N, then N lines of scores (one batch, one n-gram a line)
 //         threads T PATH REPEATS    -> ok mismatches=.. far=.. max_diff=.. errors=.. calls=..
 //                                      (mismatches: answers not bit-equal to the reference;
@@ -231,6 +232,14 @@ void Run(nlmserve::Client &client) {
         while (in >> id) ids.push_back(static_cast<uint32_t>(id));
         float score = client.Score(ids);
         std::cout << "ok " << Fmt(score) << "\n";
+      } else if (cmd == "row") {
+        std::vector<uint32_t> ids;
+        std::string w;
+        while (in >> w) ids.push_back(client.WordId(w));
+        std::ostringstream out;
+        out << "ok";
+        for (uint32_t id : client.CanonicalRow(ids)) out << " " << id;
+        std::cout << out.str() << "\n";
       } else if (cmd == "file") {
         std::string path;
         in >> path;

@@ -119,21 +119,21 @@ struct Result {
   double elapsed = 0.0;
 };
 
-// Rows in the server's canonical shape: `order` ids, shorter n-grams left-padded with <s>
-// (the contract makes the two equivalent; the client library sends the same).
+// Rows in the server's canonical shape (the client library's CanonicalRow: the async
+// mode builds its packed requests itself). Exits with status 2 on an n-gram the model
+// cannot score.
 std::vector<std::vector<uint32_t> > CanonicalRows(const nlmserve::Client &client,
                                                   const std::vector<std::vector<std::string> > &words) {
-  const auto &info = client.info();
   std::vector<std::vector<uint32_t> > rows;
-  for (const auto &ngram : words) {
-    if (ngram.size() > info.order) {
-      std::cerr << "nlmserve_load: an n-gram of " << ngram.size() << " words is longer than the model's order "
-                << info.order << "\n";
+  for (std::size_t i = 0; i < words.size(); ++i) {
+    std::vector<uint32_t> ids;
+    for (const auto &w : words[i]) ids.push_back(client.WordId(w));
+    try {
+      rows.push_back(client.CanonicalRow(ids, i));
+    } catch (const nlmserve::ClientError &e) {
+      std::cerr << "nlmserve_load: in the n-gram file (counting from 0): " << e.what() << "\n";
       std::exit(2);
     }
-    std::vector<uint32_t> row(info.order - ngram.size(), info.bos_id);
-    for (const auto &w : ngram) row.push_back(client.WordId(w));
-    rows.push_back(row);
   }
   return rows;
 }
