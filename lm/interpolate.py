@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from nlmserve.errors import InputError
+from nlmserve.kenlm_file import load_kenlm
 from nlmserve.lm.corpus import read_sentences
 from nlmserve.lm.scoring import LanguageModel
 
@@ -71,17 +72,7 @@ class InterpolationResult:
 
 def load_kn(path: str | os.PathLike[str]) -> Any:
     """A ``kenlm.Model`` (ARPA or binary); InputError naming the file when it cannot be read."""
-    try:
-        import kenlm
-    except ImportError as exc:
-        raise InputError("reading a Kneser-Ney model needs the kenlm module: pip install 'nlmserve[bench]' "
-                         "(or pip install kenlm)", str(path)) from exc
-    if not os.path.exists(path):
-        raise InputError("no such Kneser-Ney model file", str(path))
-    try:
-        return kenlm.Model(str(path))
-    except (OSError, RuntimeError, ValueError) as exc:
-        raise InputError(f"cannot read the Kneser-Ney model: {exc}", str(path)) from exc
+    return load_kenlm(path)
 
 
 def score_text(lm: LanguageModel, kn: Any, text: str | os.PathLike[str], *, lowercase: bool = False) -> TokenScores:

@@ -27,7 +27,11 @@ def register(subparsers: Any) -> None:
 
 def _register_rescore(subparsers: Any) -> None:
     p = subparsers.add_parser("rescore", help="add the neural LM's sentence log-probability to an n-best list")
-    p.add_argument("--server", required=True, help=SERVER_HELP)
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--server", help=SERVER_HELP)
+    source.add_argument("--kenlm", metavar="FILE",
+                        help="instead of a server: a Kneser-Ney model (ARPA or KenLM binary) read in-process "
+                             "by the kenlm module, e.g. an in-domain LM as --feature-name KN1")
     p.add_argument("--nbest", required=True, help="Moses n-best list (plain or gzip)")
     p.add_argument("--out", required=True, help="output n-best list (gzip when it ends in .gz)")
     p.add_argument("--feature-name", default="NLM0", help="name of the new dense feature (no '_'; default NLM0)")
@@ -107,6 +111,10 @@ def _rescore(args: argparse.Namespace) -> int:
     )
 
     def connect() -> Any:
+        if args.kenlm:
+            from nlmserve.moses_plugin.kenlm_source import KenlmScorer
+
+            return KenlmScorer(args.kenlm)
         from nlmserve.client.cli import connect
 
         return connect(args.server, args, args.timeout)

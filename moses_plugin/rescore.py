@@ -186,7 +186,8 @@ class Connection:
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
         if self.model_hash and model_hash and model_hash != self.model_hash:
-            raise NlmserveError(f"the server now serves model {model_hash}, not {self.model_hash}; rescoring stopped")
+            raise NlmserveError(f"the model is now {model_hash}, not {self.model_hash} as when this output was begun; "
+                               "rescoring stopped")
         self.model_hash = model_hash or self.model_hash
         self.close()
         self.client = client

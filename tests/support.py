@@ -71,3 +71,34 @@ class GatedScorer:
         self.gate.wait(10)
         self.rows_scored += len(ids)
         return self.scorer.score(ids, normalized)  # type: ignore[no-any-return]
+
+
+# A bigram ARPA file small enough to work out by hand (tests of the KenLM paths).
+TINY_ARPA = """\\data\\
+ngram 1=5
+ngram 2=4
+
+\\1-grams:
+-1.0\t<unk>\t0
+-99\t<s>\t-0.30103
+-0.5\t</s>\t0
+-0.69897\tthe\t-0.2
+-0.60206\tof\t-0.1
+
+\\2-grams:
+-0.22185\t<s> the
+-0.39794\tthe of
+-0.30103\tof </s>
+-0.52288\tthe </s>
+
+\\end\\
+"""
+
+TINY_ARPA_TEXT = "the of the\nof zebra\n"
+# By hand, log10 P per token (</s> included), OOV flag:
+#   "the of the </s>": the|<s> bigram -0.22185; of|the bigram -0.39794;
+#       the|of no bigram: backoff(of) + P(the) = -0.1 - 0.69897; </s>|the bigram -0.52288.
+#   "of zebra </s>": of|<s> no bigram: backoff(<s>) + P(of) = -0.30103 - 0.60206;
+#       zebra is OOV: backoff(of) + P(<unk>) = -0.1 - 1.0; </s>|<unk>: backoff(<unk>) 0 + P(</s>) -0.5.
+TINY_ARPA_GOLDEN = [-0.22185, -0.39794, -0.79897, -0.52288, -0.90309, -1.1, -0.5]
+TINY_ARPA_GOLDEN_OOV = [False, False, False, False, False, True, False]

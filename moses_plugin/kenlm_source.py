@@ -1,0 +1,129 @@
+"""A Kneser-Ney model read in-process by KenLM, as a scorer for ``nlmserve rescore``.
+
+Moses systems often carry more than one language model (a large general one and a
+small in-domain one). ``nlmserve rescore --kenlm FILE --feature-name KN1`` adds such a
+model's sentence log-probability to an n-best list with the same machinery as the neural
+feature (streaming, one score per distinct n-gram, atomic output, checkpoints and
+resume, ``--lowercase``, ``--skip-bad``), so the two can be tuned together or compared.
+
+The value is the one Moses' ``KENLM`` feature computes for a whole sentence:
+``ln 10 ·`` KenLM's ``score(hyp, bos=True, eos=True)``, i.e. the natural-log probability of
+every word and ``</s>`` after ``<s>``, unknown words at the model's ``<unk>`` probability.
+Each n-gram row of the rescoring loop (left-padded with ``<s>``) is scored as
+``P(w | context)`` with the context started at its newest ``<s>``
+(``BeginSentenceWrite``) or, without one, from the null context; KenLM's state keeps what
+the model can use of the context, so the sum over a hypothesis's rows equals the
+sentence score up to float rounding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from nlmserve.errors import InputError
+from nlmserve.kenlm_file import load_kenlm
+
+LN10 = math.log(10.0)
+BOS_ID, EOS_ID, UNK_ID = 1, 2, 0
+
+
+class _GrowingVocabulary(dict[str, int]):
+    """Word → id, assigning the next id to a word on its first lookup.
+
+    KenLM maps words it does not know to its own ``<unk>``, so the rescoring loop must
+    pass every word through as itself rather than collapse them to one unknown id.
+    """
+
+    def __init__(self, words: list[str]) -> None:
+        super().__init__((w, i) for i, w in enumerate(words))
+        self.words = words
+
+    def get(self, word: str, default: Any = None) -> int:  # type: ignore[override]
+        found = super().get(word)
+        if found is None:
+            found = len(self.words)
+            self.words.append(word)
+            self[word] = found
+        return found
+
+
+@dataclass(frozen=True)
+class KenlmInfo:
+    model_hash: str
+    path: str
+
+
+@dataclass(frozen=True)
+class KenlmScores:
+    log_probs: np.ndarray
+
+
+class KenlmScorer:
+    """What ``moses_plugin.rescore`` needs of a client (``order``, ``vocabulary``,
+    ``score_ids``, ``info.model_hash``), answered by a local KenLM model."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self._model = load_kenlm(path)
+        import kenlm  # present: load_kenlm has just used it
+
+        self._state_type = kenlm.State
+        self._words = ["<unk>", "<s>", "</s>"]
+        self._vocab = _GrowingVocabulary(self._words)
+        self.info = KenlmInfo(model_hash=file_sha256(path), path=str(path))
+
+    @property
+    def order(self) -> int:
+        return int(self._model.order)
+
+    def vocabulary(self) -> dict[str, int]:
+        return self._vocab
+
+    def score_ids(self, ids: np.ndarray, log_base: str = "ln", normalized: bool = True) -> KenlmScores:
+        """Conditional log-probability of the last word of each row given the others.
+
+        ``log_base`` is ``"ln"`` or ``"log10"``; ``normalized`` is accepted for the
+        client's signature (KenLM's probabilities are normalised).
+        """
+        if log_base not in ("ln", "log10"):
+            raise InputError(f"unknown log base {log_base!r} (ln or log10)")
+        rows = np.asarray(ids)
+        if rows.ndim != 2 or rows.shape[1] < 1:
+            raise InputError(f"n-gram ids must be a (rows, n) array, got shape {rows.shape}")
+        model, words = self._model, self._words
+        state, other = self._state_type(), self._state_type()
+        out = np.empty(len(rows), dtype=np.float64)
+        for i, row in enumerate(rows.tolist()):
+            start = 0
+            for j in range(len(row) - 2, -1, -1):
+                if row[j] == BOS_ID:
+                    start = j + 1
+                    break
+            if start:
+                model.BeginSentenceWrite(state)
+            else:
+                model.NullContextWrite(state)
+            for word_id in row[start:-1]:
+                model.BaseScore(state, words[word_id], other)
+                state, other = other, state
+            out[i] = model.BaseScore(state, words[row[-1]], other)
+        if log_base == "ln":
+            out *= LN10
+        return KenlmScores(out)
+
+    def close(self) -> None:
+        """Nothing to release (the model is freed with the object)."""
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """Hex SHA-256 of a file's bytes (the model hash of a KenLM file)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
