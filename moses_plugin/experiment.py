@@ -50,6 +50,8 @@ class ExperimentConfig:
         model: use this model file instead of training one.
         server: use this running server (HOST:PORT) instead of starting one.
         restarts / seed: MERT random restarts and seed.
+        mert_runs: tune every system this many times (seeds ``seed`` … ``seed+mert_runs-1``)
+            and report the mean, the standard deviation and a p-value over all runs.
         samples: paired bootstrap resamples.
         lowercase: lowercase hypotheses for the LM and BLEU (the shipped data already is).
     """
@@ -67,6 +69,7 @@ class ExperimentConfig:
     server: str | None = None
     restarts: int = 5
     seed: int = 0
+    mert_runs: int = 1
     samples: int = 1000
     lowercase: bool = False
 
@@ -87,6 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                     "or dns:///NAME:PORT (no model, no serve)")
     p.add_argument("--restarts", type=int, default=d.restarts, help="MERT random restarts")
     p.add_argument("--seed", type=int, default=d.seed, help="MERT seed")
+    p.add_argument("--mert-runs", type=int, default=d.mert_runs,
+                   help="tune each system N times (seeds SEED..SEED+N-1); the table gives mean ± sd and a "
+                        "p-value over the runs (default 1)")
     p.add_argument("--samples", type=int, default=d.samples, help="paired bootstrap resamples")
     p.add_argument("--lowercase", action="store_true", help="lowercase hypotheses (LM and BLEU)")
     from nlmserve.client.cli import add_security_flags
@@ -99,7 +105,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         workdir=args.workdir, train_text=args.train_text, valid_text=args.valid_text,
         dev_nbest=args.dev_nbest, dev_ref=tuple(args.dev_ref), test_nbest=args.test_nbest,
         test_ref=tuple(args.test_ref), minutes=args.minutes, train_args=tuple(args.train_args.split()),
-        model=args.model, server=args.server, restarts=args.restarts, seed=args.seed,
+        model=args.model, server=args.server, restarts=args.restarts, seed=args.seed, mert_runs=args.mert_runs,
         samples=args.samples, lowercase=args.lowercase,
     )
     from nlmserve.moses_plugin.report import format_table

@@ -10,19 +10,31 @@ Systems compared on the test set (all reranking the same test n-best list):
 
 p-values: ``mert+NLM0`` against ``mert``, ``moses+NLM0`` against ``moses``
 (sacrebleu's paired bootstrap).
+
+MERT's result depends on its random directions and restarts: on the full newstest lists,
+tuning the same system with another seed (or on feature values that differ in the sixth
+digit) moves test BLEU by one or two tenths. With ``mert_runs`` = N > 1 every tuned system
+is tuned N times, with seeds ``seed … seed+N-1`` (``mert+NLM0`` run r starts from ``mert``
+run r), as Clark et al. (2011) recommend for comparing systems under optimizer
+instability. The table then gives the mean and the standard deviation of the runs' BLEU,
+and the p-value is the paired bootstrap over the N runs' outputs joined end to end (run r
+of the system paired with run r of its baseline, sentence by sentence), so a difference
+must hold across the runs, not in one lucky draw. Run 0 writes the files of a single run
+(``weights.NAME.ini``, ``test.NAME.1best``); run r > 0 adds ``.runR`` to the name.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nlmserve.errors import InputError
 from nlmserve.moses_plugin import bleu, mert
 from nlmserve.moses_plugin.nbest import read_lines, write_text_atomic
-from nlmserve.moses_plugin.rerank import first_best, rerank
+from nlmserve.moses_plugin.rerank import rerank
 from nlmserve.moses_plugin.rescore import RescoreConfig, rescore
 from nlmserve.moses_plugin.weights import Weights, load_weights, to_moses_ini, to_weights_txt
 
@@ -51,13 +63,16 @@ class Pipeline:
         test = self.rescored("test", self.config.test_nbest)
         weights = self.tuned(dev)
         test_refs = bleu.read_references(list(self.config.test_ref))
-        outputs = {"moses": first_best(self.config.test_nbest)}
-        for name, w in weights.items():
-            path = self.work / f"test.{name}.1best"
-            source = str(test) if FEATURE in w.as_dict() else self.config.test_nbest
-            if not path.exists():
-                write_text_atomic(path, "".join(h + "\n" for h in rerank(source, w, n_sentences=len(test_refs[0])).hyps))
-            outputs[name] = read_lines(path)
+        outputs: dict[str, list[list[str]]] = {}
+        for name, runs in weights.items():
+            outputs[name] = []
+            for r, w in enumerate(runs):
+                path = self.work / f"test.{name}{_run_suffix(r)}.1best"
+                source = str(test) if FEATURE in w.as_dict() else self.config.test_nbest
+                if not path.exists():
+                    hyps = rerank(source, w, n_sentences=len(test_refs[0])).hyps
+                    write_text_atomic(path, "".join(h + "\n" for h in hyps))
+                outputs[name].append(read_lines(path))
         return self.evaluate(outputs, weights, test_refs)
 
     def connect(self) -> Any:
@@ -83,31 +98,35 @@ class Pipeline:
         self.rescore_stats[name] = stats
         return out
 
-    def tuned(self, dev: Path) -> dict[str, Weights]:
+    def tuned(self, dev: Path) -> dict[str, list[Weights]]:
+        """Each system's weights, one per MERT run (``moses``: the decoder's, once)."""
         refs = bleu.read_references(list(self.config.dev_ref))
         scorer = bleu.SentenceStats(self.bleu_config, refs)
         data = mert.load_nbest_data([str(dev)], scorer)
         base_layout = tuple(g for g in data.layout if g[0] != FEATURE)
         decoder, residual = mert.weights_from_totals([self.config.dev_nbest], base_layout)
         log.info("decoder weights fitted to the dev totals (largest residual %.3g)", residual)
-        cfg = mert.MertConfig(restarts=self.config.restarts, seed=self.config.seed)
         base_data = mert.select_features(data, [name for name, _ in base_layout])
-        out: dict[str, Weights] = {"moses": decoder.normalized_l1()}
-        self.dev_bleu: dict[str, float] = {}
-        out["mert"] = self._tune("mert", base_data, scorer, [decoder], None, cfg)
+        out: dict[str, list[Weights]] = {"moses": [decoder.normalized_l1()], "mert": [], "mert+NLM0": [], "moses+NLM0": []}
+        self.dev_bleu: dict[str, list[float]] = {name: [] for name in out}
         zero = Weights(((FEATURE, (0.0,)),))
-        starts = [_with(out["mert"], zero, data), _with(decoder, zero, data)]
-        out["mert+NLM0"] = self._tune("mert+NLM0", data, scorer, starts, None, cfg)
         only = mert.fix_features([mert.FeatureRange()] * data.dim, [g[0] for g in base_layout], data.layout)
-        out["moses+NLM0"] = self._tune("moses+NLM0", data, scorer, [_with(decoder, zero, data)], only, cfg)
+        for r in range(max(1, self.config.mert_runs)):
+            cfg = mert.MertConfig(restarts=self.config.restarts, seed=self.config.seed + r)
+            base = self._tune("mert", r, base_data, scorer, [decoder], None, cfg)
+            out["mert"].append(base)
+            starts = [_with(base, zero, data), _with(decoder, zero, data)]
+            out["mert+NLM0"].append(self._tune("mert+NLM0", r, data, scorer, starts, None, cfg))
+            out["moses+NLM0"].append(self._tune("moses+NLM0", r, data, scorer, [_with(decoder, zero, data)], only, cfg))
         packed = mert.PackedData(base_data)
         flat = packed.corpus_stats(_flat(decoder, base_data))
-        self.dev_bleu["moses"] = bleu.score_from_stats(scorer.metric, flat).score
+        self.dev_bleu["moses"] = [bleu.score_from_stats(scorer.metric, flat).score]
         return out
 
-    def _tune(self, name: str, data: mert.MertData, scorer: bleu.SentenceStats, starts: list[Weights],
+    def _tune(self, name: str, run: int, data: mert.MertData, scorer: bleu.SentenceStats, starts: list[Weights],
               ranges: list[mert.FeatureRange] | None, cfg: mert.MertConfig) -> Weights:
-        path = self.work / f"weights.{name}.ini"
+        stem = f"weights.{name}{_run_suffix(run)}"
+        path = self.work / f"{stem}.ini"
         packed = mert.PackedData(data)
         if not path.exists():
             best: mert.MertResult | None = None
@@ -117,35 +136,66 @@ class Pipeline:
                 if best is None or result.bleu > best.bleu:
                     best = result
             assert best is not None
-            write_text_atomic(self.work / f"weights.{name}.txt", to_weights_txt(best.weights))
+            write_text_atomic(self.work / f"{stem}.txt", to_weights_txt(best.weights))
             write_text_atomic(path, to_moses_ini(best.weights))
         weights = load_weights(path).for_layout(data.layout)
         stats = packed.corpus_stats(_flat(weights, data))
-        self.dev_bleu[name] = bleu.score_from_stats(scorer.metric, stats).score
-        log.info("%s: dev BLEU %.2f", name, self.dev_bleu[name])
+        self.dev_bleu[name].append(bleu.score_from_stats(scorer.metric, stats).score)
+        log.info("%s run %d (seed %d): dev BLEU %.2f", name, run, cfg.seed, self.dev_bleu[name][-1])
         return weights
 
-    def evaluate(self, outputs: dict[str, list[str]], weights: dict[str, Weights], refs: list[list[str]]) -> dict[str, Any]:
+    def evaluate(self, outputs: dict[str, list[list[str]]], weights: dict[str, list[Weights]],
+                 refs: list[list[str]]) -> dict[str, Any]:
         rows = []
-        for name, hyps in outputs.items():
-            score, signature = bleu.corpus_bleu(hyps, refs, self.bleu_config)
-            uses_nlm = FEATURE in weights[name].as_dict()
+        n_runs = max(len(v) for v in outputs.values())
+        for name, runs in outputs.items():
+            scores = [bleu.corpus_bleu(hyps, refs, self.bleu_config) for hyps in runs]
+            test = [score.score for score, _ in scores]
+            dev = self.dev_bleu.get(name, [])
+            first = weights[name][0].as_dict()
+            uses_nlm = FEATURE in first
+            signature = bleu.full_signature(scores[0][1], first, self.model_hash if uses_nlm else None)
             row: dict[str, Any] = {
                 "system": name,
-                "test_bleu": score.score,
-                "test_score": str(score),
-                "dev_bleu": self.dev_bleu.get(name),
-                "weights": weights[name].as_dict(),
-                "signature": bleu.full_signature(signature, weights[name].as_dict(), self.model_hash if uses_nlm else None),
+                "test_bleu": _mean(test),
+                "test_bleu_sd": _sd(test),
+                "test_score": str(scores[0][0]),
+                "dev_bleu": _mean(dev) if dev else None,
+                "weights": first,
+                "signature": signature + (f"|mert-runs:{len(runs)}" if len(runs) > 1 else ""),
                 "p_value": None,
                 "baseline": BASELINES.get(name),
+                "runs": [{"seed": self.config.seed + r, "test_bleu": test[r], "dev_bleu": dev[r] if r < len(dev) else None,
+                          "weights": weights[name][r].as_dict()} for r in range(len(runs))],
             }
             if name in BASELINES:
-                paired = bleu.paired_bootstrap(outputs[BASELINES[name]], hyps, refs, self.bleu_config, self.config.samples)
+                base_runs = outputs[BASELINES[name]]
+                paired_base = [base_runs[r % len(base_runs)] for r in range(len(runs))]
+                joined_refs = [[line for _ in runs for line in ref] for ref in refs]
+                paired = bleu.paired_bootstrap([h for hyps in paired_base for h in hyps], [h for hyps in runs for h in hyps],
+                                               joined_refs, self.bleu_config, self.config.samples)
+                base_test = [bleu.corpus_bleu(hyps, refs, self.bleu_config)[0].score for hyps in base_runs]
                 row.update(p_value=paired.p_value, paired_signature=paired.signature,
-                           delta=paired.system_bleu - paired.baseline_bleu, ci95=paired.system_ci)
+                           delta=_mean(test) - _mean(base_test), ci95=paired.system_ci)
             rows.append(row)
-        return {"rows": rows, "model_hash": self.model_hash, "rescore": self.rescore_stats, "server": self.target}
+        return {"rows": rows, "model_hash": self.model_hash, "rescore": self.rescore_stats, "server": self.target,
+                "mert_runs": n_runs}
+
+
+def _run_suffix(run: int) -> str:
+    return f".run{run}" if run else ""
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _sd(values: list[float]) -> float:
+    """Sample standard deviation (0 for a single value)."""
+    if len(values) < 2:
+        return 0.0
+    mean = _mean(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
 def _with(weights: Weights, extra: Weights, data: mert.MertData) -> Weights:

@@ -15,7 +15,7 @@ def _cells(row: dict[str, Any]) -> list[str]:
     nlm = row["weights"].get("NLM0")
     return [
         row["system"],
-        f"{row['test_bleu']:.2f}",
+        f"{row['test_bleu']:.2f}" + (f" ± {row['test_bleu_sd']:.2f}" if len(row.get("runs", [])) > 1 else ""),
         f"{row['delta']:+.2f} vs {row['baseline']}" if row.get("delta") is not None else "",
         f"{row['p_value']:.4f}" if row.get("p_value") is not None else "",
         f"{row['dev_bleu']:.2f}" if row.get("dev_bleu") is not None else "",
@@ -35,6 +35,10 @@ def format_table(report: dict[str, Any]) -> str:
 
 def to_markdown(report: dict[str, Any]) -> str:
     out = ["# Rescoring with NLM0: BLEU on the test set", ""]
+    if report.get("mert_runs", 1) > 1:
+        out += [f"Each tuned system was tuned {report['mert_runs']} times (MERT seeds differ): BLEU is the mean ± the "
+                "standard deviation of the runs, Δ the difference of the means, the p-value a paired bootstrap over "
+                "all runs' outputs joined (run r against run r of the baseline).", ""]
     out.append("| " + " | ".join(COLUMNS) + " |")
     out.append("|" + "---|" * len(COLUMNS))
     for row in report["rows"]:
@@ -42,11 +46,17 @@ def to_markdown(report: dict[str, Any]) -> str:
         cells[-1] = "`" + cells[-1].replace("|", "\\|") + "`"  # a pipe inside a table cell must be escaped
         out.append("| " + " | ".join(cells) + " |")
     out += ["", f"Model hash: `{report.get('model_hash', '')}`", ""]
-    out.append("Weights (L1-normalised, moses.ini order):")
+    out.append("Weights (L1-normalised, moses.ini order" + ("; the first run's" if report.get("mert_runs", 1) > 1 else "") + "):")
     out.append("")
     for row in report["rows"]:
         weights = "; ".join(f"{k}= " + " ".join(f"{v:.4f}" for v in vs) for k, vs in row["weights"].items())
         out.append(f"- {row['system']}: {weights}")
+    for row in report["rows"]:
+        runs = row.get("runs", [])
+        if len(runs) > 1:
+            each = ", ".join(f"seed {r['seed']}: test {r['test_bleu']:.2f}"
+                             + (f" / dev {r['dev_bleu']:.2f}" if r.get("dev_bleu") is not None else "") for r in runs)
+            out.append(f"- {row['system']} runs: {each}")
     for name, stats in report.get("rescore", {}).items():
         out.append(f"- rescoring {name}: {stats.get('hypotheses', 0)} hypotheses, {stats.get('ngrams', 0)} n-grams,"
                    f" distinct/total {stats.get('dedup_rate', 0):.3f}, {stats.get('seconds', 0):.1f} s")
@@ -65,7 +75,9 @@ def save_chart(report: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     names = [r["system"] for r in rows]
     values = [r["test_bleu"] for r in rows]
-    bars = ax.bar(names, values, color=["#888888" if "NLM0" not in n else "#1f77b4" for n in names])
+    errors = [r.get("test_bleu_sd", 0.0) for r in rows]
+    bars = ax.bar(names, values, yerr=errors if any(errors) else None, capsize=4,
+                  color=["#888888" if "NLM0" not in n else "#1f77b4" for n in names])
     for bar, row in zip(bars, rows):
         label = f"{row['test_bleu']:.2f}"
         if row.get("p_value") is not None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import gzip
 import json
+import statistics
 from pathlib import Path
 
 import pytest
 
 from nlmserve.cli import main
+from nlmserve.moses_plugin import bleu
 from nlmserve.moses_plugin.experiment import ExperimentConfig, run
 from nlmserve.moses_plugin.nbest import iter_sentences, read_lines
 
@@ -67,3 +69,40 @@ def test_experiment_runs_and_resumes(tiny_model_path: Path, tmp_path: Path, caps
     assert "mert+NLM0" in out and f"model {model_hash}" in out
     assert (work / "test.nlm.nbest.gz").stat().st_mtime_ns == mtime
     assert json.loads((work / "results.json").read_text())["rows"] == saved["rows"]
+    # Replicated tuning on the same workdir: run 0 is the single run above (its files are
+    # reused), runs 1 and 2 are new MERT runs with seeds 1 and 2 (one random restart each).
+    assert main(["experiment", "--workdir", str(work), "--dev-nbest", dev, "--dev-ref", dev_ref, "--test-nbest", test,
+                 "--test-ref", test_ref, "--model", str(tiny_model_path), "--restarts", "1", "--samples", "100",
+                 "--mert-runs", "3"]) == 0
+    assert "±" in capsys.readouterr().out
+    replicated = json.loads((work / "results.json").read_text())
+    assert replicated["mert_runs"] == 3 and (work / "test.nlm.nbest.gz").stat().st_mtime_ns == mtime
+    refs = [read_lines(test_ref)]
+    bleu_config = bleu.BleuConfig()
+    for row, single in zip(replicated["rows"], saved["rows"]):
+        name, runs = row["system"], row["runs"]
+        assert len(runs) == (1 if name == "moses" else 3)
+        assert runs[0]["test_bleu"] == pytest.approx(single["test_bleu"], abs=1e-9)
+        assert runs[0]["weights"] == single["weights"]
+        assert [r["seed"] for r in runs] == list(range(len(runs)))
+        assert row["test_bleu"] == pytest.approx(statistics.mean(r["test_bleu"] for r in runs), abs=1e-9)
+        if len(runs) > 1:
+            assert row["test_bleu_sd"] == pytest.approx(statistics.stdev(r["test_bleu"] for r in runs), abs=1e-9)
+            assert row["signature"].endswith("|mert-runs:3")
+            for r, run_ in enumerate(runs):
+                hyps = read_lines(work / f"test.{name}{'.run%d' % r if r else ''}.1best")
+                assert bleu.corpus_bleu(hyps, refs, bleu_config)[0].score == pytest.approx(run_["test_bleu"], abs=1e-9)
+    rows = {r["system"]: r for r in replicated["rows"]}
+    assert rows["mert"]["runs"][1]["weights"] != rows["mert"]["runs"][0]["weights"]  # another seed, another path
+    # The p-value: the paired bootstrap over the three runs joined, run r against run r of the baseline.
+    joined = {name: [h for r in range(3) for h in read_lines(work / f"test.{name}{'.run%d' % r if r else ''}.1best")]
+              for name in ("mert", "mert+NLM0")}
+    paired = bleu.paired_bootstrap(joined["mert"], joined["mert+NLM0"], [refs[0] * 3], bleu_config, 100)
+    assert rows["mert+NLM0"]["p_value"] == pytest.approx(paired.p_value)
+    assert rows["mert+NLM0"]["delta"] == pytest.approx(rows["mert+NLM0"]["test_bleu"] - rows["mert"]["test_bleu"])
+    moses = [h for _ in range(3) for h in read_lines(work / "test.moses.1best")]
+    joined_moses_nlm = [h for r in range(3) for h in read_lines(work / f"test.moses+NLM0{'.run%d' % r if r else ''}.1best")]
+    paired = bleu.paired_bootstrap(moses, joined_moses_nlm, [refs[0] * 3], bleu_config, 100)
+    assert rows["moses+NLM0"]["p_value"] == pytest.approx(paired.p_value)
+    markdown = (work / "results.md").read_text()
+    assert "tuned 3 times" in markdown and "- mert+NLM0 runs: seed 0: test" in markdown
