@@ -13,7 +13,7 @@ p-values: ``mert+NLM0`` against ``mert``, ``moses+NLM0`` against ``moses``
 
 MERT's result depends on its random directions and restarts: on the full newstest lists,
 tuning the same system with another seed (or on feature values that differ in the sixth
-digit) moves test BLEU by one or two tenths. With ``mert_runs`` = N > 1 every tuned system
+digit) moves test BLEU by tenths of a point. With ``mert_runs`` = N > 1 every tuned system
 is tuned N times, with seeds ``seed … seed+N-1`` (``mert+NLM0`` run r starts from ``mert``
 run r), as Clark et al. (2011) recommend for comparing systems under optimizer
 instability. The table then gives the mean and the standard deviation of the runs' BLEU,
