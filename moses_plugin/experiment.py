@@ -189,6 +189,8 @@ def run(config: ExperimentConfig, client_kwargs: dict[str, Any] | None = None) -
     """
     from nlmserve.moses_plugin.pipeline import Pipeline
 
+    if config.mert_runs < 1:
+        raise NlmserveError(f"--mert-runs must be at least 1, not {config.mert_runs}")
     work = Path(config.workdir)
     work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()

@@ -111,7 +111,7 @@ class Pipeline:
         self.dev_bleu: dict[str, list[float]] = {name: [] for name in out}
         zero = Weights(((FEATURE, (0.0,)),))
         only = mert.fix_features([mert.FeatureRange()] * data.dim, [g[0] for g in base_layout], data.layout)
-        for r in range(max(1, self.config.mert_runs)):
+        for r in range(self.config.mert_runs):
             cfg = mert.MertConfig(restarts=self.config.restarts, seed=self.config.seed + r)
             base = self._tune("mert", r, base_data, scorer, [decoder], None, cfg)
             out["mert"].append(base)

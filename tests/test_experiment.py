@@ -106,3 +106,6 @@ def test_experiment_runs_and_resumes(tiny_model_path: Path, tmp_path: Path, caps
     assert rows["moses+NLM0"]["p_value"] == pytest.approx(paired.p_value)
     markdown = (work / "results.md").read_text()
     assert "tuned 3 times" in markdown and "- mert+NLM0 runs: seed 0: test" in markdown
+    assert main(["experiment", "--workdir", str(tmp_path / "none"), "--model", str(tiny_model_path), "--mert-runs", "0"]) == 1
+    assert "--mert-runs must be at least 1, not 0" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()
