@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence, cast
 
@@ -193,12 +192,3 @@ def full_signature(bleu_signature: str, weights: Mapping[str, Sequence[float]] |
     if model_hash is not None:
         parts.append(f"model:{model_hash}")
     return "|".join(parts)
-
-
-def file_digest(path: str | os.PathLike[str]) -> str:
-    """sha256 (first 12 hex digits) of a file's bytes."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()[:12]

@@ -18,7 +18,6 @@ sentence score up to float rounding.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 from dataclasses import dataclass
@@ -28,9 +27,10 @@ import numpy as np
 
 from nlmserve.errors import InputError
 from nlmserve.kenlm_file import load_kenlm
+from nlmserve.moses_plugin.nbest import file_sha256
+from nlmserve.moses_plugin.rescore import BOS_ID, EOS_ID, UNK_ID
 
 LN10 = math.log(10.0)
-BOS_ID, EOS_ID, UNK_ID = 1, 2, 0
 
 
 class _GrowingVocabulary(dict[str, int]):
@@ -73,7 +73,8 @@ class KenlmScorer:
         import kenlm  # present: load_kenlm has just used it
 
         self._state_type = kenlm.State
-        self._words = ["<unk>", "<s>", "</s>"]
+        self._words = [""] * 3  # the rescoring loop's fixed ids, then every word as it comes
+        self._words[UNK_ID], self._words[BOS_ID], self._words[EOS_ID] = "<unk>", "<s>", "</s>"
         self._vocab = _GrowingVocabulary(self._words)
         self.info = KenlmInfo(model_hash=file_sha256(path), path=str(path))
 
@@ -118,12 +119,3 @@ class KenlmScorer:
 
     def close(self) -> None:
         """Nothing to release (the model is freed with the object)."""
-
-
-def file_sha256(path: str | os.PathLike[str]) -> str:
-    """Hex SHA-256 of a file's bytes (the model hash of a KenLM file)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()

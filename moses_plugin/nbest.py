@@ -19,6 +19,7 @@ millions of lines are never held in memory.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
 import logging
 import math
@@ -381,3 +382,12 @@ def read_lines(path: str | os.PathLike[str]) -> list[str]:
     if lines and lines[-1] == "":
         lines.pop()
     return lines
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """Hex SHA-256 of a file's bytes, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

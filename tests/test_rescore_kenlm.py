@@ -18,8 +18,8 @@ import pytest
 
 from nlmserve.cli import main
 from nlmserve.errors import InputError
-from nlmserve.moses_plugin.kenlm_source import KenlmScorer, file_sha256
-from nlmserve.moses_plugin.nbest import iter_entries
+from nlmserve.moses_plugin.kenlm_source import KenlmScorer
+from nlmserve.moses_plugin.nbest import file_sha256, iter_entries
 from nlmserve.moses_plugin.rescore import RescoreConfig, rescore
 
 from support import TINY_ARPA, TINY_ARPA_GOLDEN, nbest_head
