@@ -46,14 +46,21 @@ def _register_rescore(subparsers: Any) -> None:
 
 
 def _register_tune(subparsers: Any) -> None:
-    p = subparsers.add_parser("tune", help="MERT on n-best lists (union over lists), BLEU by sacrebleu")
+    p = subparsers.add_parser("tune", help="MERT or batch MIRA on n-best lists (union over lists), BLEU by sacrebleu")
     p.add_argument("--nbest", nargs="+", required=True, help="n-best lists, e.g. of successive decoder runs")
     p.add_argument("--ref", nargs="+", required=True, help="reference files (one per reference set)")
     p.add_argument("--out", required=True, help="weights path: writes OUT.ini ([weight] section) and OUT.txt (weights.txt)")
     p.add_argument("--init", help="initial weights: moses.ini or weights.txt (default: the decoder's, fitted to the totals)")
-    p.add_argument("--restarts", type=int, default=5, help="random restarts (default 5)")
-    p.add_argument("--random-directions", type=int, default=3, help="random directions per sweep (default 3)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--algorithm", choices=("mert", "mira"), default="mert",
+                   help="mert: Och's exact line search; mira: batch k-best MIRA as Moses' kbmira "
+                        "(mert-moses.pl --batch-mira) (default mert)")
+    p.add_argument("--restarts", type=int, default=5, help="MERT: random restarts (default 5)")
+    p.add_argument("--random-directions", type=int, default=3, help="MERT: random directions per sweep (default 3)")
+    p.add_argument("--iterations", type=int, default=60, help="MIRA: epochs over the sentences (kbmira --iters, default 60)")
+    p.add_argument("--mira-c", type=float, default=0.01, help="MIRA: step cap C, lower regularises more (default 0.01)")
+    p.add_argument("--decay", type=float, default=0.999, help="MIRA: background BLEU decay (default 0.999)")
+    p.add_argument("--model-bg", action="store_true", help="MIRA: background BLEU from the model's 1-best, not the hope")
+    p.add_argument("--seed", type=int, default=0, help="random seed: MERT's restarts and directions, MIRA's order (default 0)")
     p.add_argument("--lowercase", action="store_true", help="lowercased BLEU")
     p.add_argument("--tokenize", default="none", help="sacrebleu tokenizer (default none: lists are tokenised)")
     p.add_argument("--features", nargs="+", help="tune only these feature groups (default: all in the list)")
@@ -131,11 +138,13 @@ def _rescore(args: argparse.Namespace) -> int:
 
 
 def _tune(args: argparse.Namespace) -> int:
-    from nlmserve.moses_plugin import extractor, mert
+    from nlmserve.moses_plugin import extractor, mert, mira
     from nlmserve.moses_plugin.bleu import BleuConfig, SentenceStats, full_signature, read_references
     from nlmserve.moses_plugin.nbest import write_text_atomic
     from nlmserve.moses_plugin.weights import load_weights, to_moses_ini, to_weights_txt
 
+    mira_config = mira.MiraConfig(iterations=args.iterations, c=args.mira_c, decay=args.decay, model_bg=args.model_bg,
+                                  seed=args.seed, normalize=not args.no_normalize)  # checked before any work
     bleu_config = BleuConfig(lowercase=args.lowercase, tokenize=args.tokenize)
     scorer = SentenceStats(bleu_config, read_references(args.ref))
     data = mert.load_nbest_data(args.nbest, scorer, features=args.features, skip_bad=args.skip_bad)
@@ -150,19 +159,26 @@ def _tune(args: argparse.Namespace) -> int:
         init, residual = mert.weights_from_totals(args.nbest, data.layout, skip_bad=args.skip_bad)
         log.info("initial weights fitted to the totals (largest residual %.3g)", residual)
     ranges = mert.fix_features(mert.parse_ranges(args.ranges, data.layout), args.fix, data.layout)
-    config = mert.MertConfig(restarts=args.restarts, random_directions=args.random_directions,
-                             seed=args.seed, normalize=not args.no_normalize)
-    result = mert.tune(data, scorer, init, ranges, config)
+    if args.algorithm == "mira":
+        found = mira.tune(data, scorer, init, ranges, mira_config)
+        weights, tuned_bleu, start_bleu = found.weights, found.bleu, found.start_bleu
+        work = f"{len(found.epochs)} MIRA epochs, {found.updates} updates"
+    else:
+        result = mert.tune(data, scorer, init, ranges, mert.MertConfig(
+            restarts=args.restarts, random_directions=args.random_directions, seed=args.seed,
+            normalize=not args.no_normalize))
+        weights, tuned_bleu, start_bleu = result.weights, result.bleu, result.start_bleu
+        work = f"{result.line_searches} line searches"
     stem = _strip_suffix(args.out)
-    write_text_atomic(stem + ".ini", to_moses_ini(result.weights))
-    write_text_atomic(stem + ".txt", to_weights_txt(result.weights))
+    write_text_atomic(stem + ".ini", to_moses_ini(weights))
+    write_text_atomic(stem + ".txt", to_weights_txt(weights))
     if args.ffile or args.scfile:
         extractor.save(data, args.ffile or stem + ".features.dat", args.scfile or stem + ".scores.dat")
-    signature = full_signature(scorer.metric.get_signature().format(), result.weights.as_dict())
-    print(f"BLEU {result.bleu:.2f} on the tuning lists (start {result.start_bleu:.2f}),"
-          f" {data.n_hypotheses} hypotheses of {len(data.feats)} sentences, {result.line_searches} line searches")
+    signature = full_signature(scorer.metric.get_signature().format(), weights.as_dict())
+    print(f"BLEU {tuned_bleu:.2f} on the tuning lists (start {start_bleu:.2f}),"
+          f" {data.n_hypotheses} hypotheses of {len(data.feats)} sentences, {work}")
     print(f"signature {signature}")
-    print(to_moses_ini(result.weights), end="")
+    print(to_moses_ini(weights), end="")
     print(f"wrote {stem}.ini and {stem}.txt")
     return 0
 

@@ -49,7 +49,8 @@ class ExperimentConfig:
         minutes: training wall-time budget; train_args: extra ``nlmserve train`` flags.
         model: use this model file instead of training one.
         server: use this running server (HOST:PORT) instead of starting one.
-        restarts / seed: MERT random restarts and seed.
+        tuner: ``mert`` (Och's MERT) or ``mira`` (batch k-best MIRA, Moses' ``kbmira``).
+        restarts / seed: MERT random restarts (MIRA has none); the tuner's seed.
         mert_runs: tune every system this many times (seeds ``seed`` … ``seed+mert_runs-1``)
             and report the mean, the standard deviation and a p-value over all runs.
         samples: paired bootstrap resamples.
@@ -67,6 +68,7 @@ class ExperimentConfig:
     train_args: tuple[str, ...] = ("--order", "5", "--dim", "128", "--min-count", "2", "--threads", "2")
     model: str | None = None
     server: str | None = None
+    tuner: str = "mert"
     restarts: int = 5
     seed: int = 0
     mert_runs: int = 1
@@ -88,8 +90,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="use this model file (no training)")
     p.add_argument("--server", help="use this running server HOST:PORT, or replicas HOST:PORT,HOST:PORT "
                                     "or dns:///NAME:PORT (no model, no serve)")
+    p.add_argument("--tuner", choices=("mert", "mira"), default=d.tuner,
+                   help="mert (Och's line search) or mira (batch k-best MIRA, as Moses' kbmira) (default mert)")
     p.add_argument("--restarts", type=int, default=d.restarts, help="MERT random restarts")
-    p.add_argument("--seed", type=int, default=d.seed, help="MERT seed")
+    p.add_argument("--seed", type=int, default=d.seed, help="tuning seed")
     p.add_argument("--mert-runs", type=int, default=d.mert_runs,
                    help="tune each system N times (seeds SEED..SEED+N-1); the table gives mean ± sd and a "
                         "p-value over the runs (default 1)")
@@ -105,8 +109,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         workdir=args.workdir, train_text=args.train_text, valid_text=args.valid_text,
         dev_nbest=args.dev_nbest, dev_ref=tuple(args.dev_ref), test_nbest=args.test_nbest,
         test_ref=tuple(args.test_ref), minutes=args.minutes, train_args=tuple(args.train_args.split()),
-        model=args.model, server=args.server, restarts=args.restarts, seed=args.seed, mert_runs=args.mert_runs,
-        samples=args.samples, lowercase=args.lowercase,
+        model=args.model, server=args.server, tuner=args.tuner, restarts=args.restarts, seed=args.seed,
+        mert_runs=args.mert_runs, samples=args.samples, lowercase=args.lowercase,
     )
     from nlmserve.moses_plugin.report import format_table
 
@@ -187,10 +191,12 @@ def run(config: ExperimentConfig, client_kwargs: dict[str, Any] | None = None) -
 
     ``client_kwargs``: TLS and token arguments of ``LMClient`` for ``config.server``.
     """
-    from nlmserve.moses_plugin.pipeline import Pipeline
+    from nlmserve.moses_plugin.pipeline import TUNERS, Pipeline
 
     if config.mert_runs < 1:
         raise NlmserveError(f"--mert-runs must be at least 1, not {config.mert_runs}")
+    if config.tuner not in TUNERS:
+        raise NlmserveError(f"unknown tuner {config.tuner!r}: use one of {', '.join(TUNERS)}")
     work = Path(config.workdir)
     work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()

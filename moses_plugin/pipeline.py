@@ -1,17 +1,21 @@
 """The experiment's steps once a server is up: rescore, tune, rerank, evaluate.
 
-Systems compared on the test set (all reranking the same test n-best list):
+Systems compared on the test set (all reranking the same test n-best list), named after
+the tuner (``mert``, Och's MERT, or ``mira``, batch k-best MIRA; ``tuner`` in the config):
 
 * ``moses``: the list's own 1-best (the decoder's MERT-tuned weights);
-* ``mert``: MERT on dev over the decoder's features, without NLM0;
-* ``mert+NLM0``: MERT on dev over the decoder's features and NLM0, started from the
-  ``mert`` optimum (NLM0 at 0) and from the decoder's weights;
+* ``mert``: the tuner on dev over the decoder's features, without NLM0;
+* ``mert+NLM0``: the tuner on dev over the decoder's features and NLM0, started from the
+  ``mert`` optimum (NLM0 at 0) and from the decoder's weights (the better on dev wins);
 * ``moses+NLM0``: the decoder's weights kept, only NLM0's weight tuned on dev.
 
 p-values: ``mert+NLM0`` against ``mert``, ``moses+NLM0`` against ``moses``
-(sacrebleu's paired bootstrap).
+(sacrebleu's paired bootstrap). Each tuner's systems have their own weight and output
+files (``weights.mira+NLM0.ini``, ``test.mira.1best``), so one workdir, rescored once,
+holds both tuners' results.
 
-MERT's result depends on its random directions and restarts: on the full newstest lists,
+The tuner's result depends on its seed (MERT's random directions and restarts, MIRA's
+sentence order): on the full newstest lists,
 tuning the same system with another seed (or on feature values that differ in the sixth
 digit) moves test BLEU by tenths of a point. With ``mert_runs`` = N > 1 every tuned system
 is tuned N times, with seeds ``seed … seed+N-1`` (``mert+NLM0`` run r starts from ``mert``
@@ -32,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nlmserve.errors import InputError
-from nlmserve.moses_plugin import bleu, mert
+from nlmserve.moses_plugin import bleu, mert, mira
 from nlmserve.moses_plugin.nbest import read_lines, write_text_atomic
 from nlmserve.moses_plugin.rerank import rerank
 from nlmserve.moses_plugin.rescore import RescoreConfig, rescore
@@ -44,7 +48,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FEATURE = "NLM0"
-BASELINES = {"mert+NLM0": "mert", "moses+NLM0": "moses"}
+TUNERS = ("mert", "mira")
+
+
+def baselines(tuner: str) -> dict[str, str]:
+    """Each system compared by a p-value, and its baseline."""
+    return {f"{tuner}+NLM0": tuner, "moses+NLM0": "moses"}
 
 
 class Pipeline:
@@ -67,13 +76,18 @@ class Pipeline:
         for name, runs in weights.items():
             outputs[name] = []
             for r, w in enumerate(runs):
-                path = self.work / f"test.{name}{_run_suffix(r)}.1best"
+                path = self.work / f"test.{self._file_name(name)}{_run_suffix(r)}.1best"
                 source = str(test) if FEATURE in w.as_dict() else self.config.test_nbest
                 if not path.exists():
                     hyps = rerank(source, w, n_sentences=len(test_refs[0])).hyps
                     write_text_atomic(path, "".join(h + "\n" for h in hyps))
                 outputs[name].append(read_lines(path))
         return self.evaluate(outputs, weights, test_refs)
+
+    def _file_name(self, name: str) -> str:
+        """A system's name in its files: ``moses+NLM0`` is tuned by either tuner, so MIRA's
+        files are ``*.moses+NLM0.mira.*`` (the other systems' names already differ)."""
+        return f"{name}.mira" if name == "moses+NLM0" and self.config.tuner == "mira" else name
 
     def connect(self) -> Any:
         from nlmserve.client import LMClient
@@ -107,46 +121,60 @@ class Pipeline:
         decoder, residual = mert.weights_from_totals([self.config.dev_nbest], base_layout)
         log.info("decoder weights fitted to the dev totals (largest residual %.3g)", residual)
         base_data = mert.select_features(data, [name for name, _ in base_layout])
-        out: dict[str, list[Weights]] = {"moses": [decoder.normalized_l1()], "mert": [], "mert+NLM0": [], "moses+NLM0": []}
+        tuner = self.config.tuner
+        out: dict[str, list[Weights]] = {"moses": [decoder.normalized_l1()], tuner: [], f"{tuner}+NLM0": [],
+                                         "moses+NLM0": []}
         self.dev_bleu: dict[str, list[float]] = {name: [] for name in out}
         zero = Weights(((FEATURE, (0.0,)),))
         only = mert.fix_features([mert.FeatureRange()] * data.dim, [g[0] for g in base_layout], data.layout)
         for r in range(self.config.mert_runs):
-            cfg = mert.MertConfig(restarts=self.config.restarts, seed=self.config.seed + r)
-            base = self._tune("mert", r, base_data, scorer, [decoder], None, cfg)
-            out["mert"].append(base)
+            seed = self.config.seed + r
+            base = self._tune(tuner, r, base_data, scorer, [decoder], None, seed)
+            out[tuner].append(base)
             starts = [_with(base, zero, data), _with(decoder, zero, data)]
-            out["mert+NLM0"].append(self._tune("mert+NLM0", r, data, scorer, starts, None, cfg))
-            out["moses+NLM0"].append(self._tune("moses+NLM0", r, data, scorer, [_with(decoder, zero, data)], only, cfg))
+            out[f"{tuner}+NLM0"].append(self._tune(f"{tuner}+NLM0", r, data, scorer, starts, None, seed))
+            out["moses+NLM0"].append(self._tune("moses+NLM0", r, data, scorer, [_with(decoder, zero, data)], only, seed))
         packed = mert.PackedData(base_data)
         flat = packed.corpus_stats(_flat(decoder, base_data))
         self.dev_bleu["moses"] = [bleu.score_from_stats(scorer.metric, flat).score]
         return out
 
     def _tune(self, name: str, run: int, data: mert.MertData, scorer: bleu.SentenceStats, starts: list[Weights],
-              ranges: list[mert.FeatureRange] | None, cfg: mert.MertConfig) -> Weights:
-        stem = f"weights.{name}{_run_suffix(run)}"
+              ranges: list[mert.FeatureRange] | None, seed: int) -> Weights:
+        """The weights of system ``name``, run ``run``: tuned from each start (the best on dev
+        wins) unless a previous run left them in the workdir."""
+        stem = f"weights.{self._file_name(name)}{_run_suffix(run)}"
         path = self.work / f"{stem}.ini"
         packed = mert.PackedData(data)
         if not path.exists():
-            best: mert.MertResult | None = None
+            best: tuple[float, Weights] | None = None
             for i, start in enumerate(starts):
-                run_cfg = cfg if i == 0 else mert.MertConfig(restarts=0, seed=cfg.seed)
-                result = mert.tune(data, scorer, start, ranges, run_cfg)
-                if best is None or result.bleu > best.bleu:
+                result = self._optimise(data, scorer, start, ranges, seed, restarts=self.config.restarts if i == 0 else 0)
+                if best is None or result[0] > best[0]:
                     best = result
             assert best is not None
-            write_text_atomic(self.work / f"{stem}.txt", to_weights_txt(best.weights))
-            write_text_atomic(path, to_moses_ini(best.weights))
+            write_text_atomic(self.work / f"{stem}.txt", to_weights_txt(best[1]))
+            write_text_atomic(path, to_moses_ini(best[1]))
         weights = load_weights(path).for_layout(data.layout)
         stats = packed.corpus_stats(_flat(weights, data))
         self.dev_bleu[name].append(bleu.score_from_stats(scorer.metric, stats).score)
-        log.info("%s run %d (seed %d): dev BLEU %.2f", name, run, cfg.seed, self.dev_bleu[name][-1])
+        log.info("%s run %d (seed %d): dev BLEU %.2f", name, run, seed, self.dev_bleu[name][-1])
         return weights
+
+    def _optimise(self, data: mert.MertData, scorer: bleu.SentenceStats, start: Weights,
+                  ranges: list[mert.FeatureRange] | None, seed: int, restarts: int) -> tuple[float, Weights]:
+        """(dev BLEU, weights) of one tuning from ``start`` with the configured tuner."""
+        if self.config.tuner == "mira":
+            found = mira.tune(data, scorer, start, ranges, mira.MiraConfig(seed=seed))
+            return found.bleu, found.weights
+        result = mert.tune(data, scorer, start, ranges, mert.MertConfig(restarts=restarts, seed=seed))
+        return result.bleu, result.weights
 
     def evaluate(self, outputs: dict[str, list[list[str]]], weights: dict[str, list[Weights]],
                  refs: list[list[str]]) -> dict[str, Any]:
         rows = []
+        tuner = self.config.tuner
+        pairs = baselines(tuner)
         n_runs = max(len(v) for v in outputs.values())
         for name, runs in outputs.items():
             scores = [bleu.corpus_bleu(hyps, refs, self.bleu_config) for hyps in runs]
@@ -154,6 +182,7 @@ class Pipeline:
             dev = self.dev_bleu.get(name, [])
             first = weights[name][0].as_dict()
             uses_nlm = FEATURE in first
+            tuned_by_mira = tuner == "mira" and name != "moses"
             signature = bleu.full_signature(scores[0][1], first, self.model_hash if uses_nlm else None)
             row: dict[str, Any] = {
                 "system": name,
@@ -162,14 +191,14 @@ class Pipeline:
                 "test_score": str(scores[0][0]),
                 "dev_bleu": _mean(dev) if dev else None,
                 "weights": first,
-                "signature": signature + (f"|mert-runs:{len(runs)}" if len(runs) > 1 else ""),
+                "signature": signature + (f"|{tuner}-runs:{len(runs)}" if len(runs) > 1 or tuned_by_mira else ""),
                 "p_value": None,
-                "baseline": BASELINES.get(name),
+                "baseline": pairs.get(name),
                 "runs": [{"seed": self.config.seed + r, "test_bleu": test[r], "dev_bleu": dev[r] if r < len(dev) else None,
                           "weights": weights[name][r].as_dict()} for r in range(len(runs))],
             }
-            if name in BASELINES:
-                base_runs = outputs[BASELINES[name]]
+            if name in pairs:
+                base_runs = outputs[pairs[name]]
                 paired_base = [base_runs[r % len(base_runs)] for r in range(len(runs))]
                 joined_refs = [[line for _ in runs for line in ref] for ref in refs]
                 paired = bleu.paired_bootstrap([h for hyps in paired_base for h in hyps], [h for hyps in runs for h in hyps],
@@ -179,7 +208,7 @@ class Pipeline:
                            delta=_mean(test) - _mean(base_test), ci95=paired.system_ci)
             rows.append(row)
         return {"rows": rows, "model_hash": self.model_hash, "rescore": self.rescore_stats, "server": self.target,
-                "mert_runs": n_runs}
+                "mert_runs": n_runs, "tuner": self.config.tuner}
 
 
 def _run_suffix(run: int) -> str:

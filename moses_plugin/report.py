@@ -36,7 +36,7 @@ def format_table(report: dict[str, Any]) -> str:
 def to_markdown(report: dict[str, Any]) -> str:
     out = ["# Rescoring with NLM0: BLEU on the test set", ""]
     if report.get("mert_runs", 1) > 1:
-        out += [f"Each tuned system was tuned {report['mert_runs']} times (MERT seeds differ): BLEU is the mean ± the "
+        out += [f"Each tuned system was tuned {report['mert_runs']} times ({report.get('tuner', 'mert').upper()} seeds differ): BLEU is the mean ± the "
                 "standard deviation of the runs, Δ the difference of the means, the p-value a paired bootstrap over "
                 "all runs' outputs joined (run r against run r of the baseline).", ""]
     out.append("| " + " | ".join(COLUMNS) + " |")
@@ -92,8 +92,11 @@ def save_chart(report: dict[str, Any], path: Path) -> None:
 
 
 def save_report(report: dict[str, Any], work: Path) -> None:
-    """results.md, results.json and bleu.png in ``work``; their paths go into ``report['files']``."""
-    files = {"markdown": str(work / "results.md"), "json": str(work / "results.json"), "chart": str(work / "bleu.png")}
+    """results.md, results.json and bleu.png in ``work`` (``results.mira.md`` … for MIRA's
+    table, so one workdir keeps both tuners'); their paths go into ``report['files']``."""
+    tag = "" if report.get("tuner", "mert") == "mert" else f".{report['tuner']}"
+    files = {"markdown": str(work / f"results{tag}.md"), "json": str(work / f"results{tag}.json"),
+             "chart": str(work / f"bleu{tag}.png")}
     report["files"] = files
     write_text_atomic(files["markdown"], to_markdown(report))
     write_text_atomic(files["json"], json.dumps(report, indent=2, sort_keys=True))

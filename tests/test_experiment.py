@@ -13,6 +13,7 @@ from nlmserve.cli import main
 from nlmserve.moses_plugin import bleu
 from nlmserve.moses_plugin.experiment import ExperimentConfig, run
 from nlmserve.moses_plugin.nbest import iter_sentences, read_lines
+from nlmserve.moses_plugin.weights import load_weights
 
 NEWS = Path(__file__).resolve().parent.parent / "data" / "nbest" / "newstest-fr-en"
 N = 25
@@ -106,6 +107,26 @@ def test_experiment_runs_and_resumes(tiny_model_path: Path, tmp_path: Path, caps
     assert rows["moses+NLM0"]["p_value"] == pytest.approx(paired.p_value)
     markdown = (work / "results.md").read_text()
     assert "tuned 3 times" in markdown and "- mert+NLM0 runs: seed 0: test" in markdown
+    # MIRA on the same workdir: the rescored lists are reused, its systems have files of their own
+    # (MERT's results stay), and its p-value pairs mira+NLM0 with mira.
+    assert main(["experiment", "--workdir", str(work), "--dev-nbest", dev, "--dev-ref", dev_ref, "--test-nbest", test,
+                 "--test-ref", test_ref, "--model", str(tiny_model_path), "--samples", "100", "--tuner", "mira"]) == 0
+    assert "mira+NLM0" in capsys.readouterr().out
+    assert (work / "test.nlm.nbest.gz").stat().st_mtime_ns == mtime
+    assert json.loads((work / "results.json").read_text())["rows"] == replicated["rows"]
+    by_mira = json.loads((work / "results.mira.json").read_text())
+    assert by_mira["tuner"] == "mira" and (work / "results.mira.md").stat().st_size > 0
+    rows = {r["system"]: r for r in by_mira["rows"]}
+    assert list(rows) == ["moses", "mira", "mira+NLM0", "moses+NLM0"]
+    assert rows["mira+NLM0"]["baseline"] == "mira" and "NLM0" in rows["mira+NLM0"]["weights"]
+    assert rows["mira"]["signature"].endswith("|mira-runs:1") and "runs:" not in rows["moses"]["signature"]
+    assert rows["moses"]["test_bleu"] == pytest.approx(saved["rows"][0]["test_bleu"])
+    outputs = {name: read_lines(work / f"test.{name}.1best") for name in ("mira", "mira+NLM0", "moses+NLM0.mira")}
+    paired = bleu.paired_bootstrap(outputs["mira"], outputs["mira+NLM0"], refs, bleu_config, 100)
+    assert rows["mira+NLM0"]["p_value"] == pytest.approx(paired.p_value)
+    assert bleu.corpus_bleu(outputs["moses+NLM0.mira"], refs, bleu_config)[0].score == pytest.approx(
+        rows["moses+NLM0"]["test_bleu"])
+    assert load_weights(str(work / "weights.moses+NLM0.mira.ini")).as_dict() == rows["moses+NLM0"]["weights"]
     assert main(["experiment", "--workdir", str(tmp_path / "none"), "--model", str(tiny_model_path), "--mert-runs", "0"]) == 1
     assert "--mert-runs must be at least 1, not 0" in capsys.readouterr().err
     assert not (tmp_path / "none").exists()
