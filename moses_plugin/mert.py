@@ -396,11 +396,7 @@ def tune(
     config: MertConfig = MertConfig(),
 ) -> MertResult:
     """MERT from ``init`` plus ``config.restarts`` random starts; the best point wins."""
-    packed = PackedData(data)
-    start = np.asarray(init.for_layout(data.layout).flat(), dtype=np.float64)
-    ranges = list(ranges) if ranges is not None else [FeatureRange()] * len(start)
-    if len(ranges) != len(start):
-        raise InputError(f"{len(ranges)} feature ranges for {len(start)} features")
+    packed, start, ranges = prepare(data, init, ranges)
     rng = np.random.default_rng(config.seed)
     start_bleu = score_from_stats(scorer.metric, packed.corpus_stats(start)).score
     best_w, best_score, total = start, -1.0, 0
@@ -417,6 +413,17 @@ def tune(
     if config.normalize:
         weights = weights.normalized_l1()
     return MertResult(weights, best_score, start_bleu, total, tuple(runs))
+
+
+def prepare(data: MertData, init: Weights, ranges: Sequence[FeatureRange] | None
+            ) -> tuple[PackedData, np.ndarray, list[FeatureRange]]:
+    """A tuner's inputs: the packed data, the flat start point, one range per weight
+    (unconstrained when ``ranges`` is None)."""
+    start = np.asarray(init.for_layout(data.layout).flat(), dtype=np.float64)
+    chosen = list(ranges) if ranges is not None else [FeatureRange()] * len(start)
+    if len(chosen) != len(start):
+        raise InputError(f"{len(chosen)} feature ranges for {len(start)} features")
+    return PackedData(data), start, chosen
 
 
 def _random_point(start: np.ndarray, ranges: Sequence[FeatureRange], rng: np.random.Generator) -> np.ndarray:

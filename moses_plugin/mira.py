@@ -29,7 +29,7 @@ import numpy as np
 
 from nlmserve.errors import InputError
 from nlmserve.moses_plugin.bleu import SentenceStats, score_from_stats
-from nlmserve.moses_plugin.mert import FeatureRange, MertData, PackedData
+from nlmserve.moses_plugin.mert import FeatureRange, MertData, PackedData, prepare
 from nlmserve.moses_plugin.weights import Weights
 
 log = logging.getLogger(__name__)
@@ -95,11 +95,7 @@ def tune(
     config: MiraConfig = MiraConfig(),
 ) -> MiraResult:
     """Batch MIRA from ``init``; the best epoch's averaged weights win."""
-    packed = PackedData(data)
-    w = np.asarray(init.for_layout(data.layout).flat(), dtype=np.float64)
-    ranges = list(ranges) if ranges is not None else [FeatureRange()] * len(w)
-    if len(ranges) != len(w):
-        raise InputError(f"{len(ranges)} feature ranges for {len(w)} features")
+    packed, w, ranges = prepare(data, init, ranges)
     free = np.array([r.active for r in ranges], dtype=np.float64)
     lo = np.array([r.lo for r in ranges])
     hi = np.array([r.hi for r in ranges])
