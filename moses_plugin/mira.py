@@ -14,14 +14,15 @@ current weights ``w`` and a background pseudo-corpus ``bg`` of BLEU statistics:
 
 The averaged weights (over all updates so far) are evaluated after each epoch by corpus
 BLEU (sacrebleu, from the summed statistics of each sentence's model 1-best); the best
-epoch is the result. Fixed features (``FeatureRange.active`` False) do not move; bounds
+epoch is the result. Unlike kbmira, the start point competes too (as MERT's does), so the
+result is never worse on the tuning lists than the weights it started from: with most
+weights fixed MIRA can keep pushing the free ones past any good value. Fixed features (``FeatureRange.active`` False) do not move; bounds
 are kept by clipping after each step.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -94,7 +95,8 @@ def tune(
     ranges: Sequence[FeatureRange] | None = None,
     config: MiraConfig = MiraConfig(),
 ) -> MiraResult:
-    """Batch MIRA from ``init``; the best epoch's averaged weights win."""
+    """Batch MIRA from ``init``; the best epoch's averaged weights win, unless none beats
+    ``init`` on the tuning lists (then ``init`` is returned)."""
     packed, w, ranges = prepare(data, init, ranges)
     free = np.array([r.active for r in ranges], dtype=np.float64)
     lo = np.array([r.lo for r in ranges])
@@ -104,7 +106,7 @@ def tune(
     bg = np.ones(packed.stats.shape[-1])
     total, n_updates = w.copy(), 1
     start_bleu = _corpus_bleu(packed, scorer, w)
-    best_w, best_bleu, epochs = w.copy(), -math.inf, []
+    best_w, best_bleu, epochs = w.copy(), start_bleu, []
     for epoch in range(config.iterations):
         losses = 0.0
         for row in rng.permutation(len(sizes)):

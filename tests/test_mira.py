@@ -51,15 +51,19 @@ def test_one_update_by_hand() -> None:
     init = Weights((("F", (1.0,)), ("G", (0.0,))))
     assert mira.background_bleu(data.stats[0], np.ones(10)) == pytest.approx([5.0, 5 * 120 ** -0.25])
     loss = 5 - 5 * 120 ** -0.25 + 1
-    # C = 0.01 caps the step: w = (0.99, 0.01); averaged with the start: (0.995, 0.005).
-    capped = mira.tune(data, scorer, init, config=mira.MiraConfig(iterations=1, normalize=False))
-    assert capped.weights.flat() == pytest.approx([0.995, 0.005])
-    assert capped.updates == 1 and capped.bleu < 100  # still the wrong hypothesis
-    # A large C takes the whole step loss/‖Δf‖²: w = (1 - η, η), averaged ((2 - η)/2, η/2).
+    # A large C takes the whole step loss/‖Δf‖²: w = (1 - η, η), averaged with the start
+    # ((2 - η)/2, η/2), which prefers the perfect hypothesis: BLEU 100.
     eta = loss / 2
     free = mira.tune(data, scorer, init, config=mira.MiraConfig(iterations=1, c=10.0, normalize=False))
     assert free.weights.flat() == pytest.approx([(2 - eta) / 2, eta / 2])
-    assert free.bleu == pytest.approx(100.0) and free.epochs == (free.bleu,)
+    assert free.updates == 1 and free.bleu == pytest.approx(100.0) and free.epochs == (free.bleu,)
+    # C = 1 caps the step at 1: w = (0, 1), averaged (0.5, 0.5); the tie goes to the first hypothesis.
+    capped = mira.tune(data, scorer, init, config=mira.MiraConfig(iterations=1, c=1.0, normalize=False))
+    assert capped.weights.flat() == pytest.approx([0.5, 0.5]) and capped.bleu == pytest.approx(100.0)
+    # C = 0.01: averaged (0.995, 0.005) still picks the wrong one (BLEU 0, as the start):
+    # no epoch beats the start, so the start is the result.
+    small = mira.tune(data, scorer, init, config=mira.MiraConfig(iterations=1, normalize=False))
+    assert small.epochs == (0.0,) and small.start_bleu == 0.0 and small.weights.flat() == [1.0, 0.0]
 
 
 def test_mira_on_real_lists_beats_the_lists_own_one_best() -> None:
@@ -69,7 +73,7 @@ def test_mira_on_real_lists_beats_the_lists_own_one_best() -> None:
     own = max(corpus_bleu(first_best(p), refs, BleuConfig())[0].score for p in LISTS)
     init, _ = mert.weights_from_totals(LISTS[-1:], data.layout)
     result = mira.tune(data, scorer, init, config=mira.MiraConfig(seed=1))
-    assert result.bleu > own and result.bleu == max(result.epochs) and len(result.epochs) == 60
+    assert result.bleu > own and result.bleu == max(result.epochs) > result.start_bleu and len(result.epochs) == 60
     assert sum(abs(v) for v in result.weights.flat()) == pytest.approx(1.0)
     # The reported BLEU is what reranking the union with the weights gives.
     packed = mert.PackedData(data)
