@@ -12,12 +12,13 @@ current weights ``w`` and a background pseudo-corpus ``bg`` of BLEU statistics:
   gives, when positive, the passive-aggressive step ``w += min(C, loss/‖Δf‖²) · Δf``;
 - ``bg ← decay · bg + s_hope`` (or the model's 1-best, ``model_bg``).
 
-The averaged weights (over all updates so far) are evaluated after each epoch by corpus
-BLEU (sacrebleu, from the summed statistics of each sentence's model 1-best); the best
-epoch is the result. Unlike kbmira, the start point competes too (as MERT's does), so the
-result is never worse on the tuning lists than the weights it started from: with most
-weights fixed MIRA can keep pushing the free ones past any good value. Fixed features (``FeatureRange.active`` False) do not move; bounds
-are kept by clipping after each step.
+The averaged weights (the mean of the start and of the weights after every update so
+far) are evaluated after each epoch by corpus BLEU (sacrebleu, from the summed statistics
+of each sentence's model 1-best); the best epoch is the result. Unlike kbmira, the start
+point competes too (as MERT's does), so the result is never worse on the tuning lists than
+the weights it started from: with most weights fixed MIRA can keep pushing the free ones
+past any good value. Fixed features (``FeatureRange.active`` False) do not move; bounds are
+kept by clipping after each step.
 """
 
 from __future__ import annotations

@@ -36,7 +36,8 @@ def format_table(report: dict[str, Any]) -> str:
 def to_markdown(report: dict[str, Any]) -> str:
     out = ["# Rescoring with NLM0: BLEU on the test set", ""]
     if report.get("mert_runs", 1) > 1:
-        out += [f"Each tuned system was tuned {report['mert_runs']} times ({report.get('tuner', 'mert').upper()} seeds differ): BLEU is the mean ± the "
+        tuner = report.get("tuner", "mert").upper()
+        out += [f"Each tuned system was tuned {report['mert_runs']} times ({tuner} seeds differ): BLEU is the mean ± the "
                 "standard deviation of the runs, Δ the difference of the means, the p-value a paired bootstrap over "
                 "all runs' outputs joined (run r against run r of the baseline).", ""]
     out.append("| " + " | ".join(COLUMNS) + " |")
