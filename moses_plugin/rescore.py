@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
-from nlmserve.errors import InputError, NlmserveError, OverloadedError, ServerUnavailableError
+from nlmserve.errors import InputError, NbestFormatError, NlmserveError, OverloadedError, ServerUnavailableError
 from nlmserve.moses_plugin.nbest import (
     NbestEntry,
     ReadStats,
@@ -386,6 +386,7 @@ def rescore(
         bar = _progress_bar(config.progress, done)
         try:
             for batch in _prefetch(_batches(groups, config.batch_ngrams)):
+                _check_new_feature(batch, config.feature_name, nbest_path)
                 values = score_batch(conn, batch, stats)
                 text = "".join(add_feature(e, config.feature_name, [v]) for g, vs in zip(batch, values) for e, v in zip(g, vs))
                 with _writing(checkpoint.partial):
@@ -411,6 +412,15 @@ def rescore(
     stats.bad_examples = read_stats.bad_examples
     stats.seconds = time.monotonic() - started
     return stats
+
+
+def _check_new_feature(batch: list[list[NbestEntry]], name: str, path: str) -> None:
+    """Refuse to add ``name`` to lines that have it already (a second ``NLM0=`` would be read
+    as one group of two values, or as two features of one name)."""
+    for group in batch:
+        for entry in group:
+            if any(feature == name for feature, _ in entry.dense):
+                raise NbestFormatError(f"already has a feature {name}: choose another --feature-name", path, entry.line_no)
 
 
 @contextlib.contextmanager

@@ -178,6 +178,11 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert f"model {file_sha256(arpa)}" in printed and "7 hypotheses" in printed
     model = kenlm.Model(str(arpa))
     assert _kn1(out) == pytest.approx([LN10 * model.score(h, bos=True, eos=True) for h in HYPS], rel=1e-5)
+    # Adding a feature the list already has is refused with the file and line, not written twice.
+    assert main(["rescore", "--kenlm", str(arpa), "--nbest", str(out), "--out", str(tmp_path / "again"),
+                 "--feature-name", "KN1", "--no-progress"]) == 1
+    assert f"{out}:1: already has a feature KN1: choose another --feature-name" in capsys.readouterr().err
+    assert not (tmp_path / "again").exists()
     # A server and a KenLM file at once, or neither, is a usage error.
     for extra in (["--server", "127.0.0.1:1", "--kenlm", str(arpa)], []):
         with pytest.raises(SystemExit) as stop:
