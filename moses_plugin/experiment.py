@@ -50,6 +50,9 @@ class ExperimentConfig:
         model: use this model file instead of training one.
         server: use this running server (HOST:PORT) instead of starting one.
         tuner: ``mert`` (Och's MERT) or ``mira`` (batch k-best MIRA, Moses' ``kbmira``).
+        kenlm / kenlm_name: a Kneser-Ney model (ARPA or KenLM binary) added to both lists as
+            the feature ``kenlm_name`` before NLM0, e.g. an in-domain LM beside the decoder's:
+            the table then has ``TUNER+KN1`` and ``TUNER+KN1+NLM0``.
         restarts / seed: MERT random restarts (MIRA has none); the tuner's seed.
         mert_runs: tune every system this many times (seeds ``seed`` … ``seed+mert_runs-1``)
             and report the mean, the standard deviation and a p-value over all runs.
@@ -69,6 +72,8 @@ class ExperimentConfig:
     model: str | None = None
     server: str | None = None
     tuner: str = "mert"
+    kenlm: str | None = None
+    kenlm_name: str = "KN1"
     restarts: int = 5
     seed: int = 0
     mert_runs: int = 1
@@ -92,6 +97,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                     "or dns:///NAME:PORT (no model, no serve)")
     p.add_argument("--tuner", choices=("mert", "mira"), default=d.tuner,
                    help="mert (Och's line search) or mira (batch k-best MIRA, as Moses' kbmira) (default mert)")
+    p.add_argument("--kenlm", help="a Kneser-Ney model (ARPA or KenLM binary) added as a second LM feature "
+                                   "before NLM0: the table compares TUNER, TUNER+KN1 and TUNER+KN1+NLM0")
+    p.add_argument("--kenlm-name", default=d.kenlm_name, help=f"its feature name (default {d.kenlm_name})")
     p.add_argument("--restarts", type=int, default=d.restarts, help="MERT random restarts")
     p.add_argument("--seed", type=int, default=d.seed, help="tuning seed")
     p.add_argument("--mert-runs", type=int, default=d.mert_runs,
@@ -109,7 +117,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         workdir=args.workdir, train_text=args.train_text, valid_text=args.valid_text,
         dev_nbest=args.dev_nbest, dev_ref=tuple(args.dev_ref), test_nbest=args.test_nbest,
         test_ref=tuple(args.test_ref), minutes=args.minutes, train_args=tuple(args.train_args.split()),
-        model=args.model, server=args.server, tuner=args.tuner, restarts=args.restarts, seed=args.seed,
+        model=args.model, server=args.server, tuner=args.tuner, kenlm=args.kenlm,
+        kenlm_name=args.kenlm_name, restarts=args.restarts, seed=args.seed,
         mert_runs=args.mert_runs, samples=args.samples, lowercase=args.lowercase,
     )
     from nlmserve.moses_plugin.report import format_table
@@ -191,12 +200,20 @@ def run(config: ExperimentConfig, client_kwargs: dict[str, Any] | None = None) -
 
     ``client_kwargs``: TLS and token arguments of ``LMClient`` for ``config.server``.
     """
-    from nlmserve.moses_plugin.pipeline import TUNERS, Pipeline
+    from nlmserve.moses_plugin.nbest import check_feature_name
+    from nlmserve.moses_plugin.pipeline import FEATURE, TUNERS, Pipeline
 
     if config.mert_runs < 1:
         raise NlmserveError(f"--mert-runs must be at least 1, not {config.mert_runs}")
     if config.tuner not in TUNERS:
         raise NlmserveError(f"unknown tuner {config.tuner!r}: use one of {', '.join(TUNERS)}")
+    if config.kenlm:
+        try:
+            check_feature_name(config.kenlm_name)
+        except ValueError as e:
+            raise NlmserveError(f"--kenlm-name: {e}") from e
+        if config.kenlm_name == FEATURE:
+            raise NlmserveError(f"--kenlm-name {FEATURE} is the neural model's feature: choose another name")
     work = Path(config.workdir)
     work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()

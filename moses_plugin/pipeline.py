@@ -51,8 +51,18 @@ FEATURE = "NLM0"
 TUNERS = ("mert", "mira")
 
 
-def baselines(tuner: str) -> dict[str, str]:
+def system_names(tuner: str, kenlm_name: str = "") -> list[str]:
+    """The systems of the table, in order (``kenlm_name``: the added Kneser-Ney feature, if any)."""
+    if kenlm_name:
+        return ["moses", tuner, f"{tuner}+{kenlm_name}", f"{tuner}+{kenlm_name}+NLM0", "moses+NLM0"]
+    return ["moses", tuner, f"{tuner}+NLM0", "moses+NLM0"]
+
+
+def baselines(tuner: str, kenlm_name: str = "") -> dict[str, str]:
     """Each system compared by a p-value, and its baseline."""
+    if kenlm_name:
+        base = f"{tuner}+{kenlm_name}"
+        return {base: tuner, f"{base}+NLM0": base, "moses+NLM0": "moses"}
     return {f"{tuner}+NLM0": tuner, "moses+NLM0": "moses"}
 
 
@@ -65,11 +75,15 @@ class Pipeline:
         self.target = target
         self.bleu_config = bleu.BleuConfig(lowercase=config.lowercase)
         self.model_hash = ""
+        self.kenlm_hash = ""
         self.rescore_stats: dict[str, Any] = {}
 
     def run(self) -> dict[str, Any]:
-        dev = self.rescored("dev", self.config.dev_nbest)
-        test = self.rescored("test", self.config.test_nbest)
+        dev_source, test_source = self.config.dev_nbest, self.config.test_nbest
+        if self.config.kenlm:
+            dev_source, test_source = str(self.with_kenlm("dev", dev_source)), str(self.with_kenlm("test", test_source))
+        dev = self.rescored("dev", dev_source)
+        test = self.rescored("test", test_source)
         weights = self.tuned(dev)
         test_refs = bleu.read_references(list(self.config.test_ref))
         outputs: dict[str, list[list[str]]] = {}
@@ -77,17 +91,49 @@ class Pipeline:
             outputs[name] = []
             for r, w in enumerate(runs):
                 path = self.work / f"test.{self._file_name(name)}{_run_suffix(r)}.1best"
-                source = str(test) if FEATURE in w.as_dict() else self.config.test_nbest
+                used = w.as_dict()
+                source = str(test) if FEATURE in used else test_source if self.kenlm_name in used else self.config.test_nbest
                 if not path.exists():
                     hyps = rerank(source, w, n_sentences=len(test_refs[0])).hyps
                     write_text_atomic(path, "".join(h + "\n" for h in hyps))
                 outputs[name].append(read_lines(path))
         return self.evaluate(outputs, weights, test_refs)
 
+    @property
+    def kenlm_name(self) -> str:
+        """The Kneser-Ney feature's name, or "" without ``--kenlm``."""
+        return self.config.kenlm_name if self.config.kenlm else ""
+
+    def with_kenlm(self, name: str, nbest: str) -> Path:
+        """``nbest`` with the Kneser-Ney feature added (``NAME.kn.nbest.gz``), made once per model."""
+        from nlmserve.moses_plugin.kenlm_source import KenlmScorer
+
+        assert self.config.kenlm
+        out = self.work / f"{name}.kn.nbest.gz"
+        stats_path = self.work / f"{name}.kn.json"
+        scorer = KenlmScorer(self.config.kenlm)
+        self.kenlm_hash = scorer.info.model_hash
+        if out.exists() and stats_path.exists():
+            stats = json.loads(stats_path.read_text())
+            if stats.get("model_hash") != self.kenlm_hash or stats.get("feature") != self.config.kenlm_name:
+                raise InputError(f"has {stats.get('feature')} of Kneser-Ney model {stats.get('model_hash')}, not "
+                                 f"{self.config.kenlm_name} of {self.config.kenlm} ({self.kenlm_hash}): use another workdir",
+                                 str(out))
+        else:
+            log.info("adding %s of %s: %s → %s", self.config.kenlm_name, self.config.kenlm, nbest, out)
+            config = RescoreConfig(feature_name=self.config.kenlm_name, lowercase=self.config.lowercase, progress=False)
+            stats = rescore(nbest, str(out), lambda: scorer, config).as_dict() | {"feature": self.config.kenlm_name}
+            write_text_atomic(stats_path, json.dumps(stats, indent=2))
+        self.rescore_stats[f"{name} {self.config.kenlm_name}"] = stats
+        return out
+
     def _file_name(self, name: str) -> str:
-        """A system's name in its files: ``moses+NLM0`` is tuned by either tuner, so MIRA's
-        files are ``*.moses+NLM0.mira.*`` (the other systems' names already differ)."""
-        return f"{name}.mira" if name == "moses+NLM0" and self.config.tuner == "mira" else name
+        """A system's name in its files. ``moses+NLM0`` is tuned by either tuner, with or
+        without the Kneser-Ney feature (held at 0), so its files say which:
+        ``*.moses+NLM0[.KN1][.mira].*`` (the other systems' names already differ)."""
+        if name != "moses+NLM0":
+            return name
+        return name + (f".{self.kenlm_name}" if self.kenlm_name else "") + (".mira" if self.config.tuner == "mira" else "")
 
     def connect(self) -> Any:
         from nlmserve.client import LMClient
@@ -95,11 +141,11 @@ class Pipeline:
         return LMClient(self.target, timeout=120.0, **self.client_kwargs)
 
     def rescored(self, name: str, nbest: str) -> Path:
-        out = self.work / f"{name}.nlm.nbest.gz"
+        out = self.work / f"{name}{'.kn' if self.config.kenlm else ''}.nlm.nbest.gz"
         config = RescoreConfig(feature_name=FEATURE, lowercase=self.config.lowercase, progress=False)
         with self.connect() as client:
             self.model_hash = client.info.model_hash
-        stats_path = self.work / f"{name}.rescore.json"
+        stats_path = out.with_name(out.name.replace(".nlm.nbest.gz", ".rescore.json"))
         if out.exists() and stats_path.exists():
             stats = json.loads(stats_path.read_text())
             if stats.get("model_hash") and stats["model_hash"] != self.model_hash:
@@ -113,29 +159,43 @@ class Pipeline:
         return out
 
     def tuned(self, dev: Path) -> dict[str, list[Weights]]:
-        """Each system's weights, one per MERT run (``moses``: the decoder's, once)."""
+        """Each system's weights, one per tuning run (``moses``: the decoder's, once).
+
+        With ``--kenlm`` the Kneser-Ney feature joins the decoder's in ``TUNER+KN1``, and
+        ``TUNER+KN1+NLM0`` adds NLM0 to that; ``TUNER`` keeps the decoder's features only.
+        """
         refs = bleu.read_references(list(self.config.dev_ref))
         scorer = bleu.SentenceStats(self.bleu_config, refs)
         data = mert.load_nbest_data([str(dev)], scorer)
+        kn = self.kenlm_name
+        decoder_layout = tuple(g for g in data.layout if g[0] not in (FEATURE, kn))
         base_layout = tuple(g for g in data.layout if g[0] != FEATURE)
-        decoder, residual = mert.weights_from_totals([self.config.dev_nbest], base_layout)
+        decoder, residual = mert.weights_from_totals([self.config.dev_nbest], decoder_layout)
         log.info("decoder weights fitted to the dev totals (largest residual %.3g)", residual)
-        base_data = mert.select_features(data, [name for name, _ in base_layout])
+        decoder_data = mert.select_features(data, [name for name, _ in decoder_layout])
+        base_data = mert.select_features(data, [name for name, _ in base_layout]) if kn else decoder_data
         tuner = self.config.tuner
-        out: dict[str, list[Weights]] = {"moses": [decoder.normalized_l1()], tuner: [], f"{tuner}+NLM0": [],
-                                         "moses+NLM0": []}
+        names = system_names(tuner, kn)
+        out: dict[str, list[Weights]] = {name: [] for name in names}
+        out["moses"] = [decoder.normalized_l1()]
         self.dev_bleu: dict[str, list[float]] = {name: [] for name in out}
-        zero = Weights(((FEATURE, (0.0,)),))
+        zero = Weights(((FEATURE, (0.0,)),) + (((kn, (0.0,)),) if kn else ()))  # every added feature at 0
+        zero_nlm = Weights(((FEATURE, (0.0,)),))
         only = mert.fix_features([mert.FeatureRange()] * data.dim, [g[0] for g in base_layout], data.layout)
         for r in range(self.config.mert_runs):
             seed = self.config.seed + r
-            base = self._tune(tuner, r, base_data, scorer, [decoder], None, seed)
-            out[tuner].append(base)
-            starts = [_with(base, zero, data), _with(decoder, zero, data)]
-            out[f"{tuner}+NLM0"].append(self._tune(f"{tuner}+NLM0", r, data, scorer, starts, None, seed))
+            plain = self._tune(tuner, r, decoder_data, scorer, [decoder], None, seed)
+            out[tuner].append(plain)
+            base = plain
+            if kn:
+                starts = [_with(plain, zero, base_data), _with(decoder, zero, base_data)]
+                base = self._tune(f"{tuner}+{kn}", r, base_data, scorer, starts, None, seed)
+                out[f"{tuner}+{kn}"].append(base)
+            starts = [_with(base, zero_nlm, data), _with(decoder, zero, data)]
+            out[names[-2]].append(self._tune(names[-2], r, data, scorer, starts, None, seed))
             out["moses+NLM0"].append(self._tune("moses+NLM0", r, data, scorer, [_with(decoder, zero, data)], only, seed))
-        packed = mert.PackedData(base_data)
-        flat = packed.corpus_stats(_flat(decoder, base_data))
+        packed = mert.PackedData(decoder_data)
+        flat = packed.corpus_stats(_flat(decoder, decoder_data))
         self.dev_bleu["moses"] = [bleu.score_from_stats(scorer.metric, flat).score]
         return out
 
@@ -174,7 +234,7 @@ class Pipeline:
                  refs: list[list[str]]) -> dict[str, Any]:
         rows = []
         tuner = self.config.tuner
-        pairs = baselines(tuner)
+        pairs = baselines(tuner, self.kenlm_name)
         n_runs = max(len(v) for v in outputs.values())
         for name, runs in outputs.items():
             scores = [bleu.corpus_bleu(hyps, refs, self.bleu_config) for hyps in runs]
@@ -184,6 +244,8 @@ class Pipeline:
             uses_nlm = FEATURE in first
             tuned_by_mira = tuner == "mira" and name != "moses"
             signature = bleu.full_signature(scores[0][1], first, self.model_hash if uses_nlm else None)
+            if self.kenlm_name in first:
+                signature += f"|{self.kenlm_name}:{self.kenlm_hash[:12]}"
             row: dict[str, Any] = {
                 "system": name,
                 "test_bleu": _mean(test),
@@ -208,7 +270,8 @@ class Pipeline:
                            delta=_mean(test) - _mean(base_test), ci95=paired.system_ci)
             rows.append(row)
         return {"rows": rows, "model_hash": self.model_hash, "rescore": self.rescore_stats, "server": self.target,
-                "mert_runs": n_runs, "tuner": self.config.tuner}
+                "mert_runs": n_runs, "tuner": self.config.tuner, "kenlm": self.config.kenlm,
+                "kenlm_name": self.kenlm_name or None, "kenlm_hash": self.kenlm_hash or None}
 
 
 def _run_suffix(run: int) -> str:

@@ -94,8 +94,10 @@ def save_chart(report: dict[str, Any], path: Path) -> None:
 
 def save_report(report: dict[str, Any], work: Path) -> None:
     """results.md, results.json and bleu.png in ``work`` (``results.mira.md`` … for MIRA's
-    table, so one workdir keeps both tuners'); their paths go into ``report['files']``."""
-    tag = "" if report.get("tuner", "mert") == "mert" else f".{report['tuner']}"
+    table, ``results[.mira].KN1.md`` … with ``--kenlm``, so one workdir keeps every table);
+    their paths go into ``report['files']``."""
+    tuner, kenlm_name = report.get("tuner", "mert"), report.get("kenlm_name")
+    tag = ("" if tuner == "mert" else f".{tuner}") + (f".{kenlm_name}" if kenlm_name else "")
     files = {"markdown": str(work / f"results{tag}.md"), "json": str(work / f"results{tag}.json"),
              "chart": str(work / f"bleu{tag}.png")}
     report["files"] = files

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import statistics
+from collections import Counter
 from pathlib import Path
 
+import kenlm
 import pytest
 
 from nlmserve.cli import main
 from nlmserve.moses_plugin import bleu
 from nlmserve.moses_plugin.experiment import ExperimentConfig, run
-from nlmserve.moses_plugin.nbest import iter_sentences, read_lines
+from nlmserve.moses_plugin.nbest import iter_entries, iter_sentences, read_lines
 from nlmserve.moses_plugin.weights import load_weights
 
 NEWS = Path(__file__).resolve().parent.parent / "data" / "nbest" / "newstest-fr-en"
@@ -30,6 +33,21 @@ def _slice(name: str, out: Path) -> tuple[str, str]:
         handle.write("".join(lines))
     ref.write_text("".join(line + "\n" for line in read_lines(NEWS / f"{name}.300.ref")[:N]))
     return str(nbest), str(ref)
+
+
+def _unigram_arpa(lines: list[str], path: Path) -> Path:
+    """A unigram model of ``lines`` (add-one estimates, ``</s>`` counted once per line) as a
+    bigram ARPA (KenLM reads bigrams and up): back-offs 0, and ``<s> w`` at P(w) for each
+    first word, so every probability is the unigram one."""
+    counts = Counter(word for line in lines for word in line.split() + ["</s>"])
+    counts["<unk>"] += 0
+    total = sum(counts.values()) + len(counts)
+    logp = {w: math.log10((c + 1) / total) for w, c in counts.items()}
+    unigrams = [f"{logp[w]:.6f}\t{w}\t0" for w in sorted(logp)] + ["-99\t<s>\t0"]
+    bigrams = [f"{logp[w]:.6f}\t<s> {w}" for w in sorted({line.split()[0] for line in lines if line.split()})]
+    path.write_text(f"\\data\\\nngram 1={len(unigrams)}\nngram 2={len(bigrams)}\n\n\\1-grams:\n"
+                    + "\n".join(unigrams) + "\n\n\\2-grams:\n" + "\n".join(bigrams) + "\n\n\\end\\\n")
+    return path
 
 
 @pytest.mark.slow
@@ -127,6 +145,36 @@ def test_experiment_runs_and_resumes(tiny_model_path: Path, tmp_path: Path, caps
     assert bleu.corpus_bleu(outputs["moses+NLM0.mira"], refs, bleu_config)[0].score == pytest.approx(
         rows["moses+NLM0"]["test_bleu"])
     assert load_weights(str(work / "weights.moses+NLM0.mira.ini")).as_dict() == rows["moses+NLM0"]["weights"]
+    # A Kneser-Ney feature beside NLM0 (--kenlm): a unigram ARPA of the dev references, computed here.
+    arpa = _unigram_arpa(read_lines(dev_ref), tmp_path / "dev.unigram.arpa")
+    args = ["experiment", "--workdir", str(work), "--dev-nbest", dev, "--dev-ref", dev_ref, "--test-nbest", test,
+            "--test-ref", test_ref, "--model", str(tiny_model_path), "--restarts", "0", "--samples", "100"]
+    assert main([*args, "--kenlm", str(arpa)]) == 0
+    assert "mert+KN1+NLM0" in capsys.readouterr().out
+    with_kn = json.loads((work / "results.KN1.json").read_text())
+    assert json.loads((work / "results.json").read_text())["rows"] == replicated["rows"]
+    rows = {r["system"]: r for r in with_kn["rows"]}
+    assert list(rows) == ["moses", "mert", "mert+KN1", "mert+KN1+NLM0", "moses+NLM0"]
+    assert rows["mert"]["weights"] == saved["rows"][1]["weights"]  # the same tuning, reused
+    assert rows["mert+KN1"]["baseline"] == "mert" and rows["mert+KN1+NLM0"]["baseline"] == "mert+KN1"
+    assert set(rows["mert+KN1+NLM0"]["weights"]) >= {"KN1", "NLM0"} and "NLM0" not in rows["mert+KN1"]["weights"]
+    assert rows["moses+NLM0"]["weights"]["KN1"] == [0.0]
+    kn_hash = with_kn["kenlm_hash"][:12]
+    assert rows["mert+KN1"]["signature"].endswith(f"|KN1:{kn_hash}") and "KN1:" not in rows["mert"]["signature"]
+    model = kenlm.Model(str(arpa))
+    for entry, _ in zip(iter_entries(work / "test.kn.nlm.nbest.gz"), range(50)):
+        (kn1,) = dict(entry.dense)["KN1"]
+        assert kn1 == pytest.approx(math.log(10) * model.score(entry.hyp, bos=True, eos=True), rel=1e-5, abs=1e-4)
+        assert [name for name, _ in entry.dense][-2:] == ["KN1", "NLM0"]
+    outputs = {name: read_lines(work / f"test.{name}.1best") for name in ("mert+KN1", "mert+KN1+NLM0")}
+    paired = bleu.paired_bootstrap(outputs["mert+KN1"], outputs["mert+KN1+NLM0"], refs, bleu_config, 100)
+    assert rows["mert+KN1+NLM0"]["p_value"] == pytest.approx(paired.p_value)
+    # Another Kneser-Ney model in the same workdir would mix two models' lists: refused.
+    other = _unigram_arpa(read_lines(test_ref), tmp_path / "other.arpa")
+    assert main([*args, "--kenlm", str(other)]) == 1
+    assert "use another workdir" in capsys.readouterr().err
+    assert main([*args, "--kenlm", str(arpa), "--kenlm-name", "NLM0"]) == 1
+    assert "is the neural model's feature" in capsys.readouterr().err
     assert main(["experiment", "--workdir", str(tmp_path / "none"), "--model", str(tiny_model_path), "--mert-runs", "0"]) == 1
     assert "--mert-runs must be at least 1, not 0" in capsys.readouterr().err
     assert not (tmp_path / "none").exists()
