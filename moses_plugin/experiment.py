@@ -1,7 +1,8 @@
 """``nlmserve experiment`` (``make demo``): the whole path on shipped data.
 
 train a small NLM (``nlmserve train``, subprocess) → serve it (``nlmserve serve --port 0``,
-subprocess) → rescore the dev and test n-best lists → MERT on dev without and with NLM0
+subprocess) → [add a Kneser-Ney feature, ``--kenlm``] → rescore the dev and test n-best
+lists → MERT (or MIRA) on dev without and with NLM0
 → rerank test → BLEU, paired bootstrap p-values → a table (Markdown, JSON, PNG).
 
 Every step writes its output into the work directory and is skipped when that output

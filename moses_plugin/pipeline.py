@@ -10,7 +10,9 @@ the tuner (``mert``, Och's MERT, or ``mira``, batch k-best MIRA; ``tuner`` in th
 * ``moses+NLM0``: the decoder's weights kept, only NLM0's weight tuned on dev.
 
 p-values: ``mert+NLM0`` against ``mert``, ``moses+NLM0`` against ``moses``
-(sacrebleu's paired bootstrap). Each tuner's systems have their own weight and output
+(sacrebleu's paired bootstrap). With a Kneser-Ney model (``kenlm``) added to the lists
+first as ``KN1``, ``mert+KN1`` (against ``mert``) and ``mert+KN1+NLM0`` (against
+``mert+KN1``) take the place of ``mert+NLM0``. Each tuner's systems have their own weight and output
 files (``weights.mira+NLM0.ini``, ``test.mira.1best``), so one workdir, rescored once,
 holds both tuners' results.
 
