@@ -34,12 +34,13 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nlmserve.errors import InputError
 from nlmserve.moses_plugin import bleu, mert, mira
-from nlmserve.moses_plugin.nbest import read_lines, write_text_atomic
+from nlmserve.moses_plugin.nbest import file_sha256, read_lines, write_text_atomic
 from nlmserve.moses_plugin.rerank import rerank
 from nlmserve.moses_plugin.rescore import RescoreConfig, rescore
 from nlmserve.moses_plugin.weights import Weights, load_weights, to_moses_ini, to_weights_txt
@@ -78,6 +79,7 @@ class Pipeline:
         self.bleu_config = bleu.BleuConfig(lowercase=config.lowercase)
         self.model_hash = ""
         self.kenlm_hash = ""
+        self._kenlm: Any = None
         self.rescore_stats: dict[str, Any] = {}
 
     def run(self) -> dict[str, Any]:
@@ -113,8 +115,10 @@ class Pipeline:
         assert self.config.kenlm
         out = self.work / f"{name}.kn.nbest.gz"
         stats_path = self.work / f"{name}.kn.json"
-        scorer = KenlmScorer(self.config.kenlm)
-        self.kenlm_hash = scorer.info.model_hash
+        if not self.kenlm_hash:
+            if not os.path.isfile(self.config.kenlm):
+                raise InputError("no such Kneser-Ney model file", self.config.kenlm)
+            self.kenlm_hash = file_sha256(self.config.kenlm)
         if out.exists() and stats_path.exists():
             stats = json.loads(stats_path.read_text())
             if stats.get("model_hash") != self.kenlm_hash or stats.get("feature") != self.config.kenlm_name:
@@ -124,6 +128,9 @@ class Pipeline:
         else:
             log.info("adding %s of %s: %s → %s", self.config.kenlm_name, self.config.kenlm, nbest, out)
             config = RescoreConfig(feature_name=self.config.kenlm_name, lowercase=self.config.lowercase, progress=False)
+            if self._kenlm is None:  # loaded once, and only when a list needs it
+                self._kenlm = KenlmScorer(self.config.kenlm)
+            scorer = self._kenlm
             stats = rescore(nbest, str(out), lambda: scorer, config).as_dict() | {"feature": self.config.kenlm_name}
             write_text_atomic(stats_path, json.dumps(stats, indent=2))
         self.rescore_stats[f"{name} {self.config.kenlm_name}"] = stats
