@@ -1,4 +1,4 @@
-"""``nlmserve train`` and ``nlmserve eval`` (torch is imported inside the handlers)."""
+"""``nlmserve train``, ``eval`` and ``normalize`` (torch is imported inside the handlers)."""
 
 from __future__ import annotations
 
@@ -111,6 +111,23 @@ def register(subparsers: Any) -> None:
     w.add_argument("--tune-kn-weight", metavar="DEV", help="tune λ on this text (maximum likelihood)")
     e.set_defaults(func=_eval)
 
+    n = subparsers.add_parser(
+        "normalize",
+        help="bring tokenised text into the form of the n-best lists (lowercase, 's, @-@)",
+        description="Rewrite a tokenised text line for line: lowercase, typographic apostrophes and split "
+                    "possessives joined ('s), hyphens split as Moses' tokenizer -a does (@-@). "
+                    "Use it on in-domain LM training text before `nlmserve train`.",
+    )
+    n.add_argument("--in", dest="src", required=True, help="tokenised text (plain, .gz, .xz, or - for stdin)")
+    n.add_argument("--out", required=True, help="output (.gz/.xz compressed by suffix; - for stdout); "
+                                               "written atomically")
+    n.add_argument("--lc-moses", action="store_true",
+                   help="all three steps: the form of the shipped data and the newstest n-best lists")
+    n.add_argument("--lowercase", action="store_true", help="lowercase")
+    n.add_argument("--apostrophes", action="store_true", help="’ → ' and X ' s → X 's")
+    n.add_argument("--split-hyphens", action="store_true", help="a-b → a @-@ b between letters or digits")
+    n.set_defaults(func=_normalize)
+
 
 def _train(args: argparse.Namespace) -> int:
     from nlmserve.lm.train import TrainConfig, train
@@ -155,6 +172,23 @@ def _table_size(enabled: bool, bits: int, flag: str) -> int:
     if not 0 <= bits <= 30:
         raise ValueError(f"{flag} must be between 0 and 30, got {bits}")
     return 1 << bits if bits else 0
+
+
+def _normalize(args: argparse.Namespace) -> int:
+    from nlmserve.lm.normalize import TextForm, normalize_file
+
+    if args.lc_moses:
+        form = TextForm.lc_moses()
+    else:
+        form = TextForm(lowercase=args.lowercase, apostrophes=args.apostrophes, split_hyphens=args.split_hyphens)
+    if form == TextForm():
+        print("nlmserve normalize: error: choose --lc-moses or at least one of --lowercase, --apostrophes, "
+              "--split-hyphens", file=sys.stderr)
+        return 2
+    lines = normalize_file(args.src, args.out, form)
+    if args.out != "-":
+        print(f"wrote {lines} lines to {args.out}", file=sys.stderr)
+    return 0
 
 
 def _eval(args: argparse.Namespace) -> int:

@@ -27,7 +27,7 @@ import lzma
 import os
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -58,35 +58,50 @@ def _open_binary(path: Path) -> io.BufferedIOBase:
         raise CorpusError(f"cannot open: {exc}", str(path)) from exc
 
 
+def decode_lines(raw_lines: Iterable[bytes], name: str) -> Iterator[str]:
+    """The UTF-8 lines of a byte stream, without terminators, empty ones included.
+
+    A leading byte-order mark is dropped. Bytes that are not UTF-8 or a damaged compressed
+    stream raise :class:`CorpusError` naming ``name`` (and the line).
+    """
+    lineno = 0
+    try:
+        for raw in raw_lines:
+            lineno += 1
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise CorpusError(
+                    f"not UTF-8 (byte {exc.start} of the line: {raw[exc.start:exc.start + 1]!r})",
+                    name,
+                    lineno,
+                ) from exc
+            if lineno == 1 and text.startswith("\ufeff"):
+                text = text[1:]  # a byte-order mark is not part of the first word
+            yield text.rstrip("\r\n")
+    except (OSError, EOFError, lzma.LZMAError) as exc:
+        raise CorpusError(f"damaged or unreadable after line {lineno}: {exc}", name) from exc
+
+
+def open_text_lines(path: str | os.PathLike[str]) -> Iterator[str]:
+    """The lines of a UTF-8 text (plain, .gz, .xz), one at a time; see :func:`decode_lines`."""
+    p = Path(path)
+    with _open_binary(p) as f:
+        yield from decode_lines(f, str(p))
+
+
 def read_sentences(path: str | os.PathLike[str], *, lowercase: bool = False) -> Iterator[list[str]]:
     """Yield the whitespace tokens of each non-empty line of a UTF-8 text, one line at a time.
 
     Raises :class:`CorpusError` naming the file (and the line, for bytes that are not UTF-8
     or a damaged compressed stream) when the text cannot be read.
     """
-    p = Path(path)
-    with _open_binary(p) as f:
-        lineno = 0
-        try:
-            for raw in f:
-                lineno += 1
-                try:
-                    text = raw.decode("utf-8")
-                except UnicodeDecodeError as exc:
-                    raise CorpusError(
-                        f"not UTF-8 (byte {exc.start} of the line: {raw[exc.start:exc.start + 1]!r})",
-                        str(p),
-                        lineno,
-                    ) from exc
-                if lineno == 1 and text.startswith("\ufeff"):
-                    text = text[1:]  # a byte-order mark is not part of the first word
-                if lowercase:
-                    text = text.lower()
-                tokens = text.split()
-                if tokens:
-                    yield tokens
-        except (OSError, EOFError, lzma.LZMAError) as exc:
-            raise CorpusError(f"damaged or unreadable after line {lineno}: {exc}", str(p)) from exc
+    for text in open_text_lines(path):
+        if lowercase:
+            text = text.lower()
+        tokens = text.split()
+        if tokens:
+            yield tokens
 
 
 def count_words(path: str | os.PathLike[str], *, lowercase: bool = False) -> tuple[Counter[str], int]:
