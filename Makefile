@@ -48,7 +48,7 @@ test-py: install
 test: typecheck test-py
 
 demo: install
-	$(BIN)/nlmserve experiment --workdir runs/demo
+	$(BIN)/nlmserve experiment --workdir runs/demo --tuner mira --runs 3
 
 bench: install
 	$(BIN)/python bench/serve.py

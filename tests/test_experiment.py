@@ -176,5 +176,53 @@ def test_experiment_runs_and_resumes(tiny_model_path: Path, tmp_path: Path, caps
     assert main([*args, "--kenlm", str(arpa), "--kenlm-name", "NLM0"]) == 1
     assert "is the neural model's feature" in capsys.readouterr().err
     assert main(["experiment", "--workdir", str(tmp_path / "none"), "--model", str(tiny_model_path), "--mert-runs", "0"]) == 1
-    assert "--mert-runs must be at least 1, not 0" in capsys.readouterr().err
+    assert "--runs must be at least 1, not 0" in capsys.readouterr().err
     assert not (tmp_path / "none").exists()
+
+
+def test_training_text_joins_files_in_order(tmp_path: Path) -> None:
+    import lzma
+
+    from nlmserve.errors import NlmserveError
+    from nlmserve.moses_plugin.experiment import training_text
+
+    plain = tmp_path / "general.txt"
+    plain.write_bytes(b"a b\nc d")  # no newline at the end: the next file must not run into it
+    packed = tmp_path / "news.xz"
+    packed.write_bytes(lzma.compress("é f\n\ng h\n".encode("utf-8")))
+    work = tmp_path / "work"
+    work.mkdir()
+    assert training_text((str(plain),), work) == str(plain)  # one file is read in place
+    joined = training_text((str(plain), str(packed), str(packed)), work)
+    assert joined == str(work / "train.txt")
+    assert Path(joined).read_bytes() == "a b\nc d\né f\n\ng h\né f\n\ng h\n".encode("utf-8")
+    assert sorted(p.name for p in work.iterdir()) == ["train.txt"]
+    plain.write_bytes(b"changed\n")
+    assert Path(training_text((str(plain), str(packed)), work)).read_bytes().startswith(b"a b\n")  # reused on a rerun
+    with pytest.raises(NlmserveError, match="training text .*missing.txt"):
+        training_text((str(plain), str(tmp_path / "missing.txt")), tmp_path)
+    assert not (tmp_path / "train.txt").exists()
+    assert main(["experiment", "--workdir", str(tmp_path / "w2"), "--train-text", str(plain),
+                 str(tmp_path / "missing.txt"), "--mert-runs", "1"]) == 1
+
+
+def test_the_demo_data_is_shipped_and_consistent() -> None:
+    """The experiment's defaults (``make demo``) name shipped files, and the every-third-sentence
+    lists are the full lists' lines renumbered, 50-best, aligned with their references."""
+    config = ExperimentConfig()
+    for name in (*config.train_text, config.valid_text, config.dev_nbest, *config.dev_ref, config.test_nbest,
+                 *config.test_ref):
+        assert Path(name).is_file(), name
+    full_dir = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "nbest" / "newstest-fr-en"
+    for nbest, (ref,) in ((config.dev_nbest, config.dev_ref), (config.test_nbest, config.test_ref)):
+        groups = list(iter_sentences(nbest))
+        assert [g[0].sent_id for g in groups] == list(range(len(groups))) == list(range(len(read_lines(ref))))
+        assert all(1 <= len(g) <= 50 for g in groups) and sum(len(g) == 50 for g in groups) > 0.9 * len(groups)
+        full = full_dir / Path(nbest).name.replace(".every3", "")
+        if not full.exists():
+            continue  # a clone without ../shared: the slice's own consistency is checked above
+        wanted = {3 * i for i in range(len(groups))}
+        kept = [g[:50] for g in iter_sentences(full) if g[0].sent_id in wanted]
+        assert [[e.raw.split(" ||| ", 1)[1] for e in g] for g in kept] == \
+            [[e.raw.split(" ||| ", 1)[1] for e in g] for g in groups]
+        assert read_lines(ref) == read_lines(full.with_name(full.name.replace(".nbest.gz", ".ref")))[::3]
