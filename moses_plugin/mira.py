@@ -130,9 +130,12 @@ def tune(
         average = total / n_updates
         bleu = _corpus_bleu(packed, scorer, average)
         epochs.append(bleu)
-        log.info("MIRA epoch %d: BLEU %.4f of the averaged weights (loss %.1f)", epoch, bleu, losses)
+        log.debug("MIRA epoch %d: BLEU %.4f of the averaged weights (loss %.1f)", epoch, bleu, losses)
         if bleu > best_bleu:
             best_w, best_bleu = average, bleu
+    best = "the start" if best_bleu == start_bleu else f"epoch {epochs.index(best_bleu)}"
+    log.info("MIRA: BLEU %.4f at the start, %.4f after %d epochs (best: %s, %d updates)",
+             start_bleu, best_bleu, len(epochs), best, n_updates - 1)
     weights = Weights.from_flat(data.layout, best_w.tolist())
     if config.normalize:
         weights = weights.normalized_l1()
