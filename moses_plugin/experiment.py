@@ -7,7 +7,9 @@ lists → MERT (or MIRA) on dev without and with NLM0
 
 Every step writes its output into the work directory and is skipped when that output
 exists, so a rerun resumes where an interrupted one stopped (training resumes from its
-own checkpoint, rescoring from its sidecar). The server is stopped in ``finally``.
+own checkpoint, rescoring from its sidecar); ``WORKDIR/inputs.json`` records what the
+outputs were made from, and a run with other inputs is refused (``workdir.py``). The
+server is stopped in ``finally``.
 """
 
 from __future__ import annotations
@@ -268,6 +270,9 @@ def run(config: ExperimentConfig, client_kwargs: dict[str, Any] | None = None) -
             raise NlmserveError(f"--kenlm-name {FEATURE} is the neural model's feature: choose another name")
     work = Path(config.workdir)
     work.mkdir(parents=True, exist_ok=True)
+    from nlmserve.moses_plugin.workdir import check_workdir
+
+    check_workdir(config, work, trains=config.model is None and config.server is None)
     started = time.monotonic()
     server: ServerProcess | None = None
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import math
 import statistics
@@ -226,3 +227,46 @@ def test_the_demo_data_is_shipped_and_consistent() -> None:
         assert [[e.raw.split(" ||| ", 1)[1] for e in g] for g in kept] == \
             [[e.raw.split(" ||| ", 1)[1] for e in g] for g in groups]
         assert read_lines(ref) == read_lines(full.with_name(full.name.replace(".nbest.gz", ".ref")))[::3]
+
+
+def test_workdir_records_its_inputs_and_refuses_others(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from nlmserve.errors import NlmserveError
+    from nlmserve.moses_plugin.workdir import RECORD, check_workdir
+
+    dev, dev_ref = _slice("newstest2012", tmp_path)
+    test, test_ref = _slice("newstest2013", tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    config = ExperimentConfig(workdir=str(work), dev_nbest=dev, dev_ref=(dev_ref,), test_nbest=test, test_ref=(test_ref,))
+    check_workdir(config, work, trains=True)
+    record = json.loads((work / RECORD).read_text())
+    assert record["lists"]["dev_nbest"] == hashlib.sha256(Path(dev).read_bytes()).hexdigest()
+    assert len(record["training"]["train_text"]) == 3 and record["training"]["train_args"] == list(config.train_args)
+    check_workdir(config, work, trains=True)  # the same inputs: a rerun goes on
+    # Other lists, another training text, other training flags: refused before any work, naming them.
+    other_dev = tmp_path / "other.nbest.gz"
+    other_dev.write_bytes(gzip.compress(gzip.decompress(Path(dev).read_bytes())[:-200] + b"\n"))
+    from dataclasses import replace
+
+    for changed, names in ((replace(config, dev_nbest=str(other_dev)), ["lists.dev_nbest"]),
+                           (replace(config, train_text=config.train_text[:1]), ["training.train_text"]),
+                           (replace(config, train_args=("--order", "3"), lowercase=True),
+                            ["lists.lowercase", "training.train_args"])):
+        with pytest.raises(NlmserveError) as exc:
+            check_workdir(changed, work, trains=True)
+        assert all(name in str(exc.value) for name in names) and "choose another --workdir" in str(exc.value)
+    # A given model (no training here) is checked on its lists only; its hash ties the rescored lists.
+    check_workdir(replace(config, train_args=("--order", "3")), work, trains=False)
+    assert json.loads((work / RECORD).read_text()) == record
+    # An earlier version's workdir: outputs, no record: refused (it would mix old and new results).
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "dev.nlm.nbest.gz").write_bytes(b"")
+    with pytest.raises(NlmserveError, match="no record of what they were made from"):
+        check_workdir(config, old, trains=True)
+    assert not (old / RECORD).exists()
+    # Through the CLI: the refusal comes before a server is started or a model trained.
+    assert main(["experiment", "--workdir", str(work), "--dev-nbest", str(other_dev), "--dev-ref", dev_ref,
+                 "--test-nbest", test, "--test-ref", test_ref]) == 1
+    assert "lists.dev_nbest differ" in capsys.readouterr().err
+    assert sorted(p.name for p in work.iterdir()) == [RECORD]
