@@ -63,18 +63,13 @@ def normalize_line(line: str, form: TextForm) -> str:
     return " ".join(line.split())
 
 
-def normalize_lines(lines: Iterable[str], form: TextForm) -> Iterator[str]:
-    for line in lines:
-        yield normalize_line(line, form)
-
-
 def normalize_file(src: str, out: str, form: TextForm) -> int:
     """Write ``src`` (plain, .gz, .xz or ``-``) in ``form`` to ``out`` (``-``: stdout); lines written.
 
     A file is written next to its final name and renamed into place when complete, so an
     interrupted run leaves no partial output; ``.gz`` / ``.xz`` outputs are compressed.
     """
-    lines = normalize_lines(_read(src), form)
+    lines = (normalize_line(line, form) for line in _read(src))
     if out == "-":
         return _write(lines, sys.stdout)
     target = Path(out)
