@@ -53,9 +53,10 @@ demo: install
 bench: install
 	$(BIN)/python bench/serve.py
 
-# Debian packages for the C++ client and Moses feature (moses_plugin/cpp) and for the
+# Debian packages for the C++ client and Moses feature (moses_plugin/cpp; boost headers to
+# compile the feature against a Moses tree) and for the
 # real-Prometheus test (tests/test_prometheus.py); run as root.
-SYSTEM_DEPS := cmake g++ make pkg-config libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler \
+SYSTEM_DEPS := cmake g++ make pkg-config libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libboost-dev \
                prometheus
 system-deps:
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(SYSTEM_DEPS)
