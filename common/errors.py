@@ -39,12 +39,15 @@ class ModelFileError(NlmserveError):
 class InvalidRequestError(NlmserveError):
     """A request that cannot be scored (maps to INVALID_ARGUMENT).
 
-    ``index`` names the offending item (n-gram or sentence) when there is one.
+    ``index`` names the offending item (n-gram or sentence) when there is one; ``kind``
+    names the rule broken when it is one of the n-gram rules (``nlmserve.lm.ngrams``:
+    ``empty``, ``too-long``, ``out-of-range``, ``bos-target``, ``bos-in-sentence``).
     """
 
-    def __init__(self, message: str, index: int | None = None) -> None:
+    def __init__(self, message: str, index: int | None = None, kind: str | None = None) -> None:
         super().__init__(f"item {index}: {message}" if index is not None else message)
         self.index = index
+        self.kind = kind
 
 
 class OverloadedError(NlmserveError):

@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nlmserve.errors import InvalidRequestError
 from nlmserve.lm.model import ModelConfig, NeuralLM
 from nlmserve.lm.model_file import FORMAT_VERSION, ModelFile, read_model_file
 from nlmserve.lm.objectives import SELF_NORMALIZING
-from nlmserve.lm.vocab import BOS_ID, EOS_ID, UNK_ID, Vocabulary
+from nlmserve.lm.ngrams import BOS_ID, EOS_ID, UNK_ID, canonical_rows, check_sentences, sentence_windows, word_ids
+from nlmserve.lm.vocab import Vocabulary
 
 log = logging.getLogger(__name__)
 
@@ -113,51 +113,20 @@ class LanguageModel:
             f"objective={self.objective}, hash={self.model_hash[:12]}, device={self.device})"
         )
 
-    # ------------------------------------------------------------------ validation
-    def validate_ngrams(self, ids: Any) -> np.ndarray:
-        """Check an (N, n) id array; returns it as int64. InvalidRequestError names the row."""
-        arr = ids.detach().cpu().numpy() if isinstance(ids, Tensor) else np.asarray(ids)
-        if arr.ndim != 2:
-            raise InvalidRequestError(f"n-gram ids must be a 2-D array (N, n), got shape {arr.shape}")
-        if arr.size and not np.issubdtype(arr.dtype, np.integer):
-            raise InvalidRequestError(f"n-gram ids must be integers, got {arr.dtype}")
-        n = arr.shape[1]
-        if arr.shape[0] == 0:
-            return np.empty((0, min(max(n, 1), self.order)), dtype=np.int64)
-        if n == 0:
-            raise InvalidRequestError("empty n-gram", index=0)
-        if n > self.order:
-            raise InvalidRequestError(f"n-gram of length {n} is longer than the model order {self.order}", index=0)
-        arr = arr.astype(np.int64, copy=False)
-        bad = (arr < 0) | (arr >= len(self.vocab))
-        if bad.any():
-            i = int(np.flatnonzero(bad.any(axis=1))[0])
-            raise InvalidRequestError(f"word id out of range [0, {len(self.vocab)}): {arr[i].tolist()}", index=i)
-        bos = arr[:, -1] == BOS_ID
-        if bos.any():
-            i = int(np.flatnonzero(bos)[0])
-            raise InvalidRequestError("<s> cannot be the predicted word", index=i)
-        return arr
-
     # ------------------------------------------------------------------ pieces for the server
+    def canonical_rows(self, ids: Any) -> np.ndarray:
+        """Validate (N, n) ids (numpy or torch) and bring them to the canonical (N, order)
+        int64 form (``nlmserve.lm.ngrams.canonical_rows``: InvalidRequestError names the row)."""
+        arr = ids.detach().cpu().numpy() if isinstance(ids, Tensor) else ids
+        return canonical_rows(arr, self.order, len(self.vocab))
+
     def prepare_contexts(self, ids: Any) -> tuple[Tensor, Tensor]:
         """Validate (N, n) ids and normalise their contexts → (ctx (N, order-1), target (N,))
         as LongTensors on ``self.device``."""
-        arr = self.validate_ngrams(ids)
-        n1 = self.order - 1
-        N = arr.shape[0]
-        ctx = np.full((N, n1), BOS_ID, dtype=np.int64)
-        given = arr[:, :-1][:, max(0, arr.shape[1] - 1 - n1) :]  # (N, <= n-1), newest last
-        if given.shape[1]:
-            ctx[:, n1 - given.shape[1] :] = given
-        # Everything left of the newest <s> becomes <s>: reverse cumulative OR of is-<s>.
-        is_bos = ctx == BOS_ID
-        left_of_bos = np.flip(np.logical_or.accumulate(np.flip(is_bos, axis=1), axis=1), axis=1)
-        ctx[left_of_bos] = BOS_ID
-        target = arr[:, -1]
+        rows = self.canonical_rows(ids)
         return (
-            torch.from_numpy(ctx).to(self.device),
-            torch.from_numpy(np.ascontiguousarray(target)).to(self.device),
+            torch.from_numpy(np.ascontiguousarray(rows[:, :-1])).to(self.device),
+            torch.from_numpy(np.ascontiguousarray(rows[:, -1])).to(self.device),
         )
 
     def encode_contexts(self, ctx: Tensor) -> Tensor:
@@ -238,7 +207,7 @@ class LanguageModel:
         ``normalized=False`` returns the unnormalised score when the model is
         self-normalised (NCE); other models always return normalised values.
         """
-        arr = self.validate_ngrams(ids)
+        arr = self.canonical_rows(ids)
         out = np.empty(arr.shape[0], dtype=np.float32)
         use_raw = not normalized and self.self_normalized
         if use_raw:
@@ -247,9 +216,8 @@ class LanguageModel:
             bounds = self.net.scoring_bounds(arr[:, -1], max_rows=CHUNK)
         with torch.inference_mode():
             for start, end in bounds:
-                ctx, target = self.prepare_contexts(arr[start:end])
-                norm = np.full(ctx.shape[0], not use_raw)
-                out[start:end] = self.score_prepared(ctx.cpu().numpy(), target.cpu().numpy(), norm)
+                rows = arr[start:end]
+                out[start:end] = self.score_prepared(rows[:, :-1], rows[:, -1], np.full(end - start, not use_raw))
         if log10:
             out *= np.float32(LOG10_E)
         return out
@@ -258,36 +226,15 @@ class LanguageModel:
         self, sentences: Sequence[Sequence[str]], *, bos: bool = True, eos: bool = True
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """All n-grams of ``sentences`` → (ids (T, order), oov (T,), ngram_len (T,), sentence
-        index (T,)). Words are lowercased first when the model was trained lowercased."""
-        n = self.order
-        rows: list[np.ndarray] = []
-        oovs: list[np.ndarray] = []
-        lens: list[np.ndarray] = []
-        owner: list[np.ndarray] = []
-        for s_idx, words in enumerate(sentences):
-            toks = [w.lower() for w in words] if self.lowercase else list(words)
-            ids = self.vocab.encode(toks).astype(np.int64)
-            if (ids == BOS_ID).any():
-                raise InvalidRequestError("<s> inside a sentence cannot be predicted", index=s_idx)
-            oov = np.array([t not in self.vocab for t in toks], dtype=bool)
-            if eos:
-                ids = np.append(ids, EOS_ID)
-                oov = np.append(oov, False)
-            T = len(ids)
-            if T == 0:
-                continue
-            # Padded history: n-1 <s> then the sentence; row t = padded[t : t + n].
-            padded = np.concatenate([np.full(n - 1, BOS_ID, dtype=np.int64), ids])
-            windows = np.lib.stride_tricks.sliding_window_view(padded, n)[:T]  # (T, n)
-            rows.append(windows)
-            oovs.append(oov)
-            avail = np.arange(1, T + 1) + (1 if bos else 0)  # tokens incl. this one (+ <s>)
-            lens.append(np.minimum(avail, n).astype(np.uint32))
-            owner.append(np.full(T, s_idx, dtype=np.int64))
-        if not rows:
-            empty = np.empty(0, dtype=np.int64)
-            return np.empty((0, n), dtype=np.int64), np.empty(0, dtype=bool), empty.astype(np.uint32), empty
-        return np.concatenate(rows), np.concatenate(oovs), np.concatenate(lens), np.concatenate(owner)
+        index (T,)) (``nlmserve.lm.ngrams.sentence_windows``). Words are lowercased first when
+        the model was trained lowercased."""
+        index = self.vocab.index
+        toks = [[w.lower() for w in words] if self.lowercase else list(words) for words in sentences]
+        ids = [word_ids(t, index, lowercase=False) for t in toks]
+        check_sentences(ids, len(self.vocab))
+        rows, lens, counts = sentence_windows(ids, self.order, bos=bos, eos=eos)
+        oov = np.array([flag for t in toks for flag in [w not in index for w in t] + [False] * int(eos)], dtype=bool)
+        return rows, oov, lens, np.repeat(np.arange(len(sentences), dtype=np.int64), counts)
 
     def score_sentences(
         self,

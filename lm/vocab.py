@@ -1,6 +1,7 @@
 """The vocabulary: words <-> ids with fixed special ids (as KenLM).
 
-``<unk>`` = 0, ``<s>`` = 1, ``</s>`` = 2; the other words follow in the order given (for
+``<unk>`` = 0, ``<s>`` = 1, ``</s>`` = 2 (defined with the other n-gram rules in
+``nlmserve.lm.ngrams``, re-exported here); the other words follow in the order given (for
 :meth:`Vocabulary.build`: by decreasing frequency, ties broken by the word itself, so the
 same counts always give the same ids).
 """
@@ -9,17 +10,16 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
+from types import MappingProxyType
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-UNK = "<unk>"
-BOS = "<s>"
-EOS = "</s>"
-UNK_ID = 0
-BOS_ID = 1
-EOS_ID = 2
+from nlmserve.lm.ngrams import BOS, BOS_ID, EOS, EOS_ID, UNK, UNK_ID
+
 SPECIALS = (UNK, BOS, EOS)
+
+__all__ = ["BOS", "BOS_ID", "EOS", "EOS_ID", "SPECIALS", "UNK", "UNK_ID", "Vocabulary"]
 
 
 class Vocabulary:
@@ -76,6 +76,11 @@ class Vocabulary:
     def words(self) -> list[str]:
         """All words in id order (a copy)."""
         return list(self._words)
+
+    @property
+    def index(self) -> Mapping[str, int]:
+        """word → id (a read-only view)."""
+        return MappingProxyType(self._index)
 
     def id(self, word: str) -> int:
         """The id of ``word``; ``UNK_ID`` when it is not in the vocabulary."""

@@ -1,0 +1,154 @@
+"""The n-gram rules of the wire contract, in one place for every Python room.
+
+Special ids, fixed as in KenLM: ``<unk>`` = 0, ``<s>`` = 1, ``</s>`` = 2.
+
+An n-gram lists word ids oldest first, the predicted word last, 1 <= n <= order. Its
+canonical row has ``order`` ids: left-padded with ``<s>``, and everything left of the newest
+``<s>`` in the context set to ``<s>`` (a sentence start resets the history), so
+``<s> <s> the`` ≡ ``<s> the`` ≡ ``the``. ``<s>`` is never predicted.
+
+    canonical_rows(ids, order, vocab_size)      # validate (N, n) ids → (N, order) int64
+    sentence_windows(sentences, order, bos=, eos=)  # every n-gram of id sentences
+    pack_ngrams(ngrams, index, order, lowercase=)   # word n-grams → padded id rows + OOV
+
+Only numpy is imported here (never torch): the client and the Moses tooling use these rules
+too (tests/golden/canonical_ngrams.tsv has the cases the C++ client passes as well).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from nlmserve.errors import InvalidRequestError
+
+UNK = "<unk>"
+BOS = "<s>"
+EOS = "</s>"
+UNK_ID = 0
+BOS_ID = 1
+EOS_ID = 2
+
+#: The ``kind`` of each InvalidRequestError these rules raise.
+EMPTY, TOO_LONG, OUT_OF_RANGE, BOS_TARGET, BOS_IN_SENTENCE = (
+    "empty", "too-long", "out-of-range", "bos-target", "bos-in-sentence")
+
+
+def _too_long(n: int, order: int, index: int) -> InvalidRequestError:
+    return InvalidRequestError(f"n-gram of {n} words is longer than the model order {order}", index=index,
+                               kind=TOO_LONG)
+
+
+def canonical_rows(ids: npt.ArrayLike, order: int, vocab_size: int) -> np.ndarray:
+    """Validate n-gram rows (N, n) and bring them to the canonical (N, order) int64 form.
+
+    Raises InvalidRequestError (with ``index`` the first offending row and ``kind``) for an
+    array that is not 2-D or not of integers, an empty n-gram, one longer than ``order``,
+    an id outside ``[0, vocab_size)`` and ``<s>`` as the predicted word, checked in that
+    order. No rows give an empty (0, order) array whatever their width.
+    """
+    arr = np.asarray(ids)
+    if arr.ndim != 2:
+        raise InvalidRequestError(f"n-grams must be a 2-D array (N, n), got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise InvalidRequestError(f"n-gram ids must be integers, got {arr.dtype}")
+    n_rows, n = arr.shape
+    if n_rows == 0:
+        return np.empty((0, order), dtype=np.int64)
+    if n == 0:
+        raise InvalidRequestError("empty n-gram", index=0, kind=EMPTY)
+    if n > order:
+        raise _too_long(n, order, 0)
+    a = arr.astype(np.int64, copy=False)
+    bad = np.flatnonzero(((a < 0) | (a >= vocab_size)).any(axis=1))
+    if bad.size:
+        i = int(bad[0])
+        raise InvalidRequestError(f"word id out of range [0, {vocab_size}): {a[i].tolist()}", index=i,
+                                  kind=OUT_OF_RANGE)
+    bos_target = np.flatnonzero(a[:, -1] == BOS_ID)
+    if bos_target.size:
+        raise InvalidRequestError("<s> cannot be the predicted word", index=int(bos_target[0]), kind=BOS_TARGET)
+    out = np.full((n_rows, order), BOS_ID, dtype=np.int64)
+    out[:, order - n :] = a
+    ctx = out[:, :-1]  # a view: the assignment below changes ``out``
+    # Everything left of the newest <s> becomes <s>: reverse cumulative OR of is-<s>.
+    left_of_bos = np.logical_or.accumulate((ctx == BOS_ID)[:, ::-1], axis=1)[:, ::-1]
+    ctx[left_of_bos] = BOS_ID
+    return out
+
+
+def check_sentences(sentences: Sequence[npt.ArrayLike], vocab_size: int) -> None:
+    """InvalidRequestError naming the first id sentence with an id outside ``[0, vocab_size)``
+    or with ``<s>`` (which would be predicted)."""
+    for i, s in enumerate(sentences):
+        a = np.asarray(s)
+        if not a.size:
+            continue
+        if a.min() < 0 or a.max() >= vocab_size:
+            raise InvalidRequestError(f"word id out of range [0, {vocab_size})", index=i, kind=OUT_OF_RANGE)
+        if (a == BOS_ID).any():
+            raise InvalidRequestError("<s> inside a sentence cannot be predicted", index=i, kind=BOS_IN_SENTENCE)
+
+
+def sentence_windows(sentences: Sequence[npt.ArrayLike], order: int, *, bos: bool = True,
+                     eos: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every n-gram of id sentences → (rows (T, order) int64, n-gram lengths (T,) uint32,
+    tokens per sentence (S,) int64), the sentences' rows one after the other.
+
+    Token i (``</s>`` last when ``eos``) is predicted from the ``order - 1`` ids before it,
+    after ``order - 1`` ``<s>``; the rows are canonical when the sentences hold no ``<s>``
+    (:func:`check_sentences`). The n-gram length counts the words used, ``<s>`` included when
+    ``bos`` (KenLM's full_scores); ``bos=False`` changes only the lengths (the first word's
+    is 1), since a short context is padded with ``<s>`` either way.
+    """
+    toks = [np.asarray(s, dtype=np.int64).reshape(-1) for s in sentences]
+    counts = np.array([t.size + int(eos) for t in toks], dtype=np.int64)
+    total = int(counts.sum())
+    if total == 0:
+        return np.empty((0, order), dtype=np.int64), np.empty(0, dtype=np.uint32), counts
+    # One flat history: per sentence order-1 <s>, its tokens, </s>; window k of a sentence
+    # starts k ids after the sentence's own padding starts.
+    pad = np.full(order - 1, BOS_ID, dtype=np.int64)
+    end = [np.array([EOS_ID], dtype=np.int64)] if eos else []
+    flat = np.concatenate([part for t in toks for part in (pad, t, *end)])
+    starts = np.cumsum(counts + order - 1) - (counts + order - 1)  # where each sentence's padding starts
+    owner = np.repeat(np.arange(len(toks)), counts)
+    first_row = np.cumsum(counts) - counts
+    pos = np.arange(total) - first_row[owner]  # token index within its sentence
+    windows = np.lib.stride_tricks.sliding_window_view(flat, order)
+    rows = windows[starts[owner] + pos]
+    lengths = np.minimum(pos + 1 + int(bos), order).astype(np.uint32)
+    return rows, lengths, counts
+
+
+def pack_ngrams(ngrams: Sequence[Sequence[str]], index: Mapping[str, int], order: int, *, lowercase: bool,
+                dtype: npt.DTypeLike = np.int64, unk_id: int = UNK_ID,
+                bos_id: int = BOS_ID) -> tuple[np.ndarray, np.ndarray]:
+    """Word n-grams → (ids (N, order) left-padded with ``<s>``, oov (N,) bool).
+
+    Words are lowercased first when ``lowercase`` (the model was trained lowercased);
+    unknown words map to ``<unk>``; an n-gram's OOV flag is its predicted word's.
+    InvalidRequestError names an empty n-gram or one longer than ``order``.
+    """
+    get = index.get
+    ids = np.full((len(ngrams), order), bos_id, dtype=dtype)
+    oov = np.zeros(len(ngrams), dtype=bool)
+    for i, ng in enumerate(ngrams):
+        k = len(ng)
+        if k == 0:
+            raise InvalidRequestError("empty n-gram", index=i, kind=EMPTY)
+        if k > order:
+            raise _too_long(k, order, i)
+        row = [get(w.lower() if lowercase else w, unk_id) for w in ng]
+        ids[i, order - k :] = row
+        oov[i] = row[-1] == unk_id
+    return ids, oov
+
+
+def word_ids(words: Sequence[str], index: Mapping[str, int], *, lowercase: bool,
+             dtype: npt.DTypeLike = np.int64) -> np.ndarray:
+    """Ids of a tokenised sentence (lowercased first when ``lowercase``; unknown → ``<unk>``)."""
+    get = index.get
+    return np.fromiter((get(w.lower() if lowercase else w, UNK_ID) for w in words), dtype=dtype, count=len(words))
