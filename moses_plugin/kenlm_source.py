@@ -27,8 +27,8 @@ import numpy as np
 
 from nlmserve.errors import InputError
 from nlmserve.kenlm_file import load_kenlm
+from nlmserve.lm.ngrams import BOS, BOS_ID, EOS, EOS_ID, UNK, UNK_ID
 from nlmserve.moses_plugin.nbest import file_sha256
-from nlmserve.moses_plugin.rescore import BOS_ID, EOS_ID, UNK_ID
 
 LN10 = math.log(10.0)
 
@@ -74,7 +74,7 @@ class KenlmScorer:
 
         self._state_type = kenlm.State
         self._words = [""] * 3  # the rescoring loop's fixed ids, then every word as it comes
-        self._words[UNK_ID], self._words[BOS_ID], self._words[EOS_ID] = "<unk>", "<s>", "</s>"
+        self._words[UNK_ID], self._words[BOS_ID], self._words[EOS_ID] = UNK, BOS, EOS
         self._vocab = _GrowingVocabulary(self._words)
         self.info = KenlmInfo(model_hash=file_sha256(path), path=str(path))
 

@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 import numpy as np
 
 from nlmserve.errors import InputError, NbestFormatError, NlmserveError, OverloadedError, ServerUnavailableError
+from nlmserve.lm.ngrams import sentence_windows, word_ids
 from nlmserve.moses_plugin.nbest import (
     NbestEntry,
     ReadStats,
@@ -44,7 +45,6 @@ from nlmserve.moses_plugin.nbest import (
 
 log = logging.getLogger(__name__)
 
-BOS_ID, EOS_ID, UNK_ID = 1, 2, 0
 PROGRESS_VERSION = 1
 
 
@@ -125,28 +125,9 @@ class SentenceLM:
 
     def ngrams(self, hyps: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """All n-grams of ``hyps`` (N, order) uint32, and the hypothesis index of each row."""
-        pad = [BOS_ID] * (self.order - 1)
-        get = self.vocab.get
-        flat: list[int] = []
-        starts: list[int] = []
-        counts: list[int] = []
-        for hyp in hyps:
-            words = hyp.lower().split() if self.lowercase else hyp.split()
-            starts.append(len(flat))
-            counts.append(len(words) + 1)
-            flat.extend(pad)
-            flat.extend([get(w, UNK_ID) for w in words])
-            flat.append(EOS_ID)
-        if not hyps:
-            return np.zeros((0, self.order), dtype=np.uint32), np.zeros(0, dtype=np.int64)
-        seq = np.asarray(flat, dtype=np.uint32)
-        windows = np.lib.stride_tricks.sliding_window_view(seq, self.order)  # (len(seq) - order + 1, order)
-        count = np.asarray(counts, dtype=np.int64)
-        owners = np.repeat(np.arange(len(hyps), dtype=np.int64), count)
-        # Window k of hypothesis h starts at starts[h] + k, for k < counts[h].
-        first = np.repeat(np.asarray(starts, dtype=np.int64) - np.cumsum(count) + count, count)
-        rows = windows[first + np.arange(len(owners))]
-        return rows, owners
+        sentences = [word_ids(hyp.split(), self.vocab, lowercase=self.lowercase) for hyp in hyps]
+        rows, _, counts = sentence_windows(sentences, self.order, eos=True)
+        return rows.astype(np.uint32), np.repeat(np.arange(len(hyps), dtype=np.int64), counts)
 
 
 def _unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

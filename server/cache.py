@@ -2,14 +2,15 @@
 
 Two caches, both touched only by the engine's single batching thread (no locks):
 
-- n-gram cache: normalised id row (``order`` ids, ``<s>``-padded) and mode (normalised or
+- n-gram cache: canonical id row (``order`` ids, ``<s>``-padded) and mode (normalised or
   not) → natural-log score.
 - context cache (OxLM's per-context normaliser cache): context ids → the context vector r,
   the class log-normaliser, and the in-class log-normalisers of the classes asked so far.
 
-A hit returns exactly what the uncached path computes for that row: the same model
-pieces (``encode_contexts``, ``class_log_normalizer``, ``in_class_log_normalizer``,
-``raw_scores``) evaluated on the same inputs.
+Rows come canonical (``nlmserve.lm.ngrams.canonical_rows``). Without the context cache the
+model scores them as they are (``score_prepared``); with it, the score is composed from the
+model's pieces (``encode_contexts``, ``class_log_normalizer``, ``in_class_log_normalizer``,
+``raw_scores``), so a hit returns what the uncached path computes up to float rounding.
 """
 
 from __future__ import annotations
@@ -138,25 +139,8 @@ class Scorer:
 
     # -------------------------------------------------------------- paths
     def _score_direct(self, ids: np.ndarray, normalized: np.ndarray) -> np.ndarray:
-        """The uncached path: the model pieces over the whole batch."""
-        lm = self.lm
-        fast = getattr(lm, "score_prepared", None)
-        if fast is not None:  # the rows are canonical already: contexts and targets as they are
-            return np.asarray(fast(ids[:, :-1], ids[:, -1], normalized), dtype=np.float32)
-        ctx, target = lm.prepare_contexts(ids)
-        r = lm.encode_contexts(ctx)
-        class_score, word_score = lm.raw_scores(r, target)
-        score = class_score + word_score
-        if normalized.all():
-            cls = self._classes(target)
-            score = score - lm.class_log_normalizer(r) - lm.in_class_log_normalizer(r, cls)
-        elif normalized.any():
-            rows = torch.from_numpy(np.flatnonzero(normalized)).to(r.device)
-            cls = self._classes(target[rows])
-            lognorm = lm.class_log_normalizer(r[rows]) + lm.in_class_log_normalizer(r[rows], cls)
-            score = score.clone()
-            score[rows] = score[rows] - lognorm
-        return score.float().cpu().numpy()
+        """The uncached path: the model scores the canonical rows as they are."""
+        return np.asarray(self.lm.score_prepared(ids[:, :-1], ids[:, -1], normalized), dtype=np.float32)
 
     def _score_context_cached(self, ids: np.ndarray, normalized: np.ndarray) -> np.ndarray:
         lm = self.lm

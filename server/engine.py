@@ -34,7 +34,8 @@ from typing import Any, Sequence, TypeVar
 import numpy as np
 import torch
 
-from nlmserve.errors import InvalidRequestError, ModelFileError, NlmserveError, OverloadedError
+from nlmserve.errors import ModelFileError, NlmserveError, OverloadedError
+from nlmserve.lm.ngrams import BOS_ID, EOS_ID, canonical_rows, check_sentences, sentence_windows
 from nlmserve.server.cache import Scorer
 from nlmserve.server.config import ServerConfig
 from nlmserve.server.metrics import ServerMetrics
@@ -42,9 +43,6 @@ from nlmserve.server.metrics import ServerMetrics
 log = logging.getLogger(__name__)
 
 LOG10_E = 1.0 / math.log(10.0)
-BOS_ID = 1
-EOS_ID = 2
-UNK_ID = 0
 T = TypeVar("T")
 
 
@@ -56,38 +54,6 @@ class EngineStoppedError(NlmserveError):
     """The engine was shut down (maps to UNAVAILABLE)."""
 
 
-def normalize_ngrams(ids: np.ndarray, order: int, vocab_size: int) -> np.ndarray:
-    """Validate n-gram rows (N, n) and bring them to the canonical (N, order) int64 form.
-
-    Rows are left-padded with ``<s>``; in a context, everything left of the newest ``<s>``
-    becomes ``<s>`` (a sentence start resets the history), so equal contexts have equal rows.
-    """
-    if ids.ndim != 2:
-        raise InvalidRequestError(f"n-grams must be a 2-D array, got shape {ids.shape}")
-    n_rows, n = ids.shape
-    if n_rows == 0:
-        return np.empty((0, order), dtype=np.int64)
-    if n == 0:
-        raise InvalidRequestError("empty n-gram", index=0)
-    if n > order:
-        raise InvalidRequestError(f"n-gram of {n} words is longer than the model order {order}", index=0)
-    a = ids.astype(np.int64, copy=False)
-    bad = np.flatnonzero(((a < 0) | (a >= vocab_size)).any(axis=1))
-    if bad.size:
-        i = int(bad[0])
-        raise InvalidRequestError(f"word id out of range [0, {vocab_size}): {a[i].tolist()}", index=i)
-    bos_target = np.flatnonzero(a[:, -1] == BOS_ID)
-    if bos_target.size:
-        raise InvalidRequestError("<s> cannot be the predicted word", index=int(bos_target[0]))
-    out = np.full((n_rows, order), BOS_ID, dtype=np.int64)
-    out[:, order - n :] = a
-    ctx = out[:, :-1]
-    is_bos = ctx == BOS_ID
-    after_bos = np.logical_or.accumulate(is_bos[:, ::-1], axis=1)[:, ::-1]
-    ctx[after_bos] = BOS_ID
-    return out
-
-
 @dataclass(frozen=True)
 class SentenceResult:
     """Per-token scores of one sentence (tokens, then ``</s>`` when eos)."""
@@ -95,37 +61,6 @@ class SentenceResult:
     log_probs: np.ndarray  # float32 (T,)
     ngram_lengths: np.ndarray  # uint32 (T,)
     total: float  # sum of log_probs in float64
-
-
-def sentence_ngrams(sentences: Sequence[np.ndarray], order: int, *, bos: bool, eos: bool) -> tuple[np.ndarray, np.ndarray, list[int]]:
-    """All n-grams of the sentences: rows (T, order), n-gram lengths (T,), tokens per sentence.
-
-    Token i is predicted from the ``order - 1`` ids before it, after ``<s>`` when ``bos``.
-    The n-gram length counts the words used, ``<s>`` included (KenLM's full_scores).
-    Without ``bos`` the first word has no history; the model then reads ``<s>`` padding as
-    for any short context, and its n-gram length is 1.
-    """
-    rows: list[np.ndarray] = []
-    lengths: list[np.ndarray] = []
-    counts: list[int] = []
-    for sent in sentences:
-        toks = np.asarray(sent, dtype=np.int64)
-        if eos:
-            toks = np.concatenate([toks, [EOS_ID]])
-        t = toks.size
-        counts.append(t)
-        if t == 0:
-            continue
-        start = 1 if bos else 0
-        # order-1 ids of <s> (sentence start or padding), then the tokens; window i ends at token i.
-        hist = np.concatenate([np.full(order - 1, BOS_ID, dtype=np.int64), toks])
-        win = np.lib.stride_tricks.sliding_window_view(hist, order)[:t]
-        rows.append(win)
-        pos = np.arange(t)
-        lengths.append(np.minimum(pos + 1 + start, order).astype(np.uint32))
-    if not rows:
-        return np.empty((0, order), dtype=np.int64), np.empty(0, dtype=np.uint32), counts
-    return np.concatenate(rows), np.concatenate(lengths), counts
 
 
 class _Request:
@@ -299,7 +234,7 @@ class Engine:
         with self._cond:
             self._arriving += 1
         try:
-            rows = normalize_ngrams(ids, state.order, state.vocab_size)
+            rows = canonical_rows(ids, state.order, state.vocab_size)
         except BaseException:
             with self._cond:
                 self._arriving -= 1
@@ -317,7 +252,7 @@ class Engine:
         bad ids, as :meth:`submit_ngrams` does.
         """
         state = self._state if state is None else state
-        rows = normalize_ngrams(ids, state.order, state.vocab_size)
+        rows = canonical_rows(ids, state.order, state.vocab_size)
         with self._cond:
             if (self._busy or self._small or self._queue or self._arriving or self._stopping
                     or state is not self._state):
@@ -356,13 +291,8 @@ class Engine:
                          state: ModelState | None = None) -> Future[list[SentenceResult]]:
         """Queue id sentences (``</s>`` appended when eos); the future gets one result per sentence."""
         state = self._state if state is None else state
-        for i, s in enumerate(sentences):
-            a = np.asarray(s)
-            if a.size and (a.min() < 0 or a.max() >= state.vocab_size):
-                raise InvalidRequestError(f"word id out of range [0, {state.vocab_size})", index=i)
-            if a.size and (a == BOS_ID).any():
-                raise InvalidRequestError("<s> inside a sentence cannot be predicted", index=i)
-        rows, lengths, counts = sentence_ngrams(sentences, state.order, bos=bos, eos=eos)
+        check_sentences(sentences, state.vocab_size)
+        rows, lengths, counts = sentence_windows(sentences, state.order, bos=bos, eos=eos)
         inner = self.submit_ngrams(rows, normalized=normalized, log10=log10, timeout=timeout, state=state)
         outer: Future[list[SentenceResult]] = Future()
 
@@ -373,7 +303,7 @@ class Engine:
                 return
             scores = done.result()
             results, start = [], 0
-            for t in counts:
+            for t in counts.tolist():
                 lp = scores[start : start + t]
                 results.append(SentenceResult(lp, lengths[start : start + t], float(lp.astype(np.float64).sum())))
                 start += t

@@ -27,10 +27,9 @@ import numpy as np
 from google.protobuf.message import Message
 
 from nlmserve.errors import InvalidRequestError, OverloadedError
+from nlmserve.lm.ngrams import BOS_ID, EOS_ID, UNK_ID, pack_ngrams, word_ids
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
-from nlmserve.server.engine import (
-    BOS_ID, EOS_ID, UNK_ID, Engine, EngineStoppedError, ModelState, RequestExpiredError,
-)
+from nlmserve.server.engine import Engine, EngineStoppedError, ModelState, RequestExpiredError
 from nlmserve.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -260,22 +259,8 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
         return np.frombuffer(data, dtype="<u4").reshape(n, packed_order)
 
     def _map_ngrams(self, ngrams: Sequence[lm_pb2.NgramStrings], state: ModelState) -> tuple[np.ndarray, np.ndarray]:
-        n = len(ngrams)
-        self._check_size(n, "n-grams")
-        order, get, lower = state.order, state.index.get, state.lowercase
-        ids = np.full((n, order), BOS_ID, dtype=np.int64)
-        oov = np.zeros(n, dtype=bool)
-        for i, ng in enumerate(ngrams):
-            words = ng.words
-            k = len(words)
-            if k == 0:
-                raise InvalidRequestError("empty n-gram", index=i)
-            if k > order:
-                raise InvalidRequestError(f"n-gram of {k} words is longer than the model order {order}", index=i)
-            row = [get(w.lower() if lower else w, UNK_ID) for w in words]
-            ids[i, order - k :] = row
-            oov[i] = row[-1] == UNK_ID
-        return ids, oov
+        self._check_size(len(ngrams), "n-grams")
+        return pack_ngrams([ng.words for ng in ngrams], state.index, state.order, lowercase=state.lowercase)
 
     async def _score_sentences(self, request: lm_pb2.ScoreSentencesRequest,
                                context: grpc.aio.ServicerContext) -> lm_pb2.ScoreSentencesResponse:
@@ -310,13 +295,12 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
 
     def _map_sentences(self, texts: Sequence[str], eos: bool,
                        state: ModelState) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        get, lower = state.index.get, state.lowercase
         sentences: list[np.ndarray] = []
         oovs: list[np.ndarray] = []
         total = 0
         for s in texts:
-            toks = s.lower().split() if lower else s.split()
-            ids = np.fromiter((get(t, UNK_ID) for t in toks), dtype=np.int64, count=len(toks))
+            toks = s.split()
+            ids = word_ids(toks, state.index, lowercase=state.lowercase)
             sentences.append(ids)
             oovs.append(ids == UNK_ID)
             total += len(toks) + int(eos)

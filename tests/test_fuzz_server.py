@@ -16,6 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from nlmserve.lm.ngrams import BOS_ID as BOS
+from nlmserve.lm.ngrams import UNK_ID as UNK
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
 from nlmserve.server.app import RunningServer, create_server
 from nlmserve.server.config import ServerConfig
@@ -24,7 +26,6 @@ from nlmserve.server.engine import Engine
 MAX_ITEMS = 512
 MAX_BYTES = 256 * 1024
 TOL = 1e-4
-BOS, EOS, UNK = 1, 2, 0
 
 FUZZ = settings(max_examples=300, deadline=None, database=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])

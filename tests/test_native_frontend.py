@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from nlmserve.client import LMClient
+from nlmserve.lm.ngrams import BOS_ID
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
 from nlmserve.server.app import RunningServer
 from support import GatedScorer, dev_ngrams, dev_sentences, start_server
@@ -35,7 +36,6 @@ from test_cpp_client import BUILD, SERVE, driver  # noqa: F401 - the driver fixt
 
 FRONTEND = BUILD / "nlmserve_frontend"
 SERVICE = "nlmserve.v1.LanguageModel"
-BOS_ID = 1  # the id of <s> in every model (lm/vocab.py)
 
 
 class Frontend:

@@ -462,9 +462,9 @@ def test_caches_hit_and_equal_uncached_values(tiny_lm: Any, dev_ids: np.ndarray)
 
 def test_context_cache_alone_equals_direct_path(tiny_lm: Any, dev_ids: np.ndarray) -> None:
     from nlmserve.server.cache import Scorer
-    from nlmserve.server.engine import normalize_ngrams
+    from nlmserve.lm.ngrams import canonical_rows
 
-    rows = normalize_ngrams(dev_ids.astype(np.int64), tiny_lm.order, len(tiny_lm.vocab))
+    rows = canonical_rows(dev_ids.astype(np.int64), tiny_lm.order, len(tiny_lm.vocab))
     mixed = np.arange(len(rows)) % 3 == 0  # normalised and unnormalised rows in one batch
     direct = Scorer(tiny_lm, 0, 0).score(rows, mixed)
     cached = Scorer(tiny_lm, 0, 64)  # small: evictions happen

@@ -16,7 +16,7 @@ import torch
 
 from nlmserve.lm.model import ModelConfig, NeuralLM
 from nlmserve.lm.scoring import TINY_ROWS
-from nlmserve.server.engine import normalize_ngrams
+from nlmserve.lm.ngrams import canonical_rows
 
 from support import dev_ngrams
 
@@ -26,7 +26,7 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def rows(tiny_lm: Any) -> np.ndarray:
     """Canonical n-gram rows (T, order) of 30 real dev sentences."""
-    return normalize_ngrams(dev_ngrams(tiny_lm, 0, 30), tiny_lm.order, len(tiny_lm.vocab))
+    return canonical_rows(dev_ngrams(tiny_lm, 0, 30), tiny_lm.order, len(tiny_lm.vocab))
 
 
 def reference(lm: Any, rows: np.ndarray, normalized: bool) -> np.ndarray:
