@@ -5,7 +5,6 @@ BIN    := $(VENV)/bin
 PY     := $(BIN)/python
 DEPS   := $(VENV)/.deps-stamp
 PROTO  := proto/nlmserve/v1/lm.proto
-GEN    := gen/proto/lm_pb2.py
 
 .PHONY: all install proto test test-py typecheck demo clean bench system-deps cpp
 
@@ -15,29 +14,20 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # torch first, pinned to the CPU build on this machine's disk; a bare `torch` pulls CUDA.
-$(DEPS): pyproject.toml | $(PY)
+# The package build generates nlmserve.proto (gen/proto) from proto/ (setup.py).
+$(DEPS): pyproject.toml setup.py | $(PY)
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q "grpcio-tools>=1.60" "mypy-protobuf>=3.6"
-	$(MAKE) proto
 	$(BIN)/pip install -q -e '.[dev]' --config-settings editable_mode=strict
 	touch $(DEPS)
 
-# Python stubs for nlmserve.proto, generated from proto/ (never hand-written).
-proto: $(GEN)
-$(GEN): $(PROTO) | $(PY)
-	rm -rf gen/proto gen/tmp && mkdir -p gen/proto gen/tmp
-	$(PY) -m grpc_tools.protoc -I proto --python_out=gen/tmp --pyi_out=gen/tmp \
-	  --grpc_python_out=gen/tmp --plugin=protoc-gen-mypy_grpc=$(BIN)/protoc-gen-mypy_grpc \
-	  --mypy_grpc_out=gen/tmp $(PROTO)
-	mv gen/tmp/nlmserve/v1/* gen/proto/ && rm -rf gen/tmp
-	sed -i 's/^from nlmserve\.v1 import/from nlmserve.proto import/; s/nlmserve\.v1\.lm_pb2/nlmserve.proto.lm_pb2/g' gen/proto/*.py gen/proto/*.pyi
-	printf '"""Generated from proto/nlmserve/v1 (make proto); do not edit."""\n' > gen/proto/__init__.py
-	touch gen/proto/py.typed
-
-# Re-link the strict editable install so new modules are seen (fast, no downloads).
+# Re-link the strict editable install so new modules are seen, and regenerate the stubs of
+# nlmserve.proto from $(PROTO) (the build step of setup.py; fast, no downloads).
 install: $(DEPS)
 	@$(BIN)/pip install -q --no-deps --no-build-isolation -e . --config-settings editable_mode=strict
+
+# The stubs are part of the install (kept as a name for it).
+proto: install
 
 typecheck: install
 	$(BIN)/mypy
