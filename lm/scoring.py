@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 import numpy as np
+import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -114,13 +115,13 @@ class LanguageModel:
         )
 
     # ------------------------------------------------------------------ pieces for the server
-    def canonical_rows(self, ids: Any) -> np.ndarray:
+    def canonical_rows(self, ids: npt.ArrayLike | Tensor) -> np.ndarray:
         """Validate (N, n) ids (numpy or torch) and bring them to the canonical (N, order)
         int64 form (``nlmserve.lm.ngrams.canonical_rows``: InvalidRequestError names the row)."""
         arr = ids.detach().cpu().numpy() if isinstance(ids, Tensor) else ids
         return canonical_rows(arr, self.order, len(self.vocab))
 
-    def prepare_contexts(self, ids: Any) -> tuple[Tensor, Tensor]:
+    def prepare_contexts(self, ids: npt.ArrayLike | Tensor) -> tuple[Tensor, Tensor]:
         """Validate (N, n) ids and normalise their contexts → (ctx (N, order-1), target (N,))
         as LongTensors on ``self.device``."""
         rows = self.canonical_rows(ids)
@@ -201,7 +202,7 @@ class LanguageModel:
             return self.net.class_score(r, self.net.word_class[target]), word
 
     # ------------------------------------------------------------------ batch scoring
-    def score_ngrams(self, ids: Any, *, normalized: bool = True, log10: bool = False) -> np.ndarray:
+    def score_ngrams(self, ids: npt.ArrayLike | Tensor, *, normalized: bool = True, log10: bool = False) -> np.ndarray:
         """log P(last | rest) for each row of an (N, n) id array → float32 (N,).
 
         ``normalized=False`` returns the unnormalised score when the model is
@@ -420,7 +421,7 @@ class _InferenceTables:
         class_logits = _mm(r, self.np_class_embed_t) + self.np_class_bias  # (N, K)
         rows = np.arange(len(target))
         word = np.einsum("ne,ne->n", r, self.np_word_embed[target]) + self.np_word_bias[target]
-        out = class_logits[rows, cls] + word
+        out: np.ndarray = class_logits[rows, cls] + word
         norm_rows = np.flatnonzero(normalized)
         class_norm = _logsumexp_rows(class_logits[norm_rows])  # every row's class normaliser at once
         for j, i in enumerate(norm_rows.tolist()):

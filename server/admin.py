@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -23,6 +24,9 @@ from nlmserve.server.config import ServerConfig
 from nlmserve.server.engine import Engine, ModelState, load_model
 from nlmserve.server.metrics import ServerMetrics
 from nlmserve.server.servicer import _parser, model_info
+
+if TYPE_CHECKING:
+    from nlmserve.server.servicer import Context
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +90,7 @@ class AdminServicer:
         self.enabled = config.token_file is not None or config.allow_unauthenticated_admin
 
     async def ReloadModel(self, request: lm_pb2.ReloadModelRequest,
-                          context: grpc.aio.ServicerContext) -> lm_pb2.ModelInfo:
+                          context: Context) -> lm_pb2.ModelInfo:
         code, message = grpc.StatusCode.OK, ""
         info = None
         if not self.enabled:

@@ -18,7 +18,7 @@ import logging
 import ssl
 import threading
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import grpc
 
@@ -29,6 +29,12 @@ log = logging.getLogger(__name__)
 
 #: Services reachable without a token (full names as in the method path).
 OPEN_SERVICES = ("grpc.health.v1.Health",)
+
+if TYPE_CHECKING:  # the stubs make these generic in the request and response types, grpc does not
+    Handler = grpc.RpcMethodHandler[Any, Any]
+    _Interceptor = grpc.aio.ServerInterceptor[Any, Any]
+else:
+    _Interceptor = grpc.aio.ServerInterceptor
 
 
 def read_tokens(path: str | Path) -> tuple[bytes, ...]:
@@ -90,11 +96,11 @@ class TokenStore:
         return ok
 
 
-def _deny(kind: str, message: str) -> Any:
-    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+def _deny(kind: str, message: str) -> Handler:
+    async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # pragma: no cover (abort raises)
 
@@ -107,7 +113,7 @@ def _deny(kind: str, message: str) -> Any:
     return grpc.unary_unary_rpc_method_handler(unary)
 
 
-class TokenInterceptor(grpc.aio.ServerInterceptor):
+class TokenInterceptor(_Interceptor):
     """UNAUTHENTICATED for calls without a valid bearer token, except to ``OPEN_SERVICES``."""
 
     def __init__(self, tokens: TokenStore, metrics: ServerMetrics | None = None) -> None:
@@ -116,15 +122,15 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        method: str = handler_call_details.method  # type: ignore[attr-defined]
+    ) -> Handler:
+        method: str = handler_call_details.method
         service, _, name = method.lstrip("/").rpartition("/")
         if service in OPEN_SERVICES:
             return await continuation(handler_call_details)
         header = None
-        for key, value in handler_call_details.invocation_metadata or ():  # type: ignore[attr-defined]
+        for key, value in handler_call_details.invocation_metadata or ():
             if key == "authorization":
                 header = value
                 break

@@ -23,6 +23,7 @@ from typing import Any, Generic, Hashable, TypeVar
 import numpy as np
 import torch
 
+from nlmserve.lm.protocol import ScoringModel
 from nlmserve.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ def row_keys(ids: np.ndarray) -> list[bytes]:
 class Scorer:
     """Scores normalised n-gram rows (N, order) with both caches; natural log, float32."""
 
-    def __init__(self, lm: Any, ngram_cache_size: int, context_cache_size: int,
+    def __init__(self, lm: ScoringModel, ngram_cache_size: int, context_cache_size: int,
                  metrics: ServerMetrics | None = None) -> None:
         self.lm = lm
         self.metrics = metrics

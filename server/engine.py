@@ -29,13 +29,14 @@ import time
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
-from typing import Any, Sequence, TypeVar
+from typing import Sequence, TypeVar
 
 import numpy as np
 import torch
 
 from nlmserve.errors import ModelFileError, NlmserveError, OverloadedError
 from nlmserve.lm.ngrams import BOS_ID, EOS_ID, canonical_rows, check_sentences, sentence_windows
+from nlmserve.lm.protocol import ScoringModel
 from nlmserve.server.cache import Scorer
 from nlmserve.server.config import ServerConfig
 from nlmserve.server.metrics import ServerMetrics
@@ -86,7 +87,7 @@ class _Part:
     state: "ModelState"  # the model that scores this part
 
 
-def load_model(config: ServerConfig, path: str | None = None) -> Any:
+def load_model(config: ServerConfig, path: str | None = None) -> ScoringModel:
     """The model file ``path`` (default ``config.model``) loaded on the configured device."""
     from nlmserve.lm.scoring import LanguageModel
 
@@ -102,14 +103,14 @@ class ModelState:
     word index. Every queued part is pinned to the state it was submitted against, so a
     batch is always scored by one model and a reload never changes a request half-way."""
 
-    def __init__(self, lm: Any, config: ServerConfig, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, lm: ScoringModel, config: ServerConfig, metrics: ServerMetrics | None = None) -> None:
         self.lm = lm
-        self.model_hash: str = str(lm.model_hash)
-        self.order: int = int(lm.order)
-        self.vocab_size: int = len(lm.vocab)
-        self.self_normalized: bool = bool(lm.self_normalized)
-        self.lowercase: bool = bool(lm.lowercase)
-        self.words: list[str] = list(lm.vocab.words)
+        self.model_hash = lm.model_hash
+        self.order = lm.order
+        self.vocab_size = len(lm.vocab)
+        self.self_normalized = lm.self_normalized
+        self.lowercase = lm.lowercase
+        self.words = lm.vocab.words
         self.index: dict[str, int] = {w: i for i, w in enumerate(self.words)}
         self.scorer = Scorer(lm, config.ngram_cache_size, config.context_cache_size, metrics)
 
@@ -118,7 +119,7 @@ class Engine:
     """One model at a time, one batching worker. Thread-safe; ``submit_*`` return futures,
     ``score_*`` block; ``swap`` replaces the model between batches (hot reload)."""
 
-    def __init__(self, lm: Any, config: ServerConfig, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, lm: ScoringModel, config: ServerConfig, metrics: ServerMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics
         self._state = ModelState(lm, config, metrics)
@@ -143,7 +144,7 @@ class Engine:
         return self._state
 
     @property
-    def lm(self) -> Any:
+    def lm(self) -> ScoringModel:
         return self._state.lm
 
     @property
@@ -176,10 +177,10 @@ class Engine:
         metrics.model_info.clear()
         metrics.set_model(
             model_hash=state.model_hash, order=str(state.order), device=str(lm.device),
-            objective=str(lm.objective), output_type=str(lm.output_type), vocab_size=str(state.vocab_size),
+            objective=lm.objective, output_type=lm.output_type, vocab_size=str(state.vocab_size),
         )
 
-    def prepare(self, lm: Any) -> ModelState:
+    def prepare(self, lm: ScoringModel) -> ModelState:
         """Check that ``lm`` can replace the served model and build its state (off the serving path).
 
         The vocabulary, its lowercasing and the order must be those of the served model
@@ -187,9 +188,9 @@ class Engine:
         score to finite values. Raises ModelFileError otherwise.
         """
         cur = self._state
-        if int(lm.order) != cur.order:
+        if lm.order != cur.order:
             raise ModelFileError(f"order {lm.order} differs from the served model's {cur.order}")
-        if bool(lm.lowercase) != cur.lowercase or list(lm.vocab.words) != cur.words:
+        if lm.lowercase != cur.lowercase or lm.vocab.words != cur.words:
             raise ModelFileError("vocabulary differs from the served model's (restart the server to change it)")
         probe = np.full((4, cur.order), BOS_ID, dtype=np.int64)
         probe[:, -1] = np.arange(4) % max(cur.vocab_size, 1)

@@ -20,7 +20,7 @@ import asyncio
 import logging
 import time
 import weakref
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 import grpc
 import numpy as np
@@ -35,6 +35,10 @@ from nlmserve.server.metrics import ServerMetrics
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+if TYPE_CHECKING:
+    #: The context of any RPC (the stubs make it generic in the request and response types).
+    Context = grpc.aio.ServicerContext[Any, Any]
 
 #: HTTP/2's initial flow-control window: a client reads a larger answer in parts and sends
 #: window updates meanwhile, so the shutdown drain lets such an answer settle (server.app).
@@ -64,7 +68,7 @@ def status_of(error: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def _remaining(context: grpc.aio.ServicerContext) -> float | None:
+def _remaining(context: Context) -> float | None:
     """Seconds to the client's deadline; None without one (gRPC reports a huge number)."""
     left = context.time_remaining()
     return None if left is None or left > 1e6 else max(0.0, left)
@@ -125,12 +129,12 @@ def model_info(state: ModelState, max_items: int) -> lm_pb2.ModelInfo:
     return lm_pb2.ModelInfo(
         order=state.order,
         vocab_size=state.vocab_size,
-        num_classes=int(getattr(lm, "num_classes", 0) or 0),
+        num_classes=lm.num_classes,
         native_log_base=lm_pb2.LN,
-        objective=str(lm.objective),
-        output_type=str(lm.output_type),
+        objective=lm.objective,
+        output_type=lm.output_type,
         model_hash=state.model_hash,
-        format_version=int(lm.format_version),
+        format_version=lm.format_version,
         device=str(lm.device),
         bos_id=BOS_ID,
         eos_id=EOS_ID,
@@ -174,15 +178,15 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
 
     # -------------------------------------------------------------- RPCs
     async def ScoreNgrams(self, request: lm_pb2.ScoreNgramsRequest,
-                          context: grpc.aio.ServicerContext) -> lm_pb2.ScoreNgramsResponse:
+                          context: Context) -> lm_pb2.ScoreNgramsResponse:
         return await self._guard("ScoreNgrams", context, self._score_ngrams(request, context))
 
     async def ScoreSentences(self, request: lm_pb2.ScoreSentencesRequest,
-                             context: grpc.aio.ServicerContext) -> lm_pb2.ScoreSentencesResponse:
+                             context: Context) -> lm_pb2.ScoreSentencesResponse:
         return await self._guard("ScoreSentences", context, self._score_sentences(request, context))
 
     async def GetModelInfo(self, request: lm_pb2.GetModelInfoRequest,
-                           context: grpc.aio.ServicerContext) -> lm_pb2.ModelInfo:
+                           context: Context) -> lm_pb2.ModelInfo:
         return await self._guard("GetModelInfo", context, self._model_info(request))
 
     async def _model_info(self, request: lm_pb2.GetModelInfoRequest) -> lm_pb2.ModelInfo:
@@ -190,7 +194,7 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
         return self.info
 
     async def GetVocabulary(self, request: lm_pb2.GetVocabularyRequest,
-                            context: grpc.aio.ServicerContext) -> AsyncIterator[lm_pb2.VocabularyChunk]:
+                            context: Context) -> AsyncIterator[lm_pb2.VocabularyChunk]:
         if isinstance(request, MalformedRequest):
             self._count("GetVocabulary", grpc.StatusCode.INVALID_ARGUMENT)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
@@ -210,7 +214,7 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
 
     # -------------------------------------------------------------- conversion
     async def _score_ngrams(self, request: lm_pb2.ScoreNgramsRequest,
-                            context: grpc.aio.ServicerContext) -> lm_pb2.ScoreNgramsResponse:
+                            context: Context) -> lm_pb2.ScoreNgramsResponse:
         _check_parsed(request)
         state = self.engine.state  # the model that maps, scores and is named in the answer
         if request.ngrams and (request.packed_ids or request.packed_order):
@@ -263,7 +267,7 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
         return pack_ngrams([ng.words for ng in ngrams], state.index, state.order, lowercase=state.lowercase)
 
     async def _score_sentences(self, request: lm_pb2.ScoreSentencesRequest,
-                               context: grpc.aio.ServicerContext) -> lm_pb2.ScoreSentencesResponse:
+                               context: Context) -> lm_pb2.ScoreSentencesResponse:
         _check_parsed(request)
         state = self.engine.state
         bos = request.bos if request.HasField("bos") else True
@@ -314,7 +318,7 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
             )
 
     # -------------------------------------------------------------- errors and metrics
-    async def _guard(self, rpc: str, context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
+    async def _guard(self, rpc: str, context: Context, work: Awaitable[T]) -> T:
         m = self.metrics
         if self.draining:
             if asyncio.iscoroutine(work):
