@@ -208,7 +208,8 @@ def frequency_binning(counts: np.ndarray, num_classes: int, *, sqrt: bool = Fals
 
 def _xlogx(x: np.ndarray) -> np.ndarray:
     """x·log x with 0·log 0 = 0, for non-negative integer-valued floats."""
-    return x * np.log(np.maximum(x, 1.0))
+    out: np.ndarray = x * np.log(np.maximum(x, 1.0))
+    return out
 
 
 def class_bigram_log_likelihood(
@@ -350,7 +351,7 @@ class _ExchangeState:
         """
         m, f_m = self.m, self.f_m
         s, nl, nr = self.self_count[w], self.n_as_left[w], self.n_as_right[w]
-        gain = (_xlogx(m[:, dr] + r[dr]) - f_m[:, dr]).sum(axis=1)  # row k gets r: (K, a) → (K,)
+        gain: np.ndarray = (_xlogx(m[:, dr] + r[dr]) - f_m[:, dr]).sum(axis=1)  # row k gets r: (K, a) → (K,)
         gain += (_xlogx(m[dl, :] + lv[dl, None]) - f_m[dl, :]).sum(axis=0)  # column k gets l: (b, K) → (K,)
         diag, f_diag = np.diagonal(m), np.diagonal(f_m)
         # the (k, k) cell gets r[k] + l[k] + s at once, not r[k] and l[k] separately

@@ -42,7 +42,7 @@ def share_training_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> 
     for state in opt.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):
-                value.share_memory_()
+                value.share_memory_()  # type: ignore[no-untyped-call]
 
 
 def worker_seed(seed: int, worker: int, step: int) -> int:

@@ -46,7 +46,8 @@ class TokenScores:
 
     @property
     def in_both(self) -> np.ndarray:
-        return ~(self.oov_nlm | self.oov_kn)
+        both: np.ndarray = ~(self.oov_nlm | self.oov_kn)
+        return both
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ def mix_log10(nlm: np.ndarray, kn: np.ndarray, weight: float) -> np.ndarray:
     if weight >= 1.0:
         return nlm.copy()
     ln = np.logaddexp(math.log(weight) + nlm * LN10, math.log1p(-weight) + kn * LN10)
-    return ln / LN10  # type: ignore[no-any-return]
+    return ln / LN10
 
 
 def tune_weight(scores: TokenScores, iterations: int = 60) -> float:

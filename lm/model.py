@@ -338,7 +338,7 @@ class NeuralLM(nn.Module):
         """ctx (N, order-1) word ids, oldest first → r (N, E); with direct n-gram features
         r (N, E + feature_order-1): the newest context ids follow as floats (exact below 2^24), so every
         output method below gets the context from r alone (the server caches r per context)."""
-        q = self.embed(ctx)  # (N, n-1, D)
+        q: Tensor = self.embed(ctx)  # (N, n-1, D)
         if self.config.context == "diagonal":
             r = (q * self.ctx_weight).sum(dim=1)  # (N, n-1, D) * (n-1, D) → sum over j → (N, D)
         else:

@@ -110,7 +110,8 @@ def pretrain_features(cfg: "TrainConfig", train_ids: "CorpusIds", unigram: np.nd
     model = NeuralLM(mconf, tree=tree)
     model.init_biases(unigram)
     model.set_sparse_grads(output=True, context=True)
-    torch.sparse.check_sparse_tensor_invariants.disable()  # as training does (AdaGrad, sparse)
+    # as training does (AdaGrad, sparse)
+    torch.sparse.check_sparse_tensor_invariants.disable()  # type: ignore[no-untyped-call]
     model.to(device).train()
     opt = torch.optim.Adagrad(model.parameters(), lr=cfg.lr)
     rng = np.random.default_rng([cfg.seed, 17])
@@ -121,7 +122,7 @@ def pretrain_features(cfg: "TrainConfig", train_ids: "CorpusIds", unigram: np.nd
         ctx, tgt = train_ids.examples(pos, cfg.order)
         opt.zero_grad(set_to_none=True)
         loss = -model.log_prob(torch.from_numpy(ctx).to(device), torch.from_numpy(tgt).to(device)).mean()
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
         if until is not None and time.monotonic() >= until:
             break

@@ -40,7 +40,8 @@ def two_gaussians(x: np.ndarray, rng: np.random.Generator, iters: int = 12, tol:
     sq = (x * x).sum(1)  # (n,)
 
     def dist2(means: np.ndarray) -> np.ndarray:  # (n, 2) squared distances, by one product
-        return np.maximum(sq[:, None] - 2.0 * (x @ means.T) + (means * means).sum(1)[None], 0.0)
+        d2: np.ndarray = np.maximum(sq[:, None] - 2.0 * (x @ means.T) + (means * means).sum(1)[None], 0.0)
+        return d2
 
     i = int(rng.integers(n))
     j = int(np.argmax(dist2(x[i : i + 1])[:, 0]))

@@ -64,7 +64,8 @@ class Tree:
 
     def code_lengths(self) -> np.ndarray:
         """(C,) path length of each code."""
-        return (self.code_nodes >= 0).sum(axis=1)
+        lengths: np.ndarray = (self.code_nodes >= 0).sum(axis=1)
+        return lengths
 
     def codes_of(self, word: int) -> list[str]:
         """The codes of ``word`` as bit strings ("1" left), for tests and inspection."""
@@ -143,7 +144,8 @@ def _leaf(word: int) -> int:
 def tree_words(vocab_size: int) -> np.ndarray:
     """The words a tree holds: every id but ``<s>``."""
     ids = np.arange(vocab_size)
-    return ids[ids != BOS_ID]
+    words: np.ndarray = ids[ids != BOS_ID]
+    return words
 
 
 def huffman_tree(counts: np.ndarray) -> Tree:
@@ -226,4 +228,4 @@ def node_log_odds(tree: Tree, counts: np.ndarray) -> np.ndarray:
     is_left = tree.code_bits[rows, cols] == 1
     np.add.at(left, nodes[is_left], mass[is_left])
     np.add.at(right, nodes[~is_left], mass[~is_left])
-    return np.log(left) - np.log(right)  # type: ignore[no-any-return]
+    return np.log(left) - np.log(right)
