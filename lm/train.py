@@ -40,6 +40,7 @@ from nlmserve.lm.objectives import OBJECTIVES, NoiseDistribution, batch_loss
 from nlmserve.lm.strategies import SPARSE_OUTPUT_OBJECTIVES, build_tree, model_output, output_fields, resolve_output
 from nlmserve.lm.trees import Tree
 from nlmserve.lm.vocab import Vocabulary
+from nlmserve.progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,8 @@ class TrainConfig:
         valid_every: validate every N steps (0: at the end of each epoch only).
         checkpoint_every: write ``out.ckpt`` every N steps (0: never).
         log_every: append a JSONL record every N steps.
-        progress: show a tqdm progress bar; learning_curve: write ``out.curve.png``.
+        progress: a tqdm bar when stderr is a terminal, else a log line every 30 s
+            (nlmserve.progress); learning_curve: write ``out.curve.png``.
         workdir: where id files go (None: ``out + ".work"``).
         ngram_class_table, ngram_word_table: sizes of the hashed direct n-gram feature
             tables for the class and the word scores (0: none; class output only).
@@ -653,13 +655,13 @@ class _Trainer:
     def after_step(self, bar: Any, deadline: float | None) -> None:
         """Logging, validation, budgets and checkpoints after a step."""
         state, cfg = self.state, self.cfg
-        bar.update(self.taken)
         if self._every(cfg.log_every):
             tps = state.tokens / max(state.elapsed, 1e-9)
-            bar.set_postfix(loss=f"{self.loss_sum / self.loss_n:.3f}", tok_s=f"{tps:,.0f}")
+            bar.set_postfix(loss=f"{self.loss_sum / self.loss_n:.3f}", tok_s=f"{tps:,.0f}", refresh=False)
             self.log.write(step=state.step, tokens=state.tokens, loss=self.loss_sum / self.loss_n, lr=self.rate(),
                            elapsed=round(state.elapsed, 3), tokens_per_s=round(tps, 1))
             self.loss_sum, self.loss_n = 0.0, 0
+        bar.update(self.taken)  # after the postfix, so a log line carries this step's loss
         if self._every(cfg.valid_every):
             self.validate()
         if cfg.max_steps is not None and state.step >= cfg.max_steps:
@@ -678,13 +680,11 @@ class _Trainer:
         steps_per_epoch = math.ceil(N / cfg.batch_size)
         elapsed_before, t_loop = state.elapsed, time.monotonic()
         deadline = self.t_start + cfg.max_minutes * 60.0 if cfg.max_minutes else None
-        from tqdm import tqdm
-
         if cfg.workers > 1 and self.pool is None:  # after a resume: the restored tensors are shared
             self.pool = HogwildPool(self.model, self.opt, self.update, cfg.workers, cfg.seed, max(1, cfg.threads))
         done_steps = state.epoch * steps_per_epoch + math.ceil(state.pos / cfg.batch_size)
-        with tqdm(total=steps_per_epoch * cfg.epochs, initial=done_steps, disable=not cfg.progress or not self.dist.is_main,
-                  unit="step", dynamic_ncols=True) as bar:
+        with progress(total=steps_per_epoch * cfg.epochs, initial=done_steps, unit="step", desc="train",
+                      enabled=cfg.progress and self.dist.is_main, logger=log) as bar:
             while state.epoch < cfg.epochs and not state.done:
                 perm = _permutation(cfg.seed, state.epoch, N)
                 for next_pos, positions in _batches(perm, state.pos, cfg.batch_size * cfg.workers):

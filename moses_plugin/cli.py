@@ -9,6 +9,7 @@ import argparse
 import json
 import logging
 import os
+import sys
 from typing import Any
 
 from nlmserve.client.cli import SERVER_HELP, add_security_flags
@@ -114,7 +115,7 @@ def _rescore(args: argparse.Namespace) -> int:
         skip_bad=args.skip_bad,
         batch_ngrams=args.batch_ngrams,
         wait_server=args.wait_server,
-        progress=not args.no_progress,
+        progress=not args.no_progress and sys.stderr.isatty(),  # tqdm's redraws only on a terminal
     )
 
     def connect() -> Any:

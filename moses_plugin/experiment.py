@@ -196,7 +196,7 @@ def train_model(config: ExperimentConfig, out: Path) -> Path:
         log.info("model %s exists; not training", out)
         return out
     cmd = [*nlmserve_command(), "train", "--train", training_text(config.train_text, out.parent), "--valid", config.valid_text,
-           "--out", str(out), "--max-minutes", str(config.minutes), "--resume", "--no-progress", *config.train_args]
+           "--out", str(out), "--max-minutes", str(config.minutes), "--resume", *config.train_args]
     log.info("training: %s", " ".join(cmd))
     done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, check=False)
     if done.returncode != 0 or not out.exists():
