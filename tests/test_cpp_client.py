@@ -28,6 +28,8 @@ from support import DEV, REPO
 CPP_SRC = REPO / "moses_plugin" / "cpp"
 BUILD = REPO / "build" / "cpp"
 DRIVER = BUILD / "nlmserve_client_test"
+UNIT = BUILD / "nlmserve_unit_test"
+GOLDEN = REPO / "tests" / "golden" / "canonical_ngrams.tsv"
 # `nlmserve serve` through the server room's own CLI module, so this test depends on the
 # serve subcommand only (not on every room's parser being importable).
 SERVE = [sys.executable, "-c",
@@ -185,10 +187,31 @@ def ngram_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[lis
     return path, ngrams
 
 
-def test_selftest_cache_and_lowercase(driver: Path) -> None:
-    done = subprocess.run([str(driver), "--selftest"], capture_output=True, text=True, timeout=120)
+def test_unit_checks_of_cache_rules_and_decoder_parts(driver: Path) -> None:
+    """nlmserve_unit_test, no server: the id-keyed cache (LRU eviction in a window, rows
+    sharing a home slot, 0.0 as a hit, clear, the capacity in entries, eight threads), the
+    rules on other ids and types, nlmserve_decoder.h's phrase and boundary rows (hand-computed),
+    word-id table, expansion scores and error pause, lowercasing and target parsing."""
+    done = subprocess.run([str(UNIT)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "selftest: 23 passed, 0 failed" in done.stdout
+    assert done.stdout.strip() == "unit: 64 passed, 0 failed", done.stderr
+
+
+def test_golden_ngram_rules_through_the_cpp_owner(driver: Path) -> None:
+    """Every case of tests/golden/canonical_ngrams.tsv through nlmserve::CanonicalRow, the
+    function the client's requests, the load generator and the Moses feature all call."""
+    cases = [line.split("\t") for line in GOLDEN.read_text(encoding="utf-8").splitlines()
+             if line.strip() and not line.startswith("#")]
+    assert len(cases) >= 30 and all(len(c) == 4 for c in cases)
+    kinds = {want for *_, want in cases if want.startswith("error:")}
+    assert kinds == {"error:empty", "error:too-long", "error:out-of-range", "error:bos-target"}
+    done = subprocess.run([str(UNIT), "--canonical"], input="".join("\t".join(c[:3]) + "\n" for c in cases),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    got = done.stdout.splitlines()
+    assert len(got) == len(cases)
+    wrong = [(case, answer) for case, answer in zip(cases, got) if answer != case[3]]
+    assert not wrong, wrong
 
 
 @pytest.mark.parametrize("normalized", [True, False])
@@ -288,6 +311,40 @@ def test_cache_is_hit(driver: Path, server: Server, ngram_file: tuple[Path, list
     assert after_second["misses"] == after_first["misses"]
     assert after_second["entries"] == after_first["sent"]
     np.testing.assert_array_equal(first, second)
+
+
+def test_flat_rows_send_each_distinct_row_once(driver: Path, server: Server,
+                                              ngram_file: tuple[Path, list[list[str]]]) -> None:
+    """ScoreRows over one flat buffer of canonical rows: the same values as the vector API,
+    and the batch's misses de-duplicated before sending: exactly the distinct canonical rows
+    (the Python owner's, nlmserve.lm.ngrams) go to the server, in one request."""
+    from nlmserve.client import LMClient
+    from nlmserve.lm.ngrams import canonical_rows
+
+    path, ngrams = ngram_file
+    with LMClient(server.target) as py:
+        vocab = py.vocabulary()
+        ids = [[vocab.get(w, py.info.unk_id) for w in g] for g in ngrams]
+        order, size = py.order, py.info.vocab_size
+    distinct = {tuple(canonical_rows(np.array([g]), order, size)[0]) for g in ids}
+    assert len(distinct) < len(ngrams)  # the file repeats rows: <s>-padding equivalents, repeated n-grams
+    cpp = Driver(driver, server.target)
+    try:
+        def rows() -> tuple[dict[str, int], np.ndarray]:
+            head = cpp.ask(f"rows {path}")
+            assert head.startswith("ok "), head
+            fields = {k: int(v) for k, v in (item.split("=") for item in head.split()[2:])}
+            return fields, np.array([float(cpp.read()) for _ in range(int(head.split()[1]))])
+
+        first_counts, first = rows()
+        second_counts, second = rows()
+        vector_api = cpp.scores(path)
+    finally:
+        cpp.close()
+    assert first_counts == {"hits": 0, "misses": len(distinct), "sent": len(distinct), "round_trips": 1}
+    assert second_counts == {"hits": len(ngrams), "misses": 0, "sent": 0, "round_trips": 0}
+    np.testing.assert_array_equal(first, second)
+    np.testing.assert_array_equal(first, vector_api)
 
 
 def test_killed_server_gives_error_then_retry_after_restart(

@@ -16,7 +16,7 @@
 #include <thread>
 #include <unordered_map>
 
-#include "lru_cache.h"
+#include "ngram_cache.h"
 #include "nlmserve/v1/lm.grpc.pb.h"
 
 namespace nlmserve {
@@ -239,11 +239,14 @@ Endpoint ParseTarget(const std::string &given) {
 
 namespace {
 
+#if !(defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__)
+// The wire's packed ids are little-endian (a little-endian host copies its rows as they are).
 void PutU32(uint32_t v, std::string *out) {
   char b[4] = {static_cast<char>(v & 0xff), static_cast<char>((v >> 8) & 0xff),
                static_cast<char>((v >> 16) & 0xff), static_cast<char>((v >> 24) & 0xff)};
   out->append(b, 4);
 }
+#endif
 
 // UTF-8 decoding of one code point at text[*i]; invalid bytes decode as themselves
 // (returned negative so they are copied unchanged).
@@ -331,6 +334,88 @@ std::string Lowercase(const std::string &text) {
   return out;
 }
 
+const char *NgramErrorKind(NgramError error) {
+  switch (error) {
+    case NgramError::kEmpty:
+      return "empty";
+    case NgramError::kTooLong:
+      return "too-long";
+    case NgramError::kOutOfRange:
+      return "out-of-range";
+    case NgramError::kBosTarget:
+      return "bos-target";
+    case NgramError::kNone:
+      break;
+  }
+  return "";
+}
+
+NgramError CanonicalRow(const uint32_t *ids, std::size_t n, const ModelInfo &model, uint32_t *out) {
+  if (n == 0) return NgramError::kEmpty;
+  if (n > model.order) return NgramError::kTooLong;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (ids[i] >= model.vocab_size) return NgramError::kOutOfRange;
+  }
+  if (ids[n - 1] == model.bos_id) return NgramError::kBosTarget;
+  CanonicalContext(ids, n - 1, model.order - 1, model.bos_id, out);
+  out[model.order - 1] = ids[n - 1];
+  return NgramError::kNone;
+}
+
+std::string NgramErrorMessage(NgramError error, const uint32_t *ids, std::size_t n, std::size_t index,
+                              const ModelInfo &model) {
+  const std::string which = "n-gram " + std::to_string(index);
+  switch (error) {
+    case NgramError::kEmpty:
+    case NgramError::kTooLong:
+      return which + " has " + std::to_string(n) + " words; the model takes 1 to " + std::to_string(model.order);
+    case NgramError::kOutOfRange:
+      for (std::size_t i = 0; i < n; ++i) {
+        if (ids[i] >= model.vocab_size) {
+          return which + " has id " + std::to_string(ids[i]) + " outside the vocabulary of " +
+                 std::to_string(model.vocab_size);
+        }
+      }
+      break;
+    case NgramError::kBosTarget:
+      return which + " predicts <s>, which is never predicted";
+    case NgramError::kNone:
+      break;
+  }
+  return which + " is valid";
+}
+
+namespace {
+
+// The calling thread's buffers for ScoreRows and the vector wrappers: they grow to the
+// largest batch seen and are reused, so a batch allocates nothing per n-gram.
+struct BatchBuffers {
+  std::vector<uint32_t> rows;        // canonical rows of the vector wrappers
+  std::vector<uint32_t> misses;      // the distinct rows not in the cache, `width` ids each
+  std::vector<float> miss_scores;    // their scores
+  std::vector<std::pair<std::size_t, uint32_t> > fill;  // (row, its index in `misses`)
+  std::vector<uint32_t> seen;        // open addressing over `misses`: index + 1, 0 empty
+  std::size_t seen_slots = 0;        // slots of `seen` in use (a power of 2)
+  pb::ScoreNgramsRequest request;
+  pb::ScoreNgramsResponse response;
+
+  // Empties `seen` for a batch of `rows` rows: at least twice as many slots as rows.
+  void ResetSeen(std::size_t rows) {
+    std::size_t slots = 16;
+    while (slots < 2 * rows) slots *= 2;
+    if (seen.size() < slots) seen.resize(slots);
+    std::fill(seen.begin(), seen.begin() + slots, 0u);
+    seen_slots = slots;
+  }
+};
+
+BatchBuffers &ThreadBuffers() {
+  thread_local BatchBuffers buffers;
+  return buffers;
+}
+
+}  // namespace
+
 struct Client::Impl {
   std::string target;
   ClientOptions options;
@@ -342,7 +427,11 @@ struct Client::Impl {
   bool lowercase = false;
   std::vector<std::string> words;
   std::unordered_map<std::string, uint32_t> ids;
-  ShardedLruCache cache;
+  std::unique_ptr<NgramCache> cache;  // made once the model's order is known
+
+  // Client-level counts: cache hits and distinct misses, per batch.
+  std::atomic<uint64_t> cache_hits{0};
+  std::atomic<uint64_t> cache_misses{0};
 
   std::mutex conn_mutex;
   std::shared_ptr<Connection> conn;  // guarded by conn_mutex
@@ -354,7 +443,7 @@ struct Client::Impl {
   std::atomic<uint64_t> ngrams_sent{0};
 
   Impl(const std::string &t, const ClientOptions &o)
-      : target(t), options(o), endpoint(ParseTarget(t)), cache(o.cache_size, o.cache_shards) {
+      : target(t), options(o), endpoint(ParseTarget(t)) {
     credentials = Credentials(options);
     bool tls = !(options.tls_ca.empty() && options.tls_cert.empty() && options.tls_key.empty() &&
                  options.tls_server_name.empty());
@@ -456,6 +545,7 @@ struct Client::Impl {
                                 std::to_string(info.vocab_size));
     }
     lowercase = options.lowercase || info.lowercase;
+    cache.reset(new NgramCache(options.cache_size, options.cache_shards, info.order));
     FetchVocabulary();
   }
 
@@ -528,60 +618,44 @@ struct Client::Impl {
     for (uint32_t i = 0; i < words.size(); ++i) ids.emplace(words[i], i);
   }
 
-  // Canonical row of `order` ids (left-padded with <s>, everything left of the
-  // newest <s> in the context set to <s>) and its cache key. Throws on bad input.
-  void Canonical(const std::vector<uint32_t> &ngram, std::size_t index, std::vector<uint32_t> *row,
-                 std::string *key) const {
-    const std::size_t n = info.order;
-    if (ngram.empty() || ngram.size() > n) {
-      throw ClientError(3, "n-gram " + std::to_string(index) + " has " + std::to_string(ngram.size()) +
-                               " words; the model takes 1 to " + std::to_string(n));
-    }
-    for (uint32_t id : ngram) {
-      if (id >= info.vocab_size) {
-        throw ClientError(3, "n-gram " + std::to_string(index) + " has id " + std::to_string(id) +
-                                 " outside the vocabulary of " + std::to_string(info.vocab_size));
-      }
-    }
-    if (ngram.back() == info.bos_id) {
-      throw ClientError(3, "n-gram " + std::to_string(index) + " predicts <s>, which is never predicted");
-    }
-    row->assign(n, info.bos_id);
-    std::copy(ngram.begin(), ngram.end(), row->begin() + (n - ngram.size()));
-    for (std::size_t j = n - 1; j-- > 0;) {
-      if ((*row)[j] == info.bos_id) {
-        std::fill(row->begin(), row->begin() + j, info.bos_id);
-        break;
-      }
-    }
-    key->clear();
-    for (uint32_t id : *row) PutU32(id, key);
+  // CanonicalRow for the served model; throws ClientError (code 3) naming `index`.
+  void Canonical(const uint32_t *ids, std::size_t n, std::size_t index, uint32_t *out) const {
+    NgramError error = nlmserve::CanonicalRow(ids, n, info, out);
+    if (error != NgramError::kNone) throw ClientError(3, NgramErrorMessage(error, ids, n, index, info));
   }
 
-  // Sends rows [begin, end) of `rows` (canonical, `order` ids each) in one request.
-  void Send(const std::vector<const std::vector<uint32_t> *> &rows, std::size_t begin, std::size_t end,
-            std::vector<float> *out) {
-    pb::ScoreNgramsRequest req;
+  // Sends the `count` rows at `rows` (canonical, `order` ids each) in one request and
+  // writes their scores to `out`.
+  void Send(const uint32_t *rows, std::size_t count, float *out, BatchBuffers &buffers, BatchCounts *counts) {
+    const std::size_t width = info.order;
+    pb::ScoreNgramsRequest &req = buffers.request;
+    req.Clear();
     req.set_packed_order(info.order);
     req.set_log_base(pb::LOG10);
     req.set_allow_unnormalized(!options.normalized);
     std::string *packed = req.mutable_packed_ids();
-    packed->reserve((end - begin) * info.order * 4);
-    for (std::size_t i = begin; i < end; ++i) {
-      for (uint32_t id : *rows[i]) PutU32(id, packed);
-    }
-    pb::ScoreNgramsResponse resp;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    packed->assign(reinterpret_cast<const char *>(rows), count * width * sizeof(uint32_t));
+#else
+    packed->reserve(count * width * 4);
+    for (std::size_t i = 0; i < count * width; ++i) PutU32(rows[i], packed);
+#endif
+    pb::ScoreNgramsResponse &resp = buffers.response;
     WithRetries("ScoreNgrams", [&](pb::LanguageModel::Stub &stub, grpc::ClientContext *ctx) {
       resp.Clear();
       return stub.ScoreNgrams(ctx, req, &resp);
     });
     round_trips.fetch_add(1, std::memory_order_relaxed);
     ++tl_round_trips;
-    ngrams_sent.fetch_add(end - begin, std::memory_order_relaxed);
-    if (static_cast<std::size_t>(resp.log_probs_size()) != end - begin) {
+    ngrams_sent.fetch_add(count, std::memory_order_relaxed);
+    if (counts) {
+      ++counts->round_trips;
+      counts->ngrams_sent += count;
+    }
+    if (static_cast<std::size_t>(resp.log_probs_size()) != count) {
       throw ClientError(-1, "nlmserve server at " + target + " returned " +
                                 std::to_string(resp.log_probs_size()) + " scores for " +
-                                std::to_string(end - begin) + " n-grams");
+                                std::to_string(count) + " n-grams");
     }
     if (resp.log_base() == pb::LN) {
       throw ClientError(-1, "nlmserve server at " + target + " answered in LN where LOG10 was asked");
@@ -595,49 +669,86 @@ struct Client::Impl {
                                ", the client was set up for " + info.model_hash +
                                "; restart the client to use the new model");
     }
-    for (std::size_t i = 0; i < end - begin; ++i) (*out)[begin + i] = resp.log_probs(static_cast<int>(i));
+    std::copy(resp.log_probs().begin(), resp.log_probs().end(), out);
+  }
+
+  void ScoreRows(const uint32_t *rows, std::size_t n_rows, std::size_t width, float *out, BatchCounts *counts) {
+    if (width != info.order) {
+      throw ClientError(3, "rows of " + std::to_string(width) + " ids given; the model's rows have " +
+                               std::to_string(info.order));
+    }
+    // What the server would refuse, refused here with the row's index.
+    for (std::size_t i = 0; i < n_rows; ++i) {
+      const uint32_t *row = rows + i * width;
+      NgramError error = row[width - 1] == info.bos_id ? NgramError::kBosTarget : NgramError::kNone;
+      for (std::size_t j = 0; j < width; ++j) {
+        if (row[j] >= info.vocab_size) error = NgramError::kOutOfRange;
+      }
+      if (error != NgramError::kNone) throw ClientError(3, NgramErrorMessage(error, row, width, i, info));
+    }
+    BatchBuffers &b = ThreadBuffers();
+    b.misses.clear();
+    b.fill.clear();
+    uint64_t hits = 0;
+    bool seen_ready = false;
+    for (std::size_t i = 0; i < n_rows; ++i) {
+      const uint32_t *row = rows + i * width;
+      if (cache->Get(row, &out[i])) {
+        ++hits;
+        continue;
+      }
+      if (!seen_ready) {
+        b.ResetSeen(n_rows - i);
+        seen_ready = true;
+      }
+      // The batch's earlier miss of the same row, or a new one.
+      const std::size_t mask = b.seen_slots - 1;
+      std::size_t slot = static_cast<std::size_t>(HashRow(row, width)) & mask;
+      uint32_t m;
+      for (;; slot = (slot + 1) & mask) {
+        const uint32_t at = b.seen[slot];
+        if (at == 0) {
+          m = static_cast<uint32_t>(b.misses.size() / width);
+          b.misses.insert(b.misses.end(), row, row + width);
+          b.seen[slot] = m + 1;
+          break;
+        }
+        if (std::equal(row, row + width, b.misses.begin() + (at - 1) * width)) {
+          m = at - 1;
+          break;
+        }
+      }
+      b.fill.push_back(std::make_pair(i, m));
+    }
+    const std::size_t distinct = b.misses.size() / width;
+    cache_hits.fetch_add(hits, std::memory_order_relaxed);
+    cache_misses.fetch_add(distinct, std::memory_order_relaxed);
+    if (counts) {
+      counts->cache_hits += hits;
+      counts->cache_misses += distinct;
+    }
+    if (distinct == 0) return;
+    b.miss_scores.resize(distinct);
+    const std::size_t limit = info.max_ngrams_per_request > 0
+                                  ? static_cast<std::size_t>(info.max_ngrams_per_request)
+                                  : distinct;
+    for (std::size_t begin = 0; begin < distinct; begin += limit) {
+      const std::size_t count = std::min(distinct - begin, limit);
+      Send(b.misses.data() + begin * width, count, b.miss_scores.data() + begin, b, counts);
+    }
+    for (std::size_t m = 0; m < distinct; ++m) cache->Put(b.misses.data() + m * width, b.miss_scores[m]);
+    for (std::size_t f = 0; f < b.fill.size(); ++f) out[b.fill[f].first] = b.miss_scores[b.fill[f].second];
   }
 
   std::vector<float> ScoreBatch(const std::vector<std::vector<uint32_t> > &ngrams) {
-    std::vector<float> result(ngrams.size(), 0.0f);
-    std::vector<uint32_t> row;
-    std::string key;
-    // Misses, deduplicated within the batch.
-    std::unordered_map<std::string, std::size_t> miss_index;
-    std::vector<std::vector<uint32_t> > miss_rows;
-    std::vector<std::string> miss_keys;
-    std::vector<std::pair<std::size_t, std::size_t> > fill;  // (position, miss index)
+    const std::size_t width = info.order;
+    std::vector<uint32_t> &rows = ThreadBuffers().rows;  // ScoreRows uses the other buffers
+    rows.resize(ngrams.size() * width);
     for (std::size_t i = 0; i < ngrams.size(); ++i) {
-      Canonical(ngrams[i], i, &row, &key);
-      auto found = miss_index.find(key);
-      if (found != miss_index.end()) {
-        fill.emplace_back(i, found->second);
-        continue;
-      }
-      float score;
-      if (cache.Get(key, &score)) {
-        result[i] = score;
-        continue;
-      }
-      std::size_t m = miss_rows.size();
-      miss_index.emplace(key, m);
-      miss_rows.push_back(row);
-      miss_keys.push_back(key);
-      fill.emplace_back(i, m);
+      Canonical(ngrams[i].data(), ngrams[i].size(), i, rows.data() + i * width);
     }
-    if (miss_rows.empty()) return result;
-    std::vector<const std::vector<uint32_t> *> rows;
-    rows.reserve(miss_rows.size());
-    for (const auto &r : miss_rows) rows.push_back(&r);
-    std::vector<float> scores(miss_rows.size(), 0.0f);
-    std::size_t limit = info.max_ngrams_per_request > 0
-                            ? static_cast<std::size_t>(info.max_ngrams_per_request)
-                            : rows.size();
-    for (std::size_t b = 0; b < rows.size(); b += limit) {
-      Send(rows, b, std::min(rows.size(), b + limit), &scores);
-    }
-    for (std::size_t m = 0; m < miss_keys.size(); ++m) cache.Put(miss_keys[m], scores[m]);
-    for (const auto &f : fill) result[f.first] = scores[f.second];
+    std::vector<float> result(ngrams.size(), 0.0f);
+    ScoreRows(rows.data(), ngrams.size(), width, result.data(), nullptr);
     return result;
   }
 
@@ -660,10 +771,13 @@ const std::string &Client::target() const { return impl_->target; }
 
 uint32_t Client::WordId(const std::string &word) const { return impl_->WordId(word); }
 
+void Client::CanonicalRow(const uint32_t *ids, std::size_t n, uint32_t *out, std::size_t index) const {
+  impl_->Canonical(ids, n, index, out);
+}
+
 std::vector<uint32_t> Client::CanonicalRow(const std::vector<uint32_t> &ngram, std::size_t index) const {
-  std::vector<uint32_t> row;
-  std::string key;
-  impl_->Canonical(ngram, index, &row, &key);
+  std::vector<uint32_t> row(impl_->info.order);
+  impl_->Canonical(ngram.data(), ngram.size(), index, row.data());
   return row;
 }
 
@@ -675,27 +789,43 @@ std::string Client::Word(uint32_t id) const {
   return id < impl_->words.size() ? impl_->words[id] : std::string();
 }
 
+void Client::ScoreRows(const uint32_t *rows, std::size_t n_rows, std::size_t width, float *out,
+                       BatchCounts *counts) {
+  impl_->ScoreRows(rows, n_rows, width, out, counts);
+}
+
 std::vector<float> Client::ScoreBatch(const std::vector<std::vector<uint32_t> > &ngrams) {
   return impl_->ScoreBatch(ngrams);
 }
 
 std::vector<float> Client::ScoreStrings(const std::vector<std::vector<std::string> > &ngrams) {
-  std::vector<std::vector<uint32_t> > ids(ngrams.size());
+  const std::size_t width = impl_->info.order;
+  std::vector<uint32_t> &rows = ThreadBuffers().rows;
+  rows.resize(ngrams.size() * width);
+  std::vector<uint32_t> ids;
   for (std::size_t i = 0; i < ngrams.size(); ++i) {
-    ids[i].reserve(ngrams[i].size());
-    for (const std::string &w : ngrams[i]) ids[i].push_back(impl_->WordId(w));
+    ids.clear();
+    for (const std::string &w : ngrams[i]) ids.push_back(impl_->WordId(w));
+    impl_->Canonical(ids.data(), ids.size(), i, rows.data() + i * width);
   }
-  return impl_->ScoreBatch(ids);
+  std::vector<float> result(ngrams.size(), 0.0f);
+  impl_->ScoreRows(rows.data(), ngrams.size(), width, result.data(), nullptr);
+  return result;
 }
 
 float Client::Score(const std::vector<uint32_t> &ngram) {
-  return impl_->ScoreBatch(std::vector<std::vector<uint32_t> >(1, ngram))[0];
+  std::vector<uint32_t> &row = ThreadBuffers().rows;
+  row.resize(impl_->info.order);
+  impl_->Canonical(ngram.data(), ngram.size(), 0, row.data());
+  float score = 0.0f;
+  impl_->ScoreRows(row.data(), 1, row.size(), &score, nullptr);
+  return score;
 }
 
 ClientStats Client::stats() const {
   ClientStats s;
-  s.cache_hits = impl_->cache.hits();
-  s.cache_misses = impl_->cache.misses();
+  s.cache_hits = impl_->cache_hits.load();
+  s.cache_misses = impl_->cache_misses.load();
   s.round_trips = impl_->round_trips.load();
   s.failed_calls = impl_->failed_calls.load();
   s.reconnects = impl_->reconnects.load();
@@ -704,15 +834,17 @@ ClientStats Client::stats() const {
 }
 
 void Client::ResetStats() {
-  impl_->cache.ResetCounters();
+  impl_->cache->ResetCounters();
+  impl_->cache_hits = 0;
+  impl_->cache_misses = 0;
   impl_->round_trips = 0;
   impl_->failed_calls = 0;
   impl_->reconnects = 0;
   impl_->ngrams_sent = 0;
 }
 
-void Client::ClearCache() { impl_->cache.Clear(); }
-std::size_t Client::CacheEntries() const { return impl_->cache.Size(); }
+void Client::ClearCache() { impl_->cache->Clear(); }
+std::size_t Client::CacheEntries() const { return impl_->cache->Size(); }
 uint64_t Client::ThreadRoundTrips() { return tl_round_trips; }
 
 }  // namespace nlmserve

@@ -6,7 +6,8 @@
 // Conventions (proto/nlmserve/v1/lm.proto):
 // - an n-gram lists ids oldest first, the predicted word last;
 // - a context shorter than order-1 is left-padded with <s>, and everything left of
-//   the newest <s> in a context is <s> too;
+//   the newest <s> in a context is <s> too (CanonicalRow below is the one C++ owner of
+//   these rules);
 // - scores are log10 unless a method says otherwise.
 //
 // Thread safety: every public method may be called from many threads at once.
@@ -68,6 +69,49 @@ struct ModelInfo {
   uint64_t max_ngrams_per_request = 0;
 };
 
+// Why an n-gram cannot be scored; kNone: it can. The order of the checks is the order
+// of the values: an n-gram that breaks several rules reports the first.
+enum class NgramError {
+  kNone = 0,
+  kEmpty,       // no ids at all
+  kTooLong,     // more ids than the model's order
+  kOutOfRange,  // an id outside [0, vocab_size)
+  kBosTarget,   // <s> as the predicted word (it is never predicted)
+};
+
+// "empty", "too-long", "out-of-range", "bos-target" ("" for kNone): the error kinds of
+// tests/golden/canonical_ngrams.tsv and of the Python owner's InvalidRequestError.
+const char *NgramErrorKind(NgramError error);
+
+// The canonical context: the last `width` of words[0, n), left-padded with `bos`, and
+// every item left of the newest `bos` set to `bos` (a sentence start resets the
+// history). Ids, or anything else compared with == (a decoder's word pointers for its
+// LM state). `out` holds `width` items and does not overlap `words`.
+template <class T>
+inline void CanonicalContext(const T *words, std::size_t n, std::size_t width, const T &bos, T *out) {
+  const std::size_t keep = n < width ? n : width;
+  const std::size_t pad = width - keep;
+  for (std::size_t i = 0; i < pad; ++i) out[i] = bos;
+  for (std::size_t i = 0; i < keep; ++i) out[pad + i] = words[n - keep + i];
+  for (std::size_t j = width; j-- > pad;) {
+    if (out[j] == bos) {
+      for (std::size_t i = pad; i < j; ++i) out[i] = bos;
+      break;
+    }
+  }
+}
+
+// The row the wire carries for the n-gram ids[0, n) (oldest first, the predicted word
+// last) of `model` (its order, vocab_size and bos_id are used): `order` ids, the
+// context as CanonicalContext makes it (width order-1), then the predicted word.
+// Checks the n-gram first; returns the rule it breaks (out is then unspecified) or
+// NgramError::kNone. Needs no server: a ModelInfo with order and vocab_size set will do.
+NgramError CanonicalRow(const uint32_t *ids, std::size_t n, const ModelInfo &model, uint32_t *out);
+
+// The message a ClientError (code 3) carries for n-gram number `index` that breaks `error`.
+std::string NgramErrorMessage(NgramError error, const uint32_t *ids, std::size_t n, std::size_t index,
+                              const ModelInfo &model);
+
 // Any failure to get a score: unreachable or restarting server, deadline, invalid
 // request, or a model that changed under the client. Never a process exit.
 class ClientError : public std::runtime_error {
@@ -90,6 +134,15 @@ struct ClientStats {
   uint64_t failed_calls = 0;    // RPC attempts that failed
   uint64_t reconnects = 0;      // fresh channels made after a failure
   uint64_t ngrams_sent = 0;     // n-grams sent to the server
+};
+
+// What ScoreRows calls did, added up by the calls that are given it (a decoder keeps
+// one per thread and sentence).
+struct BatchCounts {
+  uint64_t cache_hits = 0;
+  uint64_t cache_misses = 0;  // distinct rows of a batch not in the cache
+  uint64_t ngrams_sent = 0;
+  uint64_t round_trips = 0;
 };
 
 // Where a Client's channel connects (see ParseTarget).
@@ -133,17 +186,25 @@ class Client {
   // Id -> word (empty string when out of range).
   std::string Word(uint32_t id) const;
 
-  // Scores n-grams given as ids (the packed-id fast path): one log10 value per
-  // n-gram, in order. Cache hits are answered locally; all misses of the batch go
-  // to the server in as few requests as the server's per-request limit allows.
-  // Throws ClientError (invalid id, <s> predicted, empty or too long n-gram,
-  // server failure after the retries).
+  // Scores canonical rows (CanonicalRow's output): row i is rows[i*width, (i+1)*width),
+  // width the model's order; its log10 score goes to out[i]. Cache hits are answered
+  // locally; the distinct misses of the batch go to the server in as few requests as the
+  // server's per-request limit allows, and into the cache. Allocates nothing per row (the
+  // buffers are the calling thread's). Adds what it did to *counts when given. Throws
+  // ClientError (code 3 for a width other than the order, an id outside the vocabulary
+  // or <s> predicted; the server's failure after the retries).
+  void ScoreRows(const uint32_t *rows, std::size_t n_rows, std::size_t width, float *out,
+                 BatchCounts *counts = nullptr);
+
+  // Scores n-grams given as ids: one log10 value per n-gram, in order. Canonicalises
+  // each n-gram, then ScoreRows. Throws ClientError (invalid id, <s> predicted, empty or
+  // too long n-gram, server failure after the retries).
   std::vector<float> ScoreBatch(const std::vector<std::vector<uint32_t> > &ngrams);
 
-  // The row the library sends for `ngram`: `order` ids, left-padded with <s>, everything
-  // left of the newest <s> in the context set to <s> (the contract scores all three
-  // shapes alike). For callers that build their own requests. Throws ClientError
-  // (code 3) as ScoreBatch does for the same n-gram; its message names `index`.
+  // CanonicalRow (the free function) for the served model: writes info().order ids to
+  // `out`. For callers that build their own requests. Throws ClientError (code 3) as
+  // ScoreBatch does for the same n-gram; its message names `index`.
+  void CanonicalRow(const uint32_t *ids, std::size_t n, uint32_t *out, std::size_t index = 0) const;
   std::vector<uint32_t> CanonicalRow(const std::vector<uint32_t> &ngram, std::size_t index = 0) const;
 
   // The same for n-grams given as words (mapped with WordId).
@@ -158,9 +219,9 @@ class Client {
   // Number of entries in the cache.
   std::size_t CacheEntries() const;
 
-  // Successful ScoreNgrams RPCs made by the calling thread (all clients).
-  // A decoder that handles one sentence per thread takes differences of this
-  // value to count round trips per sentence.
+  // Successful ScoreNgrams RPCs made by the calling thread (all clients). A decoder
+  // that handles one sentence per thread can take differences of this value to count
+  // round trips per sentence (ScoreRows' BatchCounts count them per caller).
   static uint64_t ThreadRoundTrips();
 
  private:

@@ -1,7 +1,6 @@
-// Test driver for the nlmserve C++ client.
+// Test driver for the nlmserve C++ client against a server (the parts that need no
+// server: nlmserve_unit_test).
 //
-//   nlmserve_client_test --selftest
-//       checks the cache and lowercasing without a server; prints "selftest: N passed, 0 failed".
 //   nlmserve_client_test TARGET [--deadline-ms N] [--connect-timeout-ms N] [--retries N]
 //                        [--cache-size N] [--lowercase] [--unnormalized]
 //                        [--tls-ca PEM] [--tls-cert PEM] [--tls-key PEM]
@@ -14,6 +13,9 @@
 //         ids I1 .. In              -> ok SCORE
 //         row W1 .. Wn              -> ok I1 .. I_order   (the canonical row the client sends)
 //         file PATH                 -> ok N, then N lines of scores (one batch, one n-gram a line)
+//         rows PATH                 -> ok N hits=.. misses=.. sent=.. round_trips=.., then N lines of
+//                                      scores: the same n-grams as canonical rows in one flat
+//                                      ScoreRows call, with the BatchCounts it returned
 //         threads T PATH REPEATS    -> ok mismatches=.. far=.. max_diff=.. errors=.. calls=..
 //                                      (mismatches: answers not bit-equal to the reference;
 //                                       far: answers more than 1e-5 from it)
@@ -35,110 +37,11 @@
 #include <algorithm>
 #include <atomic>
 
-#include "lru_cache.h"
 #include "nlmserve_client.h"
 
 namespace {
 
 typedef std::vector<std::vector<std::string> > StringNgrams;
-
-int g_passed = 0;
-int g_failed = 0;
-
-void Check(bool ok, const char *what) {
-  if (ok) {
-    ++g_passed;
-  } else {
-    ++g_failed;
-    std::fprintf(stderr, "selftest FAILED: %s\n", what);
-  }
-}
-
-int SelfTest() {
-  using nlmserve::ShardedLruCache;
-  {
-    ShardedLruCache c(2, 1);
-    float s = -1.0f;
-    Check(!c.Get("a", &s), "empty cache misses");
-    c.Put("a", 0.0f);
-    Check(c.Get("a", &s) && s == 0.0f, "a score of 0.0 is a hit, not a miss");
-    c.Put("b", -1.5f);
-    Check(c.Get("a", &s), "a still present");  // a is now most recent
-    c.Put("c", -2.0f);                         // evicts b, the least recently used
-    Check(!c.Get("b", &s), "least recently used entry evicted");
-    Check(c.Get("a", &s) && s == 0.0f, "recently used entry kept");
-    Check(c.Get("c", &s) && s == -2.0f, "new entry present");
-    Check(c.Size() == 2, "size bounded by capacity");
-    Check(c.hits() == 4 && c.misses() == 2, "hit and miss counters");
-    c.Put("c", -3.0f);
-    Check(c.Get("c", &s) && s == -3.0f, "re-insert refreshes the value");
-    c.Clear();
-    Check(c.Size() == 0 && !c.Get("a", &s), "clear empties");
-  }
-  {
-    ShardedLruCache c(0, 4);
-    float s;
-    c.Put("a", 1.0f);
-    Check(!c.Get("a", &s) && c.Size() == 0, "capacity 0 disables the cache");
-  }
-  {
-    // Many threads on a small sharded cache: values stay consistent, size bounded.
-    ShardedLruCache c(64, 8);
-    std::atomic<int> bad(0);
-    std::vector<std::thread> threads;
-    for (int t = 0; t < 8; ++t) {
-      threads.emplace_back([&c, &bad, t]() {
-        for (int i = 0; i < 20000; ++i) {
-          int k = (i * 7 + t) % 200;
-          std::string key = "k" + std::to_string(k);
-          float s;
-          if (c.Get(key, &s)) {
-            if (s != static_cast<float>(k)) bad.fetch_add(1);
-          } else {
-            c.Put(key, static_cast<float>(k));
-          }
-        }
-      });
-    }
-    for (auto &th : threads) th.join();
-    Check(bad.load() == 0, "concurrent readers see the value written for their key");
-    Check(c.Size() <= 64, "concurrent size bounded");
-    Check(c.shard_count() == 8, "shard count");
-  }
-  Check(nlmserve::Lowercase("The CAT") == "the cat", "ASCII lowercase");
-  Check(nlmserve::Lowercase("\xc3\x89T\xc3\x89") == "\xc3\xa9t\xc3\xa9", "Latin-1 lowercase (ETE)");
-  Check(nlmserve::Lowercase("\xff" "A") == "\xff" "a", "invalid UTF-8 bytes pass through");
-  {
-    nlmserve::Endpoint one = nlmserve::ParseTarget("127.0.0.1:50051");
-    Check(one.target == "127.0.0.1:50051" && !one.replicated && one.host_name == "127.0.0.1",
-          "one address: pick_first, unchanged");
-    nlmserve::Endpoint two = nlmserve::ParseTarget(" 127.0.0.1:1 , 127.0.0.2:2 ");
-    Check(two.target == "ipv4:127.0.0.1:1,127.0.0.2:2" && two.replicated && two.replicas.size() == 2 &&
-              two.host_name.empty(),
-          "address list: static ipv4 target");
-    nlmserve::Endpoint v6 = nlmserve::ParseTarget("[::1]:1,[::1]:2");
-    Check(v6.target == "ipv6:[::1]:1,[::1]:2" && v6.host_name == "::1", "IPv6 list");
-    nlmserve::Endpoint dns = nlmserve::ParseTarget("dns:///lm.example.org:50051");
-    Check(dns.target == "dns:///lm.example.org:50051" && dns.replicated && dns.replicas.empty(),
-          "dns:/// target: resolved by gRPC");
-    bool mixed = false, bad = false;
-    try {
-      nlmserve::ParseTarget("127.0.0.1:1,[::1]:2");
-    } catch (const nlmserve::ClientError &) {
-      mixed = true;
-    }
-    try {
-      nlmserve::ParseTarget("127.0.0.1:1,127.0.0.1");
-    } catch (const nlmserve::ClientError &) {
-      bad = true;
-    }
-    Check(mixed && bad, "mixed families and an address without port are errors");
-  }
-  nlmserve::ClientError e(14, "unavailable");
-  Check(e.code() == 14 && std::string(e.what()) == "unavailable", "ClientError carries the code");
-  std::printf("selftest: %d passed, %d failed\n", g_passed, g_failed);
-  return g_failed == 0 ? 0 : 1;
-}
 
 bool ReadNgrams(const std::string &path, StringNgrams *out) {
   std::ifstream in(path);
@@ -250,6 +153,26 @@ void Run(nlmserve::Client &client) {
         out << "ok " << scores.size() << "\n";
         for (float s : scores) out << Fmt(s) << "\n";
         std::cout << out.str();
+      } else if (cmd == "rows") {
+        std::string path;
+        in >> path;
+        StringNgrams ngrams;
+        if (!ReadNgrams(path, &ngrams)) throw nlmserve::ClientError(-1, "cannot read " + path);
+        const std::size_t width = client.info().order;
+        std::vector<uint32_t> rows(ngrams.size() * width), ids;
+        for (std::size_t i = 0; i < ngrams.size(); ++i) {
+          ids.clear();
+          for (const std::string &w : ngrams[i]) ids.push_back(client.WordId(w));
+          client.CanonicalRow(ids.data(), ids.size(), rows.data() + i * width, i);
+        }
+        std::vector<float> scores(ngrams.size());
+        nlmserve::BatchCounts counts;
+        client.ScoreRows(rows.data(), ngrams.size(), width, scores.data(), &counts);
+        std::ostringstream out;
+        out << "ok " << scores.size() << " hits=" << counts.cache_hits << " misses=" << counts.cache_misses
+            << " sent=" << counts.ngrams_sent << " round_trips=" << counts.round_trips << "\n";
+        for (float s : scores) out << Fmt(s) << "\n";
+        std::cout << out.str();
       } else if (cmd == "threads") {
         int threads = 0, repeats = 0;
         std::string path;
@@ -282,9 +205,8 @@ void Run(nlmserve::Client &client) {
 }  // namespace
 
 int main(int argc, char **argv) {
-  if (argc >= 2 && std::string(argv[1]) == "--selftest") return SelfTest();
   if (argc < 2) {
-    std::fprintf(stderr, "usage: %s --selftest | HOST:PORT [options]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s TARGET [options]\n", argv[0]);
     return 2;
   }
   nlmserve::ClientOptions opts;

@@ -151,14 +151,19 @@ Result RunThreads(const Args &args, const std::vector<std::vector<uint32_t> > &i
   for (int t = 0; t < args.threads; ++t) {
     pool.emplace_back([&, t]() {
       std::size_t next = static_cast<std::size_t>(t) * args.batch;
-      std::vector<std::vector<uint32_t> > batch(args.batch);
+      const std::size_t width = clients[t]->info().order;
+      std::vector<uint32_t> batch(args.batch * width);
+      std::vector<float> scores(args.batch);
       while (!stop.load(std::memory_order_relaxed)) {
-        for (int b = 0; b < args.batch; ++b) batch[b] = ids[(next + b) % ids.size()];
+        for (int b = 0; b < args.batch; ++b) {
+          const std::vector<uint32_t> &row = ids[(next + b) % ids.size()];
+          std::copy(row.begin(), row.end(), batch.begin() + b * width);
+        }
         next += static_cast<std::size_t>(args.threads) * args.batch;
         auto t0 = Clock::now();
         bool ok = true;
         try {
-          clients[t]->ScoreBatch(batch);
+          clients[t]->ScoreRows(batch.data(), args.batch, width, scores.data());
         } catch (const nlmserve::ClientError &) {
           ok = false;
         }

@@ -1,0 +1,403 @@
+// Tests of the C++ client's parts that need no server (tests/test_cpp_client.py runs them).
+//
+//   nlmserve_unit_test
+//       the n-gram cache, the n-gram rules, the decoder-side parts (nlmserve_decoder.h),
+//       lowercasing and target parsing; prints "unit: N passed, 0 failed" (exit 1 on a failure).
+//   nlmserve_unit_test --canonical
+//       reads lines "ORDER<TAB>VOCAB_SIZE<TAB>IDS" (IDS space-separated, "-" for none) on
+//       stdin and prints, for each, the canonical row CanonicalRow writes or
+//       "error:KIND" (the columns of tests/golden/canonical_ngrams.tsv).
+#include <atomic>
+#include <cstdio>
+#include <iostream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ngram_cache.h"
+#include "nlmserve_client.h"
+#include "nlmserve_decoder.h"
+
+namespace {
+
+int g_passed = 0;
+int g_failed = 0;
+
+void Check(bool ok, const char *what) {
+  if (ok) {
+    ++g_passed;
+  } else {
+    ++g_failed;
+    std::fprintf(stderr, "unit FAILED: %s\n", what);
+  }
+}
+
+typedef std::vector<uint32_t> Row;
+
+nlmserve::ModelInfo Model(uint32_t order, uint32_t vocab_size) {
+  nlmserve::ModelInfo m;  // <unk> 0, <s> 1, </s> 2 by default
+  m.order = order;
+  m.vocab_size = vocab_size;
+  return m;
+}
+
+int Canonical() {
+  std::string line;
+  while (std::getline(std::cin, line)) {
+    std::istringstream fields(line);
+    std::string order, vocab, ids_text;
+    if (!std::getline(fields, order, '\t') || !std::getline(fields, vocab, '\t') ||
+        !std::getline(fields, ids_text, '\t')) {
+      std::cerr << "--canonical: not ORDER<TAB>VOCAB_SIZE<TAB>IDS: " << line << "\n";
+      return 2;
+    }
+    nlmserve::ModelInfo model = Model(static_cast<uint32_t>(std::stoul(order)), static_cast<uint32_t>(std::stoul(vocab)));
+    Row ids;
+    if (ids_text != "-") {
+      std::istringstream words(ids_text);
+      unsigned long id;
+      while (words >> id) ids.push_back(static_cast<uint32_t>(id));
+    }
+    Row out(model.order, 0xdeadbeefu);
+    nlmserve::NgramError error = nlmserve::CanonicalRow(ids.data(), ids.size(), model, out.data());
+    if (error != nlmserve::NgramError::kNone) {
+      std::cout << "error:" << nlmserve::NgramErrorKind(error) << "\n";
+      continue;
+    }
+    for (std::size_t i = 0; i < out.size(); ++i) std::cout << (i ? " " : "") << out[i];
+    std::cout << "\n";
+  }
+  return 0;
+}
+
+void TestCacheBasics() {
+  using nlmserve::NgramCache;
+  const Row a = {1, 4, 7}, b = {1, 4, 8}, c = {9, 4, 7};
+  {
+    NgramCache cache(2, 1, 3);  // two slots: the window covers the whole table, an exact LRU
+    float s = -1.0f;
+    Check(!cache.Get(a.data(), &s), "empty cache misses");
+    cache.Put(a.data(), 0.0f);
+    Check(cache.Get(a.data(), &s) && s == 0.0f, "a score of 0.0 is a hit, not a miss");
+    cache.Put(b.data(), -1.5f);
+    Check(cache.Get(a.data(), &s), "a still present");  // a is now the most recent
+    cache.Put(c.data(), -2.0f);                         // evicts b, the least recently used
+    Check(!cache.Get(b.data(), &s), "least recently used entry evicted");
+    Check(cache.Get(a.data(), &s) && s == 0.0f, "recently used entry kept");
+    Check(cache.Get(c.data(), &s) && s == -2.0f, "new entry present");
+    Check(cache.Size() == 2, "size bounded by capacity");
+    Check(cache.hits() == 4 && cache.misses() == 2, "hit and miss counters");
+    cache.Put(c.data(), -3.0f);
+    Check(cache.Get(c.data(), &s) && s == -3.0f && cache.Size() == 2, "re-insert refreshes the value");
+    cache.ResetCounters();
+    Check(cache.hits() == 0 && cache.misses() == 0, "counters reset");
+    cache.Clear();
+    Check(cache.Size() == 0 && !cache.Get(a.data(), &s), "clear empties");
+    cache.Put(b.data(), -4.0f);
+    Check(cache.Get(b.data(), &s) && s == -4.0f && cache.Size() == 1, "usable after clear");
+  }
+  {
+    NgramCache cache(0, 4, 3);
+    float s;
+    cache.Put(a.data(), 1.0f);
+    Check(!cache.Get(a.data(), &s) && cache.Size() == 0 && cache.misses() == 1, "capacity 0 disables the cache");
+  }
+  {
+    // Rows that differ in one id only, at either end, are different keys.
+    NgramCache cache(64, 2, 5);
+    const Row r1 = {1, 1, 1, 5, 6}, r2 = {1, 1, 1, 5, 7}, r3 = {3, 1, 1, 5, 6};
+    cache.Put(r1.data(), -1.0f);
+    cache.Put(r2.data(), -2.0f);
+    cache.Put(r3.data(), -3.0f);
+    float s1 = 0, s2 = 0, s3 = 0;
+    Check(cache.Get(r1.data(), &s1) && cache.Get(r2.data(), &s2) && cache.Get(r3.data(), &s3) && s1 == -1.0f &&
+              s2 == -2.0f && s3 == -3.0f,
+          "every id of the row is part of the key");
+  }
+  {
+    // 100 entries over 4 shards, 10,000 distinct rows: the size stays at the capacity,
+    // and the row put last is always there.
+    NgramCache cache(100, 4, 4);
+    bool last_found = true;
+    for (uint32_t i = 0; i < 10000; ++i) {
+      const Row r = {i % 7, i, i / 3, 5};
+      cache.Put(r.data(), static_cast<float>(i));
+      float s = -1;
+      if (!cache.Get(r.data(), &s) || s != static_cast<float>(i)) last_found = false;
+    }
+    Check(last_found, "the row put last is found");
+    Check(cache.Size() == 100 && cache.capacity() == 100 && cache.shard_count() == 4, "bounded by cache-size entries");
+  }
+}
+
+void TestCacheCollisions() {
+  // kWindow + 1 rows with one home slot in a table larger than the window: the window
+  // fills, then the next row replaces the window's least recently used entry.
+  using nlmserve::NgramCache;
+  NgramCache cache(64, 1, 5);
+  std::vector<Row> same;
+  std::pair<std::size_t, std::size_t> home(0, 0);
+  for (uint32_t x = 0; same.size() < NgramCache::kWindow + 1 && x < 1000000; ++x) {
+    Row r = {1, 1, x, x + 1, 7};
+    if (same.empty()) home = cache.Place(r.data());
+    if (cache.Place(r.data()) == home) same.push_back(r);
+  }
+  Check(same.size() == NgramCache::kWindow + 1, "found rows sharing a home slot");
+  if (same.size() != NgramCache::kWindow + 1) return;
+  for (std::size_t i = 0; i < NgramCache::kWindow; ++i) cache.Put(same[i].data(), -static_cast<float>(i));
+  bool all = true;
+  float s = 0;
+  for (std::size_t i = 0; i < NgramCache::kWindow; ++i) {
+    if (!cache.Get(same[i].data(), &s) || s != -static_cast<float>(i)) all = false;
+  }
+  Check(all && cache.Size() == NgramCache::kWindow, "colliding rows share the window");
+  // Use order is now 0, 1, ..., 7; touching 0 again makes 1 the least recently used.
+  cache.Get(same[0].data(), &s);
+  cache.Put(same[NgramCache::kWindow].data(), -100.0f);
+  Check(!cache.Get(same[1].data(), &s), "the least recently used row of the window is evicted");
+  bool rest = cache.Get(same[0].data(), &s) && s == 0.0f;
+  for (std::size_t i = 2; i <= NgramCache::kWindow; ++i) rest = rest && cache.Get(same[i].data(), &s);
+  Check(rest && s == -100.0f && cache.Size() == NgramCache::kWindow, "the other rows stay");
+}
+
+void TestCacheThreads() {
+  // Eight threads on a small sharded cache: every hit returns the value written for its
+  // own key, the size stays bounded, every lookup is counted.
+  nlmserve::NgramCache cache(64, 8, 5);
+  std::atomic<int> bad(0);
+  std::vector<std::thread> threads;
+  const int kLookups = 20000;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&cache, &bad, t]() {
+      for (int i = 0; i < kLookups; ++i) {
+        const uint32_t k = static_cast<uint32_t>((i * 7 + t) % 200);
+        const Row r = {1, k, k + 3, 2 * k, 9};
+        float s;
+        if (cache.Get(r.data(), &s)) {
+          if (s != static_cast<float>(k)) bad.fetch_add(1);
+        } else {
+          cache.Put(r.data(), static_cast<float>(k));
+        }
+      }
+    });
+  }
+  for (std::size_t t = 0; t < threads.size(); ++t) threads[t].join();
+  Check(bad.load() == 0, "concurrent readers see the value written for their key");
+  Check(cache.Size() <= 64, "concurrent size bounded");
+  Check(cache.hits() + cache.misses() == 8u * kLookups && cache.hits() > 0, "concurrent lookups all counted");
+}
+
+void TestRules() {
+  nlmserve::ModelInfo m = Model(4, 20);
+  Row out(4);
+  const Row reset = {5, 1, 6, 7};
+  Check(nlmserve::CanonicalRow(reset.data(), reset.size(), m, out.data()) == nlmserve::NgramError::kNone &&
+            out == Row({1, 1, 6, 7}),
+        "a <s> in the context resets what is left of it");
+  m.bos_id = 3;  // the special ids come from the model
+  Check(nlmserve::CanonicalRow(reset.data(), 1, m, out.data()) == nlmserve::NgramError::kNone && out == Row({3, 3, 3, 5}),
+        "padding uses the model's <s>");
+  const Row bos_last = {5, 3};
+  Check(nlmserve::CanonicalRow(bos_last.data(), 2, m, out.data()) == nlmserve::NgramError::kBosTarget,
+        "the model's <s> is never predicted");
+  Check(nlmserve::NgramErrorMessage(nlmserve::NgramError::kTooLong, reset.data(), 5, 7, m) ==
+            "n-gram 7 has 5 words; the model takes 1 to 4",
+        "error messages name the n-gram");
+  // The context rule on other types: the decoder's state of word pointers.
+  const char *w[] = {"x", "<s>", "y", "z"};
+  const char *bos = w[1];
+  const char *ctx[3];
+  nlmserve::CanonicalContext(w, 4, 3, bos, ctx);
+  Check(ctx[0] == bos && ctx[1] == w[2] && ctx[2] == w[3], "CanonicalContext keeps the last words");
+  nlmserve::CanonicalContext(w, 1, 3, bos, ctx);
+  Check(ctx[0] == bos && ctx[1] == bos && ctx[2] == w[0], "CanonicalContext pads");
+  nlmserve::CanonicalContext(w + 2, 1, 0, bos, ctx);  // width 0 writes nothing
+  Check(ctx[2] == w[0], "width 0");
+}
+
+void TestPhraseRows() {
+  using nlmserve::kNonTerminal;
+  const nlmserve::ModelInfo m = Model(3, 50);
+  std::vector<uint32_t> rows;
+  std::vector<uint8_t> complete;
+  std::size_t unknown = 0, position = 99;
+  const Row plain = {5, 0, 7, 8};
+  Check(nlmserve::PhraseRows(m, plain.data(), plain.size(), &rows, &complete, &unknown, &position) ==
+                nlmserve::NgramError::kNone &&
+            rows == Row({1, 1, 5, 1, 5, 0, 5, 0, 7, 0, 7, 8}) && complete == std::vector<uint8_t>({0, 0, 1, 1}) &&
+            unknown == 1,
+        "phrase rows: growing context, full n-grams complete, <unk> counted");
+  rows.clear();
+  complete.clear();
+  const Row starts = {1, 5, 6};
+  Check(nlmserve::PhraseRows(m, starts.data(), starts.size(), &rows, &complete, nullptr, &position) ==
+                nlmserve::NgramError::kNone &&
+            rows == Row({1, 1, 5, 1, 5, 6}) && complete == std::vector<uint8_t>({0, 1}),
+        "phrase rows: <s> at position 0 is context, counted in the n-gram's length");
+  rows.clear();
+  const Row gap = {5, kNonTerminal, 6, 7};
+  Check(nlmserve::PhraseRows(m, gap.data(), gap.size(), &rows, nullptr, nullptr, &position) ==
+                nlmserve::NgramError::kNone &&
+            rows == Row({1, 1, 5, 1, 1, 6, 1, 6, 7}),
+        "phrase rows: a non-terminal resets the context");
+  rows.clear();
+  const Row inner = {5, 1, 6};
+  Check(nlmserve::PhraseRows(m, inner.data(), inner.size(), &rows, nullptr, nullptr, &position) ==
+                nlmserve::NgramError::kBosTarget &&
+            position == 1 && rows == Row({1, 1, 5}),
+        "phrase rows: <s> inside a phrase is an error at its position");
+}
+
+void TestBoundaryRows() {
+  const nlmserve::ModelInfo m = Model(3, 50);
+  std::vector<uint32_t> rows;
+  const Row after = {8, 9, 5, 6, 7};  // context 8 9, phrase 5 6 7
+  Check(nlmserve::BoundaryRows(m, after.data(), 2, after.size(), true, &rows) == nlmserve::NgramError::kNone &&
+            rows == Row({8, 9, 5, 9, 5, 6, 6, 7, 2}),
+        "boundary rows: the first order-1 words of the phrase, then </s>");
+  rows.clear();
+  const Row first = {5};  // the first phrase of a sentence
+  Check(nlmserve::BoundaryRows(m, first.data(), 0, 1, true, &rows) == nlmserve::NgramError::kNone &&
+            rows == Row({1, 1, 5, 1, 5, 2}),
+        "boundary rows: sentence start padded with <s>");
+  rows.clear();
+  const Row short_context = {9, 5, 6};
+  Check(nlmserve::BoundaryRows(m, short_context.data(), 1, 3, false, &rows) == nlmserve::NgramError::kNone &&
+            rows == Row({1, 9, 5, 9, 5, 6}),
+        "boundary rows: no </s> unless the sentence completes");
+  rows.clear();
+  const Row bad = {9, 50};
+  Check(nlmserve::BoundaryRows(m, bad.data(), 1, 2, false, &rows) == nlmserve::NgramError::kOutOfRange && rows.empty(),
+        "boundary rows: an id outside the vocabulary is an error");
+  const float parts[] = {-0.25f, -1.5f, -0.125f};
+  Check(nlmserve::SumScores(parts, 3) == -1.875f && nlmserve::SumScores(parts, 0) == 0.0f, "scores summed");
+}
+
+void TestDenseIdMap() {
+  nlmserve::DenseIdMap map;
+  int computed = 0;
+  auto triple = [&computed](std::size_t key) {
+    ++computed;
+    return static_cast<uint32_t>(3 * key);
+  };
+  Check(map.Get(7, triple) == 21 && map.Get(7, triple) == 21 && computed == 1, "an id is computed once per key");
+  Check(map.Get(0, triple) == 0 && map.Get(0, triple) == 0 && computed == 2, "id 0 is stored too");
+  map.Set(9000, 1);
+  Check(map.Get(9000, triple) == 1 && computed == 2, "Set fixes an id");
+  const std::size_t beyond = nlmserve::DenseIdMap::kChunks * nlmserve::DenseIdMap::kChunkSize;
+  map.Get(beyond, triple);
+  map.Get(beyond, triple);
+  Check(computed == 4, "keys beyond the table are computed each time");
+  // Four threads fill one table at once: every answer right.
+  nlmserve::DenseIdMap shared;
+  std::atomic<int> wrong(0);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&shared, &wrong, t]() {
+      std::mt19937 rng(7 + t);
+      for (int i = 0; i < 50000; ++i) {
+        const std::size_t key = rng() % 100000;
+        if (shared.Get(key, [](std::size_t k) { return static_cast<uint32_t>(k * 5 + 1); }) != key * 5 + 1) {
+          wrong.fetch_add(1);
+        }
+      }
+    });
+  }
+  for (std::size_t t = 0; t < threads.size(); ++t) threads[t].join();
+  Check(wrong.load() == 0, "concurrent lookups and fills agree");
+}
+
+void TestPairScores() {
+  nlmserve::PairScores scores;
+  int a[2000] = {0};  // only the addresses are keys
+  float s = 1.0f;
+  Check(!scores.Get(&a[0], &a[1], &s), "an empty table misses");
+  scores.Put(&a[0], &a[1], -1.0f);
+  scores.Put(&a[1], &a[0], 0.0f);
+  Check(scores.Get(&a[0], &a[1], &s) && s == -1.0f && scores.Get(&a[1], &a[0], &s) && s == 0.0f,
+        "pairs are ordered keys; 0.0 is a value");
+  scores.Put(&a[0], &a[1], -2.0f);
+  Check(scores.Get(&a[0], &a[1], &s) && s == -2.0f && scores.size() == 2, "a second Put replaces");
+  for (int i = 0; i < 2000; ++i) scores.Put(&a[i], &a[(i * 7) % 2000], static_cast<float>(-i));
+  bool all = true;
+  for (int i = 0; i < 2000; ++i) {
+    if (!scores.Get(&a[i], &a[(i * 7) % 2000], &s) || s != static_cast<float>(-i)) all = false;
+  }
+  Check(all && scores.size() == 2002, "the table grows and keeps every pair");
+  scores.Clear();
+  Check(scores.size() == 0 && !scores.Get(&a[5], &a[35], &s) && !scores.Get(&a[1], &a[0], &s), "clear forgets all");
+  scores.Put(&a[5], &a[35], -5.0f);
+  Check(scores.Get(&a[5], &a[35], &s) && s == -5.0f && !scores.Get(&a[6], &a[42], &s), "usable after clear");
+}
+
+void TestErrorPause() {
+  nlmserve::ErrorPause pause;
+  Check(!pause.Paused(0), "no pause before a failure");
+  Check(pause.Failed(10000) == 1000 && pause.Paused(10999) && !pause.Paused(11000), "first pause 1 s");
+  bool doubling = pause.Failed(11000) == 2000 && pause.Failed(13000) == 4000 && pause.Failed(17000) == 8000 &&
+                  pause.Failed(25000) == 16000 && pause.Failed(41000) == 32000 && pause.Failed(73000) == 60000 &&
+                  pause.Failed(133000) == 60000;
+  Check(doubling && pause.Paused(192999) && !pause.Paused(193000), "pauses double up to 60 s");
+  pause.Succeeded();
+  Check(pause.Failed(200000) == 1000, "an answer resets the doubling");
+  nlmserve::PrefetchMark mark;
+  int x, y;
+  Check(mark.Renew(&x, 1) && !mark.Renew(&x, 1) && mark.Renew(&x, 2) && mark.Renew(&y, 2) && !mark.Renew(&y, 2),
+        "a prefetch is renewed for a new key or a new sentence");
+}
+
+void TestTextAndTargets() {
+  Check(nlmserve::Lowercase("The CAT") == "the cat", "ASCII lowercase");
+  Check(nlmserve::Lowercase("\xc3\x89T\xc3\x89") == "\xc3\xa9t\xc3\xa9", "Latin-1 lowercase (ETE)");
+  Check(nlmserve::Lowercase("\xff" "A") == "\xff" "a", "invalid UTF-8 bytes pass through");
+  nlmserve::Endpoint one = nlmserve::ParseTarget("127.0.0.1:50051");
+  Check(one.target == "127.0.0.1:50051" && !one.replicated && one.host_name == "127.0.0.1",
+        "one address: pick_first, unchanged");
+  nlmserve::Endpoint two = nlmserve::ParseTarget(" 127.0.0.1:1 , 127.0.0.2:2 ");
+  Check(two.target == "ipv4:127.0.0.1:1,127.0.0.2:2" && two.replicated && two.replicas.size() == 2 &&
+            two.host_name.empty(),
+        "address list: static ipv4 target");
+  nlmserve::Endpoint v6 = nlmserve::ParseTarget("[::1]:1,[::1]:2");
+  Check(v6.target == "ipv6:[::1]:1,[::1]:2" && v6.host_name == "::1", "IPv6 list");
+  nlmserve::Endpoint dns = nlmserve::ParseTarget("dns:///lm.example.org:50051");
+  Check(dns.target == "dns:///lm.example.org:50051" && dns.replicated && dns.replicas.empty(),
+        "dns:/// target: resolved by gRPC");
+  bool mixed = false, bad = false;
+  try {
+    nlmserve::ParseTarget("127.0.0.1:1,[::1]:2");
+  } catch (const nlmserve::ClientError &) {
+    mixed = true;
+  }
+  try {
+    nlmserve::ParseTarget("127.0.0.1:1,127.0.0.1");
+  } catch (const nlmserve::ClientError &) {
+    bad = true;
+  }
+  Check(mixed && bad, "mixed families and an address without port are errors");
+  nlmserve::ClientError e(14, "unavailable");
+  Check(e.code() == 14 && std::string(e.what()) == "unavailable", "ClientError carries the code");
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+  if (argc >= 2 && std::string(argv[1]) == "--canonical") return Canonical();
+  if (argc >= 2) {
+    std::fprintf(stderr, "usage: %s [--canonical]\n", argv[0]);
+    return 2;
+  }
+  TestCacheBasics();
+  TestCacheCollisions();
+  TestCacheThreads();
+  TestRules();
+  TestPhraseRows();
+  TestBoundaryRows();
+  TestDenseIdMap();
+  TestPairScores();
+  TestErrorPause();
+  TestTextAndTargets();
+  std::printf("unit: %d passed, %d failed\n", g_passed, g_failed);
+  return g_failed == 0 ? 0 : 1;
+}
