@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <unordered_map>
 #include <boost/functional/hash.hpp>
 
@@ -26,42 +27,42 @@
 #include "moses/TypeDef.h"
 #include "moses/Util.h"
 #include "nlmserve_client.h"
+#include "nlmserve_decoder.h"
 #include "util/exception.hh"
 
 namespace Moses {
 
 namespace {
-// Round trips of this thread when its current sentence started.
-thread_local uint64_t tl_sentence_start = 0;
 // Sentences this thread started (a count, so that pointers of an earlier sentence that
 // a later one reuses are never mistaken for its own).
 thread_local uint64_t tl_sentence = 0;
-
-// A predecessor hypothesis and the translation option that expands it.
-typedef std::pair<const void *, const void *> Expansion;
-struct ExpansionHash {
-  size_t operator()(const Expansion &e) const {
-    size_t seed = 0;
-    boost::hash_combine(seed, e.first);
-    boost::hash_combine(seed, e.second);
-    return seed;
-  }
-};
-
 }  // namespace
 
-// What one thread keeps for one NeuralLMServer feature.
+// What one thread keeps for one NeuralLMServer feature: the last prefetch, and buffers
+// that grow to the largest batch and are reused, so that building and scoring n-grams
+// allocates nothing per n-gram.
 struct NeuralLMServerThread {
-  // Factor id -> word id (-1: not looked up yet): the vocabulary, a string map, is asked
-  // once per word.
-  std::vector<int64_t> ids;
-  // The hypothesis (prefetch=hypothesis) or stack (prefetch=stack) prefetched last, and
-  // the value of tl_sentence then.
-  const void *prefetched = NULL;
-  uint64_t prefetchedSentence = 0;
+  // A predecessor hypothesis, a translation option that expands it, and the end of the
+  // expansion's boundary rows in `rows`.
+  struct Expansion {
+    const void *prev;
+    const void *option;
+    size_t end;
+  };
+
+  // The hypothesis (prefetch=hypothesis) or stack (prefetch=stack) prefetched last.
+  nlmserve::PrefetchMark prefetched;
   // The boundary score of every expansion prefetched last: EvaluateWhenApplied reads it
   // instead of asking the client's cache n-gram by n-gram.
-  std::unordered_map<Expansion, float, ExpansionHash> boundary;
+  nlmserve::PairScores boundary;
+  std::vector<Expansion> expansions;
+  std::vector<uint32_t> words;     // word ids of the phrase or window at hand
+  std::vector<uint32_t> rows;      // canonical rows, order ids each
+  std::vector<float> scores;       // one per row
+  std::vector<uint8_t> complete;   // CalcScore: which rows have a full context
+  std::vector<const Factor *> factors;  // the words of a state
+  // Round trips, n-grams sent and cache hits of the thread's current sentence.
+  nlmserve::BatchCounts sentence;
 };
 
 namespace {
@@ -71,9 +72,17 @@ int64_t SteadyMs() {
 }
 
 NeuralLMServerThread &Local(const void *feature) {
-  thread_local std::unordered_map<const void *, NeuralLMServerThread> states;
-  return states[feature];
+  // The feature asked for last is answered without a map lookup.
+  thread_local const void *lastFeature = NULL;
+  thread_local NeuralLMServerThread *last = NULL;
+  if (feature != lastFeature || last == NULL) {
+    thread_local std::unordered_map<const void *, NeuralLMServerThread> states;
+    last = &states[feature];
+    lastFeature = feature;
+  }
+  return *last;
 }
+
 // Manager keeps its Search protected; a pointer to the member named through a derived
 // class reads it without changing Moses.
 struct ManagerSearch : public Manager {
@@ -100,17 +109,12 @@ NeuralLMServer::NeuralLMServer(const std::string &line)
       m_floorOnError(false),
       m_prefetch(PrefetchStack),
       m_sentencePhrases(true),
-      m_bosId(1),
-      m_eosId(2),
-      m_unkId(0),
       m_nullState(NULL),
       m_beginState(NULL),
       m_sentences(0),
       m_sentenceRoundTrips(0),
       m_errors(0),
-      m_floored(0),
-      m_pauseMs(0),
-      m_downUntilMs(0) {
+      m_floored(0) {
   ReadParameters();
   m_target = m_filePath;
   UTIL_THROW_IF2(m_target.empty(), "NeuralLMServer needs path=HOST:PORT (or A:1,B:2 or dns:///NAME:PORT) of nlmserve");
@@ -208,9 +212,10 @@ void NeuralLMServer::Load(AllOptions::ptr const &opts) {
     UTIL_THROW2("NeuralLMServer " << GetScoreProducerDescription() << ": " << e.what());
   }
   const nlmserve::ModelInfo &info = m_client->info();
-  m_bosId = info.bos_id;
-  m_eosId = info.eos_id;
-  m_unkId = info.unk_id;
+  m_model = info;
+  // The decoder's own sentence boundaries are the model's special ids.
+  m_ids.Set(m_sentenceStart->GetId(), info.bos_id);
+  m_ids.Set(m_sentenceEnd->GetId(), info.eos_id);
   // A shorter order would send short n-grams, which the server reads as sentence
   // starts (left-padded with <s>): the orders must agree.
   UTIL_THROW_IF2(m_nGramOrder != info.order,
@@ -227,68 +232,73 @@ void NeuralLMServer::Load(AllOptions::ptr const &opts) {
 
 uint32_t NeuralLMServer::Id(const Word &word) const {
   const Factor *f = word.GetFactor(m_factorType);
-  if (f == m_sentenceStart) return m_bosId;
-  if (f == m_sentenceEnd) return m_eosId;
-  // Factor ids are unique and dense.
-  std::vector<int64_t> &ids = Local(this).ids;
-  const size_t key = f->GetId();
-  if (key >= ids.size()) ids.resize(std::max(key + 1, 2 * ids.size()), -1);
-  if (ids[key] < 0) ids[key] = m_client->WordId(f->GetString().as_string());
-  return static_cast<uint32_t>(ids[key]);
+  // Factor ids are unique and dense; the vocabulary, a string map, is asked once per factor.
+  return m_ids.Get(f->GetId(), [this, f](size_t) { return m_client->WordId(f->GetString().as_string()); });
 }
 
-std::vector<float> NeuralLMServer::ScoreIds(const std::vector<std::vector<uint32_t> > &ngrams) const {
-  std::vector<float> scores;
-  // on-error=floor: after a failed request the server is left alone for a pause (1 s,
-  // doubling after each further failure up to 60 s), so that a dead server costs one
-  // failed request per pause instead of one per request.
-  if (m_floorOnError && SteadyMs() < m_downUntilMs.load()) {
+void NeuralLMServer::AppendIds(const Phrase &phrase, std::vector<uint32_t> *ids) const {
+  const size_t size = phrase.GetSize();
+  for (size_t pos = 0; pos < size; ++pos) {
+    const Word &word = phrase.GetWord(pos);
+    ids->push_back(word.IsNonTerminal() ? nlmserve::kNonTerminal : Id(word));
+  }
+}
+
+void NeuralLMServer::ScoreRows(const uint32_t *rows, size_t n, float *out, NeuralLMServerThread &local) const {
+  if (n == 0) return;
+  // on-error=floor: after a failed request the server is left alone for a pause, so that
+  // a dead server costs one failed request per pause instead of one per request.
+  if (m_floorOnError && m_pause.Paused(SteadyMs())) {
     m_floored.fetch_add(1);
-    return std::vector<float>(ngrams.size(), LOWEST_SCORE);
+    std::fill(out, out + n, LOWEST_SCORE);
+    return;
   }
   try {
-    scores = m_client->ScoreBatch(ngrams);
+    m_client->ScoreRows(rows, n, m_model.order, out, &local.sentence);
   } catch (const nlmserve::ClientError &e) {
-    m_errors.fetch_add(1);
-    if (!m_floorOnError) {
-      UTIL_THROW2("NeuralLMServer " << GetScoreProducerDescription() << ": " << e.what());
-    }
-    const int64_t pause = std::min<int64_t>(60000, std::max<int64_t>(1000, 2 * m_pauseMs.load()));
-    m_pauseMs.store(pause);
-    m_downUntilMs.store(SteadyMs() + pause);
-    m_floored.fetch_add(1);
-    VERBOSE(1, "NeuralLMServer " << GetScoreProducerDescription() << ": " << e.what() << "; scoring "
-                                 << ngrams.size() << " n-grams " << LOWEST_SCORE
-                                 << ", and every request of the next " << pause << " ms" << std::endl);
-    return std::vector<float>(ngrams.size(), LOWEST_SCORE);
+    Failed(e.what(), n, out);
+    return;
   }
-  m_pauseMs.store(0);
-  for (size_t i = 0; i < scores.size(); ++i) scores[i] = FloorScore(TransformLMScore(scores[i]));
-  return scores;
+  m_pause.Succeeded();
+  for (size_t i = 0; i < n; ++i) out[i] = FloorScore(TransformLMScore(out[i]));
+}
+
+void NeuralLMServer::Failed(const std::string &what, size_t n, float *out) const {
+  m_errors.fetch_add(1);
+  if (!m_floorOnError) {
+    UTIL_THROW2("NeuralLMServer " << GetScoreProducerDescription() << ": " << what);
+  }
+  const int64_t pause = m_pause.Failed(SteadyMs());
+  m_floored.fetch_add(1);
+  VERBOSE(1, "NeuralLMServer " << GetScoreProducerDescription() << ": " << what << "; scoring " << n
+                               << " n-grams " << LOWEST_SCORE << ", and every request of the next " << pause
+                               << " ms" << std::endl);
+  std::fill(out, out + n, LOWEST_SCORE);
 }
 
 void NeuralLMServer::SetState(const std::vector<const Word *> &contextFactor, FFState &outState) const {
-  const size_t keep = m_nGramOrder - 1;
+  std::vector<const Factor *> &factors = Local(this).factors;
+  factors.clear();
+  for (size_t i = 0; i < contextFactor.size(); ++i) factors.push_back(contextFactor[i]->GetFactor(m_factorType));
   std::vector<const Factor *> &words = static_cast<NeuralLMServerState &>(outState).m_words;
-  words.assign(keep, m_sentenceStart);
-  const size_t n = std::min(keep, contextFactor.size());
-  for (size_t i = 0; i < n; ++i) {
-    words[keep - n + i] = contextFactor[contextFactor.size() - n + i]->GetFactor(m_factorType);
-  }
-  for (size_t j = keep; j-- > 0;) {
-    if (words[j] == m_sentenceStart) {
-      std::fill(words.begin(), words.begin() + j, m_sentenceStart);
-      break;
-    }
-  }
+  words.resize(m_nGramOrder - 1);
+  nlmserve::CanonicalContext(factors.data(), factors.size(), words.size(), m_sentenceStart, words.data());
 }
 
 LMResult NeuralLMServer::GetValue(const std::vector<const Word *> &contextFactor, State *finalState) const {
-  std::vector<std::vector<uint32_t> > ngram(1);
-  for (size_t i = 0; i < contextFactor.size(); ++i) ngram[0].push_back(Id(*contextFactor[i]));
+  NeuralLMServerThread &local = Local(this);
+  local.words.clear();
+  for (size_t i = 0; i < contextFactor.size(); ++i) local.words.push_back(Id(*contextFactor[i]));
+  local.rows.resize(m_model.order);
   LMResult ret;
-  ret.score = ScoreIds(ngram)[0];
-  ret.unknown = ngram[0].back() == m_unkId;
+  ret.unknown = !local.words.empty() && local.words.back() == m_model.unk_id;
+  const nlmserve::NgramError error =
+      nlmserve::CanonicalRow(local.words.data(), local.words.size(), m_model, local.rows.data());
+  if (error != nlmserve::NgramError::kNone) {
+    Failed(nlmserve::NgramErrorMessage(error, local.words.data(), local.words.size(), 0, m_model), 1, &ret.score);
+  } else {
+    ScoreRows(local.rows.data(), 1, &ret.score, local);
+  }
   if (finalState) *finalState = NULL;
   return ret;
 }
@@ -313,29 +323,19 @@ void NeuralLMServer::GetState(const std::vector<const Word *> &contextFactor, FF
   SetState(contextFactor, outState);  // no score needed, so no request
 }
 
-void NeuralLMServer::PhraseNgrams(const Phrase &phrase, std::vector<std::vector<uint32_t> > *ngrams,
-                                  std::vector<bool> *complete, size_t *oovCount) const {
-  // The n-grams of the phrase as Moses' LanguageModelImplementation::CalcScore
-  // walks them (a non-terminal resets the context).
-  const size_t size = phrase.GetSize();
-  std::vector<uint32_t> context;
-  for (size_t pos = 0; pos < size; ++pos) {
-    const Word &word = phrase.GetWord(pos);
-    if (word.IsNonTerminal()) {
-      context.clear();
-      continue;
-    }
-    uint32_t id = Id(word);
-    if (context.size() == m_nGramOrder) context.erase(context.begin());
-    context.push_back(id);
-    if (word.GetFactor(m_factorType) == m_sentenceStart) {
-      UTIL_THROW_IF2(pos != 0, "NeuralLMServer: <s> inside a phrase at position " << pos);
-      continue;  // <s> is context, never predicted
-    }
-    ngrams->push_back(context);
-    if (complete) complete->push_back(context.size() == m_nGramOrder);
-    if (oovCount && id == m_unkId) ++*oovCount;
-  }
+void NeuralLMServer::PhraseRows(const Phrase &phrase, NeuralLMServerThread &local, bool complete,
+                                size_t *oovCount) const {
+  // The n-grams of the phrase as Moses' LanguageModelImplementation::CalcScore walks them
+  // (a non-terminal resets the context; <s> first is context only).
+  local.words.clear();
+  AppendIds(phrase, &local.words);
+  size_t position = 0;
+  const nlmserve::NgramError error = nlmserve::PhraseRows(m_model, local.words.data(), local.words.size(), &local.rows,
+                                                          complete ? &local.complete : NULL, oovCount, &position);
+  UTIL_THROW_IF2(error == nlmserve::NgramError::kBosTarget,
+                 "NeuralLMServer: <s> inside a phrase at position " << position);
+  UTIL_THROW_IF2(error != nlmserve::NgramError::kNone,
+                 "NeuralLMServer: " << nlmserve::NgramErrorMessage(error, local.words.data() + position, 1, 0, m_model));
 }
 
 void NeuralLMServer::CalcScore(const Phrase &phrase, float &fullScore, float &ngramScore,
@@ -343,14 +343,17 @@ void NeuralLMServer::CalcScore(const Phrase &phrase, float &fullScore, float &ng
   fullScore = 0;
   ngramScore = 0;
   oovCount = 0;
-  std::vector<std::vector<uint32_t> > ngrams;
-  std::vector<bool> complete;
-  PhraseNgrams(phrase, &ngrams, &complete, &oovCount);
-  if (ngrams.empty()) return;
-  std::vector<float> scores = ScoreIds(ngrams);
-  for (size_t i = 0; i < scores.size(); ++i) {
-    fullScore += scores[i];
-    if (complete[i]) ngramScore += scores[i];
+  NeuralLMServerThread &local = Local(this);
+  local.rows.clear();
+  local.complete.clear();
+  PhraseRows(phrase, local, true, &oovCount);
+  const size_t n = local.complete.size();
+  if (n == 0) return;
+  local.scores.resize(n);
+  ScoreRows(local.rows.data(), n, local.scores.data(), local);
+  for (size_t i = 0; i < n; ++i) {
+    fullScore += local.scores[i];
+    if (local.complete[i]) ngramScore += local.scores[i];
   }
 }
 
@@ -391,10 +394,18 @@ void NeuralLMServer::ScoreSentencePhrases(ttasksptr const &ttask) const {
   if (sentence == NULL) return;
   const size_t size = sentence->GetSize();
   const size_t maxLength = ttask->options()->search.max_phrase_length;
-  std::vector<std::vector<uint32_t> > ngrams;
-  // Unknown words are copied to the target as one-word phrases.
+  const size_t order = m_model.order;
+  NeuralLMServerThread &local = Local(this);
+  local.rows.clear();
+  // Unknown words are copied to the target as one-word phrases (a word the model cannot
+  // predict, such as <s>, is left to the scoring of its phrase).
   for (size_t i = 0; i < size; ++i) {
-    ngrams.push_back(std::vector<uint32_t>(1, Id(sentence->GetWord(i))));
+    const uint32_t id = Id(sentence->GetWord(i));
+    const size_t at = local.rows.size();
+    local.rows.resize(at + order);
+    if (nlmserve::CanonicalRow(&id, 1, m_model, local.rows.data() + at) != nlmserve::NgramError::kNone) {
+      local.rows.resize(at);
+    }
   }
   const std::vector<PhraseDictionary *> &tables = PhraseDictionary::GetColl();
   for (size_t t = 0; t < tables.size(); ++t) {
@@ -407,12 +418,14 @@ void NeuralLMServer::ScoreSentencePhrases(ttasksptr const &ttask) const {
         TargetPhraseCollection::shared_ptr targets = table->GetTargetPhraseCollectionLEGACY(source);
         if (!targets) continue;
         for (TargetPhraseCollection::const_iterator it = targets->begin(); it != targets->end(); ++it) {
-          PhraseNgrams(**it, &ngrams, NULL, NULL);
+          PhraseRows(**it, local, false, NULL);
         }
       }
     }
   }
-  if (!ngrams.empty()) ScoreIds(ngrams);
+  const size_t n = local.rows.size() / order;
+  local.scores.resize(n);
+  ScoreRows(local.rows.data(), n, local.scores.data(), local);
 }
 
 FFState *NeuralLMServer::EvaluateWhenApplied(const Hypothesis &hypo, const FFState *ps,
@@ -421,28 +434,27 @@ FFState *NeuralLMServer::EvaluateWhenApplied(const Hypothesis &hypo, const FFSta
   // ones came with the translation option (CalcScore).
   if (hypo.GetCurrTargetLength() == 0) return ps ? NewState(ps) : NULL;
 
+  NeuralLMServerThread &local = Local(this);
   const Hypothesis *prev = hypo.GetPrevHypo();
-  const float *prefetched = NULL;
+  float lmScore = 0;
+  bool prefetched = false;
   if (m_prefetch != PrefetchOff && prev != NULL) {
-    NeuralLMServerThread &local = Local(this);
     Prefetch(*prev, local);
-    std::unordered_map<Expansion, float, ExpansionHash>::const_iterator found =
-        local.boundary.find(Expansion(prev, &hypo.GetTranslationOption()));
-    if (found != local.boundary.end()) prefetched = &found->second;
+    prefetched = local.boundary.Get(prev, &hypo.GetTranslationOption(), &lmScore);
   }
+  if (!prefetched) lmScore = BoundaryScore(hypo, local);
 
-  const size_t order = m_nGramOrder;
+  // The state: the last order-1 words, then </s> when the sentence is complete.
+  const size_t keep = m_nGramOrder - 1;
   const size_t size = hypo.GetSize();
-  std::vector<const Word *> last;  // the last order-1 words, the state
-  for (size_t i = 0; i + 1 < order; ++i) {
-    int pos = static_cast<int>(size) - static_cast<int>(order) + 1 + static_cast<int>(i);
-    last.push_back(pos >= 0 ? &hypo.GetWord(static_cast<size_t>(pos)) : &GetSentenceStartWord());
+  local.factors.clear();
+  for (size_t pos = size > keep ? size - keep : 0; pos < size; ++pos) {
+    local.factors.push_back(hypo.GetWord(pos).GetFactor(m_factorType));
   }
-  float lmScore = prefetched ? *prefetched : BoundaryScore(hypo, last);
-  if (hypo.IsSourceCompleted()) last.push_back(&GetSentenceEndWord());
+  if (hypo.IsSourceCompleted()) local.factors.push_back(m_sentenceEnd);
+  NeuralLMServerState *res = new NeuralLMServerState(std::vector<const Factor *>(keep));
+  nlmserve::CanonicalContext(local.factors.data(), local.factors.size(), keep, m_sentenceStart, res->m_words.data());
 
-  FFState *res = NewState(ps);
-  SetState(last, *res);
   if (OOVFeatureEnabled()) {
     std::vector<float> values(2);
     values[0] = lmScore;
@@ -454,54 +466,23 @@ FFState *NeuralLMServer::EvaluateWhenApplied(const Hypothesis &hypo, const FFSta
   return res;
 }
 
-float NeuralLMServer::BoundaryScore(const Hypothesis &hypo, const std::vector<const Word *> &last) const {
-  const size_t order = m_nGramOrder;
+float NeuralLMServer::BoundaryScore(const Hypothesis &hypo, NeuralLMServerThread &local) const {
+  // The words before the phrase (at most order-1 of them), then the phrase.
+  const size_t keep = m_model.order - 1;
   const size_t start = hypo.GetCurrTargetWordsRange().GetStartPos();
-  const size_t end = hypo.GetCurrTargetWordsRange().GetEndPos();
-  std::vector<std::vector<uint32_t> > ngrams;
-  // Ids of the window ending at `last` (order words, <s> before the sentence).
-  std::vector<uint32_t> window(order);
-  for (size_t i = 0; i < order; ++i) {
-    int pos = static_cast<int>(start) - static_cast<int>(order) + 1 + static_cast<int>(i);
-    window[i] = pos >= 0 ? Id(hypo.GetWord(static_cast<size_t>(pos))) : m_bosId;
-  }
-  ngrams.push_back(window);
-  const size_t boundaryEnd = std::min(start + order - 2, end);
-  for (size_t pos = start + 1; pos <= boundaryEnd; ++pos) {
-    window.erase(window.begin());
-    window.push_back(Id(hypo.GetWord(pos)));
-    ngrams.push_back(window);
-  }
-  if (hypo.IsSourceCompleted()) {
-    std::vector<uint32_t> eos;
-    for (size_t i = 0; i < last.size(); ++i) eos.push_back(Id(*last[i]));
-    eos.push_back(m_eosId);
-    ngrams.push_back(eos);
-  }
-  std::vector<float> scores = ScoreIds(ngrams);
-  float lmScore = 0;  // summed in this order by Prefetch too
-  for (size_t i = 0; i < scores.size(); ++i) lmScore += scores[i];
-  return lmScore;
-}
-
-void NeuralLMServer::BoundaryNgrams(const std::vector<uint32_t> &context, const Phrase &phrase,
-                                    bool completes, std::vector<std::vector<uint32_t> > *out) const {
-  // The same n-grams as EvaluateWhenApplied computes for this expansion.
-  const size_t order = m_nGramOrder;
-  const size_t length = phrase.GetSize();
-  if (length == 0) return;
-  std::vector<uint32_t> window(context);  // order-1 ids
-  const size_t boundary = std::min(order - 1, length);
-  for (size_t i = 0; i < length; ++i) {
-    window.push_back(Id(phrase.GetWord(i)));
-    if (window.size() > order) window.erase(window.begin());
-    if (i < boundary) out->push_back(window);
-  }
-  if (completes) {
-    if (window.size() == order) window.erase(window.begin());
-    window.push_back(m_eosId);
-    out->push_back(window);
-  }
+  local.words.clear();
+  for (size_t pos = start > keep ? start - keep : 0; pos < start; ++pos) local.words.push_back(Id(hypo.GetWord(pos)));
+  const size_t context = local.words.size();
+  AppendIds(hypo.GetCurrTargetPhrase(), &local.words);
+  local.rows.clear();
+  const nlmserve::NgramError error = nlmserve::BoundaryRows(m_model, local.words.data(), context, local.words.size(),
+                                                            hypo.IsSourceCompleted(), &local.rows);
+  UTIL_THROW_IF2(error != nlmserve::NgramError::kNone,
+                 "NeuralLMServer: a boundary n-gram breaks the rule " << nlmserve::NgramErrorKind(error));
+  const size_t n = local.rows.size() / m_model.order;
+  local.scores.resize(n);
+  ScoreRows(local.rows.data(), n, local.scores.data(), local);
+  return nlmserve::SumScores(local.scores.data(), n);  // as Prefetch sums
 }
 
 void NeuralLMServer::Prefetch(const Hypothesis &prev, NeuralLMServerThread &local) const {
@@ -521,32 +502,30 @@ void NeuralLMServer::Prefetch(const Hypothesis &prev, NeuralLMServerThread &loca
       key = stack;
     }
   }
-  if (key == local.prefetched && local.prefetchedSentence == tl_sentence) return;
-  local.prefetched = key;
-  local.prefetchedSentence = tl_sentence;
-  local.boundary.clear();
-  std::vector<std::vector<uint32_t> > ngrams;
-  std::vector<std::pair<Expansion, size_t> > expansions;  // and the end of its n-grams
+  if (!local.prefetched.Renew(key, tl_sentence)) return;
+  local.boundary.Clear();
+  local.rows.clear();
+  local.expansions.clear();
   if (stack == NULL) {
-    ExpansionNgrams(prev, &ngrams, &expansions);
+    ExpansionRows(prev, local);
   } else {
     for (HypothesisStack::const_iterator it = stack->begin(); it != stack->end(); ++it) {
-      ExpansionNgrams(**it, &ngrams, &expansions);
+      ExpansionRows(**it, local);
     }
   }
-  if (ngrams.empty()) return;
-  std::vector<float> scores = ScoreIds(ngrams);
+  const size_t n = local.rows.size() / m_model.order;
+  if (n == 0) return;
+  local.scores.resize(n);
+  ScoreRows(local.rows.data(), n, local.scores.data(), local);
   size_t begin = 0;
-  for (size_t e = 0; e < expansions.size(); ++e) {
-    float sum = 0;  // in BoundaryScore's order, so the values are identical
-    for (size_t i = begin; i < expansions[e].second; ++i) sum += scores[i];
-    local.boundary[expansions[e].first] = sum;
-    begin = expansions[e].second;
+  for (size_t e = 0; e < local.expansions.size(); ++e) {
+    const NeuralLMServerThread::Expansion &x = local.expansions[e];
+    local.boundary.Put(x.prev, x.option, nlmserve::SumScores(local.scores.data() + begin, x.end - begin));
+    begin = x.end;
   }
 }
 
-void NeuralLMServer::ExpansionNgrams(const Hypothesis &prev, std::vector<std::vector<uint32_t> > *ngrams,
-                                     std::vector<std::pair<Expansion, size_t> > *expansions) const {
+void NeuralLMServer::ExpansionRows(const Hypothesis &prev, NeuralLMServerThread &local) const {
   // Mirrors the loops of Moses' SearchNormal::ProcessOneHypothesis for sentence input;
   // n-grams of expansions that search will not make only cost server time.
   Manager &manager = prev.GetManager();
@@ -561,13 +540,14 @@ void NeuralLMServer::ExpansionNgrams(const Hypothesis &prev, std::vector<std::ve
   const ReorderingConstraint &constraint = source.GetReorderingConstraint();
   const Range &prevRange = prev.GetCurrSourceWordsRange();
 
-  const size_t order = m_nGramOrder;
-  std::vector<uint32_t> context(order - 1, m_bosId);
+  // The last order-1 words of prev (fewer at the sentence start), then each option's phrase.
+  const size_t order = m_model.order;
   const size_t size = prev.GetSize();
-  for (size_t i = 0; i + 1 < order; ++i) {
-    int pos = static_cast<int>(size) - static_cast<int>(order) + 1 + static_cast<int>(i);
-    if (pos >= 0) context[i] = Id(prev.GetWord(static_cast<size_t>(pos)));
+  local.words.clear();
+  for (size_t pos = size > order - 1 ? size - (order - 1) : 0; pos < size; ++pos) {
+    local.words.push_back(Id(prev.GetWord(pos)));
   }
+  const size_t context = local.words.size();
 
   for (size_t startPos = firstGap; startPos < sourceSize; ++startPos) {
     if (bitmap.GetValue(startPos)) continue;
@@ -588,26 +568,37 @@ void NeuralLMServer::ExpansionNgrams(const Hypothesis &prev, std::vector<std::ve
       }
       const bool completes = bitmap.GetNumWordsCovered() + range.GetNumWordsCovered() == sourceSize;
       for (TranslationOptionList::const_iterator it = list->begin(); it != list->end(); ++it) {
-        BoundaryNgrams(context, (*it)->GetTargetPhrase(), completes, ngrams);
-        expansions->push_back(std::make_pair(Expansion(&prev, *it), ngrams->size()));
+        local.words.resize(context);
+        AppendIds((*it)->GetTargetPhrase(), &local.words);
+        const nlmserve::NgramError error = nlmserve::BoundaryRows(m_model, local.words.data(), context,
+                                                                  local.words.size(), completes, &local.rows);
+        UTIL_THROW_IF2(error != nlmserve::NgramError::kNone,
+                       "NeuralLMServer: a boundary n-gram breaks the rule " << nlmserve::NgramErrorKind(error));
+        NeuralLMServerThread::Expansion x = {&prev, *it, local.rows.size() / order};
+        local.expansions.push_back(x);
       }
     }
   }
 }
 
 void NeuralLMServer::InitializeForInput(ttasksptr const &ttask) {
-  tl_sentence_start = nlmserve::Client::ThreadRoundTrips();
   ++tl_sentence;
+  Local(this).sentence = nlmserve::BatchCounts();
   if (m_sentencePhrases) ScoreSentencePhrases(ttask);
 }
 
 void NeuralLMServer::CleanUpAfterSentenceProcessing(ttasksptr const &ttask) {
-  uint64_t trips = nlmserve::Client::ThreadRoundTrips() - tl_sentence_start;
+  const nlmserve::BatchCounts &counts = Local(this).sentence;
   m_sentences.fetch_add(1);
-  m_sentenceRoundTrips.fetch_add(trips);
+  m_sentenceRoundTrips.fetch_add(counts.round_trips);
+  const uint64_t lookups = counts.cache_hits + counts.cache_misses;
+  char rate[32] = "no lookups";
+  if (lookups > 0) std::snprintf(rate, sizeof(rate), "%.1f%% hits", 100.0 * counts.cache_hits / lookups);
   VERBOSE(1, "NeuralLMServer " << GetScoreProducerDescription() << ": sentence "
-                               << ttask->GetSource()->GetTranslationId() << " took " << trips
-                               << " round trips" << std::endl);
+                               << ttask->GetSource()->GetTranslationId() << " took " << counts.round_trips
+                               << " round trips, " << counts.ngrams_sent << " n-grams sent; cache: "
+                               << counts.cache_hits << " hits, " << counts.cache_misses << " misses (" << rate
+                               << ")" << std::endl);
   LanguageModelSingleFactor::CleanUpAfterSentenceProcessing(ttask);
 }
 

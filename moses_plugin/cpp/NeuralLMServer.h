@@ -9,7 +9,8 @@
 // Parameters (besides Moses' own name, factor, order, path, tuneable, oov-feature):
 //   normalized=true|false   exactly normalised log-probabilities (default true), or the
 //                           model's self-normalised score where it has one
-//   cache-size=N            n-gram score cache entries shared by all threads (default 1048576)
+//   cache-size=N            n-gram score cache entries shared by all threads (default 1048576;
+//                           keyed by the n-gram's ids, stored inline, no allocation per lookup)
 //   lowercase=true|false    lowercase words before the vocabulary lookup (default false;
 //                           also done when the served model says so)
 //   deadline-ms=N           deadline of one request (default 10000)
@@ -39,8 +40,13 @@
 // Round trips: each target phrase scored in isolation costs at most one request (all
 // its n-grams in one batch); with prefetch=stack, each stack that Moses expands costs one
 // request for the boundary n-grams (and </s>) of all expansions of its hypotheses, which
-// then come from the cache; cache hits cost none. With -v 1 the feature prints the round trips of every
-// sentence.
+// then come from the cache; cache hits cost none. With -v 1 the feature prints the round trips
+// and the cache hits of every sentence.
+//
+// Words become vocabulary ids once per Moses factor (a table indexed by Factor::GetId(), read
+// without a lock); n-grams are built as canonical rows of ids (nlmserve::CanonicalRow, the
+// client library's one owner of the n-gram rules) in buffers each thread reuses, and scored in
+// flat batches (nlmserve::Client::ScoreRows). The Moses-free parts are in nlmserve_decoder.h.
 #pragma once
 
 #include <atomic>
@@ -50,10 +56,7 @@
 
 #include "SingleFactor.h"
 #include "moses/FF/FFState.h"
-
-namespace nlmserve {
-class Client;
-}
+#include "nlmserve_decoder.h"
 
 namespace Moses {
 
@@ -109,32 +112,33 @@ class NeuralLMServer : public LanguageModelSingleFactor {
   void CleanUpAfterSentenceProcessing(ttasksptr const &ttask) override;
 
  private:
+  // The vocabulary id of a word (its factor's id, looked up once per factor in m_ids).
   uint32_t Id(const Word &word) const;
-  // Scores n-grams of ids; returns Moses scores (natural log, floored).
-  std::vector<float> ScoreIds(const std::vector<std::vector<uint32_t> > &ngrams) const;
-  // The last order-1 words of a context, <s>-padded, everything left of the newest <s> as <s>.
+  // Appends the ids of the phrase's words to `ids` (nlmserve::kNonTerminal for a non-terminal).
+  void AppendIds(const Phrase &phrase, std::vector<uint32_t> *ids) const;
+  // Scores `n` canonical rows (order ids each) into Moses scores (natural log, floored),
+  // counted for the thread's sentence; a failure is handled as on-error says.
+  void ScoreRows(const uint32_t *rows, size_t n, float *out, NeuralLMServerThread &local) const;
+  // After a failed request: throws (on-error=fail), or floors the `n` scores and starts a pause.
+  void Failed(const std::string &what, size_t n, float *out) const;
+  // The last order-1 words of a context as nlmserve::CanonicalContext makes them.
   void SetState(const std::vector<const Word *> &contextFactor, FFState &outState) const;
   // Scores (into the cache), in one request, the boundary n-grams of every expansion
   // Moses' normal search can make from `prev` (prefetch=hypothesis) or from every
   // hypothesis of prev's stack (prefetch=stack), unless this thread just did so.
   // Keeps the boundary score of each expansion in `local` for EvaluateWhenApplied.
   void Prefetch(const Hypothesis &prev, NeuralLMServerThread &local) const;
-  // Appends the boundary n-grams of every expansion the normal search can make from `prev`,
-  // and for each expansion (prev, option) the end of its n-grams in `ngrams`.
-  void ExpansionNgrams(const Hypothesis &prev, std::vector<std::vector<uint32_t> > *ngrams,
-                       std::vector<std::pair<std::pair<const void *, const void *>, size_t> > *expansions) const;
-  // The n-grams of `hypo` that cross its phrase boundary (and </s>), scored and summed;
-  // `last` holds its last order-1 words.
-  float BoundaryScore(const Hypothesis &hypo, const std::vector<const Word *> &last) const;
-  // The n-grams CalcScore sends for a phrase, and which of them have a full context.
-  void PhraseNgrams(const Phrase &phrase, std::vector<std::vector<uint32_t> > *ngrams,
-                    std::vector<bool> *complete, size_t *oovCount) const;
+  // Appends to local.rows the boundary rows of every expansion the normal search can make
+  // from `prev`, and to local.expansions each expansion with the end of its rows.
+  void ExpansionRows(const Hypothesis &prev, NeuralLMServerThread &local) const;
+  // The n-grams of `hypo` that cross its phrase boundary (and </s>), scored and summed.
+  float BoundaryScore(const Hypothesis &hypo, NeuralLMServerThread &local) const;
+  // Appends to local.rows the rows CalcScore scores for a phrase; with `complete`, marks in
+  // local.complete which have a full context.
+  void PhraseRows(const Phrase &phrase, NeuralLMServerThread &local, bool complete, size_t *oovCount) const;
   // phrase-scores=sentence: one request for the phrase-internal n-grams of every target
   // phrase the in-memory phrase tables hold for spans of the sentence.
   void ScoreSentencePhrases(ttasksptr const &ttask) const;
-  // Boundary n-grams of target phrase `phrase` placed after `context` (order-1 ids).
-  void BoundaryNgrams(const std::vector<uint32_t> &context, const Phrase &phrase, bool completes,
-                      std::vector<std::vector<uint32_t> > *out) const;
 
   std::string m_target;
   bool m_normalized;
@@ -151,18 +155,17 @@ class NeuralLMServer : public LanguageModelSingleFactor {
   bool m_sentencePhrases;
 
   std::unique_ptr<nlmserve::Client> m_client;
-  uint32_t m_bosId, m_eosId, m_unkId;
+  nlmserve::ModelInfo m_model;  // the served model's order, vocabulary size and special ids
+  mutable nlmserve::DenseIdMap m_ids;  // Factor::GetId() -> vocabulary id
   NeuralLMServerState *m_nullState;
   NeuralLMServerState *m_beginState;
 
   mutable std::atomic<uint64_t> m_sentences;
   mutable std::atomic<uint64_t> m_sentenceRoundTrips;
   mutable std::atomic<uint64_t> m_errors;
-  // on-error=floor: requests answered LOWEST_SCORE, the current pause after failures, and
-  // the steady-clock time (ms) until which the server is not asked.
+  // on-error=floor: requests answered LOWEST_SCORE, and the pause after failures.
   mutable std::atomic<uint64_t> m_floored;
-  mutable std::atomic<int64_t> m_pauseMs;
-  mutable std::atomic<int64_t> m_downUntilMs;
+  mutable nlmserve::ErrorPause m_pause;
 };
 
 }  // namespace Moses

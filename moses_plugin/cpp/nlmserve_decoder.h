@@ -251,7 +251,10 @@ class ErrorPause {
     until_ms_.store(now_ms + pause);
     return pause;
   }
-  void Succeeded() { pause_ms_.store(0); }
+  // A request was answered (written only after failures: threads share this line).
+  void Succeeded() {
+    if (pause_ms_.load(std::memory_order_relaxed) != 0) pause_ms_.store(0);
+  }
 
  private:
   std::atomic<int64_t> pause_ms_{0};
