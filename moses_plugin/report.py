@@ -40,6 +40,10 @@ def to_markdown(report: dict[str, Any]) -> str:
         out += [f"Each tuned system was tuned {report['mert_runs']} times ({tuner} seeds differ): BLEU is the mean ± the "
                 "standard deviation of the runs, Δ the difference of the means, the p-value a paired bootstrap over "
                 "all runs' outputs joined (run r against run r of the baseline).", ""]
+    if any(row["system"] == "moses+NLM0" for row in report["rows"]):
+        out += ["moses+NLM0 keeps the decoder's weights and sets NLM0's by an exact line search on dev (MERT's, "
+                "along that one weight): its BLEU-best value, the same for either tuner and every seed, so it is "
+                "tuned once.", ""]
     out.append("| " + " | ".join(COLUMNS) + " |")
     out.append("|" + "---|" * len(COLUMNS))
     for row in report["rows"]:

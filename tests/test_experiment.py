@@ -66,11 +66,12 @@ def test_experiment_runs_and_resumes(tiny_model_path: Path, tmp_path: Path, caps
     for name, row in rows.items():
         assert 0 < row["test_bleu"] < 100
         assert row["signature"].startswith("nrefs:1|case:mixed|eff:no|tok:none|smooth:exp")
-        assert ("NLM0" in name) == row["signature"].endswith(f"|model:{model_hash}")
+        assert ("NLM0" in name) == (f"|model:{model_hash}" in row["signature"])
         assert ("NLM0" in row["weights"]) == ("NLM0" in name)
     assert 0 < rows["mert+NLM0"]["p_value"] <= 1 and rows["mert+NLM0"]["baseline"] == "mert"
     assert rows["mert+NLM0"]["dev_bleu"] >= rows["mert"]["dev_bleu"]  # started from mert's optimum
     assert rows["moses+NLM0"]["dev_bleu"] >= rows["moses"]["dev_bleu"] - 1e-9
+    assert rows["moses+NLM0"]["signature"].endswith("|tune:line-search")
     # The moses row is the list's own 1-best.
     assert read_lines(work / "test.moses.1best")[0] == next(iter_sentences(test))[0].hyp
     for name in ("results.md", "results.json", "bleu.png", "weights.mert+NLM0.ini", "weights.mert+NLM0.txt"):
@@ -101,7 +102,7 @@ def test_experiment_runs_and_resumes(tiny_model_path: Path, tmp_path: Path, caps
     bleu_config = bleu.BleuConfig()
     for row, single in zip(replicated["rows"], saved["rows"]):
         name, runs = row["system"], row["runs"]
-        assert len(runs) == (1 if name == "moses" else 3)
+        assert len(runs) == (1 if name in ("moses", "moses+NLM0") else 3)  # the line search has no seed
         assert runs[0]["test_bleu"] == pytest.approx(single["test_bleu"], abs=1e-9)
         assert runs[0]["weights"] == single["weights"]
         assert [r["seed"] for r in runs] == list(range(len(runs)))
@@ -120,9 +121,8 @@ def test_experiment_runs_and_resumes(tiny_model_path: Path, tmp_path: Path, caps
     paired = bleu.paired_bootstrap(joined["mert"], joined["mert+NLM0"], [refs[0] * 3], bleu_config, 100)
     assert rows["mert+NLM0"]["p_value"] == pytest.approx(paired.p_value)
     assert rows["mert+NLM0"]["delta"] == pytest.approx(rows["mert+NLM0"]["test_bleu"] - rows["mert"]["test_bleu"])
-    moses = [h for _ in range(3) for h in read_lines(work / "test.moses.1best")]
-    joined_moses_nlm = [h for r in range(3) for h in read_lines(work / f"test.moses+NLM0{'.run%d' % r if r else ''}.1best")]
-    paired = bleu.paired_bootstrap(moses, joined_moses_nlm, [refs[0] * 3], bleu_config, 100)
+    paired = bleu.paired_bootstrap(read_lines(work / "test.moses.1best"), read_lines(work / "test.moses+NLM0.line.1best"),
+                                   refs, bleu_config, 100)
     assert rows["moses+NLM0"]["p_value"] == pytest.approx(paired.p_value)
     markdown = (work / "results.md").read_text()
     assert "tuned 3 times" in markdown and "- mert+NLM0 runs: seed 0: test" in markdown
@@ -140,12 +140,13 @@ def test_experiment_runs_and_resumes(tiny_model_path: Path, tmp_path: Path, caps
     assert rows["mira+NLM0"]["baseline"] == "mira" and "NLM0" in rows["mira+NLM0"]["weights"]
     assert rows["mira"]["signature"].endswith("|mira-runs:1") and "runs:" not in rows["moses"]["signature"]
     assert rows["moses"]["test_bleu"] == pytest.approx(saved["rows"][0]["test_bleu"])
-    outputs = {name: read_lines(work / f"test.{name}.1best") for name in ("mira", "mira+NLM0", "moses+NLM0.mira")}
+    outputs = {name: read_lines(work / f"test.{name}.1best") for name in ("mira", "mira+NLM0", "moses+NLM0.line")}
     paired = bleu.paired_bootstrap(outputs["mira"], outputs["mira+NLM0"], refs, bleu_config, 100)
     assert rows["mira+NLM0"]["p_value"] == pytest.approx(paired.p_value)
-    assert bleu.corpus_bleu(outputs["moses+NLM0.mira"], refs, bleu_config)[0].score == pytest.approx(
+    assert bleu.corpus_bleu(outputs["moses+NLM0.line"], refs, bleu_config)[0].score == pytest.approx(
         rows["moses+NLM0"]["test_bleu"])
-    assert load_weights(str(work / "weights.moses+NLM0.mira.ini")).as_dict() == rows["moses+NLM0"]["weights"]
+    assert load_weights(str(work / "weights.moses+NLM0.line.ini")).as_dict() == rows["moses+NLM0"]["weights"]
+    assert rows["moses+NLM0"]["weights"] == saved["rows"][3]["weights"]  # one line search for both tuners
     # A Kneser-Ney feature beside NLM0 (--kenlm): a unigram ARPA of the dev references, computed here.
     arpa = _unigram_arpa(read_lines(dev_ref), tmp_path / "dev.unigram.arpa")
     args = ["experiment", "--workdir", str(work), "--dev-nbest", dev, "--dev-ref", dev_ref, "--test-nbest", test,
@@ -179,6 +180,60 @@ def test_experiment_runs_and_resumes(tiny_model_path: Path, tmp_path: Path, caps
     assert main(["experiment", "--workdir", str(tmp_path / "none"), "--model", str(tiny_model_path), "--mert-runs", "0"]) == 1
     assert "--runs must be at least 1, not 0" in capsys.readouterr().err
     assert not (tmp_path / "none").exists()
+
+
+def test_moses_nlm0_is_the_exact_line_search_along_nlm0_for_both_tuners(tmp_path: Path) -> None:
+    """``moses+NLM0`` (decoder weights kept, NLM0 free) on real lists: the BLEU-best NLM0
+    weight on dev, found by the line search whichever the tuner, where MIRA stayed at 0.
+
+    NLM0 here is a unigram model of the dev references (KenLM, read in-process): a real LM
+    feature that helps on dev, so the best weight is not 0.
+    """
+    import numpy as np
+
+    from nlmserve.moses_plugin import mert
+    from nlmserve.moses_plugin.kenlm_source import KenlmScorer
+    from nlmserve.moses_plugin.pipeline import Pipeline
+    from nlmserve.moses_plugin.rescore import RescoreConfig, rescore
+
+    dev, dev_ref = _slice("newstest2012", tmp_path)
+    arpa = _unigram_arpa(read_lines(dev_ref), tmp_path / "dev.unigram.arpa")
+    scorer = KenlmScorer(str(arpa))
+    dev_nlm = tmp_path / "dev.nlm.nbest.gz"
+    rescore(dev, str(dev_nlm), lambda: scorer, RescoreConfig(feature_name="NLM0", progress=False))
+    found = {}
+    for tuner in ("mert", "mira"):
+        work = tmp_path / tuner
+        work.mkdir()
+        config = ExperimentConfig(workdir=str(work), dev_nbest=dev, dev_ref=(dev_ref,), tuner=tuner, restarts=0,
+                                  mert_runs=2)
+        pipeline = Pipeline(config, work, target="(not used by tuning)")
+        weights = pipeline.tuned(dev_nlm)
+        assert len(weights["moses+NLM0"]) == 1 and len(weights[tuner]) == 2  # one line search, two seeded runs
+        found[tuner] = (weights["moses+NLM0"][0], pipeline.dev_bleu["moses+NLM0"][0], weights["moses"][0])
+        assert (work / "weights.moses+NLM0.line.ini").is_file()
+    assert found["mert"][:2] == found["mira"][:2]
+    tuned, tuned_bleu, decoder = found["mert"]
+    # The decoder's weights kept (up to the L1 scale), NLM0 moved off 0.
+    nlm = tuned.as_dict().pop("NLM0")[0]
+    assert nlm != 0.0
+    rest = {k: np.asarray(v) for k, v in tuned.as_dict().items() if k != "NLM0"}
+    scale = sum(np.abs(v).sum() for v in rest.values()) / sum(np.abs(v).sum() for v in decoder.as_dict().values())
+    for name, values in decoder.as_dict().items():
+        assert rest[name] == pytest.approx(scale * np.asarray(values), rel=1e-9, abs=1e-12)
+    # Exact: no NLM0 weight on a dense grid (either sign, six decades) does better on dev.
+    bleu_scorer = bleu.SentenceStats(bleu.BleuConfig(), bleu.read_references([dev_ref]))
+    data = mert.load_nbest_data([str(dev_nlm)], bleu_scorer)
+    packed = mert.PackedData(data)
+    assert data.layout[-1] == ("NLM0", 1)
+    base = np.asarray(decoder.for_layout(data.layout[:-1]).flat())
+    at = {}
+    for gamma in np.concatenate([[0.0], np.logspace(-5, 1, 600), -np.logspace(-5, 1, 600)]):
+        stats = packed.corpus_stats(np.append(base, gamma))  # NLM0 is the lists' last feature
+        at[float(gamma)] = bleu.score_from_stats(bleu_scorer.metric, stats).score
+    assert max(at.values()) > at[0.0]  # the data can show the effect: NLM0 at 0 is not the best
+    assert tuned_bleu >= max(at.values()) - 1e-9
+    assert at[0.0] == pytest.approx(pipeline.dev_bleu["moses"][0]) and tuned_bleu > at[0.0]
 
 
 def test_training_text_joins_files_in_order(tmp_path: Path) -> None:
