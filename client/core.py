@@ -1,7 +1,8 @@
 """What the sync and asyncio clients share: result types, request building, chunking,
 response merging, the retry policy and the mapping of gRPC errors to nlmserve errors.
 
-Only grpc, protobuf and numpy are imported here (never torch): a decoder host needs no more.
+Only grpc, protobuf, numpy and the n-gram rules (``nlmserve.lm.ngrams``, numpy only) are
+imported here (never torch): a decoder host needs no more.
 """
 
 from __future__ import annotations
@@ -15,29 +16,13 @@ from typing import Any, Iterator, Sequence
 import grpc
 import numpy as np
 
-from nlmserve.errors import InputError, InvalidRequestError, NlmserveError, OverloadedError, ServerUnavailableError
+from nlmserve.errors import (
+    InputError, InvalidRequestError, NlmserveError, OverloadedError, RequestTimeoutError, RpcError, ServerUnavailableError,
+)
+from nlmserve.lm.ngrams import pack_ngrams
+from nlmserve.logbase import is_log10
 from nlmserve.proto import lm_pb2
 
-LOG_BASES = {"log10": lm_pb2.LOG10, "ln": lm_pb2.LN}
-BOS = "<s>"
-EOS = "</s>"
-UNK = "<unk>"
-
-
-class RequestTimeoutError(NlmserveError, TimeoutError):
-    """The server did not answer within the client's deadline (DEADLINE_EXCEEDED)."""
-
-
-class ModelMismatchError(NlmserveError):
-    """Replicas behind one client answered with different models (``model_hash``)."""
-
-
-class RpcError(NlmserveError):
-    """Any other gRPC failure; ``code`` is the gRPC status code."""
-
-    def __init__(self, message: str, code: grpc.StatusCode) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass(frozen=True)
@@ -169,10 +154,8 @@ def map_error(error: grpc.RpcError, index_offset: int = 0) -> NlmserveError:
 
 
 def log_base_enum(log_base: str) -> Any:
-    try:
-        return LOG_BASES[log_base]
-    except KeyError:
-        raise ValueError(f"log_base must be 'log10' or 'ln', got {log_base!r}") from None
+    """The wire's LogBase for a ``log_base`` name (ValueError for another name)."""
+    return lm_pb2.LOG10 if is_log10(log_base) else lm_pb2.LN
 
 
 # ------------------------------------------------------------------ vocabulary and packing
@@ -190,20 +173,10 @@ class IdMap:
         return (word.lower() if self.lowercase else word) in self.index
 
     def pack(self, ngrams: Sequence[Sequence[str]]) -> tuple[np.ndarray, np.ndarray]:
-        """n-grams of words → (ids (N, order) uint32 left-padded with ``<s>``, oov (N,))."""
-        order, get, lower, unk = self.order, self.index.get, self.lowercase, self.unk_id
-        ids = np.full((len(ngrams), order), self.bos_id, dtype=np.uint32)
-        oov = np.zeros(len(ngrams), dtype=bool)
-        for i, ng in enumerate(ngrams):
-            k = len(ng)
-            if k == 0:
-                raise InvalidRequestError("empty n-gram", index=i)
-            if k > order:
-                raise InvalidRequestError(f"n-gram of {k} words is longer than the model order {order}", index=i)
-            row = [get(w.lower() if lower else w, unk) for w in ng]
-            ids[i, order - k :] = row
-            oov[i] = row[-1] == unk
-        return ids, oov
+        """n-grams of words → (ids (N, order) uint32 left-padded with ``<s>``, oov (N,))
+        (``nlmserve.lm.ngrams.pack_ngrams``, as the server maps string n-grams)."""
+        return pack_ngrams(ngrams, self.index, self.order, lowercase=self.lowercase, dtype=np.uint32,
+                           unk_id=self.unk_id, bos_id=self.bos_id)
 
 
 def vocabulary_from_chunks(chunks: Sequence[lm_pb2.VocabularyChunk], vocab_size: int) -> list[str]:

@@ -16,7 +16,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from nlmserve.client.core import ModelMismatchError, Security
+from nlmserve.client.core import Security
+from nlmserve.errors import ModelMismatchError
 
 log = logging.getLogger(__name__)
 

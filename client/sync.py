@@ -24,11 +24,9 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 import grpc
 import numpy as np
 
-from nlmserve.client import core, replicas
-from nlmserve.client.base import ClientBase
-from nlmserve.client.core import IdMap, ModelInfo, NgramScores, RetryPolicy, SentenceScore
-from nlmserve.errors import InvalidRequestError
-from nlmserve.proto import lm_pb2, lm_pb2_grpc
+from nlmserve.client import core
+from nlmserve.client.base import ClientBase, NeedIdMap, Plan, Rpc
+from nlmserve.client.core import IdMap, ModelInfo, NgramScores, SentenceScore
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +80,7 @@ class LMClient(ClientBase):
     @property
     def info(self) -> ModelInfo:
         """The model's description (fetched once; from every ready replica, which must agree)."""
-        if self._info is None:
-            replies = [self._call(self._stub.GetModelInfo, lm_pb2.GetModelInfoRequest())
-                       for _ in range(self.endpoint.probe_calls)]
-            self._guard.check(r.model_hash for r in replies)
-            self._info = ModelInfo.from_proto(replies[0])
-        return self._info
+        return self._run(self._get_info())
 
     @property
     def order(self) -> int:
@@ -100,10 +93,7 @@ class LMClient(ClientBase):
     def _ids(self) -> IdMap:
         with self._lock:
             if self._idmap is None:
-                info = self.info
-                chunks = self._call(lambda req, **kw: list(self._stub.GetVocabulary(req, **kw)),
-                                    lm_pb2.GetVocabularyRequest())
-                self._idmap = IdMap(core.vocabulary_from_chunks(chunks, info.vocab_size), info)
+                self._idmap = self._run(self._fetch_id_map())
             return self._idmap
 
     def __contains__(self, word: str) -> bool:
@@ -112,41 +102,17 @@ class LMClient(ClientBase):
     # -------------------------------------------------------------- scoring
     def score_ids(self, ids: np.ndarray, log_base: str = "log10", normalized: bool = True) -> NgramScores:
         """Scores of id rows (N, n), oldest first, predicted word last (1 <= n <= order)."""
-        arr = np.asarray(ids)
-        if arr.ndim != 2:
-            raise InvalidRequestError(f"ids must be a 2-D array (N, n), got shape {arr.shape}")
-        if arr.shape[1] == 0 and arr.shape[0]:
-            raise InvalidRequestError("empty n-gram", index=0)
-        rows = core.rows_per_request(self.info, 4 * max(arr.shape[1], 1), self.max_message_bytes)
-        responses = []
-        for start, chunk in core.id_chunks(arr, rows):
-            responses.append(self._call(self._stub.ScoreNgrams, core.packed_request(chunk, log_base, normalized), start))
-        result = core.merge_ngram_responses(responses, log_base)
-        model_hash = self._guard.check(r.model_hash for r in responses)
-        oov = arr[:, -1] == self.info.unk_id if arr.shape[1] else result.oov
-        return NgramScores(result.log_probs, oov, result.log_base, result.normalized, model_hash)
+        return self._run(self._score_ids(ids, log_base, normalized))
 
     def score_ngrams(self, ngrams: Sequence[Sequence[str]], log_base: str = "log10",
                      normalized: bool = True) -> NgramScores:
         """Scores of word n-grams (oldest first, predicted word last); OOV flags the predicted word."""
-        if self.pack_ids:
-            ids, oov = self._ids().pack(ngrams)
-            scores = self.score_ids(ids, log_base, normalized)
-            return NgramScores(scores.log_probs, oov, scores.log_base, scores.normalized, scores.model_hash)
-        responses = [self._call(self._stub.ScoreNgrams, req, start) for start, req in
-                     core.string_requests(ngrams, self.info, self.max_message_bytes, log_base, normalized)]
-        result = core.merge_ngram_responses(responses, log_base)
-        model_hash = self._guard.check(r.model_hash for r in responses)
-        return NgramScores(result.log_probs, result.oov, result.log_base, result.normalized, model_hash)
+        return self._run(self._score_ngrams(ngrams, log_base, normalized))
 
     def score_sentences(self, sentences: Sequence[str], bos: bool = True, eos: bool = True,
                         log_base: str = "log10", normalized: bool = True) -> list[SentenceScore]:
         """Per-token scores of whitespace-tokenised sentences (``</s>`` last when eos)."""
-        responses = [self._call(self._stub.ScoreSentences, req, start) for start, req in
-                     core.sentence_requests(sentences, self.info, self.max_message_bytes, bos=bos, eos=eos,
-                                            log_base=log_base, normalized=normalized)]
-        self._guard.check(r.model_hash for r in responses)
-        return core.merge_sentence_responses(responses, log_base)
+        return self._run(self._score_sentences(sentences, bos, eos, log_base, normalized))
 
     def reload_model(self, path: str = "") -> ModelInfo:
         """Admin/ReloadModel: the server loads ``path`` (empty: its ``--model``) and serves it.
@@ -156,17 +122,7 @@ class LMClient(ClientBase):
         UNAUTHENTICATED when this client may not reload. A replicated client refuses
         (``ValueError``): reload replicas one by one through their own addresses.
         """
-        if self.endpoint.replicated:
-            raise ValueError(f"{self.target} is replicated: reload each replica through its own address")
-        try:
-            reply = self._admin.ReloadModel(lm_pb2.ReloadModelRequest(path=path), timeout=self.timeout,
-                                            metadata=self._metadata)
-        except grpc.RpcError as e:
-            raise core.map_error(e) from e
-        with self._lock:
-            self._info = ModelInfo.from_proto(reply)
-        self._guard.pin(reply.model_hash)
-        return self._info
+        return self._run(self._reload_model(path))
 
     # -------------------------------------------------------------- KenLM surface
     def score(self, sentence: str, bos: bool = True, eos: bool = True) -> float:
@@ -182,13 +138,33 @@ class LMClient(ClientBase):
         return core.perplexity_of(self.score(sentence), sentence)
 
     # -------------------------------------------------------------- transport
-    def _call(self, method: Callable[..., R], request: Any, index_offset: int = 0) -> R:
+    def _run(self, plan: Plan[R]) -> R:
+        """Perform a plan's steps in this thread, one call after the other."""
+        try:
+            step = next(plan)
+            while True:
+                step = plan.send(self._ids() if isinstance(step, NeedIdMap) else self._perform(step))
+        except StopIteration as done:
+            result: R = done.value
+            return result
+
+    def _perform(self, step: Rpc) -> list[Any]:
+        method = self._method(step)
+        if step.stream:
+            stream = method
+
+            def method(req: Any, **kw: Any) -> list[Any]:
+                return list(stream(req, **kw))
+
+        return [self._call(method, request, start, step.retry) for start, request in step.requests]
+
+    def _call(self, method: Callable[..., R], request: Any, index_offset: int = 0, retry: bool = True) -> R:
         attempt = 0
         while True:
             try:
                 return method(request, timeout=self.timeout, metadata=self._metadata)
             except grpc.RpcError as e:
-                if not self.retry.should_retry(e, attempt):
+                if not retry or not self.retry.should_retry(e, attempt):
                     raise core.map_error(e, index_offset) from e
                 wait = self.retry.delay(attempt)
                 log.info("%s from %s; retry %s in %.3f s", e.code().name, self.target, attempt + 1, wait)

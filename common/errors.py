@@ -1,11 +1,17 @@
-"""The exception hierarchy shared by every room.
+"""The exception hierarchy of every room, in one module.
 
-Each class maps to one gRPC status code in the servicer (``server.servicer``); the CLI
-prints the message and exits non-zero. Wrap foreign errors with context
-(``raise CorpusError(...) from exc``); never ``assert`` on user input.
+Each server-side class maps to one gRPC status code in the servicer (``server.servicer``);
+the client maps status codes back (``client.core.map_error``); the CLI prints the message
+and exits non-zero. Wrap foreign errors with context (``raise CorpusError(...) from exc``);
+never ``assert`` on user input. Nothing is imported here (grpc only for type checking).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import grpc
 
 
 class NlmserveError(Exception):
@@ -36,6 +42,10 @@ class ModelFileError(NlmserveError):
     """A model file that is missing, truncated, foreign, corrupt or of a newer format."""
 
 
+class ReloadError(ModelFileError):
+    """A hot reload that was refused; the served model stays (maps to FAILED_PRECONDITION)."""
+
+
 class InvalidRequestError(NlmserveError):
     """A request that cannot be scored (maps to INVALID_ARGUMENT).
 
@@ -56,3 +66,34 @@ class OverloadedError(NlmserveError):
 
 class ServerUnavailableError(NlmserveError):
     """The service could not be reached within the retry budget (client side)."""
+
+
+# ---------------------------------------------------------------------- server side
+class RequestExpiredError(NlmserveError):
+    """The request's deadline passed before it was scored (maps to DEADLINE_EXCEEDED)."""
+
+
+class EngineStoppedError(NlmserveError):
+    """The engine was shut down (maps to UNAVAILABLE)."""
+
+
+class ProtocolError(NlmserveError):
+    """A frame on the private Unix socket (``server.local``) that breaks the format: the
+    connection is closed (the front end reconnects)."""
+
+
+# ---------------------------------------------------------------------- client side
+class RequestTimeoutError(NlmserveError, TimeoutError):
+    """The server did not answer within the client's deadline (DEADLINE_EXCEEDED)."""
+
+
+class ModelMismatchError(NlmserveError):
+    """Replicas behind one client answered with different models (``model_hash``)."""
+
+
+class RpcError(NlmserveError):
+    """Any other gRPC failure; ``code`` is the gRPC status code."""
+
+    def __init__(self, message: str, code: grpc.StatusCode) -> None:
+        super().__init__(message)
+        self.code = code

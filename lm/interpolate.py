@@ -30,8 +30,8 @@ from nlmserve.errors import InputError
 from nlmserve.kenlm_file import load_kenlm
 from nlmserve.lm.corpus import read_sentences
 from nlmserve.lm.scoring import LanguageModel
+from nlmserve.logbase import LN10
 
-LN10 = math.log(10.0)
 SENTENCES_PER_BATCH = 512
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -26,13 +25,13 @@ from torch import Tensor
 
 from nlmserve.lm.model import ModelConfig, NeuralLM
 from nlmserve.lm.model_file import FORMAT_VERSION, ModelFile, read_model_file
-from nlmserve.lm.objectives import SELF_NORMALIZING
 from nlmserve.lm.ngrams import BOS_ID, EOS_ID, UNK_ID, canonical_rows, check_sentences, sentence_windows, word_ids
+from nlmserve.lm.objectives import SELF_NORMALIZING
 from nlmserve.lm.vocab import Vocabulary
+from nlmserve.logbase import LOG10_E
 
 log = logging.getLogger(__name__)
 
-LOG10_E = 1.0 / math.log(10.0)
 CHUNK = 4096
 
 

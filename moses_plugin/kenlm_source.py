@@ -18,7 +18,6 @@ sentence score up to float rounding.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -28,9 +27,9 @@ import numpy as np
 from nlmserve.errors import InputError
 from nlmserve.kenlm_file import load_kenlm
 from nlmserve.lm.ngrams import BOS, BOS_ID, EOS, EOS_ID, UNK, UNK_ID
+from nlmserve.logbase import LN10, is_log10
 from nlmserve.moses_plugin.nbest import file_sha256
 
-LN10 = math.log(10.0)
 
 
 class _GrowingVocabulary(dict[str, int]):
@@ -91,8 +90,10 @@ class KenlmScorer:
         ``log_base`` is ``"ln"`` or ``"log10"``; ``normalized`` is accepted for the
         client's signature (KenLM's probabilities are normalised).
         """
-        if log_base not in ("ln", "log10"):
-            raise InputError(f"unknown log base {log_base!r} (ln or log10)")
+        try:
+            log10 = is_log10(log_base)
+        except ValueError as e:
+            raise InputError(str(e)) from e
         rows = np.asarray(ids)
         if rows.ndim != 2 or rows.shape[1] < 1:
             raise InputError(f"n-gram ids must be a (rows, n) array, got shape {rows.shape}")
@@ -113,7 +114,7 @@ class KenlmScorer:
                 model.BaseScore(state, words[word_id], other)
                 state, other = other, state
             out[i] = model.BaseScore(state, words[row[-1]], other)
-        if log_base == "ln":
+        if not log10:
             out *= LN10
         return KenlmScores(out)
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from nlmserve.errors import InputError, ModelFileError
+from nlmserve.errors import InputError, ModelFileError, ReloadError
 from nlmserve.proto import lm_pb2
 from nlmserve.server.auth import TlsFiles, TokenStore
 from nlmserve.server.config import ServerConfig
@@ -31,10 +31,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ADMIN_SERVICE = lm_pb2.DESCRIPTOR.services_by_name["Admin"].full_name  # nlmserve.v1.Admin
-
-
-class ReloadError(ModelFileError):
-    """A reload that was refused; the served model stays."""
 
 
 class Reloader:

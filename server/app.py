@@ -36,7 +36,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from nlmserve.proto import lm_pb2
-from nlmserve.server.admin import ADMIN_SERVICE, AdminServicer, Reloader, ReloadError, add_admin_to_server
+from nlmserve.errors import ReloadError
+from nlmserve.server.admin import ADMIN_SERVICE, AdminServicer, Reloader, add_admin_to_server
 from nlmserve.server.auth import TlsFiles, TokenInterceptor, TokenStore
 from nlmserve.server.config import ServerConfig
 from nlmserve.server.engine import Engine, ModelState

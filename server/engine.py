@@ -34,25 +34,17 @@ from typing import Sequence, TypeVar
 import numpy as np
 import torch
 
-from nlmserve.errors import ModelFileError, NlmserveError, OverloadedError
+from nlmserve.errors import EngineStoppedError, ModelFileError, OverloadedError, RequestExpiredError
 from nlmserve.lm.ngrams import BOS_ID, EOS_ID, canonical_rows, check_sentences, sentence_windows
 from nlmserve.lm.protocol import ScoringModel
+from nlmserve.logbase import LOG10_E
 from nlmserve.server.cache import Scorer
 from nlmserve.server.config import ServerConfig
 from nlmserve.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
-LOG10_E = 1.0 / math.log(10.0)
 T = TypeVar("T")
-
-
-class RequestExpiredError(NlmserveError):
-    """The request's deadline passed before it was scored (maps to DEADLINE_EXCEEDED)."""
-
-
-class EngineStoppedError(NlmserveError):
-    """The engine was shut down (maps to UNAVAILABLE)."""
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from nlmserve.errors import InvalidRequestError
+from nlmserve.errors import InvalidRequestError, ProtocolError
 from nlmserve.server.auth import TokenStore
 from nlmserve.server.engine import Engine
 from nlmserve.server.metrics import ServerMetrics
@@ -58,10 +58,6 @@ REQUEST_MAGIC, RESPONSE_MAGIC = b"NLQ1", b"NLR1"
 LOG10, ALLOW_UNNORMALIZED = 1, 2  # request flags
 NORMALIZED = 2  # response flag (bit 0: log10, as in the request)
 MAX_AUTH_BYTES = 8192
-
-
-class ProtocolError(Exception):
-    """A frame that breaks the format: the connection is closed (the front end reconnects)."""
 
 
 def _read_exact(conn: socket.socket, n: int) -> bytes | None:

@@ -26,10 +26,10 @@ import grpc
 import numpy as np
 from google.protobuf.message import Message
 
-from nlmserve.errors import InvalidRequestError, OverloadedError
+from nlmserve.errors import EngineStoppedError, InvalidRequestError, OverloadedError, RequestExpiredError
 from nlmserve.lm.ngrams import BOS_ID, EOS_ID, UNK_ID, pack_ngrams, word_ids
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
-from nlmserve.server.engine import Engine, EngineStoppedError, ModelState, RequestExpiredError
+from nlmserve.server.engine import Engine, ModelState
 from nlmserve.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,15 @@ def status_of(error: BaseException) -> grpc.StatusCode:
         if isinstance(error, cls):
             return code
     return grpc.StatusCode.INTERNAL
+
+
+def _asks_log10(request: lm_pb2.ScoreNgramsRequest | lm_pb2.ScoreSentencesRequest) -> bool:
+    """The wire's LogBase as the engine's ``log10`` flag (LOG10 is the default)."""
+    return request.log_base != lm_pb2.LN
+
+
+def _wire_log_base(log10: bool) -> Any:  # the enum type differs between stub generators
+    return lm_pb2.LOG10 if log10 else lm_pb2.LN
 
 
 def _remaining(context: Context) -> float | None:
@@ -227,7 +236,7 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
         else:
             ids, oov = self._map_ngrams(request.ngrams, state)
         normalized = not request.allow_unnormalized
-        log10 = request.log_base != lm_pb2.LN
+        log10 = _asks_log10(request)
         scores = None
         started = time.perf_counter()
         # A lone client: alone in the server, and arriving after a pause longer than the last
@@ -245,7 +254,7 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
         return lm_pb2.ScoreNgramsResponse(
             log_probs=scores.tolist(),
             oov=oov.tolist(),
-            log_base=lm_pb2.LOG10 if log10 else lm_pb2.LN,
+            log_base=_wire_log_base(log10),
             normalized=normalized or not state.self_normalized,
             model_hash=state.model_hash,
         )
@@ -277,7 +286,7 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
         else:
             sentences, oovs = self._map_sentences(request.sentences, eos, state)
         normalized = not request.allow_unnormalized
-        log10 = request.log_base != lm_pb2.LN
+        log10 = _asks_log10(request)
         future = self.engine.submit_sentences(
             sentences, bos=bos, eos=eos, normalized=normalized, log10=log10, timeout=_remaining(context),
             state=state,
@@ -292,7 +301,7 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
             ))
         return lm_pb2.ScoreSentencesResponse(
             sentences=out,
-            log_base=lm_pb2.LOG10 if log10 else lm_pb2.LN,
+            log_base=_wire_log_base(log10),
             normalized=normalized or not state.self_normalized,
             model_hash=state.model_hash,
         )

@@ -1,0 +1,32 @@
+"""Log bases, spelled one way per surface and converted here.
+
+The model works in natural log. Internal APIs (``nlmserve.lm``, the server's engine and
+its private socket) say ``log10: bool``; the Python client's and the rescorer's public
+methods say ``log_base="log10" | "ln"`` (the client's default is log10, as KenLM); the wire
+says the proto enum ``LogBase`` (``client.core.log_base_enum`` and the servicer convert
+it, each on its side). Only the standard library is imported here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+LN10 = math.log(10.0)
+#: log10 x = ln x * LOG10_E
+LOG10_E = 1.0 / LN10
+
+LogBase = Literal["log10", "ln"]
+LOG_BASES: tuple[LogBase, ...] = ("log10", "ln")
+
+
+def is_log10(log_base: str) -> bool:
+    """``log_base`` ("log10" or "ln") as the internal ``log10`` flag; ValueError otherwise."""
+    if log_base not in LOG_BASES:
+        raise ValueError(f"log_base must be 'log10' or 'ln', got {log_base!r}")
+    return log_base == "log10"
+
+
+def log_base_name(log10: bool) -> LogBase:
+    """The internal ``log10`` flag as a ``log_base`` name."""
+    return "log10" if log10 else "ln"
