@@ -163,6 +163,14 @@ class NgramCache {
       return clock;
     }
 
+    // Ids compared newest first: rows of one context differ in the predicted word.
+    static bool SameRow(const uint32_t *a, const uint32_t *b, std::size_t width) {
+      for (std::size_t i = width; i-- > 0;) {
+        if (a[i] != b[i]) return false;
+      }
+      return true;
+    }
+
     // The slot holding `row` in the window at `home`, or nullptr. With `victim`, also
     // the slot a new row would take: the first empty one, else the least recently used.
     uint32_t *Find(const uint32_t *row, std::size_t home, std::size_t width, std::size_t stride_words,
@@ -179,7 +187,7 @@ class NgramCache {
           if (victim) *victim = e;
           return nullptr;
         }
-        if (std::memcmp(&e[2], row, width * sizeof(uint32_t)) == 0) return e;
+        if (SameRow(&e[2], row, width)) return e;
         const uint32_t age = clock - e[0];
         if (victim && (j == 0 || age > oldest_age)) {
           oldest_age = age;
