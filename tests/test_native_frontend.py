@@ -137,16 +137,18 @@ def _strip_padding(row: np.ndarray, bos: int) -> np.ndarray:
 def test_concurrent_clients_get_their_own_answers_in_fewer_backend_calls(
         frontend: Frontend, backend: RunningServer, tiny_lm: Any) -> None:
     # 32 clients send one n-gram per request; every other request drops its <s> padding,
-    # so merged batches mix packed orders and the front end pads them again.
+    # so merged batches mix packed orders and the front end pads them again. The backend
+    # holds the first call it gets until every client has sent its first request: those wait
+    # in the front end together (one backend call in flight) and must go out merged.
     ids = dev_ngrams(tiny_lm, 0, 30)
     assert any(len(_strip_padding(r, BOS_ID)) < tiny_lm.order for r in ids)
     with grpc.insecure_channel(backend.target) as ch:
         want = list(lm_pb2_grpc.LanguageModelStub(ch).ScoreNgrams(packed(ids, log_base=lm_pb2.LN)).log_probs)
     assert len(want) == len(ids)
     clients, rounds = 32, 12
-    before = backend_requests(backend)
     got: dict[int, list[float]] = {}
     errors: list[BaseException] = []
+    sent_first: list[int] = []
     barrier = threading.Barrier(clients)
 
     def client(c: int) -> None:
@@ -160,22 +162,38 @@ def test_concurrent_clients_get_their_own_answers_in_fewer_backend_calls(
                     row = ids[(c * rounds + r) % len(ids)]
                     if (c + r) % 2:
                         row = _strip_padding(row, BOS_ID)
+                    if r == 0:
+                        sent_first.append(c)
                     out.append(stub.ScoreNgrams(packed(row[None, :], log_base=lm_pb2.LN)).log_probs[0])
                 got[c] = out
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             errors.append(e)
 
+    gated = GatedScorer(backend.engine.scorer)
+    backend.engine.scorer = gated  # type: ignore[assignment]
+    before = backend_requests(backend)
     threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            t.start()
+        assert gated.entered.wait(10)
+        deadline = time.monotonic() + 10
+        while len(sent_first) < clients and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.5)  # the last first requests are on their way to the front end's queue
+        gated.gate.set()
+        for t in threads:
+            t.join(60)
+    finally:
+        gated.gate.set()
+        backend.engine.scorer = gated.scorer  # type: ignore[assignment]
     assert not errors, errors[0]
     for c in range(clients):
         expected = [want[(c * rounds + r) % len(ids)] for r in range(rounds)]
         np.testing.assert_allclose(got[c], expected, rtol=0, atol=1e-5)
-    # Every request reached the backend, inside a batch of one or more.
-    assert 1 <= backend_requests(backend) - before <= clients * rounds
+    # Every request reached the backend, and requests were merged: fewer calls than requests.
+    calls = backend_requests(backend) - before
+    assert 1 <= calls < clients * rounds, calls
 
 
 def test_requests_queued_behind_a_backend_call_reach_it_as_one_merged_batch(

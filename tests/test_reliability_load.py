@@ -22,10 +22,16 @@ def test_64_clients_mixing_tiny_and_large_requests_lose_nothing(tiny_model_path:
     result = json.loads(out.read_text())
     classes = result["classes"]
     assert result["failed"] == 0, {k: c["examples"] for k, c in classes.items()}
-    for name in ("tiny", "large_ids", "large_strings"):
-        assert classes[name]["requests"] >= (200 if name == "tiny" else 10), classes[name]
-        assert classes[name]["p50_ms"] <= classes[name]["p99_ms"]
+    # Nothing lost: every request of every class came back with all its n-grams, each checked
+    # against the in-process score (bench/load.py counts only those), tiny ones 1-3 n-grams,
+    # large ones at least 5,000.
+    for name, smallest in (("tiny", 1), ("large_ids", 5_000), ("large_strings", 5_000)):
+        c = classes[name]
+        assert c["requests"] >= (200 if name == "tiny" else 10), c
+        assert c["failed"] == 0 and c["ngrams"] >= smallest * c["requests"], c
     assert classes["large_ids"]["ngrams"] >= 10 * 5_000
+    # Mixed, not queued behind one another: a tiny request's median wait is below a large one's.
+    assert classes["tiny"]["p50_ms"] < min(classes["large_ids"]["p50_ms"], classes["large_strings"]["p50_ms"]), classes
     assert result["rss_growth"] < 0.10, result["rss_kib"]
     assert result["server_exit_code"] == 0
     assert done.returncode == 0 and "OK" in done.stdout.splitlines()[-1], done.stdout
