@@ -62,9 +62,11 @@ inline NgramError PhraseRows(const ModelInfo &model, const uint32_t *ids, std::s
 // mean the sentence starts there), words[context, n) the phrase. The first min(order-1,
 // phrase length) words of the phrase are predicted (the later ones have their whole context
 // inside the phrase), then, when `completes`, </s> (model.eos_id) after the last order-1
-// words. Returns the first error (words are checked as CanonicalRow checks them) or kNone.
+// words. An empty phrase adds nothing (the feature scores no n-gram for it). Returns the
+// first error (words are checked as CanonicalRow checks them) or kNone.
 inline NgramError BoundaryRows(const ModelInfo &model, const uint32_t *words, std::size_t context, std::size_t n,
                                bool completes, std::vector<uint32_t> *rows) {
+  if (n <= context) return NgramError::kNone;
   const std::size_t order = model.order;
   const std::size_t predicted = std::min<std::size_t>(order - 1, n - context);
   for (std::size_t pos = context; pos < context + predicted; ++pos) {

@@ -267,6 +267,10 @@ void TestBoundaryRows() {
   Check(nlmserve::BoundaryRows(m, short_context.data(), 1, 3, false, &rows) == nlmserve::NgramError::kNone &&
             rows == Row({1, 9, 5, 9, 5, 6}),
         "boundary rows: no </s> unless the sentence completes");
+  const Row empty = {8, 9};
+  Check(nlmserve::BoundaryRows(m, empty.data(), 2, 2, true, &rows) == nlmserve::NgramError::kNone &&
+            rows == Row({1, 9, 5, 9, 5, 6}),
+        "boundary rows: an empty phrase adds none, not even </s>");
   rows.clear();
   const Row bad = {9, 50};
   Check(nlmserve::BoundaryRows(m, bad.data(), 1, 2, false, &rows) == nlmserve::NgramError::kOutOfRange && rows.empty(),
