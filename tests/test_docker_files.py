@@ -5,18 +5,28 @@ server exports."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
 import urllib.request
+import zipfile
 from pathlib import Path
 
 import pytest
 import yaml
 
+from nlmserve.cli import build_parser
 from nlmserve.client import LMClient
 from nlmserve.server.app import create_server
 from nlmserve.server.config import ServerConfig
 
-DOCKER = Path(__file__).resolve().parent.parent / "docker"
+REPO = Path(__file__).resolve().parent.parent
+DOCKER = REPO / "docker"
+DOCKERFILES = ("Dockerfile.cpu", "Dockerfile.cuda")
 DASHBOARD = DOCKER / "grafana" / "dashboards" / "nlmserve.json"
 METRIC = re.compile(r"\bnlmserve_[a-z_]+")
 SUFFIXES = ("_bucket", "_count", "_sum", "_total", "_created")
@@ -41,7 +51,7 @@ def test_compose_has_two_replicas_prometheus_and_grafana() -> None:
 
 
 def test_dockerfiles_run_as_non_root_with_a_grpc_health_check() -> None:
-    for name in ("Dockerfile.cpu", "Dockerfile.cuda"):
+    for name in DOCKERFILES:
         text = (DOCKER / name).read_text()
         assert re.search(r"^USER nlmserve$", text, re.M), name
         assert "HEALTHCHECK" in text and "healthcheck.py" in text, name
@@ -73,3 +83,126 @@ def test_every_dashboard_metric_is_exported(tiny_model_path: Path) -> None:
 @pytest.mark.parametrize("expr", dashboard_exprs())
 def test_dashboard_expressions_are_balanced(expr: str) -> None:
     assert expr.count("(") == expr.count(")") and expr.count("[") == expr.count("]")
+
+
+def instructions(name: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of a Dockerfile, continuation lines joined, comments dropped."""
+    lines = [line for line in (DOCKER / name).read_text().splitlines() if not line.lstrip().startswith("#")]
+    joined = re.sub(r"\\\n", " ", "\n".join(lines))
+    return [(m.group(1).upper(), m.group(2).strip()) for m in re.finditer(r"^(\w+)\s+(.*)$", joined, re.M)]
+
+
+def copies(name: str) -> list[tuple[list[str], str]]:
+    """(sources, destination) of every COPY and ADD."""
+    out = []
+    for op, args in instructions(name):
+        if op in ("COPY", "ADD"):
+            words = [w for w in shlex.split(args) if not w.startswith("--")]
+            out.append((words[:-1], words[-1]))
+    return out
+
+
+def python_minimum() -> str:
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    found = re.fullmatch(r">=\s*(\d+\.\d+)", pyproject["project"]["requires-python"])
+    assert found, pyproject["project"]["requires-python"]
+    assert pyproject["tool"]["mypy"]["python_version"] == found.group(1)  # the type checker's Python too
+    return found.group(1)
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_everything_the_images_copy_is_in_the_repository(name: str) -> None:
+    assert copies(name)
+    for sources, _ in copies(name):
+        for source in sources:
+            assert (REPO / source).exists(), f"{name}: COPY {source}: not in the repository (the build context)"
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_the_images_run_pyprojects_python(name: str) -> None:
+    """Every python the image installs, makes a venv with, runs pip or the health check with
+    is python3.X of requires-python; pip only as ``python3.X -m pip``."""
+    version = python_minimum()
+    commands = [args for op, args in instructions(name) if op in ("RUN", "CMD", "HEALTHCHECK", "ENTRYPOINT")]
+    for op, args in instructions(name):
+        image = re.match(r"python:([\d.]+)", args)
+        if op == "FROM" and image:
+            assert image.group(1) == version, f"{name}: FROM {args}"
+    pythons = [m.group(0) for text in commands for m in re.finditer(r"[\w./-]*python[\w.-]*", text)]
+    assert pythons, name
+    for word in pythons:
+        assert word.rsplit("/", 1)[-1].startswith(f"python{version}"), f"{name}: {word} is not python{version}"
+    for text in commands:
+        assert not re.search(r"(?:^|&&|;|\|\|)\s*(?:[\w./-]*/)?pip[\d.]*\s", text), f"{name}: a bare pip in {text!r}"
+    venv = next(args for op, args in instructions(name) if op == "RUN" and "-m venv" in args)
+    assert f"python{version} -m venv /opt/venv" in venv
+    env = " ".join(args for op, args in instructions(name) if op == "ENV")
+    assert "PATH=/opt/venv/bin:$PATH" in env  # nlmserve itself (entrypoint.sh) runs from the venv
+
+
+def image_context(name: str, dest: Path) -> Path:
+    """The files the image's install step sees: its COPYs into the work directory."""
+    for sources, target in copies(name):
+        if target.startswith("/"):
+            continue  # entrypoint and health check, outside the package
+        for source in sources:
+            into = dest / target / Path(source).name if target.endswith("/") or len(sources) > 1 else dest / target
+            if (REPO / source).is_dir():
+                shutil.copytree(REPO / source, into, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                into.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(REPO / source, into)
+    return dest
+
+
+def test_the_images_install_by_the_package_build(tmp_path: Path) -> None:
+    """No protoc or sed of their own: `pip install .` on what they copy, which this test
+    builds into a wheel holding the generated stubs (the images' pip runs the same build,
+    in an isolated environment)."""
+    contexts = set()
+    for name in DOCKERFILES:
+        runs = " && ".join(args for op, args in instructions(name) if op == "RUN")
+        installs = re.findall(r"-m pip install ([^&]*)", runs)
+        assert installs and installs[-1].strip() == ".", f"{name}: {installs}"
+        assert all(i.startswith(("torch==2.13.0", "--upgrade pip")) for i in installs[:-1]), installs
+        for word in ("protoc", "grpc_tools", "grpcio-tools", "sed ", "gen/proto"):
+            assert word not in runs, f"{name}: {word}"
+        contexts.add(tuple(map(str, copies(name))))
+    assert len(contexts) == 1  # both images install the same files
+    context = image_context(DOCKERFILES[0], tmp_path / "opt-nlmserve")
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                           "-w", str(tmp_path / "dist"), str(context)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    (wheel,) = (tmp_path / "dist").glob("nlmserve-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {"nlmserve/proto/lm_pb2.py", "nlmserve/proto/lm_pb2_grpc.py", "nlmserve/cli.py",
+            "nlmserve/server/cli.py"} <= set(names)
+
+
+def image_env(name: str) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for op, args in instructions(name):
+        if op == "ENV":
+            env.update(word.split("=", 1) for word in shlex.split(args) if word.startswith("NLMSERVE_"))
+    return env
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_the_entrypoint_starts_nlmserve_serve_with_flags_it_accepts(name: str, tmp_path: Path) -> None:
+    """entrypoint.sh run by sh with the image's environment; a stand-in `nlmserve` on PATH
+    records the command line, which the real `nlmserve serve` parser must accept."""
+    (tmp_path / "nlmserve").write_text('#!/bin/sh\nprintf \'%s\\n\' "$@"\n')
+    (tmp_path / "nlmserve").chmod(0o755)
+    base = {"PATH": f"{tmp_path}:/usr/bin:/bin", **image_env(name)}
+    cases = [
+        ({}, [], {"model": "/models/model.nlm", "host": "0.0.0.0", "port": 50051, "metrics_port": 9090, "device": None}),
+        ({"NLMSERVE_DEVICE": "cuda:1", "NLMSERVE_EXTRA_ARGS": "--ngram-cache-size 100000 --max-delay-us 500"},
+         ["--torch-threads", "2"], {"device": "cuda:1", "ngram_cache_size": 100000, "max_delay_us": 500, "torch_threads": 2}),
+    ]
+    for env, container_args, expected in cases:
+        done = subprocess.run(["sh", str(DOCKER / "entrypoint.sh"), *container_args], env={**base, **env},
+                              capture_output=True, text=True, check=True)
+        argv = done.stdout.splitlines()
+        assert argv[0] == "serve", argv
+        args = build_parser().parse_args(argv)  # an unknown flag would exit here
+        assert {k: getattr(args, k) for k in expected} == expected, argv
