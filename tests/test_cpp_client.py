@@ -250,6 +250,14 @@ def test_invalid_ngrams_are_errors_not_crashes(driver: Path, server: Server) -> 
         assert cpp.ask("ids 4000000000").startswith("error 3 ")
         assert cpp.ask("score a b c d e f").startswith("error 3 ")  # longer than order 5
         assert cpp.ask("score of the").startswith("ok ")
+        # ScoreRows takes rows as CanonicalRow writes them, and refuses what the server would.
+        info = dict(item.split("=", 1) for item in cpp.ask("info").split()[1:])
+        b, v = info["bos"], info["vocab"]
+        assert cpp.ask(f"raw {b} {b} {b} 7") == "error 3 rows of 4 ids given; the model's rows have 5"
+        assert cpp.ask(f"raw {b} {b} {b} {b} {v}") == f"error 3 n-gram 0 has id {v} outside the vocabulary of {v}"
+        assert cpp.ask(f"raw {b} {b} {b} 7 {b}") == "error 3 n-gram 0 predicts <s>, which is never predicted"
+        the = cpp.ask("row the").split()[-1]
+        assert cpp.ask(f"raw {b} {b} {b} {b} {the}") == cpp.ask("score the") == cpp.ask("score <s> <s> the")
     finally:
         cpp.close()
 

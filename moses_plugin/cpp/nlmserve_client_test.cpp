@@ -12,6 +12,7 @@
 //         score W1 .. Wn            -> ok SCORE            (log10, %.9g)
 //         ids I1 .. In              -> ok SCORE
 //         row W1 .. Wn              -> ok I1 .. I_order   (the canonical row the client sends)
+//         raw I1 .. In              -> ok SCORE           (the ids as one row, straight to ScoreRows)
 //         file PATH                 -> ok N, then N lines of scores (one batch, one n-gram a line)
 //         rows PATH                 -> ok N hits=.. misses=.. sent=.. round_trips=.., then N lines of
 //                                      scores: the same n-grams as canonical rows in one flat
@@ -134,6 +135,13 @@ void Run(nlmserve::Client &client) {
         unsigned long id;
         while (in >> id) ids.push_back(static_cast<uint32_t>(id));
         float score = client.Score(ids);
+        std::cout << "ok " << Fmt(score) << "\n";
+      } else if (cmd == "raw") {
+        std::vector<uint32_t> row;
+        unsigned long id;
+        while (in >> id) row.push_back(static_cast<uint32_t>(id));
+        float score = 0.0f;
+        client.ScoreRows(row.data(), 1, row.size(), &score);
         std::cout << "ok " << Fmt(score) << "\n";
       } else if (cmd == "row") {
         std::vector<uint32_t> ids;
