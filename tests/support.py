@@ -6,6 +6,7 @@ Fixtures live in ``conftest.py``; plain functions that modules import live here.
 from __future__ import annotations
 
 import gzip
+import math
 import threading
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,58 @@ def start_server(lm: Any, **overrides: Any) -> RunningServer:
     fields: dict[str, Any] = {"model": "(in-process)", "port": 0, **overrides}
     config = ServerConfig(**fields)
     return create_server(config, engine=Engine(lm, config))
+
+
+# ---------------------------------------------------------------------- the golden model
+#: The golden model's words after <unk> = 0, <s> = 1, </s> = 2: a = 3, b = 4, c = 5.
+GOLDEN_WORDS = ("a", "b", "c")
+LN2, LN3 = math.log(2.0), math.log(3.0)
+
+
+def golden_model(path: str | Path) -> Path:
+    """Write the fixed-weight golden model to ``path`` and return it: V = 6, order 3, D = 2,
+    diagonal context, no activation, two classes, NCE (so self-normalised).
+
+    Classes: 0 = {<unk>, <s>, </s>}, 1 = {a, b, c}. With q(w) the context vectors and
+    c_j the context weights (oldest first), r(x, y) = c_0 ⊙ q(x) + c_1 ⊙ q(y):
+
+        q(a) = (1, 0), q(b) = (0, 1), q(<unk>) = q(<s>) = q(</s>) = q(c) = (0, 0)
+        c_0 = (1, 1), c_1 = (2, 2)                      so r(x, y) = q(x) + 2 q(y)
+        class scores  s_c0 = 0,               s_c1 = r · (0, ln 2) + ln 3
+                      so exp s_c0 = 1,        exp s_c1 = 3 · 2^r2
+        word scores   s_a = r · (ln 2, 0),    s_b = r · (0, ln 2),    every other word 0
+                      so exp s_a = 2^r1, exp s_b = 2^r2, exp s_c = exp s_<unk> = exp s_</s> = 1
+                      (<s> is masked: exp s_<s> = 0)
+
+    log p(w | h) = s_class(w) - log Σ_k exp s_k + s_w - log Σ_{v in class(w)} exp s_v.
+    tests/test_golden_model.py works the probabilities out by hand.
+    """
+    import torch
+
+    from nlmserve.lm.classes import WordClasses
+    from nlmserve.lm.model import ModelConfig, NeuralLM
+    from nlmserve.lm.model_file import save_model
+    from nlmserve.lm.vocab import Vocabulary
+
+    word_class = np.array([0, 0, 0, 1, 1, 1])
+    config = ModelConfig(vocab_size=6, order=3, dim=2, context="diagonal", activation="none", output="class",
+                         num_classes=2)
+    net = NeuralLM(config, word_class)
+    weights = {
+        "embed.weight": [[0, 0], [0, 0], [0, 0], [1, 0], [0, 1], [0, 0]],
+        "ctx_weight": [[1, 1], [2, 2]],
+        "word_embed": [[0, 0], [0, 0], [0, 0], [LN2, 0], [0, LN2], [0, 0]],
+        "word_bias": [0, 0, 0, 0, 0, 0],
+        "class_embed": [[0, 0], [0, LN2]],
+        "class_bias": [0, LN3],
+    }
+    state = net.state_dict()
+    assert set(state) == set(weights), sorted(state)
+    net.load_state_dict({name: torch.tensor(value, dtype=torch.float32) for name, value in weights.items()})
+    out = Path(path)
+    save_model(out, net, Vocabulary(GOLDEN_WORDS), WordClasses(word_class, "file"), objective="nce",
+               training={"note": "hand-set weights (tests/support.py golden_model)"})
+    return out
 
 
 NEWS_NBEST = REPO / "data" / "nbest" / "newstest-fr-en" / "newstest2013.300.nbest.gz"
