@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from nlmserve.lm.dedup import BatchPlan, distinct_rows, plan_batch
 from nlmserve.lm.model import ModelConfig, NeuralLM
 from nlmserve.lm.model_file import FORMAT_VERSION, ModelFile, read_model_file
 from nlmserve.lm.ngrams import BOS_ID, EOS_ID, UNK_ID, canonical_rows, check_sentences, sentence_windows, word_ids
@@ -56,11 +57,29 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-class LanguageModel:
-    """A loaded model: vocabulary, classes, network on ``device``, batch scoring."""
+#: Set (to anything but "" or "0") to turn the CPU inference tables off by default.
+NO_CPU_TABLES_ENV = "NLMSERVE_NO_CPU_TABLES"
 
-    def __init__(self, model_file: ModelFile, device: str | torch.device | None = None) -> None:
+
+def cpu_tables_default() -> bool:
+    """The CPU tables are on unless ``NLMSERVE_NO_CPU_TABLES`` is set."""
+    return os.environ.get(NO_CPU_TABLES_ENV, "") in ("", "0")
+
+
+class LanguageModel:
+    """A loaded model: vocabulary, classes, network on ``device``, batch scoring.
+
+    ``cpu_tables``: on the CPU, a class-output model scores with read-only tables of its
+    weights (numpy for tiny batches, class-sorted torch tensors otherwise, see
+    ``_InferenceTables``); False scores with the network's own device-agnostic torch code,
+    as on a GPU (the same values within float rounding). None: on unless the environment
+    variable ``NLMSERVE_NO_CPU_TABLES`` is set.
+    """
+
+    def __init__(self, model_file: ModelFile, device: str | torch.device | None = None, *,
+                 cpu_tables: bool | None = None) -> None:
         self.device = torch.device(device) if device is not None else default_device()
+        self.cpu_tables = cpu_tables_default() if cpu_tables is None else cpu_tables
         counts = model_file.tensors.get("unigram_counts")
         self._unigram_counts = np.array(counts) if counts is not None else None
         self.net: NeuralLM = model_file.build_model().to(self.device).eval()
@@ -77,10 +96,11 @@ class LanguageModel:
         self._fast: _InferenceTables | None = None
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str], device: str | torch.device | None = None) -> "LanguageModel":
+    def load(cls, path: str | os.PathLike[str], device: str | torch.device | None = None, *,
+             cpu_tables: bool | None = None) -> "LanguageModel":
         """Read and verify ``path`` (ModelFileError on any problem) and move it to ``device``
         (None: cuda if available, else cpu)."""
-        return cls(read_model_file(path), device)
+        return cls(read_model_file(path), device, cpu_tables=cpu_tables)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -110,7 +130,8 @@ class LanguageModel:
     def __repr__(self) -> str:
         return (
             f"LanguageModel(order={self.order}, V={len(self.vocab)}, output={self.output_type}, "
-            f"objective={self.objective}, hash={self.model_hash[:12]}, device={self.device})"
+            f"objective={self.objective}, hash={self.model_hash[:12]}, device={self.device}"
+            + ("" if self.cpu_tables else ", cpu_tables=False") + ")"
         )
 
     # ------------------------------------------------------------------ pieces for the server
@@ -132,11 +153,15 @@ class LanguageModel:
     def encode_contexts(self, ctx: Tensor) -> Tensor:
         """ctx (N, order-1) → r (N, E)."""
         with torch.inference_mode():
-            return self.net.encode(ctx)
+            tables = self._tables()
+            return self.net.encode(ctx) if tables is None else tables.encode(ctx)
 
     def class_log_normalizer(self, r: Tensor) -> Tensor:
         """log Σ_c exp s_c(h) → (N,); zeros for the softmax output."""
         with torch.inference_mode():
+            tables = self._tables()
+            if tables is not None and r.dtype == torch.float32 and r.device.type == "cpu":
+                return tables.class_norm(r)
             return self.net.class_log_normalizer(r)
 
     def in_class_log_normalizer(self, r: Tensor, cls: Tensor) -> Tensor:
@@ -149,10 +174,11 @@ class LanguageModel:
             return self.net.in_class_log_normalizer(r, cls)
 
     def _tables(self) -> "_InferenceTables | None":
-        """The CPU inference tables of a class-output model (None on other devices or for
-        the softmax output or with direct n-gram features), rebuilt when a parameter was
-        changed in place."""
-        if self.device.type != "cpu" or self.config.output != "class" or self.config.has_ngram_features:
+        """The CPU inference tables of a class-output model (None on other devices, for
+        the softmax output, with direct n-gram features or without ``cpu_tables``), rebuilt
+        when a parameter was changed in place."""
+        if (not self.cpu_tables or self.device.type != "cpu" or self.config.output != "class"
+                or self.config.has_ngram_features):
             return None
         if self._fast is None or self._fast.versions != _versions(self.net):
             self._fast = _InferenceTables(self.net)
@@ -161,28 +187,49 @@ class LanguageModel:
     def score_prepared(self, ctx: np.ndarray, target: np.ndarray, normalized: np.ndarray) -> np.ndarray:
         """Natural-log scores of rows whose contexts are already normalised (``prepare_contexts``
         as numpy: ctx (N, order-1), target (N,), valid ids); ``normalized`` (N,) bool per row
-        (False: s_c + s_w). No validation: the caller (the server) has done it."""
+        (False: s_c + s_w). No validation: the caller (the server) has done it.
+
+        The batch's distinct work is done once (``nlmserve.lm.dedup``): r and the class
+        normaliser per distinct context, the in-class normaliser per distinct (context, class
+        of the target), s_c + s_w per distinct row; rows not ``normalized`` skip both
+        normalisers."""
+        ctx = np.asarray(ctx, dtype=np.int64)
+        target = np.asarray(target, dtype=np.int64)
         with torch.inference_mode():
             tables = self._tables()
-            if tables is not None and ctx.shape[0] <= TINY_ROWS:
-                return tables.log_prob_numpy(ctx, target, normalized)
-            ctx_t = torch.from_numpy(np.ascontiguousarray(ctx, dtype=np.int64)).to(self.device)
-            target_t = torch.from_numpy(np.ascontiguousarray(target, dtype=np.int64)).to(self.device)
-            if tables is not None:
-                return tables.log_prob(ctx_t, target_t, normalized)
-            r = self.net.encode(ctx_t)
-            class_score, word_score = self.raw_scores(r, target_t)
-            score = class_score + word_score
-            if normalized.all():
-                cls = self.word_classes(target_t)
-                score = score - self.class_log_normalizer(r) - self.in_class_log_normalizer(r, cls)
-            elif normalized.any():
-                rows = torch.from_numpy(np.flatnonzero(normalized)).to(r.device)
-                cls = self.word_classes(target_t[rows])
-                lognorm = self.class_log_normalizer(r[rows]) + self.in_class_log_normalizer(r[rows], cls)
-                score = score.clone()
-                score[rows] = score[rows] - lognorm
-            return score.float().cpu().numpy()
+            if tables is None:
+                return self._score_plan(plan_batch(ctx, target, self._classes(target), normalized), ctx, target)
+            plan = plan_batch(ctx, target, tables.np_word_class[target], normalized)
+            if ctx.shape[0] <= TINY_ROWS:
+                return tables.log_prob_numpy(plan, ctx, target)
+            return self._score_plan(plan, ctx, target)
+
+    def _score_plan(self, plan: BatchPlan, ctx: np.ndarray, target: np.ndarray) -> np.ndarray:
+        """The rows of ``plan`` (``plan_batch`` of ``ctx``, ``target``) scored with the torch
+        pieces: r per distinct context, s_c + s_w per distinct row (row-wise products, so a
+        row's unnormalised score does not depend on the rows batched with it), the class
+        normaliser per context and the in-class normaliser per (context, class) pair of the
+        rows to normalise → float32 (N,)."""
+        with torch.inference_mode():
+            r = self.encode_contexts(self._on_device(ctx[plan.contexts]))  # (U, E)
+            rr = r[self._on_device(plan.row_context)]  # (R, E)
+            class_score, word_score = self.raw_scores(rr, self._on_device(target[plan.rows]))
+            raw = _numpy(class_score + word_score)  # (R,)
+            if not plan.norm.size:
+                return plan.compose(raw, _NO_SCORES, _NO_SCORES)
+            class_norm = self.class_log_normalizer(r[self._on_device(plan.norm_contexts)])  # (C,)
+            pair_r = r[self._on_device(plan.pair_context)]  # (P, E)
+            in_class = self.in_class_log_normalizer(pair_r, self._on_device(plan.pair_class))  # (P,)
+            return plan.compose(raw, _numpy(class_norm), _numpy(in_class))
+
+    def _on_device(self, a: np.ndarray) -> Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)
+
+    def _classes(self, target: np.ndarray) -> np.ndarray:
+        """Class id of each target (N,) as numpy (zeros for the outputs without classes)."""
+        if self.config.output != "class":
+            return np.zeros(target.shape, dtype=np.int64)
+        return self.net.word_class[self._on_device(target)].cpu().numpy()  # type: ignore[no-any-return]
 
     def word_classes(self, target: Tensor) -> Tensor:
         """Class id of each target (zeros for the outputs without classes)."""
@@ -206,21 +253,38 @@ class LanguageModel:
 
         ``normalized=False`` returns the unnormalised score when the model is
         self-normalised (NCE); other models always return normalised values.
+
+        Identical rows are scored once. The distinct rows, in lexicographic order (so rows of
+        one context are neighbours and share its work), go to :meth:`score_prepared` in chunks
+        sized by the (context, class) pairs they normalise (``NeuralLM.scoring_bounds``).
         """
         arr = self.canonical_rows(ids)
-        out = np.empty(arr.shape[0], dtype=np.float32)
+        some, row_of = distinct_rows(arr)
+        rows = arr[some]  # (R, order)
+        out = np.empty(rows.shape[0], dtype=np.float32)
         use_raw = not normalized and self.self_normalized
         if use_raw:
-            bounds: Iterable[tuple[int, int]] = ((a, min(a + CHUNK, len(arr))) for a in range(0, len(arr), CHUNK))
-        else:  # sized by the classes of the rows scored (see NeuralLM.scoring_bounds)
-            bounds = self.net.scoring_bounds(arr[:, -1], max_rows=CHUNK)
+            bounds: Iterable[tuple[int, int]] = ((a, min(a + CHUNK, len(rows))) for a in range(0, len(rows), CHUNK))
+        else:
+            bounds = self.net.scoring_bounds(rows[:, -1], max_rows=CHUNK, counted=self._first_of_pairs(rows))
         with torch.inference_mode():
             for start, end in bounds:
-                rows = arr[start:end]
-                out[start:end] = self.score_prepared(rows[:, :-1], rows[:, -1], np.full(end - start, not use_raw))
+                chunk = rows[start:end]
+                out[start:end] = self.score_prepared(chunk[:, :-1], chunk[:, -1], np.full(end - start, not use_raw))
+        out = out[row_of]
         if log10:
             out *= np.float32(LOG10_E)
         return out
+
+    def _first_of_pairs(self, rows: np.ndarray) -> np.ndarray | None:
+        """(N,) bool: the first of the canonical ``rows`` of each (context, class of the
+        target) pair, whose in-class normaliser is computed (None without classes)."""
+        if self.config.output != "class" or not len(rows):
+            return None
+        plan = plan_batch(rows[:, :-1], rows[:, -1], self._classes(rows[:, -1]), np.ones(len(rows), dtype=bool))
+        first = np.zeros(len(rows), dtype=bool)
+        first[plan.norm[np.unique(plan.pair_of, return_index=True)[1]]] = True
+        return first
 
     def sentence_ngrams(
         self, sentences: Sequence[Sequence[str]], *, bos: bool = True, eos: bool = True
@@ -300,6 +364,7 @@ class _InferenceTables:
             self.np_class_start = np.array(self.offsets[:-1], dtype=np.int64)  # (K,)
             self.np_class_size = np.diff(np.array(self.offsets, dtype=np.int64))  # (K,)
             self.class_bias = (net.class_bias + net.class_mask).detach().clone()  # (K,)
+            self.class_embed_t = net.class_embed.detach().t()  # (E, K)
             self.np_embed = net.embed.weight.detach().numpy()
             w = net.ctx_weight.detach().numpy()
             n1, d = cfg.order - 1, cfg.dim
@@ -310,7 +375,8 @@ class _InferenceTables:
             self.np_hidden_b = None if net.hidden is None else net.hidden.bias.detach().numpy()
             self.np_word_embed = net.word_embed.detach().numpy()
             self.np_word_bias = (net.word_bias + net.word_mask).detach().numpy()
-            self.np_class_embed_t = np.ascontiguousarray(net.class_embed.detach().numpy().T)  # (E, K)
+            self.np_class_embed = net.class_embed.detach().numpy()  # (K, E)
+            self.np_class_embed_t = np.ascontiguousarray(self.np_class_embed.T)  # (E, K)
             self.np_class_bias = (net.class_bias + net.class_mask).detach().numpy()
             self.np_word_class = net.word_class.numpy()
             self.np_sorted_embed = self.sorted_embed.numpy()
@@ -383,31 +449,34 @@ class _InferenceTables:
         out[torch.from_numpy(perm)] = sums
         return out
 
-    def log_prob(self, ctx: Tensor, target: Tensor, normalized: np.ndarray) -> np.ndarray:
-        """log P(target | ctx) (or s_c + s_w where not ``normalized``) → float32 (N,).
-
-        The scores s_c and s_w are row-wise products (not read off a matrix product), so a
-        row's unnormalised score does not depend on the rows batched with it."""
-        net = self.net
-        r = self.encode(ctx)
-        cls = net.word_class[target]
-        score = net.class_score(r, cls) + net.word_score(r, target)
-        if normalized.all():
-            score -= torch.logsumexp(torch.addmm(self.class_bias, r, net.class_embed.t()), dim=1)
-            score -= self.in_class(r, cls)
-            return score.numpy()
-        if normalized.any():
-            rows = torch.from_numpy(np.flatnonzero(normalized))
-            rr = r[rows]
-            score[rows] -= torch.logsumexp(net.class_logits(rr), dim=1) + self.in_class(rr, cls[rows])
-        return score.numpy()
+    def class_norm(self, r: Tensor) -> Tensor:
+        """log Σ_c exp s_c(h) → (N,): one fused GEMM (N, E) @ (E, K) plus the class biases."""
+        return torch.logsumexp(torch.addmm(self.class_bias, r, self.class_embed_t), dim=1)
 
     # -------------------------------------------------------------- numpy, tiny batches
-    def log_prob_numpy(self, ctx: np.ndarray, target: np.ndarray, normalized: np.ndarray) -> np.ndarray:
-        """log P(target | ctx) (or s_c + s_w where not ``normalized``) → float32 (N,)."""
-        q = self.np_embed[ctx]  # (N, n-1, D)
+    def log_prob_numpy(self, plan: BatchPlan, ctx: np.ndarray, target: np.ndarray) -> np.ndarray:
+        """The rows of ``plan`` (``plan_batch`` of ``ctx``, ``target``) as
+        ``LanguageModel._score_plan`` scores them, in numpy → float32 (N,)."""
+        r = self._encode_numpy(ctx[plan.contexts])  # (U, E)
+        rr, t = r[plan.row_context], target[plan.rows]  # (R, E), (R,)
+        c = self.np_word_class[t]
+        raw = (np.einsum("ne,ne->n", rr, self.np_class_embed[c]) + self.np_class_bias[c]
+               + (np.einsum("ne,ne->n", rr, self.np_word_embed[t]) + self.np_word_bias[t]))  # (R,)
+        if not plan.norm.size:
+            return plan.compose(raw, _NO_SCORES, _NO_SCORES)
+        class_logits = _mm(r[plan.norm_contexts], self.np_class_embed_t) + self.np_class_bias  # (C, K)
+        in_class = np.empty(plan.pair_class.size, dtype=np.float32)  # (P,)
+        offsets = self.offsets
+        for p, (u, k) in enumerate(zip(plan.pair_context.tolist(), plan.pair_class.tolist())):
+            a, b = offsets[k], offsets[k + 1]
+            in_class[p] = _logsumexp(_mv(self.np_sorted_embed[a:b], r[u]) + self.np_sorted_bias[a:b])
+        return plan.compose(raw, _logsumexp_rows(class_logits), in_class)
+
+    def _encode_numpy(self, ctx: np.ndarray) -> np.ndarray:
+        """ctx (U, order-1) → r (U, E), as ``NeuralLM.encode``."""
+        q = self.np_embed[ctx]  # (U, n-1, D)
         if self.context == "diagonal":
-            r = (q * self.np_ctx).sum(axis=1)
+            r: np.ndarray = (q * self.np_ctx).sum(axis=1)
         else:
             r = _mm(q.reshape(q.shape[0], -1), self.np_ctx)
         if self.np_hidden_w is not None:
@@ -416,17 +485,14 @@ class _InferenceTables:
             r = np.tanh(r)
         elif self.activation == "relu":
             r = np.maximum(r, 0)
-        cls = self.np_word_class[target]
-        class_logits = _mm(r, self.np_class_embed_t) + self.np_class_bias  # (N, K)
-        rows = np.arange(len(target))
-        word = np.einsum("ne,ne->n", r, self.np_word_embed[target]) + self.np_word_bias[target]
-        out: np.ndarray = class_logits[rows, cls] + word
-        norm_rows = np.flatnonzero(normalized)
-        class_norm = _logsumexp_rows(class_logits[norm_rows])  # every row's class normaliser at once
-        for j, i in enumerate(norm_rows.tolist()):
-            a, b = self.offsets[cls[i]], self.offsets[cls[i] + 1]
-            out[i] -= class_norm[j] + _logsumexp(_mv(self.np_sorted_embed[a:b], r[i]) + self.np_sorted_bias[a:b])
-        return out.astype(np.float32, copy=False)
+        return r
+
+
+_NO_SCORES = np.zeros(0, dtype=np.float32)
+
+
+def _numpy(t: Tensor) -> np.ndarray:
+    return t.float().cpu().numpy()  # type: ignore[no-any-return]
 
 
 def _mm(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -49,6 +49,9 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
         p.add_argument(flag, type=typ, default=None, help=help_text)
     p.add_argument("--allow-unauthenticated-admin", action="store_true", default=None,
                    help="serve the Admin service (ReloadModel) without --token-file")
+    p.add_argument("--no-cpu-tables", dest="cpu_tables", action="store_const", const=False, default=None,
+                   help="score on the CPU with the device-agnostic torch code a GPU runs, not the CPU tables "
+                        "(also: environment NLMSERVE_NO_CPU_TABLES=1)")
     # Kept so that existing command lines still start; the asyncio server has no handler pool.
     p.add_argument("--threads", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=run_serve)
@@ -61,6 +64,7 @@ def run_serve(args: argparse.Namespace) -> int:
     overrides = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, _, _ in _FLAGS}
     overrides["model"] = args.model
     overrides["allow_unauthenticated_admin"] = args.allow_unauthenticated_admin
+    overrides["cpu_tables"] = args.cpu_tables
     if args.threads is not None:
         log.warning("--threads is ignored (the asyncio server has no handler threads)")
     config = build_config(overrides, args.config)

@@ -30,6 +30,10 @@ class ServerConfig:
     metrics_port: int | None = None
     #: Torch device (``cpu``, ``cuda``, ``cuda:1``); None: cuda when available, else cpu.
     device: str | None = None
+    #: On the CPU, score a class-output model with its inference tables (numpy for tiny
+    #: batches); False: with the device-agnostic torch code a GPU runs (to check that path on
+    #: a CPU box). None: on unless the environment variable NLMSERVE_NO_CPU_TABLES is set.
+    cpu_tables: bool | None = None
     #: Most n-grams scored in one forward pass; larger requests are split.
     max_batch_ngrams: int = 4096
     #: Longest wait (microseconds) for more requests to join a batch. The batcher only waits

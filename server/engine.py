@@ -84,7 +84,7 @@ def load_model(config: ServerConfig, path: str | None = None) -> ScoringModel:
     from nlmserve.lm.scoring import LanguageModel
 
     path = config.model if path is None else path
-    lm = LanguageModel.load(path, device=config.device)
+    lm = LanguageModel.load(path, device=config.device, cpu_tables=config.cpu_tables)
     log.info("loaded %s: order %s, %s words, device %s, hash %s",
              path, lm.order, len(lm.vocab), lm.device, lm.model_hash)
     return lm
