@@ -514,11 +514,12 @@ class NeuralLM(nn.Module):
                 width *= 3 * self.config.feature_order
         return int(min(8192, max(64, budget // max(width, 1))))
 
-    def scoring_bounds(self, targets: np.ndarray, budget: int = 1 << 24,
-                       max_rows: int = 8192) -> Iterator[tuple[int, int]]:
+    def scoring_bounds(self, targets: np.ndarray, budget: int = 1 << 24, max_rows: int = 8192,
+                       counted: np.ndarray | None = None) -> Iterator[tuple[int, int]]:
         """Consecutive (start, end) chunks of ``targets`` (N,) for exact scoring, each of at
         most ``max_rows`` rows whose targets' class widths sum to at most ``budget`` (one row
-        at least).
+        at least). ``counted`` (N,) bool: the rows whose width counts (None: all); a scorer
+        that normalises once per (context, class) pair counts the first row of each pair.
 
         The class-factored normaliser materialises (rows of class c) × |c| scores per class
         present, so the sum over the rows actually scored bounds the largest score matrix;
@@ -533,6 +534,8 @@ class NeuralLM(nn.Module):
         widths = sizes[self.word_class.cpu().numpy()[np.asarray(targets, dtype=np.int64)]]  # (N,)
         if self.ngram_word is not None:  # (rows, width, feature_order) int64 slots and floats
             widths = widths * 3 * self.config.feature_order
+        if counted is not None:
+            widths = np.where(counted, widths, 0)
         cum = np.concatenate([[0], np.cumsum(widths)])  # cum[i]: widths of the first i rows
         i = 0
         while i < n:
