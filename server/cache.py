@@ -8,9 +8,12 @@ Two caches, both touched only by the engine's single batching thread (no locks):
   the class log-normaliser, and the in-class log-normalisers of the classes asked so far.
 
 Rows come canonical (``nlmserve.lm.ngrams.canonical_rows``). Without the context cache the
-model scores them as they are (``score_prepared``); with it, the score is composed from the
-model's pieces (``encode_contexts``, ``class_log_normalizer``, ``in_class_log_normalizer``,
-``raw_scores``), so a hit returns what the uncached path computes up to float rounding.
+model scores them as they are (``score_prepared``); with it, the batch is planned as
+``score_prepared`` plans it (``nlmserve.lm.dedup.plan_batch``: distinct contexts, rows and
+(context, class) pairs), each distinct context's r and normalisers come from the cache or
+from the model's pieces (``encode_contexts``, ``class_log_normalizer``,
+``in_class_log_normalizer``), and the plan composes the scores with ``raw_scores``; so a hit
+returns what the uncached path computes up to float rounding.
 """
 
 from __future__ import annotations
@@ -23,10 +26,13 @@ from typing import Any, Generic, Hashable, TypeVar
 import numpy as np
 import torch
 
+from nlmserve.lm.dedup import plan_batch
 from nlmserve.lm.protocol import ScoringModel
 from nlmserve.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
+
+_NO_SCORES = np.zeros(0, dtype=np.float32)
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -70,7 +76,7 @@ class ContextEntry:
     """What the context cache keeps for one context."""
 
     r: torch.Tensor  # (E,) context vector
-    class_lognorm: float  # log Σ_c exp s_c(h); 0 for a softmax output
+    class_lognorm: float | None = None  # log Σ_c exp s_c(h) once asked; 0 for a softmax output
     in_class: dict[int, float] = field(default_factory=dict)  # class → log Σ_{w∈c} exp s_w(h)
 
 
@@ -145,62 +151,64 @@ class Scorer:
 
     def _score_context_cached(self, ids: np.ndarray, normalized: np.ndarray) -> np.ndarray:
         lm = self.lm
-        ctx, target = lm.prepare_contexts(ids)
-        ctx_np = ctx.cpu().numpy()
-        keys = row_keys(ctx_np)
-        # Unique contexts of this batch, in first-seen order.
-        slot: dict[bytes, int] = {}
-        inverse = np.empty(len(keys), dtype=np.int64)
-        for i, key in enumerate(keys):
-            inverse[i] = slot.setdefault(key, len(slot))
-        ukeys = list(slot)
-        first = np.empty(len(ukeys), dtype=np.int64)
-        first[inverse[::-1]] = np.arange(len(keys) - 1, -1, -1)  # first row of each context
-        entries: list[ContextEntry | None] = [self.context_cache.get(k) for k in ukeys]
-        missing = [u for u, e in enumerate(entries) if e is None]
+        ctx, target = ids[:, :-1], ids[:, -1]
+        target_t = self._tensor(target)
+        plan = plan_batch(ctx, target, lm.word_classes(target_t).cpu().numpy(), normalized)
+        entries = self._entries(ctx, plan.contexts)  # (U,)
+        R = torch.stack([e.r for e in entries])  # (U, E)
+        class_score, word_score = lm.raw_scores(R[self._tensor(plan.row_context)], target_t[self._tensor(plan.rows)])
+        raw = (class_score + word_score).float().cpu().numpy()  # (R,)
+        if not plan.norm.size:
+            return plan.compose(raw, _NO_SCORES, _NO_SCORES)
+        return plan.compose(raw, self._class_norms([entries[u] for u in plan.norm_contexts.tolist()]),
+                            self._in_class_norms(entries, plan.pair_context, plan.pair_class))
+
+    def _entries(self, ctx: np.ndarray, contexts: np.ndarray) -> list[ContextEntry]:
+        """The cache entry of each distinct context (rows ``contexts`` of ``ctx``); the
+        missing ones are encoded together and cached."""
+        keys = row_keys(ctx[contexts])
+        found = [self.context_cache.get(k) for k in keys]
+        missing = [u for u, e in enumerate(found) if e is None]
         if missing:
-            rows = torch.from_numpy(first[missing]).to(ctx.device)
-            r_new = lm.encode_contexts(ctx[rows])
-            cln_new = lm.class_log_normalizer(r_new).float().cpu().tolist()
+            r_new = self.lm.encode_contexts(self._tensor(ctx[contexts[missing]]))
             for j, u in enumerate(missing):
-                entry = ContextEntry(r=r_new[j].clone(), class_lognorm=cln_new[j])
-                entries[u] = entry
-                self.context_cache.put(ukeys[u], entry)
-        ready = [e for e in entries if e is not None]
-        R = torch.stack([e.r for e in ready])  # (U, E)
-        inv_t = torch.from_numpy(inverse).to(R.device)
-        r = R[inv_t]  # (N, E)
-        class_score, word_score = lm.raw_scores(r, target)
-        score = (class_score + word_score).float().cpu().numpy()
-        norm_rows = np.flatnonzero(normalized)
-        if norm_rows.size:
-            score[norm_rows] -= self._normalizers(ready, inverse[norm_rows], target[norm_rows])
-        return score
+                entry = found[u] = ContextEntry(r=r_new[j].clone())
+                self.context_cache.put(keys[u], entry)
+        return [e for e in found if e is not None]
 
-    def _normalizers(self, entries: list[ContextEntry], ctx_of_row: np.ndarray, target: torch.Tensor) -> np.ndarray:
-        """class + in-class log-normaliser of each row, from and into the context entries."""
-        cls = self._classes(target).cpu().numpy()
-        need: dict[tuple[int, int], int] = {}
-        for u, c in zip(ctx_of_row.tolist(), cls.tolist()):
-            if c in entries[u].in_class:
-                self.in_class_hits += 1
-            elif (u, c) not in need:
-                self.in_class_misses += 1
-                need[(u, c)] = len(need)
+    def _class_norms(self, entries: list[ContextEntry]) -> np.ndarray:
+        """The class log-normaliser of each entry (C,), the missing ones computed together."""
+        missing = [e for e in entries if e.class_lognorm is None]
+        if missing:
+            values = self.lm.class_log_normalizer(torch.stack([e.r for e in missing])).float().cpu().tolist()
+            for e, v in zip(missing, values):
+                e.class_lognorm = v
+        return np.array([e.class_lognorm for e in entries], dtype=np.float32)
+
+    def _in_class_norms(self, entries: list[ContextEntry], pair_context: np.ndarray,
+                        pair_class: np.ndarray) -> np.ndarray:
+        """The in-class log-normaliser of each distinct (context, class) pair (P,), the
+        missing ones computed together (one in-class hit or miss per pair)."""
+        out = np.empty(pair_class.size, dtype=np.float32)
+        need: list[int] = []
+        for p, (u, c) in enumerate(zip(pair_context.tolist(), pair_class.tolist())):
+            value = entries[u].in_class.get(c)
+            if value is None:
+                need.append(p)
+            else:
+                out[p] = value
+        self.in_class_hits += pair_class.size - len(need)
+        self.in_class_misses += len(need)
         if need:
-            pairs = list(need)
-            R = torch.stack([entries[u].r for u, _ in pairs])
-            C = torch.tensor([c for _, c in pairs], dtype=torch.long, device=R.device)
-            values = self.lm.in_class_log_normalizer(R, C).float().cpu().tolist()
-            for (u, c), v in zip(pairs, values):
-                entries[u].in_class[c] = v
-        return np.array(
-            [entries[u].class_lognorm + entries[u].in_class[c] for u, c in zip(ctx_of_row.tolist(), cls.tolist())],
-            dtype=np.float32,
-        )
+            R = torch.stack([entries[u].r for u in pair_context[need].tolist()])
+            values = self.lm.in_class_log_normalizer(R, self._tensor(pair_class[need])).float().cpu().numpy()
+            out[need] = values
+            for p, v in zip(need, values.tolist()):
+                entries[int(pair_context[p])].in_class[int(pair_class[p])] = v
+        return out
 
-    def _classes(self, target: torch.Tensor) -> torch.Tensor:
-        return self.lm.word_classes(target)
+    def _tensor(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.lm.device)
 
     def _export(self) -> None:
         m = self.metrics
