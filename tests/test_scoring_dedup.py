@@ -298,3 +298,16 @@ def test_context_cache_counts_pairs_and_equals_direct(tiny_lm: Any) -> None:
         want = row_by_row(tiny_lm, rows, mixed)
         np.testing.assert_allclose(cached.score(rows, mixed), want, atol=TOL, rtol=0)
         np.testing.assert_allclose(cached.score(rows, mixed), want, atol=TOL, rtol=0)
+
+
+def test_unnormalised_scores_do_not_depend_on_the_batch(tiny_lm: Any) -> None:
+    """s_c + s_w of a row is the same number whatever rows share its batch (torch path)."""
+    rows = decoder_batch(tiny_lm, 6, 40, 21)
+    other = decoder_batch(tiny_lm, 5, 30, 22)
+    n = 50
+    alone = tiny_lm.score_prepared(rows[:n, :-1], rows[:n, -1], np.zeros(n, dtype=bool))
+    mixed = np.concatenate([other, rows[:n], other[:7]])
+    flags = np.arange(len(mixed)) % 2 == 0  # normalised rows around them too
+    flags[len(other) : len(other) + n] = False
+    got = tiny_lm.score_prepared(mixed[:, :-1], mixed[:, -1], flags)[len(other) : len(other) + n]
+    assert got.tolist() == alone.tolist()
