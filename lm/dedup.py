@@ -76,7 +76,7 @@ def distinct_rows(cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     n, m = cols.shape
     if n == 0:
         return _EMPTY, _EMPTY
-    if m == 0:
+    if m == 0 or n == 1:
         return np.zeros(1, dtype=np.int64), np.zeros(n, dtype=np.int64)
     key = cols[:, 0].astype(np.uint64)
     used = _bits(key)
