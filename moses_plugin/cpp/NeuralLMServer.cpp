@@ -109,12 +109,15 @@ NeuralLMServer::NeuralLMServer(const std::string &line)
       m_floorOnError(false),
       m_prefetch(PrefetchStack),
       m_sentencePhrases(true),
+      m_model(new nlmserve::ModelInfo()),
+      m_ids(new nlmserve::DenseIdMap()),
       m_nullState(NULL),
       m_beginState(NULL),
       m_sentences(0),
       m_sentenceRoundTrips(0),
       m_errors(0),
-      m_floored(0) {
+      m_floored(0),
+      m_pause(new nlmserve::ErrorPause()) {
   ReadParameters();
   m_target = m_filePath;
   UTIL_THROW_IF2(m_target.empty(), "NeuralLMServer needs path=HOST:PORT (or A:1,B:2 or dns:///NAME:PORT) of nlmserve");
@@ -212,10 +215,10 @@ void NeuralLMServer::Load(AllOptions::ptr const &opts) {
     UTIL_THROW2("NeuralLMServer " << GetScoreProducerDescription() << ": " << e.what());
   }
   const nlmserve::ModelInfo &info = m_client->info();
-  m_model = info;
+  *m_model = info;
   // The decoder's own sentence boundaries are the model's special ids.
-  m_ids.Set(m_sentenceStart->GetId(), info.bos_id);
-  m_ids.Set(m_sentenceEnd->GetId(), info.eos_id);
+  m_ids->Set(m_sentenceStart->GetId(), info.bos_id);
+  m_ids->Set(m_sentenceEnd->GetId(), info.eos_id);
   // A shorter order would send short n-grams, which the server reads as sentence
   // starts (left-padded with <s>): the orders must agree.
   UTIL_THROW_IF2(m_nGramOrder != info.order,
@@ -233,7 +236,7 @@ void NeuralLMServer::Load(AllOptions::ptr const &opts) {
 uint32_t NeuralLMServer::Id(const Word &word) const {
   const Factor *f = word.GetFactor(m_factorType);
   // Factor ids are unique and dense; the vocabulary, a string map, is asked once per factor.
-  return m_ids.Get(f->GetId(), [this, f](size_t) { return m_client->WordId(f->GetString().as_string()); });
+  return m_ids->Get(f->GetId(), [this, f](size_t) { return m_client->WordId(f->GetString().as_string()); });
 }
 
 void NeuralLMServer::AppendIds(const Phrase &phrase, std::vector<uint32_t> *ids) const {
@@ -248,18 +251,18 @@ void NeuralLMServer::ScoreRows(const uint32_t *rows, size_t n, float *out, Neura
   if (n == 0) return;
   // on-error=floor: after a failed request the server is left alone for a pause, so that
   // a dead server costs one failed request per pause instead of one per request.
-  if (m_floorOnError && m_pause.Paused(SteadyMs())) {
+  if (m_floorOnError && m_pause->Paused(SteadyMs())) {
     m_floored.fetch_add(1);
     std::fill(out, out + n, LOWEST_SCORE);
     return;
   }
   try {
-    m_client->ScoreRows(rows, n, m_model.order, out, &local.sentence);
+    m_client->ScoreRows(rows, n, m_model->order, out, &local.sentence);
   } catch (const nlmserve::ClientError &e) {
     Failed(e.what(), n, out);
     return;
   }
-  m_pause.Succeeded();
+  m_pause->Succeeded();
   for (size_t i = 0; i < n; ++i) out[i] = FloorScore(TransformLMScore(out[i]));
 }
 
@@ -268,7 +271,7 @@ void NeuralLMServer::Failed(const std::string &what, size_t n, float *out) const
   if (!m_floorOnError) {
     UTIL_THROW2("NeuralLMServer " << GetScoreProducerDescription() << ": " << what);
   }
-  const int64_t pause = m_pause.Failed(SteadyMs());
+  const int64_t pause = m_pause->Failed(SteadyMs());
   m_floored.fetch_add(1);
   VERBOSE(1, "NeuralLMServer " << GetScoreProducerDescription() << ": " << what << "; scoring " << n
                                << " n-grams " << LOWEST_SCORE << ", and every request of the next " << pause
@@ -289,13 +292,13 @@ LMResult NeuralLMServer::GetValue(const std::vector<const Word *> &contextFactor
   NeuralLMServerThread &local = Local(this);
   local.words.clear();
   for (size_t i = 0; i < contextFactor.size(); ++i) local.words.push_back(Id(*contextFactor[i]));
-  local.rows.resize(m_model.order);
+  local.rows.resize(m_model->order);
   LMResult ret;
-  ret.unknown = !local.words.empty() && local.words.back() == m_model.unk_id;
+  ret.unknown = !local.words.empty() && local.words.back() == m_model->unk_id;
   const nlmserve::NgramError error =
-      nlmserve::CanonicalRow(local.words.data(), local.words.size(), m_model, local.rows.data());
+      nlmserve::CanonicalRow(local.words.data(), local.words.size(), *m_model, local.rows.data());
   if (error != nlmserve::NgramError::kNone) {
-    Failed(nlmserve::NgramErrorMessage(error, local.words.data(), local.words.size(), 0, m_model), 1, &ret.score);
+    Failed(nlmserve::NgramErrorMessage(error, local.words.data(), local.words.size(), 0, *m_model), 1, &ret.score);
   } else {
     ScoreRows(local.rows.data(), 1, &ret.score, local);
   }
@@ -330,12 +333,12 @@ void NeuralLMServer::PhraseRows(const Phrase &phrase, NeuralLMServerThread &loca
   local.words.clear();
   AppendIds(phrase, &local.words);
   size_t position = 0;
-  const nlmserve::NgramError error = nlmserve::PhraseRows(m_model, local.words.data(), local.words.size(), &local.rows,
+  const nlmserve::NgramError error = nlmserve::PhraseRows(*m_model, local.words.data(), local.words.size(), &local.rows,
                                                           complete ? &local.complete : NULL, oovCount, &position);
   UTIL_THROW_IF2(error == nlmserve::NgramError::kBosTarget,
                  "NeuralLMServer: <s> inside a phrase at position " << position);
   UTIL_THROW_IF2(error != nlmserve::NgramError::kNone,
-                 "NeuralLMServer: " << nlmserve::NgramErrorMessage(error, local.words.data() + position, 1, 0, m_model));
+                 "NeuralLMServer: " << nlmserve::NgramErrorMessage(error, local.words.data() + position, 1, 0, *m_model));
 }
 
 void NeuralLMServer::CalcScore(const Phrase &phrase, float &fullScore, float &ngramScore,
@@ -394,7 +397,7 @@ void NeuralLMServer::ScoreSentencePhrases(ttasksptr const &ttask) const {
   if (sentence == NULL) return;
   const size_t size = sentence->GetSize();
   const size_t maxLength = ttask->options()->search.max_phrase_length;
-  const size_t order = m_model.order;
+  const size_t order = m_model->order;
   NeuralLMServerThread &local = Local(this);
   local.rows.clear();
   // Unknown words are copied to the target as one-word phrases (a word the model cannot
@@ -403,7 +406,7 @@ void NeuralLMServer::ScoreSentencePhrases(ttasksptr const &ttask) const {
     const uint32_t id = Id(sentence->GetWord(i));
     const size_t at = local.rows.size();
     local.rows.resize(at + order);
-    if (nlmserve::CanonicalRow(&id, 1, m_model, local.rows.data() + at) != nlmserve::NgramError::kNone) {
+    if (nlmserve::CanonicalRow(&id, 1, *m_model, local.rows.data() + at) != nlmserve::NgramError::kNone) {
       local.rows.resize(at);
     }
   }
@@ -468,18 +471,18 @@ FFState *NeuralLMServer::EvaluateWhenApplied(const Hypothesis &hypo, const FFSta
 
 float NeuralLMServer::BoundaryScore(const Hypothesis &hypo, NeuralLMServerThread &local) const {
   // The words before the phrase (at most order-1 of them), then the phrase.
-  const size_t keep = m_model.order - 1;
+  const size_t keep = m_model->order - 1;
   const size_t start = hypo.GetCurrTargetWordsRange().GetStartPos();
   local.words.clear();
   for (size_t pos = start > keep ? start - keep : 0; pos < start; ++pos) local.words.push_back(Id(hypo.GetWord(pos)));
   const size_t context = local.words.size();
   AppendIds(hypo.GetCurrTargetPhrase(), &local.words);
   local.rows.clear();
-  const nlmserve::NgramError error = nlmserve::BoundaryRows(m_model, local.words.data(), context, local.words.size(),
+  const nlmserve::NgramError error = nlmserve::BoundaryRows(*m_model, local.words.data(), context, local.words.size(),
                                                             hypo.IsSourceCompleted(), &local.rows);
   UTIL_THROW_IF2(error != nlmserve::NgramError::kNone,
                  "NeuralLMServer: a boundary n-gram breaks the rule " << nlmserve::NgramErrorKind(error));
-  const size_t n = local.rows.size() / m_model.order;
+  const size_t n = local.rows.size() / m_model->order;
   local.scores.resize(n);
   ScoreRows(local.rows.data(), n, local.scores.data(), local);
   return nlmserve::SumScores(local.scores.data(), n);  // as Prefetch sums
@@ -513,7 +516,7 @@ void NeuralLMServer::Prefetch(const Hypothesis &prev, NeuralLMServerThread &loca
       ExpansionRows(**it, local);
     }
   }
-  const size_t n = local.rows.size() / m_model.order;
+  const size_t n = local.rows.size() / m_model->order;
   if (n == 0) return;
   local.scores.resize(n);
   ScoreRows(local.rows.data(), n, local.scores.data(), local);
@@ -541,7 +544,7 @@ void NeuralLMServer::ExpansionRows(const Hypothesis &prev, NeuralLMServerThread 
   const Range &prevRange = prev.GetCurrSourceWordsRange();
 
   // The last order-1 words of prev (fewer at the sentence start), then each option's phrase.
-  const size_t order = m_model.order;
+  const size_t order = m_model->order;
   const size_t size = prev.GetSize();
   local.words.clear();
   for (size_t pos = size > order - 1 ? size - (order - 1) : 0; pos < size; ++pos) {
@@ -570,7 +573,7 @@ void NeuralLMServer::ExpansionRows(const Hypothesis &prev, NeuralLMServerThread 
       for (TranslationOptionList::const_iterator it = list->begin(); it != list->end(); ++it) {
         local.words.resize(context);
         AppendIds((*it)->GetTargetPhrase(), &local.words);
-        const nlmserve::NgramError error = nlmserve::BoundaryRows(m_model, local.words.data(), context,
+        const nlmserve::NgramError error = nlmserve::BoundaryRows(*m_model, local.words.data(), context,
                                                                   local.words.size(), completes, &local.rows);
         UTIL_THROW_IF2(error != nlmserve::NgramError::kNone,
                        "NeuralLMServer: a boundary n-gram breaks the rule " << nlmserve::NgramErrorKind(error));

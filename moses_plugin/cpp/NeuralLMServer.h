@@ -56,7 +56,13 @@
 
 #include "SingleFactor.h"
 #include "moses/FF/FFState.h"
-#include "nlmserve_decoder.h"
+
+namespace nlmserve {
+class Client;
+struct ModelInfo;
+class DenseIdMap;
+class ErrorPause;
+}  // namespace nlmserve
 
 namespace Moses {
 
@@ -155,8 +161,11 @@ class NeuralLMServer : public LanguageModelSingleFactor {
   bool m_sentencePhrases;
 
   std::unique_ptr<nlmserve::Client> m_client;
-  nlmserve::ModelInfo m_model;  // the served model's order, vocabulary size and special ids
-  mutable nlmserve::DenseIdMap m_ids;  // Factor::GetId() -> vocabulary id
+  // The client library's types are held by pointer, so that this header (included by
+  // moses/FF/Factory.cpp, which is compiled without the client library's include path)
+  // needs only Moses' headers.
+  std::unique_ptr<nlmserve::ModelInfo> m_model;  // the served model's order, vocabulary size and special ids
+  std::unique_ptr<nlmserve::DenseIdMap> m_ids;   // Factor::GetId() -> vocabulary id
   NeuralLMServerState *m_nullState;
   NeuralLMServerState *m_beginState;
 
@@ -165,7 +174,7 @@ class NeuralLMServer : public LanguageModelSingleFactor {
   mutable std::atomic<uint64_t> m_errors;
   // on-error=floor: requests answered LOWEST_SCORE, and the pause after failures.
   mutable std::atomic<uint64_t> m_floored;
-  mutable nlmserve::ErrorPause m_pause;
+  std::unique_ptr<nlmserve::ErrorPause> m_pause;
 };
 
 }  // namespace Moses

@@ -9,8 +9,10 @@ What it does (moses_plugin/README.md, "Add the feature to Moses"):
   that the client library does not install (CMakeLists.txt's ``install(FILES ...)``), into
   moses/LM/; a copy that differs from this folder's file is replaced;
 - moses/LM/Jamfile: the feature block (``--with-nlmserve=PREFIX``) before the line
-  ``#Top-level LM library. ...``, and the ``alias macros`` line with a dependency that makes
-  bjam recompile moses/FF/Factory.cpp whenever ``--with-nlmserve`` changes (the block's
+  ``#Top-level LM library. ...``;
+- moses/Jamfile: ``nlmserve`` added to the loop that records the LM options of a build in
+  bin/lm.log, on which FF_Factory.o alone depends, so that bjam recompiles
+  moses/FF/Factory.cpp (and nothing else) whenever ``--with-nlmserve`` changes (the block's
   comment explains why);
 - moses/FF/Factory.cpp: the feature's include after ``#include "moses/LM/ExampleLM.h"`` and
   ``MOSES_FNAME(NeuralLMServer);`` after ``MOSES_FNAME(ExampleLM);``, both inside
@@ -41,6 +43,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 FEATURE_FILES = ("NeuralLMServer.h", "NeuralLMServer.cpp")
 JAMFILE = "moses/LM/Jamfile"
+MOSES_JAMFILE = "moses/Jamfile"
 FACTORY = "moses/FF/Factory.cpp"
 LM_DIR = "moses/LM"
 # A line outside the managed blocks that mentions one of these is an earlier hand edit.
@@ -74,7 +77,7 @@ class Edit:
         return [self.begin, *self.body, self.end]
 
 
-MACROS_LINE = "alias macros : : : : <define>$(lmmacros) ;"
+LM_LOG_LINE = "for local i in srilm irstlm randlm {"
 
 EDITS = (
     Edit(
@@ -98,32 +101,23 @@ EDITS = (
             "  dependencies += nlmserve ;",
             "  lmmacros += LM_NLMSERVE ;",
             "}",
-            "# ../FF/Factory.cpp registers the feature only #ifdef LM_NLMSERVE, a define that",
-            "# reaches FF_Factory.o (../Jamfile) through the macros alias below. bjam does not",
-            "# rebuild an object when only its defines change: after a build without the option,",
-            "# a build with it would keep the old FF_Factory.o, and bin/moses would not know",
-            "# NeuralLMServer. So, as lm/Jamfile does for KENLM_MAX_ORDER, bin/nlmserve.log holds",
-            "# the option of the last build; update-if-changed (jam-files/sanity.jam) rewrites it",
-            "# only when the option differs, and the macros alias gives FF_Factory.o a",
-            "# <dependency> on it: Factory.cpp is recompiled exactly when --with-nlmserve is",
-            "# switched on, off or to another PREFIX.",
-            'local nlmserve-option = "--with-nlmserve=$(with-nlmserve)" ;',
-            'nlmserve-option ?= "" ;',
-            "path-constant NLMSERVE-LOG : bin/nlmserve.log ;",
-            "update-if-changed $(NLMSERVE-LOG) $(nlmserve-option) ;",
-            "local nlmserve-factory-dependency = <dependency>$(NLMSERVE-LOG) ;",
         ),
     ),
     Edit(
-        file=JAMFILE,
+        file=MOSES_JAMFILE,
         name="Factory.o dependency",
         comment="#",
-        anchor=MACROS_LINE,
+        anchor=LM_LOG_LINE,
         how="replace",
         body=(
-            "# The line was: " + MACROS_LINE,
-            "# FF_Factory.o now also depends on bin/nlmserve.log (the nlmserve feature block above).",
-            "alias macros : : : : <define>$(lmmacros) $(nlmserve-factory-dependency) ;",
+            "# The line was: " + LM_LOG_LINE,
+            "# Factory.cpp registers NeuralLMServer only #ifdef LM_NLMSERVE, a define. bjam does not",
+            "# rebuild an object when only its defines change, so after a build without",
+            "# --with-nlmserve a build with it would keep the old FF_Factory.o and bin/moses would",
+            "# not know the feature. The loop below records the LM options of the last build in",
+            "# bin/lm.log, on which FF_Factory.o (and only it) depends: with nlmserve in the loop,",
+            "# switching --with-nlmserve on, off or to another PREFIX recompiles Factory.cpp.",
+            "for local i in srilm irstlm randlm nlmserve {",
         ),
     ),
     Edit(
@@ -321,11 +315,11 @@ def plan(moses: Path, src: Path = HERE) -> list[Change]:
     if not moses.is_dir():
         raise Refusal(f"{moses}: no such directory (give the top of a Moses checkout, the "
                       "folder that holds Jamroot and moses/)")
-    for rel in (JAMFILE, FACTORY):
+    for rel in (JAMFILE, MOSES_JAMFILE, FACTORY):
         if not (moses / rel).is_file():
             raise Refusal(f"{moses} is not a Moses source tree: {moses / rel} is missing")
     changes = plan_copies(moses, src)
-    for rel in (JAMFILE, FACTORY):  # Factory.cpp last: its include needs the copied header
+    for rel in (JAMFILE, MOSES_JAMFILE, FACTORY):  # Factory.cpp last: its include needs the copied header
         c = plan_text(moses, rel, [e for e in EDITS if e.file == rel])
         if c is not None:
             changes.append(c)
