@@ -9,7 +9,6 @@ import argparse
 import json
 import logging
 import os
-import sys
 from typing import Any
 
 from nlmserve.client.cli import SERVER_HELP, add_security_flags
@@ -41,7 +40,8 @@ def _register_rescore(subparsers: Any) -> None:
     p.add_argument("--batch-ngrams", type=int, default=50_000, help="n-grams per batch and checkpoint (default 50000)")
     p.add_argument("--wait-server", type=float, default=60.0, help="seconds to wait for a lost server (default 60)")
     p.add_argument("--timeout", type=float, default=60.0, help="per-request timeout in seconds (default 60)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress on stderr (a bar on a terminal, a log line every 30 s otherwise)")
     add_security_flags(p)
     p.set_defaults(func=_rescore)
 
@@ -115,7 +115,7 @@ def _rescore(args: argparse.Namespace) -> int:
         skip_bad=args.skip_bad,
         batch_ngrams=args.batch_ngrams,
         wait_server=args.wait_server,
-        progress=not args.no_progress and sys.stderr.isatty(),  # tqdm's redraws only on a terminal
+        progress=not args.no_progress,
     )
 
     def connect() -> Any:

@@ -42,6 +42,7 @@ from nlmserve.moses_plugin.nbest import (
     fsync_dir,
     iter_sentences,
 )
+from nlmserve.progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,8 @@ class RescoreConfig:
             ends at a sentence boundary and is one checkpoint.
         request_ngrams: most distinct n-grams sent in one ``score_ids`` request.
         wait_server: seconds to keep retrying (and reconnecting) when the server is gone.
-        progress: show a tqdm progress bar on stderr.
+        progress: show progress on stderr (``nlmserve.progress``: a bar on a terminal, log
+            lines otherwise).
     """
 
     feature_name: str = "NLM0"
@@ -383,8 +385,7 @@ def rescore(
                 if on_checkpoint is not None:
                     on_checkpoint(done)
         finally:
-            if bar is not None:
-                bar.close()
+            bar.close()
             conn.close()
     with _writing(out_path):
         _finish(checkpoint.partial, out_path)
@@ -431,16 +432,12 @@ def _finish(partial: str, out_path: str) -> None:
 
 
 def _progress_bar(enabled: bool, initial: int) -> Any:
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(initial=initial, unit="sent", desc="rescore", dynamic_ncols=True, leave=False)
+    return progress(desc="rescore", unit="sent", logger=log, initial=initial, enabled=enabled, leave=False)
 
 
 def _advance(bar: Any, n: int, stats: RescoreStats, elapsed: float) -> None:
-    if bar is None:
-        return
-    bar.update(n)
+    """Count ``n`` more sentences, with the speed so far (set first: a log line is written
+    by ``update``)."""
     if elapsed > 0:
         bar.set_postfix(ngrams_s=f"{stats.ngrams / elapsed:,.0f}", distinct=f"{stats.dedup_rate:.1%}", refresh=False)
+    bar.update(n)
