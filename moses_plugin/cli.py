@@ -29,6 +29,9 @@ def _register_rescore(subparsers: Any) -> None:
     p = subparsers.add_parser("rescore", help="add the neural LM's sentence log-probability to an n-best list")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--server", help=SERVER_HELP)
+    source.add_argument("--model", metavar="FILE",
+                        help="instead of a server: a model file of nlmserve train, scored in this process "
+                             "(cuda when available, else cpu); the same output as through a server of it")
     source.add_argument("--kenlm", metavar="FILE",
                         help="instead of a server: a Kneser-Ney model (ARPA or KenLM binary) read in-process "
                              "by the kenlm module, e.g. an in-domain LM as --feature-name KN1")
@@ -123,6 +126,10 @@ def _rescore(args: argparse.Namespace) -> int:
             from nlmserve.moses_plugin.kenlm_source import KenlmScorer
 
             return KenlmScorer(args.kenlm)
+        if args.model:
+            from nlmserve.moses_plugin.model_source import ModelScorer
+
+            return ModelScorer(args.model)
         from nlmserve.client.cli import connect
 
         return connect(args.server, args, args.timeout)

@@ -19,7 +19,6 @@ sentence score up to float rounding.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,9 +26,9 @@ import numpy as np
 from nlmserve.errors import InputError
 from nlmserve.kenlm_file import load_kenlm
 from nlmserve.lm.ngrams import BOS, BOS_ID, EOS, EOS_ID, UNK, UNK_ID
-from nlmserve.logbase import LN10, is_log10
+from nlmserve.logbase import LN10
 from nlmserve.moses_plugin.nbest import file_sha256
-
+from nlmserve.moses_plugin.rescore import SourceInfo, SourceScores, log10_flag
 
 
 class _GrowingVocabulary(dict[str, int]):
@@ -52,20 +51,9 @@ class _GrowingVocabulary(dict[str, int]):
         return found
 
 
-@dataclass(frozen=True)
-class KenlmInfo:
-    model_hash: str
-    path: str
-
-
-@dataclass(frozen=True)
-class KenlmScores:
-    log_probs: np.ndarray
-
-
 class KenlmScorer:
-    """What ``moses_plugin.rescore`` needs of a client (``order``, ``vocabulary``,
-    ``score_ids``, ``info.model_hash``), answered by a local KenLM model."""
+    """A ``moses_plugin.rescore.ScoreSource`` (``order``, ``info.model_hash``,
+    ``vocabulary``, ``score_ids``, ``close``) answered by a local KenLM model."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self._model = load_kenlm(path)
@@ -75,7 +63,7 @@ class KenlmScorer:
         self._words = [""] * 3  # the rescoring loop's fixed ids, then every word as it comes
         self._words[UNK_ID], self._words[BOS_ID], self._words[EOS_ID] = UNK, BOS, EOS
         self._vocab = _GrowingVocabulary(self._words)
-        self.info = KenlmInfo(model_hash=file_sha256(path), path=str(path))
+        self.info = SourceInfo(model_hash=file_sha256(path), path=str(path))
 
     @property
     def order(self) -> int:
@@ -84,16 +72,13 @@ class KenlmScorer:
     def vocabulary(self) -> dict[str, int]:
         return self._vocab
 
-    def score_ids(self, ids: np.ndarray, log_base: str = "ln", normalized: bool = True) -> KenlmScores:
+    def score_ids(self, ids: np.ndarray, log_base: str = "ln", normalized: bool = True) -> SourceScores:
         """Conditional log-probability of the last word of each row given the others.
 
         ``log_base`` is ``"ln"`` or ``"log10"``; ``normalized`` is accepted for the
         client's signature (KenLM's probabilities are normalised).
         """
-        try:
-            log10 = is_log10(log_base)
-        except ValueError as e:
-            raise InputError(str(e)) from e
+        log10 = log10_flag(log_base)
         rows = np.asarray(ids)
         if rows.ndim != 2 or rows.shape[1] < 1:
             raise InputError(f"n-gram ids must be a (rows, n) array, got shape {rows.shape}")
@@ -116,7 +101,7 @@ class KenlmScorer:
             out[i] = model.BaseScore(state, words[row[-1]], other)
         if not log10:
             out *= LN10
-        return KenlmScores(out)
+        return SourceScores(out)
 
     def close(self) -> None:
         """Nothing to release (the model is freed with the object)."""

@@ -3,8 +3,14 @@
 For each hypothesis ``w1 … wm`` the feature is ``ln p(w1 … wm </s> | <s>)``: the sum of
 the natural-log probabilities of its ``m + 1`` n-grams (contexts left-padded with
 ``<s>``). Hypotheses of several sentences are batched: their n-grams are packed as ids
-(``client.vocabulary()``), the distinct ones are scored once (``client.score_ids``) and
+(``source.vocabulary()``), the distinct ones are scored once (``source.score_ids``) and
 summed back per hypothesis.
+
+The scores come from a :class:`ScoreSource`: a server's ``nlmserve.client.LMClient``
+(``--server``), a model file scored in this process
+(``moses_plugin.model_source.ModelScorer``, ``--model``) or a Kneser-Ney model read by
+KenLM (``moses_plugin.kenlm_source.KenlmScorer``, ``--kenlm``). All three go through
+the one loop below.
 
 The output is written to ``OUT.partial`` and checkpointed after every batch (the number
 of finished sentences and the byte length of the partial output, in
@@ -13,7 +19,9 @@ run started again with the same arguments truncates the partial file to the last
 checkpoint and continues from there; batches are cut at the same sentences as in an
 uninterrupted run, so the finished file is the same byte for byte. It appears at
 ``OUT`` only when complete (fsync + rename). A dead server is waited for, with
-backoff, up to ``wait_server`` seconds, then the client reconnects.
+backoff, up to ``wait_server`` seconds, then the client reconnects. A run may be resumed
+from another source of the same model (its ``info.model_hash``): a server's and the
+model file's are the same.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import numpy as np
 
 from nlmserve.errors import InputError, NbestFormatError, NlmserveError, OverloadedError, ServerUnavailableError
 from nlmserve.lm.ngrams import sentence_windows, word_ids
+from nlmserve.logbase import is_log10
 from nlmserve.moses_plugin.nbest import (
     NbestEntry,
     ReadStats,
@@ -50,18 +59,53 @@ PROGRESS_VERSION = 1
 
 
 class NgramScores(Protocol):
-    log_probs: np.ndarray
+    @property
+    def log_probs(self) -> np.ndarray: ...
 
 
-class ScoringClient(Protocol):
-    """What rescoring needs of ``nlmserve.client.LMClient``."""
+class SourceModel(Protocol):
+    @property
+    def model_hash(self) -> str: ...
+
+
+class ScoreSource(Protocol):
+    """What rescoring needs of a scorer: the surface of ``nlmserve.client.LMClient`` that
+    ``ModelScorer`` and ``KenlmScorer`` also have."""
 
     @property
     def order(self) -> int: ...
 
+    @property
+    def info(self) -> SourceModel: ...
+
     def vocabulary(self) -> dict[str, int]: ...
 
-    def score_ids(self, ids: np.ndarray, log_base: str = ..., normalized: bool = ...) -> Any: ...
+    def score_ids(self, ids: np.ndarray, log_base: str = ..., normalized: bool = ...) -> NgramScores: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class SourceInfo:
+    """``info`` of a source read in this process: the file's model hash and path."""
+
+    model_hash: str
+    path: str
+
+
+@dataclass(frozen=True)
+class SourceScores:
+    """What ``score_ids`` of a source read in this process returns."""
+
+    log_probs: np.ndarray
+
+
+def log10_flag(log_base: str) -> bool:
+    """``log_base`` ("log10" or "ln") as a flag; InputError otherwise."""
+    try:
+        return is_log10(log_base)
+    except ValueError as e:
+        raise InputError(str(e)) from e
 
 
 @dataclass(frozen=True)
@@ -141,13 +185,13 @@ def _unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 class Connection:
-    """A client plus what rescoring derived from it; reconnects with backoff when asked."""
+    """A source plus what rescoring derived from it; reconnects with backoff when asked."""
 
-    def __init__(self, connect: Callable[[], ScoringClient], config: RescoreConfig, stats: RescoreStats) -> None:
+    def __init__(self, connect: Callable[[], ScoreSource], config: RescoreConfig, stats: RescoreStats) -> None:
         self._connect = connect
         self.config = config
         self.stats = stats
-        self.client: ScoringClient | None = None
+        self.client: ScoreSource | None = None
         self.lm: SentenceLM | None = None
         self.model_hash = ""
 
@@ -159,8 +203,7 @@ class Connection:
                 client = self._connect()
                 vocab = client.vocabulary()
                 order = int(client.order)
-                info = getattr(client, "info", None)
-                model_hash = str(getattr(info, "model_hash", "")) if info is not None else ""
+                model_hash = str(client.info.model_hash)
                 break
             except (ServerUnavailableError, OverloadedError, ConnectionError, OSError) as exc:
                 if time.monotonic() + delay > deadline:
@@ -203,10 +246,9 @@ class Connection:
 
     def close(self) -> None:
         client, self.client = self.client, None
-        closer = getattr(client, "close", None)
-        if callable(closer):
+        if client is not None:
             try:
-                closer()
+                client.close()
             except Exception:  # noqa: BLE001 - closing a broken channel must not mask the real error
                 log.debug("closing the old client failed", exc_info=True)
 
@@ -326,12 +368,13 @@ class Checkpoint:
 def rescore(
     nbest_path: str,
     out_path: str,
-    connect: Callable[[], ScoringClient],
+    connect: Callable[[], ScoreSource],
     config: RescoreConfig = RescoreConfig(),
     *,
     on_checkpoint: Callable[[int], None] | None = None,
 ) -> RescoreStats:
-    """Rescore ``nbest_path`` into ``out_path`` (resuming a checkpointed earlier run).
+    """Rescore ``nbest_path`` into ``out_path`` (resuming a checkpointed earlier run) with
+    the scores of ``connect()``'s source (called again to reconnect after an outage).
 
     ``on_checkpoint(sentences_done)`` is called after each checkpoint is durable.
     """
