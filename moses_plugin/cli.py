@@ -104,7 +104,7 @@ def _register_bleu(subparsers: Any) -> None:
 def _register_experiment(subparsers: Any) -> None:
     from nlmserve.moses_plugin.experiment import add_arguments
 
-    p = subparsers.add_parser("experiment", help="train, serve, rescore, tune with and without NLM0, report BLEU")
+    p = subparsers.add_parser("experiment", help="train, rescore, tune with and without NLM0, report BLEU")
     add_arguments(p)
     p.set_defaults(func=_experiment)
 

@@ -1,15 +1,20 @@
 """``nlmserve experiment`` (``make demo``): the whole path on shipped data.
 
-train a small NLM (``nlmserve train``, subprocess) → serve it (``nlmserve serve --port 0``,
-subprocess) → [add a Kneser-Ney feature, ``--kenlm``] → rescore the dev and test n-best
-lists → MERT (or MIRA) on dev without and with NLM0
-→ rerank test → BLEU, paired bootstrap p-values → a table (Markdown, JSON, PNG).
+train a small NLM (``nlmserve train``, subprocess) → [add a Kneser-Ney feature,
+``--kenlm``] → rescore the dev and test n-best lists with it → MERT (or MIRA) on dev
+without and with NLM0 → rerank test → BLEU, paired bootstrap p-values → a table
+(Markdown, JSON, PNG).
+
+The lists are rescored with the model file in this process (``rescore --model``), with no
+server; ``--via-server`` serves the model instead (``nlmserve serve --port 0``, a
+subprocess, stopped in ``finally``) and rescores through it, and ``--server TARGET`` uses
+a running server. A model file and a server of it give the same lists byte for byte
+(``moses_plugin.model_source``); the report's ``source`` says which was used.
 
 Every step writes its output into the work directory and is skipped when that output
 exists, so a rerun resumes where an interrupted one stopped (training resumes from its
 own checkpoint, rescoring from its sidecar); ``WORKDIR/inputs.json`` records what the
-outputs were made from, and a run with other inputs is refused (``workdir.py``). The
-server is stopped in ``finally``.
+outputs were made from, and a run with other inputs is refused (``workdir.py``).
 """
 
 from __future__ import annotations
@@ -57,7 +62,9 @@ class ExperimentConfig:
         dev_nbest / dev_ref / test_nbest / test_ref: n-best lists and references.
         minutes: training wall-time budget; train_args: extra ``nlmserve train`` flags.
         model: use this model file instead of training one.
-        server: use this running server (HOST:PORT) instead of starting one.
+        server: rescore through this running server (HOST:PORT) instead of with a model file.
+        via_server: serve the model file (a subprocess) and rescore through it, instead of
+            scoring it in this process.
         tuner: ``mert`` (Och's MERT) or ``mira`` (batch k-best MIRA, Moses' ``kbmira``).
         kenlm / kenlm_name: a Kneser-Ney model (ARPA or KenLM binary) added to both lists as
             the feature ``kenlm_name`` before NLM0, e.g. an in-domain LM beside the decoder's:
@@ -85,6 +92,7 @@ class ExperimentConfig:
     train_args: tuple[str, ...] = ("--order", "5", "--dim", "128", "--min-count", "2", "--threads", "2")
     model: str | None = None
     server: str | None = None
+    via_server: bool = False
     tuner: str = "mert"
     kenlm: str | None = None
     kenlm_name: str = "KN1"
@@ -108,8 +116,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=d.minutes, help=f"training budget (default {d.minutes})")
     p.add_argument("--train-args", default=" ".join(d.train_args), help="extra `nlmserve train` flags (one string)")
     p.add_argument("--model", help="use this model file (no training)")
-    p.add_argument("--server", help="use this running server HOST:PORT, or replicas HOST:PORT,HOST:PORT "
-                                    "or dns:///NAME:PORT (no model, no serve)")
+    served = p.add_mutually_exclusive_group()
+    served.add_argument("--server", help="rescore through this running server HOST:PORT, or replicas "
+                                         "HOST:PORT,HOST:PORT or dns:///NAME:PORT (no model, no training)")
+    served.add_argument("--via-server", action="store_true",
+                        help="serve the model (nlmserve serve, a subprocess) and rescore through it, instead of "
+                             "scoring it in this process")
     p.add_argument("--tuner", choices=("mert", "mira"), default=d.tuner,
                    help="mert (Och's line search) or mira (batch k-best MIRA, as Moses' kbmira) (default mert)")
     p.add_argument("--kenlm", help="a Kneser-Ney model (ARPA or KenLM binary) added as a second LM feature "
@@ -124,7 +136,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lowercase", action="store_true", help="lowercase hypotheses (LM and BLEU)")
     from nlmserve.client.cli import add_security_flags
 
-    add_security_flags(p)  # for --server; a server started here is plaintext on 127.0.0.1
+    add_security_flags(p)  # for --server; a server started by --via-server is plaintext on 127.0.0.1
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -132,7 +144,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         workdir=args.workdir, train_text=tuple(args.train_text), valid_text=args.valid_text,
         dev_nbest=args.dev_nbest, dev_ref=tuple(args.dev_ref), test_nbest=args.test_nbest,
         test_ref=tuple(args.test_ref), minutes=args.minutes, train_args=tuple(args.train_args.split()),
-        model=args.model, server=args.server, tuner=args.tuner, kenlm=args.kenlm,
+        model=args.model, server=args.server, via_server=args.via_server, tuner=args.tuner, kenlm=args.kenlm,
         kenlm_name=args.kenlm_name, restarts=args.restarts, seed=args.seed,
         mert_runs=args.mert_runs, samples=args.samples, lowercase=args.lowercase,
     )
@@ -255,10 +267,12 @@ def run(config: ExperimentConfig, client_kwargs: dict[str, Any] | None = None) -
     ``client_kwargs``: TLS and token arguments of ``LMClient`` for ``config.server``.
     """
     from nlmserve.moses_plugin.nbest import check_feature_name
-    from nlmserve.moses_plugin.pipeline import FEATURE, TUNERS, Pipeline
+    from nlmserve.moses_plugin.pipeline import FEATURE, TUNERS, NlmSource, Pipeline
 
     if config.mert_runs < 1:
         raise NlmserveError(f"--runs must be at least 1, not {config.mert_runs}")
+    if config.server is not None and config.via_server:
+        raise NlmserveError("--via-server serves the experiment's model; --server names a running server: give one")
     if config.tuner not in TUNERS:
         raise NlmserveError(f"unknown tuner {config.tuner!r}: use one of {', '.join(TUNERS)}")
     if config.kenlm:
@@ -276,14 +290,16 @@ def run(config: ExperimentConfig, client_kwargs: dict[str, Any] | None = None) -
     started = time.monotonic()
     server: ServerProcess | None = None
     try:
-        target = config.server
-        if target is None:
-            client_kwargs = None
+        if config.server is not None:
+            source = NlmSource.server(config.server, client_kwargs)
+        else:
             model = Path(config.model) if config.model else train_model(config, work / "nlm.model")
-            server = start_server(model)
-            target = server.target
-        pipeline = Pipeline(config, work, target, client_kwargs)
-        report = pipeline.run()
+            if config.via_server:
+                server = start_server(model)
+                source = NlmSource.server(server.target, started=True)
+            else:
+                source = NlmSource.model_file(model)
+        report = Pipeline(config, work, source).run()
     finally:
         if server is not None:
             server.stop()

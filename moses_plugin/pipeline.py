@@ -1,4 +1,8 @@
-"""The experiment's steps once a server is up: rescore, tune, rerank, evaluate.
+"""The experiment's steps once NLM0's source is known: rescore, tune, rerank, evaluate.
+
+NLM0's scores come from an :class:`NlmSource`: the model file scored in this process
+(the default: no server), or a server (one given with ``--server``, or started by the
+experiment with ``--via-server``); the report records which (``source``).
 
 Systems compared on the test set (all reranking the same test n-best list), named after
 the tuner (``mert``, Och's MERT, or ``mira``, batch k-best MIRA; ``tuner`` in the config):
@@ -38,14 +42,15 @@ import json
 import logging
 import math
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from nlmserve.errors import InputError
 from nlmserve.moses_plugin import bleu, mert, mira
 from nlmserve.moses_plugin.nbest import file_sha256, read_lines, write_text_atomic
 from nlmserve.moses_plugin.rerank import rerank
-from nlmserve.moses_plugin.rescore import RescoreConfig, rescore
+from nlmserve.moses_plugin.rescore import RescoreConfig, ScoreSource, rescore
 from nlmserve.moses_plugin.weights import Weights, load_weights, to_moses_ini, to_weights_txt
 
 if TYPE_CHECKING:
@@ -72,13 +77,56 @@ def baselines(tuner: str, kenlm_name: str = "") -> dict[str, str]:
     return {f"{tuner}+NLM0": tuner, "moses+NLM0": "moses"}
 
 
+@dataclass(frozen=True)
+class NlmSource:
+    """Where NLM0's scores come from.
+
+    Fields:
+        kind: ``model`` (a model file scored in this process) or ``server``.
+        where: the model file's path, or the server's target.
+        connect: opens the source for ``rescore`` (a model file is loaded once).
+        started: the server was started by this experiment (``--via-server``).
+    """
+
+    kind: str
+    where: str
+    connect: Callable[[], ScoreSource] = field(repr=False, compare=False)
+    started: bool = False
+
+    @classmethod
+    def model_file(cls, path: str | os.PathLike[str]) -> "NlmSource":
+        loaded: list[ScoreSource] = []
+
+        def connect() -> ScoreSource:
+            if not loaded:
+                from nlmserve.moses_plugin.model_source import ModelScorer
+
+                loaded.append(ModelScorer(path))
+            return loaded[0]
+
+        return cls("model", str(path), connect)
+
+    @classmethod
+    def server(cls, target: str, client_kwargs: dict[str, Any] | None = None, started: bool = False) -> "NlmSource":
+        """``target`` (HOST:PORT, replicas, dns:///…); ``client_kwargs``: ``LMClient``'s TLS and token arguments."""
+        kwargs = dict(client_kwargs or {})
+
+        def connect() -> ScoreSource:
+            from nlmserve.client import LMClient
+
+            return LMClient(target, timeout=120.0, **kwargs)
+
+        return cls("server", target, connect, started)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "where": self.where, "started_server": self.started}
+
+
 class Pipeline:
-    def __init__(self, config: "ExperimentConfig", work: Path, target: str,
-                 client_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(self, config: "ExperimentConfig", work: Path, source: NlmSource) -> None:
         self.config = config
-        self.client_kwargs = dict(client_kwargs or {})
         self.work = work
-        self.target = target
+        self.source = source
         self.bleu_config = bleu.BleuConfig(lowercase=config.lowercase)
         self.model_hash = ""
         self.kenlm_hash = ""
@@ -147,24 +195,23 @@ class Pipeline:
             return name
         return name + (f".{self.kenlm_name}" if self.kenlm_name else "") + ".line"
 
-    def connect(self) -> Any:
-        from nlmserve.client import LMClient
-
-        return LMClient(self.target, timeout=120.0, **self.client_kwargs)
-
     def rescored(self, name: str, nbest: str) -> Path:
         out = self.work / f"{name}{'.kn' if self.config.kenlm else ''}.nlm.nbest.gz"
         config = RescoreConfig(feature_name=FEATURE, lowercase=self.config.lowercase, progress=False)
-        with self.connect() as client:
-            self.model_hash = client.info.model_hash
+        source = self.source.connect()
+        try:
+            self.model_hash = source.info.model_hash
+        finally:
+            source.close()
         stats_path = out.with_name(out.name.replace(".nlm.nbest.gz", ".rescore.json"))
         if out.exists() and stats_path.exists():
             stats = json.loads(stats_path.read_text())
             if stats.get("model_hash") and stats["model_hash"] != self.model_hash:
-                raise InputError(f"was rescored with model {stats['model_hash']}, the server has {self.model_hash}", str(out))
+                raise InputError(f"was rescored with model {stats['model_hash']}, the {self.source.kind} has "
+                                 f"{self.model_hash}", str(out))
         else:
-            log.info("rescoring %s → %s", nbest, out)
-            result = rescore(nbest, str(out), self.connect, config)
+            log.info("rescoring %s → %s (%s %s)", nbest, out, self.source.kind, self.source.where)
+            result = rescore(nbest, str(out), self.source.connect, config)
             stats = result.as_dict()
             write_text_atomic(stats_path, json.dumps(stats, indent=2))
         self.rescore_stats[name] = stats
@@ -288,7 +335,7 @@ class Pipeline:
                 row.update(p_value=paired.p_value, paired_signature=paired.signature,
                            delta=_mean(test) - _mean(base_test), ci95=paired.system_ci)
             rows.append(row)
-        return {"rows": rows, "model_hash": self.model_hash, "rescore": self.rescore_stats, "server": self.target,
+        return {"rows": rows, "model_hash": self.model_hash, "rescore": self.rescore_stats, "source": self.source.as_dict(),
                 "mert_runs": n_runs, "tuner": self.config.tuner, "kenlm": self.config.kenlm,
                 "kenlm_name": self.kenlm_name or None, "kenlm_hash": self.kenlm_hash or None}
 

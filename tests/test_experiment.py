@@ -1,4 +1,5 @@
-"""The experiment end to end on slices of the shipped lists, with a real `nlmserve serve` subprocess."""
+"""The experiment end to end on slices of the shipped lists: the model scored in process (no
+server), and through a real `nlmserve serve` subprocess with --via-server."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import kenlm
 import pytest
 
 from nlmserve.cli import main
-from nlmserve.moses_plugin import bleu
+from nlmserve.moses_plugin import bleu, experiment
 from nlmserve.moses_plugin.experiment import ExperimentConfig, run
 from nlmserve.moses_plugin.nbest import iter_entries, iter_sentences, read_lines
 from nlmserve.moses_plugin.weights import load_weights
@@ -51,14 +52,22 @@ def _unigram_arpa(lines: list[str], path: Path) -> Path:
     return path
 
 
+def _no_server(*args: object, **kwargs: object) -> None:
+    raise AssertionError("a server was started")
+
+
 @pytest.mark.slow
-def test_experiment_runs_and_resumes(tiny_model_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_experiment_runs_and_resumes(tiny_model_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
     dev, dev_ref = _slice("newstest2012", tmp_path)
     test, test_ref = _slice("newstest2013", tmp_path)
     work = tmp_path / "work"
     config = ExperimentConfig(workdir=str(work), dev_nbest=dev, dev_ref=(dev_ref,), test_nbest=test,
                               test_ref=(test_ref,), model=str(tiny_model_path), restarts=0, samples=100)
+    start_server = experiment.start_server
+    monkeypatch.setattr(experiment, "start_server", _no_server)  # the default path scores in this process
     report = run(config)
+    assert report["source"] == {"kind": "model", "where": str(tiny_model_path), "started_server": False}
     rows = {r["system"]: r for r in report["rows"]}
     assert list(rows) == ["moses", "mert", "mert+NLM0", "moses+NLM0"]
     model_hash = report["model_hash"]
@@ -82,14 +91,21 @@ def test_experiment_runs_and_resumes(tiny_model_path: Path, tmp_path: Path, caps
     saved = json.loads((work / "results.json").read_text())
     assert saved["rows"] == report["rows"]
     assert report["rescore"]["test"]["hypotheses"] > 20 * N
-    # A rerun reuses every step's output and reports the same table (CLI path, server in a subprocess).
+    # A rerun reuses every step's output and reports the same table (CLI path, the model served by
+    # a subprocess with --via-server: the lists rescored in process name the model hash it serves).
     mtime = (work / "test.nlm.nbest.gz").stat().st_mtime_ns
+    monkeypatch.setattr(experiment, "start_server", start_server)
     assert main(["experiment", "--workdir", str(work), "--dev-nbest", dev, "--dev-ref", dev_ref, "--test-nbest", test,
-                 "--test-ref", test_ref, "--model", str(tiny_model_path), "--restarts", "0", "--samples", "100"]) == 0
+                 "--test-ref", test_ref, "--model", str(tiny_model_path), "--restarts", "0", "--samples", "100",
+                 "--via-server"]) == 0
+    monkeypatch.setattr(experiment, "start_server", _no_server)
     out = capsys.readouterr().out
     assert "mert+NLM0" in out and f"model {model_hash}" in out
     assert (work / "test.nlm.nbest.gz").stat().st_mtime_ns == mtime
-    assert json.loads((work / "results.json").read_text())["rows"] == saved["rows"]
+    served = json.loads((work / "results.json").read_text())
+    assert served["rows"] == saved["rows"] and served["model_hash"] == model_hash
+    assert served["source"]["kind"] == "server" and served["source"]["started_server"]
+    assert served["source"]["where"].startswith("127.0.0.1:")
     # Replicated tuning on the same workdir: run 0 is the single run above (its files are
     # reused), runs 1 and 2 are new MERT runs with seeds 1 and 2 (one random restart each).
     assert main(["experiment", "--workdir", str(work), "--dev-nbest", dev, "--dev-ref", dev_ref, "--test-nbest", test,
@@ -193,7 +209,7 @@ def test_moses_nlm0_is_the_exact_line_search_along_nlm0_for_both_tuners(tmp_path
 
     from nlmserve.moses_plugin import mert
     from nlmserve.moses_plugin.kenlm_source import KenlmScorer
-    from nlmserve.moses_plugin.pipeline import Pipeline
+    from nlmserve.moses_plugin.pipeline import NlmSource, Pipeline
     from nlmserve.moses_plugin.rescore import RescoreConfig, rescore
 
     dev, dev_ref = _slice("newstest2012", tmp_path)
@@ -207,7 +223,7 @@ def test_moses_nlm0_is_the_exact_line_search_along_nlm0_for_both_tuners(tmp_path
         work.mkdir()
         config = ExperimentConfig(workdir=str(work), dev_nbest=dev, dev_ref=(dev_ref,), tuner=tuner, restarts=0,
                                   mert_runs=2)
-        pipeline = Pipeline(config, work, target="(not used by tuning)")
+        pipeline = Pipeline(config, work, NlmSource.server("(not used by tuning)"))
         weights = pipeline.tuned(dev_nlm)
         assert len(weights["moses+NLM0"]) == 1 and len(weights[tuner]) == 2  # one line search, two seeded runs
         found[tuner] = (weights["moses+NLM0"][0], pipeline.dev_bleu["moses+NLM0"][0], weights["moses"][0])
@@ -325,3 +341,14 @@ def test_workdir_records_its_inputs_and_refuses_others(tmp_path: Path, capsys: p
                  "--test-nbest", test, "--test-ref", test_ref]) == 1
     assert "lists.dev_nbest differ" in capsys.readouterr().err
     assert sorted(p.name for p in work.iterdir()) == [RECORD]
+
+
+def test_a_served_model_and_a_running_server_are_one_choice(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main(["experiment", "--workdir", str(tmp_path / "w"), "--server", "127.0.0.1:1", "--via-server"])
+    assert stop.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+    from nlmserve.errors import NlmserveError
+
+    with pytest.raises(NlmserveError, match="give one"):
+        run(ExperimentConfig(workdir=str(tmp_path / "w"), server="127.0.0.1:1", via_server=True))
+    assert not (tmp_path / "w").exists()
