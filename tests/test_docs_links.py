@@ -1,0 +1,70 @@
+"""Every relative link in the README, docs/ and moses_plugin/README.md points at a file or
+folder of the checkout, and every #anchor into a Markdown file at one of its headings (as
+GitHub makes them)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PAGES = sorted([REPO / "README.md", REPO / "moses_plugin" / "README.md", *(REPO / "docs").rglob("*.md")])
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+FENCE = re.compile(r"^(```|~~~)")
+
+
+def prose(text: str) -> str:
+    """The text outside fenced and indented code blocks and inline code spans."""
+    kept, fenced = [], False
+    for line in text.splitlines():
+        if FENCE.match(line.lstrip()):
+            fenced = not fenced
+            continue
+        if fenced or line.startswith("    ") or line.startswith("\t"):
+            continue
+        kept.append(re.sub(r"`[^`]*`", "", line))
+    return "\n".join(kept)
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's heading ids: lowercase, punctuation dropped, spaces to hyphens, -1, -2 on repeats."""
+    seen: dict[str, int] = {}
+    out = set()
+    for line in prose(page.read_text()).splitlines():
+        m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not m:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def relative_links(page: Path) -> list[str]:
+    return [t for t in LINK.findall(prose(page.read_text())) if not re.match(r"^[a-z][a-z0-9+.-]*:", t)]
+
+
+def test_the_pages_are_found() -> None:
+    names = {p.relative_to(REPO).as_posix() for p in PAGES}
+    assert {"README.md", "moses_plugin/README.md", "docs/results.md"} <= names
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_relative_links_resolve(page: Path) -> None:
+    broken = []
+    for target in relative_links(page):
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(f"{target}: no heading #{anchor} in {dest.relative_to(REPO)}")
+    assert not broken, f"{page.relative_to(REPO)}: " + "; ".join(broken)
+
+
+def test_anchor_rules() -> None:
+    page = REPO / "docs" / "scaling.md"
+    assert "large-vocabulary-v--129531" in anchors(page) and "kubernetes" in anchors(page)
