@@ -1,0 +1,71 @@
+"""What every benchmark records beside its numbers: the machine it ran on, and the CPU time of
+a process tree (a server and the helpers it started).
+
+    from _common import machine, tree_cpu_seconds
+
+Benchmarks run as scripts from bench/, so this module is imported by its file name.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def machine() -> dict[str, Any]:
+    """CPU model, cores, Python and torch versions, platform, and the 1-minute load average
+    when the benchmark started (the cores are shared: a busy machine moves every number)."""
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info: dict[str, Any] = {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+                            "platform": platform.platform(), "load_average_1m": round(os.getloadavg()[0], 2)}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(parent pid, user + system CPU seconds) of a live process, None when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) "
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """User + system CPU seconds of ``root`` and every live descendant (e.g. ``nlmserve serve``
+    and the native front end it started). Children that have exited are counted in their
+    parent's total only once waited for, so read this before and after a run of a server that
+    keeps its children alive."""
+    stats: dict[int, tuple[int, float]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            st = _stat(int(entry.name))
+            if st is not None:
+                stats[int(entry.name)] = st
+    total, frontier = 0.0, [root]
+    seen = set()
+    while frontier:
+        pid = frontier.pop()
+        if pid in seen or pid not in stats:
+            continue
+        seen.add(pid)
+        total += stats[pid][1]
+        frontier.extend(child for child, (parent, _) in stats.items() if parent == pid)
+    return total

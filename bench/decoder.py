@@ -1,0 +1,374 @@
+"""The neural LM inside the Moses decoder: decoding time with ``NeuralLMServer`` against
+KENLM alone, on a real system, measured side by side in one run.
+
+    .venv/bin/python bench/decoder.py --moses /path/to/bin/moses \
+        --ini ../shared/data/moses-fr-en/moses.ini --kenlm europarl.lc-moses.5gram.trie.bin \
+        --model nlm.model --input ../shared/data/nbest/newstest-fr-en/newstest2013.src \
+        --lines 500 --threads 2 --rounds 2 --json bench-decoder.json
+
+Every configuration decodes the same first ``--lines`` sentences with ``moses -threads T``;
+the rounds are interleaved (KENLM alone, then each feature configuration, then again), so a
+change of the machine's load hits them alike. One ``nlmserve serve`` (the model given) runs on
+127.0.0.1 for the whole benchmark, and the feature line added to the ini is
+
+    NeuralLMServer name=NLM0 factor=0 order=ORDER path=127.0.0.1:PORT <configuration's options>
+
+with the weight ``--nlm-weight`` (the KENLM weights stay as the ini has them). Measured per
+run: wall time of the decoder process (loading included: the same tables load in every
+configuration), its CPU time (user + system, from wait4), the server's CPU time over the run
+(the process tree, so the native front end counts), round trips per sentence (the feature's
+``-v 1`` line per sentence), and n-grams sent and the client cache's hit rate (the feature's
+closing line). The ratios printed are medians over the rounds against KENLM alone.
+
+Same translations: the 1-best output of each configuration is compared across rounds, and
+``--prefetch-check N`` decodes the first N sentences once with every prefetch mode
+(stack, hypothesis, false) of each scoring (normalised, self-normalised) and checks that the
+outputs are byte-identical within each scoring.
+
+The ini is rewritten into the work folder with absolute table paths; ``LM_PATH`` in it is
+replaced by ``--kenlm`` (the shipped system's ini has that placeholder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine, tree_cpu_seconds  # noqa: E402
+
+from nlmserve.moses_plugin.experiment import ServerProcess, start_server  # noqa: E402
+
+#: Configurations measured by default: name, then the feature's options (None: KENLM alone).
+DEFAULT_CONFIGS = ["kenlm", "exact:normalized=true", "selfnorm:normalized=false"]
+PREFETCH_MODES = ["stack", "hypothesis", "false"]
+#: Targets: wall time with the feature against KENLM alone (exact scores, self-normalised).
+TARGETS = {"exact": 2.0, "selfnorm": 1.5}
+
+_SENTENCE = re.compile(r"NeuralLMServer \S+: sentence \d+ took (\d+) round trips")
+_CLOSING = re.compile(r"(\d+) n-grams sent, (\d+) cache hits, (\d+) misses")
+
+
+@dataclass
+class Config:
+    name: str
+    options: dict[str, str] | None  # None: KENLM alone
+
+    @classmethod
+    def parse(cls, text: str) -> "Config":
+        """``kenlm`` or ``NAME:key=value,key=value`` (the feature's moses.ini options)."""
+        if text == "kenlm":
+            return cls("kenlm", None)
+        name, _, rest = text.partition(":")
+        options: dict[str, str] = {}
+        for item in filter(None, rest.split(",")):
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise SystemExit(f"--configs: {item!r} in {text!r} is not key=value")
+            options[key] = value
+        return cls(name, options)
+
+
+@dataclass
+class Run:
+    config: str
+    round: int
+    lines: int
+    wall_s: float
+    decoder_cpu_s: float
+    server_cpu_s: float
+    round_trips: int | None = None
+    ngrams_sent: int | None = None
+    cache_hits: int | None = None
+    cache_misses: int | None = None
+    output_sha: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def rewrite_ini(ini: Path, kenlm: str | None, out: Path, feature: str | None, weight: float) -> None:
+    """The ini with absolute table paths, LM_PATH replaced, and the feature line and its weight
+    added when ``feature`` is given."""
+    base = ini.resolve().parent
+    lines: list[str] = []
+    section = ""
+    for raw in ini.read_text().splitlines():
+        line = raw
+        if kenlm is not None:
+            line = line.replace("LM_PATH", str(Path(kenlm).resolve()))
+
+        def absolute(m: re.Match[str]) -> str:
+            value = m.group(2)
+            return m.group(1) + (value if os.path.isabs(value) else str(base / value))
+
+        if not line.lstrip().startswith("#"):
+            line = re.sub(r"(\bpath=)(\S+)", absolute, line)
+        if line.startswith("["):
+            if section == "[weight]" and feature is not None:
+                lines.append(f"NLM0= {weight}")
+            section = line.strip()
+        lines.append(line)
+        if section == "[feature]" and line.startswith("KENLM") and feature is not None:
+            lines.append(feature)
+    if section == "[weight]" and feature is not None:
+        lines.append(f"NLM0= {weight}")
+    if feature is not None and not any(x == feature for x in lines):
+        raise SystemExit(f"{ini}: no KENLM line in its [feature] section to add the feature after")
+    out.write_text("\n".join(lines) + "\n")
+
+
+def decode(moses: str, ini: Path, src: Path, threads: int, out: Path, log: Path) -> tuple[float, float]:
+    """Run the decoder; returns (wall seconds, CPU seconds of the decoder process)."""
+    with open(src, "rb") as fin, open(out, "wb") as fout, open(log, "wb") as ferr:
+        start = time.perf_counter()
+        proc = subprocess.Popen([moses, "-f", str(ini), "-threads", str(threads), "-v", "1"],
+                                stdin=fin, stdout=fout, stderr=ferr, cwd=ini.parent)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        tail = log.read_text(errors="replace").splitlines()[-5:]
+        raise SystemExit(f"moses exited with {proc.returncode} ({ini}); last lines of {log}:\n" + "\n".join(tail))
+    return wall, usage.ru_utime + usage.ru_stime
+
+
+def feature_counts(log: Path) -> dict[str, int | None]:
+    trips: list[int] = []
+    closing: tuple[int, int, int] | None = None
+    for line in log.read_text(errors="replace").splitlines():
+        m = _SENTENCE.search(line)
+        if m:
+            trips.append(int(m.group(1)))
+        c = _CLOSING.search(line)
+        if c:
+            closing = (int(c.group(1)), int(c.group(2)), int(c.group(3)))
+    return {"round_trips": sum(trips) if trips else None,
+            "ngrams_sent": closing[0] if closing else None,
+            "cache_hits": closing[1] if closing else None,
+            "cache_misses": closing[2] if closing else None}
+
+
+def sha(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def summarise(runs: list[Run], configs: list[Config]) -> list[dict[str, Any]]:
+    by = {c.name: [r for r in runs if r.config == c.name] for c in configs}
+    base = statistics.median(r.wall_s for r in by["kenlm"]) if by.get("kenlm") else None
+    base_cpu = statistics.median(r.decoder_cpu_s + r.server_cpu_s for r in by["kenlm"]) if by.get("kenlm") else None
+    rows = []
+    for c in configs:
+        rs = by[c.name]
+        if not rs:
+            continue
+        wall = statistics.median(r.wall_s for r in rs)
+        cpu = statistics.median(r.decoder_cpu_s + r.server_cpu_s for r in rs)
+        lines = rs[0].lines
+        row: dict[str, Any] = {
+            "config": c.name, "options": c.options, "walls_s": [round(r.wall_s, 2) for r in rs],
+            "wall_s": round(wall, 2), "wall_ratio": round(wall / base, 2) if base else None,
+            "decoder_cpu_s": round(statistics.median(r.decoder_cpu_s for r in rs), 2),
+            "server_cpu_s": round(statistics.median(r.server_cpu_s for r in rs), 2),
+            "cpu_ratio": round(cpu / base_cpu, 2) if base_cpu else None,
+            "same_output_every_round": len({r.output_sha for r in rs}) == 1,
+        }
+        trips = [r.round_trips for r in rs if r.round_trips is not None]
+        sent = [r.ngrams_sent for r in rs if r.ngrams_sent is not None]
+        hits = [(r.cache_hits, r.cache_misses) for r in rs if r.cache_hits is not None and r.cache_misses is not None]
+        if trips:
+            row["round_trips_per_sentence"] = round(statistics.median(trips) / lines, 1)
+        if sent:
+            row["ngrams_sent_per_sentence"] = round(statistics.median(sent) / lines)
+        if hits:
+            h, m = hits[0]
+            row["cache_hit_rate"] = round(h / (h + m), 4) if h + m else None
+            row["lookups_per_sentence"] = round((h + m) / lines)
+        target = TARGETS.get(c.name)
+        if target is not None and row["wall_ratio"] is not None:
+            row["target"] = target
+            row["met"] = row["wall_ratio"] <= target
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    out = ["| configuration | wall s (rounds) | median | × KENLM wall | decoder CPU s | server CPU s | "
+           "× KENLM CPU | round trips / sent. | n-grams sent / sent. | cache hit rate | target |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        opts = "KENLM alone" if r["options"] is None else ("+ NLM0 " + " ".join(
+            f"`{k}={v}`" for k, v in r["options"].items()))
+        target = "" if "target" not in r else f"≤ {r['target']}×: {'met' if r['met'] else '**not met**'}"
+        out.append(f"| {opts} | {', '.join(str(w) for w in r['walls_s'])} | {r['wall_s']} | {r['wall_ratio']} | "
+                   f"{r['decoder_cpu_s']} | {r['server_cpu_s']} | {r['cpu_ratio']} | "
+                   f"{r.get('round_trips_per_sentence', '')} | {r.get('ngrams_sent_per_sentence', '')} | "
+                   f"{r.get('cache_hit_rate', '')} | {target} |")
+    return out
+
+
+BEGIN, END = "<!-- bench/decoder.py: begin -->", "<!-- bench/decoder.py: end -->"
+
+
+def render(result: dict[str, Any]) -> str:
+    """The results page's section for one run (the JSON that --json writes)."""
+    m = result["machine"]
+    serve = " ".join(["nlmserve serve --model MODEL", result["serve_args"]]).strip()
+    lines = [BEGIN, "",
+             f"{result['lines']} sentences of `{Path(result['input']).name}`, `moses -threads {result['threads']}`, "
+             f"{result['rounds']} interleaved rounds, the server on the same machine "
+             f"(`{serve}`); NLM0 weight {result['nlm_weight']}; "
+             f"{m['cpu']}, {m['cores']} cores, load average {m['load_average_1m']} at the start. "
+             "Wall and CPU times include loading the tables (the same in every configuration).",
+             "", *table(result["rows"]), ""]
+    same = [r["config"] for r in result["rows"] if not r["same_output_every_round"]]
+    lines.append("Same translations in every round: " + ("yes, every configuration." if not same else
+                 "no for " + ", ".join(same) + "."))
+    checks = {k.split("/")[0]: v for k, v in result.get("prefetch_check", {}).items() if k.endswith("/identical")}
+    if checks:
+        lines.append(f"Prefetch modes (`stack`, `hypothesis`, `false`) on the first "
+                     f"{result.get('prefetch_lines', '')} sentences: " + "; ".join(
+                         f"{name}: {'identical output' if ok else '**outputs differ**'}" for name, ok in checks.items())
+                     + ".")
+    lines += ["", "Command:", "", "    " + result["command"], "", END]
+    return "\n".join(lines)
+
+
+def write_section(doc: Path, text: str) -> None:
+    """Replace the text between the markers in ``doc`` (atomically)."""
+    old = doc.read_text(encoding="utf-8")
+    if BEGIN not in old or END not in old:
+        raise SystemExit(f"{doc}: no '{BEGIN}' ... '{END}' section to replace")
+    head, rest = old.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    tmp = doc.with_name(doc.name + ".tmp")
+    tmp.write_text(head + text + tail, encoding="utf-8")
+    tmp.replace(doc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--moses", required=True, help="the moses binary built with the feature")
+    p.add_argument("--ini", required=True, type=Path, help="moses.ini of the system (KENLM as LM0)")
+    p.add_argument("--kenlm", help="KenLM file put in place of LM_PATH in the ini")
+    p.add_argument("--model", help="nlmserve model file to serve (or --server)")
+    p.add_argument("--server", help="use this running server (HOST:PORT) instead of starting one")
+    p.add_argument("--serve-args", default="", help="extra arguments of nlmserve serve, e.g. '--frontend native'")
+    p.add_argument("--input", required=True, type=Path, help="source sentences, one per line")
+    p.add_argument("--lines", type=int, default=500, help="first N sentences decoded")
+    p.add_argument("--threads", type=int, default=2, help="moses -threads")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--order", type=int, default=5, help="order= of the feature line")
+    p.add_argument("--nlm-weight", type=float, default=0.1, help="weight of NLM0")
+    p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS,
+                   help="'kenlm' or NAME:key=value,... (feature options)")
+    p.add_argument("--prefetch-check", type=int, default=0, metavar="N",
+                   help="decode the first N sentences with every prefetch mode and compare")
+    p.add_argument("--workdir", type=Path, help="keep inis, outputs and logs here (default: a temporary folder)")
+    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--render", type=Path, metavar="JSON",
+                   help="only write the section of --doc from a JSON file of an earlier run")
+    p.add_argument("--doc", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "results.md",
+                   help="page whose bench/decoder.py section --render replaces")
+    if argv is None and "--render" in sys.argv:
+        sub = p.parse_known_args()[0]
+        write_section(sub.doc, render(json.loads(sub.render.read_text())))
+        return 0
+    args = p.parse_args(argv)
+    if (args.model is None) == (args.server is None):
+        p.error("give --model or --server")
+    if shutil.which(args.moses) is None and not Path(args.moses).is_file():
+        p.error(f"--moses {args.moses}: not found")
+    configs = [Config.parse(c) for c in args.configs]
+
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-decoder-"))
+    work.mkdir(parents=True, exist_ok=True)
+    src = work / "input.txt"
+    with open(args.input, encoding="utf-8") as f:
+        chosen = [line for _, line in zip(range(args.lines), f)]
+    src.write_text("".join(chosen), encoding="utf-8")
+    lines = len(chosen)
+
+    server: ServerProcess | None = None
+    target = args.server
+    info = machine()
+    try:
+        if target is None:
+            server = start_server(Path(args.model), args.serve_args.split())
+            target = server.target
+
+        def ini_for(name: str, options: dict[str, str] | None) -> Path:
+            path = work / f"{name}.ini"
+            feature = None
+            if options is not None:
+                opts = " ".join(f"{k}={v}" for k, v in options.items())
+                feature = f"NeuralLMServer name=NLM0 factor=0 order={args.order} path={target} {opts}".rstrip()
+            rewrite_ini(args.ini, args.kenlm, path, feature, args.nlm_weight)
+            return path
+
+        def measure(name: str, options: dict[str, str] | None, rnd: int, source: Path, n: int) -> Run:
+            ini = ini_for(name, options)
+            out, log = work / f"{name}.r{rnd}.out", work / f"{name}.r{rnd}.log"
+            before = tree_cpu_seconds(server.process.pid) if server else 0.0
+            wall, cpu = decode(args.moses, ini, source, args.threads, out, log)
+            after = tree_cpu_seconds(server.process.pid) if server else 0.0
+            run = Run(name, rnd, n, wall, cpu, after - before, output_sha=sha(out), **feature_counts(log))
+            print(f"round {rnd} {name}: {wall:.1f} s wall, decoder {cpu:.1f} s CPU, server {after - before:.1f} s CPU",
+                  flush=True)
+            return run
+
+        runs: list[Run] = []
+        for rnd in range(args.rounds):
+            for c in configs:
+                runs.append(measure(c.name, c.options, rnd, src, lines))
+        rows = summarise(runs, configs)
+
+        prefetch: dict[str, Any] = {}
+        if args.prefetch_check:
+            head = work / "prefetch-input.txt"
+            head.write_text("".join(chosen[: args.prefetch_check]), encoding="utf-8")
+            for c in configs:
+                if c.options is None:
+                    continue
+                shas = {}
+                for mode in PREFETCH_MODES:
+                    opts = {**c.options, "prefetch": mode}
+                    r = measure(f"{c.name}-prefetch-{mode}", opts, 0, head, args.prefetch_check)
+                    shas[mode] = r.output_sha
+                    prefetch[f"{c.name}/{mode}"] = {"wall_s": round(r.wall_s, 2), "round_trips": r.round_trips}
+                prefetch[f"{c.name}/identical"] = len(set(shas.values())) == 1
+    finally:
+        if server is not None:
+            server.stop()
+
+    print()
+    print(f"{lines} sentences of {args.input.name}, moses -threads {args.threads}, {args.rounds} interleaved rounds; "
+          f"machine: {info['cpu']}, {info['cores']} cores, load {info['load_average_1m']} at start")
+    print("\n".join(table(rows)))
+    for key, value in prefetch.items():
+        print(f"prefetch check {key}: {value}")
+    if args.json:
+        result = {"machine": info, "lines": lines, "input": str(args.input), "threads": args.threads,
+                  "rounds": args.rounds, "nlm_weight": args.nlm_weight, "prefetch_lines": args.prefetch_check, "serve_args": args.serve_args,
+                  "model": args.model, "rows": rows, "prefetch_check": prefetch,
+                  "runs": [asdict(r) for r in runs], "command": " ".join(sys.argv)}
+        tmp = args.json.with_suffix(args.json.suffix + ".tmp")
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        tmp.replace(args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

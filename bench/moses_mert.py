@@ -1,0 +1,268 @@
+"""MERT (or batch MIRA) with the neural LM inside Moses: Moses' own mert-moses.pl tunes each
+system on a dev subset, the tuned moses.ini decodes the test set, and ``nlmserve bleu``
+scores it against KENLM alone tuned the same way.
+
+    .venv/bin/python bench/moses_mert.py --moses-root $MOSES --moses $MOSES/bin/moses \
+        --ini ../shared/data/moses-fr-en/moses.ini --kenlm europarl.lc-moses.5gram.trie.bin \
+        --dev-src ../shared/data/nbest/newstest-fr-en/newstest2012.src \
+        --dev-ref ../shared/data/nbest/newstest-fr-en/newstest2012.ref --dev-every 3 \
+        --test-src ../shared/data/nbest/newstest-fr-en/newstest2013.src \
+        --test-ref ../shared/data/nbest/newstest-fr-en/newstest2013.ref \
+        --system kenlm --system europarl=ep.nlm --system news=ep-news.nlm \
+        --seeds 1 2 --workdir runs/moses-mert --json runs/moses-mert/results.json
+
+Each ``--system NAME[=MODEL[,key=value...]]`` is KENLM alone (no model) or KENLM plus
+``NeuralLMServer name=NLM0`` asking an ``nlmserve serve`` of MODEL (one server per model, on
+127.0.0.1, shared by all seeds; the options after the model are the feature's moses.ini
+options, e.g. ``normalized=false``). Every system is tuned once per seed (mert's ``-r SEED``,
+or kbmira's ``--random-seed SEED`` with ``--tuner mira``), starting from the ini's weights
+and ``--nlm-weight`` for NLM0.
+
+Resumable: a tuning whose working folder exists is continued with mert-moses.pl's
+``--continue``; a finished tuning (its ``moses.ini`` written) and a finished test decoding
+(as many lines as the input) are kept. Results: BLEU of each run, mean ± sd per system, the
+difference of the means from the first system, and a paired bootstrap p-value over the runs
+joined (run r against run r of the first system), with sacrebleu's signature; the wall time
+of each tuning, its iterations and the mean time per iteration (from the n-best lists'
+modification times). ``mertdir`` must hold Moses' ``extractor``, ``mert``, ``kbmira``, ``pro``
+and ``evaluator`` (built in their bjam folders; ``--mertdir`` finds them under
+``--moses-root`` when not given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine  # noqa: E402
+from decoder import rewrite_ini  # noqa: E402
+
+from nlmserve.moses_plugin.bleu import BleuConfig, corpus_bleu, paired_bootstrap, read_references  # noqa: E402
+from nlmserve.moses_plugin.experiment import ServerProcess, start_server  # noqa: E402
+
+MERT_TOOLS = ("extractor", "mert", "kbmira", "pro", "evaluator")
+
+
+@dataclass
+class System:
+    name: str
+    model: str | None
+    options: dict[str, str]
+
+    @classmethod
+    def parse(cls, text: str) -> "System":
+        name, _, rest = text.partition("=")
+        if not rest:
+            return cls(name, None, {})
+        model, *opts = rest.split(",")
+        options = {}
+        for o in opts:
+            k, sep, v = o.partition("=")
+            if not sep:
+                raise SystemExit(f"--system {text}: {o!r} is not key=value")
+            options[k] = v
+        return cls(name, model, options)
+
+
+def find_mertdir(root: Path, work: Path) -> Path:
+    """A folder of links to the mert tools found under ``root`` (bjam leaves each in its bin/)."""
+    out = work / "mertdir"
+    out.mkdir(parents=True, exist_ok=True)
+    for tool in MERT_TOOLS:
+        link = out / tool
+        if link.exists():
+            continue
+        found = sorted(p for p in (root / "mert" / "bin").rglob(tool) if p.is_file() and os.access(p, os.X_OK))
+        if not found:
+            raise SystemExit(f"{tool} not found under {root / 'mert' / 'bin'}: build it with "
+                             f"./bjam mert//{tool} (or give --mertdir)")
+        link.symlink_to(found[0])
+    return out
+
+
+def subset(src: Path, every: int, limit: int | None, out: Path) -> int:
+    with open(src, encoding="utf-8") as f:
+        lines = [line for i, line in enumerate(f) if i % every == 0]
+    if limit is not None:
+        lines = lines[:limit]
+    if not out.exists() or out.read_text(encoding="utf-8") != "".join(lines):
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text("".join(lines), encoding="utf-8")
+        tmp.replace(out)
+    return len(lines)
+
+
+def count_lines(path: Path) -> int:
+    if not path.exists():
+        return -1
+    with open(path, "rb") as f:
+        return sum(1 for _ in f)
+
+
+def tune(args: argparse.Namespace, system: System, seed: int, target: str | None, mertdir: Path,
+         dev_src: Path, dev_ref: Path, base: Path) -> dict[str, Any]:
+    work = base / "tune"
+    tuned = work / "moses.ini"
+    ini = base / "start.ini"
+    feature = None
+    if system.model is not None:
+        opts = " ".join(f"{k}={v}" for k, v in system.options.items())
+        feature = f"NeuralLMServer name=NLM0 factor=0 order={args.order} path={target} {opts}".rstrip()
+    rewrite_ini(args.ini, args.kenlm, ini, feature, args.nlm_weight)
+    started = time.monotonic()
+    if not tuned.exists():
+        cmd = ["perl", str(args.moses_root / "scripts" / "training" / "mert-moses.pl"),
+               str(dev_src.resolve()), str(dev_ref.resolve()), str(Path(args.moses).resolve()), str(ini.resolve()),
+               "--mertdir", str(mertdir.resolve()), "--working-dir", str(work.resolve()),
+               "--no-filter-phrase-table", "--nbest", str(args.nbest),
+               "--decoder-flags", f"-threads {args.threads}",
+               "--maximum-iterations", str(args.max_iterations)]
+        if args.tuner == "mira":
+            cmd += ["--batch-mira", "--batch-mira-args", f"--random-seed {seed}"]
+        else:
+            cmd += ["--mertargs", f"-r {seed}"]
+        if work.exists():
+            cmd.append("--continue")
+        log = base / "mert.log"
+        print(f"{system.name} seed {seed}: tuning ({' '.join(cmd)})", flush=True)
+        with open(log, "ab") as f:
+            r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=base)
+        if r.returncode != 0 or not tuned.exists():
+            raise SystemExit(f"mert-moses.pl failed ({r.returncode}) for {system.name} seed {seed}: see {log}")
+    nbests = sorted(work.glob("run*.best*.out.gz"), key=lambda p: p.stat().st_mtime)
+    times = [p.stat().st_mtime for p in nbests]
+    first_start = (base / "start.ini").stat().st_mtime
+    steps = [b - a for a, b in zip([first_start, *times[:-1]], times)]
+    return {"iterations": len(nbests), "tuning_wall_s": round(tuned.stat().st_mtime - first_start, 1),
+            "seconds_per_iteration": round(statistics.mean(steps), 1) if steps else None,
+            "this_invocation_s": round(time.monotonic() - started, 1), "ini": str(tuned)}
+
+
+def decode_test(args: argparse.Namespace, tuned_ini: Path, test_src: Path, out: Path, n: int) -> float:
+    if count_lines(out) == n:
+        return 0.0
+    tmp = out.with_name(out.name + ".tmp")
+    start = time.monotonic()
+    with open(test_src, "rb") as fin, open(tmp, "wb") as fout, open(out.with_suffix(".log"), "wb") as ferr:
+        r = subprocess.run([args.moses, "-f", str(tuned_ini), "-threads", str(args.threads)],
+                           stdin=fin, stdout=fout, stderr=ferr)
+    if r.returncode != 0 or count_lines(tmp) != n:
+        raise SystemExit(f"decoding {test_src} with {tuned_ini} failed: see {out.with_suffix('.log')}")
+    tmp.replace(out)
+    return time.monotonic() - start
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--moses-root", required=True, type=Path, help="Moses checkout (scripts/, mert/)")
+    p.add_argument("--moses", required=True, help="moses binary built with the feature")
+    p.add_argument("--mertdir", type=Path, help="folder with extractor, mert, kbmira, pro, evaluator")
+    p.add_argument("--ini", required=True, type=Path)
+    p.add_argument("--kenlm", help="KenLM file put in place of LM_PATH in the ini")
+    p.add_argument("--dev-src", required=True, type=Path)
+    p.add_argument("--dev-ref", required=True, type=Path)
+    p.add_argument("--dev-every", type=int, default=3, help="every k-th dev sentence")
+    p.add_argument("--dev-lines", type=int, help="at most this many of them")
+    p.add_argument("--test-src", required=True, type=Path)
+    p.add_argument("--test-ref", required=True, type=Path)
+    p.add_argument("--test-lines", type=int, help="only the first N test sentences")
+    p.add_argument("--system", action="append", required=True, help="NAME or NAME=MODEL[,key=value...]")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--tuner", choices=["mert", "mira"], default="mert")
+    p.add_argument("--max-iterations", type=int, default=25)
+    p.add_argument("--nbest", type=int, default=100)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--order", type=int, default=5)
+    p.add_argument("--nlm-weight", type=float, default=0.1, help="starting weight of NLM0")
+    p.add_argument("--serve-args", default="", help="extra arguments of nlmserve serve")
+    p.add_argument("--workdir", required=True, type=Path)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    systems = [System.parse(s) for s in args.system]
+    work = args.workdir
+    work.mkdir(parents=True, exist_ok=True)
+    mertdir = args.mertdir or find_mertdir(args.moses_root, work)
+    dev_src, dev_ref = work / "dev.src", work / "dev.ref"
+    n_dev = subset(args.dev_src, args.dev_every, args.dev_lines, dev_src)
+    assert subset(args.dev_ref, args.dev_every, args.dev_lines, dev_ref) == n_dev
+    test_src, test_ref = work / "test.src", work / "test.ref"
+    n_test = subset(args.test_src, 1, args.test_lines, test_src)
+    assert subset(args.test_ref, 1, args.test_lines, test_ref) == n_test
+
+    servers: dict[str, ServerProcess] = {}
+    runs: dict[str, list[dict[str, Any]]] = {s.name: [] for s in systems}
+    info = machine()
+    try:
+        for system in systems:
+            target = None
+            if system.model is not None:
+                if system.model not in servers:
+                    servers[system.model] = start_server(Path(system.model), args.serve_args.split())
+                target = servers[system.model].target
+            for seed in args.seeds:
+                base = work / system.name / f"seed{seed}"
+                base.mkdir(parents=True, exist_ok=True)
+                record = tune(args, system, seed, target, mertdir, dev_src, dev_ref, base)
+                tuned = Path(record["ini"])
+                if system.model is not None:  # the server's port may differ from the tuning's
+                    text = tuned.read_text()
+                    tuned_now = base / "tuned.ini"
+                    tuned_now.write_text(re.sub(r"(NeuralLMServer [^\n]*path=)\S+", rf"\g<1>{target}", text))
+                    tuned = tuned_now
+                record["test_decode_s"] = round(decode_test(args, tuned, test_src, base / "test.out", n_test), 1)
+                record["seed"] = seed
+                record["output"] = str(base / "test.out")
+                runs[system.name].append(record)
+                print(f"{system.name} seed {seed}: {record}", flush=True)
+    finally:
+        for s in servers.values():
+            s.stop()
+
+    refs = read_references([str(test_ref)])
+    config = BleuConfig()
+    base_name = systems[0].name
+    rows = []
+    for system in systems:
+        scores, sig = [], ""
+        for r in runs[system.name]:
+            hyps = Path(r["output"]).read_text(encoding="utf-8").splitlines()
+            score, sig = corpus_bleu(hyps, refs, config)
+            r["bleu"] = round(score.score, 2)
+            scores.append(score.score)
+        row: dict[str, Any] = {"system": system.name, "model": system.model, "options": system.options,
+                               "bleu": [round(x, 2) for x in scores],
+                               "mean": round(statistics.mean(scores), 2),
+                               "sd": round(statistics.stdev(scores), 2) if len(scores) > 1 else None,
+                               "signature": sig, "runs": runs[system.name]}
+        if system.name != base_name:
+            joined = [line for r in runs[system.name] for line in Path(r["output"]).read_text().splitlines()]
+            baseline = [line for r in runs[base_name] for line in Path(r["output"]).read_text().splitlines()]
+            joined_refs = [list(col) * len(runs[system.name]) for col in refs]
+            paired = paired_bootstrap(baseline, joined, joined_refs, config)
+            row["delta"] = round(row["mean"] - rows[0]["mean"], 2)
+            row["p"] = paired.p_value
+        rows.append(row)
+        delta = "" if "delta" not in row else f" Δ {row['delta']:+.2f} p {row['p']}"
+        print(f"{system.name}: BLEU {row['bleu']} mean {row['mean']} ± {row['sd']}{delta}", flush=True)
+    if args.json:
+        result = {"machine": info, "dev_lines": n_dev, "test_lines": n_test, "tuner": args.tuner,
+                  "seeds": args.seeds, "rows": rows, "command": " ".join(sys.argv)}
+        tmp = args.json.with_name(args.json.name + ".tmp")
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        tmp.replace(args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
