@@ -20,7 +20,8 @@ Each row is also given as a ratio to the first row (frequency, smallest factor).
     .venv/bin/python bench/classes.py --train ../shared/data/lm/europarl.train.lc-moses.en.xz \\
         --dev ../shared/data/lm/europarl.dev.lc-moses.en --steps 20000 --threads 2
 
-docs/classes.md records the measurements and the default chosen from them.
+docs/results.md ("Training") records the measurements; docs/classes.md ("Number of
+classes"), the default chosen from them.
 """
 
 from __future__ import annotations

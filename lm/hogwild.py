@@ -8,8 +8,8 @@ seldom collide (the premise of Hogwild!), and the rows they do share (frequent w
 the dense context weights and biases) receive every update, in some order.
 
 Why processes and not threads: a training step of this model is many small operations, and
-on the CPU a second torch thread does not make one step faster (docs/benchmarks.md,
-"Data-parallel training": 1 thread 50.5k tokens/s, 2 threads 47.2k). Two independent steps
+on the CPU a second torch thread does not make one step faster (docs/results.md,
+"Training": 1 thread 50.5k tokens/s, 2 threads 47.2k). Two independent steps
 at once do use two cores. Unlike ``--distributed`` there is no all-reduce and no replicated
 optimiser update: each update is applied once, by the process that computed it.
 

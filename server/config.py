@@ -43,7 +43,7 @@ class ServerConfig:
     #: ones (rescoring batches) and never wait behind them; a batch is filled with them
     #: first, then with a slice of the oldest large request. 0 (the default): one
     #: first-come queue. Under saturation, more large requests are then in flight at once
-    #: (they wait longer), which takes memory: see docs/serving.md.
+    #: (they wait longer), which takes memory: see docs/operating.md, "Limits".
     priority_ngrams: int = 0
     #: Most n-grams waiting in the queue; beyond it requests get RESOURCE_EXHAUSTED.
     max_queue_ngrams: int = 1_000_000

@@ -2,9 +2,9 @@
 
 The model server binds a private loopback port; ``nlmserve_frontend`` binds the public
 address, micro-batches the small ScoreNgrams requests of many clients in C++ and forwards
-everything else (docs/serving.md, "Native front end"). This module finds the binary,
-starts it, relays its log lines and stops it first on shutdown, so that in-flight requests
-drain through it while the model server is still up.
+everything else (docs/serving.md, "Settings", the paragraph on the native front end).
+This module finds the binary, starts it, relays its log lines and stops it first on
+shutdown, so that in-flight requests drain through it while the model server is still up.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """Every relative link in the README, docs/ and moses_plugin/README.md points at a file or
 folder of the checkout, and every #anchor into a Markdown file at one of its headings (as
-GitHub makes them)."""
+GitHub makes them). Likewise every page of docs/ that a Python file names (in a docstring or
+a comment), with its #anchor or the quoted section after it (a comma or an opening bracket,
+then "Heading": matched against the start of a heading)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,10 @@ REPO = Path(__file__).resolve().parent.parent
 PAGES = sorted([REPO / "README.md", REPO / "moses_plugin" / "README.md", *(REPO / "docs").rglob("*.md")])
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 FENCE = re.compile(r"^(```|~~~)")
+ROOMS = ("common", "lm", "server", "client", "moses_plugin", "bench", "tests")
+SOURCES = sorted(p for room in ROOMS for p in (REPO / room).rglob("*.py"))
+# a page of docs/, an optional #anchor, an optional "Section" after a comma or an opening bracket
+DOC_MENTION = re.compile(r"\bdocs/([\w./-]+?\.md)(?:#([\w-]+))?(?:(?:,|\s*\()\s*\"([^\"\n]+)\")?")
 
 
 def prose(text: str) -> str:
@@ -43,6 +49,10 @@ def anchors(page: Path) -> set[str]:
     return out
 
 
+def headings(page: Path) -> list[str]:
+    return [m.group(1).lower() for m in re.finditer(r"^#{1,6}\s+(.*?)\s*#*\s*$", prose(page.read_text()), re.M)]
+
+
 def relative_links(page: Path) -> list[str]:
     return [t for t in LINK.findall(prose(page.read_text())) if not re.match(r"^[a-z][a-z0-9+.-]*:", t)]
 
@@ -68,3 +78,23 @@ def test_relative_links_resolve(page: Path) -> None:
 def test_anchor_rules() -> None:
     page = REPO / "docs" / "scaling.md"
     assert "large-vocabulary-v--129531" in anchors(page) and "kubernetes" in anchors(page)
+
+
+def test_the_sources_are_found() -> None:
+    names = {p.relative_to(REPO).as_posix() for p in SOURCES}
+    assert {"common/memory.py", "lm/hogwild.py", "tests/test_docs_links.py"} <= names
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_docs_mentioned_in_python_exist(source: Path) -> None:
+    broken = []
+    for m in DOC_MENTION.finditer(source.read_text()):
+        name, anchor, section = m.groups()
+        dest = REPO / "docs" / name
+        if not dest.is_file():
+            broken.append(f"docs/{name}: no such file")
+        elif anchor and anchor not in anchors(dest):
+            broken.append(f"docs/{name}#{anchor}: no such heading")
+        elif section and not any(h.startswith(section.lower()) for h in headings(dest)):
+            broken.append(f'docs/{name}, "{section}": no heading starts so')
+    assert not broken, f"{source.relative_to(REPO)}: " + "; ".join(broken)

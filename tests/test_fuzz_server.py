@@ -1,7 +1,7 @@
 """Property-based fuzzing of every RPC against one real server on 127.0.0.1.
 
 For each generated request the expected outcome is computed independently (from the wire
-contract in docs/serving.md and the in-process model): OK with the in-process values, or
+contract in docs/reference.md and the in-process model): OK with the in-process values, or
 INVALID_ARGUMENT naming the first offending item, or RESOURCE_EXHAUSTED for a message over
 the size limit. After every example the server must still answer a known request correctly.
 """
