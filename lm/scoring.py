@@ -202,23 +202,30 @@ class LanguageModel:
             plan = plan_batch(ctx, target, tables.np_word_class[target], normalized)
             if ctx.shape[0] <= TINY_ROWS:
                 return tables.log_prob_numpy(plan, ctx, target)
-            return self._score_plan(plan, ctx, target)
+            return self._score_plan(plan, ctx, target, tables)
 
-    def _score_plan(self, plan: BatchPlan, ctx: np.ndarray, target: np.ndarray) -> np.ndarray:
+    def _score_plan(self, plan: BatchPlan, ctx: np.ndarray, target: np.ndarray,
+                    tables: "_InferenceTables | None" = None) -> np.ndarray:
         """The rows of ``plan`` (``plan_batch`` of ``ctx``, ``target``) scored with the torch
         pieces: r per distinct context, s_c + s_w per distinct row (row-wise products, so a
         row's unnormalised score does not depend on the rows batched with it), the class
         normaliser per context and the in-class normaliser per (context, class) pair of the
         rows to normalise → float32 (N,)."""
         with torch.inference_mode():
-            r = self.encode_contexts(self._on_device(ctx[plan.contexts]))  # (U, E)
-            rr = r[self._on_device(plan.row_context)]  # (R, E)
-            class_score, word_score = self.raw_scores(rr, self._on_device(target[plan.rows]))
-            raw = _numpy(class_score + word_score)  # (R,)
+            contexts = self._on_device(ctx[plan.contexts])
+            row_context, row_target = self._on_device(plan.row_context), self._on_device(target[plan.rows])
+            if tables is not None:  # the CPU tables (``score_prepared``): one dot product per row
+                r = tables.encode(contexts)  # (U, E)
+                raw = _numpy(tables.raw(r, row_context, row_target))  # (R,)
+            else:
+                r = self.encode_contexts(contexts)
+                class_score, word_score = self.raw_scores(r[row_context], row_target)
+                raw = _numpy(class_score + word_score)  # (R,)
             if not plan.norm.size:
                 return plan.compose(raw, _NO_SCORES, _NO_SCORES)
-            class_norm = self.class_log_normalizer(r[self._on_device(plan.norm_contexts)])  # (C,)
+            norm_r = r[self._on_device(plan.norm_contexts)]  # (C, E)
             pair_r = r[self._on_device(plan.pair_context)]  # (P, E)
+            class_norm = self.class_log_normalizer(norm_r)  # (C,)
             in_class = self.in_class_log_normalizer(pair_r, self._on_device(plan.pair_class))  # (P,)
             return plan.compose(raw, _numpy(class_norm), _numpy(in_class))
 
@@ -381,6 +388,14 @@ class _InferenceTables:
             self.np_word_class = net.word_class.numpy()
             self.np_sorted_embed = self.sorted_embed.numpy()
             self.np_sorted_bias = self.sorted_bias.numpy()
+            # s_c(h) + s_w(h) = (c_k + q_w)·r + (b_k + b_w) for k the class of w: one row per
+            # word, so the unnormalised score of a row is one gather and one dot product.
+            cls = net.word_class
+            self.out_embed = (net.word_embed + net.class_embed[cls]).detach().contiguous()  # (V, E)
+            self.out_bias = (net.word_bias + net.word_mask + net.class_bias[cls]
+                             + net.class_mask[cls]).detach().contiguous()  # (V,)
+            self.np_out_embed = self.out_embed.numpy()
+            self.np_out_bias = self.out_bias.numpy()
         self.context = cfg.context
         self.activation = cfg.activation
         self.hidden = net.hidden
@@ -409,6 +424,12 @@ class _InferenceTables:
         return r
 
     # -------------------------------------------------------------- torch, any batch size
+    def raw(self, r: Tensor, row_context: Tensor, target: Tensor) -> Tensor:
+        """s_c + s_w of each row → (R,): r (U, E) of the distinct contexts, the context
+        (into r) and the target of each row. Row-wise products: a row's score does not
+        depend on the rows batched with it."""
+        return (self.out_embed[target] * r[row_context]).sum(-1) + self.out_bias[target]
+
     def in_class(self, r: Tensor, cls: Tensor) -> Tensor:
         """log Σ_{w ∈ cls} exp s_w(h) → (N,).
 
@@ -459,9 +480,7 @@ class _InferenceTables:
         ``LanguageModel._score_plan`` scores them, in numpy → float32 (N,)."""
         r = self._encode_numpy(ctx[plan.contexts])  # (U, E)
         rr, t = r[plan.row_context], target[plan.rows]  # (R, E), (R,)
-        c = self.np_word_class[t]
-        raw = (np.einsum("ne,ne->n", rr, self.np_class_embed[c]) + self.np_class_bias[c]
-               + (np.einsum("ne,ne->n", rr, self.np_word_embed[t]) + self.np_word_bias[t]))  # (R,)
+        raw = np.einsum("ne,ne->n", rr, self.np_out_embed[t]) + self.np_out_bias[t]  # (R,) s_c + s_w
         if not plan.norm.size:
             return plan.compose(raw, _NO_SCORES, _NO_SCORES)
         class_logits = _mm(r[plan.norm_contexts], self.np_class_embed_t) + self.np_class_bias  # (C, K)
