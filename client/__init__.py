@@ -1,4 +1,7 @@
-"""Python client for the nlmserve service (sync and asyncio). Never imports torch."""
+"""Python client for the nlmserve service (sync and asyncio). Never imports torch.
+
+Import path: ``nlmserve.client`` (folder ``client/``).
+"""
 
 from nlmserve.client.aio import AsyncLMClient
 from nlmserve.client.core import ModelInfo, NgramScores, RetryPolicy, Security, SentenceScore

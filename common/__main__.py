@@ -1,4 +1,4 @@
-"""``python -m nlmserve`` (what ``torchrun ... -m nlmserve train --distributed`` runs)."""
+"""``nlmserve.__main__``: ``python -m nlmserve`` (as ``torchrun ... -m nlmserve train --distributed`` runs it)."""
 
 import sys
 

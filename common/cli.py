@@ -1,4 +1,4 @@
-"""``nlmserve`` command line: parses and dispatches, nothing more.
+"""``nlmserve.cli``, the ``nlmserve`` command line: parses and dispatches, nothing more.
 
 Each room registers its own subcommands from a light ``cli`` module that imports heavy
 dependencies (torch) only inside the handler, so ``nlmserve score`` on a decoder host

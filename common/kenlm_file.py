@@ -1,4 +1,4 @@
-"""Reading a Kneser-Ney model (ARPA or KenLM binary) with the optional ``kenlm`` module.
+"""``nlmserve.kenlm_file``: a Kneser-Ney model (ARPA or KenLM binary), read with ``kenlm``.
 
 ``kenlm`` (PyPI) is not a runtime dependency; it is in the ``bench`` and ``dev`` extras.
 Everything that reads such a file (``nlmserve eval --kn``, ``nlmserve rescore --kenlm``,

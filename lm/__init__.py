@@ -1,1 +1,4 @@
-"""The model: corpus, vocabulary, word classes, neural LM, training, evaluation, model files."""
+"""The model: corpus, vocabulary, word classes, neural LM, training, evaluation, model files.
+
+Import path: ``nlmserve.lm`` (folder ``lm/``).
+"""
