@@ -395,6 +395,10 @@ struct BatchBuffers {
   std::vector<float> miss_scores;    // their scores
   std::vector<std::pair<std::size_t, uint32_t> > fill;  // (row, its index in `misses`)
   std::vector<uint32_t> seen;        // open addressing over `misses`: index + 1, 0 empty
+  std::vector<uint64_t> hashes;      // HashRow of each row of the batch
+  std::vector<uint8_t> found;        // 1: the row was in the cache
+  std::vector<uint64_t> miss_hashes; // HashRow of each row of `misses`
+  NgramCache::Scratch cache_scratch; // the cache's batched lookups and inserts
   std::size_t seen_slots = 0;        // slots of `seen` in use (a power of 2)
   pb::ScoreNgramsRequest request;
   pb::ScoreNgramsResponse response;
@@ -688,28 +692,31 @@ struct Client::Impl {
     }
     BatchBuffers &b = ThreadBuffers();
     b.misses.clear();
+    b.miss_hashes.clear();
     b.fill.clear();
-    uint64_t hits = 0;
-    bool seen_ready = false;
+    // Each row hashed once (the cache and the de-duplication below use the same hash),
+    // then all rows looked up as one batch: the cache prefetches their slots and locks
+    // each shard once (NgramCache::GetMany, which leaves the cache as Gets in row order
+    // would).
+    b.hashes.resize(n_rows);
+    for (std::size_t i = 0; i < n_rows; ++i) b.hashes[i] = HashRow(rows + i * width, width);
+    b.found.resize(n_rows);
+    const uint64_t hits = cache->GetMany(rows, n_rows, out, b.found.data(), b.cache_scratch, b.hashes.data());
+    if (hits < n_rows) b.ResetSeen(n_rows - hits);
+    // The misses in row order, as before: the request carries them in the same order.
     for (std::size_t i = 0; i < n_rows; ++i) {
+      if (b.found[i]) continue;
       const uint32_t *row = rows + i * width;
-      if (cache->Get(row, &out[i])) {
-        ++hits;
-        continue;
-      }
-      if (!seen_ready) {
-        b.ResetSeen(n_rows - i);
-        seen_ready = true;
-      }
       // The batch's earlier miss of the same row, or a new one.
       const std::size_t mask = b.seen_slots - 1;
-      std::size_t slot = static_cast<std::size_t>(HashRow(row, width)) & mask;
+      std::size_t slot = static_cast<std::size_t>(b.hashes[i]) & mask;
       uint32_t m;
       for (;; slot = (slot + 1) & mask) {
         const uint32_t at = b.seen[slot];
         if (at == 0) {
           m = static_cast<uint32_t>(b.misses.size() / width);
           b.misses.insert(b.misses.end(), row, row + width);
+          b.miss_hashes.push_back(b.hashes[i]);
           b.seen[slot] = m + 1;
           break;
         }
@@ -736,7 +743,7 @@ struct Client::Impl {
       const std::size_t count = std::min(distinct - begin, limit);
       Send(b.misses.data() + begin * width, count, b.miss_scores.data() + begin, b, counts);
     }
-    for (std::size_t m = 0; m < distinct; ++m) cache->Put(b.misses.data() + m * width, b.miss_scores[m]);
+    cache->PutMany(b.misses.data(), distinct, b.miss_scores.data(), b.cache_scratch, b.miss_hashes.data());
     for (std::size_t f = 0; f < b.fill.size(); ++f) out[b.fill[f].first] = b.miss_scores[b.fill[f].second];
   }
 

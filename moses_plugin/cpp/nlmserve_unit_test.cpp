@@ -7,6 +7,7 @@
 //       reads lines "ORDER<TAB>VOCAB_SIZE<TAB>IDS" (IDS space-separated, "-" for none) on
 //       stdin and prints, for each, the canonical row CanonicalRow writes or
 //       "error:KIND" (the columns of tests/golden/canonical_ngrams.tsv).
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <iostream>
@@ -187,6 +188,80 @@ void TestCacheThreads() {
   Check(bad.load() == 0, "concurrent readers see the value written for their key");
   Check(cache.Size() <= 64, "concurrent size bounded");
   Check(cache.hits() + cache.misses() == 8u * kLookups && cache.hits() > 0, "concurrent lookups all counted");
+}
+
+void TestCacheBatches() {
+  // GetMany and PutMany against Get and Put one row at a time on a twin cache: the same
+  // answers, counters and entries, with duplicates inside a batch, rows of every shard,
+  // windows that overflow (evictions), and a disabled cache.
+  using nlmserve::NgramCache;
+  const std::size_t kWidth = 4;
+  std::mt19937 rng(7);
+  const std::size_t capacities[] = {0, 40, 300, 5000};
+  const std::size_t shard_counts[] = {1, 7, 16};
+  bool same_answers = true, same_state = true, many_shards = false, duplicates = false;
+  for (std::size_t c = 0; c < sizeof(capacities) / sizeof(capacities[0]); ++c) {
+    for (std::size_t sh = 0; sh < sizeof(shard_counts) / sizeof(shard_counts[0]); ++sh) {
+      NgramCache one(capacities[c], shard_counts[sh], kWidth), batched(capacities[c], shard_counts[sh], kWidth);
+      NgramCache::Scratch scratch;
+      for (int round = 0; round < 30; ++round) {
+        // Rows from a small id range, so that batches repeat rows and rounds repeat batches.
+        const std::size_t n = 1 + rng() % 200;
+        Row rows(n * kWidth);
+        for (std::size_t k = 0; k < rows.size(); ++k) rows[k] = rng() % 6;
+        std::vector<float> want(n, 7.0f), got(n, 7.0f);
+        std::vector<uint8_t> found(n, 2);
+        std::vector<uint8_t> want_found(n);
+        std::vector<bool> shards_hit(shard_counts[sh], false);
+        for (std::size_t i = 0; i < n; ++i) {
+          want_found[i] = one.Get(&rows[i * kWidth], &want[i]) ? 1 : 0;
+          shards_hit[one.Place(&rows[i * kWidth]).first] = true;
+          for (std::size_t j = 0; j < i && !duplicates; ++j) {
+            duplicates = std::equal(rows.begin() + i * kWidth, rows.begin() + (i + 1) * kWidth, rows.begin() + j * kWidth);
+          }
+        }
+        const std::size_t hits = batched.GetMany(rows.data(), n, got.data(), found.data(), scratch);
+        std::size_t want_hits = 0;
+        for (std::size_t i = 0; i < n; ++i) {
+          want_hits += want_found[i];
+          if (found[i] != want_found[i] || got[i] != want[i]) same_answers = false;
+        }
+        if (hits != want_hits) same_answers = false;
+        many_shards = many_shards || std::count(shards_hit.begin(), shards_hit.end(), true) == int(shard_counts[sh]);
+        // Put every row (duplicates included, with different scores: the last one wins).
+        std::vector<float> put(n);
+        for (std::size_t i = 0; i < n; ++i) put[i] = -static_cast<float>(rng() % 1000) / 8.0f;
+        for (std::size_t i = 0; i < n; ++i) one.Put(&rows[i * kWidth], put[i]);
+        batched.PutMany(rows.data(), n, put.data(), scratch);
+        if (one.Size() != batched.Size() || one.hits() != batched.hits() || one.misses() != batched.misses()) {
+          same_state = false;
+        }
+      }
+      // Every possible row: present in both or neither, with the same score.
+      Row r(kWidth);
+      for (uint32_t x = 0; x < 6 * 6 * 6 * 6; ++x) {
+        for (std::size_t k = 0, y = x; k < kWidth; ++k, y /= 6) r[k] = static_cast<uint32_t>(y % 6);
+        float a = 1.0f, b = 2.0f;
+        const bool in_one = one.Get(r.data(), &a), in_batched = batched.Get(r.data(), &b);
+        if (in_one != in_batched || (in_one && a != b)) same_state = false;
+      }
+    }
+  }
+  Check(same_answers, "GetMany answers as Get row by row");
+  Check(same_state, "GetMany and PutMany leave the cache as Get and Put row by row");
+  Check(many_shards && duplicates, "the batches had duplicates and rows of every shard");
+  NgramCache cache(64, 4, kWidth);
+  NgramCache::Scratch scratch;
+  Check(cache.GetMany(nullptr, 0, nullptr, nullptr, scratch) == 0, "an empty batch");
+  const Row rows = {1, 2, 3, 4, 5, 6, 7, 8};
+  const float scores[] = {0.0f, -1.5f};
+  std::vector<uint64_t> hashes = {nlmserve::HashRow(&rows[0], kWidth), nlmserve::HashRow(&rows[4], kWidth)};
+  cache.PutMany(rows.data(), 2, scores, scratch, hashes.data());
+  float got[2] = {9.0f, 9.0f};
+  uint8_t found[2] = {0, 0};
+  Check(cache.GetMany(rows.data(), 2, got, found, scratch, hashes.data()) == 2 && found[0] && found[1] &&
+            got[0] == 0.0f && got[1] == -1.5f,
+        "given hashes; 0.0 is a hit");
 }
 
 void TestRules() {
@@ -395,6 +470,7 @@ int main(int argc, char **argv) {
   TestCacheBasics();
   TestCacheCollisions();
   TestCacheThreads();
+  TestCacheBatches();
   TestRules();
   TestPhraseRows();
   TestBoundaryRows();
