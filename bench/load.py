@@ -29,12 +29,7 @@ import argparse
 import json
 import logging
 import lzma
-import os
-import platform
 import random
-import re
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -44,6 +39,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine  # noqa: E402
+
+from nlmserve.moses_plugin.experiment import start_server  # noqa: E402
 
 log = logging.getLogger("bench.load")
 
@@ -97,18 +97,6 @@ class ClassStats:
     ngrams: int = 0
     failures: int = 0
     examples: list[str] = field(default_factory=list)
-
-
-def machine() -> dict[str, Any]:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
 
 
 def train_small_model(out: Path) -> None:
@@ -169,42 +157,12 @@ def prepare(model: str, seed: int) -> dict[str, list[Prepared]]:
     return out
 
 
-class ServerProcess:
-    """``nlmserve serve`` on 127.0.0.1, port 0."""
-
-    def __init__(self, model: str, *flags: str) -> None:
-        cmd = [sys.executable, "-m", "nlmserve.cli", "serve", "--model", model, "--port", "0", *flags]
-        self.stderr = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        m = re.match(r"listening on (\S+)", line)
-        if not m:
-            self.proc.kill()
-            self.proc.wait()
-            raise RuntimeError(f"server did not start: {line!r} {self.error_text()}")
-        self.target = m.group(1)
-
-    def rss_kib(self) -> int:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-        raise RuntimeError("no VmRSS line")
-
-    def error_text(self) -> str:
-        self.stderr.seek(0)
-        return self.stderr.read().decode("utf-8", "replace")[-2000:]
-
-    def stop(self, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            return -9
+def rss_kib(pid: int) -> int:
+    """The resident set of a live process, KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmRSS line")
 
 
 def client_loop(target: str, prepared: dict[str, list[Prepared]], cfg: LoadConfig, index: int,
@@ -260,7 +218,8 @@ def run(cfg: LoadConfig) -> dict[str, Any]:
             log.info("training the small test model into %s", model)
             train_small_model(Path(model))
         prepared = prepare(model, cfg.seed)
-        server = ServerProcess(model, "--torch-threads", str(cfg.torch_threads))
+        server = start_server(Path(model), ["--torch-threads", str(cfg.torch_threads)])  # its log goes to stderr
+        pid = server.process.pid
         stats = {k: ClassStats() for k in CLASSES}
         lock = threading.Lock()
         stop = threading.Event()
@@ -271,23 +230,24 @@ def run(cfg: LoadConfig) -> dict[str, Any]:
             for t in threads:
                 t.start()
             time.sleep(cfg.warmup)
-            rss_warm = server.rss_kib()
+            rss_warm = rss_kib(pid)
             rss_max = rss_warm
             samples = [(round(time.monotonic() - start, 1), rss_warm)]
             while time.monotonic() - start < cfg.seconds:
                 time.sleep(min(1.0, max(0.0, cfg.seconds - (time.monotonic() - start))))
-                if server.proc.poll() is not None:
-                    raise RuntimeError(f"the server died: {server.error_text()}")
-                samples.append((round(time.monotonic() - start, 1), server.rss_kib()))
+                if server.process.poll() is not None:
+                    raise RuntimeError(f"the server died (exit code {server.process.returncode}; its log is above)")
+                samples.append((round(time.monotonic() - start, 1), rss_kib(pid)))
                 rss_max = max(rss_max, samples[-1][1])
-            rss_end = server.rss_kib()
+            rss_end = rss_kib(pid)
             stop.set()
             for t in threads:
                 t.join(120)
             elapsed = time.monotonic() - start
         finally:
             stop.set()
-            exit_code = server.stop()
+            server.stop(grace=60.0)
+            exit_code = server.process.returncode
     classes: dict[str, Any] = {}
     for k in CLASSES:
         s = stats[k]

@@ -21,7 +21,6 @@ import json
 import logging
 import lzma
 import math
-import platform
 import sys
 import tempfile
 import time
@@ -33,6 +32,9 @@ from nlmserve.client import LMClient
 from nlmserve.moses_plugin.experiment import ExperimentConfig, start_server, train_model
 from nlmserve.moses_plugin.nbest import iter_entries
 from nlmserve.moses_plugin.rescore import RescoreConfig, rescore
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 NEWS = REPO / "data" / "nbest" / "newstest-fr-en"
@@ -89,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    host = machine()
     with tempfile.TemporaryDirectory(prefix="bench-rescore-") as tmp:
         work = Path(tmp)
         model = Path(args.model) if args.model else train_model(
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                     dedup_rate=ours["distinct_ngrams"] / ours["ngrams"], distinct_per_s=ours["distinct_ngrams"] / ours["seconds"])
         theirs = kenlm_rate(kenlm_path, hyps)
     result = {"nlmserve": ours, "kenlm": theirs, "kenlm_arpa_ngrams": arpa_ngrams, "lists": args.nbest,
-              "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()}}
+              "machine": host}
     print(f"nlmserve rescore: {ours['hypotheses']} hypotheses, {ours['ngrams']} n-grams in {ours['seconds']:.2f} s:"
           f" {ours['hyp_per_s']:,.0f} hyp/s, {ours['ngrams_per_s']:,.0f} n-grams/s"
           f" (distinct/total {ours['dedup_rate']:.3f}: {ours['distinct_per_s']:,.0f} distinct n-grams/s reach the server)")

@@ -37,7 +37,6 @@ import json
 import logging
 import lzma
 import os
-import platform
 import re
 import signal
 import subprocess
@@ -57,6 +56,9 @@ from nlmserve.lm.model import ModelConfig, NeuralLM
 from nlmserve.lm.model_file import save_model
 from nlmserve.lm.scoring import LanguageModel
 from nlmserve.lm.vocab import Vocabulary
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine, tree_cpu_seconds  # noqa: E402
 
 log = logging.getLogger("bench.serve")
 
@@ -89,19 +91,6 @@ class BenchConfig:
     load_mode: str = "async"
     latency_requests: int = 2000
     kenlm_model: str | None = None
-
-
-def machine() -> dict[str, Any]:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "load_average_1m": round(os.getloadavg()[0], 2), "platform": platform.platform()}
 
 
 def build_model(cfg: BenchConfig, path: Path) -> None:
@@ -174,7 +163,7 @@ class _Process:
     def cpu_seconds(self) -> float:
         """User + system CPU time so far of the process (all its threads) and of its running
         children (``serve --frontend native``: the front end)."""
-        return sum(_cpu_seconds(pid) for pid in [self.proc.pid, *_children(self.proc.pid)])
+        return tree_cpu_seconds(self.proc.pid)
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
@@ -185,27 +174,13 @@ class _Process:
             self.proc.wait(10)
 
 
-def _cpu_seconds(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except FileNotFoundError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except FileNotFoundError:
-            pass
-    return out
-
-
 class ServerProcess(_Process):
     """A server subprocess on 127.0.0.1, port 0: ``nlmserve serve`` with its /metrics on a free
-    port, or (``noop=True``) this script's no-op server (same gRPC stack, no model work)."""
+    port, or (``noop=True``) this script's no-op server (same gRPC stack, no model work).
+
+    Not ``nlmserve.moses_plugin.experiment.start_server``: this benchmark also starts the
+    no-op server, reads the /metrics address the server prints second, and keeps the
+    server's log off the terminal between its tables."""
 
     def __init__(self, model: Path, *flags: str, noop: bool = False) -> None:
         if noop:

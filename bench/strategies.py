@@ -27,7 +27,6 @@ import json
 import logging
 import lzma
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -36,12 +35,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from nlmserve.lm.evaluate import evaluate
 from nlmserve.lm.interpolate import load_kn, mix_log10, score_text, tune_weight
 from nlmserve.lm.scoring import LanguageModel
 from nlmserve.lm.train import TrainConfig, train
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine  # noqa: E402
 
 log = logging.getLogger("bench.strategies")
 REPO = Path(__file__).resolve().parent.parent
@@ -72,15 +73,6 @@ STRATEGIES = (
 
 def slug(name: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in name).strip("-")
-
-
-def machine() -> dict[str, Any]:
-    cpu = "unknown"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}
 
 
 def split_texts(data: Path, lines: int, work: Path) -> dict[str, Path]:
