@@ -57,6 +57,15 @@ def relative_links(page: Path) -> list[str]:
     return [t for t in LINK.findall(prose(page.read_text())) if not re.match(r"^[a-z][a-z0-9+.-]*:", t)]
 
 
+def unresolved(dest: Path, anchor: str) -> str | None:
+    """Why a link to ``dest#anchor`` does not resolve, or None when it does."""
+    if not dest.exists():
+        return "no such file"
+    if anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+        return f"no heading #{anchor} in {dest.relative_to(REPO)}"
+    return None
+
+
 def test_the_pages_are_found() -> None:
     names = {p.relative_to(REPO).as_posix() for p in PAGES}
     assert {"README.md", "moses_plugin/README.md", "docs/results.md"} <= names
@@ -67,11 +76,9 @@ def test_relative_links_resolve(page: Path) -> None:
     broken = []
     for target in relative_links(page):
         path, _, anchor = target.partition("#")
-        dest = (page.parent / path).resolve() if path else page
-        if not dest.exists():
-            broken.append(f"{target}: no such file")
-        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
-            broken.append(f"{target}: no heading #{anchor} in {dest.relative_to(REPO)}")
+        why = unresolved((page.parent / path).resolve() if path else page, anchor)
+        if why:
+            broken.append(f"{target}: {why}")
     assert not broken, f"{page.relative_to(REPO)}: " + "; ".join(broken)
 
 
@@ -91,10 +98,9 @@ def test_docs_mentioned_in_python_exist(source: Path) -> None:
     for m in DOC_MENTION.finditer(source.read_text()):
         name, anchor, section = m.groups()
         dest = REPO / "docs" / name
-        if not dest.is_file():
-            broken.append(f"docs/{name}: no such file")
-        elif anchor and anchor not in anchors(dest):
-            broken.append(f"docs/{name}#{anchor}: no such heading")
+        why = unresolved(dest, anchor or "")
+        if why:
+            broken.append(f"docs/{name}{'#' + anchor if anchor else ''}: {why}")
         elif section and not any(h.startswith(section.lower()) for h in headings(dest)):
             broken.append(f'docs/{name}, "{section}": no heading starts so')
     assert not broken, f"{source.relative_to(REPO)}: " + "; ".join(broken)
