@@ -58,7 +58,7 @@ class BatchPlan:
         """Each row's score → float32 (N,): ``raw`` (R,) s_c + s_w of the distinct rows, and on
         the rows of ``norm`` minus ``class_norm`` (C,) of their context and ``in_class`` (P,)
         of their pair."""
-        out = np.asarray(raw, dtype=np.float32)[self.row_of]  # (N,)
+        out: np.ndarray = np.asarray(raw, dtype=np.float32)[self.row_of]  # (N,)
         if self.norm.size:
             cn = np.asarray(class_norm, dtype=np.float32)[self.norm_context_of]  # (M,)
             ic = np.asarray(in_class, dtype=np.float32)[self.pair_of]  # (M,)

@@ -510,7 +510,7 @@ class _Trainer:
         self.model.set_sparse_grads(output=adagrad and sparse_out, context=adagrad)
         self.model.feature_sparse = adagrad  # a batch touches few slots of the n-gram tables
         if adagrad:
-            torch.sparse.check_sparse_tensor_invariants.disable()  # opt out explicitly (and quietly)
+            torch.sparse.check_sparse_tensor_invariants.disable()  # type: ignore[no-untyped-call]  # opt out explicitly (and quietly)
         self.model.to(self.device).train()
         self.opt = _make_optimizer(cfg, self.model)
         self.gen = torch.Generator(device=self.device)
@@ -608,7 +608,7 @@ class _Trainer:
         loss = self.dist.forward(lambda: batch_loss(
             self.cfg.objective, self.model, ctx, tgt, self.noise, self.cfg.noise_samples, gen,
             norm_fraction=self.cfg.norm_fraction, norm_weight=self.cfg.norm_weight))
-        (loss * weight).backward()
+        (loss * weight).backward()  # type: ignore[no-untyped-call]
         self.dist.reduce_sparse()
         self.opt.step()
         return float(loss.detach())
