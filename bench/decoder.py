@@ -158,6 +158,37 @@ def feature_counts(log: Path) -> dict[str, int | None]:
             "cache_misses": closing[2] if closing else None}
 
 
+def nbest_check(moses: str, ini: Path, src: Path, threads: int, model: str, work: Path, size: int = 10) -> dict[str, Any]:
+    """Decode ``src`` writing a ``size``-best list, and compare each hypothesis' NLM0 with the
+    model's own score of its words: Moses converts each token's log10 score to ln and floors it
+    at -100 (TransformLMScore, FloorScore), then sums the tokens and ``</s>``."""
+    import math
+
+    from nlmserve.lm.scoring import LanguageModel
+
+    nbest = work / "nbest-check.txt"
+    with open(src, "rb") as fin, open(work / "nbest-check.out", "wb") as fout, \
+            open(work / "nbest-check.log", "wb") as ferr:
+        r = subprocess.run([moses, "-f", str(ini), "-threads", str(threads), "-n-best-list", str(nbest), str(size)],
+                           stdin=fin, stdout=fout, stderr=ferr, cwd=ini.parent)
+    if r.returncode != 0:
+        raise SystemExit(f"n-best check: moses exited with {r.returncode} (see {work / 'nbest-check.log'})")
+    lm = LanguageModel.load(model)
+    hyps, values = [], []
+    for line in nbest.read_text(encoding="utf-8").splitlines():
+        fields = line.split(" ||| ")
+        scores = fields[2].split()
+        values.append(float(scores[scores.index("NLM0=") + 1]))
+        hyps.append(fields[1].split())
+    ln10 = math.log(10.0)
+    diffs = []
+    for words, value, scored in zip(hyps, values, lm.score_sentences(hyps, log10=True)):
+        want = sum(max(ln10 * float(x), -100.0) for x in scored.token_log_probs)
+        diffs.append(abs(want - value))
+    return {"hypotheses": len(hyps), "max_abs_diff": round(max(diffs), 6) if diffs else None,
+            "mean_abs_diff": round(sum(diffs) / len(diffs), 6) if diffs else None}
+
+
 def sha(path: Path) -> str:
     import hashlib
 
@@ -241,6 +272,12 @@ def render(result: dict[str, Any]) -> str:
                      f"{result.get('prefetch_lines', '')} sentences: " + "; ".join(
                          f"{name}: {'identical output' if ok else '**outputs differ**'}" for name, ok in checks.items())
                      + ".")
+    nb = result.get("nbest_check") or {}
+    if nb:
+        lines.append(f"NLM0 in Moses' 10-best lists of the first {nb['lines']} sentences ({nb['hypotheses']} "
+                     f"hypotheses, exact scores) against the model's own sentence scores (ln 10 × each token's "
+                     f"log10, floored at −100, summed with `</s>`): largest difference {nb['max_abs_diff']}, "
+                     f"mean {nb['mean_abs_diff']} (Moses prints six significant digits).")
     lines += ["", "Command:", "", "    " + result["command"], "", END]
     return "\n".join(lines)
 
@@ -276,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="'kenlm' or NAME:key=value,... (feature options)")
     p.add_argument("--prefetch-check", type=int, default=0, metavar="N",
                    help="decode the first N sentences with every prefetch mode and compare")
+    p.add_argument("--nbest-check", type=int, default=0, metavar="N",
+                   help="decode the first N sentences with a 10-best list (exact scores) and compare every "
+                        "NLM0 with the model's own sentence score")
     p.add_argument("--workdir", type=Path, help="keep inis, outputs and logs here (default: a temporary folder)")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--render", type=Path, metavar="JSON",
@@ -349,6 +389,13 @@ def main(argv: list[str] | None = None) -> int:
                     shas[mode] = r.output_sha
                     prefetch[f"{c.name}/{mode}"] = {"wall_s": round(r.wall_s, 2), "round_trips": r.round_trips}
                 prefetch[f"{c.name}/identical"] = len(set(shas.values())) == 1
+        nbest: dict[str, Any] = {}
+        if args.nbest_check and args.model:
+            head = work / "nbest-input.txt"
+            head.write_text("".join(chosen[: args.nbest_check]), encoding="utf-8")
+            nbest = nbest_check(args.moses, ini_for("nbest", {"normalized": "true"}), head, args.threads,
+                                args.model, work)
+            nbest["lines"] = args.nbest_check
     finally:
         if server is not None:
             server.stop()
@@ -359,10 +406,12 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(table(rows)))
     for key, value in prefetch.items():
         print(f"prefetch check {key}: {value}")
+    if nbest:
+        print(f"n-best check: {nbest}")
     if args.json:
         result = {"machine": info, "lines": lines, "input": str(args.input), "threads": args.threads,
                   "rounds": args.rounds, "nlm_weight": args.nlm_weight, "prefetch_lines": args.prefetch_check, "serve_args": args.serve_args,
-                  "model": args.model, "rows": rows, "prefetch_check": prefetch,
+                  "model": args.model, "rows": rows, "prefetch_check": prefetch, "nbest_check": nbest,
                   "runs": [asdict(r) for r in runs], "command": " ".join(sys.argv)}
         tmp = args.json.with_suffix(args.json.suffix + ".tmp")
         tmp.write_text(json.dumps(result, indent=2) + "\n")
