@@ -192,10 +192,11 @@ def test_unit_checks_of_cache_rules_and_decoder_parts(driver: Path) -> None:
     sharing a home slot, 0.0 as a hit, clear, the capacity in entries, eight threads, batched
     lookups and inserts equal to row-by-row ones), the
     rules on other ids and types, nlmserve_decoder.h's phrase and boundary rows (hand-computed),
-    word-id table, expansion scores and error pause, lowercasing and target parsing."""
+    word-id table, expansion scores (in order at the cursor, or looked up) and error pause,
+    lowercasing and target parsing."""
     done = subprocess.run([str(UNIT)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "unit: 70 passed, 0 failed", done.stderr
+    assert done.stdout.strip() == "unit: 81 passed, 0 failed", done.stderr
 
 
 def test_golden_ngram_rules_through_the_cpp_owner(driver: Path) -> None:

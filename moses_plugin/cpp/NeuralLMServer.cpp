@@ -52,9 +52,9 @@ struct NeuralLMServerThread {
 
   // The hypothesis (prefetch=hypothesis) or stack (prefetch=stack) prefetched last.
   nlmserve::PrefetchMark prefetched;
-  // The boundary score of every expansion prefetched last: EvaluateWhenApplied reads it
-  // instead of asking the client's cache n-gram by n-gram.
-  nlmserve::PairScores boundary;
+  // The boundary score of every expansion prefetched last, in the order Moses evaluates
+  // them: EvaluateWhenApplied reads it instead of asking the client's cache n-gram by n-gram.
+  nlmserve::ExpansionScores boundary;
   std::vector<Expansion> expansions;
   std::vector<uint32_t> words;     // word ids of the phrase or window at hand
   std::vector<uint32_t> rows;      // canonical rows, order ids each
@@ -63,6 +63,11 @@ struct NeuralLMServerThread {
   std::vector<const Factor *> factors;  // the words of a state
   // Round trips, n-grams sent and cache hits of the thread's current sentence.
   nlmserve::BatchCounts sentence;
+  // EvaluateWhenApplied in the current sentence: boundary scores found at the cursor of
+  // `boundary`, found by lookup, and scored alone (not prefetched, or prefetch=false).
+  uint64_t inOrder = 0;
+  uint64_t lookedUp = 0;
+  uint64_t scoredAlone = 0;
 };
 
 namespace {
@@ -117,6 +122,9 @@ NeuralLMServer::NeuralLMServer(const std::string &line)
       m_sentenceRoundTrips(0),
       m_errors(0),
       m_floored(0),
+      m_inOrder(0),
+      m_lookedUp(0),
+      m_scoredAlone(0),
       m_pause(new nlmserve::ErrorPause()) {
   ReadParameters();
   m_target = m_filePath;
@@ -142,6 +150,8 @@ NeuralLMServer::~NeuralLMServer() {
       VERBOSE(1, ", " << stats.ngrams_sent << " n-grams sent, " << stats.cache_hits << " cache hits, "
                       << stats.cache_misses << " misses");
     }
+    VERBOSE(1, "; boundary scores: " << m_inOrder.load() << " in order, " << m_lookedUp.load() << " looked up, "
+                                     << m_scoredAlone.load() << " scored alone");
     VERBOSE(1, std::endl);
   }
   delete m_nullState;
@@ -440,12 +450,30 @@ FFState *NeuralLMServer::EvaluateWhenApplied(const Hypothesis &hypo, const FFSta
   NeuralLMServerThread &local = Local(this);
   const Hypothesis *prev = hypo.GetPrevHypo();
   float lmScore = 0;
-  bool prefetched = false;
+  nlmserve::ExpansionScores::Found found = nlmserve::ExpansionScores::kNotFound;
   if (m_prefetch != PrefetchOff && prev != NULL) {
-    Prefetch(*prev, local);
-    prefetched = local.boundary.Get(prev, &hypo.GetTranslationOption(), &lmScore);
+    const TranslationOption *option = &hypo.GetTranslationOption();
+    // Moses evaluates the expansions in the order the prefetch listed them: the next one
+    // is normally the entry at the cursor. Such a match also means that prev belongs to
+    // what this thread prefetched last in this sentence (the entries are this sentence's:
+    // InitializeForInput empties them; and the hypotheses they name are alive, so no
+    // other hypothesis has their address), so Prefetch would do nothing and is skipped.
+    // Otherwise Prefetch first (a new stack renews the entries), then the full lookup.
+    if (local.boundary.Next(prev, option, &lmScore)) {
+      found = nlmserve::ExpansionScores::kInOrder;
+    } else {
+      Prefetch(*prev, local);
+      found = local.boundary.Get(prev, option, &lmScore);
+    }
   }
-  if (!prefetched) lmScore = BoundaryScore(hypo, local);
+  if (found == nlmserve::ExpansionScores::kInOrder) {
+    ++local.inOrder;
+  } else if (found == nlmserve::ExpansionScores::kLookedUp) {
+    ++local.lookedUp;
+  } else {
+    ++local.scoredAlone;
+    lmScore = BoundaryScore(hypo, local);
+  }
 
   // The state: the last order-1 words, then </s> when the sentence is complete.
   const size_t keep = m_nGramOrder - 1;
@@ -455,7 +483,9 @@ FFState *NeuralLMServer::EvaluateWhenApplied(const Hypothesis &hypo, const FFSta
     local.factors.push_back(hypo.GetWord(pos).GetFactor(m_factorType));
   }
   if (hypo.IsSourceCompleted()) local.factors.push_back(m_sentenceEnd);
-  NeuralLMServerState *res = new NeuralLMServerState(std::vector<const Factor *>(keep));
+  // One allocation (the state's words), not a temporary vector copied into it.
+  NeuralLMServerState *res = new NeuralLMServerState();
+  res->m_words.resize(keep);
   nlmserve::CanonicalContext(local.factors.data(), local.factors.size(), keep, m_sentenceStart, res->m_words.data());
 
   if (OOVFeatureEnabled()) {
@@ -520,10 +550,12 @@ void NeuralLMServer::Prefetch(const Hypothesis &prev, NeuralLMServerThread &loca
   if (n == 0) return;
   local.scores.resize(n);
   ScoreRows(local.rows.data(), n, local.scores.data(), local);
+  // Appended in enumeration order: sequential writes (a hash table filled here would take
+  // a random write per expansion; ExpansionScores builds one only if it is needed).
   size_t begin = 0;
   for (size_t e = 0; e < local.expansions.size(); ++e) {
     const NeuralLMServerThread::Expansion &x = local.expansions[e];
-    local.boundary.Put(x.prev, x.option, nlmserve::SumScores(local.scores.data() + begin, x.end - begin));
+    local.boundary.Add(x.prev, x.option, nlmserve::SumScores(local.scores.data() + begin, x.end - begin));
     begin = x.end;
   }
 }
@@ -571,6 +603,9 @@ void NeuralLMServer::ExpansionRows(const Hypothesis &prev, NeuralLMServerThread 
       }
       const bool completes = bitmap.GetNumWordsCovered() + range.GetNumWordsCovered() == sourceSize;
       for (TranslationOptionList::const_iterator it = list->begin(); it != list->end(); ++it) {
+        // An empty target phrase has no boundary n-grams, and EvaluateWhenApplied returns
+        // before asking for its score: listing it would only put the cursor out of step.
+        if ((*it)->GetTargetPhrase().GetSize() == 0) continue;
         local.words.resize(context);
         AppendIds((*it)->GetTargetPhrase(), &local.words);
         const nlmserve::NgramError error = nlmserve::BoundaryRows(*m_model, local.words.data(), context,
@@ -586,14 +621,23 @@ void NeuralLMServer::ExpansionRows(const Hypothesis &prev, NeuralLMServerThread 
 
 void NeuralLMServer::InitializeForInput(ttasksptr const &ttask) {
   ++tl_sentence;
-  Local(this).sentence = nlmserve::BatchCounts();
+  NeuralLMServerThread &local = Local(this);
+  local.sentence = nlmserve::BatchCounts();
+  local.inOrder = local.lookedUp = local.scoredAlone = 0;
+  // The last sentence's expansions name its hypotheses, whose addresses this one may
+  // reuse: EvaluateWhenApplied trusts an entry that matches at the cursor.
+  local.boundary.Clear();
   if (m_sentencePhrases) ScoreSentencePhrases(ttask);
 }
 
 void NeuralLMServer::CleanUpAfterSentenceProcessing(ttasksptr const &ttask) {
-  const nlmserve::BatchCounts &counts = Local(this).sentence;
+  const NeuralLMServerThread &local = Local(this);
+  const nlmserve::BatchCounts &counts = local.sentence;
   m_sentences.fetch_add(1);
   m_sentenceRoundTrips.fetch_add(counts.round_trips);
+  m_inOrder.fetch_add(local.inOrder);
+  m_lookedUp.fetch_add(local.lookedUp);
+  m_scoredAlone.fetch_add(local.scoredAlone);
   const uint64_t lookups = counts.cache_hits + counts.cache_misses;
   char rate[32] = "no lookups";
   if (lookups > 0) std::snprintf(rate, sizeof(rate), "%.1f%% hits", 100.0 * counts.cache_hits / lookups);
@@ -601,7 +645,8 @@ void NeuralLMServer::CleanUpAfterSentenceProcessing(ttasksptr const &ttask) {
                                << ttask->GetSource()->GetTranslationId() << " took " << counts.round_trips
                                << " round trips, " << counts.ngrams_sent << " n-grams sent; cache: "
                                << counts.cache_hits << " hits, " << counts.cache_misses << " misses (" << rate
-                               << ")" << std::endl);
+                               << "); boundary scores: " << local.inOrder << " in order, " << local.lookedUp
+                               << " looked up, " << local.scoredAlone << " scored alone" << std::endl);
   LanguageModelSingleFactor::CleanUpAfterSentenceProcessing(ttask);
 }
 

@@ -174,6 +174,8 @@ class NeuralLMServer : public LanguageModelSingleFactor {
   mutable std::atomic<uint64_t> m_errors;
   // on-error=floor: requests answered LOWEST_SCORE, and the pause after failures.
   mutable std::atomic<uint64_t> m_floored;
+  // Boundary scores of all sentences: at the prefetch's cursor, looked up, scored alone.
+  mutable std::atomic<uint64_t> m_inOrder, m_lookedUp, m_scoredAlone;
   std::unique_ptr<nlmserve::ErrorPause> m_pause;
 };
 

@@ -153,12 +153,13 @@ class DenseIdMap {
   std::unique_ptr<std::atomic<std::atomic<uint32_t> *>[]> chunks_;
 };
 
-// Scores of (hypothesis, translation option) pairs, the expansions of one prefetch: an
-// open-addressing table that keeps its memory, and that Clear empties in O(1) by
+// Values of (hypothesis, translation option) pairs (for the expansions of one prefetch):
+// an open-addressing table that keeps its memory, and that Clear empties in O(1) by
 // starting a new generation. For one thread.
-class PairScores {
+template <class V>
+class PairMap {
  public:
-  PairScores() : used_(0), generation_(1) {}
+  PairMap() : used_(0), generation_(1) {}
 
   void Clear() {
     used_ = 0;
@@ -168,8 +169,13 @@ class PairScores {
     }
   }
 
-  // Sets the score of (a, b), replacing an earlier one.
-  void Put(const void *a, const void *b, float score) {
+  // Makes room for `n` pairs at once, so that filling the table rehashes nothing.
+  void Reserve(std::size_t n) {
+    while (2 * n > slots_.size()) Grow();
+  }
+
+  // Sets the value of (a, b), replacing an earlier one.
+  void Put(const void *a, const void *b, V value) {
     if (2 * (used_ + 1) > slots_.size()) Grow();
     Slot *s = Find(a, b);
     if (s->generation != generation_) {
@@ -178,14 +184,14 @@ class PairScores {
       s->generation = generation_;
       ++used_;
     }
-    s->score = score;
+    s->value = value;
   }
 
-  bool Get(const void *a, const void *b, float *score) const {
+  bool Get(const void *a, const void *b, V *value) const {
     if (slots_.empty()) return false;
-    const Slot *s = const_cast<PairScores *>(this)->Find(a, b);
+    const Slot *s = const_cast<PairMap *>(this)->Find(a, b);
     if (s->generation != generation_) return false;
-    *score = s->score;
+    *value = s->value;
     return true;
   }
 
@@ -195,7 +201,7 @@ class PairScores {
   struct Slot {
     const void *a;
     const void *b;
-    float score;
+    V value;
     uint32_t generation;  // live when equal to the table's
   };
 
@@ -220,19 +226,99 @@ class PairScores {
   void Grow() {
     std::vector<Slot> old;
     old.swap(slots_);
-    Slot empty = {nullptr, nullptr, 0.0f, 0};
+    Slot empty = {nullptr, nullptr, V(), 0};
     slots_.assign(old.empty() ? 64 : 2 * old.size(), empty);
     const uint32_t live = generation_;
     generation_ = 1;
     used_ = 0;
     for (std::size_t i = 0; i < old.size(); ++i) {
-      if (old[i].generation == live) Put(old[i].a, old[i].b, old[i].score);
+      if (old[i].generation == live) Put(old[i].a, old[i].b, old[i].value);
     }
   }
 
   std::vector<Slot> slots_;
   std::size_t used_;
   uint32_t generation_;
+};
+
+typedef PairMap<float> PairScores;
+
+// The boundary scores of one prefetch's expansions, kept in the order the prefetch
+// enumerated them, which is the order in which the decoder then builds and evaluates
+// them (Moses' SearchNormal: the stack's hypotheses in turn, for each its spans by start
+// and end, each span's options in list order). Get compares the pair asked for with the
+// entry at a cursor, a sequential read; only a pair out of that order is looked up in a
+// hash table (random reads of a table that, for a stack of many expansions, is larger
+// than the processor's caches), which is built the first time it is needed. A lookup
+// moves the cursor after the entry found, so the decoder skipping expansions (early
+// discarding) costs one lookup per skip, not one per later expansion. For one thread.
+class ExpansionScores {
+ public:
+  enum Found { kNotFound = 0, kInOrder, kLookedUp };
+
+  ExpansionScores() : cursor_(0), indexed_(false) {}
+
+  // Forgets the entries (a new prefetch); keeps the memory.
+  void Clear() {
+    entries_.clear();
+    cursor_ = 0;
+    indexed_ = false;
+  }
+
+  // Appends the expansion (a, b) with its score, in enumeration order.
+  void Add(const void *a, const void *b, float score) {
+    const Entry e = {a, b, score};
+    entries_.push_back(e);
+    indexed_ = false;  // a table built before does not hold it
+  }
+
+  // True, with its score, when (a, b) is the entry at the cursor (which then moves on);
+  // never looks further.
+  bool Next(const void *a, const void *b, float *score) {
+    if (cursor_ >= entries_.size()) return false;
+    const Entry &e = entries_[cursor_];
+    if (e.a != a || e.b != b) return false;
+    ++cursor_;
+    *score = e.score;
+    return true;
+  }
+
+  // The score of (a, b): kInOrder when it is the entry at the cursor, kLookedUp when
+  // found elsewhere, kNotFound (score untouched) when it was not prefetched. (A decoder
+  // makes each expansion once, so a pair is added once; were one added twice, the cursor
+  // would give the entry it is at, the lookup the last one.)
+  Found Get(const void *a, const void *b, float *score) {
+    if (Next(a, b, score)) return kInOrder;
+    if (!indexed_) Index();
+    uint32_t i;
+    if (!index_.Get(a, b, &i)) return kNotFound;
+    *score = entries_[i].score;
+    cursor_ = i + 1;
+    return kLookedUp;
+  }
+
+  std::size_t size() const { return entries_.size(); }
+
+ private:
+  struct Entry {
+    const void *a;
+    const void *b;
+    float score;
+  };
+
+  void Index() {
+    index_.Clear();
+    index_.Reserve(entries_.size());
+    for (std::size_t i = 0; i < entries_.size(); ++i) {
+      index_.Put(entries_[i].a, entries_[i].b, static_cast<uint32_t>(i));
+    }
+    indexed_ = true;
+  }
+
+  std::vector<Entry> entries_;
+  std::size_t cursor_;
+  bool indexed_;
+  PairMap<uint32_t> index_;  // (a, b) -> its last entry; built on the first lookup
 };
 
 // on-error=floor: after a failed request the server is left alone for a pause of 1 s,

@@ -411,6 +411,47 @@ void TestPairScores() {
   Check(scores.Get(&a[5], &a[35], &s) && s == -5.0f && !scores.Get(&a[6], &a[42], &s), "usable after clear");
 }
 
+void TestExpansionScores() {
+  typedef nlmserve::ExpansionScores E;
+  E scores;
+  int h[4] = {0}, o[6] = {0};  // only the addresses are keys: hypotheses and options
+  float s = 1.0f;
+  Check(!scores.Next(&h[0], &o[0], &s) && scores.Get(&h[0], &o[0], &s) == E::kNotFound && s == 1.0f,
+        "no expansions: nothing found");
+  for (int i = 0; i < 4; ++i) {
+    for (int j = 0; j < 6; ++j) scores.Add(&h[i], &o[j], -static_cast<float>(10 * i + j));
+  }
+  bool in_order = true;
+  for (int i = 0; i < 2; ++i) {
+    for (int j = 0; j < 6; ++j) {
+      in_order = in_order && scores.Get(&h[i], &o[j], &s) == E::kInOrder && s == -static_cast<float>(10 * i + j);
+    }
+  }
+  Check(in_order, "expansions asked for in the order added come from the cursor");
+  // h[2]'s expansions skipped up to o[4] (early discarding): one lookup, then in order again.
+  Check(scores.Get(&h[2], &o[4], &s) == E::kLookedUp && s == -24.0f, "a skip is looked up");
+  Check(scores.Next(&h[2], &o[5], &s) && s == -25.0f && scores.Get(&h[3], &o[0], &s) == E::kInOrder && s == -30.0f,
+        "the cursor resumes after the entry looked up");
+  Check(scores.Get(&h[0], &o[3], &s) == E::kLookedUp && s == -3.0f, "an earlier expansion is looked up");
+  Check(!scores.Next(&h[3], &o[2], &s) && scores.Get(&h[3], &o[2], &s) == E::kLookedUp && s == -32.0f,
+        "Next looks no further than the cursor");
+  s = 1.0f;
+  Check(scores.Get(&o[0], &h[0], &s) == E::kNotFound && s == 1.0f, "pairs are ordered keys");
+  scores.Clear();
+  Check(scores.size() == 0 && scores.Get(&h[0], &o[0], &s) == E::kNotFound, "clear forgets all");
+  scores.Add(&h[1], &o[1], 0.0f);
+  Check(scores.Get(&h[1], &o[1], &s) == E::kInOrder && s == 0.0f, "usable after clear; 0.0 is a score");
+  scores.Clear();
+  scores.Add(&h[1], &o[1], -1.0f);
+  Check(scores.Get(&h[0], &o[0], &s) == E::kNotFound && scores.Get(&h[1], &o[1], &s) == E::kInOrder && s == -1.0f,
+        "the lookup table of an earlier prefetch is rebuilt");
+  nlmserve::PairMap<uint32_t> index;
+  index.Reserve(1000);
+  for (uint32_t i = 0; i < 1000; ++i) index.Put(&h[i % 4], &o[i % 6], i);
+  uint32_t v = 0;
+  Check(index.size() == 12 && index.Get(&h[3], &o[5], &v) && v == 995, "PairMap of indices: the last Put wins");
+}
+
 void TestErrorPause() {
   nlmserve::ErrorPause pause;
   Check(!pause.Paused(0), "no pause before a failure");
@@ -476,6 +517,7 @@ int main(int argc, char **argv) {
   TestBoundaryRows();
   TestDenseIdMap();
   TestPairScores();
+  TestExpansionScores();
   TestErrorPause();
   TestTextAndTargets();
   std::printf("unit: %d passed, %d failed\n", g_passed, g_failed);
