@@ -236,7 +236,7 @@ class LanguageModel:
         """Class id of each target (N,) as numpy (zeros for the outputs without classes)."""
         if self.config.output != "class":
             return np.zeros(target.shape, dtype=np.int64)
-        return self.net.word_class[self._on_device(target)].cpu().numpy()  # type: ignore[no-any-return]
+        return self.net.word_class[self._on_device(target)].cpu().numpy()
 
     def word_classes(self, target: Tensor) -> Tensor:
         """Class id of each target (zeros for the outputs without classes)."""
@@ -281,7 +281,7 @@ class LanguageModel:
         out = out[row_of]
         if log10:
             out *= np.float32(LOG10_E)
-        return out
+        return out  # type: ignore[no-any-return]
 
     def _first_of_pairs(self, rows: np.ndarray) -> np.ndarray | None:
         """(N,) bool: the first of the canonical ``rows`` of each (context, class of the
@@ -511,7 +511,7 @@ _NO_SCORES = np.zeros(0, dtype=np.float32)
 
 
 def _numpy(t: Tensor) -> np.ndarray:
-    return t.float().cpu().numpy()  # type: ignore[no-any-return]
+    return t.float().cpu().numpy()
 
 
 def _mm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
