@@ -1,13 +1,14 @@
 """What every benchmark records beside its numbers: the machine it ran on, and the CPU time of
 a process tree (a server and the helpers it started).
 
-    from _common import machine, tree_cpu_seconds
+    from _common import machine, tree_cpu_seconds, write_json
 
 Benchmarks run as scripts from bench/, so this module is imported by its file name.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 from pathlib import Path
@@ -69,3 +70,10 @@ def tree_cpu_seconds(root: int) -> float:
         total += stats[pid][1]
         frontier.extend(child for child, (parent, _) in stats.items() if parent == pid)
     return total
+
+
+def write_json(path: Path, result: Any) -> None:
+    """``result`` as indented JSON, written beside ``path`` and renamed over it."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(path)

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, tree_cpu_seconds  # noqa: E402
+from _common import machine, tree_cpu_seconds, write_json  # noqa: E402
 
 from nlmserve.moses_plugin.experiment import ServerProcess, start_server  # noqa: E402
 
@@ -413,9 +413,7 @@ def main(argv: list[str] | None = None) -> int:
                   "rounds": args.rounds, "nlm_weight": args.nlm_weight, "prefetch_lines": args.prefetch_check, "serve_args": args.serve_args,
                   "model": args.model, "rows": rows, "prefetch_check": prefetch, "nbest_check": nbest,
                   "runs": [asdict(r) for r in runs], "command": " ".join(sys.argv)}
-        tmp = args.json.with_suffix(args.json.suffix + ".tmp")
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        tmp.replace(args.json)
+        write_json(args.json, result)
     return 0
 
 

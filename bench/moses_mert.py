@@ -32,7 +32,6 @@ and ``evaluator`` (built in their bjam folders; ``--mertdir`` finds them under
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
@@ -44,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine  # noqa: E402
+from _common import machine, write_json  # noqa: E402
 from decoder import rewrite_ini  # noqa: E402
 
 from nlmserve.moses_plugin.bleu import BleuConfig, corpus_bleu, paired_bootstrap, read_references  # noqa: E402
@@ -258,9 +257,7 @@ def main() -> int:
     if args.json:
         result = {"machine": info, "dev_lines": n_dev, "test_lines": n_test, "tuner": args.tuner,
                   "seeds": args.seeds, "rows": rows, "command": " ".join(sys.argv)}
-        tmp = args.json.with_name(args.json.name + ".tmp")
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        tmp.replace(args.json)
+        write_json(args.json, result)
     return 0
 
 
