@@ -188,6 +188,42 @@ void TestCacheThreads() {
   Check(bad.load() == 0, "concurrent readers see the value written for their key");
   Check(cache.Size() <= 64, "concurrent size bounded");
   Check(cache.hits() + cache.misses() == 8u * kLookups && cache.hits() > 0, "concurrent lookups all counted");
+
+  // The same with batches: each thread looks 50 rows up at once and puts its misses
+  // (shards held by another thread are passed over and done later).
+  nlmserve::NgramCache batched(64, 8, 5);
+  std::vector<std::thread> batchers;
+  const int kBatches = 400, kRows = 50;
+  for (int t = 0; t < 4; ++t) {
+    batchers.emplace_back([&batched, &bad, t, kBatches, kRows]() {
+      nlmserve::NgramCache::Scratch scratch;
+      Row rows(kRows * 5), missed;
+      std::vector<float> scores(kRows), put;
+      std::vector<uint8_t> found(kRows);
+      for (int b = 0; b < kBatches; ++b) {
+        for (int i = 0; i < kRows; ++i) {
+          const uint32_t k = static_cast<uint32_t>((b * 31 + i * 7 + t) % 300);
+          const Row r = {1, k, k + 3, 2 * k, 9};
+          std::copy(r.begin(), r.end(), rows.begin() + i * 5);
+        }
+        batched.GetMany(rows.data(), kRows, scores.data(), found.data(), scratch);
+        missed.clear();
+        put.clear();
+        for (int i = 0; i < kRows; ++i) {
+          if (found[i] && scores[i] != static_cast<float>(rows[i * 5 + 1])) bad.fetch_add(1);
+          if (!found[i]) {
+            missed.insert(missed.end(), rows.begin() + i * 5, rows.begin() + (i + 1) * 5);
+            put.push_back(static_cast<float>(rows[i * 5 + 1]));
+          }
+        }
+        batched.PutMany(missed.data(), put.size(), put.data(), scratch);
+      }
+    });
+  }
+  for (std::size_t t = 0; t < batchers.size(); ++t) batchers[t].join();
+  Check(bad.load() == 0 && batched.Size() <= 64, "concurrent batches see the value written for their key");
+  Check(batched.hits() + batched.misses() == 4u * kBatches * kRows && batched.hits() > 0,
+        "concurrent batched lookups all counted");
 }
 
 void TestCacheBatches() {
