@@ -1,0 +1,116 @@
+"""bench/decoder.py's own logic, without a Moses binary: the moses.ini it writes for each
+configuration, the counts it reads from the feature's ``-v 1`` lines, and the results-page
+section it renders. (The decoding itself needs a Moses build: docs/moses-decoder.md.)"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from support import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+import decoder  # noqa: E402
+
+SHARED_INI = REPO.parent / "shared" / "data" / "moses-fr-en" / "moses.ini"
+
+INI = """\
+# a comment with path=relative.gz that stays as it is
+[feature]
+UnknownWordPenalty
+PhraseDictionaryMemory name=TranslationModel0 num-features=4 path=phrase-table.gz input-factor=0 output-factor=0
+KENLM name=LM0 factor=0 path=LM_PATH order=5
+
+[weight]
+LM0= 0.107688
+TranslationModel0= 0.1 0.2 0.3 0.4
+"""
+
+# Lines as the feature prints them with -v 1 (sentence lines and the closing line at exit).
+LOG = """\
+Translating: le parlement
+NeuralLMServer NLM0: sentence 0 took 9 round trips, 26851 n-grams sent; cache: 17498 hits, 26851 misses (39.5% hits); boundary scores: 40606 in order, 0 looked up, 0 scored alone
+NeuralLMServer NLM0: sentence 1 took 16 round trips, 85272 n-grams sent; cache: 78114 hits, 85272 misses (47.8% hits); boundary scores: 135809 in order, 0 looked up, 0 scored alone
+NeuralLMServer NLM0: 2 sentences, 25 round trips, 0 failed requests, 0 requests floored, 112123 n-grams sent, 95612 cache hits, 112123 misses; boundary scores: 176415 in order, 0 looked up, 0 scored alone
+"""
+
+
+def test_the_ini_of_each_configuration(tmp_path: Path) -> None:
+    system = tmp_path / "system"
+    system.mkdir()
+    (system / "moses.ini").write_text(INI)
+    plain, feature = tmp_path / "kenlm.ini", tmp_path / "nlm.ini"
+    decoder.rewrite_ini(system / "moses.ini", "/models/lm.bin", plain, None, 0.25)
+    line = "NeuralLMServer name=NLM0 factor=0 order=5 path=127.0.0.1:5 normalized=false"
+    decoder.rewrite_ini(system / "moses.ini", "/models/lm.bin", feature, line, 0.25)
+    want_plain = INI.replace("path=phrase-table.gz", f"path={system / 'phrase-table.gz'}") \
+                    .replace("LM_PATH", "/models/lm.bin")
+    assert plain.read_text() == want_plain
+    lines = feature.read_text().splitlines()
+    # The feature line right after KENLM, its weight at the end of [weight]; nothing else changed.
+    assert lines[lines.index("KENLM name=LM0 factor=0 path=/models/lm.bin order=5") + 1] == line
+    assert lines[-1] == "NLM0= 0.25"
+    assert [x for x in lines if x not in (line, "NLM0= 0.25")] == want_plain.splitlines()
+
+
+def test_an_ini_without_kenlm_is_refused(tmp_path: Path) -> None:
+    ini = tmp_path / "moses.ini"
+    ini.write_text(INI.replace("KENLM", "SRILM"))
+    with pytest.raises(SystemExit, match="no KENLM line"):
+        decoder.rewrite_ini(ini, None, tmp_path / "out.ini", "NeuralLMServer name=NLM0", 0.1)
+
+
+def test_the_shipped_system_ini(tmp_path: Path) -> None:
+    if not SHARED_INI.is_file():
+        pytest.skip(f"{SHARED_INI} absent (the Moses system of ../shared/data/moses-fr-en)")
+    out = tmp_path / "nlm.ini"
+    decoder.rewrite_ini(SHARED_INI, "/lm.bin", out, "NeuralLMServer name=NLM0 factor=0 order=5 path=h:1", 0.1)
+    text = out.read_text()
+    assert f"path={SHARED_INI.parent / 'phrase-table.gz'}" in text
+    assert f"path={SHARED_INI.parent / 'reordering-table.wbe-msd-bidirectional-fe.gz'}" in text
+    assert "path=/lm.bin order=5\nNeuralLMServer name=NLM0" in text and "\nNLM0= 0.1\n" in text
+
+
+def test_feature_counts_from_the_log(tmp_path: Path) -> None:
+    log = tmp_path / "run.log"
+    log.write_text(LOG)
+    assert decoder.feature_counts(log) == {"round_trips": 25, "ngrams_sent": 112123,
+                                           "cache_hits": 95612, "cache_misses": 112123}
+    log.write_text("no feature here\n")
+    assert decoder.feature_counts(log) == {"round_trips": None, "ngrams_sent": None,
+                                           "cache_hits": None, "cache_misses": None}
+
+
+def test_summary_ratios_and_rendered_section(tmp_path: Path) -> None:
+    configs = [decoder.Config.parse(c) for c in ("kenlm", "exact:normalized=true")]
+    assert configs[1].options == {"normalized": "true"}
+    runs = [decoder.Run("kenlm", 0, 10, 10.0, 20.0, 0.0, output_sha="a"),
+            decoder.Run("exact", 0, 10, 25.0, 30.0, 10.0, 200, 1000, 600, 400, "b"),
+            decoder.Run("kenlm", 1, 10, 12.0, 22.0, 0.0, output_sha="a"),
+            decoder.Run("exact", 1, 10, 23.0, 32.0, 12.0, 200, 1000, 600, 400, "c")]
+    rows = decoder.summarise(runs, configs)
+    # Medians: KENLM 11 s wall, 21 s CPU; the feature 24 s wall and, decoder + server, (40 + 44) / 2 = 42 s CPU.
+    assert rows[0]["wall_ratio"] == 1.0
+    assert rows[1]["wall_s"] == 24.0 and rows[1]["wall_ratio"] == round(24 / 11, 2)
+    assert rows[1]["cpu_ratio"] == 2.0
+    assert rows[1]["round_trips_per_sentence"] == 20.0 and rows[1]["ngrams_sent_per_sentence"] == 100
+    assert rows[1]["cache_hit_rate"] == 0.6
+    assert rows[1]["target"] == 2.0 and rows[1]["met"] is False
+    assert rows[0]["same_output_every_round"] and not rows[1]["same_output_every_round"]
+    result = {"machine": {"cpu": "CPU", "cores": 2, "load_average_1m": 1.0}, "lines": 10, "input": "/x/test.src",
+              "threads": 2, "rounds": 2, "serve_args": "", "nlm_weight": 0.1, "rows": rows,
+              "prefetch_check": {"exact/identical": True}, "prefetch_lines": 2,
+              "nbest_check": {"lines": 3, "hypotheses": 30, "max_abs_diff": 0.0005, "mean_abs_diff": 0.0002},
+              "command": "bench/decoder.py --lines 10"}
+    doc = tmp_path / "results.md"
+    doc.write_text(f"# Results\n\n{decoder.BEGIN}\nold\n{decoder.END}\n\nafter\n")
+    decoder.write_section(doc, decoder.render(result))
+    text = doc.read_text()
+    assert text.startswith("# Results\n\n" + decoder.BEGIN) and text.endswith(decoder.END + "\n\nafter\n")
+    assert "old" not in text
+    assert "| + NLM0 `normalized=true` | 25.0, 23.0 | 24.0 | 2.18 |" in text
+    assert "≤ 2.0×: **not met**" in text and "no for exact." in text
+    assert "exact: identical output" in text and "largest difference 0.0005" in text
+    assert "    bench/decoder.py --lines 10" in text
