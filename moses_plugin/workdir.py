@@ -8,13 +8,16 @@ records its inputs — the SHA-256 of every list, reference and training text, t
 settings — and each later run compares its own with them before any work:
 
 * ``lists``: dev and test n-best lists and references, and ``lowercase``; always checked.
-* ``training``: training texts (in order), validation text, minutes and ``train_args``;
+* ``training``: training texts (in order), validation text, steps, minutes and ``train_args``;
   recorded when the experiment trains the model and checked when it would train again.
   A run given ``--model`` or ``--server`` does not train; the model hash that rescoring
   records (``*.rescore.json``) already ties the rescored lists to one model.
 
 A work directory that holds outputs but no record (made by a version that kept none) is
-refused as well: nothing says what those outputs were made from.
+refused as well: nothing says what those outputs were made from. A record made with other
+training settings (e.g. ``make demo`` after an update changed the demo's recipe) is refused
+with what differs, recorded and now, and the two ways on: remove the directory, or name a
+new one.
 """
 
 from __future__ import annotations
@@ -54,10 +57,22 @@ def inputs_of(config: "ExperimentConfig", trains: bool) -> dict[str, dict[str, A
         record["training"] = {
             "train_text": [_digest(t, "training text") for t in config.train_text],
             "valid_text": _digest(config.valid_text, "validation text"),
+            "steps": config.steps,
             "minutes": config.minutes,
             "train_args": list(config.train_args),
         }
     return record
+
+
+def _shown(value: Any) -> str:
+    """A recorded value as the refusal shows it: digests shortened, flags as typed."""
+    if value is None:
+        return "none"
+    if isinstance(value, str) and len(value) == 64:
+        return f"file {value[:12]}"
+    if isinstance(value, list):
+        return "[" + " ".join(_shown(v) if isinstance(v, str) and len(v) == 64 else str(v) for v in value) + "]"
+    return str(value)
 
 
 def check_workdir(config: "ExperimentConfig", work: Path, trains: bool) -> None:
@@ -79,11 +94,14 @@ def check_workdir(config: "ExperimentConfig", work: Path, trains: bool) -> None:
         saved = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise NlmserveError(f"{path}: unreadable record of the work directory's inputs ({exc})") from exc
-    changed = [f"{section}.{key}" for section, values in current.items() if section in saved
-               for key, value in values.items() if saved[section].get(key) != value]
+    changed = [(f"{section}.{key}", saved[section].get(key), value) for section, values in current.items()
+               if section in saved for key, value in values.items() if saved[section].get(key) != value]
     if changed:
-        raise NlmserveError(f"{work} was made from other inputs ({', '.join(changed)} differ from {RECORD}): "
-                            "choose another --workdir, or remove it to start over")
+        what = "; ".join(f"{name}: {_shown(old)} recorded, {_shown(new)} now" for name, old, new in changed)
+        raise NlmserveError(f"{work} was made from other inputs ({', '.join(n for n, _, _ in changed)} differ from "
+                            f"{work / RECORD}: {what}); its outputs would be reused, so nothing was run. "
+                            f"Remove it to start over (rm -r {work}), or choose another --workdir "
+                            f"(e.g. {work.parent / (work.name + '-2')})")
     if "training" in current and "training" not in saved:
         saved["training"] = current["training"]
         write_text_atomic(path, json.dumps(saved, indent=2, sort_keys=True) + "\n")

@@ -326,6 +326,20 @@ def test_workdir_records_its_inputs_and_refuses_others(tmp_path: Path, capsys: p
         with pytest.raises(NlmserveError) as exc:
             check_workdir(changed, work, trains=True)
         assert all(name in str(exc.value) for name in names) and "choose another --workdir" in str(exc.value)
+    # A workdir of an earlier demo recipe (a time budget, no step budget): refused, saying what
+    # changed and what to do.
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    check_workdir(config, earlier, trains=True)
+    old_record = json.loads((earlier / RECORD).read_text())
+    del old_record["training"]["steps"]
+    old_record["training"].update(minutes=4.0, train_args=["--order", "5"])
+    (earlier / RECORD).write_text(json.dumps(old_record))
+    with pytest.raises(NlmserveError) as exc:
+        check_workdir(config, earlier, trains=True)
+    assert f"training.steps: none recorded, {config.steps} now" in str(exc.value)
+    assert "training.minutes: 4.0 recorded" in str(exc.value) and "[--order 5] recorded" in str(exc.value)
+    assert f"rm -r {earlier}" in str(exc.value) and f"{earlier}-2" in str(exc.value)
     # A given model (no training here) is checked on its lists only; its hash ties the rescored lists.
     check_workdir(replace(config, train_args=("--order", "3")), work, trains=False)
     assert json.loads((work / RECORD).read_text()) == record
