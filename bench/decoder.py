@@ -261,7 +261,10 @@ def render(result: dict[str, Any]) -> str:
              f"{result['rounds']} interleaved rounds, the server on the same machine "
              f"(`{serve}`); NLM0 weight {result['nlm_weight']}; "
              f"{m['cpu']}, {m['cores']} cores, load average {m['load_average_1m']} at the start. "
-             "Wall and CPU times include loading the tables (the same in every configuration).",
+             "Wall and CPU times include loading the tables (the same in every configuration); "
+             "the 1-minute load average after each run: "
+             + ", ".join(f"{r['config']} r{r['round']} {r['extra'].get('load_average_1m_after', '?')}"
+                         for r in result.get("runs", [])) + ".",
              "", *table(result["rows"]), ""]
     same = [r["config"] for r in result["rows"] if not r["same_output_every_round"]]
     lines.append("Same translations in every round: " + ("yes, every configuration." if not same else
@@ -364,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
             before = tree_cpu_seconds(server.process.pid) if server else 0.0
             wall, cpu = decode(args.moses, ini, source, args.threads, out, log)
             after = tree_cpu_seconds(server.process.pid) if server else 0.0
-            run = Run(name, rnd, n, wall, cpu, after - before, output_sha=sha(out), **feature_counts(log))
+            run = Run(name, rnd, n, wall, cpu, after - before, output_sha=sha(out), **feature_counts(log),
+                      extra={"load_average_1m_after": round(os.getloadavg()[0], 2)})
             print(f"round {rnd} {name}: {wall:.1f} s wall, decoder {cpu:.1f} s CPU, server {after - before:.1f} s CPU",
                   flush=True)
             return run
