@@ -122,10 +122,18 @@ def calibrate(s: Strategy, texts: dict[str, Path], work: Path, args: argparse.Na
     cfg = base_config(probe, texts, work, args, valid=None, max_steps=20, out=str(work / "probe.nlm"), log_every=10)
     t0 = time.monotonic()
     res = train(cfg)
-    meta = LanguageModel.load(res.model_path, device="cpu").training
-    per_step = float(meta["seconds"]) / max(res.steps, 1)
+    per_step = train_seconds(res.model_path) / max(res.steps, 1)
     log.info("%s: %.3f s/step (probe %.1f s)", s.name, per_step, time.monotonic() - t0)
     return max(10, int(args.valid_seconds / max(per_step, 1e-6)))
+
+
+def train_seconds(model_path: str | Path) -> float:
+    """The training's wall time, from the end record of the log written beside the model."""
+    for line in reversed(Path(f"{model_path}.log.jsonl").read_text().splitlines()):
+        record = json.loads(line)
+        if record.get("event") == "end":
+            return float(record["elapsed"])
+    raise SystemExit(f"{model_path}.log.jsonl has no end record")
 
 
 def scoring_speed(lm: LanguageModel, ids: np.ndarray, normalized: bool, batch: int) -> float:
@@ -153,13 +161,13 @@ def run_one(s: Strategy, texts: dict[str, Path], work: Path, args: argparse.Name
     res = train(cfg)
     wall = time.monotonic() - t0
     lm = LanguageModel.load(res.model_path, device="cpu")
-    meta = lm.training
-    setup = wall - float(meta["seconds"])  # data, tree building (and pretraining), saving
+    seconds = train_seconds(res.model_path)
+    setup = wall - seconds  # data, tree building (and pretraining), saving
     ev = evaluate(lm, texts["test"])
     row: dict[str, Any] = {
         "name": s.name, "output": s.output, "objective": s.objective, "steps": res.steps, "tokens": res.tokens,
-        "train_seconds": float(meta["seconds"]), "setup_seconds": round(setup, 1),
-        "tokens_per_s": res.tokens / max(float(meta["seconds"]), 1e-9), "valid_ppl": res.best_valid_ppl,
+        "train_seconds": seconds, "setup_seconds": round(setup, 1),
+        "tokens_per_s": res.tokens / max(seconds, 1e-9), "valid_ppl": res.best_valid_ppl,
         "test_ppl": ev.perplexity, "test_ppl_excl_oov": ev.perplexity_excl_oov, "test_oov": ev.oov,
         "test_tokens": ev.tokens, "log_z_mean": ev.log_z_mean, "log_z_std": ev.log_z_std,
         "size_mb": os.path.getsize(res.model_path) / 2**20, "self_normalized": lm.self_normalized,

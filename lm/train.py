@@ -710,16 +710,18 @@ class _Trainer:
             final = NeuralLM(self.mconf, self.word_class, self.tree)
             final.load_state_dict(self.best)
         best_ppl = None if math.isinf(state.best_ppl) else state.best_ppl
+        # What the model file records is what made the weights, and nothing of the machine
+        # or the clock (the wall time is in the log's end record), so that the same training
+        # on another machine or in another clone writes the same bytes, hence the same hash.
         training_meta: dict[str, Any] = {
-            "train": os.path.abspath(cfg.train),
-            "valid": os.path.abspath(cfg.valid) if cfg.valid else None,
+            "train": cfg.train,
+            "valid": cfg.valid,
             "objective": cfg.objective,
             "steps": state.step,
             "tokens_seen": state.tokens,
             "epochs_completed": state.epoch,
             "valid_perplexity": best_ppl,
             "stopped": self.stopped,
-            "seconds": round(state.elapsed, 1),
             "train_config": dataclasses.asdict(cfg),
             "torch": torch.__version__,
         }
