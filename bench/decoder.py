@@ -271,8 +271,9 @@ def render(result: dict[str, Any]) -> str:
                  "no for " + ", ".join(same) + "."))
     checks = {k.split("/")[0]: v for k, v in result.get("prefetch_check", {}).items() if k.endswith("/identical")}
     if checks:
-        lines.append(f"Prefetch modes (`stack`, `hypothesis`, `false`) on the first "
-                     f"{result.get('prefetch_lines', '')} sentences: " + "; ".join(
+        n = result.get("prefetch_lines", 0)
+        lines.append("Prefetch modes (`stack`, `hypothesis`, `false`) on "
+                     + ("the first sentence" if n == 1 else f"the first {n} sentences") + ": " + "; ".join(
                          f"{name}: {'identical output' if ok else '**outputs differ**'}" for name, ok in checks.items())
                      + ".")
     nb = result.get("nbest_check") or {}
@@ -325,9 +326,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="only write the section of --doc from a JSON file of an earlier run")
     p.add_argument("--doc", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "results.md",
                    help="page whose bench/decoder.py section --render replaces")
-    if argv is None and "--render" in sys.argv:
-        sub = p.parse_known_args()[0]
-        write_section(sub.doc, render(json.loads(sub.render.read_text())))
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--render", type=Path)
+    pre.add_argument("--doc", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "results.md")
+    only, _ = pre.parse_known_args(argv)
+    if only.render is not None:  # no decoding: the section of --doc from an earlier run's JSON
+        write_section(only.doc, render(json.loads(only.render.read_text())))
         return 0
     args = p.parse_args(argv)
     if (args.model is None) == (args.server is None):
