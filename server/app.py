@@ -43,6 +43,7 @@ from nlmserve.server.config import ServerConfig
 from nlmserve.server.engine import Engine, ModelState
 from nlmserve.server.local import LocalBackend
 from nlmserve.server.metrics import ServerMetrics
+from nlmserve.server.requests import RequestHandler
 from nlmserve.server.servicer import LanguageModelServicer, add_to_server
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class RunningServer:
         """Serve the native front end's packed batches on the Unix socket ``path`` too
         (server/local.py); closed by :meth:`stop`."""
         if self.local is None:
-            self.local = LocalBackend(path, self.engine, self.metrics, self.reloader.tokens)
+            self.local = LocalBackend(path, self.engine, self.servicer.requests)
         return self.local
 
     def reload(self, path: str | None = None) -> ModelState:
@@ -142,10 +143,13 @@ async def _start(config: ServerConfig, engine: Engine, metrics: ServerMetrics,
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
-    interceptors = [TokenInterceptor(reloader.tokens, metrics)] if reloader.tokens is not None else []
+    # One owner of tokens, size limits, error mapping and request metrics for the gRPC
+    # servicer, the token interceptor and the native front end's socket (server/local.py).
+    requests = RequestHandler(engine.config.max_ngrams_per_request, metrics, reloader.tokens)
+    interceptors = [TokenInterceptor(requests)] if reloader.tokens is not None else []
     server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs,
                              interceptors=interceptors)
-    servicer = LanguageModelServicer(engine, metrics)
+    servicer = LanguageModelServicer(engine, metrics, requests)
     add_to_server(servicer, server)
     add_admin_to_server(AdminServicer(reloader, metrics), server)
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
@@ -248,10 +252,8 @@ def serve(config: ServerConfig) -> int:
 
             if public.metrics_port is not None:
                 running.metrics_port = running.metrics.start_http(public.host, public.metrics_port)
-            socket_path = None
-            if public.frontend_channel == "socket":  # in a directory only this user may enter
-                socket_dir = tempfile.mkdtemp(prefix="nlmserve-")
-                socket_path = running.start_local_backend(os.path.join(socket_dir, "backend.sock")).path
+            socket_dir = tempfile.mkdtemp(prefix="nlmserve-")  # a directory only this user may enter
+            socket_path = running.start_local_backend(os.path.join(socket_dir, "backend.sock")).path
             frontend = NativeFrontend(binary, public, running.target, socket_path)
             print(f"listening on {public.host}:{frontend.port}", flush=True)
         else:

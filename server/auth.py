@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 import grpc
 
 from nlmserve.errors import InputError
-from nlmserve.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +30,8 @@ log = logging.getLogger(__name__)
 OPEN_SERVICES = ("grpc.health.v1.Health",)
 
 if TYPE_CHECKING:  # the stubs make these generic in the request and response types, grpc does not
+    from nlmserve.server.requests import RequestHandler
+
     Handler = grpc.RpcMethodHandler[Any, Any]
     _Interceptor = grpc.aio.ServerInterceptor[Any, Any]
 else:
@@ -114,11 +115,13 @@ def _deny(kind: str, message: str) -> Handler:
 
 
 class TokenInterceptor(_Interceptor):
-    """UNAUTHENTICATED for calls without a valid bearer token, except to ``OPEN_SERVICES``."""
+    """UNAUTHENTICATED for calls without a valid bearer token, except to ``OPEN_SERVICES``.
 
-    def __init__(self, tokens: TokenStore, metrics: ServerMetrics | None = None) -> None:
-        self.tokens = tokens
-        self.metrics = metrics
+    The check, its message and its count are the request handler's (server/requests.py),
+    which the native front end's socket uses too."""
+
+    def __init__(self, requests: "RequestHandler") -> None:
+        self.requests = requests
 
     async def intercept_service(
         self,
@@ -134,12 +137,11 @@ class TokenInterceptor(_Interceptor):
             if key == "authorization":
                 header = value
                 break
-        if self.tokens.check(header):
+        message = self.requests.refusal(header)
+        if message is None:
             return await continuation(handler_call_details)
-        message = "missing bearer token" if header is None else "invalid bearer token"
         log.debug("%s: %s", method, message)
-        if self.metrics is not None:
-            self.metrics.requests.labels(rpc=name or method, code=grpc.StatusCode.UNAUTHENTICATED.name).inc()
+        self.requests.count(name or method, grpc.StatusCode.UNAUTHENTICATED)
         handler = await continuation(handler_call_details)
         kind = "unary_unary"
         if handler is not None:

@@ -2,7 +2,8 @@
 
 The model server binds a private loopback port; ``nlmserve_frontend`` binds the public
 address, micro-batches the small ScoreNgrams requests of many clients in C++ and forwards
-everything else (docs/serving.md, "Settings", the paragraph on the native front end).
+everything else (docs/serving.md, "Settings", the paragraph on the native front end);
+merged packed batches reach this process over its private Unix socket (server/local.py).
 This module finds the binary, starts it, relays its log lines and stops it first on
 shutdown, so that in-flight requests drain through it while the model server is still up.
 """
@@ -48,7 +49,7 @@ def find_binary(given: str | None) -> Path:
 class NativeFrontend:
     """A running ``nlmserve_frontend`` listening on ``host:port`` before ``backend``."""
 
-    def __init__(self, binary: Path, config: ServerConfig, backend: str, socket_path: str | None = None) -> None:
+    def __init__(self, binary: Path, config: ServerConfig, backend: str, socket_path: str) -> None:
         host = f"[{config.host}]" if ":" in config.host and not config.host.startswith("[") else config.host
         cmd = [str(binary), "--listen", f"{host}:{config.port}", "--backend", backend,
                "--max-batch-ngrams", str(config.max_batch_ngrams),
@@ -56,11 +57,10 @@ class NativeFrontend:
                "--max-inflight", str(config.frontend_max_inflight),
                "--max-queue-ngrams", str(config.max_queue_ngrams),
                "--max-message-mb", str(max(1, config.max_message_bytes // (1024 * 1024))),
-               "--grace-s", str(max(0, int(round(config.grace_seconds))))]
+               "--grace-s", str(max(0, int(round(config.grace_seconds)))),
+               "--backend-socket", socket_path]
         if config.token_file is not None:
             cmd += ["--token-file", config.token_file]
-        if socket_path is not None:
-            cmd += ["--backend-socket", socket_path]
         log.info("starting the native front end: %s", " ".join(cmd))
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None and self.proc.stderr is not None

@@ -6,28 +6,40 @@ batch then costs one round trip to the engine. Over gRPC that round trip costs t
 gRPC stack's few hundred microseconds per call; over this socket it is two system calls and
 a header to parse, which is the Triton design (a C++ server talking to its Python backend
 through a private IPC channel). Everything else the front end forwards (strings,
-ScoreSentences, model info, vocabulary, reload, a merged batch's per-request re-sends after
-an INVALID_ARGUMENT) stays on gRPC.
+ScoreSentences, model info, vocabulary, reload) stays on gRPC.
+
+A merged batch carries its client requests (its parts), and the answer gives each part its
+own status: one client's invalid n-gram fails that client only, with the status and message
+the gRPC servicer gives that request alone; the others get their scores.
 
 Wire format, little-endian, one request and then one response at a time per connection::
 
-    request:  "NLQ1" u32 request_id  u32 flags  u32 timeout_ms  u32 rows  u32 width  u32 auth_len
-              auth (the caller's `authorization` metadata, auth_len bytes)
-              ids (rows × width uint32, oldest word first, rows of a short context left-padded with <s>)
-    response: "NLR1" u32 request_id  u32 status  u32 flags  u32 rows  u32 hash_len  u32 message_len
+    request:  "NLQ2" u32 request_id  u32 flags  u32 timeout_ms  u32 rows  u32 width  u32 auth_len  u32 parts
+              auth (the callers' `authorization` metadata, auth_len bytes; the parts share it)
+              parts × (u32 part_rows  u32 part_order)  (the client requests in row order:
+                  part_rows >= 1, sum = rows; 1 <= part_order <= width, the request's own packed_order)
+              ids (rows × width uint32, oldest word first; a part's rows left-padded with <s>
+                  from its part_order to width)
+    response: "NLR2" u32 request_id  u32 status  u32 flags  u32 rows  u32 hash_len  u32 message_len  u32 parts
               model hash (hash_len bytes)  message (UTF-8, message_len bytes)
-              scores (rows float32; none unless status is 0)
+              and when status is 0:
+              parts × (u32 part_status  u32 part_message_len)
+              the parts' messages (UTF-8, one after the other)
+              scores (rows float32; those of a part whose status is not 0 are 0)
 
-Request flags: bit 0 log10 (else natural log), bit 1 allow unnormalised scores. Response
-flags: bit 0 the scores are log10, bit 1 they are normalised. ``status`` is the gRPC status
-code the same request gets from the gRPC servicer (0 OK, 3 INVALID_ARGUMENT with the
-servicer's message, 4 DEADLINE_EXCEEDED, 8 RESOURCE_EXHAUSTED, 13 INTERNAL, 14 UNAVAILABLE,
-16 UNAUTHENTICATED); the OOV flags are the front end's to compute (the predicted word is
-``<unk>``). ``timeout_ms`` 0 means no deadline.
+``status`` is the batch's: not 0 when every part fails the same way (a refused token, an
+oversized batch, an overloaded or stopped engine, a deadline); then no part table and no
+scores follow (``rows`` and ``parts`` are 0). Request flags: bit 0 log10 (else natural
+log), bit 1 allow unnormalised scores. Response flags: bit 0 the scores are log10, bit 1
+they are normalised. Status codes are the gRPC ones the same request gets from the gRPC
+servicer (0 OK, 3 INVALID_ARGUMENT with the servicer's message, 4 DEADLINE_EXCEEDED,
+8 RESOURCE_EXHAUSTED, 13 INTERNAL, 14 UNAVAILABLE, 16 UNAUTHENTICATED); the OOV flags are
+the front end's to compute (the predicted word is ``<unk>``). ``timeout_ms`` 0 means no
+deadline. A frame that breaks these rules closes its connection.
 
-The socket lives in a directory only this user may enter (mode 0700), and bearer tokens,
-when the server has them, are checked on every request as the gRPC interceptor does.
-Metrics count a batch as one ScoreNgrams request, as they count a merged gRPC request.
+The socket lives in a directory only this user may enter (mode 0700). Tokens, the size
+limit, error mapping and metrics are the gRPC servicer's own (server/requests.py): a merged
+batch counts as the client requests it holds in ``nlmserve_requests``, each with its status.
 """
 
 from __future__ import annotations
@@ -37,24 +49,22 @@ import os
 import socket
 import struct
 import threading
-import time
 from pathlib import Path
-from typing import Any
 
 import grpc
 import numpy as np
 
 from nlmserve.errors import InvalidRequestError, ProtocolError
-from nlmserve.server.auth import TokenStore
-from nlmserve.server.engine import Engine
-from nlmserve.server.metrics import ServerMetrics
-from nlmserve.server.servicer import status_of
+from nlmserve.server.engine import Engine, ModelState
+from nlmserve.server.requests import RequestHandler
 
 log = logging.getLogger(__name__)
 
-REQUEST = struct.Struct("<4s6I")  # magic, request_id, flags, timeout_ms, rows, width, auth_len
-RESPONSE = struct.Struct("<4s6I")  # magic, request_id, status, flags, rows, hash_len, message_len
-REQUEST_MAGIC, RESPONSE_MAGIC = b"NLQ1", b"NLR1"
+REQUEST = struct.Struct("<4s7I")  # magic, request_id, flags, timeout_ms, rows, width, auth_len, parts
+RESPONSE = struct.Struct("<4s7I")  # magic, request_id, status, flags, rows, hash_len, message_len, parts
+PART = struct.Struct("<2I")  # request: part_rows, part_order; response: part_status, part_message_len
+REQUEST_MAGIC, RESPONSE_MAGIC = b"NLQ2", b"NLR2"
+RPC = "ScoreNgrams"
 LOG10, ALLOW_UNNORMALIZED = 1, 2  # request flags
 NORMALIZED = 2  # response flag (bit 0: log10, as in the request)
 MAX_AUTH_BYTES = 8192
@@ -80,14 +90,13 @@ def _read_exact(conn: socket.socket, n: int) -> bytes | None:
 class LocalBackend:
     """Serves the front end's batches on ``path`` with one thread per connection."""
 
-    def __init__(self, path: str | Path, engine: Engine, metrics: ServerMetrics | None = None,
-                 tokens: TokenStore | None = None) -> None:
+    def __init__(self, path: str | Path, engine: Engine, requests: RequestHandler) -> None:
         self.path = str(path)
         self.engine = engine
-        self.metrics = metrics
-        self.tokens = tokens
-        self.max_items = engine.config.max_ngrams_per_request
-        self._children: dict[Any, Any] = {}
+        self.requests = requests
+        self.max_items = requests.max_items
+        #: Batches answered (each holds one or more client requests).
+        self.batches = 0
         self._closing = False
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -146,23 +155,34 @@ class LocalBackend:
                 header = _read_exact(conn, REQUEST.size)
                 if header is None:
                     return
-                magic, request_id, flags, timeout_ms, rows, width, auth_len = REQUEST.unpack(header)
+                magic, request_id, flags, timeout_ms, rows, width, auth_len, parts = REQUEST.unpack(header)
                 if magic != REQUEST_MAGIC:
                     raise ProtocolError(f"bad magic {magic!r}")
                 if auth_len > MAX_AUTH_BYTES:
                     raise ProtocolError(f"authorization of {auth_len} bytes")
                 size = rows * width * 4
-                if rows > self.max_items or size > (1 << 31):
+                try:
+                    self.requests.check_size(rows, "n-grams")
+                    if size > (1 << 31):
+                        raise InvalidRequestError(f"a batch of {size} bytes")
+                except InvalidRequestError as e:
                     # answer first (the exact status), then drop the connection: the ids are not read
-                    conn.sendall(self._frame(request_id, grpc.StatusCode.INVALID_ARGUMENT, flags, None, "",
-                                             f"request has {rows} n-grams, more than max_ngrams_per_request = "
-                                             f"{self.max_items}; split it"))
-                    raise ProtocolError("oversized batch")
+                    n = max(1, min(parts, rows))
+                    self.requests.count(RPC, grpc.StatusCode.INVALID_ARGUMENT, n)
+                    conn.sendall(self._failed(request_id, grpc.StatusCode.INVALID_ARGUMENT, flags,
+                                              self.engine.state.model_hash, str(e)))
+                    raise ProtocolError("oversized batch") from None
+                if parts == 0 or parts > rows:
+                    raise ProtocolError(f"{parts} parts for {rows} rows")
                 auth = _read_exact(conn, auth_len)
+                table = _read_exact(conn, parts * PART.size)
                 data = _read_exact(conn, size)
-                if auth is None or data is None:
+                if auth is None or table is None or data is None:
                     raise ProtocolError("connection closed inside a frame")
-                conn.sendall(self._answer(request_id, flags, timeout_ms, rows, width, auth, data))
+                shape = [(r, k) for r, k in PART.iter_unpack(table)]
+                if sum(r for r, _ in shape) != rows or not all(r >= 1 and 1 <= k <= width for r, k in shape):
+                    raise ProtocolError(f"a part table that does not describe {rows} rows of width {width}")
+                conn.sendall(self._answer(request_id, flags, timeout_ms, width, auth, shape, data))
         except ProtocolError as e:
             log.warning("local backend channel: %s; closing the connection", e)
         except OSError as e:
@@ -174,65 +194,75 @@ class LocalBackend:
             conn.close()
 
     # ------------------------------------------------------------------ one batch
-    def _answer(self, request_id: int, flags: int, timeout_ms: int, rows: int, width: int,
-                auth: bytes, data: bytes) -> bytes:
-        start = time.perf_counter()
-        m = self.metrics
-        if m is not None:
-            m.in_flight.inc()
+    def _answer(self, request_id: int, flags: int, timeout_ms: int, width: int, auth: bytes,
+                parts: list[tuple[int, int]], data: bytes) -> bytes:
+        handler = self.requests
+        n = len(parts)
+        start = handler.started(n)
+        with self._lock:
+            self.batches += 1
         state = self.engine.state
         log10 = bool(flags & LOG10)
         normalized = not flags & ALLOW_UNNORMALIZED
+        timeout = timeout_ms / 1000.0 if timeout_ms else None
         try:
-            if self.tokens is not None and not self.tokens.check(auth or None):
-                code = grpc.StatusCode.UNAUTHENTICATED
-                message = "missing bearer token" if not auth else "invalid bearer token"
-                self._count(code)
-                return self._frame(request_id, code, flags, None, state.model_hash, message)
+            refusal = handler.refusal(auth or None)
+            if refusal is not None:
+                handler.count(RPC, grpc.StatusCode.UNAUTHENTICATED, n)
+                return self._failed(request_id, grpc.StatusCode.UNAUTHENTICATED, flags, state.model_hash, refusal)
+            ids = np.frombuffer(data, dtype="<u4").reshape(-1, width)
             try:
-                if width == 0:
-                    raise InvalidRequestError("packed_ids need packed_order >= 1")
-                ids = np.frombuffer(data, dtype="<u4").reshape(rows, width)
-                scores = self.engine.try_score_now(ids, normalized=normalized, log10=log10, state=state)
-                if scores is None:  # the engine is busy (gRPC clients too): queue for its batching thread
-                    timeout = timeout_ms / 1000.0 if timeout_ms else None
-                    future = self.engine.submit_ngrams(ids, normalized=normalized, log10=log10, timeout=timeout,
-                                                       state=state)
-                    scores = future.result()
+                try:
+                    scores = np.asarray(self._score(ids, normalized, log10, timeout, state), dtype="<f4")
+                    statuses = [(grpc.StatusCode.OK, "")] * n
+                except InvalidRequestError:
+                    # Some part is invalid: each part alone gets the servicer's answer to it.
+                    scores, statuses = self._score_parts(ids, parts, normalized, log10, timeout, state)
             except Exception as e:
-                code = status_of(e)
-                if code == grpc.StatusCode.INTERNAL:
-                    log.exception("ScoreNgrams (local channel) failed")
-                    message = f"internal error: {type(e).__name__}: {e}"
-                else:
-                    message = str(e)
-                self._count(code)
-                return self._frame(request_id, code, flags, None, state.model_hash, message)
-            self._count(grpc.StatusCode.OK)
-            out_flags = (LOG10 if log10 else 0) | (NORMALIZED if normalized or not state.self_normalized else 0)
-            return self._frame(request_id, grpc.StatusCode.OK, out_flags, np.asarray(scores, dtype="<f4"),
-                               state.model_hash, "")
+                code, message = handler.error(RPC, e)
+                handler.count(RPC, code, n)
+                return self._failed(request_id, code, flags, state.model_hash, message)
         finally:
-            if m is not None:
-                m.in_flight.dec()
-                latency = self._children.get("latency")
-                if latency is None:
-                    latency = self._children["latency"] = m.request_latency.labels(rpc="ScoreNgrams")
-                latency.observe(time.perf_counter() - start)
+            handler.finished(RPC, start, n)
+        for code, _ in statuses:
+            handler.count(RPC, code)
+        out_flags = (LOG10 if log10 else 0) | (NORMALIZED if normalized or not state.self_normalized else 0)
+        digest = state.model_hash.encode()
+        texts = [message.encode("utf-8", "replace") for _, message in statuses]
+        head = RESPONSE.pack(RESPONSE_MAGIC, request_id, 0, out_flags, scores.shape[0], len(digest), 0, n)
+        table = b"".join(PART.pack(code.value[0], len(text)) for (code, _), text in zip(statuses, texts))
+        return b"".join((head, digest, table, *texts, scores.tobytes()))
+
+    def _score(self, ids: np.ndarray, normalized: bool, log10: bool, timeout: float | None,
+               state: ModelState) -> np.ndarray:
+        scores = self.engine.try_score_now(ids, normalized=normalized, log10=log10, state=state)
+        if scores is None:  # the engine is busy (gRPC clients too): queue for its batching thread
+            future = self.engine.submit_ngrams(ids, normalized=normalized, log10=log10, timeout=timeout,
+                                               state=state)
+            scores = future.result()
+        return scores
+
+    def _score_parts(self, ids: np.ndarray, parts: list[tuple[int, int]], normalized: bool, log10: bool,
+                     timeout: float | None,
+                     state: ModelState) -> tuple[np.ndarray, list[tuple[grpc.StatusCode, str]]]:
+        """Each part scored alone on its own rows (the <s> padding taken off): an invalid one
+        gets its own status and message; any other error is the batch's."""
+        out = np.zeros(ids.shape[0], dtype="<f4")
+        statuses: list[tuple[grpc.StatusCode, str]] = []
+        at = 0
+        for rows, order in parts:
+            part = np.ascontiguousarray(ids[at : at + rows, ids.shape[1] - order :])
+            try:
+                out[at : at + rows] = self._score(part, normalized, log10, timeout, state)
+                statuses.append((grpc.StatusCode.OK, ""))
+            except InvalidRequestError as e:
+                statuses.append(self.requests.error(RPC, e))
+            at += rows
+        return out, statuses
 
     @staticmethod
-    def _frame(request_id: int, code: grpc.StatusCode, flags: int, scores: np.ndarray | None,
-               model_hash: str, message: str) -> bytes:
+    def _failed(request_id: int, code: grpc.StatusCode, flags: int, model_hash: str, message: str) -> bytes:
+        """The answer of a batch every part of which fails with ``code``."""
         digest, text = model_hash.encode(), message.encode("utf-8", "replace")
-        rows = 0 if scores is None else scores.shape[0]
-        head = RESPONSE.pack(RESPONSE_MAGIC, request_id, code.value[0], flags, rows, len(digest), len(text))
-        body = b"" if scores is None else scores.tobytes()
-        return b"".join((head, digest, text, body))
-
-    def _count(self, code: grpc.StatusCode) -> None:
-        if self.metrics is None:
-            return
-        child = self._children.get(code)
-        if child is None:
-            child = self._children[code] = self.metrics.requests.labels(rpc="ScoreNgrams", code=code.name)
-        child.inc()
+        return b"".join((RESPONSE.pack(RESPONSE_MAGIC, request_id, code.value[0], flags, 0, len(digest), len(text), 0),
+                         digest, text))

@@ -2,14 +2,9 @@
 
 It only converts: strings to ids with the model's vocabulary (unknown words → ``<unk>``,
 flagged; lowercased first when the model was trained lowercased), packed bytes to an id
-array, and errors to status codes (STYLE.md 1, 8):
-
-    InvalidRequestError  → INVALID_ARGUMENT (the message names the offending index)
-    oversized request    → INVALID_ARGUMENT (the message gives the limit)
-    OverloadedError      → RESOURCE_EXHAUSTED
-    RequestExpiredError  → DEADLINE_EXCEEDED
-    EngineStoppedError   → UNAVAILABLE
-    anything else        → INTERNAL (logged with its traceback)
+array, and errors to status codes. Size limits, the mapping of errors to status codes and
+the request metrics are server/requests.py's, shared with the native front end's socket
+(server/local.py).
 
 The OOV flag of an n-gram is that of its predicted word (KenLM's ``full_scores``).
 """
@@ -26,11 +21,12 @@ import grpc
 import numpy as np
 from google.protobuf.message import Message
 
-from nlmserve.errors import EngineStoppedError, InvalidRequestError, OverloadedError, RequestExpiredError
+from nlmserve.errors import InvalidRequestError
 from nlmserve.lm.ngrams import BOS_ID, EOS_ID, UNK_ID, pack_ngrams, word_ids
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
 from nlmserve.server.engine import Engine, ModelState
 from nlmserve.server.metrics import ServerMetrics
+from nlmserve.server.requests import RequestHandler
 
 log = logging.getLogger(__name__)
 
@@ -52,21 +48,6 @@ OFFLOAD_ITEMS = 20_000
 # A request of at most this many n-grams from a lone client is scored in the event-loop
 # thread when the engine is idle (Engine.try_score_now): no thread hand-over and back.
 INLINE_ITEMS = 16
-
-_STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
-    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
-    (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (RequestExpiredError, grpc.StatusCode.DEADLINE_EXCEEDED),
-    (EngineStoppedError, grpc.StatusCode.UNAVAILABLE),
-)
-
-
-def status_of(error: BaseException) -> grpc.StatusCode:
-    for cls, code in _STATUS:
-        if isinstance(error, cls):
-            return code
-    return grpc.StatusCode.INTERNAL
-
 
 def _asks_log10(request: lm_pb2.ScoreNgramsRequest | lm_pb2.ScoreSentencesRequest) -> bool:
     """The wire's LogBase as the engine's ``log10`` flag (LOG10 is the default)."""
@@ -157,11 +138,13 @@ def model_info(state: ModelState, max_items: int) -> lm_pb2.ModelInfo:
 class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
     """``nlmserve.v1.LanguageModel`` over one :class:`Engine`."""
 
-    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None,
+                 requests: RequestHandler | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
         self.max_items = engine.config.max_ngrams_per_request
-        self._children: dict[Any, Any] = {}  # metric children by label values
+        #: Size limit, error mapping and metrics (shared with server/local.py).
+        self.requests = requests if requests is not None else RequestHandler(self.max_items, metrics)
         self._info: tuple[weakref.ref[ModelState], lm_pb2.ModelInfo] | None = None
         self._active = 0  # RPCs being served (the event loop's own count)
         #: Set when the server drains for shutdown: new RPCs get UNAVAILABLE (server.app).
@@ -321,55 +304,35 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
         return sentences, oovs
 
     def _check_size(self, n: int, what: str) -> None:
-        if n > self.max_items:
-            raise InvalidRequestError(
-                f"request has {n} {what}, more than max_ngrams_per_request = {self.max_items}; split it"
-            )
+        self.requests.check_size(n, what)
 
     # -------------------------------------------------------------- errors and metrics
     async def _guard(self, rpc: str, context: Context, work: Awaitable[T]) -> T:
-        m = self.metrics
+        handler = self.requests
         if self.draining:
             if asyncio.iscoroutine(work):
                 work.close()  # never started
-            self._count(rpc, grpc.StatusCode.UNAVAILABLE)
+            handler.count(rpc, grpc.StatusCode.UNAVAILABLE)
             await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)
-        start = time.perf_counter()
+        start = handler.started()
         self._active += 1
-        if m is not None:
-            m.in_flight.inc()
         try:
             result = await work
         except asyncio.CancelledError:
-            self._count(rpc, grpc.StatusCode.CANCELLED)
+            handler.count(rpc, grpc.StatusCode.CANCELLED)
             raise
         except Exception as e:
-            code = status_of(e)
-            if code == grpc.StatusCode.INTERNAL:
-                log.exception("%s failed", rpc)
-                message = f"internal error: {type(e).__name__}: {e}"
-            else:
-                log.debug("%s: %s: %s", rpc, code.name, e)
-                message = str(e)
-            self._count(rpc, code)
+            code, message = handler.error(rpc, e)
+            handler.count(rpc, code)
             await context.abort(code, message)
             raise  # not reached: abort raises
         finally:
             self._active -= 1
-            if m is not None:
-                m.in_flight.dec()
-                latency = self._children.get(rpc)
-                if latency is None:
-                    latency = self._children[rpc] = m.request_latency.labels(rpc=rpc)
-                latency.observe(time.perf_counter() - start)
-        self._count(rpc, grpc.StatusCode.OK)
+            handler.finished(rpc, start)
+        handler.count(rpc, grpc.StatusCode.OK)
         if isinstance(result, Message) and result.ByteSize() > INITIAL_WINDOW_BYTES:
             self.large_answer_at = time.monotonic()
         return result
 
     def _count(self, rpc: str, code: grpc.StatusCode) -> None:
-        if self.metrics is not None:
-            child = self._children.get((rpc, code))
-            if child is None:  # labels() takes a lock and builds a key: do it once per pair
-                child = self._children[(rpc, code)] = self.metrics.requests.labels(rpc=rpc, code=code.name)
-            child.inc()
+        self.requests.count(rpc, code)

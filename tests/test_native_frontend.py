@@ -2,17 +2,18 @@
 
 The backend is a real server on the tiny model (127.0.0.1, port 0); ``nlmserve_frontend``
 is built with cmake into build/cpp (by test_cpp_client's ``driver`` fixture, which builds
-the whole C++ project) and started on port 0 in front of it. Values through the front end
-must equal the backend's own; merged batches must reach the backend as fewer requests than
-the clients sent; errors must be the backend's, for the request that caused them only.
-Every test of a front end runs twice: with merged packed batches sent over gRPC, and over
-the backend's private Unix socket (``--backend-socket``, server/local.py).
+the whole C++ project) and started on port 0 in front of it, with merged packed batches
+going to the backend's private Unix socket (``--backend-socket``, server/local.py). Values
+through the front end must equal the backend's own; merged batches must reach the backend
+as fewer batches than the clients sent requests, while its request metrics count the
+clients' requests; errors must be the backend's, for the request that caused them only.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import urllib.request
 import signal
 import stat
 import subprocess
@@ -67,19 +68,20 @@ def strings(ngrams: list[list[str]], **kw: Any) -> lm_pb2.ScoreNgramsRequest:
     return lm_pb2.ScoreNgramsRequest(ngrams=[lm_pb2.NgramStrings(words=ng) for ng in ngrams], **kw)
 
 
-CHANNELS = ("grpc", "socket")
-
-
-def channel_flags(running: RunningServer, channel: str, tmp: Path) -> tuple[str, ...]:
-    """The front end's flags for ``channel`` (socket: the backend serves one in ``tmp``)."""
-    if channel == "grpc":
-        return ()
+def socket_flags(running: RunningServer, tmp: Path) -> tuple[str, ...]:
+    """The front end's --backend-socket for ``running`` (which serves one in ``tmp``)."""
     return ("--backend-socket", running.start_local_backend(str(tmp / "backend.sock")).path)
 
 
 def backend_requests(running: RunningServer, code: str = "OK") -> float:
-    """ScoreNgrams RPCs the backend finished with ``code``, from its live metrics."""
+    """ScoreNgrams requests the backend finished with ``code``, from its live metrics."""
     return running.metrics.requests.labels(rpc="ScoreNgrams", code=code)._value.get()  # type: ignore[no-any-return]
+
+
+def backend_batches(running: RunningServer) -> int:
+    """Merged batches the backend's socket answered."""
+    assert running.local is not None
+    return running.local.batches
 
 
 @pytest.fixture(scope="module")
@@ -89,10 +91,10 @@ def backend(tiny_lm: Any) -> Iterator[RunningServer]:
     running.stop(1.0)
 
 
-@pytest.fixture(scope="module", params=CHANNELS)
-def frontend(request: pytest.FixtureRequest, driver: Path, backend: RunningServer,  # noqa: F811
+@pytest.fixture(scope="module")
+def frontend(driver: Path, backend: RunningServer,  # noqa: F811
              tmp_path_factory: pytest.TempPathFactory) -> Iterator[Frontend]:
-    flags = channel_flags(backend, request.param, tmp_path_factory.mktemp("sock"))
+    flags = socket_flags(backend, tmp_path_factory.mktemp("sock"))
     fe = Frontend(FRONTEND, backend.target, "--max-delay-us", "2000", *flags)
     yield fe
     code, err = fe.stop()
@@ -171,7 +173,7 @@ def test_concurrent_clients_get_their_own_answers_in_fewer_backend_calls(
 
     gated = GatedScorer(backend.engine.scorer)
     backend.engine.scorer = gated  # type: ignore[assignment]
-    before = backend_requests(backend)
+    before, batches = backend_requests(backend), backend_batches(backend)
     threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
     try:
         for t in threads:
@@ -191,9 +193,11 @@ def test_concurrent_clients_get_their_own_answers_in_fewer_backend_calls(
     for c in range(clients):
         expected = [want[(c * rounds + r) % len(ids)] for r in range(rounds)]
         np.testing.assert_allclose(got[c], expected, rtol=0, atol=1e-5)
-    # Every request reached the backend, and requests were merged: fewer calls than requests.
-    calls = backend_requests(backend) - before
+    # Requests were merged: fewer batches than requests; the backend's request metrics count
+    # every client request.
+    calls = backend_batches(backend) - batches
     assert 1 <= calls < clients * rounds, calls
+    assert backend_requests(backend) - before == clients * rounds
 
 
 def test_requests_queued_behind_a_backend_call_reach_it_as_one_merged_batch(
@@ -206,7 +210,7 @@ def test_requests_queued_behind_a_backend_call_reach_it_as_one_merged_batch(
     backend.engine.scorer = gated  # type: ignore[assignment]
     got: dict[int, float] = {}
     started: list[int] = []
-    before = backend_requests(backend)
+    before, batches = backend_requests(backend), backend_batches(backend)
     try:
         with grpc.insecure_channel(frontend.target) as ch:
             stub = lm_pb2_grpc.LanguageModelStub(ch)
@@ -234,8 +238,9 @@ def test_requests_queued_behind_a_backend_call_reach_it_as_one_merged_batch(
         backend.engine.scorer = gated.scorer  # type: ignore[assignment]
     np.testing.assert_allclose([got[c] for c in range(len(ids))], want, rtol=0, atol=1e-5)
     # The held call, then the 31 waiting requests in one call (two if the last arrivals were
-    # slower than half a second to reach the front end).
-    assert backend_requests(backend) - before <= 3
+    # slower than half a second to reach the front end); 32 client requests in the metrics.
+    assert backend_batches(backend) - batches <= 3
+    assert backend_requests(backend) - before == len(ids)
 
 
 def test_short_context_is_left_padded_like_the_backend(stubs: tuple[Any, Any], tiny_lm: Any) -> None:
@@ -246,8 +251,7 @@ def test_short_context_is_left_padded_like_the_backend(stubs: tuple[Any, Any], t
     assert fe.ScoreNgrams(packed(short)).log_probs[0] == pytest.approx(want, abs=1e-6)
 
 
-def test_invalid_requests_get_the_backends_error_and_others_are_served(
-        frontend: Frontend, stubs: tuple[Any, Any], tiny_lm: Any) -> None:
+def test_invalid_requests_get_the_backends_error(stubs: tuple[Any, Any], tiny_lm: Any) -> None:
     fe, be = stubs
     the = tiny_lm.vocab.id("the")
     bad = {
@@ -263,30 +267,68 @@ def test_invalid_requests_get_the_backends_error_and_others_are_served(
             fe.ScoreNgrams(req)
         assert got.value.code() == want.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
         assert got.value.details() == want.value.details(), name
-    # An invalid request merged with valid ones fails alone: valid ones sent at the same
-    # moment get their values.
-    good = packed(np.array([[the, the]], dtype=np.uint32))
-    want_good = be.ScoreNgrams(good).log_probs[0]
-    results: dict[int, Any] = {}
-    barrier = threading.Barrier(8)
 
-    def client(i: int) -> None:
+
+def test_an_invalid_request_merged_with_others_fails_alone(frontend: Frontend, backend: RunningServer,
+                                                          stubs: tuple[Any, Any], tiny_lm: Any) -> None:
+    # One batch is held inside the backend while 7 more clients queue one request each in
+    # the front end; two of them are invalid (a short one with an id outside the vocabulary,
+    # padded in the merged batch, and <s> predicted). When the held batch is let go the 7
+    # reach the backend merged: the two invalid ones get the backend's own status and
+    # message for their request, the others their values; all 8 are counted.
+    _, be = stubs
+    the = tiny_lm.vocab.id("the")
+    ids = dev_ngrams(tiny_lm, 0, 30)[:8]
+    want = tiny_lm.score_ngrams(ids.astype(np.int64))
+    bad = {3: packed(np.array([[10**6, the]], dtype=np.uint32), log_base=lm_pb2.LN),
+           5: packed(np.array([[the, BOS_ID]], dtype=np.uint32), log_base=lm_pb2.LN)}
+    expected: dict[int, tuple[Any, Any]] = {}
+    for c, req in bad.items():
+        with pytest.raises(grpc.RpcError) as err:
+            be.ScoreNgrams(req)
+        expected[c] = (err.value.code(), err.value.details())
+    gated = GatedScorer(backend.engine.scorer)
+    backend.engine.scorer = gated  # type: ignore[assignment]
+    got: dict[int, Any] = {}
+    started: list[int] = []
+    before = {code: backend_requests(backend, code) for code in ("OK", "INVALID_ARGUMENT")}
+    batches = backend_batches(backend)
+    try:
         with grpc.insecure_channel(frontend.target) as ch:
             stub = lm_pb2_grpc.LanguageModelStub(ch)
             stub.GetModelInfo(lm_pb2.GetModelInfoRequest())
-            barrier.wait()
-            try:
-                results[i] = stub.ScoreNgrams(bad["<s> predicted"] if i == 3 else good).log_probs[0]
-            except grpc.RpcError as e:
-                results[i] = e.code()
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert results.pop(3) == grpc.StatusCode.INVALID_ARGUMENT
-    assert results and all(v == pytest.approx(want_good, abs=1e-6) for v in results.values()), results
+            def client(c: int) -> None:
+                started.append(c)
+                try:
+                    got[c] = stub.ScoreNgrams(bad.get(c, packed(ids[c:c + 1], log_base=lm_pb2.LN))).log_probs[0]
+                except grpc.RpcError as e:
+                    got[c] = (e.code(), e.details())
+
+            first = threading.Thread(target=client, args=(0,))
+            first.start()
+            assert gated.entered.wait(10)
+            threads = [threading.Thread(target=client, args=(c,)) for c in range(1, len(ids))]
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 10
+            while len(started) < len(ids) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.5)  # the last calls are on their way to the front end's queue
+            gated.gate.set()
+            for t in [first, *threads]:
+                t.join(10)
+    finally:
+        gated.gate.set()
+        backend.engine.scorer = gated.scorer  # type: ignore[assignment]
+    for c in range(len(ids)):
+        if c in bad:
+            assert got[c] == expected[c], c
+        else:
+            assert got[c] == pytest.approx(want[c], abs=1e-5), c
+    assert backend_batches(backend) - batches <= 3  # merged
+    assert backend_requests(backend, "OK") - before["OK"] == len(ids) - len(bad)
+    assert backend_requests(backend, "INVALID_ARGUMENT") - before["INVALID_ARGUMENT"] == len(bad)
 
 
 def test_other_rpcs_pass_through(stubs: tuple[Any, Any], tiny_lm: Any) -> None:
@@ -323,14 +365,13 @@ def test_health_and_reflection(frontend: Frontend) -> None:
         assert SERVICE in names and "nlmserve.v1.Admin" in names
 
 
-@pytest.mark.parametrize("channel", CHANNELS)
 def test_full_queue_is_resource_exhausted(driver: Path, backend: RunningServer, tiny_lm: Any,  # noqa: F811
-                                          channel: str, tmp_path: Path) -> None:
+                                          tmp_path: Path) -> None:
     # Batches of 4 wait up to 3 s for company; the queue holds 4 n-grams. A first request
     # of 3 waits; a second of 3 does not fit and is refused at once; the first is then
     # answered with its values.
     fe = Frontend(FRONTEND, backend.target, "--max-batch-ngrams", "4", "--max-queue-ngrams", "4",
-                  "--max-delay-us", "3000000", "--delay-policy", "fixed", *channel_flags(backend, channel, tmp_path))
+                  "--max-delay-us", "3000000", "--delay-policy", "fixed", *socket_flags(backend, tmp_path))
     try:
         ids = dev_ngrams(tiny_lm, 0, 2)[:3]
         first: dict[str, Any] = {}
@@ -355,13 +396,12 @@ def test_full_queue_is_resource_exhausted(driver: Path, backend: RunningServer, 
     assert "1 refused (queue full)" in err_text
 
 
-@pytest.mark.parametrize("channel", CHANNELS)
 def test_sigterm_drains_in_flight_requests(driver: Path, backend: RunningServer, tiny_lm: Any,  # noqa: F811
-                                           channel: str, tmp_path: Path) -> None:
+                                           tmp_path: Path) -> None:
     # Requests wait 2 s in the queue; SIGTERM arrives meanwhile: they are still answered,
     # and the process exits 0.
     fe = Frontend(FRONTEND, backend.target, "--max-batch-ngrams", "1000", "--max-delay-us", "2000000",
-                  "--delay-policy", "fixed", *channel_flags(backend, channel, tmp_path))
+                  "--delay-policy", "fixed", *socket_flags(backend, tmp_path))
     ids = dev_ngrams(tiny_lm, 0, 2)[:5]
     answers: list[Any] = []
 
@@ -380,9 +420,9 @@ def test_sigterm_drains_in_flight_requests(driver: Path, backend: RunningServer,
     assert "SIGTERM" in err
 
 
-def test_health_follows_the_backend(driver: Path, tiny_lm: Any) -> None:  # noqa: F811
+def test_health_follows_the_backend(driver: Path, tiny_lm: Any, tmp_path: Path) -> None:  # noqa: F811
     running = start_server(tiny_lm)
-    fe = Frontend(FRONTEND, running.target)
+    fe = Frontend(FRONTEND, running.target, *socket_flags(running, tmp_path))
     try:
         with grpc.insecure_channel(fe.target) as ch:
             h = health_pb2_grpc.HealthStub(ch)
@@ -437,33 +477,44 @@ def test_bad_flags_and_absent_backend_are_clear_errors(driver: Path) -> None:  #
     done = subprocess.run([str(FRONTEND), "--backend", "127.0.0.1:1", "--max-batch-ngrams", "0"],
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 2 and "--max-batch-ngrams needs an integer >= 1" in done.stderr
-    done = subprocess.run([str(FRONTEND), "--backend", "127.0.0.1:1", "--connect-timeout-s", "1"],
-                          capture_output=True, text=True, timeout=30)
+    done = subprocess.run([str(FRONTEND), "--backend", "127.0.0.1:1"], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and "--backend-socket PATH is required" in done.stderr
+    done = subprocess.run([str(FRONTEND), "--backend", "127.0.0.1:1", "--backend-socket", "/nonexistent/b.sock",
+                           "--connect-timeout-s", "1"], capture_output=True, text=True, timeout=30)
     assert done.returncode == 1 and "no answer from the backend 127.0.0.1:1" in done.stderr
 
 
-@pytest.mark.parametrize("channel", CHANNELS)
 def test_serve_with_the_native_front_end_is_one_command(driver: Path, tiny_model_path: Path, tiny_lm: Any,  # noqa: F811
-                                                        channel: str, tmp_path: Path) -> None:
+                                                        tmp_path: Path) -> None:
     # `nlmserve serve --frontend native`: the front end on the public port, the model server
-    # on a private one (and, by default, its private socket); values equal the in-process
-    # model; SIGTERM stops both, exit 0, and the socket's directory is gone.
+    # on a private one and its private socket; values equal the in-process model; /metrics
+    # counts the clients' requests; SIGTERM stops both, exit 0, and the socket's directory
+    # is gone.
     proc = subprocess.Popen([*SERVE, "serve", "--model", str(tiny_model_path), "--port", "0", "--metrics-port", "0",
-                             "--frontend", "native", "--frontend-binary", str(FRONTEND),
-                             "--frontend-channel", channel],
+                             "--frontend", "native", "--frontend-binary", str(FRONTEND)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "TMPDIR": str(tmp_path)})
     try:
         assert proc.stdout is not None
         m = re.fullmatch(r"listening on (127\.0\.0\.1:\d+)\n", proc.stdout.readline())
         assert m is not None
+        metrics = re.fullmatch(r"metrics on (http://\S+/metrics)\n", proc.stdout.readline())
+        assert metrics is not None
         ids = dev_ngrams(tiny_lm, 50, 5)
         with grpc.insecure_channel(m.group(1)) as ch:
-            got = lm_pb2_grpc.LanguageModelStub(ch).ScoreNgrams(packed(ids, log_base=lm_pb2.LN)).log_probs
+            stub = lm_pb2_grpc.LanguageModelStub(ch)
+            got = stub.ScoreNgrams(packed(ids, log_base=lm_pb2.LN)).log_probs
+            for row in ids[:3]:
+                stub.ScoreNgrams(packed(row[None, :], log_base=lm_pb2.LN))
         want = tiny_lm.score_ngrams(ids)
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+        with urllib.request.urlopen(metrics.group(1), timeout=10) as page:
+            text = page.read().decode()
+        counted = [line for line in text.splitlines() if line.startswith("nlmserve_requests_total{")
+                   and 'rpc="ScoreNgrams"' in line and 'code="OK"' in line]
+        assert len(counted) == 1 and float(counted[0].split()[-1]) == 4.0, counted
         sockets = list(tmp_path.glob("nlmserve-*/backend.sock"))
-        assert len(sockets) == (channel == "socket")
+        assert len(sockets) == 1
         assert all(stat.S_IMODE(p.parent.stat().st_mode) == 0o700 for p in sockets)
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -481,13 +532,12 @@ def test_native_front_end_refuses_tls_and_a_missing_binary(tiny_model_path: Path
     assert done.returncode != 0 and "not an executable file" in done.stderr
 
 
-@pytest.mark.parametrize("channel", CHANNELS)
 def test_bearer_tokens_are_checked_by_the_backend(driver: Path, tiny_lm: Any, tiny_model_path: Path,  # noqa: F811
-                                                  tmp_path: Path, channel: str) -> None:
+                                                  tmp_path: Path) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text("# the front end's own token first\nfrontend-token-0123\ncaller-token-456789\n")
     running = start_server(tiny_lm, model=str(tiny_model_path), token_file=str(tokens))
-    fe = Frontend(FRONTEND, running.target, "--token-file", str(tokens), *channel_flags(running, channel, tmp_path))
+    fe = Frontend(FRONTEND, running.target, "--token-file", str(tokens), *socket_flags(running, tmp_path))
     try:
         ids = dev_ngrams(tiny_lm, 0, 2)
         with grpc.insecure_channel(fe.target) as ch:

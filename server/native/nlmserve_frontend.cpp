@@ -10,10 +10,10 @@
 // forwarded unchanged. It serves grpc.health.v1 (SERVING while the backend answers) and
 // server reflection.
 //
-//   nlmserve_frontend --backend HOST:PORT [--listen 127.0.0.1:0] [--max-batch-ngrams 4096]
-//       [--max-delay-us 500] [--delay-policy adaptive] [--max-inflight 1] [--max-queue-ngrams 1000000]
-//       [--backend-timeout-ms 30000] [--max-message-mb 64] [--grace-s 30]
-//       [--connect-timeout-s 30] [--token-file F] [--backend-socket PATH]
+//   nlmserve_frontend --backend HOST:PORT --backend-socket PATH [--listen 127.0.0.1:0]
+//       [--max-batch-ngrams 4096] [--max-delay-us 500] [--delay-policy adaptive] [--max-inflight 1]
+//       [--max-queue-ngrams 1000000] [--backend-timeout-ms 30000] [--max-message-mb 64] [--grace-s 30]
+//       [--connect-timeout-s 30] [--token-file F]
 //
 // Prints `listening on HOST:PORT` on stdout once bound (port 0 picks a free port) and logs
 // to stderr. SIGTERM or SIGINT: health NOT_SERVING, stop accepting, finish in-flight
@@ -23,17 +23,20 @@
 // the backend checks it; --token-file gives the token of the front end's own calls (the
 // model info at start and the health probe) when the backend requires one.
 //
-// --backend-socket PATH (what `nlmserve serve --frontend native` gives): merged packed-id
-// batches go to the model server over its private Unix socket (server/local.py) instead
-// of gRPC: one write and one read per batch instead of a Python gRPC call. String batches,
-// re-sends and every other RPC still go over gRPC to --backend.
+// It is part of the server, not a second one: `nlmserve serve --frontend native` starts it
+// with --backend-socket PATH, the model server's private Unix socket (server/local.py),
+// where merged packed-id batches go: one write and one read per batch instead of a Python
+// gRPC call. String batches, requests sent alone and every other RPC go over gRPC to
+// --backend.
 //
 // Exactness: requests are merged only when they agree on log base, normalisation and the
 // caller's `authorization` metadata; packed rows shorter than the batch's widest are
 // left-padded with <s>, which the contract makes equivalent. A request that fails a cheap
-// shape check, or is larger than a batch, goes to the backend alone. When the backend
-// rejects a merged batch as INVALID_ARGUMENT, each request of it is sent again alone, so
-// every caller gets the backend's own status and message for its own request.
+// shape check, or is larger than a batch, goes to the backend alone. A merged packed batch
+// tells the model server which rows are whose, and its answer gives each client request
+// its own status: an invalid n-gram fails its own request only, with the status and
+// message the backend gives that request alone. When the backend rejects a merged string
+// batch as INVALID_ARGUMENT, each request of it is sent again alone, to the same end.
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/time.h>
@@ -104,7 +107,7 @@ struct Options {
   long connect_timeout_s = 30;
   // Bearer token for the front end's own calls to the backend (model info, health).
   std::string token;
-  // The model server's private Unix socket for merged packed batches (empty: gRPC only).
+  // The model server's private Unix socket for merged packed batches.
   std::string backend_socket;
 };
 
@@ -116,10 +119,10 @@ void Log(const std::string &message) {
 
 [[noreturn]] void Usage(const std::string &error) {
   std::cerr << "nlmserve_frontend: " << error << "\n"
-            << "usage: nlmserve_frontend --backend HOST:PORT [--listen HOST:PORT] [--max-batch-ngrams N]\n"
-            << "         [--max-delay-us US] [--delay-policy adaptive|fixed] [--max-inflight N] [--max-queue-ngrams N]\n"
-            << "         [--backend-timeout-ms MS] [--max-message-mb MB] [--grace-s S] [--connect-timeout-s S]\n"
-            << "         [--token-file F] [--backend-socket PATH]\n";
+            << "usage: nlmserve_frontend --backend HOST:PORT --backend-socket PATH [--listen HOST:PORT]\n"
+            << "         [--max-batch-ngrams N] [--max-delay-us US] [--delay-policy adaptive|fixed] [--max-inflight N]\n"
+            << "         [--max-queue-ngrams N] [--backend-timeout-ms MS] [--max-message-mb MB] [--grace-s S]\n"
+            << "         [--connect-timeout-s S] [--token-file F]\n";
   std::exit(2);
 }
 
@@ -173,6 +176,7 @@ Options ParseArgs(int argc, char **argv) {
     else Usage("unknown flag " + flag);
   }
   if (o.backend.empty()) Usage("--backend HOST:PORT is required");
+  if (o.backend_socket.empty()) Usage("--backend-socket PATH is required");
   if (o.max_queue_ngrams < o.max_batch_ngrams) Usage("--max-queue-ngrams must be >= --max-batch-ngrams");
   return o;
 }
@@ -204,38 +208,63 @@ class LocalChannel {
   LocalChannel(const LocalChannel &) = delete;
   LocalChannel &operator=(const LocalChannel &) = delete;
 
-  // Sends the merged packed request and fills `res` (scores, OOV flags from `unk_id`, log
-  // base, normalisation, model hash) as the gRPC servicer would; the status is the server's.
-  grpc::Status Call(const ScoreNgramsRequest &req, const std::string &authorization, uint32_t unk_id,
-                    ScoreNgramsResponse *res) {
+  // Sends the merged packed request made of `parts` (each client request's rows and its
+  // own packed order, in row order) and fills `res` (scores, OOV flags from `unk_id`, log
+  // base, normalisation, model hash) as the gRPC servicer would. Returns the batch's
+  // status (the server's, or the channel's failure); when it is OK, `part_status` holds
+  // each part's own status (a failed part's rows hold no score).
+  grpc::Status Call(const ScoreNgramsRequest &req, const std::vector<std::pair<uint32_t, uint32_t> > &parts,
+                    const std::string &authorization, uint32_t unk_id, ScoreNgramsResponse *res,
+                    std::vector<grpc::Status> *part_status) {
     std::string error;
     if (fd_ < 0 && !Connect(&error)) return grpc::Status(grpc::StatusCode::UNAVAILABLE, error);
     const std::string &ids = req.packed_ids();
     const uint32_t width = req.packed_order();
     const uint32_t rows = width ? static_cast<uint32_t>(ids.size() / (4u * width)) : 0;
     const uint32_t id = next_id_++;
+    const uint32_t n_parts = static_cast<uint32_t>(parts.size());
     uint32_t flags = (req.log_base() == nlmserve::v1::LN ? 0u : 1u) | (req.allow_unnormalized() ? 2u : 0u);
-    uint32_t head[6] = {id, flags, static_cast<uint32_t>(timeout_ms_), rows, width,
-                        static_cast<uint32_t>(authorization.size())};
-    std::string frame("NLQ1", 4);
+    uint32_t head[7] = {id, flags, static_cast<uint32_t>(timeout_ms_), rows, width,
+                        static_cast<uint32_t>(authorization.size()), n_parts};
+    std::string frame("NLQ2", 4);
     frame.append(reinterpret_cast<const char *>(head), sizeof(head));  // little-endian hosts (x86-64, aarch64)
     frame.append(authorization);
+    for (const auto &part : parts) {
+      uint32_t two[2] = {part.first, part.second};
+      frame.append(reinterpret_cast<const char *>(two), sizeof(two));
+    }
     if (!WriteAll(frame.data(), frame.size()) || !WriteAll(ids.data(), ids.size())) return Broken("send");
     char rmagic[4];
-    uint32_t rhead[6];
+    uint32_t rhead[7];
     if (!ReadAll(rmagic, 4) || !ReadAll(reinterpret_cast<char *>(rhead), sizeof(rhead))) return Broken("receive");
-    if (std::memcmp(rmagic, "NLR1", 4) != 0 || rhead[0] != id) {
+    if (std::memcmp(rmagic, "NLR2", 4) != 0 || rhead[0] != id) {
       errno = EPROTO;
       return Broken("accept a malformed answer from");
     }
-    const uint32_t status = rhead[1], rflags = rhead[2], n = rhead[3], hash_len = rhead[4], msg_len = rhead[5];
-    if (hash_len > 4096 || msg_len > (1u << 20) || (status == 0 && n != rows) || (status != 0 && n != 0)) {
+    const uint32_t status = rhead[1], rflags = rhead[2], n = rhead[3], hash_len = rhead[4], msg_len = rhead[5],
+                   answered_parts = rhead[6];
+    if (hash_len > 4096 || msg_len > (1u << 20) ||
+        (status == 0 && (n != rows || answered_parts != n_parts)) || (status != 0 && (n != 0 || answered_parts != 0))) {
       errno = EPROTO;
       return Broken("accept an inconsistent answer from");
     }
     std::string hash(hash_len, '\0'), message(msg_len, '\0');
     if (!ReadAll(&hash[0], hash_len) || !ReadAll(&message[0], msg_len)) return Broken("receive");
     if (status != 0) return grpc::Status(static_cast<grpc::StatusCode>(status), message);
+    std::vector<uint32_t> table(2u * n_parts);
+    if (!ReadAll(reinterpret_cast<char *>(table.data()), table.size() * 4u)) return Broken("receive");
+    part_status->clear();
+    part_status->reserve(n_parts);
+    for (uint32_t i = 0; i < n_parts; ++i) {
+      const uint32_t code = table[2u * i], len = table[2u * i + 1];
+      if (len > (1u << 20) || (code == 0 && len != 0)) {
+        errno = EPROTO;
+        return Broken("accept an inconsistent answer from");
+      }
+      std::string text(len, '\0');
+      if (!ReadAll(&text[0], len)) return Broken("receive");
+      part_status->push_back(code == 0 ? grpc::Status::OK : grpc::Status(static_cast<grpc::StatusCode>(code), text));
+    }
     auto *scores = res->mutable_log_probs();
     scores->Resize(static_cast<int>(n), 0.0f);
     if (!ReadAll(reinterpret_cast<char *>(scores->mutable_data()), 4u * n)) return Broken("receive");
@@ -350,6 +379,10 @@ struct Batch {
   ScoreNgramsRequest request;
   ScoreNgramsResponse response;
   long ngrams = 0;
+  // Packed batches (the local channel): each item's rows and packed order, and, once
+  // answered, each item's own status.
+  std::vector<std::pair<uint32_t, uint32_t> > parts;
+  std::vector<grpc::Status> part_status;
 };
 
 class Frontend {
@@ -365,9 +398,7 @@ class Frontend {
                                   info.max_ngrams_per_request() ? static_cast<long>(info.max_ngrams_per_request())
                                                                 : options.max_batch_ngrams)) {
     batcher_ = std::thread([this]() { Run(); });
-    if (!options_.backend_socket.empty()) {
-      for (long i = 0; i < options_.max_inflight; ++i) senders_.emplace_back([this]() { SendLocal(); });
-    }
+    for (long i = 0; i < options_.max_inflight; ++i) senders_.emplace_back([this]() { SendLocal(); });
   }
 
   ~Frontend() { Stop(); }
@@ -531,9 +562,11 @@ class Frontend {
                               static_cast<unsigned char>((bos_id_ >> 8) & 0xff),
                               static_cast<unsigned char>((bos_id_ >> 16) & 0xff),
                               static_cast<unsigned char>((bos_id_ >> 24) & 0xff)};
+      batch->parts.reserve(batch->items.size());
       for (const auto &p : batch->items) {
         const std::string &in = p.request->packed_ids();
         uint32_t k = p.request->packed_order();
+        batch->parts.emplace_back(static_cast<uint32_t>(p.ngrams), k);
         if (k == width) {
           out->append(in);
           continue;
@@ -549,7 +582,7 @@ class Frontend {
         for (const auto &g : p.request->ngrams()) *req.add_ngrams() = g;
       }
     }
-    if (key.packed && !options_.backend_socket.empty()) {  // to a sender thread of the local channel
+    if (key.packed) {  // to a sender thread of the local channel
       {
         std::lock_guard<std::mutex> lock(mu_);
         outbox_.push_back(std::move(batch));
@@ -577,18 +610,26 @@ class Frontend {
         batch = std::move(outbox_.front());
         outbox_.pop_front();
       }
-      grpc::Status status =
-          channel.Call(batch->request, batch->items.front().key.authorization, unk_id_, &batch->response);
+      grpc::Status status = channel.Call(batch->request, batch->parts, batch->items.front().key.authorization, unk_id_,
+                                         &batch->response, &batch->part_status);
       Done(std::move(batch), status);
     }
   }
 
-  // Backend answer for a merged batch: scatter, or hand every request its error.
+  // Backend answer for a merged batch: scatter (a packed batch's failed parts get their own
+  // status), or hand every request the batch's error.
   void Done(std::unique_ptr<Batch> batch, const grpc::Status &status) {
     const ScoreNgramsResponse &res = batch->response;
+    const bool per_part = batch->part_status.size() == batch->items.size();
     if (status.ok() && res.log_probs_size() == batch->ngrams && res.oov_size() == batch->ngrams) {
       int at = 0;
-      for (auto &p : batch->items) {
+      for (std::size_t item = 0; item < batch->items.size(); ++item) {
+        Pending &p = batch->items[item];
+        if (per_part && !batch->part_status[item].ok()) {
+          at += static_cast<int>(p.ngrams);
+          p.reactor->Finish(batch->part_status[item]);
+          continue;
+        }
         ScoreNgramsResponse *out = p.response;
         out->mutable_log_probs()->Reserve(static_cast<int>(p.ngrams));
         out->mutable_oov()->Reserve(static_cast<int>(p.ngrams));
@@ -601,8 +642,9 @@ class Frontend {
         out->set_model_hash(res.model_hash());
         p.reactor->Finish(grpc::Status::OK);
       }
-    } else if (status.error_code() == grpc::StatusCode::INVALID_ARGUMENT && batch->items.size() > 1) {
-      // Some request of the batch is invalid: each one alone gets its own exact answer.
+    } else if (status.error_code() == grpc::StatusCode::INVALID_ARGUMENT && batch->items.size() > 1 &&
+               !batch->items.front().key.packed) {
+      // Some request of a string batch is invalid: each one alone gets its own exact answer.
       for (auto &p : batch->items) SendAlone(p, true);
     } else {
       grpc::Status err = status.ok() ? grpc::Status(grpc::StatusCode::INTERNAL,
@@ -752,7 +794,7 @@ int main(int argc, char **argv) {
   }
   Log("backend " + options.backend + ": model " + info.model_hash().substr(0, 12) + ", order " +
       std::to_string(info.order()) + ", vocabulary " + std::to_string(info.vocab_size()) + ", device " + info.device() +
-      (options.backend_socket.empty() ? std::string() : ", packed batches over " + options.backend_socket));
+      ", packed batches over " + options.backend_socket);
 
   Frontend frontend(options, channel, info);
   LanguageModelService lm_service(&frontend);

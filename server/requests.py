@@ -1,0 +1,118 @@
+"""What every request goes through, on gRPC and on the native front end's socket alike.
+
+The gRPC servicer (server/servicer.py, with the token interceptor of server/auth.py) and
+the native front end's private channel (server/local.py) serve the same requests; this
+module is the one owner of what they must agree on, so a client gets the same answer
+whichever way its request reached the model:
+
+* bearer tokens: :meth:`RequestHandler.refusal` gives the UNAUTHENTICATED message;
+* size limits: :meth:`RequestHandler.check_size` (``max_ngrams_per_request``);
+* error mapping (STYLE.md 1, 8): :func:`status_of` and :meth:`RequestHandler.error`::
+
+    InvalidRequestError  → INVALID_ARGUMENT (the message names the offending index)
+    oversized request    → INVALID_ARGUMENT (the message gives the limit)
+    OverloadedError      → RESOURCE_EXHAUSTED
+    RequestExpiredError  → DEADLINE_EXCEEDED
+    EngineStoppedError   → UNAVAILABLE
+    anything else        → INTERNAL (logged with its traceback)
+
+* metrics: ``nlmserve_requests`` counts client requests by method and status code,
+  ``nlmserve_request_latency_seconds`` their server-side latency and
+  ``nlmserve_in_flight_requests`` those being served (:meth:`count`, :meth:`started`,
+  :meth:`finished`). A batch the native front end merged counts as the client requests it
+  holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import grpc
+
+from nlmserve.errors import EngineStoppedError, InvalidRequestError, OverloadedError, RequestExpiredError
+from nlmserve.server.auth import TokenStore
+from nlmserve.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+_STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (RequestExpiredError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (EngineStoppedError, grpc.StatusCode.UNAVAILABLE),
+)
+
+
+def status_of(error: BaseException) -> grpc.StatusCode:
+    """The status code a request that raised ``error`` ends with."""
+    for cls, code in _STATUS:
+        if isinstance(error, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+class RequestHandler:
+    """Tokens, size limit, error mapping and request metrics of one server."""
+
+    def __init__(self, max_items: int, metrics: ServerMetrics | None = None,
+                 tokens: TokenStore | None = None) -> None:
+        self.max_items = max_items
+        self.metrics = metrics
+        self.tokens = tokens
+        self._children: dict[Any, Any] = {}  # metric children by label values
+
+    # -------------------------------------------------------------- tokens
+    def refusal(self, header: str | bytes | None) -> str | None:
+        """None when ``header`` (the ``authorization`` metadata) may call; else the
+        UNAUTHENTICATED message. Without a token file every call may."""
+        if self.tokens is None or self.tokens.check(header):
+            return None
+        return "missing bearer token" if header is None else "invalid bearer token"
+
+    # -------------------------------------------------------------- size
+    def check_size(self, n: int, what: str) -> None:
+        """InvalidRequestError when a request holds more than ``max_ngrams_per_request`` items."""
+        if n > self.max_items:
+            raise InvalidRequestError(
+                f"request has {n} {what}, more than max_ngrams_per_request = {self.max_items}; split it"
+            )
+
+    # -------------------------------------------------------------- errors
+    def error(self, rpc: str, e: BaseException) -> tuple[grpc.StatusCode, str]:
+        """The status and message of a request that raised ``e`` (INTERNAL is logged with its traceback)."""
+        code = status_of(e)
+        if code == grpc.StatusCode.INTERNAL:
+            log.error("%s failed", rpc, exc_info=e)
+            return code, f"internal error: {type(e).__name__}: {e}"
+        log.debug("%s: %s: %s", rpc, code.name, e)
+        return code, str(e)
+
+    # -------------------------------------------------------------- metrics
+    def count(self, rpc: str, code: grpc.StatusCode, n: int = 1) -> None:
+        """``n`` requests of ``rpc`` finished with ``code``."""
+        if self.metrics is None:
+            return
+        child = self._children.get((rpc, code))
+        if child is None:  # labels() takes a lock and builds a key: do it once per pair
+            child = self._children[(rpc, code)] = self.metrics.requests.labels(rpc=rpc, code=code.name)
+        child.inc(n)
+
+    def started(self, n: int = 1) -> float:
+        """``n`` requests are being served from now on; returns the start time for :meth:`finished`."""
+        if self.metrics is not None:
+            self.metrics.in_flight.inc(n)
+        return time.perf_counter()
+
+    def finished(self, rpc: str, start: float, n: int = 1) -> None:
+        """``n`` requests of ``rpc`` started at ``start`` are answered."""
+        if self.metrics is None:
+            return
+        self.metrics.in_flight.dec(n)
+        latency = self._children.get(rpc)
+        if latency is None:
+            latency = self._children[rpc] = self.metrics.request_latency.labels(rpc=rpc)
+        took = time.perf_counter() - start
+        for _ in range(n):
+            latency.observe(took)
