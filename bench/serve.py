@@ -23,8 +23,8 @@ printed. It runs against the batching server, ``--max-batch-ngrams 1`` and a no-
 on the same gRPC stack that answers without touching a model, twice each in turn: the no-op
 rate is the ceiling that no batching can pass on this machine. When the C++ project builds,
 the same load also goes to ``serve --frontend native`` (server/native's ``nlmserve_frontend``
-before the batching server), with its merged batches over the private socket (the default)
-and over gRPC, and to ``serve --frontend native --max-batch-ngrams 1``; the gain of the
+before the batching server, its merged batches over the model server's private socket),
+and to ``serve --frontend native --max-batch-ngrams 1``; the gain of the
 native path is stated against the Python server with ``--max-batch-ngrams 1`` (the faster of
 the two unbatched set-ups).
 """
@@ -484,12 +484,11 @@ def main(argv: list[str] | None = None) -> int:
         # The native front end (server/native) before the batching server, and with
         # --max-batch-ngrams 1 (one server call per client request, as many in flight as
         # there are clients) before a --max-batch-ngrams 1 server.
-        # `serve --frontend native` sends merged batches over its private socket (the default)
-        # or over gRPC; unbatched, the front end keeps one request per client in flight.
+        # `serve --frontend native` sends merged batches over the model server's private
+        # socket; unbatched, the front end keeps one request per client in flight.
         fe = ("--frontend", "native", "--frontend-binary", str(native)) if native is not None else ()
         if native is not None:
             variants += [("native_batching", fe, None),
-                         ("native_batching_grpc", (*fe, "--frontend-channel", "grpc"), None),
                          ("native_no_batching", (*fe, "--max-batch-ngrams", "1", "--frontend-max-inflight",
                                                  str(cfg.concurrency)), None)]
         if tool is not None:  # the main pair again, driven by the load generator's other mode
@@ -524,15 +523,14 @@ def main(argv: list[str] | None = None) -> int:
               f"can gain more than {res['noop_ceiling_gain']:.1f}x over --max-batch-ngrams 1 here")
         if native is not None and tool is not None:
             nb_native, b_native = res["native_no_batching"], res["native_batching"]
-            b_grpc = res["native_batching_grpc"]
             res["native_gain"] = b_native["ngrams_per_s"] / nb["ngrams_per_s"]
             res["native_gain_same_stack"] = b_native["ngrams_per_s"] / nb_native["ngrams_per_s"]
-            for label, r in (("over its socket (default)", b_native), ("over gRPC", b_grpc)):
-                print(f"  serve --frontend native, merged batches {label}: "
-                      f"{r['ngrams_per_s']:,.0f}/s (p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms), "
-                      f"{r['requests_per_forward_pass']:.1f} client requests per forward pass, "
-                      f"{r['server_cpu_us_per_request']:.0f} us CPU per request (front end + server): "
-                      f"{r['ngrams_per_s'] / nb['ngrams_per_s']:.1f}x the server with --max-batch-ngrams 1")
+            r = b_native
+            print(f"  serve --frontend native: "
+                  f"{r['ngrams_per_s']:,.0f}/s (p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms), "
+                  f"{r['requests_per_forward_pass']:.1f} client requests per forward pass, "
+                  f"{r['server_cpu_us_per_request']:.0f} us CPU per request (front end + server): "
+                  f"{r['ngrams_per_s'] / nb['ngrams_per_s']:.1f}x the server with --max-batch-ngrams 1")
             print(f"  serve --frontend native --max-batch-ngrams 1 (one request per client in flight): "
                   f"{nb_native['ngrams_per_s']:,.0f}/s (p99 {nb_native['p99_ms']:.2f} ms): batching in the front "
                   f"end gains {res['native_gain_same_stack']:.1f}x on the same stack")

@@ -35,8 +35,6 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--frontend-binary", str, "path of nlmserve_frontend (default: on PATH, else build/cpp of the checkout)"),
     ("--frontend-max-delay-us", int, "native front end: longest wait for a batch to fill (default 500)"),
     ("--frontend-max-inflight", int, "native front end: merged requests at the model server at once (default 1)"),
-    ("--frontend-channel", str, "native front end: socket (default; merged packed batches over a private Unix "
-                                "socket) or grpc (every call over gRPC)"),
 )
 
 

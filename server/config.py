@@ -85,10 +85,6 @@ class ServerConfig:
     frontend_max_delay_us: int = 500
     #: Merged requests the native front end keeps at this server at once.
     frontend_max_inflight: int = 1
-    #: How the native front end sends merged packed-id batches to this server: ``socket``,
-    #: a private Unix socket (server/local.py; one write and one read per batch), or
-    #: ``grpc``, a gRPC call like any client's (strings and other RPCs always use gRPC).
-    frontend_channel: str = "socket"
 
     def __post_init__(self) -> None:
         checks = (
@@ -116,7 +112,6 @@ class ServerConfig:
              "the native front end serves plaintext only: use frontend python for TLS"),
             (self.frontend_max_delay_us >= 0, "frontend_max_delay_us must be >= 0"),
             (self.frontend_max_inflight >= 1, "frontend_max_inflight must be >= 1"),
-            (self.frontend_channel in ("socket", "grpc"), "frontend_channel must be socket or grpc"),
         )
         for ok, message in checks:
             if not ok:
