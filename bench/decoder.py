@@ -189,6 +189,13 @@ def nbest_check(moses: str, ini: Path, src: Path, threads: int, model: str, work
             "mean_abs_diff": round(sum(diffs) / len(diffs), 6) if diffs else None}
 
 
+def commit() -> str | None:
+    """The checkout's commit (the code measured), when this is a git checkout."""
+    r = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
+                       capture_output=True, text=True)
+    return r.stdout.strip() or None if r.returncode == 0 else None
+
+
 def sha(path: Path) -> str:
     import hashlib
 
@@ -282,7 +289,8 @@ def render(result: dict[str, Any]) -> str:
                      f"hypotheses, exact scores) against the model's own sentence scores (ln 10 × each token's "
                      f"log10, floored at −100, summed with `</s>`): largest difference {nb['max_abs_diff']}, "
                      f"mean {nb['mean_abs_diff']} (Moses prints six significant digits).")
-    lines += ["", "Command:", "", "    " + result["command"], "", END]
+    at = f" (code at commit {result['commit']})" if result.get("commit") else ""
+    lines += ["", f"Command{at}:", "", "    " + result["command"], "", END]
     return "\n".join(lines)
 
 
@@ -420,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {"machine": info, "lines": lines, "input": str(args.input), "threads": args.threads,
                   "rounds": args.rounds, "nlm_weight": args.nlm_weight, "prefetch_lines": args.prefetch_check, "serve_args": args.serve_args,
                   "model": args.model, "rows": rows, "prefetch_check": prefetch, "nbest_check": nbest,
-                  "runs": [asdict(r) for r in runs], "command": " ".join(sys.argv)}
+                  "runs": [asdict(r) for r in runs], "command": " ".join(sys.argv), "commit": commit()}
         write_json(args.json, result)
     return 0
 
