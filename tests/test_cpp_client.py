@@ -10,6 +10,7 @@ where .ci/run installs them and a missing tool chain is a failure.
 from __future__ import annotations
 
 import json
+import math
 import os
 import select
 import shutil
@@ -425,3 +426,27 @@ def test_load_generator_refuses_ngrams_longer_than_the_order(driver: Path, serve
     done = subprocess.run([str(BUILD / "nlmserve_load"), server.target, str(path), "--mode", "async"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "n-gram 0 has 7 words; the model takes 1 to 5" in done.stderr
+
+
+def test_golden_model_through_the_cpp_client(driver: Path, tmp_path: Path) -> None:
+    """The fixed-weight golden model (tests/test_golden_model.py has the arithmetic) served
+    for real and asked by the C++ client: each n-gram's log10 probability is the hand-computed
+    one, exact and self-normalised."""
+    from support import golden_model
+    from test_golden_model import CASES
+
+    model = golden_model(tmp_path / "golden.nlm")
+    server = Server(model, tmp_path / "server.log")
+    path = tmp_path / "ngrams.txt"
+    path.write_text("".join(" ".join(words) + "\n" for words, _, _, _ in CASES), encoding="utf-8")
+    try:
+        for normalized in (True, False):
+            cpp = Driver(driver, server.target, *([] if normalized else ["--unnormalized"]))
+            try:
+                got = cpp.scores(path)
+            finally:
+                cpp.close()
+            want = np.array([(ln_p if normalized else raw) / math.log(10.0) for _, _, ln_p, raw in CASES])
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    finally:
+        server.kill()
