@@ -77,3 +77,13 @@ def write_json(path: Path, result: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     tmp.replace(path)
+
+
+def train_seconds(model_path: str | Path) -> float:
+    """A training's wall time, from the end record of the log written beside its model file
+    (the model file records nothing of the clock)."""
+    for line in reversed(Path(f"{model_path}.log.jsonl").read_text().splitlines()):
+        record = json.loads(line)
+        if record.get("event") == "end":
+            return float(record["elapsed"])
+    raise SystemExit(f"{model_path}.log.jsonl has no end record")

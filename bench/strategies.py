@@ -42,7 +42,7 @@ from nlmserve.lm.scoring import LanguageModel
 from nlmserve.lm.train import TrainConfig, train
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine  # noqa: E402
+from _common import machine, train_seconds  # noqa: E402
 
 log = logging.getLogger("bench.strategies")
 REPO = Path(__file__).resolve().parent.parent
@@ -125,15 +125,6 @@ def calibrate(s: Strategy, texts: dict[str, Path], work: Path, args: argparse.Na
     per_step = train_seconds(res.model_path) / max(res.steps, 1)
     log.info("%s: %.3f s/step (probe %.1f s)", s.name, per_step, time.monotonic() - t0)
     return max(10, int(args.valid_seconds / max(per_step, 1e-6)))
-
-
-def train_seconds(model_path: str | Path) -> float:
-    """The training's wall time, from the end record of the log written beside the model."""
-    for line in reversed(Path(f"{model_path}.log.jsonl").read_text().splitlines()):
-        record = json.loads(line)
-        if record.get("event") == "end":
-            return float(record["elapsed"])
-    raise SystemExit(f"{model_path}.log.jsonl has no end record")
 
 
 def scoring_speed(lm: LanguageModel, ids: np.ndarray, normalized: bool, batch: int) -> float:

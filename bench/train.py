@@ -31,9 +31,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nlmserve.lm.evaluate import evaluate
-from nlmserve.lm.scoring import LanguageModel
-from nlmserve.lm.train import TrainConfig, model_config, prepare_data, train
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import train_seconds  # noqa: E402
+
+from nlmserve.lm.evaluate import evaluate  # noqa: E402
+from nlmserve.lm.scoring import LanguageModel  # noqa: E402
+from nlmserve.lm.train import TrainConfig, model_config, prepare_data, train  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "data" / "lm" / "europarl.train.50k.lc-moses.en.xz"
@@ -93,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         wall = time.monotonic() - t0
         lm = LanguageModel.load(cfg.out, device="cpu")
         ev = evaluate(lm, args.dev)
-        seconds = float(lm.training["seconds"])
+        seconds = train_seconds(cfg.out)
         rows.append({
             "objective": objective,
             "output": lm.output_type,
