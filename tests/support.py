@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import math
+import tarfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -155,3 +156,18 @@ TINY_ARPA_TEXT = "the of the\nof zebra\n"
 #       zebra is OOV: backoff(of) + P(<unk>) = -0.1 - 1.0; </s>|<unk>: backoff(<unk>) 0 + P(</s>) -0.5.
 TINY_ARPA_GOLDEN = [-0.22185, -0.39794, -0.79897, -0.52288, -0.90309, -1.1, -0.5]
 TINY_ARPA_GOLDEN_OOV = [False, False, False, False, False, True, False]
+
+
+#: The Moses header tree of ../shared/moses-src (its README): enough to compile a feature.
+MOSES_TARBALL = REPO.parent / "shared" / "moses-src" / "mosesdecoder-34452895.tar.xz"
+
+
+def extract_moses_tree(into: Path) -> Path:
+    """Extract MOSES_TARBALL into ``into``; returns its ``mosesdecoder`` folder (the caller
+    checks that the tarball exists and skips otherwise)."""
+    with tarfile.open(MOSES_TARBALL, "r:xz") as tar:
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(into, filter="data")
+        else:  # pragma: no cover - Python < 3.11.4
+            tar.extractall(into)  # noqa: S202 - the project's own shared tarball
+    return into / "mosesdecoder"

@@ -20,17 +20,17 @@ import os
 import shutil
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from support import MOSES_TARBALL, extract_moses_tree
+
 REPO = Path(__file__).resolve().parent.parent
 CPP = REPO / "moses_plugin" / "cpp"
 SCRIPT = CPP / "add_to_moses.py"
-MOSES_SRC = REPO.parent / "shared" / "moses-src"
-TARBALL = MOSES_SRC / "mosesdecoder-34452895.tar.xz"
+TARBALL = MOSES_TARBALL
 IN_CI = os.environ.get("CI") == "true"
 
 JAMFILE = "moses/LM/Jamfile"
@@ -127,13 +127,7 @@ def moses_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not TARBALL.is_file():
         pytest.skip(f"needs {TARBALL.name} in ../shared/moses-src (a Moses source tree; "
                     "../shared/moses-src/README.md)")
-    root = tmp_path_factory.mktemp("moses-src")
-    with tarfile.open(TARBALL, "r:xz") as tar:
-        if hasattr(tarfile, "data_filter"):
-            tar.extractall(root, filter="data")
-        else:  # pragma: no cover - Python < 3.11.4
-            tar.extractall(root)
-    return root / "mosesdecoder"
+    return extract_moses_tree(tmp_path_factory.mktemp("moses-src"))
 
 
 @pytest.fixture

@@ -19,14 +19,15 @@ import os
 import re
 import shutil
 import subprocess
-import tarfile
 from pathlib import Path
 
 import pytest
 
+from support import MOSES_TARBALL, extract_moses_tree
+
 REPO = Path(__file__).resolve().parent.parent
 CPP = REPO / "moses_plugin" / "cpp"
-TARBALL = REPO.parent / "shared" / "moses-src" / "mosesdecoder-34452895.tar.xz"
+TARBALL = MOSES_TARBALL
 FEATURE = ("NeuralLMServer.h", "NeuralLMServer.cpp")
 # Moses' build passes the first two from its Jamfiles; the unit does not compile without them.
 MOSES_FLAGS = ["-std=c++11", "-DMAX_NUM_FACTORS=4", "-DKENLM_MAX_ORDER=6", "-DWITH_THREADS", "-DTRACE_ENABLE=1"]
@@ -58,13 +59,7 @@ def moses_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not TARBALL.is_file():
         pytest.skip(f"no Moses source tree: neither NLMSERVE_MOSES_SRC nor {TARBALL} "
                     "(../shared/moses-src/README.md)")
-    root = tmp_path_factory.mktemp("moses-src")
-    with tarfile.open(TARBALL, "r:xz") as tar:
-        if hasattr(tarfile, "data_filter"):
-            tar.extractall(root, filter="data")
-        else:
-            tar.extractall(root)  # noqa: S202 - the project's own shared tarball
-    tree = root / "mosesdecoder"
+    tree = extract_moses_tree(tmp_path_factory.mktemp("moses-src"))
     assert (tree / "moses" / "LM" / "SingleFactor.h").is_file(), f"{TARBALL} holds no mosesdecoder/moses/LM"
     return tree
 
