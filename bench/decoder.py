@@ -51,13 +51,15 @@ from _common import machine, tree_cpu_seconds, write_json  # noqa: E402
 from nlmserve.moses_plugin.experiment import ServerProcess, start_server  # noqa: E402
 
 #: Configurations measured by default: name, then the feature's options (None: KENLM alone).
-DEFAULT_CONFIGS = ["kenlm", "exact:normalized=true", "selfnorm:normalized=false"]
+DEFAULT_CONFIGS = ["kenlm", "exact:normalized=true", "selfnorm:normalized=false",
+                   "local:normalized=false,scoring=local"]
 PREFETCH_MODES = ["stack", "hypothesis", "false"]
 #: Targets: wall time with the feature against KENLM alone (exact scores, self-normalised).
-TARGETS = {"exact": 2.0, "selfnorm": 1.5}
+TARGETS = {"exact": 2.0, "selfnorm": 1.5, "local": 1.5}
 
 _SENTENCE = re.compile(r"NeuralLMServer \S+: sentence \d+ took (\d+) round trips")
 _CLOSING = re.compile(r"(\d+) n-grams sent, (\d+) cache hits, (\d+) misses")
+_LOCAL = re.compile(r"(\d+) n-grams scored locally")
 
 
 @dataclass
@@ -94,6 +96,7 @@ class Run:
     cache_misses: int | None = None
     output_sha: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    ngrams_local: int | None = None
 
 
 def rewrite_ini(ini: Path, kenlm: str | None, out: Path, feature: str | None, weight: float) -> None:
@@ -145,7 +148,11 @@ def decode(moses: str, ini: Path, src: Path, threads: int, out: Path, log: Path)
 def feature_counts(log: Path) -> dict[str, int | None]:
     trips: list[int] = []
     closing: tuple[int, int, int] | None = None
+    local: int | None = None
     for line in log.read_text(errors="replace").splitlines():
+        lo = _LOCAL.search(line)
+        if lo:
+            local = int(lo.group(1))
         m = _SENTENCE.search(line)
         if m:
             trips.append(int(m.group(1)))
@@ -155,7 +162,8 @@ def feature_counts(log: Path) -> dict[str, int | None]:
     return {"round_trips": sum(trips) if trips else None,
             "ngrams_sent": closing[0] if closing else None,
             "cache_hits": closing[1] if closing else None,
-            "cache_misses": closing[2] if closing else None}
+            "cache_misses": closing[2] if closing else None,
+            "ngrams_local": local}
 
 
 def nbest_check(moses: str, ini: Path, src: Path, threads: int, model: str, work: Path, size: int = 10) -> dict[str, Any]:
@@ -229,7 +237,14 @@ def summarise(runs: list[Run], configs: list[Config]) -> list[dict[str, Any]]:
             row["round_trips_per_sentence"] = round(statistics.median(trips) / lines, 1)
         if sent:
             row["ngrams_sent_per_sentence"] = round(statistics.median(sent) / lines)
-        if hits:
+        local = [r.ngrams_local for r in rs if r.ngrams_local is not None]
+        if local:
+            row["ngrams_local_per_sentence"] = round(statistics.median(local) / lines)
+        first = {r.config: r.output_sha for r in runs if r.round == 0}
+        if c.options is not None:
+            row["same_output_as"] = sorted(name for name, sha_ in first.items()
+                                           if name != c.name and sha_ == first.get(c.name))
+        if hits and hits[0][0] + hits[0][1]:
             h, m = hits[0]
             row["cache_hit_rate"] = round(h / (h + m), 4) if h + m else None
             row["lookups_per_sentence"] = round((h + m) / lines)
@@ -243,8 +258,9 @@ def summarise(runs: list[Run], configs: list[Config]) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
     out = ["| configuration | wall s (rounds) | median | × KENLM wall | decoder CPU s | server CPU s | "
-           "× KENLM CPU | round trips / sent. | n-grams sent / sent. | cache hit rate | target |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "× KENLM CPU | round trips / sent. | n-grams sent / sent. | cache hit rate | "
+           "n-grams scored in the decoder / sent. | target |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         opts = "KENLM alone" if r["options"] is None else ("+ NLM0 " + " ".join(
             f"`{k}={v}`" for k, v in r["options"].items()))
@@ -252,7 +268,7 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
         out.append(f"| {opts} | {', '.join(str(w) for w in r['walls_s'])} | {r['wall_s']} | {r['wall_ratio']} | "
                    f"{r['decoder_cpu_s']} | {r['server_cpu_s']} | {r['cpu_ratio']} | "
                    f"{r.get('round_trips_per_sentence', '')} | {r.get('ngrams_sent_per_sentence', '')} | "
-                   f"{r.get('cache_hit_rate', '')} | {target} |")
+                   f"{r.get('cache_hit_rate', '')} | {r.get('ngrams_local_per_sentence', '')} | {target} |")
     return out
 
 
@@ -276,6 +292,9 @@ def render(result: dict[str, Any]) -> str:
     same = [r["config"] for r in result["rows"] if not r["same_output_every_round"]]
     lines.append("Same translations in every round: " + ("yes, every configuration." if not same else
                  "no for " + ", ".join(same) + "."))
+    alike = [f"{r['config']} = {', '.join(r['same_output_as'])}" for r in result["rows"] if r.get("same_output_as")]
+    if alike:
+        lines.append("Same translations across configurations (first round): " + "; ".join(alike) + ".")
     checks = {k.split("/")[0]: v for k, v in result.get("prefetch_check", {}).items() if k.endswith("/identical")}
     if checks:
         n = result.get("prefetch_lines", 0)

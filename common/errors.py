@@ -46,6 +46,11 @@ class ReloadError(ModelFileError):
     """A hot reload that was refused; the served model stays (maps to FAILED_PRECONDITION)."""
 
 
+class UnsupportedModelError(NlmserveError):
+    """The model cannot do what was asked, e.g. export scoring tables (maps to
+    FAILED_PRECONDITION); the message says why."""
+
+
 class InvalidRequestError(NlmserveError):
     """A request that cannot be scored (maps to INVALID_ARGUMENT).
 

@@ -7,7 +7,7 @@ with these members. docs/architecture.md describes each piece.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -15,6 +15,9 @@ import torch
 from torch import Tensor
 
 from nlmserve.lm.vocab import Vocabulary
+
+if TYPE_CHECKING:
+    from nlmserve.lm.scoring import ScoringTables
 
 
 class ScoringModel(Protocol):
@@ -79,4 +82,9 @@ class ScoringModel(Protocol):
 
     def word_classes(self, target: Tensor) -> Tensor:
         """(N,) class of each target (zeros without classes)."""
+        ...
+
+    def scoring_tables(self) -> ScoringTables:
+        """The self-normalised score as tables (``nlmserve.lm.scoring.ScoringTables``);
+        UnsupportedModelError when the model has none."""
         ...

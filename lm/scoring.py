@@ -29,6 +29,7 @@ from nlmserve.lm.model_file import FORMAT_VERSION, ModelFile, read_model_file
 from nlmserve.lm.ngrams import BOS_ID, EOS_ID, UNK_ID, canonical_rows, check_sentences, sentence_windows, word_ids
 from nlmserve.lm.objectives import SELF_NORMALIZING
 from nlmserve.lm.vocab import Vocabulary
+from nlmserve.errors import UnsupportedModelError
 from nlmserve.logbase import LOG10_E
 
 log = logging.getLogger(__name__)
@@ -254,6 +255,25 @@ class LanguageModel:
                 return torch.zeros_like(word), word
             return self.net.class_score(r, self.net.word_class[target]), word
 
+    def scoring_tables(self) -> ScoringTables:
+        """The self-normalised score as tables (:class:`ScoringTables`). Raises
+        UnsupportedModelError, saying why, for a model they cannot describe: one that is not
+        self-normalised, has no class output, a context other than the diagonal one, a
+        hidden layer or direct n-gram features."""
+        cfg = self.config
+        why = ("the model is not self-normalised (trained with NCE)" if not self.self_normalized
+               else f"the output layer is {cfg.output!r}, not 'class'" if cfg.output != "class"
+               else f"the context is {cfg.context!r}, not 'diagonal'" if cfg.context != "diagonal"
+               else "the model has a hidden layer" if cfg.hidden
+               else "the model has direct n-gram features" if cfg.has_ngram_features
+               else None)
+        if why is not None:
+            raise UnsupportedModelError(f"no scoring tables: {why}")
+        with torch.inference_mode():
+            out_embed, out_bias = _output_rows(self.net)
+            position = _position_tables(self.net).reshape(cfg.order - 1, cfg.vocab_size, cfg.dim)
+            return ScoringTables(_numpy(position), _numpy(out_embed), _numpy(out_bias), cfg.activation)
+
     # ------------------------------------------------------------------ batch scoring
     def score_ngrams(self, ids: npt.ArrayLike | Tensor, *, normalized: bool = True, log10: bool = False) -> np.ndarray:
         """log P(last | rest) for each row of an (N, n) id array → float32 (N,).
@@ -350,6 +370,57 @@ MV_ELEMENTS = 1 << 18
 ENCODE_TABLE_BYTES = 512 << 20
 
 
+def _output_rows(net: NeuralLM) -> tuple[Tensor, Tensor]:
+    """s_c(h) + s_w(h) = (c_k + q_w)·r + (b_k + b_w) for k the class of w: one row per word
+    (V, E) and one bias per word (V,), so a row's unnormalised score is one dot product."""
+    cls = net.word_class
+    out_embed = (net.word_embed + net.class_embed[cls]).detach().contiguous()
+    out_bias = (net.word_bias + net.word_mask + net.class_bias[cls] + net.class_mask[cls]).detach().contiguous()
+    return out_embed, out_bias
+
+
+def _position_tables(net: NeuralLM) -> Tensor:
+    """The diagonal context as tables: q(w) ⊙ c_j for each context position j, stacked
+    ((n-1)·V, D), so r = Σ_j table_j[w_j] (Devlin et al. 2014's precomputation)."""
+    emb, cw = net.embed.weight.detach(), net.ctx_weight.detach()
+    return torch.cat([emb * cw[j] for j in range(net.config.order - 1)])
+
+
+@dataclass(frozen=True)
+class ScoringTables:
+    """The self-normalised score of a class-output model with the diagonal context, as
+    tables a client can evaluate without the model (the wire's ``ScoringTablesChunk``,
+    the Moses feature's ``scoring=local``). For a canonical row w_1 .. w_{n-1} w_n::
+
+        r = act(Σ_j position[j, w_j])        position (n-1, V, D)
+        s = r · output[w_n] + bias[w_n]      output (V, D), bias (V,); natural log
+
+    which is ``score_ngrams(rows, normalized=False)`` to float rounding.
+    """
+
+    position: np.ndarray
+    output: np.ndarray
+    bias: np.ndarray
+    activation: str
+
+    def flat(self) -> np.ndarray:
+        """The three tables as the one float32 array the wire streams: position, output, bias."""
+        return np.concatenate([self.position.reshape(-1), self.output.reshape(-1), self.bias])
+
+    def score(self, rows: npt.ArrayLike) -> np.ndarray:
+        """The formula above for canonical rows (N, n) → float32 (N,) (the reference the
+        C++ evaluation is tested against)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        n1 = self.position.shape[0]
+        r = self.position[np.arange(n1), rows[:, :n1]].sum(axis=1)  # (N, D)
+        if self.activation == "tanh":
+            r = np.tanh(r)
+        elif self.activation == "relu":
+            r = np.maximum(r, 0)
+        t = rows[:, n1]
+        return (np.einsum("nd,nd->n", r, self.output[t]) + self.bias[t]).astype(np.float32)  # type: ignore[no-any-return]
+
+
 def _versions(net: NeuralLM) -> tuple[int, ...]:
     return tuple(p._version for p in net.parameters())
 
@@ -388,12 +459,7 @@ class _InferenceTables:
             self.np_word_class = net.word_class.numpy()
             self.np_sorted_embed = self.sorted_embed.numpy()
             self.np_sorted_bias = self.sorted_bias.numpy()
-            # s_c(h) + s_w(h) = (c_k + q_w)·r + (b_k + b_w) for k the class of w: one row per
-            # word, so the unnormalised score of a row is one gather and one dot product.
-            cls = net.word_class
-            self.out_embed = (net.word_embed + net.class_embed[cls]).detach().contiguous()  # (V, E)
-            self.out_bias = (net.word_bias + net.word_mask + net.class_bias[cls]
-                             + net.class_mask[cls]).detach().contiguous()  # (V,)
+            self.out_embed, self.out_bias = _output_rows(net)  # (V, E), (V,): s_c + s_w per word
             self.np_out_embed = self.out_embed.numpy()
             self.np_out_bias = self.out_bias.numpy()
         self.context = cfg.context
@@ -405,8 +471,7 @@ class _InferenceTables:
         self.position_tables: Tensor | None = None
         if cfg.context == "diagonal" and (cfg.order - 1) * cfg.vocab_size * cfg.dim * 4 <= ENCODE_TABLE_BYTES:
             with torch.no_grad():
-                emb, cw = net.embed.weight.detach(), net.ctx_weight.detach()
-                self.position_tables = torch.cat([emb * cw[j] for j in range(cfg.order - 1)])
+                self.position_tables = _position_tables(net)
                 self.position_shift = torch.arange(cfg.order - 1) * cfg.vocab_size
         self.net = net
 
@@ -428,7 +493,10 @@ class _InferenceTables:
         """s_c + s_w of each row → (R,): r (U, E) of the distinct contexts, the context
         (into r) and the target of each row. Row-wise products: a row's score does not
         depend on the rows batched with it."""
-        return (self.out_embed[target] * r[row_context]).sum(-1) + self.out_bias[target]
+        # index_select and an in-place product: advanced indexing and a third (R, E)
+        # temporary cost about four times as much on the CPU.
+        rows = self.out_embed.index_select(0, target)  # (R, E)
+        return rows.mul_(r.index_select(0, row_context)).sum(-1) + self.out_bias.index_select(0, target)
 
     def in_class(self, r: Tensor, cls: Tensor) -> Tensor:
         """log Σ_{w ∈ cls} exp s_w(h) → (N,).
@@ -545,4 +613,4 @@ def _logsumexp_rows(x: np.ndarray) -> np.ndarray:
     return m + np.log(np.exp(x - m[:, None]).sum(axis=1))  # type: ignore[no-any-return]
 
 
-__all__ = ["LanguageModel", "SentenceScores", "FORMAT_VERSION", "UNK_ID", "BOS_ID", "EOS_ID"]
+__all__ = ["LanguageModel", "ScoringTables", "SentenceScores", "FORMAT_VERSION", "UNK_ID", "BOS_ID", "EOS_ID"]

@@ -34,7 +34,8 @@ from typing import Sequence, TypeVar
 import numpy as np
 import torch
 
-from nlmserve.errors import EngineStoppedError, ModelFileError, OverloadedError, RequestExpiredError
+from nlmserve.errors import (EngineStoppedError, ModelFileError, OverloadedError, RequestExpiredError,
+                             UnsupportedModelError)
 from nlmserve.lm.ngrams import BOS_ID, EOS_ID, canonical_rows, check_sentences, sentence_windows
 from nlmserve.lm.protocol import ScoringModel
 from nlmserve.logbase import LOG10_E
@@ -90,6 +91,16 @@ def load_model(config: ServerConfig, path: str | None = None) -> ScoringModel:
     return lm
 
 
+@dataclass(frozen=True)
+class FlatTables:
+    """``ScoringTables`` as the wire streams them: one little-endian float32 array
+    (position, output, bias), the context width and the activation."""
+
+    data: np.ndarray
+    dim: int
+    activation: str
+
+
 class ModelState:
     """One served model and what serving it needs: a scorer with caches of its own, and its
     word index. Every queued part is pinned to the state it was submitted against, so a
@@ -105,6 +116,24 @@ class ModelState:
         self.words = lm.vocab.words
         self.index: dict[str, int] = {w: i for i, w in enumerate(self.words)}
         self.scorer = Scorer(lm, config.ngram_cache_size, config.context_cache_size, metrics)
+        self._tables: FlatTables | str | None = None  # the tables, or why there are none
+        self._tables_lock = threading.Lock()
+
+    def scoring_tables(self) -> FlatTables:
+        """The model's scoring tables as GetScoringTables streams them, made on the first
+        call and kept with the model (a reload makes a new state); UnsupportedModelError
+        when the model has none."""
+        with self._tables_lock:
+            if self._tables is None:
+                try:
+                    tables = self.lm.scoring_tables()
+                    self._tables = FlatTables(tables.flat().astype("<f4", copy=False), tables.output.shape[1],
+                                              tables.activation)
+                except UnsupportedModelError as e:
+                    self._tables = str(e)
+            if isinstance(self._tables, str):
+                raise UnsupportedModelError(self._tables)
+            return self._tables
 
 
 class Engine:

@@ -31,7 +31,8 @@ from typing import Any
 
 import grpc
 
-from nlmserve.errors import EngineStoppedError, InvalidRequestError, OverloadedError, RequestExpiredError
+from nlmserve.errors import (EngineStoppedError, InvalidRequestError, OverloadedError, RequestExpiredError,
+                             UnsupportedModelError)
 from nlmserve.server.auth import TokenStore
 from nlmserve.server.metrics import ServerMetrics
 
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 
 _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (UnsupportedModelError, grpc.StatusCode.FAILED_PRECONDITION),
     (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (RequestExpiredError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (EngineStoppedError, grpc.StatusCode.UNAVAILABLE),

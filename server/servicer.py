@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import Message
 
-from nlmserve.errors import InvalidRequestError
+from nlmserve.errors import InvalidRequestError, UnsupportedModelError
 from nlmserve.lm.ngrams import BOS_ID, EOS_ID, UNK_ID, pack_ngrams, word_ids
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
 from nlmserve.server.engine import Engine, ModelState
@@ -48,6 +48,10 @@ OFFLOAD_ITEMS = 20_000
 # A request of at most this many n-grams from a lone client is scored in the event-loop
 # thread when the engine is idle (Engine.try_score_now): no thread hand-over and back.
 INLINE_ITEMS = 16
+#: Floats per GetScoringTables chunk when the request names none: 1 MiB, well under any
+#: client's receive limit.
+TABLE_CHUNK_FLOATS = 262_144
+
 
 def _asks_log10(request: lm_pb2.ScoreNgramsRequest | lm_pb2.ScoreSentencesRequest) -> bool:
     """The wire's LogBase as the engine's ``log10`` flag (LOG10 is the default)."""
@@ -107,6 +111,9 @@ def add_to_server(servicer: "LanguageModelServicer", server: grpc.aio.Server) ->
         "GetVocabulary": grpc.unary_stream_rpc_method_handler(
             servicer.GetVocabulary, request_deserializer=_parser(lm_pb2.GetVocabularyRequest),
             response_serializer=lm_pb2.VocabularyChunk.SerializeToString),
+        "GetScoringTables": grpc.unary_stream_rpc_method_handler(
+            servicer.GetScoringTables, request_deserializer=_parser(lm_pb2.GetScoringTablesRequest),
+            response_serializer=lm_pb2.ScoringTablesChunk.SerializeToString),
     }
     service = lm_pb2.DESCRIPTOR.services_by_name["LanguageModel"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
@@ -200,6 +207,36 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
         try:
             for i in range(0, len(words), size):
                 yield lm_pb2.VocabularyChunk(offset=i, words=words[i : i + size])
+        finally:
+            self._active -= 1
+            self.large_answer_at = time.monotonic()
+
+    async def GetScoringTables(self, request: lm_pb2.GetScoringTablesRequest,
+                               context: Context) -> AsyncIterator[lm_pb2.ScoringTablesChunk]:
+        rpc = "GetScoringTables"
+        if isinstance(request, MalformedRequest):
+            self._count(rpc, grpc.StatusCode.INVALID_ARGUMENT)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+        if self.draining:
+            self._count(rpc, grpc.StatusCode.UNAVAILABLE)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)
+        state = self.engine.state
+        try:
+            tables = await asyncio.to_thread(state.scoring_tables)
+        except UnsupportedModelError as e:
+            self._count(rpc, grpc.StatusCode.FAILED_PRECONDITION)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        flat = tables.data
+        size = request.chunk_floats or TABLE_CHUNK_FLOATS
+        self._count(rpc, grpc.StatusCode.OK)
+        self._active += 1
+        try:
+            yield lm_pb2.ScoringTablesChunk(
+                model_hash=state.model_hash, order=state.order, vocab_size=state.vocab_size,
+                dim=tables.dim, activation=tables.activation, total_floats=flat.size,
+                offset=0, data=flat[:size].tobytes())
+            for i in range(size, flat.size, size):
+                yield lm_pb2.ScoringTablesChunk(offset=i, data=flat[i : i + size].tobytes())
         finally:
             self._active -= 1
             self.large_answer_at = time.monotonic()

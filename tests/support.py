@@ -48,7 +48,7 @@ GOLDEN_WORDS = ("a", "b", "c")
 LN2, LN3 = math.log(2.0), math.log(3.0)
 
 
-def golden_model(path: str | Path) -> Path:
+def golden_model(path: str | Path, objective: str = "nce") -> Path:
     """Write the fixed-weight golden model to ``path`` and return it: V = 6, order 3, D = 2,
     diagonal context, no activation, two classes, NCE (so self-normalised).
 
@@ -64,7 +64,8 @@ def golden_model(path: str | Path) -> Path:
                       (<s> is masked: exp s_<s> = 0)
 
     log p(w | h) = s_class(w) - log Σ_k exp s_k + s_w - log Σ_{v in class(w)} exp s_v.
-    tests/test_golden_model.py works the probabilities out by hand.
+    tests/test_golden_model.py works the probabilities out by hand. ``objective`` "mle"
+    writes the same weights as a model that is not self-normalised.
     """
     import torch
 
@@ -89,7 +90,7 @@ def golden_model(path: str | Path) -> Path:
     assert set(state) == set(weights), sorted(state)
     net.load_state_dict({name: torch.tensor(value, dtype=torch.float32) for name, value in weights.items()})
     out = Path(path)
-    save_model(out, net, Vocabulary(GOLDEN_WORDS), WordClasses(word_class, "file"), objective="nce",
+    save_model(out, net, Vocabulary(GOLDEN_WORDS), WordClasses(word_class, "file"), objective=objective,
                training={"note": "hand-set weights (tests/support.py golden_model)"})
     return out
 

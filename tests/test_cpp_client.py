@@ -194,10 +194,11 @@ def test_unit_checks_of_cache_rules_and_decoder_parts(driver: Path) -> None:
     lookups and inserts equal to row-by-row ones), the
     rules on other ids and types, nlmserve_decoder.h's phrase and boundary rows (hand-computed),
     word-id table, expansion scores (in order at the cursor, or looked up) and error pause,
-    lowercasing and target parsing."""
+    lowercasing and target parsing, and the scoring tables' arithmetic (hand-computed, each
+    activation, the kept context vectors)."""
     done = subprocess.run([str(UNIT)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "unit: 83 passed, 0 failed", done.stderr
+    assert done.stdout.strip() == "unit: 94 passed, 0 failed", done.stderr
 
 
 def test_golden_ngram_rules_through_the_cpp_owner(driver: Path) -> None:
@@ -244,6 +245,30 @@ def test_scores_equal_python_client(driver: Path, server: Server, ngram_file: tu
     # A shorter context is <s>-padded; everything left of the newest <s> is <s>.
     assert got[ngrams.index(["<s>", "<s>", "<s>", "<s>", "the"])] == got[ngrams.index(["the"])]
     assert got[ngrams.index(["of", "<s>", "the"])] == got[ngrams.index(["the"])]
+
+
+def test_scoring_tables_give_the_servers_self_normalised_scores(driver: Path, server: Server,
+                                                               ngram_file: tuple[Path, list[list[str]]]) -> None:
+    """Client::GetScoringTables and ScoringTables::Score (the Moses feature's scoring=local):
+    the trained model's self-normalised scores computed in the C++ process are the server's
+    (natural log) within float rounding, and asking one by one in another order changes none."""
+    from nlmserve.client import LMClient
+
+    path, ngrams = ngram_file
+    cpp = Driver(driver, server.target)
+    try:
+        head = cpp.ask(f"tables {path}")
+        assert head.startswith("ok "), head
+        got = np.array([float(cpp.read()) for _ in range(int(head.split()[1]))])
+    finally:
+        cpp.close()
+    fields = dict(item.split("=") for item in head.split()[2:])
+    with LMClient(server.target) as py:
+        want = py.score_ngrams(ngrams, log_base="ln", normalized=False).log_probs
+        assert fields["hash"] == py.info.model_hash
+    assert fields["differ"] == "0"
+    assert got.shape == (len(ngrams),)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
 
 
 def test_invalid_ngrams_are_errors_not_crashes(driver: Path, server: Server) -> None:
@@ -448,5 +473,25 @@ def test_golden_model_through_the_cpp_client(driver: Path, tmp_path: Path) -> No
                 cpp.close()
             want = np.array([(ln_p if normalized else raw) / math.log(10.0) for _, _, ln_p, raw in CASES])
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+        # The same self-normalised scores (natural log) from the tables, in the C++ process.
+        cpp = Driver(driver, server.target)
+        try:
+            head = cpp.ask(f"tables {path}")
+            assert head.startswith(f"ok {len(CASES)} dim=2 bytes={(3 * 6 * 2 + 6) * 4} "), head
+            local = [float(cpp.read()) for _ in CASES]
+        finally:
+            cpp.close()
+        np.testing.assert_allclose(local, [raw for _, _, _, raw in CASES], rtol=0, atol=1e-5)
+    finally:
+        server.kill()
+    # A model that is not self-normalised has no tables: the server's reason reaches the caller.
+    server = Server(golden_model(tmp_path / "mle.nlm", objective="mle"), tmp_path / "server-mle.log")
+    try:
+        cpp = Driver(driver, server.target)
+        try:
+            answer = cpp.ask(f"tables {path}")
+        finally:
+            cpp.close()
+        assert answer.startswith("error 9 ") and "not self-normalised" in answer, answer
     finally:
         server.kill()

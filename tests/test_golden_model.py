@@ -24,11 +24,13 @@ import numpy as np
 import pytest
 
 from nlmserve.client import LMClient
+from nlmserve.errors import UnsupportedModelError
 from nlmserve.lm.scoring import LanguageModel
 from support import golden_model, start_server
 
 A, B, C, UNK, BOS, EOS = 3, 4, 5, 0, 1, 2
 LN10 = math.log(10.0)
+LN2 = math.log(2.0)
 TOL = 1e-5
 
 # (n-gram as words, as ids, ln p by hand, unnormalised score by hand)
@@ -159,3 +161,48 @@ def test_hand_computed_sentences_through_the_server(client: LMClient) -> None:
     triples: list[Any] = list(client.full_scores("b a c"))
     assert [n for _, n, _ in triples] == [2, 3, 3, 3]
     np.testing.assert_allclose([lp for lp, _, _ in triples], np.array(SENTENCES[1][1]) / LN10, atol=TOL, rtol=0)
+
+
+def test_scoring_tables_hold_the_hand_computed_self_normalised_scores(golden: LanguageModel,
+                                                                     tmp_path: Path) -> None:
+    """The tables a client evaluates itself (GetScoringTables, the Moses feature's
+    scoring=local): r = q(x) + 2 q(y) from the two position tables, then one output row
+    and bias per word, s_c + s_w of the case by hand."""
+    tables = golden.scoring_tables()
+    assert tables.position.shape == (2, 6, 2) and tables.output.shape == (6, 2) and tables.activation == "none"
+    np.testing.assert_allclose(tables.position[1, A], [2, 0], atol=0)  # c_1 ⊙ q(a)
+    np.testing.assert_allclose(tables.output[B], [0, 2 * LN2], atol=1e-7)  # (0, ln 2) + class 1's (0, ln 2)
+    ids = np.array([[BOS] * (3 - len(i)) + i for _, i, _, _ in CASES])
+    np.testing.assert_allclose(tables.score(golden.canonical_rows(ids)), [r for _, _, _, r in CASES], atol=TOL, rtol=0)
+    assert tables.flat().size == 2 * 6 * 2 + 6 * 2 + 6
+    with pytest.raises(UnsupportedModelError, match="not self-normalised"):
+        LanguageModel.load(golden_model(tmp_path / "mle.nlm", objective="mle")).scoring_tables()
+
+
+def test_scoring_tables_through_the_server(golden: LanguageModel, client: LMClient, tmp_path: Path) -> None:
+    """GetScoringTables streams the tables as one little-endian float32 array in chunks; a
+    model without tables answers FAILED_PRECONDITION with the reason."""
+    import grpc
+
+    from nlmserve.proto import lm_pb2, lm_pb2_grpc
+
+    want = golden.scoring_tables().flat()
+    with grpc.insecure_channel(client.target) as channel:
+        chunks = list(lm_pb2_grpc.LanguageModelStub(channel).GetScoringTables(
+            lm_pb2.GetScoringTablesRequest(chunk_floats=7)))
+    head = chunks[0]
+    assert (head.model_hash, head.order, head.vocab_size, head.dim, head.activation, head.total_floats) == (
+        golden.model_hash, 3, 6, 2, "none", want.size)
+    assert [c.offset for c in chunks] == list(range(0, want.size, 7))
+    got = np.frombuffer(b"".join(c.data for c in chunks), dtype="<f4")
+    np.testing.assert_array_equal(got, want)
+
+    running = start_server(LanguageModel.load(golden_model(tmp_path / "mle.nlm", objective="mle")))
+    try:
+        with grpc.insecure_channel(running.target) as channel:
+            with pytest.raises(grpc.RpcError) as failed:
+                list(lm_pb2_grpc.LanguageModelStub(channel).GetScoringTables(lm_pb2.GetScoringTablesRequest()))
+        assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "not self-normalised" in failed.value.details()
+    finally:
+        running.stop(1.0)

@@ -336,6 +336,9 @@ def test_other_rpcs_pass_through(stubs: tuple[Any, Any], tiny_lm: Any) -> None:
     assert fe.GetModelInfo(lm_pb2.GetModelInfoRequest()) == be.GetModelInfo(lm_pb2.GetModelInfoRequest())
     chunks = list(fe.GetVocabulary(lm_pb2.GetVocabularyRequest(chunk_size=100)))
     assert [w for c in chunks for w in c.words] == tiny_lm.vocab.words
+    tables = list(fe.GetScoringTables(lm_pb2.GetScoringTablesRequest(chunk_floats=50_000)))
+    assert len(tables) > 1 and tables == list(be.GetScoringTables(lm_pb2.GetScoringTablesRequest(chunk_floats=50_000)))
+    assert np.frombuffer(b"".join(c.data for c in tables), dtype="<f4").size == tables[0].total_floats
     req = lm_pb2.ScoreSentencesRequest(sentences=dev_sentences(0, 5), log_base=lm_pb2.LN)
     got, want = fe.ScoreSentences(req), be.ScoreSentences(req)
     assert [s.total for s in got.sentences] == pytest.approx([s.total for s in want.sentences], abs=1e-6)

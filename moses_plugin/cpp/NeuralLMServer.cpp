@@ -68,6 +68,9 @@ struct NeuralLMServerThread {
   uint64_t inOrder = 0;
   uint64_t lookedUp = 0;
   uint64_t scoredAlone = 0;
+  // scoring=local: the thread's context vectors, and the n-grams it scored.
+  nlmserve::ScoringTables::Scratch tables;
+  uint64_t scoredLocally = 0;
 };
 
 namespace {
@@ -96,11 +99,12 @@ struct ManagerSearch : public Manager {
 }  // namespace
 
 size_t NeuralLMServerState::hash() const {
-  return boost::hash_range(m_words.begin(), m_words.end());
+  return boost::hash_range(m_words, m_words + m_size);
 }
 
 bool NeuralLMServerState::operator==(const FFState &other) const {
-  return m_words == static_cast<const NeuralLMServerState &>(other).m_words;
+  const NeuralLMServerState &o = static_cast<const NeuralLMServerState &>(other);
+  return m_size == o.m_size && std::equal(m_words, m_words + m_size, o.m_words);
 }
 
 NeuralLMServer::NeuralLMServer(const std::string &line)
@@ -114,6 +118,7 @@ NeuralLMServer::NeuralLMServer(const std::string &line)
       m_floorOnError(false),
       m_prefetch(PrefetchStack),
       m_sentencePhrases(true),
+      m_localScoring(false),
       m_model(new nlmserve::ModelInfo()),
       m_ids(new nlmserve::DenseIdMap()),
       m_nullState(NULL),
@@ -125,12 +130,16 @@ NeuralLMServer::NeuralLMServer(const std::string &line)
       m_inOrder(0),
       m_lookedUp(0),
       m_scoredAlone(0),
+      m_scoredLocally(0),
       m_pause(new nlmserve::ErrorPause()) {
   ReadParameters();
   m_target = m_filePath;
   UTIL_THROW_IF2(m_target.empty(), "NeuralLMServer needs path=HOST:PORT (or A:1,B:2 or dns:///NAME:PORT) of nlmserve");
   UTIL_THROW_IF2(m_nGramOrder == NOT_FOUND, "NeuralLMServer needs order= (the served model's order)");
   UTIL_THROW_IF2(m_nGramOrder < 2, "NeuralLMServer: order must be at least 2, got " << m_nGramOrder);
+  UTIL_THROW_IF2(m_nGramOrder > NeuralLMServerState::kMaxContext + 1,
+                 "NeuralLMServer: order " << m_nGramOrder << " is above the largest this build handles ("
+                                          << NeuralLMServerState::kMaxContext + 1 << ")");
 
   FactorCollection &factors = FactorCollection::Instance();
   m_sentenceStart = factors.AddFactor(Output, m_factorType, BOS_);
@@ -150,6 +159,7 @@ NeuralLMServer::~NeuralLMServer() {
       VERBOSE(1, ", " << stats.ngrams_sent << " n-grams sent, " << stats.cache_hits << " cache hits, "
                       << stats.cache_misses << " misses");
     }
+    if (m_tables) VERBOSE(1, ", " << m_scoredLocally.load() << " n-grams scored locally");
     VERBOSE(1, "; boundary scores: " << m_inOrder.load() << " in order, " << m_lookedUp.load() << " looked up, "
                                      << m_scoredAlone.load() << " scored alone");
     VERBOSE(1, std::endl);
@@ -175,6 +185,10 @@ void NeuralLMServer::SetParameter(const std::string &key, const std::string &val
     UTIL_THROW_IF2(value != "sentence" && value != "load",
                    "NeuralLMServer: phrase-scores must be sentence or load, got " << value);
     m_sentencePhrases = (value == "sentence");
+  } else if (key == "scoring") {
+    UTIL_THROW_IF2(value != "server" && value != "local",
+                   "NeuralLMServer: scoring must be server or local, got " << value);
+    m_localScoring = (value == "local");
   } else if (key == "prefetch") {
     if (value == "stack" || value == "true") {
       m_prefetch = PrefetchStack;
@@ -211,7 +225,7 @@ void NeuralLMServer::Load(AllOptions::ptr const &opts) {
   options.deadline_ms = m_deadlineMs;
   options.connect_timeout_ms = m_connectTimeoutMs;
   options.retries = m_retries;
-  options.cache_size = m_cacheSize;
+  options.cache_size = m_localScoring ? 0 : m_cacheSize;  // local scores cost less than a lookup
   options.lowercase = m_lowercase;
   options.normalized = m_normalized;
   options.tls_ca = m_tlsCa;
@@ -234,9 +248,21 @@ void NeuralLMServer::Load(AllOptions::ptr const &opts) {
   UTIL_THROW_IF2(m_nGramOrder != info.order,
                  "NeuralLMServer " << GetScoreProducerDescription() << ": order=" << m_nGramOrder
                                    << " but the model at " << m_target << " has order " << info.order);
-  std::vector<const Factor *> begin(m_nGramOrder - 1, m_sentenceStart);
-  m_beginState = new NeuralLMServerState(begin);
-  m_nullState = new NeuralLMServerState(begin);
+  m_beginState = new NeuralLMServerState(m_nGramOrder - 1, m_sentenceStart);
+  m_nullState = new NeuralLMServerState(m_nGramOrder - 1, m_sentenceStart);
+  if (m_localScoring) {
+    UTIL_THROW_IF2(m_normalized, "NeuralLMServer " << GetScoreProducerDescription()
+                                                   << ": scoring=local computes self-normalised scores only: add "
+                                                      "normalized=false, or use scoring=server");
+    try {
+      m_tables = m_client->GetScoringTables();
+    } catch (const nlmserve::ClientError &e) {
+      UTIL_THROW2("NeuralLMServer " << GetScoreProducerDescription() << ": scoring=local: " << e.what());
+    }
+    VERBOSE(1, "NeuralLMServer " << GetScoreProducerDescription() << ": scoring locally with "
+                                 << m_tables->bytes() / 1048576 << " MB of tables (width " << m_tables->dim()
+                                 << ")" << std::endl);
+  }
   VERBOSE(1, "NeuralLMServer " << GetScoreProducerDescription() << ": " << m_target << " model "
                                << info.model_hash << " order " << info.order << " vocabulary "
                                << info.vocab_size << (m_normalized ? " normalized" : " unnormalized")
@@ -259,6 +285,23 @@ void NeuralLMServer::AppendIds(const Phrase &phrase, std::vector<uint32_t> *ids)
 
 void NeuralLMServer::ScoreRows(const uint32_t *rows, size_t n, float *out, NeuralLMServerThread &local) const {
   if (n == 0) return;
+  if (m_tables) {
+    // The rows come from CanonicalRow or BoundaryRows, which have checked them; the ids are
+    // checked again here because the tables are read at them.
+    const size_t width = m_model->order;
+    for (size_t i = 0; i < n * width; ++i) {
+      if (rows[i] >= m_model->vocab_size) {
+        Failed("an n-gram id " + std::to_string(rows[i]) + " outside the vocabulary of " +
+                   std::to_string(m_model->vocab_size) + " words",
+               n, out);
+        return;
+      }
+    }
+    m_tables->Score(rows, n, out, &local.tables);  // natural log, as TransformLMScore makes it
+    for (size_t i = 0; i < n; ++i) out[i] = FloorScore(out[i]);
+    local.scoredLocally += n;
+    return;
+  }
   // on-error=floor: after a failed request the server is left alone for a pause, so that
   // a dead server costs one failed request per pause instead of one per request.
   if (m_floorOnError && m_pause->Paused(SteadyMs())) {
@@ -293,9 +336,8 @@ void NeuralLMServer::SetState(const std::vector<const Word *> &contextFactor, FF
   std::vector<const Factor *> &factors = Local(this).factors;
   factors.clear();
   for (size_t i = 0; i < contextFactor.size(); ++i) factors.push_back(contextFactor[i]->GetFactor(m_factorType));
-  std::vector<const Factor *> &words = static_cast<NeuralLMServerState &>(outState).m_words;
-  words.resize(m_nGramOrder - 1);
-  nlmserve::CanonicalContext(factors.data(), factors.size(), words.size(), m_sentenceStart, words.data());
+  NeuralLMServerState &state = static_cast<NeuralLMServerState &>(outState);
+  nlmserve::CanonicalContext(factors.data(), factors.size(), state.size(), m_sentenceStart, state.words());
 }
 
 LMResult NeuralLMServer::GetValue(const std::vector<const Word *> &contextFactor, State *finalState) const {
@@ -322,7 +364,7 @@ const FFState *NeuralLMServer::GetBeginSentenceState() const { return m_beginSta
 
 FFState *NeuralLMServer::NewState(const FFState *from) const {
   if (from) return new NeuralLMServerState(*static_cast<const NeuralLMServerState *>(from));
-  return new NeuralLMServerState(std::vector<const Factor *>(m_nGramOrder - 1, m_sentenceStart));
+  return new NeuralLMServerState(m_nGramOrder - 1, m_sentenceStart);
 }
 
 LMResult NeuralLMServer::GetValueForgotState(const std::vector<const Word *> &contextFactor,
@@ -483,10 +525,8 @@ FFState *NeuralLMServer::EvaluateWhenApplied(const Hypothesis &hypo, const FFSta
     local.factors.push_back(hypo.GetWord(pos).GetFactor(m_factorType));
   }
   if (hypo.IsSourceCompleted()) local.factors.push_back(m_sentenceEnd);
-  // One allocation (the state's words), not a temporary vector copied into it.
-  NeuralLMServerState *res = new NeuralLMServerState();
-  res->m_words.resize(keep);
-  nlmserve::CanonicalContext(local.factors.data(), local.factors.size(), keep, m_sentenceStart, res->m_words.data());
+  NeuralLMServerState *res = new NeuralLMServerState(keep);
+  nlmserve::CanonicalContext(local.factors.data(), local.factors.size(), keep, m_sentenceStart, res->words());
 
   if (OOVFeatureEnabled()) {
     std::vector<float> values(2);
@@ -623,7 +663,7 @@ void NeuralLMServer::InitializeForInput(ttasksptr const &ttask) {
   ++tl_sentence;
   NeuralLMServerThread &local = Local(this);
   local.sentence = nlmserve::BatchCounts();
-  local.inOrder = local.lookedUp = local.scoredAlone = 0;
+  local.inOrder = local.lookedUp = local.scoredAlone = local.scoredLocally = 0;
   // The last sentence's expansions name its hypotheses, whose addresses this one may
   // reuse: EvaluateWhenApplied trusts an entry that matches at the cursor.
   local.boundary.Clear();
@@ -638,6 +678,7 @@ void NeuralLMServer::CleanUpAfterSentenceProcessing(ttasksptr const &ttask) {
   m_inOrder.fetch_add(local.inOrder);
   m_lookedUp.fetch_add(local.lookedUp);
   m_scoredAlone.fetch_add(local.scoredAlone);
+  m_scoredLocally.fetch_add(local.scoredLocally);
   const uint64_t lookups = counts.cache_hits + counts.cache_misses;
   char rate[32] = "no lookups";
   if (lookups > 0) std::snprintf(rate, sizeof(rate), "%.1f%% hits", 100.0 * counts.cache_hits / lookups);

@@ -27,6 +27,14 @@
 //                           phrase scores are added per translation option
 //                           (EvaluateWithSourceContext); load: Moses' usual way, each target
 //                           phrase scored once when the table loads or looks it up
+//   scoring=server|local    server (default): every n-gram not in the cache is scored by
+//                           the server; local (needs normalized=false): at load the feature
+//                           fetches the model's self-normalised scoring tables from the server
+//                           (GetScoringTables: order x vocabulary x width floats, 188 MB for a
+//                           5-gram of 36,660 words and width 256) and scores every n-gram in
+//                           the decoder, two table sums and a dot product each, with no cache
+//                           and no request; the server then answers nothing per n-gram, and
+//                           a reload of the server does not reach a running decoder
 //   prefetch=stack|hypothesis|false
 //                           stack (default; also true): when Moses' normal stack search starts
 //                           expanding a stack, score the boundary n-grams of every possible
@@ -61,6 +69,7 @@ namespace nlmserve {
 class Client;
 struct ModelInfo;
 class DenseIdMap;
+class ScoringTables;
 class ErrorPause;
 }  // namespace nlmserve
 
@@ -68,14 +77,24 @@ namespace Moses {
 
 struct NeuralLMServerThread;
 
-// The last order-1 words of a hypothesis (oldest first, <s>-padded).
+// The last order-1 words of a hypothesis (oldest first, <s>-padded), held inline: Moses
+// makes one state per hypothesis it builds, so a state costs one allocation, not two.
 class NeuralLMServerState : public FFState {
  public:
-  NeuralLMServerState() {}
-  explicit NeuralLMServerState(const std::vector<const Factor *> &words) : m_words(words) {}
+  // Longest context a state holds: models up to order kMaxContext + 1 (Load checks).
+  static const size_t kMaxContext = 9;
+  explicit NeuralLMServerState(size_t size, const Factor *fill = NULL) : m_size(size) {
+    for (size_t i = 0; i < kMaxContext; ++i) m_words[i] = fill;
+  }
   size_t hash() const override;
   bool operator==(const FFState &other) const override;
-  std::vector<const Factor *> m_words;
+  size_t size() const { return m_size; }
+  const Factor **words() { return m_words; }
+  const Factor *const *words() const { return m_words; }
+
+ private:
+  size_t m_size;
+  const Factor *m_words[kMaxContext];
 };
 
 class NeuralLMServer : public LanguageModelSingleFactor {
@@ -159,6 +178,7 @@ class NeuralLMServer : public LanguageModelSingleFactor {
   enum Prefetching { PrefetchOff, PrefetchHypothesis, PrefetchStack };
   Prefetching m_prefetch;
   bool m_sentencePhrases;
+  bool m_localScoring;
 
   std::unique_ptr<nlmserve::Client> m_client;
   // The client library's types are held by pointer, so that this header (included by
@@ -166,6 +186,7 @@ class NeuralLMServer : public LanguageModelSingleFactor {
   // needs only Moses' headers.
   std::unique_ptr<nlmserve::ModelInfo> m_model;  // the served model's order, vocabulary size and special ids
   std::unique_ptr<nlmserve::DenseIdMap> m_ids;   // Factor::GetId() -> vocabulary id
+  std::shared_ptr<const nlmserve::ScoringTables> m_tables;  // scoring=local: the model's tables
   NeuralLMServerState *m_nullState;
   NeuralLMServerState *m_beginState;
 
@@ -176,6 +197,8 @@ class NeuralLMServer : public LanguageModelSingleFactor {
   mutable std::atomic<uint64_t> m_floored;
   // Boundary scores of all sentences: at the prefetch's cursor, looked up, scored alone.
   mutable std::atomic<uint64_t> m_inOrder, m_lookedUp, m_scoredAlone;
+  // scoring=local: n-grams scored in the decoder.
+  mutable std::atomic<uint64_t> m_scoredLocally;
   std::unique_ptr<nlmserve::ErrorPause> m_pause;
 };
 

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <fstream>
 #include <locale>
 #include <mutex>
@@ -492,7 +493,7 @@ struct Client::Impl {
   // Runs an RPC with the per-call deadline, reconnecting and retrying on
   // transient failures. `call` gets the stub and a fresh context.
   template <class F>
-  void WithRetries(const std::string &what, F call) {
+  void WithRetries(const std::string &what, F call, int deadline_ms = 0) {
     std::shared_ptr<Connection> c = Current();
     grpc::Status status;
     for (int attempt = 0; attempt <= options.retries; ++attempt) {
@@ -506,7 +507,7 @@ struct Client::Impl {
         }
       }
       grpc::ClientContext ctx;
-      ctx.set_deadline(DeadlineIn(options.deadline_ms));
+      ctx.set_deadline(DeadlineIn(std::max(deadline_ms, options.deadline_ms)));
       if (!authorization.empty()) ctx.AddMetadata("authorization", authorization);
       status = call(*c->stub, &ctx);
       if (status.ok()) return;
@@ -620,6 +621,62 @@ struct Client::Impl {
     words.swap(got);
     ids.reserve(words.size());
     for (uint32_t i = 0; i < words.size(); ++i) ids.emplace(words[i], i);
+  }
+
+  std::shared_ptr<const ScoringTables> FetchTables(int deadline_ms) {
+    std::vector<float> data;
+    pb::ScoringTablesChunk head;
+    WithRetries(
+        "GetScoringTables",
+        [&](pb::LanguageModel::Stub &stub, grpc::ClientContext *ctx) {
+          data.clear();
+          std::unique_ptr<grpc::ClientReader<pb::ScoringTablesChunk> > reader(
+              stub.GetScoringTables(ctx, pb::GetScoringTablesRequest()));
+          pb::ScoringTablesChunk chunk;
+          bool first = true;
+          while (reader->Read(&chunk)) {
+            if (first) {
+              head = chunk;
+              head.clear_data();
+              data.reserve(head.total_floats());
+              first = false;
+            }
+            const std::string &bytes = chunk.data();
+            if (chunk.offset() != data.size() || bytes.size() % sizeof(float) != 0 ||
+                data.size() + bytes.size() / sizeof(float) > head.total_floats()) {
+              ctx->TryCancel();
+              reader->Finish();
+              return grpc::Status(grpc::StatusCode::DATA_LOSS, "scoring tables chunk at offset " +
+                                                                   std::to_string(chunk.offset()) + " after " +
+                                                                   std::to_string(data.size()) + " floats");
+            }
+            const std::size_t at = data.size();
+            data.resize(at + bytes.size() / sizeof(float));
+            std::memcpy(data.data() + at, bytes.data(), bytes.size());  // little-endian float32, as x86 and ARM
+          }
+          return reader->Finish();
+        },
+        deadline_ms);
+    if (head.model_hash() != info.model_hash) {
+      throw ClientError(9, "nlmserve server at " + target + " sent the scoring tables of model " + head.model_hash() +
+                               ", not of " + info.model_hash + " (reloaded since the client connected?)");
+    }
+    Activation activation;
+    if (!ParseActivation(head.activation(), &activation)) {
+      throw ClientError(-1, "nlmserve server at " + target + " sent scoring tables with activation '" +
+                                head.activation() + "', which this client does not know");
+    }
+    std::shared_ptr<ScoringTables> tables(new ScoringTables());
+    const std::size_t got = data.size();
+    if (head.order() != info.order || head.vocab_size() != info.vocab_size ||
+        !tables->Set(head.order(), head.vocab_size(), head.dim(), activation, head.model_hash(), std::move(data))) {
+      throw ClientError(-1, "nlmserve server at " + target + " sent " + std::to_string(got) +
+                                " floats of scoring tables for order " + std::to_string(head.order()) +
+                                ", vocabulary " + std::to_string(head.vocab_size()) + ", width " +
+                                std::to_string(head.dim()) + " (model info: order " + std::to_string(info.order) +
+                                ", vocabulary " + std::to_string(info.vocab_size) + ")");
+    }
+    return tables;
   }
 
   // CanonicalRow for the served model; throws ClientError (code 3) naming `index`.
@@ -852,6 +909,10 @@ void Client::ResetStats() {
 
 void Client::ClearCache() { impl_->cache->Clear(); }
 std::size_t Client::CacheEntries() const { return impl_->cache->Size(); }
+std::shared_ptr<const ScoringTables> Client::GetScoringTables(int deadline_ms) {
+  return impl_->FetchTables(deadline_ms);
+}
+
 uint64_t Client::ThreadRoundTrips() { return tl_round_trips; }
 
 }  // namespace nlmserve

@@ -17,6 +17,10 @@
 //         rows PATH                 -> ok N hits=.. misses=.. sent=.. round_trips=.., then N lines of
 //                                      scores: the same n-grams as canonical rows in one flat
 //                                      ScoreRows call, with the BatchCounts it returned
+//         tables PATH               -> ok N dim=.. bytes=.. hash=.. differ=.., then N lines of natural-log
+//                                      self-normalised scores computed from GetScoringTables in this
+//                                      process (differ: scores that change when asked one by one in
+//                                      reverse order, which must be 0)
 //         threads T PATH REPEATS    -> ok mismatches=.. far=.. max_diff=.. errors=.. calls=..
 //                                      (mismatches: answers not bit-equal to the reference;
 //                                       far: answers more than 1e-5 from it)
@@ -159,6 +163,31 @@ void Run(nlmserve::Client &client) {
         std::vector<float> scores = client.ScoreStrings(ngrams);
         std::ostringstream out;
         out << "ok " << scores.size() << "\n";
+        for (float s : scores) out << Fmt(s) << "\n";
+        std::cout << out.str();
+      } else if (cmd == "tables") {
+        std::string path;
+        in >> path;
+        StringNgrams ngrams;
+        if (!ReadNgrams(path, &ngrams)) throw nlmserve::ClientError(-1, "cannot read " + path);
+        std::shared_ptr<const nlmserve::ScoringTables> tables = client.GetScoringTables();
+        const std::size_t width = client.info().order;
+        std::vector<uint32_t> rows(ngrams.size() * width), ids;
+        for (std::size_t i = 0; i < ngrams.size(); ++i) {
+          ids.clear();
+          for (const std::string &w : ngrams[i]) ids.push_back(client.WordId(w));
+          client.CanonicalRow(ids.data(), ids.size(), rows.data() + i * width, i);
+        }
+        // Twice, in two orders: the context vectors the scratch keeps must not change a score.
+        std::vector<float> scores(ngrams.size()), again(ngrams.size());
+        nlmserve::ScoringTables::Scratch scratch;
+        tables->Score(rows.data(), ngrams.size(), scores.data(), &scratch);
+        for (std::size_t i = ngrams.size(); i-- > 0;) tables->Score(rows.data() + i * width, 1, &again[i], &scratch);
+        std::size_t differ = 0;
+        for (std::size_t i = 0; i < scores.size(); ++i) differ += scores[i] != again[i];
+        std::ostringstream out;
+        out << "ok " << scores.size() << " dim=" << tables->dim() << " bytes=" << tables->bytes()
+            << " hash=" << tables->model_hash() << " differ=" << differ << "\n";
         for (float s : scores) out << Fmt(s) << "\n";
         std::cout << out.str();
       } else if (cmd == "rows") {

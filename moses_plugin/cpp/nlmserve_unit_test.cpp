@@ -8,6 +8,7 @@
 //       stdin and prints, for each, the canonical row CanonicalRow writes or
 //       "error:KIND" (the columns of tests/golden/canonical_ngrams.tsv).
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdio>
 #include <iostream>
@@ -538,6 +539,36 @@ void TestTextAndTargets() {
 
 }  // namespace
 
+void TestScoringTables() {
+  // Order 2, V = 3, D = 2: position[0][w] = (w, 1); output[w] = (1, w); bias[w] = w / 10.
+  // Row (x, w): r = act((x, 1)), s = r . (1, w) + w / 10.
+  std::vector<float> data = {0, 1, 1, 1, 2, 1, /* output */ 1, 0, 1, 1, 1, 2, /* bias */ 0.f, 0.1f, 0.2f};
+  nlmserve::ScoringTables none, tanh_, relu;
+  Check(!none.Set(2, 3, 2, nlmserve::Activation::kNone, "h", std::vector<float>(data.begin(), data.end() - 1)), "scoring tables 1");
+  Check(!none.Set(1, 3, 2, nlmserve::Activation::kNone, "h", data), "scoring tables 2");
+  Check(none.Set(2, 3, 2, nlmserve::Activation::kNone, "h", data), "scoring tables 3");
+  Check(tanh_.Set(2, 3, 2, nlmserve::Activation::kTanh, "h", data), "scoring tables 4");
+  std::vector<float> negative = data;
+  negative[4] = -2;  // position[0][2] = (-2, 1)
+  Check(relu.Set(2, 3, 2, nlmserve::Activation::kRelu, "h", negative), "scoring tables 5");
+  nlmserve::Activation a;
+  Check(nlmserve::ParseActivation("tanh", &a) && a == nlmserve::Activation::kTanh, "scoring tables 6");
+  Check(!nlmserve::ParseActivation("sigmoid", &a), "scoring tables 7");
+  const uint32_t rows[] = {2, 1, 1, 2, 2, 2, 0, 0};
+  float out[4];
+  nlmserve::ScoringTables::Scratch scratch;
+  none.Score(rows, 4, out, &scratch);
+  // (2, 1): r = (2, 1), s = 2 + 1 + 0.1; (1, 2): r = (1, 1), s = 1 + 2 + 0.2;
+  // (2, 2): r = (2, 1), s = 2 + 2 + 0.2 (the context vector kept from the first row); (0, 0): 1
+  Check(std::fabs(out[0] - 3.1f) < 1e-6 && std::fabs(out[1] - 3.2f) < 1e-6, "scoring tables 8");
+  Check(std::fabs(out[2] - 4.2f) < 1e-6 && std::fabs(out[3] - 0.f) < 1e-6, "scoring tables 9");
+  nlmserve::ScoringTables::Scratch other;  // a scratch sized for another model is resized
+  tanh_.Score(rows, 1, out, &other);
+  Check(std::fabs(out[0] - (std::tanh(2.f) + std::tanh(1.f) + 0.1f)) < 1e-6, "scoring tables 10");
+  relu.Score(rows, 1, out, &scratch);
+  Check(std::fabs(out[0] - (0.f + 1.f + 0.1f)) < 1e-6, "scoring tables 11");  // r = relu(-2, 1) = (0, 1)
+}
+
 int main(int argc, char **argv) {
   if (argc >= 2 && std::string(argv[1]) == "--canonical") return Canonical();
   if (argc >= 2) {
@@ -556,6 +587,7 @@ int main(int argc, char **argv) {
   TestExpansionScores();
   TestErrorPause();
   TestTextAndTargets();
+  TestScoringTables();
   std::printf("unit: %d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }

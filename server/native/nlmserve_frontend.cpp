@@ -6,8 +6,8 @@
 // small requests in C++, merges concurrent ones into one packed-id (or string) request of
 // up to --max-batch-ngrams n-grams, waiting at most --max-delay-us for company, sends it
 // to the Python server (the backend), and scatters the scores back in request order.
-// Every other RPC (ScoreSentences, GetModelInfo, GetVocabulary, Admin.ReloadModel) is
-// forwarded unchanged. It serves grpc.health.v1 (SERVING while the backend answers) and
+// Every other RPC (ScoreSentences, GetModelInfo, GetVocabulary, GetScoringTables,
+// Admin.ReloadModel) is forwarded unchanged. It serves grpc.health.v1 (SERVING while the backend answers) and
 // server reflection.
 //
 //   nlmserve_frontend --backend HOST:PORT --backend-socket PATH [--listen 127.0.0.1:0]
@@ -79,6 +79,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using nlmserve::v1::Admin;
 using nlmserve::v1::GetModelInfoRequest;
+using nlmserve::v1::GetScoringTablesRequest;
 using nlmserve::v1::GetVocabularyRequest;
 using nlmserve::v1::LanguageModel;
 using nlmserve::v1::ModelInfo;
@@ -87,6 +88,7 @@ using nlmserve::v1::ScoreNgramsRequest;
 using nlmserve::v1::ScoreNgramsResponse;
 using nlmserve::v1::ScoreSentencesRequest;
 using nlmserve::v1::ScoreSentencesResponse;
+using nlmserve::v1::ScoringTablesChunk;
 using nlmserve::v1::VocabularyChunk;
 
 const char kServiceName[] = "nlmserve.v1.LanguageModel";
@@ -686,6 +688,20 @@ class Frontend {
 
 // nlmserve.v1.LanguageModel: ScoreNgrams batched on the callback API; the other methods
 // forwarded synchronously (they are few and large).
+// A server-streaming RPC passed through: the backend's chunks to the caller, as they come.
+template <class Chunk>
+grpc::Status ForwardStream(grpc::ClientContext *fwd, std::unique_ptr<grpc::ClientReader<Chunk> > reader,
+                           grpc::ServerWriter<Chunk> *writer) {
+  Chunk chunk;
+  while (reader->Read(&chunk)) {
+    if (!writer->Write(chunk)) {
+      fwd->TryCancel();
+      break;
+    }
+  }
+  return reader->Finish();
+}
+
 class LanguageModelService final : public LanguageModel::WithCallbackMethod_ScoreNgrams<LanguageModel::Service> {
  public:
   explicit LanguageModelService(Frontend *frontend) : frontend_(frontend) {}
@@ -712,15 +728,13 @@ class LanguageModelService final : public LanguageModel::WithCallbackMethod_Scor
   grpc::Status GetVocabulary(grpc::ServerContext *ctx, const GetVocabularyRequest *request,
                              grpc::ServerWriter<VocabularyChunk> *writer) override {
     auto fwd = ForwardContext(*ctx, frontend_->options().backend_timeout_ms);
-    std::unique_ptr<grpc::ClientReader<VocabularyChunk> > reader(frontend_->stub()->GetVocabulary(fwd.get(), *request));
-    VocabularyChunk chunk;
-    while (reader->Read(&chunk)) {
-      if (!writer->Write(chunk)) {
-        fwd->TryCancel();
-        break;
-      }
-    }
-    return reader->Finish();
+    return ForwardStream(fwd.get(), frontend_->stub()->GetVocabulary(fwd.get(), *request), writer);
+  }
+
+  grpc::Status GetScoringTables(grpc::ServerContext *ctx, const GetScoringTablesRequest *request,
+                                grpc::ServerWriter<ScoringTablesChunk> *writer) override {
+    auto fwd = ForwardContext(*ctx, frontend_->options().backend_timeout_ms);
+    return ForwardStream(fwd.get(), frontend_->stub()->GetScoringTables(fwd.get(), *request), writer);
   }
 
  private:
