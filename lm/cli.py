@@ -8,6 +8,8 @@ import logging
 import sys
 from typing import Any
 
+from nlmserve.lm.recipe import RECIPE_FLAGS
+
 log = logging.getLogger(__name__)
 
 # Kept here (torch-free) so that --help needs no torch; a test checks that lm.strategies and
@@ -20,22 +22,30 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "train",
         help="train a class-factored neural n-gram LM",
-        description="Train a neural n-gram language model (NCE, exact MLE or full softmax) and write a model file.",
+        description="Train a neural n-gram language model (NCE, exact MLE or full softmax) and write a model file. "
+                    "Flags shown with 'default: recipe' are chosen from the corpus size, --max-minutes and the "
+                    "cores when not given (nlmserve.lm.recipe; the log says what was chosen): "
+                    "`nlmserve train --train T --valid V --out M --max-minutes 60` needs nothing else.",
+        formatter_class=DefaultsFormatter,
     )
     p.add_argument("--train", required=True, help="training text: one sentence per line (plain, .gz, .xz)")
     p.add_argument("--valid", help="validation text (learning-rate schedule, early stopping, best model)")
     p.add_argument("--out", required=True, help="model file to write (also OUT.ckpt, OUT.log.jsonl, OUT.curve.png)")
-    p.add_argument("--order", type=int, default=5)
-    p.add_argument("--dim", type=int, default=128, help="embedding width D")
+    p.add_argument("--recipe", choices=("auto", "none"), default="auto",
+                   help="auto: the flags shown with 'default: recipe' are chosen from the corpus size, "
+                        "--max-minutes and the cores (nlmserve.lm.recipe); none: their plain values, "
+                        "the same on every machine")
+    p.add_argument("--order", type=int, default=5, help="n-gram order: the predicted word and order-1 before it")
+    p.add_argument("--dim", type=int, help="embedding width D")
     p.add_argument("--context", choices=("diagonal", "full"), default="diagonal", help="context weights")
     p.add_argument("--hidden", type=int, default=0, help="hidden layer width (0: none)")
-    p.add_argument("--activation", choices=("none", "tanh", "relu"), default="none")
-    p.add_argument("--dropout", type=float, default=0.0,
-                   help="dropout on the context vector while training (0: none)")
+    p.add_argument("--activation", choices=("none", "tanh", "relu"), default="none",
+                   help="applied to the context vector")
+    p.add_argument("--dropout", type=float, help="dropout on the context vector while training (0: none)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--classes", type=int, help="number of word classes (default: the documented default for V)")
     g.add_argument("--class-file", help="word classes from a wcluster paths file (bits<TAB>word<TAB>count)")
-    p.add_argument("--class-method", choices=("frequency", "frequency-sqrt", "brown"), default="frequency",
+    p.add_argument("--class-method", choices=("frequency", "frequency-sqrt", "brown"),
                    help="frequency-sqrt: bins on square roots of counts (narrow classes for V >= 100k)")
     p.add_argument("--output", choices=OUTPUT_CHOICES, default=None,
                    help="output layer: class-factored, full softmax, differentiated softmax, or a binary tree "
@@ -52,41 +62,41 @@ def register(subparsers: Any) -> None:
     p.add_argument("--norm-fraction", type=float, default=0.1,
                    help="γ: fraction of examples whose normaliser weaknorm(sq) computes")
     p.add_argument("--norm-weight", type=float, help="α of the log Z penalty (weaknorm 0.1, weaknormsq 1.0)")
-    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--epochs", type=int, help="passes over the training text at most")
     p.add_argument("--max-minutes", type=float, help="wall-time budget; stops cleanly and writes the best model")
     p.add_argument("--max-steps", type=int, help="stop after this many optimiser steps")
     p.add_argument("--lowercase", action="store_true")
     p.add_argument("--min-count", type=int, default=1, help="words seen fewer times become <unk>")
     p.add_argument("--max-vocab", type=int, help="keep at most this many words (with <unk>, <s>, </s>)")
     p.add_argument("--max-train-lines", type=int, help="train on the first N lines only")
-    p.add_argument("--threads", type=int, default=2, help="torch threads (per process with --distributed)")
+    p.add_argument("--threads", type=int, help="torch threads per process")
     p.add_argument("--distributed", action="store_true",
                    help="data-parallel training under torchrun (gloo on CPU, NCCL on GPU); "
                         "--batch-size is then the global batch, split across the processes")
-    p.add_argument("--workers", type=int, default=1,
+    p.add_argument("--workers", type=int,
                    help="processes training one model together on the CPU, lock-free (Hogwild); "
                         "each takes its own minibatch of --batch-size")
     p.add_argument("--dense-grads", action="store_true", help="dense embedding gradients even with AdaGrad")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1, help="every random choice derives from it")
     p.add_argument("--resume", action="store_true", help="continue from OUT.ckpt when it exists")
-    p.add_argument("--batch-size", type=int, default=512)
-    p.add_argument("--lr", type=float, default=0.1)
-    p.add_argument("--optimizer", choices=("adagrad", "adam"), default="adagrad")
-    p.add_argument("--min-improvement", type=float, default=0.0,
+    p.add_argument("--batch-size", type=int, default=512, help="n-grams per minibatch (per worker)")
+    p.add_argument("--lr", type=float, help="learning rate")
+    p.add_argument("--optimizer", choices=("adagrad", "adam"), default="adagrad", help="the optimiser")
+    p.add_argument("--min-improvement", type=float,
                    help="halve the learning rate when validation improves by less than this fraction "
                         "(e.g. 0.005); 0: only when it does not improve")
-    p.add_argument("--lr-schedule", choices=("plateau", "linear"), default="plateau",
+    p.add_argument("--lr-schedule", choices=("plateau", "linear"),
                    help="plateau: change the rate on validation plateaus only; linear: also let it fall "
                         "linearly to 0 over the budget (--max-minutes, --max-steps or --epochs)")
-    p.add_argument("--patience", type=int, default=3, help="validations without improvement before stopping")
-    p.add_argument("--valid-every", type=int, default=0, help="validate every N steps (0: each epoch)")
+    p.add_argument("--patience", type=int, help="validations without improvement before stopping")
+    p.add_argument("--valid-every", type=int, help="validate every N steps (0: each epoch)")
     p.add_argument("--checkpoint-every", type=int, default=1000, help="write OUT.ckpt every N steps (0: never)")
     p.add_argument("--log-every", type=int, default=100, help="append a record to OUT.log.jsonl every N steps")
-    p.add_argument("--ngram-features", action="store_true",
+    p.add_argument("--ngram-features", action=argparse.BooleanOptionalAction,
                    help="direct hashed n-gram features on the class and word scores (OxLM)")
-    p.add_argument("--ngram-class-bits", type=int, default=20,
+    p.add_argument("--ngram-class-bits", type=int,
                    help="log2 of the class feature table size (with --ngram-features)")
-    p.add_argument("--ngram-word-bits", type=int, default=22,
+    p.add_argument("--ngram-word-bits", type=int,
                    help="log2 of the word feature table size (with --ngram-features)")
     p.add_argument("--ngram-order", type=int, default=0,
                    help="longest n-gram with a direct feature (with --ngram-features; default: --order)")
@@ -95,7 +105,7 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=_train)
 
     e = subparsers.add_parser(
-        "eval",
+        "eval", formatter_class=DefaultsFormatter,
         help="perplexity of a text (as KenLM's query reports it)",
         description="Perplexity including and excluding OOVs, tokens, OOVs, entropy per training-frequency band.",
     )
@@ -112,7 +122,7 @@ def register(subparsers: Any) -> None:
     e.set_defaults(func=_eval)
 
     n = subparsers.add_parser(
-        "normalize",
+        "normalize", formatter_class=DefaultsFormatter,
         help="bring tokenised text into the form of the n-best lists (lowercase, 's, @-@)",
         description="Rewrite a tokenised text line for line: lowercase, typographic apostrophes and split "
                     "possessives joined ('s), hyphens split as Moses' tokenizer -a does (@-@). "
@@ -129,10 +139,51 @@ def register(subparsers: Any) -> None:
     n.set_defaults(func=_normalize)
 
 
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Every flag's default in its help: ``(default: X)``, ``(default: recipe)`` for the flags
+    the training recipe chooses (nlmserve.lm.recipe), nothing for flags without one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS or action.option_strings == []:
+            return text
+        if action.default is None:
+            return text + " (default: recipe)" if action.dest in RECIPE_FLAGS else text
+        if action.default is False and action.nargs == 0:
+            return text
+        return text + " (default: %(default)s)"
+
+
+def apply_recipe(args: argparse.Namespace) -> str:
+    """Fill the recipe flags ``args`` leaves unset (None), as ``--recipe`` says → the line
+    the log and the model file get ("" when every flag was given)."""
+    from nlmserve.lm.recipe import PLAIN, choose, cores, describe, fill
+    from nlmserve.lm.strategies import resolve_output
+
+    if args.distributed and args.workers is None:
+        args.workers = 1  # data-parallel processes, not Hogwild workers
+    if args.ngram_features is None:
+        try:
+            if resolve_output(args.objective, args.output) != "class":
+                args.ngram_features = False  # direct features need the class output
+        except ValueError:
+            pass  # TrainConfig reports it
+    if all(getattr(args, name) is not None for name in RECIPE_FLAGS):
+        return ""
+    tokens, ncores = 0, cores()
+    if args.recipe == "auto":
+        tokens = _count_tokens(args.train, args.max_train_lines)  # a bad line fails as training would
+    recipe = choose(tokens, args.max_minutes, ncores) if args.recipe == "auto" else PLAIN
+    return describe(recipe, fill(args, recipe), tokens, args.max_minutes, ncores)
+
+
 def _train(args: argparse.Namespace) -> int:
     from nlmserve.lm.train import TrainConfig, train
     from nlmserve.memory import keep_freed_memory
 
+    recipe = apply_recipe(args)
+    if recipe:
+        log.info("recipe: %s", recipe)
     try:
         cfg = TrainConfig(
             train=args.train, valid=args.valid, out=args.out, order=args.order, dim=args.dim,
@@ -151,6 +202,7 @@ def _train(args: argparse.Namespace) -> int:
             output=args.output, tree_eps=args.tree_eps, tree_pretrain_steps=args.tree_pretrain_steps,
             norm_fraction=args.norm_fraction, norm_weight=args.norm_weight, dropout=args.dropout,
             workers=args.workers, min_improvement=args.min_improvement, lr_schedule=args.lr_schedule,
+            recipe=recipe,
         )
     except ValueError as exc:
         print(f"nlmserve train: error: {exc}", file=sys.stderr)
@@ -163,6 +215,18 @@ def _train(args: argparse.Namespace) -> int:
     print(f"model\t{result.model_path}\nsteps\t{result.steps}\ntokens\t{result.tokens}\n"
           f"valid_perplexity\t{ppl}\nstopped\t{result.stopped}")
     return 130 if result.stopped == "interrupted" else 0
+
+
+def _count_tokens(path: str, max_lines: int | None) -> int:
+    """Words of the training text (its first ``max_lines`` lines), for the recipe."""
+    from nlmserve.lm.corpus import open_text_lines
+
+    tokens = 0
+    for i, line in enumerate(open_text_lines(path)):
+        if max_lines is not None and i >= max_lines:
+            break
+        tokens += len(line.split())
+    return tokens
 
 
 def _table_size(enabled: bool, bits: int, flag: str) -> int:

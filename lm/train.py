@@ -96,6 +96,8 @@ class TrainConfig:
         norm_fraction, norm_weight: γ and α of weaknorm / weaknormsq (None: their default).
         dropout: probability of zeroing each unit of the context vector while training
             (inverted dropout; 0: none). A regulariser for several epochs over small data.
+        recipe: what ``nlmserve train`` chose for the flags it was not given (nlmserve.lm.recipe;
+            "" when it chose nothing); recorded in the model file with the rest.
         workers: processes that train one model together on the CPU, lock-free (Hogwild!,
             lm/hogwild.py): each round takes ``workers`` minibatches of ``batch_size``, one
             per process, and every process applies its own update to the shared parameters.
@@ -149,6 +151,7 @@ class TrainConfig:
     norm_weight: float | None = None
     dropout: float = 0.0
     workers: int = 1
+    recipe: str = ""
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from nlmserve.cli import main
-from nlmserve.lm.cli import register
+from nlmserve.lm.cli import apply_recipe, register
 from nlmserve.lm.model_file import read_model_file
 from nlmserve.moses_plugin.experiment import ExperimentConfig, training_command, training_text
 
@@ -29,6 +29,7 @@ def _train_args(cmd: list[str]) -> argparse.Namespace:
 def test_the_demo_trains_a_fixed_number_of_steps_with_time_only_as_a_safety_limit() -> None:
     config = ExperimentConfig()
     args = _train_args(training_command(config, "train.txt", Path("nlm.model")))
+    assert args.recipe == "none" and apply_recipe(args).startswith("none (the plain values): ")
     assert args.max_steps == config.steps > 0
     assert args.max_minutes == config.minutes >= 10  # far beyond the steps' time: a safety limit
     # One process, a fixed seed, and a rate that never looks at the clock (the linear schedule

@@ -42,7 +42,7 @@ def _args(train_path: Path, valid: Path, out: Path, **kw: object) -> list[str]:
         if v is None:  # flag left out
             continue
         args += [f"--{k.replace('_', '-')}"] if v is True else [f"--{k.replace('_', '-')}", str(v)]
-    return args + ["--no-progress"]
+    return ["--recipe", "none", *args, "--no-progress"]
 
 
 def _config(args: list[str]) -> TrainConfig:

@@ -73,7 +73,7 @@ def run_cli(args: list[str], stderr_path: Path) -> str:
 
 def test_training_into_a_file_writes_log_lines_with_steps_loss_and_speed(
         tmp_path: Path, train_small_path: Path, dev_small_path: Path) -> None:
-    text = run_cli(["train", "--train", str(train_small_path), "--valid", str(dev_small_path),
+    text = run_cli(["train", "--recipe", "none", "--train", str(train_small_path), "--valid", str(dev_small_path),
                     "--out", str(tmp_path / "m.nlm"), "--order", "3", "--dim", "16", "--threads", "1",
                     "--max-steps", "24", "--log-every", "4", "--checkpoint-every", "0"], tmp_path / "stderr")
     assert "\r" not in text

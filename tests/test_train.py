@@ -202,7 +202,7 @@ def test_killed_subprocess_resumes_exactly(small_train: Path, dev_small_path: Pa
             "--classes", "12", "--min-count", "2", "--batch-size", "32", "--lr", "0.2", "--threads", "1",
             "--seed", "5", "--valid-every", "50", "--checkpoint-every", "20", "--max-steps", "150",
             "--no-progress"]
-    cmd = [sys.executable, "-c", _LM_TRAIN, "train"]
+    cmd = [sys.executable, "-c", _LM_TRAIN, "train", "--recipe", "none"]
     ref = subprocess.run(cmd + args + ["--out", str(tmp_path / "ref.nlm")], capture_output=True, text=True)
     assert ref.returncode == 0, ref.stderr
     out = tmp_path / "killed.nlm"
@@ -256,7 +256,7 @@ def test_max_minutes_stops_cleanly_with_the_best_model(small_train: Path, dev_sm
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
-    rc = main(["train", *args, "--no-progress", "--max-steps", "2"])
+    rc = main(["train", "--recipe", "none", *args, "--no-progress", "--max-steps", "2"])
     return rc, capsys.readouterr().err
 
 
@@ -334,7 +334,7 @@ def test_ctrl_c_writes_the_best_model_and_exits_130(small_train: Path, dev_small
             "--epochs", "100000", "--patience", "100000", "--out", str(out)]
     # Ctrl-C as a terminal delivers it: with SIGINT's default action, which a test run started
     # in the background (`make test &`) would otherwise pass down as "ignored"
-    proc = subprocess.Popen([sys.executable, "-c", _LM_TRAIN, "train", *args],
+    proc = subprocess.Popen([sys.executable, "-c", _LM_TRAIN, "train", "--recipe", "none", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     ckpt = Path(str(out) + ".ckpt")

@@ -1,0 +1,120 @@
+"""The training recipe ``nlmserve train`` chooses for the flags it is not given: from the
+corpus size, the time budget and the cores, as ``lmplz -o 5`` needs no flags.
+
+Two recipes, each the settings of a run that matched Kneser-Ney on the lowercased Europarl
+text on two cores (docs/results.md, "Perplexity against Kneser-Ney", and bench/targets.py):
+
+* ``small``: width 512, direct n-gram features (2^20 class and 2^22 word slots), Brown
+  classes, dropout 0.2, AdaGrad at 0.05 halved when a validation gains less than 0.5%,
+  validation every 8,000 steps (once per pass on smaller corpora). The first 200,000 lines in 20
+  minutes: dev perplexity 59.9 against Kneser-Ney's 61.1.
+* ``large``: width 768, 2^22 and 2^24 feature slots, the learning rate falling linearly to 0
+  over the budget, validation every 16,000 steps. The whole corpus (18.25M tokens) in 60
+  minutes: 52.3 against 52.4.
+
+``large`` is chosen for at least 10M training tokens and a budget of at least 45 minutes;
+``small`` otherwise. Every process trains lock-free on its own core (``--workers`` = cores,
+one torch thread each). With no time budget, training runs at most 10 epochs with the
+``small`` schedule; with one, up to 100 epochs, the budget ending it. Flags given on the
+command line always win; the recipe fills the rest and says what it chose (the log, and
+``training.train_config.recipe`` in the model file). ``--recipe none`` fills them with the
+plain values instead (:data:`PLAIN`): nothing depends on the corpus or the machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+#: Training tokens from which, with LARGE_MINUTES or more, the large recipe is chosen.
+LARGE_TOKENS = 10_000_000
+LARGE_MINUTES = 45.0
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Values of the ``nlmserve train`` flags a recipe sets (names as the argparse dests)."""
+
+    name: str
+    dim: int
+    workers: int
+    threads: int
+    ngram_features: bool
+    ngram_class_bits: int
+    ngram_word_bits: int
+    class_method: str
+    dropout: float
+    lr: float
+    lr_schedule: str
+    min_improvement: float
+    valid_every: int
+    patience: int
+    epochs: int
+
+    def values(self) -> dict[str, Any]:
+        """The flag values (every field but ``name``)."""
+        out = dataclasses.asdict(self)
+        del out["name"]
+        return out
+
+
+#: ``--recipe none``: the plain values (``nlmserve.lm.train.TrainConfig``'s defaults, which a
+#: test keeps equal): a small, single-process model, for tests and reproducible demos.
+PLAIN = Recipe("none", dim=128, workers=1, threads=2, ngram_features=False, ngram_class_bits=20,
+               ngram_word_bits=22, class_method="frequency", dropout=0.0, lr=0.1, lr_schedule="plateau",
+               min_improvement=0.0, valid_every=0, patience=3, epochs=10)
+
+#: The argparse dests a recipe fills when the command line leaves them unset (None).
+RECIPE_FLAGS = tuple(f.name for f in dataclasses.fields(Recipe) if f.name != "name")
+
+
+def choose(tokens: int, minutes: float | None, cores: int) -> Recipe:
+    """The recipe for ``tokens`` training tokens, a budget of ``minutes`` (None: none) and
+    ``cores`` CPU cores."""
+    workers = max(1, min(cores, 8))
+    threads = 1 if workers > 1 else max(1, cores)
+    budget = minutes is not None
+    epochs = 100 if budget else 10
+    if budget and tokens >= LARGE_TOKENS and minutes is not None and minutes >= LARGE_MINUTES:
+        return Recipe("large", dim=768, workers=workers, threads=threads, ngram_features=True,
+                      ngram_class_bits=22, ngram_word_bits=24, class_method="brown", dropout=0.2, lr=0.05,
+                      lr_schedule="linear", min_improvement=0.0, valid_every=16_000, patience=100, epochs=epochs)
+    # Validate every 8,000 steps, or once per pass over a smaller corpus (512-token minibatches).
+    valid_every = int(min(8_000, max(250, tokens // 512)))
+    return Recipe("small", dim=512, workers=workers, threads=threads, ngram_features=True,
+                  ngram_class_bits=20, ngram_word_bits=22, class_method="brown", dropout=0.2, lr=0.05,
+                  lr_schedule="plateau", min_improvement=0.005, valid_every=valid_every,
+                  patience=100 if budget else 3, epochs=epochs)
+
+
+def cores() -> int:
+    """The CPU cores this process may use."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def fill(args: Any, recipe: Recipe) -> list[str]:
+    """Set every recipe flag that is None on ``args`` (an argparse namespace) from ``recipe``
+    → the flags it set."""
+    chosen = []
+    for name, value in recipe.values().items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+            chosen.append(name)
+    return chosen
+
+
+def describe(recipe: Recipe, chosen: list[str], tokens: int, minutes: float | None, ncores: int) -> str:
+    """One line for the log and the model file: which recipe, why, and what it set."""
+    if not chosen:
+        return "every recipe flag given on the command line"
+    values = recipe.values()
+    set_ = ", ".join(f"{name}={values[name]}" for name in chosen)
+    if recipe.name == PLAIN.name:
+        return f"none (the plain values): {set_}"
+    budget = f"{minutes:g} minutes" if minutes is not None else "no time budget"
+    return f"{recipe.name} (for {tokens:,} training tokens, {budget}, {ncores} cores): {set_}"
