@@ -20,8 +20,10 @@ that vocabulary, become one placeholder word in both texts (KenLM refuses ``<unk
 in its input), so both sides predict the same events, including the unknown-word ones.
 
 ``--scale F`` multiplies every budget (e.g. 0.1 for a short end-to-end check); the table
-then says so. The model settings (width, classes, threads, features) are flags; training
-time includes building the vocabulary, the id file and the classes. Usage:
+then says so. ``nlmserve train`` gets the text, the budget and nothing else unless a
+model flag is given here (``--dim``, ``--lr``, ...): its recipe chooses the rest, and the
+table prints what it chose. Training time includes building the vocabulary, the id file
+and the classes. Usage:
 
     .venv/bin/python bench/targets.py                                  # all, full budgets
     .venv/bin/python bench/targets.py --scale 0.05 --only 200k,oxlm-nce --lmplz /path/to/lmplz
@@ -96,6 +98,7 @@ class Row:
     tokens_seen: int | None = None
     train_seconds: float | None = None
     dim: int | None = None
+    recipe: str = ""
 
 
 def head_lines(src: Path, n: int | None, dst: Path) -> Path:
@@ -162,26 +165,24 @@ def run_target(row: Row, args: argparse.Namespace, work: Path) -> None:
     t = row.target
     train_text = head_lines(TRAIN, t.lines, work / f"train.{t.lines or 'full'}.txt")
     out = work / f"{t.name}.nlm"
-    row.dim = (args.oxlm_dim or t.dim) if t.dim else args.dim
+    dim = (args.oxlm_dim or t.dim) if t.dim else args.dim
     cmd = [
         sys.executable, "-m", "nlmserve.cli", "train", "--train", str(train_text), "--valid", str(args.valid),
-        "--out", str(out), "--objective", t.objective, "--min-count", str(t.min_count),
-        "--dim", str(row.dim), "--class-method", args.class_method, "--threads", str(args.threads),
-        "--max-minutes", f"{row.minutes:.3f}", "--valid-every", str(args.valid_every), "--patience", "100",
-        "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--checkpoint-every", "0", "--no-progress",
-        "--epochs", "100",
+        "--out", str(out), "--max-minutes", f"{row.minutes:.3f}", "--no-progress",
     ]
-    if args.ngram_features:
-        cmd += ["--ngram-features", "--ngram-class-bits", str(args.ngram_class_bits),
-                "--ngram-word-bits", str(args.ngram_word_bits)]
-    if args.dropout:
-        cmd += ["--dropout", str(args.dropout)]
-    if args.min_improvement:
-        cmd += ["--min-improvement", str(args.min_improvement)]
-    if args.workers > 1:
-        cmd += ["--workers", str(args.workers)]
-    if args.lr_schedule != "plateau":
-        cmd += ["--lr-schedule", args.lr_schedule]
+    if t.objective != "nce" or t.min_count != 1:  # the OxLM set-ups
+        cmd += ["--objective", t.objective, "--min-count", str(t.min_count)]
+    # Only the flags given here: nlmserve train's recipe chooses the others (lm/recipe.py).
+    given = {"--dim": dim, "--class-method": args.class_method, "--threads": args.threads,
+             "--valid-every": args.valid_every, "--batch-size": args.batch_size, "--lr": args.lr,
+             "--dropout": args.dropout, "--min-improvement": args.min_improvement, "--workers": args.workers,
+             "--lr-schedule": args.lr_schedule, "--ngram-class-bits": args.ngram_class_bits,
+             "--ngram-word-bits": args.ngram_word_bits}
+    for flag, value in given.items():
+        if value is not None:
+            cmd += [flag, str(value)]
+    if args.ngram_features is not None:
+        cmd += ["--ngram-features" if args.ngram_features else "--no-ngram-features"]
     log.info("%s: %s", t.name, " ".join(cmd))
     t0 = time.monotonic()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -193,6 +194,8 @@ def run_target(row: Row, args: argparse.Namespace, work: Path) -> None:
     header = json.loads(_model_header(out))
     row.steps = header["training"]["steps"]
     row.tokens_seen = header["training"]["tokens_seen"]
+    row.recipe = header["training"]["train_config"].get("recipe", "")
+    row.dim = header["training"]["train_config"]["dim"]
 
 
 def _model_header(path: Path) -> str:
@@ -205,8 +208,9 @@ def _model_header(path: Path) -> str:
 def format_table(rows: list[Row], scale: float) -> str:
     lines = [
         f"budget scale {scale:g}" + ("" if scale == 1 else " (short runs: NOT the issue's budgets)"),
-        "| target | budget (min) | width | KN ppl | KN from | our ppl | excl. OOV | vs KN | steps | tokens seen | wall (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| target | budget (min) | width | KN ppl | KN from | our ppl | excl. OOV | vs KN | steps | tokens seen | wall (s) "
+        "| recipe chosen by nlmserve train |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         t = r.target
@@ -217,7 +221,7 @@ def format_table(rows: list[Row], scale: float) -> str:
             rel += f" (OxLM {t.peer:g}: {(t.peer / t.kn - 1) * 100:+.1f}%)"
         seen = f"{r.tokens_seen:,}" if r.tokens_seen is not None else ""
         lines.append(f"| {t.name} | {r.minutes:.2f} | {r.dim or ''} | {r.kn_ppl:.1f} | {r.kn_source} | {ours} | {excl} | {rel} "
-                     f"| {r.steps or ''} | {seen} | {r.train_seconds or 0:.0f} |")
+                     f"| {r.steps or ''} | {seen} | {r.train_seconds or 0:.0f} | {r.recipe} |")
     return "\n".join(lines)
 
 
@@ -230,22 +234,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kn", action="append", default=[], metavar="NAME=PPL", help="a given KN perplexity")
     p.add_argument("--work", type=Path, default=Path("runs/targets"), help="texts, models and logs go here")
     p.add_argument("--valid", type=Path, default=DEV, help="validation text for the schedule (default: the dev text)")
-    p.add_argument("--dim", type=int, default=512)
+    # Each of these is passed to nlmserve train only when given; otherwise its recipe chooses.
+    p.add_argument("--dim", type=int)
     p.add_argument("--oxlm-dim", type=int, help="width for the oxlm-* targets (default: 256, OxLM's own)")
-    p.add_argument("--class-method", choices=("frequency", "brown"), default="brown")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=512)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--valid-every", type=int, default=8000)
-    p.add_argument("--no-ngram-features", dest="ngram_features", action="store_false")
-    p.add_argument("--ngram-class-bits", type=int, default=20, help="nlmserve train --ngram-class-bits")
-    p.add_argument("--ngram-word-bits", type=int, default=22, help="nlmserve train --ngram-word-bits")
-    p.add_argument("--lr-schedule", choices=("plateau", "linear"), default="plateau",
+    p.add_argument("--class-method", choices=("frequency", "brown"))
+    p.add_argument("--threads", type=int)
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--valid-every", type=int)
+    p.add_argument("--ngram-features", action=argparse.BooleanOptionalAction)
+    p.add_argument("--ngram-class-bits", type=int, help="nlmserve train --ngram-class-bits")
+    p.add_argument("--ngram-word-bits", type=int, help="nlmserve train --ngram-word-bits")
+    p.add_argument("--lr-schedule", choices=("plateau", "linear"),
                    help="nlmserve train --lr-schedule (linear: the rate falls to 0 over the budget)")
-    p.add_argument("--min-improvement", type=float, default=0.005,
+    p.add_argument("--min-improvement", type=float,
                    help="nlmserve train --min-improvement (learning-rate decay on small gains)")
-    p.add_argument("--workers", type=int, default=2, help="Hogwild processes (nlmserve train --workers)")
-    p.add_argument("--dropout", type=float, default=0.2, help="dropout on the context vector (0: none)")
+    p.add_argument("--workers", type=int, help="Hogwild processes (nlmserve train --workers)")
+    p.add_argument("--dropout", type=float, help="dropout on the context vector (0: none)")
     p.add_argument("--json", type=Path, help="also write the rows as JSON here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
