@@ -2,6 +2,7 @@
 a process tree (a server and the helpers it started).
 
     from _common import machine, tree_cpu_seconds, write_json
+    from _common import random_class_model   # a model file for speed benchmarks
 
 Benchmarks run as scripts from bench/, so this module is imported by its file name.
 """
@@ -87,3 +88,33 @@ def train_seconds(model_path: str | Path) -> float:
         if record.get("event") == "end":
             return float(record["elapsed"])
     raise SystemExit(f"{model_path}.log.jsonl has no end record")
+
+
+def random_class_model(texts: list[Path], vocab_size: int, order: int, dim: int, seed: int, path: Path) -> None:
+    """Save a random class-factored NCE model over the ``vocab_size`` most frequent words of
+    ``texts`` (.xz), with sqrt(V) frequency classes on their counts: the model of the speed
+    benchmarks (its weights do not matter, its shapes do)."""
+    import lzma
+    from collections import Counter
+
+    import numpy as np
+    import torch
+
+    from nlmserve.lm.classes import default_num_classes, frequency_binning
+    from nlmserve.lm.model import ModelConfig, NeuralLM
+    from nlmserve.lm.model_file import save_model
+    from nlmserve.lm.vocab import Vocabulary
+
+    counts: Counter[str] = Counter()
+    for text in texts:
+        with lzma.open(text, "rt", encoding="utf-8") as f:
+            for line in f:
+                counts.update(line.split())
+    vocab = Vocabulary.build(counts, max_vocab=vocab_size)
+    unigram = np.array([counts.get(w, 0) for w in vocab.words], dtype=np.float64)
+    classes = frequency_binning(unigram, default_num_classes(len(vocab)))
+    torch.manual_seed(seed)
+    net = NeuralLM(ModelConfig(vocab_size=len(vocab), order=order, dim=dim, num_classes=classes.num_classes),
+                   classes.word_class)
+    net.init_biases(unigram)
+    save_model(path, net, vocab, classes, objective="nce", lowercase=True)

@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import lzma
 import sys
 import tempfile
-from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -42,14 +40,11 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from nlmserve.lm.classes import default_num_classes, frequency_binning
 from nlmserve.lm.dedup import plan_batch
-from nlmserve.lm.model import ModelConfig, NeuralLM
-from nlmserve.lm.model_file import save_model
 from nlmserve.lm.scoring import LanguageModel
-from nlmserve.lm.vocab import Vocabulary
 
-from serve import DATA, DEV_TXT, machine, rate  # bench/serve.py (bench/ is sys.path[0])
+from _common import random_class_model  # bench/ is sys.path[0]
+from serve import DATA, DEV_TXT, machine, rate  # bench/serve.py
 
 TRAIN_TEXTS = (DATA / "europarl.train.50k.lc-moses.en.xz", DATA / "wmtnews.30k.lc-moses.en.xz")
 TOL = 1e-5
@@ -81,21 +76,7 @@ QUICK = ScoringBench(vocab_size=2_000, dim=16, hypotheses=4, targets=12, seconds
 
 
 def build_model(cfg: ScoringBench, path: Path) -> None:
-    """Save a random class-factored model over the ``vocab_size`` most frequent words of the
-    shipped training slices (sqrt(V) frequency classes on their counts)."""
-    counts: Counter[str] = Counter()
-    for text in TRAIN_TEXTS:
-        with lzma.open(text, "rt", encoding="utf-8") as f:
-            for line in f:
-                counts.update(line.split())
-    vocab = Vocabulary.build(counts, max_vocab=cfg.vocab_size)
-    unigram = np.array([counts.get(w, 0) for w in vocab.words], dtype=np.float64)
-    classes = frequency_binning(unigram, default_num_classes(len(vocab)))
-    torch.manual_seed(cfg.seed)
-    net = NeuralLM(ModelConfig(vocab_size=len(vocab), order=cfg.order, dim=cfg.dim, num_classes=classes.num_classes),
-                   classes.word_class)
-    net.init_biases(unigram)
-    save_model(path, net, vocab, classes, objective="nce", lowercase=True)
+    random_class_model(list(TRAIN_TEXTS), cfg.vocab_size, cfg.order, cfg.dim, cfg.seed, path)
 
 
 def held_out_rows(lm: LanguageModel) -> np.ndarray:

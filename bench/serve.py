@@ -35,7 +35,6 @@ import argparse
 import asyncio
 import json
 import logging
-import lzma
 import os
 import re
 import signal
@@ -43,7 +42,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -51,14 +49,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from nlmserve.lm.classes import default_num_classes, frequency_binning
-from nlmserve.lm.model import ModelConfig, NeuralLM
-from nlmserve.lm.model_file import save_model
 from nlmserve.lm.scoring import LanguageModel
-from nlmserve.lm.vocab import Vocabulary
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, tree_cpu_seconds  # noqa: E402
+from _common import machine, random_class_model, tree_cpu_seconds  # noqa: E402
 
 log = logging.getLogger("bench.serve")
 
@@ -94,20 +88,7 @@ class BenchConfig:
 
 
 def build_model(cfg: BenchConfig, path: Path) -> None:
-    """Save a random class-factored model over the real vocabulary of the shipped training slice
-    (the ``vocab_size`` most frequent words, sqrt(V) frequency classes on their counts)."""
-    counts: Counter[str] = Counter()
-    with lzma.open(TRAIN_XZ, "rt", encoding="utf-8") as f:
-        for line in f:
-            counts.update(line.split())
-    vocab = Vocabulary.build(counts, max_vocab=cfg.vocab_size)
-    unigram = np.array([counts.get(w, 0) for w in vocab.words], dtype=np.float64)
-    classes = frequency_binning(unigram, default_num_classes(len(vocab)))
-    torch.manual_seed(0)
-    net = NeuralLM(ModelConfig(vocab_size=len(vocab), order=cfg.order, dim=cfg.dim, num_classes=classes.num_classes),
-                   classes.word_class)
-    net.init_biases(unigram)
-    save_model(path, net, vocab, classes, objective="nce", lowercase=True)
+    random_class_model([TRAIN_XZ], cfg.vocab_size, cfg.order, cfg.dim, 0, path)
 
 
 def test_ngrams(lm: LanguageModel, n: int) -> tuple[np.ndarray, list[list[str]]]:
