@@ -55,11 +55,15 @@ SYSTEM_DEPS := cmake g++ make pkg-config libgrpc++-dev protobuf-compiler-grpc li
 system-deps:
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(SYSTEM_DEPS)
 
-# C++ client library, its test driver and load generator, and the native front end
-# (server/native), built incrementally in build/cpp.
+# C++ client library, its test driver and load generator (build/cpp), installed as the CMake
+# package the native front end builds against (build/cpp-prefix), then the front end
+# (server/native, build/native/nlmserve_frontend). Incremental.
 cpp:
 	cmake -S moses_plugin/cpp -B build/cpp -DCMAKE_BUILD_TYPE=Release
 	cmake --build build/cpp -j2
+	cmake --install build/cpp --prefix build/cpp-prefix > /dev/null
+	cmake -S server/native -B build/native -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=$(CURDIR)/build/cpp-prefix
+	cmake --build build/native -j2
 
 clean:
 	rm -rf gen build *.egg-info runs/demo

@@ -12,7 +12,7 @@ scores the same n-grams as words. Ratios are printed against the targets of the 
 
 The micro-batching measurement sends one n-gram per request from 32 concurrent clients, each
 on its own connection, each sending its next request when its last is answered:
-``nlmserve_load`` (moses_plugin/cpp, built into build/cpp on first use) when the C++
+``nlmserve_load`` (moses_plugin/cpp, built by `make cpp` on first use) when the C++
 toolchain is there, Python asyncio clients otherwise. ``--load-mode async`` (the default)
 drives the 32 clients from one thread through a gRPC completion queue, as Triton's
 perf_analyzer does in its async mode; ``threads`` gives each client a thread calling the C++
@@ -300,21 +300,17 @@ def concurrent_single(target: str, ids: np.ndarray, clients: int, seconds: float
 
 
 REPO = Path(__file__).resolve().parent.parent
-CPP_BUILD = REPO / "build" / "cpp"
 
 
 def cpp_tool(name: str) -> Path | None:
-    """A binary of the C++ project (moses_plugin/cpp: ``nlmserve_load``, ``nlmserve_frontend``),
-    built with cmake into build/cpp when missing; None when the C++ toolchain or Debian's gRPC
-    packages are not there (``make system-deps``)."""
-    tool = CPP_BUILD / name
+    """A binary of the C++ projects (``nlmserve_load`` in build/cpp, ``nlmserve_frontend`` in
+    build/native), built with `make cpp` when missing; None when the C++ toolchain or Debian's
+    gRPC packages are not there (``make system-deps``)."""
+    tool = REPO / "build" / ("native" if name == "nlmserve_frontend" else "cpp") / name
     if tool.exists():
         return tool
     try:
-        for cmd in (["cmake", "-S", str(REPO / "moses_plugin" / "cpp"), "-B", str(CPP_BUILD),
-                     "-DCMAKE_BUILD_TYPE=Release"],
-                    ["cmake", "--build", str(CPP_BUILD), "-j2", "--target", name]):
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        subprocess.run(["make", "-C", str(REPO), "cpp"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     except (OSError, subprocess.CalledProcessError) as e:
         print(f"({name} could not be built: {e})")
         return None

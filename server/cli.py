@@ -32,7 +32,7 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--token-file", str, "file of bearer tokens, one per line (re-read on SIGHUP); health stays open"),
     ("--frontend", str, "python (default) or native: the C++ front end (server/native) takes the public port "
                         "and micro-batches small requests before this process"),
-    ("--frontend-binary", str, "path of nlmserve_frontend (default: on PATH, else build/cpp of the checkout)"),
+    ("--frontend-binary", str, "path of nlmserve_frontend (default: on PATH, else build/native of the checkout)"),
     ("--frontend-max-delay-us", int, "native front end: longest wait for a batch to fill (default 500)"),
     ("--frontend-max-inflight", int, "native front end: merged requests at the model server at once (default 1)"),
 )

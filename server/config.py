@@ -79,7 +79,7 @@ class ServerConfig:
     #: (server/native, ``nlmserve_frontend``) serves it and micro-batches small ScoreNgrams
     #: requests before this process, which binds a private loopback port (plaintext only).
     frontend: str = "python"
-    #: Path of ``nlmserve_frontend``; None: on PATH, else the checkout's build/cpp.
+    #: Path of ``nlmserve_frontend``; None: on PATH, else the checkout's build/native.
     frontend_binary: str | None = None
     #: The native front end's longest wait for a batch to fill, microseconds.
     frontend_max_delay_us: int = 500

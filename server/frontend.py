@@ -26,12 +26,12 @@ from nlmserve.server.config import ServerConfig
 log = logging.getLogger(__name__)
 
 BINARY = "nlmserve_frontend"
-# `make cpp` builds it here in a source checkout.
-BUILD_PATH = Path(__file__).resolve().parent.parent / "build" / "cpp" / BINARY
+# `make cpp` builds it here in a source checkout (server/native's own CMake project).
+BUILD_PATH = Path(__file__).resolve().parent.parent / "build" / "native" / BINARY
 
 
 def find_binary(given: str | None) -> Path:
-    """``--frontend-binary``, else ``nlmserve_frontend`` on PATH, else the checkout's build/cpp."""
+    """``--frontend-binary``, else ``nlmserve_frontend`` on PATH, else the checkout's build/native."""
     if given is not None:
         path = Path(given)
         if not (path.is_file() and os.access(path, os.X_OK)):

@@ -1,7 +1,8 @@
 """The C++ client (moses_plugin/cpp) against a real ``nlmserve serve`` on the tiny model.
 
 Builds the client library and its driver ``nlmserve_client_test`` with cmake into
-build/cpp (incremental: the generated gRPC code compiles once), then talks to the driver
+build/cpp (incremental: the generated gRPC code compiles once), installs its CMake package
+and builds server/native's own project on it (as ``make cpp``), then talks to the driver
 over its stdin/stdout protocol (documented at the top of nlmserve_client_test.cpp).
 Without cmake or Debian's gRPC packages the module is skipped, except under CI=true
 where .ci/run installs them and a missing tool chain is a failure.
@@ -28,6 +29,9 @@ from support import DEV, REPO
 
 CPP_SRC = REPO / "moses_plugin" / "cpp"
 BUILD = REPO / "build" / "cpp"
+PREFIX = REPO / "build" / "cpp-prefix"  # `make cpp` installs the client's CMake package here ...
+NATIVE_SRC = REPO / "server" / "native"
+NATIVE = REPO / "build" / "native"  # ... and builds the front end against it here
 DRIVER = BUILD / "nlmserve_client_test"
 UNIT = BUILD / "nlmserve_unit_test"
 GOLDEN = REPO / "tests" / "golden" / "canonical_ngrams.tsv"
@@ -61,8 +65,13 @@ def driver() -> Path:
         if os.environ.get("CI") == "true":
             pytest.fail(message)
         pytest.skip(message)
+    # The client's project, its installed package, and the native front end's own project on it.
     for cmd in (["cmake", "-S", str(CPP_SRC), "-B", str(BUILD), "-DCMAKE_BUILD_TYPE=Release"],
-                ["cmake", "--build", str(BUILD), "-j2"]):
+                ["cmake", "--build", str(BUILD), "-j2"],
+                ["cmake", "--install", str(BUILD), "--prefix", str(PREFIX)],
+                ["cmake", "-S", str(NATIVE_SRC), "-B", str(NATIVE), "-DCMAKE_BUILD_TYPE=Release",
+                 f"-DCMAKE_PREFIX_PATH={PREFIX}"],
+                ["cmake", "--build", str(NATIVE), "-j2"]):
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
     assert DRIVER.exists()

@@ -1,7 +1,7 @@
 """The native micro-batching front end (server/native) before a real ``nlmserve serve``.
 
 The backend is a real server on the tiny model (127.0.0.1, port 0); ``nlmserve_frontend``
-is built with cmake into build/cpp (by test_cpp_client's ``driver`` fixture, which builds
+is built with cmake into build/native (by test_cpp_client's ``driver`` fixture, which builds
 the whole C++ project) and started on port 0 in front of it, with merged packed batches
 going to the backend's private Unix socket (``--backend-socket``, server/local.py). Values
 through the front end must equal the backend's own; merged batches must reach the backend
@@ -33,9 +33,9 @@ from nlmserve.lm.ngrams import BOS_ID
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
 from nlmserve.server.app import RunningServer
 from support import GatedScorer, dev_ngrams, dev_sentences, start_server
-from test_cpp_client import BUILD, SERVE, driver  # noqa: F401 - the driver fixture builds build/cpp
+from test_cpp_client import NATIVE, SERVE, driver  # noqa: F401 - the driver fixture builds build/native
 
-FRONTEND = BUILD / "nlmserve_frontend"
+FRONTEND = NATIVE / "nlmserve_frontend"
 SERVICE = "nlmserve.v1.LanguageModel"
 
 
