@@ -32,6 +32,7 @@ and ``evaluator`` (built in their bjam folders; ``--mertdir`` finds them under
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -148,8 +149,11 @@ def tune(args: argparse.Namespace, system: System, seed: int, target: str | None
 
 
 def decode_test(args: argparse.Namespace, tuned_ini: Path, test_src: Path, out: Path, n: int) -> float:
+    """Decode ``test_src`` into ``out`` → seconds it took (a finished decoding is kept, and its
+    time read back from ``out``.seconds)."""
+    seconds = out.with_suffix(".seconds")
     if count_lines(out) == n:
-        return 0.0
+        return float(seconds.read_text()) if seconds.exists() else 0.0
     tmp = out.with_name(out.name + ".tmp")
     start = time.monotonic()
     with open(test_src, "rb") as fin, open(tmp, "wb") as fout, open(out.with_suffix(".log"), "wb") as ferr:
@@ -157,11 +161,79 @@ def decode_test(args: argparse.Namespace, tuned_ini: Path, test_src: Path, out: 
                            stdin=fin, stdout=fout, stderr=ferr)
     if r.returncode != 0 or count_lines(tmp) != n:
         raise SystemExit(f"decoding {test_src} with {tuned_ini} failed: see {out.with_suffix('.log')}")
+    took = time.monotonic() - start
+    seconds.write_text(f"{took:.1f}\n")
     tmp.replace(out)
-    return time.monotonic() - start
+    return took
+
+
+def export_ini(tuned: Path, out: Path, system_dir: Path, kenlm: str | None) -> None:
+    """A tuned moses.ini as a reader can use it: the system's table folder written
+    ``MOSES_FR_EN``, the KenLM file ``LM_PATH`` (as in the shipped ini), and the feature's
+    server ``127.0.0.1:50051``; the weights as tuned."""
+    text = tuned.read_text(encoding="utf-8").replace(str(system_dir.resolve()), "MOSES_FR_EN")
+    if kenlm:
+        text = text.replace(str(Path(kenlm).resolve()), "LM_PATH").replace(kenlm, "LM_PATH")
+    text = re.sub(r"(NeuralLMServer [^\n]*path=)\S+", r"\g<1>127.0.0.1:50051", text)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(out)
+
+
+BEGIN, END = "<!-- bench/moses_mert.py: begin -->", "<!-- bench/moses_mert.py: end -->"
+
+
+def render(result: dict[str, Any]) -> str:
+    """The results section (between BEGIN and END) for ``result`` (the --json output)."""
+    m = result["machine"]
+    rows = ["| system | NLM0 | BLEU per seed | mean ± sd | Δ mean, p | iterations | s / iteration | "
+            "tuning wall s | test decoding s |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        nlm = "—" if r["model"] is None else (f"`{Path(r['model']).name}` "
+                                             + " ".join(f"`{k}={v}`" for k, v in r["options"].items())).strip()
+        sd = "" if r["sd"] is None else f" ± {r['sd']:.2f}"
+        delta = "" if "delta" not in r else f"{r['delta']:+.2f}, p {r['p']:.3f}"
+        runs = r["runs"]
+        rows.append(f"| {r['system']} | {nlm} | {', '.join(f'{b:.2f}' for b in r['bleu'])} | {r['mean']:.2f}{sd} | "
+                    f"{delta} | {', '.join(str(x['iterations']) for x in runs)} | "
+                    f"{', '.join(str(x['seconds_per_iteration']) for x in runs)} | "
+                    f"{', '.join(str(x['tuning_wall_s']) for x in runs)} | "
+                    f"{', '.join(str(x['test_decode_s']) for x in runs)} |")
+    inis = [x["exported_ini"] for r in result["rows"] for x in r["runs"] if x.get("exported_ini")]
+    lines = [BEGIN, "",
+             f"Moses' `mert-moses.pl` ({result['tuner']}), {result['dev_lines']} dev sentences (every third "
+             f"of newstest2012), then all {result['test_lines']} sentences of newstest2013 decoded with each tuned "
+             f"moses.ini; seeds {', '.join(str(x) for x in result['seeds'])}; {m['cpu']}, {m['cores']} cores, "
+             f"load average {m['load_average_1m']} at the start. Δ: the mean's difference from the first row, "
+             "p: paired bootstrap over the seeds' outputs joined.", "", *rows, "",
+             f"BLEU: `{result['rows'][0]['signature']}`."]
+    if inis:
+        lines.append("Tuned weights: " + ", ".join(f"[{Path(i).name}]({i})" for i in inis) + ".")
+    lines += ["", "Command:", "", "    " + result["command"], "", END]
+    return "\n".join(lines)
+
+
+def write_section(doc: Path, text: str) -> None:
+    """Replace the text between the markers in ``doc`` (atomically)."""
+    old = doc.read_text(encoding="utf-8")
+    if BEGIN not in old or END not in old:
+        raise SystemExit(f"{doc}: no '{BEGIN}' ... '{END}' section to replace")
+    head, rest = old.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    tmp = doc.with_name(doc.name + ".tmp")
+    tmp.write_text(head + text + tail, encoding="utf-8")
+    tmp.replace(doc)
 
 
 def main() -> int:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--render", type=Path)
+    pre.add_argument("--doc", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "results.md")
+    only, _ = pre.parse_known_args()
+    if only.render is not None:
+        write_section(only.doc, render(json.loads(only.render.read_text())))
+        return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--moses-root", required=True, type=Path, help="Moses checkout (scripts/, mert/)")
@@ -187,6 +259,10 @@ def main() -> int:
     p.add_argument("--serve-args", default="", help="extra arguments of nlmserve serve")
     p.add_argument("--workdir", required=True, type=Path)
     p.add_argument("--json", type=Path)
+    p.add_argument("--export-inis", type=Path, metavar="DIR",
+                   help="copy each tuned moses.ini here as SYSTEM.seedN.ini, paths as placeholders")
+    p.add_argument("--render", type=Path, metavar="JSON", help="only write JSON's section into --doc")
+    p.add_argument("--doc", type=Path, help="document with the results section (default: docs/results.md)")
     args = p.parse_args()
     systems = [System.parse(s) for s in args.system]
     work = args.workdir
@@ -220,6 +296,10 @@ def main() -> int:
                     tuned_now.write_text(re.sub(r"(NeuralLMServer [^\n]*path=)\S+", rf"\g<1>{target}", text))
                     tuned = tuned_now
                 record["test_decode_s"] = round(decode_test(args, tuned, test_src, base / "test.out", n_test), 1)
+                if args.export_inis is not None:
+                    exported = args.export_inis / f"{system.name}.seed{seed}.ini"
+                    export_ini(Path(record["ini"]), exported, args.ini.parent, args.kenlm)
+                    record["exported_ini"] = os.path.relpath(exported, (args.doc or Path("docs/results.md")).parent)
                 record["seed"] = seed
                 record["output"] = str(base / "test.out")
                 runs[system.name].append(record)

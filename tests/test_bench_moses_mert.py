@@ -1,0 +1,56 @@
+"""bench/moses_mert.py's parts that need no Moses: the tuned moses.ini a reader gets (paths
+as placeholders, weights as tuned) and the results section it renders."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from support import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+import moses_mert  # noqa: E402
+
+TUNED = """[feature]
+PhraseDictionaryMemory name=TranslationModel0 num-features=4 path={system}/phrase-table.gz input-factor=0 output-factor=0
+KENLM name=LM0 factor=0 path={kenlm} order=5
+NeuralLMServer name=NLM0 factor=0 order=5 path=127.0.0.1:41234 normalized=false scoring=local
+
+[weight]
+LM0= 0.0512
+NLM0= 0.0443
+"""
+
+
+def test_exported_ini_has_placeholders_and_the_tuned_weights(tmp_path: Path) -> None:
+    system, kenlm = tmp_path / "moses-fr-en", tmp_path / "kenlm" / "ep.trie.bin"
+    tuned = tmp_path / "moses.ini"
+    tuned.write_text(TUNED.format(system=system, kenlm=kenlm))
+    out = tmp_path / "docs" / "moses-mert" / "europarl.seed1.ini"
+    moses_mert.export_ini(tuned, out, system, str(kenlm))
+    text = out.read_text()
+    assert "path=MOSES_FR_EN/phrase-table.gz" in text and "path=LM_PATH order=5" in text
+    assert "path=127.0.0.1:50051 normalized=false scoring=local" in text
+    assert "NLM0= 0.0443" in text and str(tmp_path) not in text
+
+
+def test_rendered_section(tmp_path: Path) -> None:
+    run = {"iterations": 7, "seconds_per_iteration": 210.5, "tuning_wall_s": 1473.4, "test_decode_s": 402.1}
+    result = {
+        "machine": {"cpu": "CPU", "cores": 2, "load_average_1m": 0.5}, "tuner": "mert", "dev_lines": 1001,
+        "test_lines": 3000, "seeds": [1],
+        "rows": [{"system": "kenlm", "model": None, "options": {}, "bleu": [21.04], "mean": 21.04, "sd": None,
+                  "signature": "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0", "runs": [run]},
+                 {"system": "europarl", "model": "/tmp/ep5.nlm", "options": {"normalized": "false"},
+                  "bleu": [21.50], "mean": 21.5, "sd": None, "delta": 0.46, "p": 0.002,
+                  "runs": [{**run, "exported_ini": "moses-mert/europarl.seed1.ini"}]}],
+        "command": "bench/moses_mert.py --seeds 1"}
+    doc = tmp_path / "results.md"
+    doc.write_text(f"# R\n\n{moses_mert.BEGIN}\nold\n{moses_mert.END}\nafter\n")
+    moses_mert.write_section(doc, moses_mert.render(result))
+    text = doc.read_text()
+    assert "old" not in text and text.endswith(moses_mert.END + "\nafter\n")
+    assert "| kenlm | — | 21.04 | 21.04 |  | 7 | 210.5 | 1473.4 | 402.1 |" in text
+    assert "| europarl | `ep5.nlm` `normalized=false` | 21.50 | 21.50 | +0.46, p 0.002 |" in text
+    assert "[europarl.seed1.ini](moses-mert/europarl.seed1.ini)" in text
+    assert "`nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0`" in text
