@@ -36,9 +36,10 @@ WARNING = re.compile(r"^(?P<path>[^:\n]+):(?P<line>\d+):(?P<col>\d+): warning: (
 
 
 def installed_headers() -> list[str]:
-    """The headers `cmake --install` puts into PREFIX/include."""
+    """The headers of moses_plugin/cpp that `cmake --install` puts into PREFIX/include (the
+    generated ones go to PREFIX/include/nlmserve/v1)."""
     text = (CPP / "CMakeLists.txt").read_text(encoding="utf-8")
-    found = re.findall(r"install\s*\(\s*FILES\s+([^)]*?)\s+DESTINATION\s+include\b", text)
+    found = re.findall(r"install\s*\(\s*FILES\s+([^)]*?)\s+DESTINATION\s+include\s*\)", text)
     assert len(found) == 1, "CMakeLists.txt: one install(FILES ... DESTINATION include) line expected"
     return found[0].split()
 
