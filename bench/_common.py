@@ -3,6 +3,7 @@ a process tree (a server and the helpers it started).
 
     from _common import machine, tree_cpu_seconds, write_json
     from _common import random_class_model   # a model file for speed benchmarks
+    from _common import write_section        # a script's section of a document, between markers
 
 Benchmarks run as scripts from bench/, so this module is imported by its file name.
 """
@@ -118,3 +119,16 @@ def random_class_model(texts: list[Path], vocab_size: int, order: int, dim: int,
                    classes.word_class)
     net.init_biases(unigram)
     save_model(path, net, vocab, classes, objective="nce", lowercase=True)
+
+
+def write_section(doc: Path, begin: str, end: str, text: str) -> None:
+    """Replace ``doc``'s section from the line ``begin`` to the line ``end`` by ``text`` (which
+    holds both markers), atomically; SystemExit when the markers are not there."""
+    old = doc.read_text(encoding="utf-8")
+    if begin not in old or end not in old:
+        raise SystemExit(f"{doc}: no '{begin}' ... '{end}' section to replace")
+    head, rest = old.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    tmp = doc.with_name(doc.name + ".tmp")
+    tmp.write_text(head + text + tail, encoding="utf-8")
+    tmp.replace(doc)

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
 from _common import machine, write_json  # noqa: E402
 from decoder import rewrite_ini  # noqa: E402
 
@@ -215,15 +216,8 @@ def render(result: dict[str, Any]) -> str:
 
 
 def write_section(doc: Path, text: str) -> None:
-    """Replace the text between the markers in ``doc`` (atomically)."""
-    old = doc.read_text(encoding="utf-8")
-    if BEGIN not in old or END not in old:
-        raise SystemExit(f"{doc}: no '{BEGIN}' ... '{END}' section to replace")
-    head, rest = old.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    tmp = doc.with_name(doc.name + ".tmp")
-    tmp.write_text(head + text + tail, encoding="utf-8")
-    tmp.replace(doc)
+    """Replace the text between this script's markers in ``doc`` (atomically)."""
+    _common.write_section(doc, BEGIN, END, text)
 
 
 def main() -> int:

@@ -62,6 +62,19 @@ bool ReadNgrams(const std::string &path, StringNgrams *out) {
   return true;
 }
 
+// The n-grams of a file (one per line, words) as the canonical rows the client sends.
+std::vector<uint32_t> FileRows(const nlmserve::Client &client, const std::string &path, StringNgrams *ngrams) {
+  if (!ReadNgrams(path, ngrams)) throw nlmserve::ClientError(-1, "cannot read " + path);
+  const std::size_t width = client.info().order;
+  std::vector<uint32_t> rows(ngrams->size() * width), ids;
+  for (std::size_t i = 0; i < ngrams->size(); ++i) {
+    ids.clear();
+    for (const std::string &w : (*ngrams)[i]) ids.push_back(client.WordId(w));
+    client.CanonicalRow(ids.data(), ids.size(), rows.data() + i * width, i);
+  }
+  return rows;
+}
+
 // T threads score the n-grams REPEATS times each, in their own order and batch
 // sizes, and compare every answer with a single-threaded reference.
 std::string Threads(nlmserve::Client &client, int threads, const StringNgrams &ngrams, int repeats) {
@@ -168,16 +181,10 @@ void Run(nlmserve::Client &client) {
       } else if (cmd == "tables") {
         std::string path;
         in >> path;
-        StringNgrams ngrams;
-        if (!ReadNgrams(path, &ngrams)) throw nlmserve::ClientError(-1, "cannot read " + path);
-        std::shared_ptr<const nlmserve::ScoringTables> tables = client.GetScoringTables();
         const std::size_t width = client.info().order;
-        std::vector<uint32_t> rows(ngrams.size() * width), ids;
-        for (std::size_t i = 0; i < ngrams.size(); ++i) {
-          ids.clear();
-          for (const std::string &w : ngrams[i]) ids.push_back(client.WordId(w));
-          client.CanonicalRow(ids.data(), ids.size(), rows.data() + i * width, i);
-        }
+        StringNgrams ngrams;
+        const std::vector<uint32_t> rows = FileRows(client, path, &ngrams);
+        std::shared_ptr<const nlmserve::ScoringTables> tables = client.GetScoringTables();
         // Twice, in two orders: the context vectors the scratch keeps must not change a score.
         std::vector<float> scores(ngrams.size()), again(ngrams.size());
         nlmserve::ScoringTables::Scratch scratch;
@@ -193,15 +200,9 @@ void Run(nlmserve::Client &client) {
       } else if (cmd == "rows") {
         std::string path;
         in >> path;
-        StringNgrams ngrams;
-        if (!ReadNgrams(path, &ngrams)) throw nlmserve::ClientError(-1, "cannot read " + path);
         const std::size_t width = client.info().order;
-        std::vector<uint32_t> rows(ngrams.size() * width), ids;
-        for (std::size_t i = 0; i < ngrams.size(); ++i) {
-          ids.clear();
-          for (const std::string &w : ngrams[i]) ids.push_back(client.WordId(w));
-          client.CanonicalRow(ids.data(), ids.size(), rows.data() + i * width, i);
-        }
+        StringNgrams ngrams;
+        const std::vector<uint32_t> rows = FileRows(client, path, &ngrams);
         std::vector<float> scores(ngrams.size());
         nlmserve::BatchCounts counts;
         client.ScoreRows(rows.data(), ngrams.size(), width, scores.data(), &counts);
