@@ -188,7 +188,7 @@ def run_target(row: Row, args: argparse.Namespace, work: Path) -> None:
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     row.train_seconds = time.monotonic() - t0
     ev = subprocess.run([sys.executable, "-m", "nlmserve.cli", "eval", "--model", str(out), "--text", str(DEV),
-                         "--json", "--threads", str(args.threads)], check=True, capture_output=True, text=True)
+                         "--json", "--threads", str(args.threads or 0)], check=True, capture_output=True, text=True)
     res = json.loads(ev.stdout)
     row.ppl, row.ppl_excl_oov, row.oov = res["perplexity"], res["perplexity_excl_oov"], res["oov"]
     header = json.loads(_model_header(out))
