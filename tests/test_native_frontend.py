@@ -200,6 +200,25 @@ def test_concurrent_clients_get_their_own_answers_in_fewer_backend_calls(
     assert backend_requests(backend) - before == clients * rounds
 
 
+def burst_behind_a_held_call(gated: Any, client: Any, n: int, started: list[int]) -> None:
+    """Client 0's call is held inside the backend (``gated``); clients 1..n-1 then call
+    (each appends itself to ``started``) and queue in the front end; then the backend is
+    let go and every client's call is waited for."""
+    first = threading.Thread(target=client, args=(0,))
+    first.start()
+    assert gated.entered.wait(10)
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(1, n)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while len(started) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.5)  # the last calls are on their way to the front end's queue
+    gated.gate.set()
+    for t in [first, *threads]:
+        t.join(10)
+
+
 def test_requests_queued_behind_a_backend_call_reach_it_as_one_merged_batch(
         frontend: Frontend, backend: RunningServer, tiny_lm: Any) -> None:
     # One batch is held inside the backend (at most one in flight by default) while 31 more
@@ -220,19 +239,7 @@ def test_requests_queued_behind_a_backend_call_reach_it_as_one_merged_batch(
                 started.append(c)
                 got[c] = stub.ScoreNgrams(packed(ids[c:c + 1], log_base=lm_pb2.LN)).log_probs[0]
 
-            first = threading.Thread(target=client, args=(0,))
-            first.start()
-            assert gated.entered.wait(10)
-            threads = [threading.Thread(target=client, args=(c,)) for c in range(1, len(ids))]
-            for t in threads:
-                t.start()
-            deadline = time.monotonic() + 10
-            while len(started) < len(ids) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            time.sleep(0.5)  # the last calls are on their way to the front end's queue
-            gated.gate.set()
-            for t in [first, *threads]:
-                t.join(10)
+            burst_behind_a_held_call(gated, client, len(ids), started)
     finally:
         gated.gate.set()
         backend.engine.scorer = gated.scorer  # type: ignore[assignment]
@@ -305,19 +312,7 @@ def test_an_invalid_request_merged_with_others_fails_alone(frontend: Frontend, b
                 except grpc.RpcError as e:
                     got[c] = (e.code(), e.details())
 
-            first = threading.Thread(target=client, args=(0,))
-            first.start()
-            assert gated.entered.wait(10)
-            threads = [threading.Thread(target=client, args=(c,)) for c in range(1, len(ids))]
-            for t in threads:
-                t.start()
-            deadline = time.monotonic() + 10
-            while len(started) < len(ids) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            time.sleep(0.5)  # the last calls are on their way to the front end's queue
-            gated.gate.set()
-            for t in [first, *threads]:
-                t.join(10)
+            burst_behind_a_held_call(gated, client, len(ids), started)
     finally:
         gated.gate.set()
         backend.engine.scorer = gated.scorer  # type: ignore[assignment]
