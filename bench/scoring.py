@@ -16,7 +16,7 @@ finding the shared work.
 
 Two paths score each batch, normalised (exact) and unnormalised (self-normalised) rows:
 
-* per-row: the scoring API's pieces (``encode_contexts``, ``raw_scores``,
+* per-row: the scoring API's pieces (``encode_contexts``, ``raw_score``,
   ``class_log_normalizer``, ``in_class_log_normalizer``) on every row, which is what
   ``score_prepared`` computed before it de-duplicated (kept here only, to measure against);
 * dedup: ``score_prepared`` (``nlmserve.lm.dedup``: r and the class normaliser per
@@ -112,15 +112,14 @@ def per_row(lm: LanguageModel, ctx: np.ndarray, target: np.ndarray, normalized: 
     with torch.inference_mode():
         ctx_t, target_t = torch.from_numpy(ctx), torch.from_numpy(target)
         r = lm.encode_contexts(ctx_t)  # (N, E)
-        class_score, word_score = lm.raw_scores(r, target_t)
-        score = class_score + word_score
+        score = lm.raw_score(r, target_t, ctx_t)
         if normalized.all():
-            score -= lm.class_log_normalizer(r)
-            score -= lm.in_class_log_normalizer(r, lm.word_classes(target_t))
+            score -= lm.class_log_normalizer(r, ctx_t)
+            score -= lm.in_class_log_normalizer(r, lm.word_classes(target_t), ctx_t)
         elif normalized.any():
             rows = torch.from_numpy(np.flatnonzero(normalized))
-            rr = r[rows]
-            score[rows] -= lm.class_log_normalizer(rr) + lm.in_class_log_normalizer(rr, lm.word_classes(target_t[rows]))
+            rr, cc = r[rows], ctx_t[rows]
+            score[rows] -= lm.class_log_normalizer(rr, cc) + lm.in_class_log_normalizer(rr, lm.word_classes(target_t[rows]), cc)
         return score.numpy()  # type: ignore[no-any-return]
 
 

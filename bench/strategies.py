@@ -38,6 +38,7 @@ import numpy as np
 
 from nlmserve.lm.evaluate import evaluate
 from nlmserve.lm.interpolate import load_kn, mix_log10, score_text, tune_weight
+from nlmserve.lm.outputs import TreeOutput
 from nlmserve.lm.scoring import LanguageModel
 from nlmserve.lm.train import TrainConfig, train
 
@@ -164,8 +165,8 @@ def run_one(s: Strategy, texts: dict[str, Path], work: Path, args: argparse.Name
         "size_mb": os.path.getsize(res.model_path) / 2**20, "self_normalized": lm.self_normalized,
         "curve": curve(Path(cfg.log_path), setup),
     }
-    if lm.net.tree_out is not None:
-        lengths = lm.net.tree_out.tree.code_lengths()
+    if isinstance(lm.net.output, TreeOutput):
+        lengths = lm.net.output.tree.code_lengths()
         row["codes_per_word"] = len(lengths) / (lm.config.vocab_size - 1)
         row["mean_code_length"] = float(lengths.mean())
     if kn is not None:

@@ -48,6 +48,7 @@ log = logging.getLogger("bench.train")
 def in_class_timing(cfg: TrainConfig, batch: int = 512, repeats: int = 3) -> dict[str, float]:
     """Milliseconds per forward+backward of the exact in-class normaliser, per strategy."""
     from nlmserve.lm.model import NeuralLM
+    from nlmserve.lm.outputs import ClassOutput
 
     data = prepare_data(cfg)
     mconf = model_config(cfg, data)
@@ -56,13 +57,15 @@ def in_class_timing(cfg: TrainConfig, batch: int = 512, repeats: int = 3) -> dic
     rng = np.random.default_rng(0)
     pos = np.sort(rng.integers(0, data.train.num_tokens, batch))
     ctx, tgt = data.train.examples(pos, mconf.order)
+    out_layer = model.output
+    assert isinstance(out_layer, ClassOutput)
     r = model.encode(torch.from_numpy(ctx))
-    cls = model.word_class[torch.from_numpy(tgt)]
+    cls = out_layer.word_class[torch.from_numpy(tgt)]
     out: dict[str, float] = {}
     for method in ("grouped", "padded"):
         t0 = time.perf_counter()
         for _ in range(repeats):
-            model.in_class_log_normalizer(r, cls, method=method).sum().backward(retain_graph=True)
+            out_layer.in_class_log_normalizer(r, cls, method=method).sum().backward(retain_graph=True)
         out[method] = (time.perf_counter() - t0) / repeats * 1000
     return out
 

@@ -17,7 +17,10 @@ import torch
 from nlmserve.errors import InputError
 from nlmserve.lm.model import NeuralLM
 
-CKPT_VERSION = 1
+#: Version 2 names the optimiser's parameters (``optimizer_params``); version 1 listed each
+#: group's parameters in the model file's order, and is still read.
+CKPT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 def save_checkpoint(
@@ -31,6 +34,7 @@ def save_checkpoint(
         "version": CKPT_VERSION,
         "model": model.state_dict(),
         "optimizer": opt.state_dict(),
+        "optimizer_params": optimizer_param_names(model, opt),
         "generator": gen.get_state(),
         "state": state,
         "best": best,
@@ -51,9 +55,37 @@ def load_checkpoint(path: str) -> dict[str, Any]:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many types for a bad file
         raise InputError(f"cannot read checkpoint: {exc}", path) from exc
-    if not isinstance(payload, dict) or payload.get("version") != CKPT_VERSION:
+    if not isinstance(payload, dict) or payload.get("version") not in READABLE_VERSIONS:
         raise InputError("not a training checkpoint of this version", path)
     return payload
+
+
+def optimizer_param_names(model: NeuralLM, opt: torch.optim.Optimizer) -> list[str]:
+    """The model-file name of each parameter of ``opt``, in the optimiser's index order."""
+    names = {id(p): n for n, p in model.file_named_parameters()}
+    return [names[id(p)] for group in opt.param_groups for p in group["params"]]
+
+
+def load_optimizer_state(model: NeuralLM, opt: torch.optim.Optimizer, ck: dict[str, Any]) -> None:
+    """Load the checkpoint's optimiser state into ``opt``, each parameter's state to the same
+    parameter whatever order the optimiser lists them in now."""
+    now = optimizer_param_names(model, opt)
+    saved: list[str] | None = ck.get("optimizer_params")
+    if saved is None:  # version 1: each group in the model file's order
+        rank = {name: i for i, name in enumerate(ck["model"])}
+        names = {id(p): n for n, p in model.file_named_parameters()}
+        saved = [n for g in opt.param_groups for n in sorted((names[id(p)] for p in g["params"]), key=rank.__getitem__)]
+    if sorted(saved) != sorted(now):
+        raise InputError("checkpoint's optimiser holds other parameters than this model's", str(sorted(set(saved) ^ set(now))))
+    index = {name: j for j, name in enumerate(now)}
+    state = ck["optimizer"]
+    moved = {index[saved[int(i)]]: s for i, s in state["state"].items()}
+    start, groups = 0, []
+    for saved_group, group in zip(state["param_groups"], opt.param_groups):
+        n = len(group["params"])
+        groups.append({**saved_group, "params": list(range(start, start + n))})
+        start += n
+    opt.load_state_dict({"state": moved, "param_groups": groups})
 
 
 # ---------------------------------------------------------------------------- logging

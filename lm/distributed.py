@@ -132,10 +132,10 @@ class Distributed:
 
     def wrap(self, model: NeuralLM) -> None:
         """Average gradients from now on: DDP for the dense ones, sparse all-reduce for
-        parameters trained with sparse gradients (:func:`sparse_parameters`)."""
+        parameters trained with sparse gradients (``NeuralLM.sparse_parameters``)."""
         if not self.enabled:
             return
-        sparse_ids = {id(p) for p in sparse_parameters(model)}
+        sparse_ids = {id(p) for p in model.sparse_parameters()}
         self.sparse_params = [p for p in model.parameters() if id(p) in sparse_ids]
         dense = [p for p in model.parameters() if id(p) not in sparse_ids and p.requires_grad]
         for p in self.sparse_params:  # DDP broadcasts the dense ones
@@ -227,23 +227,6 @@ class Distributed:
             torch.distributed.destroy_process_group()
 
 
-def sparse_parameters(model: NeuralLM) -> list[Tensor]:
-    """The parameters of ``model`` whose gradients are sparse with its current switches."""
-    out: list[Tensor] = []
-    if model.embed.sparse:
-        out.append(model.embed.weight)
-    if model.sparse_grads:  # the output embeddings of whichever output layer the model has
-        if model.tree_out is not None:
-            out.append(model.tree_out.node_embed)
-        elif model.band_out is not None:
-            out.extend(model.band_out.embeds)
-        else:
-            out.append(model.word_embed)
-    if model.feature_sparse:
-        out.extend(t for t in (model.ngram_class, model.ngram_word) if t is not None)
-    return out
-
-
 def state_digest(state: dict[str, Tensor]) -> str:
     """SHA-256 of the tensors of a state dict, in name order (bit-exact comparison)."""
     h = hashlib.sha256()
@@ -280,4 +263,4 @@ def init_distributed(enabled: bool) -> Distributed:
     return Distributed(rank=rank, world_size=world, device=device, backend=backend)
 
 
-__all__ = ["Distributed", "init_distributed", "sparse_parameters", "state_digest", "array_digest", "TORCHRUN_VARS"]
+__all__ = ["Distributed", "init_distributed", "state_digest", "array_digest", "TORCHRUN_VARS"]

@@ -42,6 +42,7 @@ import torch
 
 from nlmserve.errors import ModelFileError
 from nlmserve.lm.model import ModelConfig, NeuralLM
+from nlmserve.lm.outputs import TreeOutput
 from nlmserve.lm.vocab import Vocabulary
 
 if TYPE_CHECKING:
@@ -126,8 +127,8 @@ def save_model(
     arrays: dict[str, np.ndarray] = {
         name: t.detach().to("cpu", torch.float32).contiguous().numpy() for name, t in model.state_dict().items()
     }
-    if model.tree_out is not None:
-        arrays.update(model.tree_out.tree.arrays())
+    if isinstance(model.output, TreeOutput):
+        arrays.update(model.output.tree.arrays())
     if unigram_counts is not None:
         arrays["unigram_counts"] = np.ascontiguousarray(unigram_counts, dtype=np.int64)
     index: dict[str, dict[str, Any]] = {}

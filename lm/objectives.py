@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from nlmserve.lm.model import NeuralLM
+from nlmserve.lm.outputs import ClassOutput, SoftmaxFamily
 from nlmserve.lm.vocab import BOS_ID
 
 OBJECTIVES = ("nce", "mle", "softmax", "sampling", "weaknorm", "weaknormsq")
@@ -110,9 +111,9 @@ class NoiseDistribution:
     def sample(self, model: NeuralLM, target: Tensor, k: int, generator: torch.Generator) -> tuple[Tensor | None, Tensor]:
         """Noise for a batch: (noise classes (n, k) or None for softmax, noise words (n, k))."""
         n = target.shape[0]
-        if model.config.output == "softmax":
+        if not isinstance(model.output, ClassOutput):
             return None, self.sample_words(n, k, generator)
-        cls = model.word_class[target]
+        cls = model.output.word_class[target]
         return self.sample_classes(n, k, generator), self.sample_words_in_class(cls, k, generator)
 
 
@@ -138,11 +139,12 @@ def nce_loss(
 ) -> Tensor:
     """Mean NCE loss of a batch with given noise samples (see the module docstring)."""
     k = noise_words.shape[1]
+    out = model.output
     r = model.encode(ctx)  # (n, E)
     # The data and the noise are scored in one call per factor: (n, 1 + k), data first (one
     # gather and one sparse gradient per table instead of two to be added).
     words = torch.cat([target.unsqueeze(1), noise_words], dim=1)
-    word_scores = model.word_score(r, words)
+    word_scores = out.word_score(r, words, ctx) if isinstance(out, ClassOutput) else out.score(r, words, ctx)
     word_term = _nce_term(
         word_scores[:, 0],  # (n,)
         word_scores[:, 1:],  # (n, k)
@@ -150,12 +152,12 @@ def nce_loss(
         noise.log_q_word[noise_words],
         k,
     )
-    if model.config.output == "softmax":
+    if not isinstance(out, ClassOutput):
         return word_term.mean()
     if noise_classes is None:
         raise ValueError("the class output needs noise classes")
-    cls = model.word_class[target]
-    class_scores = model.class_score(r, torch.cat([cls.unsqueeze(1), noise_classes], dim=1))
+    cls = out.word_class[target]
+    class_scores = out.class_score(r, torch.cat([cls.unsqueeze(1), noise_classes], dim=1), ctx)
     class_term = _nce_term(
         class_scores[:, 0],
         class_scores[:, 1:],
@@ -166,6 +168,12 @@ def nce_loss(
     return (class_term + word_term).mean()
 
 
+def _softmax_family(model: NeuralLM) -> "SoftmaxFamily":
+    if not isinstance(model.output, SoftmaxFamily):
+        raise ValueError(f"this objective needs a softmax-like output, not {model.config.output!r}")
+    return model.output
+
+
 def mle_loss(model: NeuralLM, ctx: Tensor, target: Tensor) -> Tensor:
     """Mean exact cross-entropy (class-factored or full softmax, as the model's output)."""
     return -model.log_prob(ctx, target).mean()
@@ -173,10 +181,11 @@ def mle_loss(model: NeuralLM, ctx: Tensor, target: Tensor) -> Tensor:
 
 def sampling_loss(model: NeuralLM, ctx: Tensor, target: Tensor, noise: NoiseDistribution, samples: Tensor) -> Tensor:
     """Mean target-sampling loss with a given shared sample (k,) of words."""
+    out = _softmax_family(model)
     r = model.encode(ctx)  # (n, E)
     cand = torch.unique(torch.cat([target, samples]))  # (C,) sorted
     pos = torch.searchsorted(cand, target)  # (n,) each target's column
-    logits = model.candidate_logits(r, cand) - noise.log_q_word[cand].to(r.dtype)  # (n, C)
+    logits = out.logits_of(r, cand) - noise.log_q_word[cand].to(r.dtype)  # (n, C)
     return F.cross_entropy(logits, pos)
 
 
@@ -184,10 +193,11 @@ def weaknorm_loss(model: NeuralLM, ctx: Tensor, target: Tensor, rows: Tensor, ga
                   squared_only: bool) -> Tensor:
     """Mean Weaknorm (``squared_only`` False) or WeaknormSQ loss; ``rows`` (m,) are the
     rows whose normaliser is computed, drawn with probability ``gamma``."""
+    out = _softmax_family(model)
     r = model.encode(ctx)  # (n, E)
-    loss = -model.word_score(r, target).mean()
+    loss = -out.score(r, target).mean()
     if rows.numel():
-        log_z = torch.logsumexp(model.word_logits(r[rows]), dim=-1)  # (m,)
+        log_z = torch.logsumexp(out.logits(r[rows]), dim=-1)  # (m,)
         term = alpha * log_z * log_z if squared_only else log_z + alpha * log_z * log_z
         loss = loss + term.sum() / (gamma * target.shape[0])
     return loss

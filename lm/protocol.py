@@ -64,20 +64,20 @@ class ScoringModel(Protocol):
         ...
 
     def encode_contexts(self, ctx: Tensor) -> Tensor:
-        """ctx (N, order-1) → r (N, E), opaque rows."""
+        """ctx (N, order-1) → r (N, E), the context vectors. The pieces below take r and,
+        beside it, the same rows' context ids (read by direct n-gram features only)."""
         ...
 
-    def class_log_normalizer(self, r: Tensor) -> Tensor:
+    def class_log_normalizer(self, r: Tensor, ctx: Tensor | None = None) -> Tensor:
         """(N,) log Σ_c exp s_c(h); zeros without classes."""
         ...
 
-    def in_class_log_normalizer(self, r: Tensor, cls: Tensor) -> Tensor:
-        """(N,) log Σ_{w ∈ cls} exp s_w(h); the full-softmax log Z without classes."""
+    def in_class_log_normalizer(self, r: Tensor, cls: Tensor, ctx: Tensor | None = None) -> Tensor:
+        """(N,) log Σ_{w ∈ cls} exp s_w(h); the output's whole normaliser without classes."""
         ...
 
-    def raw_scores(self, r: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
-        """(class_score (N,), word_score (N,)): log p = class_score - class_lognorm
-        + word_score - in_class_lognorm."""
+    def raw_score(self, r: Tensor, target: Tensor, ctx: Tensor | None = None) -> Tensor:
+        """(N,) unnormalised score: log p = raw - class_lognorm - in_class_lognorm."""
         ...
 
     def word_classes(self, target: Tensor) -> Tensor:

@@ -24,10 +24,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from nlmserve.lm.dedup import BatchPlan, distinct_rows, plan_batch
+from nlmserve.lm import cpu
+from nlmserve.lm.cpu import to_numpy
 from nlmserve.lm.model import ModelConfig, NeuralLM
 from nlmserve.lm.model_file import FORMAT_VERSION, ModelFile, read_model_file
 from nlmserve.lm.ngrams import BOS_ID, EOS_ID, UNK_ID, canonical_rows, check_sentences, sentence_windows, word_ids
 from nlmserve.lm.objectives import SELF_NORMALIZING
+from nlmserve.lm.outputs import NO_SCORES, ClassOutput
 from nlmserve.lm.vocab import Vocabulary
 from nlmserve.errors import UnsupportedModelError
 from nlmserve.logbase import LOG10_E
@@ -157,28 +160,33 @@ class LanguageModel:
             tables = self._tables()
             return self.net.encode(ctx) if tables is None else tables.encode(ctx)
 
-    def class_log_normalizer(self, r: Tensor) -> Tensor:
-        """log Σ_c exp s_c(h) → (N,); zeros for the softmax output."""
+    def class_log_normalizer(self, r: Tensor, ctx: Tensor | None = None) -> Tensor:
+        """log Σ_c exp s_c(h) → (N,) for r (N, E) and, beside it, the context ids (N,
+        order-1) (read by direct n-gram features only); zeros without classes."""
         with torch.inference_mode():
             tables = self._tables()
             if tables is not None and r.dtype == torch.float32 and r.device.type == "cpu":
-                return tables.class_norm(r)
-            return self.net.class_log_normalizer(r)
+                return tables.out.class_norm(r)
+            out = self.net.output
+            return out.class_log_normalizer(r, ctx) if isinstance(out, ClassOutput) else r.new_zeros(r.shape[0])
 
-    def in_class_log_normalizer(self, r: Tensor, cls: Tensor) -> Tensor:
-        """log Σ_{w ∈ cls} exp s_w(h) → (N,); the full-softmax log Z for the softmax output
-        (``cls`` ignored)."""
+    def in_class_log_normalizer(self, r: Tensor, cls: Tensor, ctx: Tensor | None = None) -> Tensor:
+        """log Σ_{w ∈ cls} exp s_w(h) → (N,); without classes the output's whole normaliser
+        (the full-softmax log Z, 0 for the tree; ``cls`` ignored)."""
         with torch.inference_mode():
             tables = self._tables()
             if tables is not None and r.dtype == torch.float32 and r.device.type == "cpu":
-                return tables.in_class(r, cls)
-            return self.net.in_class_log_normalizer(r, cls)
+                return tables.out.in_class(r, cls)
+            out = self.net.output
+            if isinstance(out, ClassOutput):
+                return out.in_class_log_normalizer(r, cls, ctx)
+            return out.log_normalizer(r, cls, ctx)
 
     def _tables(self) -> "_InferenceTables | None":
         """The CPU inference tables of a class-output model (None on other devices, for
         the softmax output, with direct n-gram features or without ``cpu_tables``), rebuilt
         when a parameter was changed in place."""
-        if (not self.cpu_tables or self.device.type != "cpu" or self.config.output != "class"
+        if (not self.cpu_tables or self.device.type != "cpu" or not isinstance(self.net.output, ClassOutput)
                 or self.config.has_ngram_features):
             return None
         if self._fast is None or self._fast.versions != _versions(self.net):
@@ -200,7 +208,7 @@ class LanguageModel:
             tables = self._tables()
             if tables is None:
                 return self._score_plan(plan_batch(ctx, target, self._classes(target), normalized), ctx, target)
-            plan = plan_batch(ctx, target, tables.np_word_class[target], normalized)
+            plan = plan_batch(ctx, target, tables.out.np_word_class[target], normalized)
             if ctx.shape[0] <= TINY_ROWS:
                 return tables.log_prob_numpy(plan, ctx, target)
             return self._score_plan(plan, ctx, target, tables)
@@ -217,43 +225,34 @@ class LanguageModel:
             row_context, row_target = self._on_device(plan.row_context), self._on_device(target[plan.rows])
             if tables is not None:  # the CPU tables (``score_prepared``): one dot product per row
                 r = tables.encode(contexts)  # (U, E)
-                raw = _numpy(tables.raw(r, row_context, row_target))  # (R,)
+                raw = to_numpy(tables.out.raw(r, row_context, row_target))  # (R,)
             else:
                 r = self.encode_contexts(contexts)
-                class_score, word_score = self.raw_scores(r[row_context], row_target)
-                raw = _numpy(class_score + word_score)  # (R,)
+                raw = to_numpy(self.raw_score(r[row_context], row_target, contexts[row_context]))  # (R,)
             if not plan.norm.size:
-                return plan.compose(raw, _NO_SCORES, _NO_SCORES)
-            norm_r = r[self._on_device(plan.norm_contexts)]  # (C, E)
-            pair_r = r[self._on_device(plan.pair_context)]  # (P, E)
-            class_norm = self.class_log_normalizer(norm_r)  # (C,)
-            in_class = self.in_class_log_normalizer(pair_r, self._on_device(plan.pair_class))  # (P,)
-            return plan.compose(raw, _numpy(class_norm), _numpy(in_class))
+                return plan.compose(raw, NO_SCORES, NO_SCORES)
+            norm, pair = self._on_device(plan.norm_contexts), self._on_device(plan.pair_context)
+            class_norm = self.class_log_normalizer(r[norm], contexts[norm])  # (C,)
+            in_class = self.in_class_log_normalizer(r[pair], self._on_device(plan.pair_class), contexts[pair])  # (P,)
+            return plan.compose(raw, to_numpy(class_norm), to_numpy(in_class))
 
     def _on_device(self, a: np.ndarray) -> Tensor:
         return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)
 
     def _classes(self, target: np.ndarray) -> np.ndarray:
         """Class id of each target (N,) as numpy (zeros for the outputs without classes)."""
-        if self.config.output != "class":
-            return np.zeros(target.shape, dtype=np.int64)
-        return self.net.word_class[self._on_device(target)].cpu().numpy()
+        return self.net.output.classes_of(self._on_device(target)).cpu().numpy()  # type: ignore[no-any-return]
 
     def word_classes(self, target: Tensor) -> Tensor:
         """Class id of each target (zeros for the outputs without classes)."""
-        if self.config.output != "class":
-            return torch.zeros_like(target)
-        return self.net.word_class[target]
+        return self.net.output.classes_of(target)
 
-    def raw_scores(self, r: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
-        """(class_score (N,), word_score (N,)); class_score is 0 without classes.
-        log p = class_score - class_lognorm + word_score - in_class_lognorm (both
-        normalisers are 0 for the tree output, the whole log-probability is word_score)."""
+    def raw_score(self, r: Tensor, target: Tensor, ctx: Tensor | None = None) -> Tensor:
+        """The output's unnormalised score (N,) of each target for r (N, E) and its context
+        ids (N, order-1): s_c + s_w for classes, s_w for the softmax family, log P for the
+        tree. log p = raw - class_log_normalizer - in_class_log_normalizer."""
         with torch.inference_mode():
-            word = self.net.word_score(r, target)
-            if self.config.output != "class":
-                return torch.zeros_like(word), word
-            return self.net.class_score(r, self.net.word_class[target]), word
+            return self.net.output.score(r, target, ctx)
 
     def scoring_tables(self) -> ScoringTables:
         """The self-normalised score as tables (:class:`ScoringTables`). Raises
@@ -269,10 +268,11 @@ class LanguageModel:
                else None)
         if why is not None:
             raise UnsupportedModelError(f"no scoring tables: {why}")
+        assert isinstance(self.net.output, ClassOutput)
         with torch.inference_mode():
-            out_embed, out_bias = _output_rows(self.net)
+            out_embed, out_bias = self.net.output.output_rows()
             position = _position_tables(self.net).reshape(cfg.order - 1, cfg.vocab_size, cfg.dim)
-            return ScoringTables(_numpy(position), _numpy(out_embed), _numpy(out_bias), cfg.activation)
+            return ScoringTables(to_numpy(position), to_numpy(out_embed), to_numpy(out_bias), cfg.activation)
 
     # ------------------------------------------------------------------ batch scoring
     def score_ngrams(self, ids: npt.ArrayLike | Tensor, *, normalized: bool = True, log10: bool = False) -> np.ndarray:
@@ -283,7 +283,7 @@ class LanguageModel:
 
         Identical rows are scored once. The distinct rows, in lexicographic order (so rows of
         one context are neighbours and share its work), go to :meth:`score_prepared` in chunks
-        sized by the (context, class) pairs they normalise (``NeuralLM.scoring_bounds``).
+        sized by the (context, class) pairs they normalise (``OutputLayer.scoring_bounds``).
         """
         arr = self.canonical_rows(ids)
         some, row_of = distinct_rows(arr)
@@ -293,7 +293,7 @@ class LanguageModel:
         if use_raw:
             bounds: Iterable[tuple[int, int]] = ((a, min(a + CHUNK, len(rows))) for a in range(0, len(rows), CHUNK))
         else:
-            bounds = self.net.scoring_bounds(rows[:, -1], max_rows=CHUNK, counted=self._first_of_pairs(rows))
+            bounds = self.net.output.scoring_bounds(rows[:, -1], max_rows=CHUNK, counted=self._first_of_pairs(rows))
         with torch.inference_mode():
             for start, end in bounds:
                 chunk = rows[start:end]
@@ -359,24 +359,8 @@ class LanguageModel:
 #: measured on a 20,000-word, 141-class model, numpy takes 0.92 ms for 20 rows against 1.44,
 #: 1.39 for 32 against 1.77, and the two meet near 48).
 TINY_ROWS = 32
-#: A log Σ exp computed without the max shift below this is recomputed with it (the sum
-#: was near float32's smallest normal numbers).
-LOG_SUM_FLOOR = -60.0
-#: Elements of one numpy matrix-vector product in the tiny path's in-class normaliser: below
-#: the size at which numpy's OpenBLAS splits a product over threads of its own (measured
-#: between 256k and 512k elements), so every slice runs on the calling thread.
-MV_ELEMENTS = 1 << 18
 #: Largest size of the per-position context tables of a diagonal-context model (bytes).
 ENCODE_TABLE_BYTES = 512 << 20
-
-
-def _output_rows(net: NeuralLM) -> tuple[Tensor, Tensor]:
-    """s_c(h) + s_w(h) = (c_k + q_w)·r + (b_k + b_w) for k the class of w: one row per word
-    (V, E) and one bias per word (V,), so a row's unnormalised score is one dot product."""
-    cls = net.word_class
-    out_embed = (net.word_embed + net.class_embed[cls]).detach().contiguous()
-    out_bias = (net.word_bias + net.word_mask + net.class_bias[cls] + net.class_mask[cls]).detach().contiguous()
-    return out_embed, out_bias
 
 
 def _position_tables(net: NeuralLM) -> Tensor:
@@ -427,22 +411,16 @@ def _versions(net: NeuralLM) -> tuple[int, ...]:
 
 class _InferenceTables:
     """Read-only copies for CPU inference of a class-output model, rebuilt whenever a
-    parameter changes in place: the output word embeddings and biases sorted by class (each
-    class is a contiguous slice, so the in-class normaliser needs no gather), and numpy
-    views of every weight for the tiny-batch path."""
+    parameter changes in place: the context side here (numpy views of its weights for the
+    tiny-batch path, per-position tables of the diagonal context), the output side in
+    ``out`` (``nlmserve.lm.outputs.ClassTables``)."""
 
     def __init__(self, net: NeuralLM) -> None:
         self.versions = _versions(net)
         cfg = net.config
+        assert isinstance(net.output, ClassOutput)
+        self.out = net.output.inference_tables()
         with torch.no_grad():
-            order = net.class_order
-            self.sorted_embed = net.word_embed.detach()[order].contiguous()  # (V, E)
-            self.sorted_bias = (net.word_bias + net.word_mask).detach()[order].contiguous()  # (V,)
-            self.offsets: list[int] = list(net._offsets)
-            self.np_class_start = np.array(self.offsets[:-1], dtype=np.int64)  # (K,)
-            self.np_class_size = np.diff(np.array(self.offsets, dtype=np.int64))  # (K,)
-            self.class_bias = (net.class_bias + net.class_mask).detach().clone()  # (K,)
-            self.class_embed_t = net.class_embed.detach().t()  # (E, K)
             self.np_embed = net.embed.weight.detach().numpy()
             w = net.ctx_weight.detach().numpy()
             n1, d = cfg.order - 1, cfg.dim
@@ -451,17 +429,6 @@ class _InferenceTables:
                 w.transpose(0, 2, 1).reshape(n1 * d, d))
             self.np_hidden_w = None if net.hidden is None else np.ascontiguousarray(net.hidden.weight.detach().numpy().T)
             self.np_hidden_b = None if net.hidden is None else net.hidden.bias.detach().numpy()
-            self.np_word_embed = net.word_embed.detach().numpy()
-            self.np_word_bias = (net.word_bias + net.word_mask).detach().numpy()
-            self.np_class_embed = net.class_embed.detach().numpy()  # (K, E)
-            self.np_class_embed_t = np.ascontiguousarray(self.np_class_embed.T)  # (E, K)
-            self.np_class_bias = (net.class_bias + net.class_mask).detach().numpy()
-            self.np_word_class = net.word_class.numpy()
-            self.np_sorted_embed = self.sorted_embed.numpy()
-            self.np_sorted_bias = self.sorted_bias.numpy()
-            self.out_embed, self.out_bias = _output_rows(net)  # (V, E), (V,): s_c + s_w per word
-            self.np_out_embed = self.out_embed.numpy()
-            self.np_out_bias = self.out_bias.numpy()
         self.context = cfg.context
         self.activation = cfg.activation
         self.hidden = net.hidden
@@ -488,76 +455,10 @@ class _InferenceTables:
             r = torch.relu(r)
         return r
 
-    # -------------------------------------------------------------- torch, any batch size
-    def raw(self, r: Tensor, row_context: Tensor, target: Tensor) -> Tensor:
-        """s_c + s_w of each row → (R,): r (U, E) of the distinct contexts, the context
-        (into r) and the target of each row. Row-wise products: a row's score does not
-        depend on the rows batched with it."""
-        # index_select and an in-place product: advanced indexing and a third (R, E)
-        # temporary cost about four times as much on the CPU.
-        rows = self.out_embed.index_select(0, target)  # (R, E)
-        return rows.mul_(r.index_select(0, row_context)).sum(-1) + self.out_bias.index_select(0, target)
-
-    def in_class(self, r: Tensor, cls: Tensor) -> Tensor:
-        """log Σ_{w ∈ cls} exp s_w(h) → (N,).
-
-        Rows of one-word classes: that word's score, one row-wise product for all of them.
-        Other classes: one addmm per class present on its contiguous slice, then log Σ exp
-        without the max shift (two passes over the block instead of four); a row whose sum
-        overflows or underflows float32 is recomputed with the shift."""
-        cls_np = cls.numpy()
-        out = torch.empty(r.shape[0], dtype=r.dtype)
-        single = self.np_class_size[cls_np] == 1
-        emb, bias, offsets = self.sorted_embed, self.sorted_bias, self.offsets
-        if single.any():
-            rows = torch.from_numpy(np.flatnonzero(single))
-            first = torch.from_numpy(self.np_class_start[cls_np[single]])
-            out[rows] = (r[rows] * emb[first]).sum(-1) + bias[first]
-            if single.all():
-                return out
-            multi = np.flatnonzero(~single)
-        else:
-            multi = np.arange(len(cls_np))
-        perm = multi[np.argsort(cls_np[multi], kind="stable")]  # rows sorted by class
-        sorted_cls = cls_np[perm]
-        classes, counts = np.unique(sorted_cls, return_counts=True)
-        rs = r[torch.from_numpy(perm)]
-        sums = torch.empty(len(perm), dtype=r.dtype)
-        start = 0
-        for c, n in zip(classes.tolist(), counts.tolist()):
-            a, b = offsets[c], offsets[c + 1]
-            logits = torch.addmm(bias[a:b], rs[start : start + n], emb[a:b].t())  # (n_c, S_c)
-            torch.sum(logits.exp_(), dim=1, out=sums[start : start + n])
-            start += n
-        sums.log_()
-        bad = ~torch.isfinite(sums) | (sums < LOG_SUM_FLOOR)
-        if bool(bad.any()):  # rare: scores beyond exp's float32 range
-            for i in bad.nonzero().squeeze(1).tolist():
-                a, b = offsets[int(sorted_cls[i])], offsets[int(sorted_cls[i]) + 1]
-                sums[i] = torch.logsumexp(torch.mv(emb[a:b], rs[i]) + bias[a:b], dim=0)
-        out[torch.from_numpy(perm)] = sums
-        return out
-
-    def class_norm(self, r: Tensor) -> Tensor:
-        """log Σ_c exp s_c(h) → (N,): one fused GEMM (N, E) @ (E, K) plus the class biases."""
-        return torch.logsumexp(torch.addmm(self.class_bias, r, self.class_embed_t), dim=1)
-
-    # -------------------------------------------------------------- numpy, tiny batches
     def log_prob_numpy(self, plan: BatchPlan, ctx: np.ndarray, target: np.ndarray) -> np.ndarray:
         """The rows of ``plan`` (``plan_batch`` of ``ctx``, ``target``) as
         ``LanguageModel._score_plan`` scores them, in numpy → float32 (N,)."""
-        r = self._encode_numpy(ctx[plan.contexts])  # (U, E)
-        rr, t = r[plan.row_context], target[plan.rows]  # (R, E), (R,)
-        raw = np.einsum("ne,ne->n", rr, self.np_out_embed[t]) + self.np_out_bias[t]  # (R,) s_c + s_w
-        if not plan.norm.size:
-            return plan.compose(raw, _NO_SCORES, _NO_SCORES)
-        class_logits = _mm(r[plan.norm_contexts], self.np_class_embed_t) + self.np_class_bias  # (C, K)
-        in_class = np.empty(plan.pair_class.size, dtype=np.float32)  # (P,)
-        offsets = self.offsets
-        for p, (u, k) in enumerate(zip(plan.pair_context.tolist(), plan.pair_class.tolist())):
-            a, b = offsets[k], offsets[k + 1]
-            in_class[p] = _logsumexp(_mv(self.np_sorted_embed[a:b], r[u]) + self.np_sorted_bias[a:b])
-        return plan.compose(raw, _logsumexp_rows(class_logits), in_class)
+        return self.out.log_prob_numpy(plan, self._encode_numpy(ctx[plan.contexts]), target)
 
     def _encode_numpy(self, ctx: np.ndarray) -> np.ndarray:
         """ctx (U, order-1) → r (U, E), as ``NeuralLM.encode``."""
@@ -565,52 +466,14 @@ class _InferenceTables:
         if self.context == "diagonal":
             r: np.ndarray = (q * self.np_ctx).sum(axis=1)
         else:
-            r = _mm(q.reshape(q.shape[0], -1), self.np_ctx)
+            r = cpu.mm(q.reshape(q.shape[0], -1), self.np_ctx)
         if self.np_hidden_w is not None:
-            r = _mm(r, self.np_hidden_w) + self.np_hidden_b
+            r = cpu.mm(r, self.np_hidden_w) + self.np_hidden_b
         if self.activation == "tanh":
             r = np.tanh(r)
         elif self.activation == "relu":
             r = np.maximum(r, 0)
         return r
-
-
-_NO_SCORES = np.zeros(0, dtype=np.float32)
-
-
-def _numpy(t: Tensor) -> np.ndarray:
-    return t.float().cpu().numpy()
-
-
-def _mm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a @ b through torch: its BLAS runs on the threads torch was given, where numpy's
-    would start a pool of its own on every core (10-1000x slower on a busy machine)."""
-    return torch.mm(torch.from_numpy(np.ascontiguousarray(a)), torch.from_numpy(b)).numpy()
-
-
-def _mv(a: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """a @ x for a (S, D) float32 block, in slices of at most MV_ELEMENTS: numpy's BLAS runs
-    each slice on the calling thread (it starts its own thread pool only for larger products,
-    see :func:`_mm`), and its matrix-vector product streams the block faster than torch.mv
-    (measured on one thread, 7,942 x 256: 135-139 µs against 206-215 µs)."""
-    rows = max(1, MV_ELEMENTS // max(1, a.shape[1]))
-    if a.shape[0] <= rows:
-        return a @ x  # type: ignore[no-any-return]
-    out = np.empty(a.shape[0], dtype=np.result_type(a, x))
-    for s in range(0, a.shape[0], rows):
-        np.dot(a[s : s + rows], x, out=out[s : s + rows])
-    return out
-
-
-def _logsumexp(x: np.ndarray) -> np.floating[Any]:
-    m = x.max()
-    return m + np.log(np.exp(x - m).sum())  # type: ignore[no-any-return]
-
-
-def _logsumexp_rows(x: np.ndarray) -> np.ndarray:
-    """log Σ exp of each row of x (N, K) → (N,), as :func:`_logsumexp` row by row."""
-    m = x.max(axis=1)
-    return m + np.log(np.exp(x - m[:, None]).sum(axis=1))  # type: ignore[no-any-return]
 
 
 __all__ = ["LanguageModel", "ScoringTables", "SentenceScores", "FORMAT_VERSION", "UNK_ID", "BOS_ID", "EOS_ID"]

@@ -29,12 +29,13 @@ import numpy as np
 import torch
 
 from nlmserve.errors import CorpusError, InputError
-from nlmserve.lm.checkpoint import TrainingLog, load_checkpoint, save_checkpoint, write_learning_curve
+from nlmserve.lm.checkpoint import TrainingLog, load_checkpoint, load_optimizer_state, save_checkpoint, write_learning_curve
 from nlmserve.lm.classes import WordClasses, brown_clusters, default_num_classes, frequency_binning, load_wcluster
 from nlmserve.lm.corpus import CorpusIds, count_words
 from nlmserve.lm.distributed import array_digest, init_distributed
 from nlmserve.lm.hogwild import HogwildPool
 from nlmserve.lm.model import ModelConfig, NeuralLM
+from nlmserve.lm.outputs import ClassOutput
 from nlmserve.lm.model_file import save_model
 from nlmserve.lm.objectives import OBJECTIVES, NoiseDistribution, batch_loss
 from nlmserve.lm.strategies import SPARSE_OUTPUT_OBJECTIVES, build_tree, model_output, output_fields, resolve_output
@@ -330,11 +331,11 @@ def scoring_spans(model: NeuralLM, corpus: CorpusIds, span: range, budget: int =
 
     The class-factored normaliser materialises (rows of class c) × |c| scores per class
     present, so that sum bounds the largest score matrix by the rows actually scored;
-    ``model.scoring_chunk()`` assumes every row is in the largest class, which at V ≥ 100k
+    ``OutputLayer.scoring_chunk()`` assumes every row is in the largest class, which at V ≥ 100k
     (a 58,333-word rare-word class) made chunks of 287 rows and validation 3.9× slower.
     """
     targets = np.asarray(corpus.ids[span.start : span.stop])
-    for a, b in model.scoring_bounds(targets, budget, max_rows):
+    for a, b in model.output.scoring_bounds(targets, budget, max_rows):
         yield range(span.start + a, span.start + b)
 
 
@@ -448,7 +449,7 @@ def _make_optimizer(cfg: TrainConfig, model: NeuralLM) -> torch.optim.Optimizer:
         return torch.optim.Adam(model.parameters(), lr=cfg.lr)
     if cfg.workers > 1:  # lock-free processes: an update bounded by the rate (see HogwildAdagrad)
         return HogwildAdagrad(model.parameters(), lr=cfg.lr)
-    tables = [p for p in (model.ngram_class, model.ngram_word) if p is not None]
+    tables = model.output.feature_tables() if isinstance(model.output, ClassOutput) else []
     if not tables:
         return torch.optim.Adagrad(model.parameters(), lr=cfg.lr)
     ids = {id(p) for p in tables}
@@ -510,8 +511,8 @@ class _Trainer:
         # updates only those (MLE and softmax touch most output rows: dense is faster there).
         adagrad = cfg.optimizer == "adagrad" and not cfg.dense_grads and self.dist.sparse_grads_ok
         sparse_out = cfg.objective in SPARSE_OUTPUT_OBJECTIVES or self.mconf.output == "tree"
-        self.model.set_sparse_grads(output=adagrad and sparse_out, context=adagrad)
-        self.model.feature_sparse = adagrad  # a batch touches few slots of the n-gram tables
+        # A batch touches few slots of the n-gram tables: sparse too.
+        self.model.set_sparse_grads(output=adagrad and sparse_out, context=adagrad, features=adagrad)
         if adagrad:
             torch.sparse.check_sparse_tensor_invariants.disable()  # type: ignore[no-untyped-call]  # opt out explicitly (and quietly)
         self.model.to(self.device).train()
@@ -545,7 +546,7 @@ class _Trainer:
         if ck["vocab_sha256"] != self.data.vocab.sha256() or ck["model_config"] != self.mconf.to_json():
             raise InputError("checkpoint was made with another vocabulary or model shape", cfg.checkpoint_path)
         self.model.load_state_dict(ck["model"])
-        self.opt.load_state_dict(ck["optimizer"])
+        load_optimizer_state(self.model, self.opt, ck)
         self.dist.restore_generator(self.gen, ck, cfg.seed, int(ck["state"]["step"]))
         self.state = _State(**ck["state"])
         self.best = ck["best"]

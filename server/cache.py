@@ -12,7 +12,7 @@ model scores them as they are (``score_prepared``); with it, the batch is planne
 ``score_prepared`` plans it (``nlmserve.lm.dedup.plan_batch``: distinct contexts, rows and
 (context, class) pairs), each distinct context's r and normalisers come from the cache or
 from the model's pieces (``encode_contexts``, ``class_log_normalizer``,
-``in_class_log_normalizer``), and the plan composes the scores with ``raw_scores``; so a hit
+``in_class_log_normalizer``), and the plan composes the scores with ``raw_score``; so a hit
 returns what the uncached path computes up to float rounding.
 """
 
@@ -76,6 +76,7 @@ class ContextEntry:
     """What the context cache keeps for one context."""
 
     r: torch.Tensor  # (E,) context vector
+    ctx: torch.Tensor  # (order-1,) its context ids (read by direct n-gram features)
     class_lognorm: float | None = None  # log Σ_c exp s_c(h) once asked; 0 for a softmax output
     in_class: dict[int, float] = field(default_factory=dict)  # class → log Σ_{w∈c} exp s_w(h)
 
@@ -155,9 +156,9 @@ class Scorer:
         target_t = self._tensor(target)
         plan = plan_batch(ctx, target, lm.word_classes(target_t).cpu().numpy(), normalized)
         entries = self._entries(ctx, plan.contexts)  # (U,)
-        R = torch.stack([e.r for e in entries])  # (U, E)
-        class_score, word_score = lm.raw_scores(R[self._tensor(plan.row_context)], target_t[self._tensor(plan.rows)])
-        raw = (class_score + word_score).float().cpu().numpy()  # (R,)
+        R, C = self._stack(entries)  # (U, E), (U, order-1)
+        row_context = self._tensor(plan.row_context)
+        raw = lm.raw_score(R[row_context], target_t[self._tensor(plan.rows)], C[row_context]).float().cpu().numpy()
         if not plan.norm.size:
             return plan.compose(raw, _NO_SCORES, _NO_SCORES)
         return plan.compose(raw, self._class_norms([entries[u] for u in plan.norm_contexts.tolist()]),
@@ -170,9 +171,10 @@ class Scorer:
         found = [self.context_cache.get(k) for k in keys]
         missing = [u for u, e in enumerate(found) if e is None]
         if missing:
-            r_new = self.lm.encode_contexts(self._tensor(ctx[contexts[missing]]))
+            ctx_new = self._tensor(ctx[contexts[missing]])
+            r_new = self.lm.encode_contexts(ctx_new)
             for j, u in enumerate(missing):
-                entry = found[u] = ContextEntry(r=r_new[j].clone())
+                entry = found[u] = ContextEntry(r=r_new[j].clone(), ctx=ctx_new[j])
                 self.context_cache.put(keys[u], entry)
         return [e for e in found if e is not None]
 
@@ -180,7 +182,7 @@ class Scorer:
         """The class log-normaliser of each entry (C,), the missing ones computed together."""
         missing = [e for e in entries if e.class_lognorm is None]
         if missing:
-            values = self.lm.class_log_normalizer(torch.stack([e.r for e in missing])).float().cpu().tolist()
+            values = self.lm.class_log_normalizer(*self._stack(missing)).float().cpu().tolist()
             for e, v in zip(missing, values):
                 e.class_lognorm = v
         return np.array([e.class_lognorm for e in entries], dtype=np.float32)
@@ -200,12 +202,17 @@ class Scorer:
         self.in_class_hits += pair_class.size - len(need)
         self.in_class_misses += len(need)
         if need:
-            R = torch.stack([entries[u].r for u in pair_context[need].tolist()])
-            values = self.lm.in_class_log_normalizer(R, self._tensor(pair_class[need])).float().cpu().numpy()
+            R, C = self._stack([entries[u] for u in pair_context[need].tolist()])
+            values = self.lm.in_class_log_normalizer(R, self._tensor(pair_class[need]), C).float().cpu().numpy()
             out[need] = values
             for p, v in zip(need, values.tolist()):
                 entries[int(pair_context[p])].in_class[int(pair_class[p])] = v
         return out
+
+    @staticmethod
+    def _stack(entries: list[ContextEntry]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The entries' context vectors (n, E) and context ids (n, order-1)."""
+        return torch.stack([e.r for e in entries]), torch.stack([e.ctx for e in entries])
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.lm.device)

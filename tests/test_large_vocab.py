@@ -47,8 +47,8 @@ def test_validation_chunks_by_class_width_score_every_position_once(tiny_model_p
     parts = list(scoring_spans(lm.net, dev, span, budget))
     assert [p.start for p in parts[1:]] == [p.stop for p in parts[:-1]]  # contiguous, in order
     assert parts[0].start == span.start and parts[-1].stop == span.stop
-    sizes = np.bincount(lm.net.word_class.numpy())
-    widths = sizes[lm.net.word_class.numpy()[np.asarray(dev.ids)]]
+    sizes = np.bincount(lm.net.output.word_class.numpy())
+    widths = sizes[lm.net.output.word_class.numpy()[np.asarray(dev.ids)]]
     assert all(len(p) == 1 or widths[p.start : p.stop].sum() <= budget for p in parts)
     if budget == 1:
         assert len(parts) == len(span)

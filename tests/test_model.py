@@ -78,8 +78,8 @@ def test_grouped_and_padded_in_class_normalisers_agree() -> None:
     cls = torch.randint(0, 7, (50,))
     with torch.no_grad():
         r = model.encode(ctx)
-        a = model.in_class_log_normalizer(r, cls, method="grouped")
-        b = model.in_class_log_normalizer(r, cls, method="padded")
+        a = model.output.in_class_log_normalizer(r, cls, method="grouped")
+        b = model.output.in_class_log_normalizer(r, cls, method="padded")
     assert torch.allclose(a, b, atol=1e-5)
 
 
@@ -87,7 +87,7 @@ def test_class_scores_by_gemm_and_by_gather_agree_with_their_gradients(monkeypat
     # NCE scores m classes per row through one GEMM over all K classes when K is small
     # enough, otherwise by gathering the m class vectors; both must give the same scores
     # and the same gradients, and both must match the one-class-per-row path.
-    import nlmserve.lm.model as model_module
+    import nlmserve.lm.outputs as model_module
 
     model = make_model("class", V=60, K=7, bos_alone=True)
     ctx = torch.randint(0, 60, (30, 3))
@@ -96,9 +96,9 @@ def test_class_scores_by_gemm_and_by_gather_agree_with_their_gradients(monkeypat
     for per_score in (model_module.GEMM_CLASSES_PER_SCORE, 0):
         monkeypatch.setattr(model_module, "GEMM_CLASSES_PER_SCORE", per_score)
         model.zero_grad()
-        s = model.class_score(model.encode(ctx), cls)
+        s = model.output.class_score(model.encode(ctx), cls)
         (s[torch.isfinite(s)] * torch.linspace(-1, 1, int(torch.isfinite(s).sum()))).sum().backward()
-        results.append((s.detach(), [p.grad.clone() for p in (model.class_embed, model.ctx_weight, model.embed.weight)]))
+        results.append((s.detach(), [p.grad.clone() for p in (model.output.class_embed, model.ctx_weight, model.embed.weight)]))
     (s_gemm, g_gemm), (s_gather, g_gather) = results
     assert torch.equal(torch.isinf(s_gemm), torch.isinf(s_gather)) and torch.isinf(s_gemm).any()
     finite = torch.isfinite(s_gemm)
@@ -107,19 +107,19 @@ def test_class_scores_by_gemm_and_by_gather_agree_with_their_gradients(monkeypat
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     with torch.no_grad():
         r = model.encode(ctx)
-        one_by_one = torch.stack([model.class_score(r, cls[:, j]) for j in range(cls.shape[1])], dim=1)
+        one_by_one = torch.stack([model.output.class_score(r, cls[:, j]) for j in range(cls.shape[1])], dim=1)
     torch.testing.assert_close(one_by_one[finite], s_gemm[finite], atol=1e-5, rtol=0)
 
 
 def test_class_layout_partitions_the_vocabulary() -> None:
     model = make_model("class", V=50, K=9)
-    order = model.class_order.tolist()
+    order = model.output.class_order.tolist()
     assert sorted(order) == list(range(50))
-    offsets = model.class_offsets.tolist()
+    offsets = model.output.class_offsets.tolist()
     assert offsets[0] == 0 and offsets[-1] == 50
     for c in range(9):
         words = order[offsets[c]: offsets[c + 1]]
-        assert words and all(model.word_class[w].item() == c for w in words)
+        assert words and all(model.output.word_class[w].item() == c for w in words)
 
 
 def test_biases_start_from_log_unigram_frequencies() -> None:
@@ -127,9 +127,9 @@ def test_biases_start_from_log_unigram_frequencies() -> None:
     wc = np.array([0, 0, 0, 1, 1, 1])
     model = NeuralLM(ModelConfig(vocab_size=6, order=2, dim=2, num_classes=2), wc)
     model.init_biases(counts)
-    assert model.class_bias.tolist() == pytest.approx([math.log(15 / 27), math.log(12 / 27)], abs=1e-6)
-    assert model.word_bias[3].item() == pytest.approx(math.log(7 / 12), abs=1e-6)
-    assert model.word_bias[0].item() == pytest.approx(math.log(4 / 15), abs=1e-6)
+    assert model.output.class_bias.tolist() == pytest.approx([math.log(15 / 27), math.log(12 / 27)], abs=1e-6)
+    assert model.output.word_bias[3].item() == pytest.approx(math.log(7 / 12), abs=1e-6)
+    assert model.output.word_bias[0].item() == pytest.approx(math.log(4 / 15), abs=1e-6)
 
 
 def _toy() -> tuple[NeuralLM, NoiseDistribution]:
@@ -140,10 +140,10 @@ def _toy() -> tuple[NeuralLM, NoiseDistribution]:
     with torch.no_grad():
         model.embed.weight.copy_(torch.tensor([[0.1, 0.2], [0.3, -0.1], [0.0, 0.5], [-0.2, 0.4], [0.5, 0.5], [1.0, -1.0]]))
         model.ctx_weight.copy_(torch.tensor([[2.0, 0.5]]))
-        model.word_embed.copy_(torch.tensor([[0.2, 0.1], [0.0, 0.0], [-0.3, 0.2], [0.4, -0.6], [0.1, 0.9], [-0.5, 0.3]]))
-        model.word_bias.copy_(torch.tensor([-1.0, 0.0, -0.5, -0.2, -0.7, -1.2]))
-        model.class_embed.copy_(torch.tensor([[0.3, -0.4], [0.6, 0.2]]))
-        model.class_bias.copy_(torch.tensor([-0.3, -0.9]))
+        model.output.word_embed.copy_(torch.tensor([[0.2, 0.1], [0.0, 0.0], [-0.3, 0.2], [0.4, -0.6], [0.1, 0.9], [-0.5, 0.3]]))
+        model.output.word_bias.copy_(torch.tensor([-1.0, 0.0, -0.5, -0.2, -0.7, -1.2]))
+        model.output.class_embed.copy_(torch.tensor([[0.3, -0.4], [0.6, 0.2]]))
+        model.output.class_bias.copy_(torch.tensor([-0.3, -0.9]))
     counts = np.array([1, 0, 3, 4, 2, 2])  # q(c0)=4/12, q(c1)=8/12; q(a|c1)=4/8, q(</s>|c0)=3/4
     return model, NoiseDistribution(counts, wc, torch.device("cpu"))
 
@@ -186,14 +186,14 @@ def test_noise_samples_stay_inside_the_target_class_and_follow_unigram() -> None
     model = make_model("class", V=60, K=5)
     counts = np.arange(60) + 1
     counts[BOS_ID] = 0
-    noise = NoiseDistribution(counts, model.word_class.numpy(), torch.device("cpu"))
+    noise = NoiseDistribution(counts, model.output.word_class.numpy(), torch.device("cpu"))
     gen = torch.Generator().manual_seed(3)
     cls = torch.arange(5).repeat_interleave(4000)
     words = noise.sample_words_in_class(cls, 5, gen)
-    assert (model.word_class[words] == cls[:, None]).all()
+    assert (model.output.word_class[words] == cls[:, None]).all()
     assert not (words == BOS_ID).any()
     c = 2
-    members = [w for w in range(60) if model.word_class[w] == c]
+    members = [w for w in range(60) if model.output.word_class[w] == c]
     drawn = words[cls == c].flatten()
     freq = torch.bincount(drawn, minlength=60)[members].double() / drawn.numel()
     expected = torch.tensor([counts[w] for w in members], dtype=torch.float64)
@@ -212,7 +212,7 @@ def test_gradients_match_finite_differences(objective: str, output: str, context
     model = make_model(output, context, hidden, "tanh" if hidden else "none", V=12, K=3, order=3, dim=3).double()
     ctx = torch.randint(0, 12, (5, 2), generator=torch.Generator().manual_seed(2))
     target = torch.tensor([0, 2, 3, 5, 11])
-    noise = NoiseDistribution(np.arange(12) + 1, model.word_class.numpy() if output == "class" else None,
+    noise = NoiseDistribution(np.arange(12) + 1, model.output.word_class.numpy() if output == "class" else None,
                               torch.device("cpu"))
     noise_classes, noise_words = noise.sample(model, target, 3, torch.Generator().manual_seed(5))
     names = [n for n, _ in model.named_parameters()]

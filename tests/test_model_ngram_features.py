@@ -12,17 +12,8 @@ import torch
 from torch.func import functional_call
 
 from nlmserve.lm.classes import frequency_binning
-from nlmserve.lm.model import (
-    HASH_CTX,
-    HASH_KEY,
-    HASH_MOD,
-    HASH_OUT,
-    HASH_SEED,
-    ModelConfig,
-    NeuralLM,
-    context_hashes,
-    ngram_feature_index,
-)
+from nlmserve.lm.model import ModelConfig, NeuralLM
+from nlmserve.lm.outputs import HASH_CTX, HASH_KEY, HASH_MOD, HASH_OUT, HASH_SEED, context_hashes, ngram_feature_index
 from nlmserve.lm.objectives import NoiseDistribution, mle_loss, nce_loss
 from nlmserve.lm.vocab import BOS_ID
 
@@ -60,11 +51,11 @@ def test_hash_slots_and_feature_value_by_hand() -> None:
     model = NeuralLM(cfg, np.arange(12) % 3)
     ctx, tgt = torch.tensor([[5, 7]]), torch.tensor([word])
     with torch.no_grad():
-        before = float(model.word_score(model.encode(ctx), tgt))
-        assert model.ngram_word is not None
+        before = float(model.output.word_score(model.encode(ctx), tgt, ctx))
+        assert model.output.ngram_word is not None
         for i, s in enumerate(slots):
-            model.ngram_word[s, 0] += 0.25 * (i + 1)  # 0.25 + 0.5 + 0.75 (adds up on a collision)
-        after = float(model.word_score(model.encode(ctx), tgt))
+            model.output.ngram_word[s, 0] += 0.25 * (i + 1)  # 0.25 + 0.5 + 0.75 (adds up on a collision)
+        after = float(model.output.word_score(model.encode(ctx), tgt, ctx))
     assert after - before == pytest.approx(1.5, abs=1e-6)
 
 
@@ -87,15 +78,14 @@ def test_feature_order_caps_the_suffixes_by_hand(tmp_path: Path) -> None:
     model = NeuralLM(cfg, classes.word_class.copy())
     ctx, tgt = torch.tensor([[3, 4, 5, 7]]), torch.tensor([word])
     with torch.no_grad():
-        r = model.encode(ctx)
-        assert r.shape == (1, 2 + 2)  # the two newest context ids follow the context vector
-        _, h = model.split_context(r)
+        assert model.encode(ctx).shape == (1, 2)  # the context vector alone; the ids go beside it
+        h = model.output.hashes(ctx)
         assert h is not None and h.tolist() == [[h0, h1, h2]]
-        before = float(model.word_score(model.encode(ctx), tgt))
-        assert model.ngram_word is not None
+        before = float(model.output.word_score(model.encode(ctx), tgt, ctx))
+        assert model.output.ngram_word is not None
         for i, s in enumerate(slots):
-            model.ngram_word[s, 0] += 0.25 * (i + 1)
-        after = float(model.word_score(model.encode(ctx), tgt))
+            model.output.ngram_word[s, 0] += 0.25 * (i + 1)
+        after = float(model.output.word_score(model.encode(ctx), tgt, ctx))
         full = model.double().full_log_probs(ctx)
     assert after - before == pytest.approx(1.5, abs=1e-6)
     assert float(full.exp().sum()) == pytest.approx(1.0, abs=1e-10)
@@ -136,9 +126,9 @@ def test_distribution_sums_to_one_with_features(class_table: int, word_table: in
         lp = model.log_prob(ctx[rows.reshape(-1)], targets.reshape(-1)).view(16, -1)
         assert torch.allclose(lp, full[:, 2:], atol=1e-10)
         r = model.encode(ctx)
-        cls = model.word_class[torch.full((16,), 7)]
-        grouped = model.in_class_log_normalizer(r, cls)
-        padded = model.in_class_log_normalizer(r, cls, method="padded")
+        cls = model.output.word_class[torch.full((16,), 7)]
+        grouped = model.output.in_class_log_normalizer(r, cls, ctx)
+        padded = model.output.in_class_log_normalizer(r, cls, ctx, method="padded")
         assert torch.allclose(grouped, padded, atol=1e-10)
 
 
@@ -147,9 +137,9 @@ def test_features_change_the_distribution() -> None:
     ctx = torch.tensor([[4, 5, 6]])
     with torch.no_grad():
         a = model.full_log_probs(ctx)
-        assert model.ngram_word is not None and model.ngram_class is not None
-        model.ngram_word.zero_()
-        model.ngram_class.zero_()
+        assert model.output.ngram_word is not None and model.output.ngram_class is not None
+        model.output.ngram_word.zero_()
+        model.output.ngram_class.zero_()
         b = model.full_log_probs(ctx)
     assert (a - b)[:, 2:].abs().max() > 0.1
 
@@ -159,10 +149,10 @@ def test_gradients_match_finite_differences_with_features(objective: str) -> Non
     model = make_model(V=12, K=3, order=3, dim=3, class_table=5, word_table=7).double()
     ctx = torch.randint(0, 12, (5, 2), generator=torch.Generator().manual_seed(2))
     target = torch.tensor([0, 2, 3, 5, 11])
-    noise = NoiseDistribution(np.arange(12) + 1, model.word_class.numpy(), torch.device("cpu"))
+    noise = NoiseDistribution(np.arange(12) + 1, model.output.word_class.numpy(), torch.device("cpu"))
     noise_classes, noise_words = noise.sample(model, target, 3, torch.Generator().manual_seed(5))
     names = [n for n, _ in model.named_parameters()]
-    assert "ngram_class" in names and "ngram_word" in names
+    assert "output.ngram_class" in names and "output.ngram_word" in names
     params = tuple(p.detach().clone().requires_grad_(True) for _, p in model.named_parameters())
 
     class LossOf(torch.nn.Module):
@@ -188,16 +178,16 @@ def test_sparse_feature_gradients_equal_dense(objective: str) -> None:
     model = make_model(V=20, K=4, order=3, dim=4, class_table=11, word_table=9)
     ctx = torch.randint(0, 20, (8, 2), generator=torch.Generator().manual_seed(3))
     target = torch.randint(2, 20, (8,), generator=torch.Generator().manual_seed(4))
-    noise = NoiseDistribution(np.arange(20) + 1, model.word_class.numpy(), torch.device("cpu"))
+    noise = NoiseDistribution(np.arange(20) + 1, model.output.word_class.numpy(), torch.device("cpu"))
     nc, nw = noise.sample(model, target, 4, torch.Generator().manual_seed(5))
     grads = []
     for sparse in (False, True):
         model.zero_grad(set_to_none=True)
-        model.feature_sparse = sparse
+        model.output.feature_sparse = sparse
         loss = nce_loss(model, ctx, target, noise, nc, nw) if objective == "nce" else mle_loss(model, ctx, target)
         loss.backward()
-        assert model.ngram_word is not None and model.ngram_class is not None
-        gw, gc = model.ngram_word.grad, model.ngram_class.grad
+        assert model.output.ngram_word is not None and model.output.ngram_class is not None
+        gw, gc = model.output.ngram_word.grad, model.output.ngram_class.grad
         assert gw is not None and gc is not None and gw.is_sparse == sparse
         grads.append((gw.to_dense(), gc.to_dense()))
     assert torch.allclose(grads[0][0], grads[1][0], atol=1e-6)
@@ -265,16 +255,16 @@ def test_server_pieces_and_cached_scorer_with_features(feature_model_path: Path)
     ctx, target = lm.prepare_contexts(rows)
     expected = lm.net.log_prob(ctx, target).detach().numpy()
     r = lm.encode_contexts(ctx)
-    class_score, word_score = lm.raw_scores(r, target)
+    raw = lm.raw_score(r, target, ctx)
     cls = lm.word_classes(target)
-    logp = class_score - lm.class_log_normalizer(r) + word_score - lm.in_class_log_normalizer(r, cls)
+    logp = raw - lm.class_log_normalizer(r, ctx) - lm.in_class_log_normalizer(r, cls, ctx)
     assert np.allclose(logp.numpy(), expected, atol=1e-5)
     assert np.allclose(lm.score_ngrams(rows), expected, atol=1e-5)
-    assert np.allclose(lm.score_ngrams(rows, normalized=False), (class_score + word_score).numpy(), atol=1e-5)
+    assert np.allclose(lm.score_ngrams(rows, normalized=False), raw.numpy(), atol=1e-5)
     canon = np.concatenate([ctx.numpy(), target.numpy()[:, None]], axis=1)
     normalized = np.ones(len(rows), dtype=bool)
     normalized[1::3] = False
-    want = np.where(normalized, expected, (class_score + word_score).numpy())
+    want = np.where(normalized, expected, raw.numpy())
     for ngram_cache, context_cache in ((0, 0), (0, 64), (64, 64)):
         scorer = Scorer(lm, ngram_cache, context_cache)
         for _ in range(2):  # the second pass is served from the caches
@@ -287,14 +277,14 @@ def test_hashed_adagrad_matches_torch_adagrad() -> None:
     torch.sparse.check_sparse_tensor_invariants.disable()  # as training does (quietly)
     models = [make_model(V=20, K=4, order=3, dim=4, class_table=11, word_table=9) for _ in range(2)]
     for m in models:
-        m.feature_sparse = True
+        m.output.feature_sparse = True
         m.set_sparse_grads(True, True)
     ref = torch.optim.Adagrad(models[0].parameters(), lr=0.3)
-    tables = [models[1].ngram_class, models[1].ngram_word]
-    rest = [p for n, p in models[1].named_parameters() if not n.startswith("ngram_")]
+    tables = [models[1].output.ngram_class, models[1].output.ngram_word]
+    rest = [p for n, p in models[1].named_parameters() if not n.startswith("output.ngram_")]
     groups: list[dict[str, Any]] = [{"params": rest}, {"params": tables, "hashed": True}]
     fast = HashedAdagrad(groups, lr=0.3)
-    noise = NoiseDistribution(np.arange(20) + 1, models[0].word_class.numpy(), torch.device("cpu"))
+    noise = NoiseDistribution(np.arange(20) + 1, models[0].output.word_class.numpy(), torch.device("cpu"))
     for step in range(4):
         ctx = torch.randint(0, 20, (8, 2), generator=torch.Generator().manual_seed(step))
         target = torch.randint(2, 20, (8,), generator=torch.Generator().manual_seed(10 + step))
@@ -305,4 +295,4 @@ def test_hashed_adagrad_matches_torch_adagrad() -> None:
             opt.step()
     for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
         assert torch.allclose(a, b, atol=1e-6), name
-    assert models[1].ngram_word is not None and models[1].ngram_word.abs().sum() > 0
+    assert models[1].output.ngram_word is not None and models[1].output.ngram_word.abs().sum() > 0

@@ -84,10 +84,10 @@ def test_server_pieces_compose_to_log_probabilities(tiny_lm: LanguageModel) -> N
     assert ctx[0].tolist()[:2] == [BOS_ID, BOS_ID]
     r = tiny_lm.encode_contexts(ctx)
     cls = tiny_lm.word_classes(target)
-    class_score, word_score = tiny_lm.raw_scores(r, target)
-    logp = class_score - tiny_lm.class_log_normalizer(r) + word_score - tiny_lm.in_class_log_normalizer(r, cls)
+    raw = tiny_lm.raw_score(r, target, ctx)
+    logp = raw - tiny_lm.class_log_normalizer(r, ctx) - tiny_lm.in_class_log_normalizer(r, cls, ctx)
     assert np.allclose(logp.numpy(), tiny_lm.score_ngrams(rows), atol=1e-5)
-    unnorm = (class_score + word_score).numpy()
+    unnorm = raw.numpy()
     assert np.allclose(unnorm, tiny_lm.score_ngrams(rows, normalized=False), atol=1e-5)
 
 
@@ -155,7 +155,8 @@ def test_in_class_matrix_vector_product_in_slices_equals_the_whole(shape: tuple[
     # The tiny path's in-class normaliser multiplies a class's embedding block by the context
     # vector in slices (so numpy's BLAS stays on the calling thread); a block larger than a
     # slice must give the product of the whole block.
-    from nlmserve.lm.scoring import MV_ELEMENTS, _mv
+    from nlmserve.lm.cpu import MV_ELEMENTS
+    from nlmserve.lm.cpu import mv as _mv
 
     rng = np.random.default_rng(0)
     a = rng.standard_normal(shape).astype(np.float32)

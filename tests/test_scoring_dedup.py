@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+import nlmserve.lm.cpu as cpu
 import nlmserve.lm.scoring as scoring
 from nlmserve.lm.dedup import distinct_rows, plan_batch
 from nlmserve.lm.model import ModelConfig, NeuralLM
@@ -168,8 +169,8 @@ def test_full_context_hidden_layer_and_one_word_classes(tiny_lm: Any) -> None:
 def test_scores_beyond_exp_range_with_shared_contexts(tiny_lm: Any) -> None:
     lm = with_net(tiny_lm, copy.deepcopy(tiny_lm.net))
     with torch.no_grad():
-        lm.net.word_bias.add_(150.0)  # every in-class sum overflows without the shift
-        lm.net.word_embed.mul_(40.0)
+        lm.net.output.word_bias.add_(150.0)  # every in-class sum overflows without the shift
+        lm.net.output.word_embed.mul_(40.0)
     for h, t in ((2, 5), (5, 30)):
         rows = decoder_batch(lm, h, t, h)
         norm = np.ones(len(rows), dtype=bool)
@@ -229,21 +230,21 @@ def test_one_context_and_class_share_the_normalisers(tiny_lm: Any, n: int, monke
     want = row_by_row(tiny_lm, rows, norm)
     calls: list[tuple[str, int]] = []
     lm = copy.copy(tiny_lm)
-    real_mv, real_in, real_cn = scoring._mv, lm.in_class_log_normalizer, lm.class_log_normalizer
+    real_mv, real_in, real_cn = cpu.mv, lm.in_class_log_normalizer, lm.class_log_normalizer
 
     def mv(a: np.ndarray, x: np.ndarray) -> np.ndarray:
         calls.append(("numpy in-class", 1))
         return real_mv(a, x)
 
-    def in_class(r: torch.Tensor, cls: torch.Tensor) -> torch.Tensor:
+    def in_class(r: torch.Tensor, cls: torch.Tensor, ctx: torch.Tensor | None = None) -> torch.Tensor:
         calls.append(("in-class", r.shape[0]))
-        return real_in(r, cls)
+        return real_in(r, cls, ctx)
 
-    def class_norm(r: torch.Tensor) -> torch.Tensor:
+    def class_norm(r: torch.Tensor, ctx: torch.Tensor | None = None) -> torch.Tensor:
         calls.append(("class", r.shape[0]))
-        return real_cn(r)
+        return real_cn(r, ctx)
 
-    monkeypatch.setattr(scoring, "_mv", mv)
+    monkeypatch.setattr(cpu, "mv", mv)
     monkeypatch.setattr(lm, "in_class_log_normalizer", in_class)
     monkeypatch.setattr(lm, "class_log_normalizer", class_norm)
     got = lm.score_prepared(rows[:, :-1], rows[:, -1], norm)
@@ -273,9 +274,9 @@ def test_scoring_bounds_count_each_pair_once(tiny_lm: Any) -> None:
     first = tiny_lm._first_of_pairs(rows)
     assert first.sum() == 1
     width = int(np.bincount(tiny_lm.classes.word_class)[tiny_lm.classes.word_class[rows[0, -1]]])
-    assert list(tiny_lm.net.scoring_bounds(rows[:, -1], budget=width * 10, max_rows=1000)) == [
+    assert list(tiny_lm.net.output.scoring_bounds(rows[:, -1], budget=width * 10, max_rows=1000)) == [
         (a, a + 10) for a in range(0, 50, 10)]
-    assert list(tiny_lm.net.scoring_bounds(rows[:, -1], budget=width * 10, max_rows=1000, counted=first)) == [(0, 50)]
+    assert list(tiny_lm.net.output.scoring_bounds(rows[:, -1], budget=width * 10, max_rows=1000, counted=first)) == [(0, 50)]
 
 
 def test_context_cache_counts_pairs_and_equals_direct(tiny_lm: Any) -> None:

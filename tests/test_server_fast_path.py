@@ -72,7 +72,7 @@ def test_tables_follow_weights_changed_in_place(tiny_lm: Any, rows: np.ndarray) 
     lm._fast = None
     before = lm.score_prepared(rows[:50, :-1], rows[:50, -1], np.ones(50, dtype=bool))
     with torch.no_grad():
-        lm.net.word_embed.mul_(1.5)
+        lm.net.output.word_embed.mul_(1.5)
         lm.net.embed.weight.add_(0.01)
     after = lm.score_prepared(rows[:50, :-1], rows[:50, -1], np.ones(50, dtype=bool))
     assert np.abs(after - before).max() > 1e-3
@@ -85,8 +85,8 @@ def test_scores_beyond_exp_range_fall_back_to_the_shifted_sum(tiny_lm: Any, rows
     lm.net = copy.deepcopy(tiny_lm.net)
     lm._fast = None
     with torch.no_grad():
-        lm.net.word_bias.add_(150.0)  # every in-class sum overflows without the shift
-        lm.net.word_embed.mul_(40.0)
+        lm.net.output.word_bias.add_(150.0)  # every in-class sum overflows without the shift
+        lm.net.output.word_embed.mul_(40.0)
     want = reference(lm, rows, True)
     assert np.isfinite(want).all()
     for n in (TINY_ROWS + 1, len(rows)):

@@ -15,6 +15,7 @@ import torch
 from nlmserve.lm.model import NeuralLM
 from nlmserve.lm.model_file import read_model_file
 from nlmserve.lm.objectives import NoiseDistribution, batch_loss
+from nlmserve.lm.outputs import TreeOutput
 from nlmserve.lm.scoring import LanguageModel
 from nlmserve.lm.strategies import build_tree
 from nlmserve.lm.train import TrainConfig, TrainResult, model_config, prepare_data, train
@@ -112,9 +113,9 @@ def test_model_file_round_trip(trained: dict[str, TrainResult], dev_small_path: 
         want = res.model.eval().log_prob(ctx, tgt).numpy()  # the trained network, no validation: the last one
     np.testing.assert_allclose(lm.score_ngrams(ids), want, atol=1e-5)
     if output in ("huffman", "adaptive-eps", "random"):
-        tree = lm.net.tree_out.tree  # type: ignore[union-attr]
-        assert tree.method == output and res.model.tree_out is not None
-        np.testing.assert_array_equal(tree.code_word, res.model.tree_out.tree.code_word)
+        tree = lm.net.output.tree  # type: ignore[union-attr]
+        assert tree.method == output and isinstance(res.model.output, TreeOutput)
+        np.testing.assert_array_equal(tree.code_word, res.model.output.tree.code_word)
         assert lm.self_normalized  # the fast path is exact for a tree
         np.testing.assert_array_equal(lm.score_ngrams(ids, normalized=False), lm.score_ngrams(ids))
     else:
@@ -129,7 +130,7 @@ def test_tree_file_with_a_broken_tree_is_refused(trained: dict[str, TrainResult]
 
     mf = read_model_file(trained["huffman"].model_path)
     model = mf.build_model()
-    model.tree_out.tree.left[0] = model.tree_out.tree.right[0]  # type: ignore[union-attr]  # node reached twice
+    model.output.tree.left[0] = model.output.tree.right[0]  # type: ignore[union-attr]  # node reached twice
     bad = tmp_path / "bad.nlm"
     save_model(bad, model, mf.vocab, None, objective="mle")
     with pytest.raises(ModelFileError, match="invalid output tree"):

@@ -66,6 +66,36 @@ def test_interrupt_then_resume_ends_at_the_same_parameters(small_train: Path, de
     assert np.allclose(la.score_ngrams(rows), lb.score_ngrams(rows), atol=1e-6)
 
 
+@pytest.mark.parametrize("tables", [0, 512])
+def test_a_version_1_checkpoint_resumes_to_the_same_parameters(small_train: Path, dev_small_path: Path,
+                                                               tmp_path: Path, tables: int) -> None:
+    # Version 1 checkpoints listed each optimiser group's parameters in the model file's
+    # order (the class layer's parameters before the context embeddings); the optimiser now
+    # lists them in module order. Rewritten to that form, a checkpoint still resumes exactly.
+    feats = dict(ngram_class_table=tables // 2, ngram_word_table=tables)
+    straight = train(_config(small_train, dev_small_path, tmp_path / "a.nlm", **feats))
+    cfg_b = _config(small_train, dev_small_path, tmp_path / "b.nlm", **feats)
+    train(cfg_b, _interrupt_after_step=25)
+    ck = load_checkpoint(cfg_b.checkpoint_path)
+    names, opt = ck.pop("optimizer_params"), ck["optimizer"]
+    rank = {name: i for i, name in enumerate(ck["model"])}
+    old_index, start = {}, 0
+    for group in opt["param_groups"]:
+        members = [names[i] for i in group["params"]]
+        for j, name in enumerate(sorted(members, key=rank.__getitem__)):
+            old_index[name] = start + j
+        start += len(members)
+    assert [old_index[n] for n in names] != list(range(len(names)))  # the orders do differ
+    opt["state"] = {old_index[names[i]]: st for i, st in opt["state"].items()}
+    ck["version"] = 1
+    torch.save(ck, cfg_b.checkpoint_path)
+    resumed = train(replace(cfg_b, resume=True))
+    assert resumed.steps == straight.steps == 40
+    a, b = straight.model.state_dict(), resumed.model.state_dict()
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=1e-6, rtol=0), name
+
+
 def test_dropout_regularises_training_only(small_train: Path, dev_small_path: Path, tmp_path: Path) -> None:
     plain = train(_config(small_train, dev_small_path, tmp_path / "a.nlm", max_steps=10, valid_every=0))
     dropped = train(_config(small_train, dev_small_path, tmp_path / "b.nlm", max_steps=10, valid_every=0,

@@ -63,7 +63,7 @@ def test_golden_tree_probabilities_by_hand() -> None:
     for w, p in want.items():
         got = out.log_prob(r, torch.tensor([w])).item()
         assert got == pytest.approx(math.log(p), abs=1e-6)
-    full = out.all_log_probs(r)[0]
+    full = out.full_log_probs(r)[0]
     assert full[BOS_ID].item() == -math.inf
     assert full.exp().sum().item() == pytest.approx(1.0, abs=1e-6)
     assert tree.codes_of(0) == ["11"] and tree.codes_of(2) == ["10"] and tree.codes_of(3) == ["0"]
@@ -81,7 +81,7 @@ def test_a_word_with_two_codes_gets_the_sum_of_both_paths() -> None:
     # Nodes in creation order: 0 root, 1 = (0, 3), 2 = (3, (2, 4)), 3 = (2, 4).
     p3 = sig(x[0]) * sig(-x[1]) + sig(-x[0]) * sig(x[2])
     assert out.log_prob(r, torch.tensor([3])).item() == pytest.approx(math.log(p3), abs=1e-6)
-    full = out.all_log_probs(r)[0].exp()
+    full = out.full_log_probs(r)[0].exp()
     assert full[3].item() == pytest.approx(p3, abs=1e-6)
     assert full.sum().item() == pytest.approx(1.0, abs=1e-6)
     # (N, k) shapes as in batched scoring.
@@ -97,7 +97,7 @@ def test_bias_initialisation_gives_the_unigram() -> None:
         out.node_embed.zero_()
         out.node_bias.copy_(torch.from_numpy(node_log_odds(tree, counts)))
     with torch.no_grad():
-        p = out.all_log_probs(torch.zeros(1, 3))[0].exp().numpy()
+        p = out.full_log_probs(torch.zeros(1, 3))[0].exp().numpy()
     add_one = counts + 1.0
     add_one[BOS_ID] = 0
     np.testing.assert_allclose(p, add_one / add_one.sum(), atol=1e-6)
