@@ -76,7 +76,6 @@ class ContextEntry:
     """What the context cache keeps for one context."""
 
     r: torch.Tensor  # (E,) context vector
-    ctx: torch.Tensor  # (order-1,) its context ids (read by direct n-gram features)
     class_lognorm: float | None = None  # log Σ_c exp s_c(h) once asked; 0 for a softmax output
     in_class: dict[int, float] = field(default_factory=dict)  # class → log Σ_{w∈c} exp s_w(h)
 
@@ -156,13 +155,15 @@ class Scorer:
         target_t = self._tensor(target)
         plan = plan_batch(ctx, target, lm.word_classes(target_t).cpu().numpy(), normalized)
         entries = self._entries(ctx, plan.contexts)  # (U,)
-        R, C = self._stack(entries)  # (U, E), (U, order-1)
+        R = torch.stack([e.r for e in entries])  # (U, E)
+        C = self._tensor(ctx[plan.contexts])  # (U, order-1): the ids beside r (direct n-gram features read them)
         row_context = self._tensor(plan.row_context)
         raw = lm.raw_score(R[row_context], target_t[self._tensor(plan.rows)], C[row_context]).float().cpu().numpy()
         if not plan.norm.size:
             return plan.compose(raw, _NO_SCORES, _NO_SCORES)
-        return plan.compose(raw, self._class_norms([entries[u] for u in plan.norm_contexts.tolist()]),
-                            self._in_class_norms(entries, plan.pair_context, plan.pair_class))
+        norm = plan.norm_contexts.tolist()
+        return plan.compose(raw, self._class_norms([entries[u] for u in norm], C[norm]),
+                            self._in_class_norms(entries, C, plan.pair_context, plan.pair_class))
 
     def _entries(self, ctx: np.ndarray, contexts: np.ndarray) -> list[ContextEntry]:
         """The cache entry of each distinct context (rows ``contexts`` of ``ctx``); the
@@ -171,23 +172,24 @@ class Scorer:
         found = [self.context_cache.get(k) for k in keys]
         missing = [u for u, e in enumerate(found) if e is None]
         if missing:
-            ctx_new = self._tensor(ctx[contexts[missing]])
-            r_new = self.lm.encode_contexts(ctx_new)
+            r_new = self.lm.encode_contexts(self._tensor(ctx[contexts[missing]]))
             for j, u in enumerate(missing):
-                entry = found[u] = ContextEntry(r=r_new[j].clone(), ctx=ctx_new[j])
+                entry = found[u] = ContextEntry(r=r_new[j].clone())
                 self.context_cache.put(keys[u], entry)
         return [e for e in found if e is not None]
 
-    def _class_norms(self, entries: list[ContextEntry]) -> np.ndarray:
-        """The class log-normaliser of each entry (C,), the missing ones computed together."""
-        missing = [e for e in entries if e.class_lognorm is None]
+    def _class_norms(self, entries: list[ContextEntry], ctx: torch.Tensor) -> np.ndarray:
+        """The class log-normaliser of each entry (C,) (context ids ``ctx`` (C, order-1)), the
+        missing ones computed together."""
+        missing = [i for i, e in enumerate(entries) if e.class_lognorm is None]
         if missing:
-            values = self.lm.class_log_normalizer(*self._stack(missing)).float().cpu().tolist()
-            for e, v in zip(missing, values):
-                e.class_lognorm = v
+            R = torch.stack([entries[i].r for i in missing])
+            values = self.lm.class_log_normalizer(R, ctx[missing]).float().cpu().tolist()
+            for i, v in zip(missing, values):
+                entries[i].class_lognorm = v
         return np.array([e.class_lognorm for e in entries], dtype=np.float32)
 
-    def _in_class_norms(self, entries: list[ContextEntry], pair_context: np.ndarray,
+    def _in_class_norms(self, entries: list[ContextEntry], ctx: torch.Tensor, pair_context: np.ndarray,
                         pair_class: np.ndarray) -> np.ndarray:
         """The in-class log-normaliser of each distinct (context, class) pair (P,), the
         missing ones computed together (one in-class hit or miss per pair)."""
@@ -202,17 +204,13 @@ class Scorer:
         self.in_class_hits += pair_class.size - len(need)
         self.in_class_misses += len(need)
         if need:
-            R, C = self._stack([entries[u] for u in pair_context[need].tolist()])
-            values = self.lm.in_class_log_normalizer(R, self._tensor(pair_class[need]), C).float().cpu().numpy()
+            rows = pair_context[need].tolist()
+            R = torch.stack([entries[u].r for u in rows])
+            values = self.lm.in_class_log_normalizer(R, self._tensor(pair_class[need]), ctx[rows]).float().cpu().numpy()
             out[need] = values
             for p, v in zip(need, values.tolist()):
                 entries[int(pair_context[p])].in_class[int(pair_class[p])] = v
         return out
-
-    @staticmethod
-    def _stack(entries: list[ContextEntry]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The entries' context vectors (n, E) and context ids (n, order-1)."""
-        return torch.stack([e.r for e in entries]), torch.stack([e.ctx for e in entries])
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.lm.device)
