@@ -119,6 +119,12 @@ def tune(args: argparse.Namespace, system: System, seed: int, target: str | None
     if system.model is not None:
         opts = " ".join(f"{k}={v}" for k, v in system.options.items())
         feature = f"NeuralLMServer name=NLM0 factor=0 order={args.order} path={target} {opts}".rstrip()
+    # When the tuning first started (the ini is rewritten by every invocation: a restarted
+    # server has another port, and mert-moses.pl --continue builds each run's ini from it).
+    first = base / "tune.started"
+    if not first.exists():
+        first.write_text(f"{ini.stat().st_mtime if ini.exists() else time.time():.3f}\n")
+    first_start = float(first.read_text())
     rewrite_ini(args.ini, args.kenlm, ini, feature, args.nlm_weight)
     started = time.monotonic()
     if not tuned.exists():
@@ -142,7 +148,6 @@ def tune(args: argparse.Namespace, system: System, seed: int, target: str | None
             raise SystemExit(f"mert-moses.pl failed ({r.returncode}) for {system.name} seed {seed}: see {log}")
     nbests = sorted(work.glob("run*.best*.out.gz"), key=lambda p: p.stat().st_mtime)
     times = [p.stat().st_mtime for p in nbests]
-    first_start = (base / "start.ini").stat().st_mtime
     steps = [b - a for a, b in zip([first_start, *times[:-1]], times)]
     return {"iterations": len(nbests), "tuning_wall_s": round(tuned.stat().st_mtime - first_start, 1),
             "seconds_per_iteration": round(statistics.mean(steps), 1) if steps else None,
