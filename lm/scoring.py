@@ -264,7 +264,7 @@ class LanguageModel:
                else f"the output layer is {cfg.output!r}, not 'class'" if cfg.output != "class"
                else f"the context is {cfg.context!r}, not 'diagonal'" if cfg.context != "diagonal"
                else "the model has a hidden layer" if cfg.hidden
-               else "the model has direct n-gram features" if cfg.has_ngram_features
+               else "the model has direct n-gram features (train it with --no-ngram-features)" if cfg.has_ngram_features
                else None)
         if why is not None:
             raise UnsupportedModelError(f"no scoring tables: {why}")

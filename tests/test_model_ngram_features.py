@@ -296,3 +296,11 @@ def test_hashed_adagrad_matches_torch_adagrad() -> None:
     for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
         assert torch.allclose(a, b, atol=1e-6), name
     assert models[1].output.ngram_word is not None and models[1].output.ngram_word.abs().sum() > 0
+
+
+def test_a_model_with_features_has_no_scoring_tables_and_says_how_to_train_one(feature_model_path: Path) -> None:
+    from nlmserve.errors import UnsupportedModelError
+    from nlmserve.lm.scoring import LanguageModel
+
+    with pytest.raises(UnsupportedModelError, match="direct n-gram features .*--no-ngram-features"):
+        LanguageModel.load(feature_model_path, device="cpu").scoring_tables()
