@@ -391,6 +391,14 @@ class ClassOutput(OutputLayer):
         """The class normaliser plus the in-class normaliser of the word's class."""
         return self.class_log_normalizer(r, ctx) + self.in_class_log_normalizer(r, self.word_class[word], ctx)
 
+    def log_prob(self, r: Tensor, word: Tensor, ctx: Tensor | None = None, *, normalized: bool = True) -> Tensor:
+        """score - class normaliser - in-class normaliser, subtracted in that order (float
+        rounding: the values every model file's validation perplexity was computed with)."""
+        s = self.score(r, word, ctx)
+        if not normalized:
+            return s
+        return s - self.class_log_normalizer(r, ctx) - self.in_class_log_normalizer(r, self.word_class[word], ctx)
+
     def full_log_probs(self, r: Tensor, ctx: Tensor | None = None) -> Tensor:
         class_logp = torch.log_softmax(self.class_logits(r, ctx), dim=-1)  # (N, K)
         word_logits = self.word_logits(r, ctx)  # (N, V)
