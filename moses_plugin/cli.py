@@ -39,6 +39,9 @@ def _register_rescore(subparsers: Any) -> None:
     p.add_argument("--out", required=True, help="output n-best list (gzip when it ends in .gz)")
     p.add_argument("--feature-name", default="NLM0", help="name of the new dense feature (no '_'; default NLM0)")
     p.add_argument("--lowercase", action="store_true", help="lowercase hypotheses before scoring")
+    p.add_argument("--unnormalized", action="store_true",
+                   help="the self-normalised score of an NCE model, as the decoder's normalized=false "
+                        "(a model that is not self-normalised gives its normalised scores)")
     p.add_argument("--skip-bad", action="store_true", help="count and drop malformed lines instead of failing")
     p.add_argument("--batch-ngrams", type=int, default=50_000, help="n-grams per batch and checkpoint (default 50000)")
     p.add_argument("--wait-server", type=float, default=60.0, help="seconds to wait for a lost server (default 60)")
@@ -115,6 +118,7 @@ def _rescore(args: argparse.Namespace) -> int:
     config = RescoreConfig(
         feature_name=args.feature_name,
         lowercase=args.lowercase,
+        normalized=not args.unnormalized,
         skip_bad=args.skip_bad,
         batch_ngrams=args.batch_ngrams,
         wait_server=args.wait_server,

@@ -115,6 +115,8 @@ class RescoreConfig:
     Fields:
         feature_name: name of the added dense feature (no ``_``: Moses reads it as sparse).
         lowercase: lowercase hypotheses before looking words up (for lowercased models).
+        normalized: False: the source's self-normalised scores (an NCE model's s_c + s_w, what
+            the Moses feature's ``normalized=false`` adds), not log-probabilities.
         skip_bad: count and skip malformed n-best lines instead of failing.
         batch_ngrams: n-grams (before de-duplication) gathered per batch; a batch always
             ends at a sentence boundary and is one checkpoint.
@@ -126,6 +128,7 @@ class RescoreConfig:
 
     feature_name: str = "NLM0"
     lowercase: bool = False
+    normalized: bool = True
     skip_bad: bool = False
     batch_ngrams: int = 50_000
     request_ngrams: int = 65_536
@@ -232,7 +235,7 @@ class Connection:
                 out = []
                 for start in range(0, len(ids), self.config.request_ngrams):
                     chunk = ids[start : start + self.config.request_ngrams]
-                    result = self.client.score_ids(chunk, log_base="ln", normalized=True)
+                    result = self.client.score_ids(chunk, log_base="ln", normalized=self.config.normalized)
                     out.append(np.asarray(result.log_probs, dtype=np.float64))
                 return np.concatenate(out) if out else np.zeros(0)
             except (ServerUnavailableError, OverloadedError, ConnectionError, TimeoutError) as exc:
@@ -384,7 +387,7 @@ def rescore(
     stat = os.stat(nbest_path)
     identity = {"input": os.path.abspath(nbest_path), "input_size": stat.st_size, "input_mtime_ns": stat.st_mtime_ns,
                 "feature_name": config.feature_name, "lowercase": config.lowercase, "skip_bad": config.skip_bad,
-                "batch_ngrams": config.batch_ngrams}
+                "batch_ngrams": config.batch_ngrams, **({} if config.normalized else {"normalized": False})}
     if os.path.isdir(out_path):
         raise InputError("the output is a directory", out_path)
     checkpoint = Checkpoint(out_path, identity)

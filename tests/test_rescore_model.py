@@ -212,3 +212,29 @@ def test_progress_off_a_terminal_is_log_lines(tiny_model_path: Path, small_list:
                                         for line in lines) if m]
     assert len(counts) == len(lines) > 3 and counts == sorted(counts) and counts[-1] == N_SENTENCES, lines
     assert stream.getvalue() == ""
+
+
+def test_unnormalized_rescoring_adds_the_self_normalised_sums(server: RunningServer, tiny_lm: Any,
+                                                              tiny_model_path: Path, small_list: Path,
+                                                              tmp_path: Path) -> None:
+    """``--unnormalized``: the scores the decoder's ``normalized=false`` uses, the same bytes
+    from the model file as from a server, and each hypothesis' NLM0 the sum of its tokens'
+    self-normalised scores (not the normalised ones)."""
+    assert tiny_lm.self_normalized
+    common = ["--nbest", str(small_list), "--no-progress", "--unnormalized"]
+    by_server, by_model, exact = tmp_path / "s.nbest", tmp_path / "m.nbest", tmp_path / "e.nbest"
+    assert main(["rescore", "--server", server.target, *common, "--out", str(by_server)]) == 0
+    assert main(["rescore", "--model", str(tiny_model_path), *common, "--out", str(by_model)]) == 0
+    assert by_model.read_bytes() == by_server.read_bytes()
+    assert main(["rescore", "--model", str(tiny_model_path), *common[:3], "--out", str(exact)]) == 0
+
+    def first(path: Path) -> tuple[str, float]:
+        fields = path.read_text(encoding="utf-8").splitlines()[0].split(" ||| ")
+        return fields[1], float(re.search(r"NLM0= (\S+)", fields[2]).group(1))  # type: ignore[union-attr]
+
+    words, unnorm = first(by_model)
+    _, norm = first(exact)
+    [want] = tiny_lm.score_sentences([words.split()], normalized=False)
+    [want_norm] = tiny_lm.score_sentences([words.split()], normalized=True)
+    assert unnorm == pytest.approx(want.total, abs=1e-3) and norm == pytest.approx(want_norm.total, abs=1e-3)
+    assert abs(unnorm - norm) > 1e-2
