@@ -273,11 +273,12 @@ def _file_names(module: NeuralLM, state: dict[str, Any], prefix: str, local_meta
 
 
 def _module_names(module: NeuralLM, state: dict[str, Any], prefix: str, *args: Any) -> None:
-    """load_state_dict pre-hook: the names in model files → ``output.X``."""
-    legacy, head = prefix + module.output.legacy_prefix, prefix + "output."
-    own = {prefix + n for n, _ in module.named_parameters(recurse=False)}
-    own |= {prefix + n + "." for n, m in module.named_children() if m is not module.output}
+    """load_state_dict pre-hook: the names in model files → ``output.X`` (every key of this
+    network that is not ``output.…`` and belongs to none of its own parameters and children)."""
+    legacy = module.output.legacy_prefix
+    own = {n for n, _ in module.named_parameters(recurse=False)}
+    own |= {n for n, m in module.named_children() if m is not module.output}
     for k in list(state):
-        if k.startswith(legacy) and not k.startswith(head) and k not in own \
-                and not any(k.startswith(c) for c in own if c.endswith(".")):
-            state[head + k[len(legacy):]] = state.pop(k)
+        name = k[len(prefix):]
+        if k.startswith(prefix) and name.startswith(legacy) and name.split(".")[0] not in own | {"output"}:
+            state[prefix + "output." + name[len(legacy):]] = state.pop(k)
