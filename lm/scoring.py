@@ -232,8 +232,10 @@ class LanguageModel:
             if not plan.norm.size:
                 return plan.compose(raw, NO_SCORES, NO_SCORES)
             norm, pair = self._on_device(plan.norm_contexts), self._on_device(plan.pair_context)
-            class_norm = self.class_log_normalizer(r[norm], contexts[norm])  # (C,)
-            in_class = self.in_class_log_normalizer(r[pair], self._on_device(plan.pair_class), contexts[pair])  # (P,)
+            # the ids beside r only where the network reads them (the tables never do)
+            norm_ctx, pair_ctx = (None, None) if tables is not None else (contexts[norm], contexts[pair])
+            class_norm = self.class_log_normalizer(r[norm], norm_ctx)  # (C,)
+            in_class = self.in_class_log_normalizer(r[pair], self._on_device(plan.pair_class), pair_ctx)  # (P,)
             return plan.compose(raw, to_numpy(class_norm), to_numpy(in_class))
 
     def _on_device(self, a: np.ndarray) -> Tensor:
