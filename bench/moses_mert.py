@@ -50,6 +50,8 @@ from decoder import rewrite_ini  # noqa: E402
 
 from nlmserve.moses_plugin.bleu import BleuConfig, corpus_bleu, paired_bootstrap, read_references  # noqa: E402
 from nlmserve.moses_plugin.experiment import ServerProcess, start_server  # noqa: E402
+from nlmserve.moses_plugin.rerank import search_check  # noqa: E402
+from nlmserve.moses_plugin.weights import load_weights  # noqa: E402
 
 MERT_TOOLS = ("extractor", "mert", "kbmira", "pro", "evaluator")
 
@@ -149,9 +151,15 @@ def tune(args: argparse.Namespace, system: System, seed: int, target: str | None
     nbests = sorted(work.glob("run*.best*.out.gz"), key=lambda p: p.stat().st_mtime)
     times = [p.stat().st_mtime for p in nbests]
     steps = [b - a for a, b in zip([first_start, *times[:-1]], times)]
+    # The last iteration's 1-best against every hypothesis of the tuning's lists, under the
+    # weights that iteration decoded with (runK.moses.ini beside runK.best*.out.gz).
+    last = nbests[-1]
+    check = search_check(str(last), [str(p) for p in nbests[:-1]],
+                         load_weights(work / f"{last.name.split('.')[0]}.moses.ini"))
     return {"iterations": len(nbests), "tuning_wall_s": round(tuned.stat().st_mtime - first_start, 1),
             "seconds_per_iteration": round(statistics.mean(steps), 1) if steps else None,
-            "this_invocation_s": round(time.monotonic() - started, 1), "ini": str(tuned)}
+            "this_invocation_s": round(time.monotonic() - started, 1), "ini": str(tuned),
+            "search_errors": round(check.beaten / check.sentences, 4), "search_error_gap": round(check.mean_gap, 3)}
 
 
 def decode_test(args: argparse.Namespace, tuned_ini: Path, test_src: Path, out: Path, n: int) -> float:
@@ -190,11 +198,15 @@ def export_ini(tuned: Path, out: Path, system_dir: Path, kenlm: str | None) -> N
 BEGIN, END = "<!-- bench/moses_mert.py: begin -->", "<!-- bench/moses_mert.py: end -->"
 
 
+def _percent(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:.1f}%"
+
+
 def render(result: dict[str, Any]) -> str:
     """The results section (between BEGIN and END) for ``result`` (the --json output)."""
     m = result["machine"]
     rows = ["| system | NLM0 | BLEU per seed | mean ± sd | Δ mean, p | iterations | s / iteration | "
-            "tuning wall s | test decoding s |", "|---|---|---|---|---|---|---|---|---|"]
+            "tuning wall s | test decoding s | search errors |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         nlm = "—" if r["model"] is None else (f"`{Path(r['model']).name}` "
                                              + " ".join(f"`{k}={v}`" for k, v in r["options"].items())).strip()
@@ -205,14 +217,17 @@ def render(result: dict[str, Any]) -> str:
                     f"{delta} | {', '.join(str(x['iterations']) for x in runs)} | "
                     f"{', '.join(str(x['seconds_per_iteration']) for x in runs)} | "
                     f"{', '.join(str(x['tuning_wall_s']) for x in runs)} | "
-                    f"{', '.join(str(x['test_decode_s']) for x in runs)} |")
+                    f"{', '.join(str(x['test_decode_s']) for x in runs)} | "
+                    f"{', '.join(_percent(x.get('search_errors')) for x in runs)} |")
     inis = [x["exported_ini"] for r in result["rows"] for x in r["runs"] if x.get("exported_ini")]
     lines = [BEGIN, "",
              f"Moses' `mert-moses.pl` ({result['tuner']}), {result['dev_lines']} dev sentences (every third "
              f"of newstest2012), then all {result['test_lines']} sentences of newstest2013 decoded with each tuned "
              f"moses.ini; seeds {', '.join(str(x) for x in result['seeds'])}; {m['cpu']}, {m['cores']} cores, "
              f"load average {m['load_average_1m']} at the start. Δ: the mean's difference from the first row, "
-             "p: paired bootstrap over the seeds' outputs joined.", "", *rows, "",
+             "p: paired bootstrap over the seeds' outputs joined. Search errors: dev sentences whose 1-best in "
+             "the last iteration scores lower, under that iteration's weights, than a hypothesis of one of the "
+             "tuning's n-best lists.", "", *rows, "",
              f"BLEU: `{result['rows'][0]['signature']}`."]
     if inis:
         lines.append("Tuned weights: " + ", ".join(f"[{Path(i).name}]({i})" for i in inis) + ".")

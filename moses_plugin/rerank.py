@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 
 from nlmserve.errors import InputError
 from nlmserve.moses_plugin.mert import group_arrays
-from nlmserve.moses_plugin.nbest import ReadStats, iter_sentences
+from nlmserve.moses_plugin.nbest import NbestEntry, ReadStats, iter_sentences
 from nlmserve.moses_plugin.weights import Weights
 
 log = logging.getLogger(__name__)
@@ -24,14 +25,14 @@ class RerankResult:
     bad_lines: int
 
 
-def rerank(path: str, weights: Weights, *, skip_bad: bool = False, n_sentences: int | None = None) -> RerankResult:
-    """The highest-scoring hypothesis per sentence (the first one on ties, as Moses' order).
+def scored_groups(
+    path: str, weights: Weights, *, skip_bad: bool = False, stats: ReadStats | None = None
+) -> Iterator[tuple[list[NbestEntry], np.ndarray]]:
+    """Each sentence's hypotheses with their model scores ``w · f``.
 
     Weights of features the list does not have are ignored; a list feature without a
-    weight is an error (no silent zero). ``n_sentences`` pads the output to that many lines.
+    weight is an error (no silent zero).
     """
-    best: dict[int, str] = {}
-    stats = ReadStats()
     cached: tuple[tuple[tuple[str, int], ...], np.ndarray] | None = None
     for group in iter_sentences(path, skip_bad=skip_bad, stats=stats):
         layout = group[0].layout()
@@ -41,7 +42,17 @@ def rerank(path: str, weights: Weights, *, skip_bad: bool = False, n_sentences: 
             except InputError as exc:
                 raise InputError(f"{exc} (weights vs the features of line {group[0].line_no})", path) from exc
             cached = (layout, w)
-        scores = group_arrays(group, layout, path) @ cached[1]
+        yield group, group_arrays(group, layout, path) @ cached[1]
+
+
+def rerank(path: str, weights: Weights, *, skip_bad: bool = False, n_sentences: int | None = None) -> RerankResult:
+    """The highest-scoring hypothesis per sentence (the first one on ties, as Moses' order).
+
+    Weights as :func:`scored_groups` takes them. ``n_sentences`` pads the output to that many lines.
+    """
+    best: dict[int, str] = {}
+    stats = ReadStats()
+    for group, scores in scored_groups(path, weights, skip_bad=skip_bad, stats=stats):
         sent = group[0].sent_id
         if sent in best:
             raise InputError(f"sentence {sent} appears in two separate runs of lines", path, group[0].line_no)
@@ -63,3 +74,41 @@ def first_best(path: str, *, skip_bad: bool = False) -> list[str]:
     for group in iter_sentences(path, skip_bad=skip_bad):
         best.setdefault(group[0].sent_id, group[0].hyp)
     return [best.get(i, "") for i in range(max(best, default=-1) + 1)]
+
+
+@dataclass(frozen=True)
+class SearchCheck:
+    """How often the decoder's 1-best lost, under its own weights, to a hypothesis of the lists.
+
+    Fields:
+        sentences: sentences of the decoder's list.
+        beaten: those whose 1-best scores lower than some hypothesis of the lists (by more
+            than the margin): a search error, since the decoder produced that hypothesis too.
+        mean_gap: mean of those differences in model score (0 when none).
+    """
+
+    sentences: int
+    beaten: int
+    mean_gap: float
+
+
+def search_check(decoder_list: str, earlier: list[str], weights: Weights, *, margin: float = 1e-3) -> SearchCheck:
+    """Whether the decoder found the best hypothesis it could have found, sentence by sentence.
+
+    ``decoder_list``: an n-best list the decoder wrote with ``weights`` (its first entry per
+    sentence is the 1-best); ``earlier``: lists of the same sentences from the same system
+    (e.g. the earlier iterations of a tuning), rescored with ``weights``. A 1-best beaten by
+    more than ``margin`` is a search error (pruning, future costs), not a model error.
+    """
+    first: dict[int, float] = {}
+    best: dict[int, float] = {}
+    for group, scores in scored_groups(decoder_list, weights):
+        first.setdefault(group[0].sent_id, float(scores[0]))
+        best[group[0].sent_id] = max(best.get(group[0].sent_id, -np.inf), float(scores.max()))
+    for path in earlier:
+        for group, scores in scored_groups(path, weights):
+            sent = group[0].sent_id
+            if sent in best:
+                best[sent] = max(best[sent], float(scores.max()))
+    gaps = [best[s] - first[s] for s in first if best[s] > first[s] + margin]
+    return SearchCheck(len(first), len(gaps), float(np.mean(gaps)) if gaps else 0.0)

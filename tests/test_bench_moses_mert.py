@@ -35,7 +35,8 @@ def test_exported_ini_has_placeholders_and_the_tuned_weights(tmp_path: Path) -> 
 
 
 def test_rendered_section(tmp_path: Path) -> None:
-    run = {"iterations": 7, "seconds_per_iteration": 210.5, "tuning_wall_s": 1473.4, "test_decode_s": 402.1}
+    run = {"iterations": 7, "seconds_per_iteration": 210.5, "tuning_wall_s": 1473.4, "test_decode_s": 402.1,
+           "search_errors": 0.0123}
     result = {
         "machine": {"cpu": "CPU", "cores": 2, "load_average_1m": 0.5}, "tuner": "mert", "dev_lines": 1001,
         "test_lines": 3000, "seeds": [1],
@@ -50,7 +51,7 @@ def test_rendered_section(tmp_path: Path) -> None:
     moses_mert.write_section(doc, moses_mert.render(result))
     text = doc.read_text()
     assert "old" not in text and text.endswith(moses_mert.END + "\nafter\n")
-    assert "| kenlm | — | 21.04 | 21.04 |  | 7 | 210.5 | 1473.4 | 402.1 |" in text
+    assert "| kenlm | — | 21.04 | 21.04 |  | 7 | 210.5 | 1473.4 | 402.1 | 1.2% |" in text
     assert "| europarl | `ep5.nlm` `normalized=false` | 21.50 | 21.50 | +0.46, p 0.002 |" in text
     assert "[europarl.seed1.ini](moses-mert/europarl.seed1.ini)" in text
     assert "`nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0`" in text

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from nlmserve.errors import InputError
-from nlmserve.moses_plugin.rerank import first_best, rerank
+from nlmserve.moses_plugin.rerank import first_best, rerank, search_check
 from nlmserve.moses_plugin.weights import Weights
 
 LIST = (
@@ -59,3 +59,29 @@ def test_split_sentence_is_an_error(tmp_path: Path) -> None:
     path.write_text(LIST + "0 ||| z ||| F0= 9 G0= 0 0 ||| 0\n")
     with pytest.raises(InputError, match=":6: sentence 0 appears in two separate runs"):
         rerank(str(path), Weights((("F0", (1.0,)), ("G0", (0.0, 0.0)))))
+
+
+def test_search_check_counts_a_1best_beaten_by_an_earlier_hypothesis(tmp_path: Path) -> None:
+    # Under F0=1, G0=(0.5, 0.5): the decoder's 1-best of sentence 0 is "a" (1.0); an earlier
+    # list holds "x" at 1 + 0.5 * 0.5 = 1.25 (gap 0.25). Sentence 2: "d" (1.0) against the
+    # earlier "y" at 0.5 * 1.0005 + 0.5 * 1 = 1.00025, within the margin of 0.001; sentence 5
+    # is not in the decoder's list and does not count.
+    decoder = tmp_path / "run2.nbest"
+    decoder.write_text(LIST)
+    earlier = tmp_path / "run1.nbest"
+    earlier.write_text(
+        "0 ||| x ||| F0= 1 G0= 0.5 0 ||| 0\n"
+        "2 ||| y ||| F0= 0 G0= 1.0005 1 ||| 0\n"
+        "5 ||| z ||| F0= 9 G0= 0 0 ||| 0\n"
+    )
+    weights = Weights((("F0", (1.0,)), ("G0", (0.5, 0.5))))
+    check = search_check(str(decoder), [str(earlier)], weights)
+    assert (check.sentences, check.beaten) == (2, 1)
+    assert check.mean_gap == pytest.approx(0.25)
+    # A 1-best that is not the best of its own list counts too: under G0=(1, 0.5),
+    # a 1.0 < b 1.5 and d 1.0 < e 1.5.
+    check = search_check(str(decoder), [], Weights((("F0", (1.0,)), ("G0", (1.0, 0.5)))))
+    assert (check.sentences, check.beaten) == (2, 2)
+    assert check.mean_gap == pytest.approx(0.5)
+    # A margin wider than every gap: nothing counts.
+    assert search_check(str(decoder), [str(earlier)], weights, margin=0.3).beaten == 0

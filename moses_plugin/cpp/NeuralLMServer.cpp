@@ -117,7 +117,7 @@ NeuralLMServer::NeuralLMServer(const std::string &line)
       m_retries(2),
       m_floorOnError(false),
       m_prefetch(PrefetchStack),
-      m_sentencePhrases(true),
+      m_sentencePhrases(false),
       m_localScoring(false),
       m_model(new nlmserve::ModelInfo()),
       m_ids(new nlmserve::DenseIdMap()),

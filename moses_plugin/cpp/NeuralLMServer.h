@@ -20,13 +20,18 @@
 //                           the server (default), or score the n-grams LOWEST_SCORE and go on,
 //                           leaving the server alone for a pause (1 s, doubling up to 60 s
 //                           while it keeps failing) in which every request is floored
-//   phrase-scores=sentence|load
-//                           sentence (default, phrase-based search): when a sentence starts,
-//                           the phrase-internal n-grams of all its target phrases in the
-//                           in-memory phrase tables go to the server in one request, and the
-//                           phrase scores are added per translation option
-//                           (EvaluateWithSourceContext); load: Moses' usual way, each target
-//                           phrase scored once when the table loads or looks it up
+//   phrase-scores=load|sentence
+//                           load (default): Moses' usual way, each target phrase scored once
+//                           when the table loads or looks it up, so its score and the estimate
+//                           of its first words go into the translation options' future costs
+//                           and the table-limit pruning, as KENLM's do; sentence: when a
+//                           sentence starts, the phrase-internal n-grams of all its target
+//                           phrases in the in-memory phrase tables go to the server in one
+//                           request and the phrase scores are added per translation option
+//                           (EvaluateWithSourceContext): far fewer requests with scoring=server
+//                           and a large table, but Moses' TranslationOption keeps the future
+//                           score it had when it was made, so the search's future costs then
+//                           leave the NLM out (more search errors as its weight grows)
 //   scoring=server|local    server (default): every n-gram not in the cache is scored by
 //                           the server; local (needs normalized=false): at load the feature
 //                           fetches the model's self-normalised scoring tables from the server
