@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from support import NEWS_NBEST
 
 from nlmserve.errors import InputError
 from nlmserve.moses_plugin.rerank import first_best, rerank, search_check
-from nlmserve.moses_plugin.weights import Weights
+from nlmserve.moses_plugin.weights import Weights, load_weights
 
 LIST = (
     "0 ||| a ||| F0= 1 G0= 0 0 ||| 0\n"
@@ -85,3 +86,13 @@ def test_search_check_counts_a_1best_beaten_by_an_earlier_hypothesis(tmp_path: P
     assert check.mean_gap == pytest.approx(0.5)
     # A margin wider than every gap: nothing counts.
     assert search_check(str(decoder), [str(earlier)], weights, margin=0.3).beaten == 0
+
+
+def test_search_check_on_moses_own_list() -> None:
+    # Moses sorts each sentence's list by its model score: under the weights it decoded
+    # with, no 1-best is beaten. Under other weights (word penalty reversed) many are.
+    decoded = load_weights(NEWS_NBEST.parent / "baseline-weights.ini")
+    check = search_check(str(NEWS_NBEST), [], decoded)
+    assert (check.sentences, check.beaten) == (300, 0)
+    other = Weights(tuple((n, tuple(-v for v in vs) if n == "WordPenalty0" else vs) for n, vs in decoded.groups))
+    assert search_check(str(NEWS_NBEST), [], other).beaten > 100
