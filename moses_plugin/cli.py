@@ -1,4 +1,4 @@
-"""``nlmserve rescore | tune | rerank | bleu | experiment``: parse and dispatch.
+"""``nlmserve rescore | tune | rerank | search-errors | bleu | experiment``: parse and dispatch.
 
 Heavy work lives in the modules; each handler imports what it needs when it runs.
 """
@@ -21,6 +21,7 @@ def register(subparsers: Any) -> None:
     _register_rescore(subparsers)
     _register_tune(subparsers)
     _register_rerank(subparsers)
+    _register_search_errors(subparsers)
     _register_bleu(subparsers)
     _register_experiment(subparsers)
 
@@ -90,6 +91,20 @@ def _register_rerank(subparsers: Any) -> None:
     p.add_argument("--out", required=True, help="output: one hypothesis per line")
     p.add_argument("--skip-bad", action="store_true", help="skip malformed n-best lines")
     p.set_defaults(func=_rerank)
+
+
+def _register_search_errors(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "search-errors",
+        help="how often the decoder's 1-best lost, under its own weights, to a hypothesis of other n-best lists")
+    p.add_argument("--nbest", required=True, help="n-best list the decoder wrote with --weights (first entry = 1-best)")
+    p.add_argument("--weights", required=True, help="the moses.ini it decoded with ([weight] section) or weights.txt")
+    p.add_argument("--earlier", nargs="*", default=[],
+                   help="n-best lists of the same sentences from the same system, e.g. a tuning's earlier "
+                        "runN.best100.out.gz")
+    p.add_argument("--margin", type=float, default=1e-3, help="model-score difference that counts (default 0.001)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_search_errors)
 
 
 def _register_bleu(subparsers: Any) -> None:
@@ -209,6 +224,22 @@ def _rerank(args: argparse.Namespace) -> int:
     result = rerank(args.nbest, weights, skip_bad=args.skip_bad)
     write_text_atomic(args.out, "".join(h + "\n" for h in result.hyps))
     print(f"wrote {len(result.hyps)} lines to {args.out} ({len(result.missing)} sentences without hypotheses)")
+    return 0
+
+
+def _search_errors(args: argparse.Namespace) -> int:
+    from nlmserve.moses_plugin.rerank import search_check
+    from nlmserve.moses_plugin.weights import load_weights
+
+    weights = load_weights(args.weights, _layout_of(args.nbest))
+    check = search_check(args.nbest, list(args.earlier), weights, margin=args.margin)
+    share = check.beaten / check.sentences if check.sentences else 0.0
+    if args.json:
+        print(json.dumps({"sentences": check.sentences, "beaten": check.beaten, "share": share,
+                          "mean_gap": check.mean_gap}))
+    else:
+        print(f"{check.beaten} of {check.sentences} sentences ({100 * share:.1f}%): the 1-best scores lower than "
+              f"a hypothesis of the lists (mean difference {check.mean_gap:.3f})")
     return 0
 
 

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gzip
+import json
+
 import pytest
 from support import NEWS_NBEST
 
+from nlmserve.cli import main
 from nlmserve.errors import InputError
 from nlmserve.moses_plugin.rerank import first_best, rerank, search_check
 from nlmserve.moses_plugin.weights import Weights, load_weights
@@ -96,3 +100,20 @@ def test_search_check_on_moses_own_list() -> None:
     assert (check.sentences, check.beaten) == (300, 0)
     other = Weights(tuple((n, tuple(-v for v in vs) if n == "WordPenalty0" else vs) for n, vs in decoded.groups))
     assert search_check(str(NEWS_NBEST), [], other).beaten > 100
+
+
+def test_search_errors_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    weights = NEWS_NBEST.parent / "baseline-weights.ini"
+    assert main(["search-errors", "--nbest", str(NEWS_NBEST), "--weights", str(weights)]) == 0
+    assert capsys.readouterr().out.startswith("0 of 300 sentences (0.0%)")
+    # Sentence 0's 1-best (PhrasePenalty0= 6) against the same features with PhrasePenalty0= 16
+    # in another list: 10 x the weight 0.0268079 higher.
+    first = next(line for line in gzip.open(NEWS_NBEST, "rt"))
+    fields = first.split(" ||| ")
+    better = tmp_path / "earlier.nbest"
+    better.write_text(" ||| ".join([fields[0], "better", fields[2].replace("PhrasePenalty0= ", "PhrasePenalty0= 1"), "0"]) + "\n")
+    assert main(["search-errors", "--nbest", str(NEWS_NBEST), "--weights", str(weights),
+                 "--earlier", str(better), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["sentences"], report["beaten"]) == (300, 1)
+    assert report["mean_gap"] == pytest.approx(0.268079, abs=1e-6)
