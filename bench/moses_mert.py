@@ -159,7 +159,7 @@ def tune(args: argparse.Namespace, system: System, seed: int, target: str | None
     return {"iterations": len(nbests), "tuning_wall_s": round(tuned.stat().st_mtime - first_start, 1),
             "seconds_per_iteration": round(statistics.mean(steps), 1) if steps else None,
             "this_invocation_s": round(time.monotonic() - started, 1), "ini": str(tuned),
-            "search_errors": round(check.beaten / check.sentences, 4), "search_error_gap": round(check.mean_gap, 3)}
+            "search_errors": round(check.share, 4), "search_error_gap": round(check.mean_gap, 3)}
 
 
 def decode_test(args: argparse.Namespace, tuned_ini: Path, test_src: Path, out: Path, n: int) -> float:

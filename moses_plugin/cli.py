@@ -233,7 +233,7 @@ def _search_errors(args: argparse.Namespace) -> int:
 
     weights = load_weights(args.weights, _layout_of(args.nbest))
     check = search_check(args.nbest, list(args.earlier), weights, margin=args.margin)
-    share = check.beaten / check.sentences if check.sentences else 0.0
+    share = check.share
     if args.json:
         print(json.dumps({"sentences": check.sentences, "beaten": check.beaten, "share": share,
                           "mean_gap": check.mean_gap}))

@@ -91,6 +91,11 @@ class SearchCheck:
     beaten: int
     mean_gap: float
 
+    @property
+    def share(self) -> float:
+        """beaten / sentences (0 for an empty list)."""
+        return self.beaten / self.sentences if self.sentences else 0.0
+
 
 def search_check(decoder_list: str, earlier: list[str], weights: Weights, *, margin: float = 1e-3) -> SearchCheck:
     """Whether the decoder found the best hypothesis it could have found, sentence by sentence.
@@ -102,13 +107,12 @@ def search_check(decoder_list: str, earlier: list[str], weights: Weights, *, mar
     """
     first: dict[int, float] = {}
     best: dict[int, float] = {}
-    for group, scores in scored_groups(decoder_list, weights):
-        first.setdefault(group[0].sent_id, float(scores[0]))
-        best[group[0].sent_id] = max(best.get(group[0].sent_id, -np.inf), float(scores.max()))
-    for path in earlier:
+    for i, path in enumerate([decoder_list, *earlier]):
         for group, scores in scored_groups(path, weights):
             sent = group[0].sent_id
-            if sent in best:
-                best[sent] = max(best[sent], float(scores.max()))
+            if i == 0:
+                first.setdefault(sent, float(scores[0]))
+            if sent in first:
+                best[sent] = max(best.get(sent, -np.inf), float(scores.max()))
     gaps = [best[s] - first[s] for s in first if best[s] > first[s] + margin]
     return SearchCheck(len(first), len(gaps), float(np.mean(gaps)) if gaps else 0.0)
