@@ -61,6 +61,7 @@ TARGETS = {"exact": 2.0, "selfnorm": 1.5, "local": 1.5}
 _SENTENCE = re.compile(r"NeuralLMServer \S+: sentence \d+ took (\d+) round trips")
 _CLOSING = re.compile(r"(\d+) n-grams sent, (\d+) cache hits, (\d+) misses")
 _LOCAL = re.compile(r"(\d+) n-grams scored locally")
+_LOADED = re.compile(r"Created input-output object : \[([\d.]+)\] seconds")
 
 
 @dataclass
@@ -98,6 +99,7 @@ class Run:
     output_sha: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
     ngrams_local: int | None = None
+    load_s: float | None = None
 
 
 def rewrite_ini(ini: Path, kenlm: str | None, out: Path, feature: str | None, weight: float) -> None:
@@ -167,6 +169,16 @@ def feature_counts(log: Path) -> dict[str, int | None]:
             "ngrams_local": local}
 
 
+def load_seconds(log: Path) -> float | None:
+    """Moses' loading time (its ``-v 1`` line "Created input-output object : [S] seconds"):
+    the tables, the features and, with ``phrase-scores=load``, the phrase scores."""
+    for line in log.read_text(errors="replace").splitlines():
+        m = _LOADED.search(line)
+        if m:
+            return float(m.group(1))
+    return None
+
+
 def nbest_check(moses: str, ini: Path, src: Path, threads: int, model: str, work: Path, size: int = 10) -> dict[str, Any]:
     """Decode ``src`` writing a ``size``-best list, and compare each hypothesis' NLM0 with the
     model's own score of its words: Moses converts each token's log10 score to ln and floors it
@@ -226,6 +238,8 @@ def summarise(runs: list[Run], configs: list[Config]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {
             "config": c.name, "options": c.options, "walls_s": [round(r.wall_s, 2) for r in rs],
             "wall_s": round(wall, 2), "wall_ratio": round(wall / base, 2) if base else None,
+            "load_s": (round(statistics.median(r.load_s for r in rs if r.load_s is not None), 1)
+                       if any(r.load_s is not None for r in rs) else None),
             "decoder_cpu_s": round(statistics.median(r.decoder_cpu_s for r in rs), 2),
             "server_cpu_s": round(statistics.median(r.server_cpu_s for r in rs), 2),
             "cpu_ratio": round(cpu / base_cpu, 2) if base_cpu else None,
@@ -258,16 +272,16 @@ def summarise(runs: list[Run], configs: list[Config]) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
-    out = ["| configuration | wall s (rounds) | median | × KENLM wall | decoder CPU s | server CPU s | "
+    out = ["| configuration | wall s (rounds) | median | × KENLM wall | loading s | decoder CPU s | server CPU s | "
            "× KENLM CPU | round trips / sent. | n-grams sent / sent. | cache hit rate | "
            "n-grams scored in the decoder / sent. | target |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         opts = "KENLM alone" if r["options"] is None else ("+ NLM0 " + " ".join(
             f"`{k}={v}`" for k, v in r["options"].items()))
         target = "" if "target" not in r else f"≤ {r['target']}×: {'met' if r['met'] else '**not met**'}"
         out.append(f"| {opts} | {', '.join(str(w) for w in r['walls_s'])} | {r['wall_s']} | {r['wall_ratio']} | "
-                   f"{r['decoder_cpu_s']} | {r['server_cpu_s']} | {r['cpu_ratio']} | "
+                   f"{'' if r.get('load_s') is None else r['load_s']} | {r['decoder_cpu_s']} | {r['server_cpu_s']} | {r['cpu_ratio']} | "
                    f"{r.get('round_trips_per_sentence', '')} | {r.get('ngrams_sent_per_sentence', '')} | "
                    f"{r.get('cache_hit_rate', '')} | {r.get('ngrams_local_per_sentence', '')} | {target} |")
     return out
@@ -285,7 +299,9 @@ def render(result: dict[str, Any]) -> str:
              f"{result['rounds']} interleaved rounds, the server on the same machine "
              f"(`{serve}`); NLM0 weight {result['nlm_weight']}; "
              f"{m['cpu']}, {m['cores']} cores, load average {m['load_average_1m']} at the start. "
-             "Wall and CPU times include loading the tables (the same in every configuration); "
+             "Wall and CPU times include loading (Moses' \"Created input-output object\" time, "
+             "column \"loading s\": the tables and, with the feature's default `phrase-scores=load`, "
+             "the phrase table's NLM scores); "
              "the 1-minute load average after each run: "
              + ", ".join(f"{r['config']} r{r['round']} {r['extra'].get('load_average_1m_after', '?')}"
                          for r in result.get("runs", [])) + ".",
@@ -393,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
             wall, cpu = decode(args.moses, ini, source, args.threads, out, log)
             after = tree_cpu_seconds(server.process.pid) if server else 0.0
             run = Run(name, rnd, n, wall, cpu, after - before, output_sha=sha(out), **feature_counts(log),
+                      load_s=load_seconds(log),
                       extra={"load_average_1m_after": round(os.getloadavg()[0], 2)})
             print(f"round {rnd} {name}: {wall:.1f} s wall, decoder {cpu:.1f} s CPU, server {after - before:.1f} s CPU",
                   flush=True)

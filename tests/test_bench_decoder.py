@@ -90,16 +90,29 @@ def test_feature_counts_from_the_log(tmp_path: Path) -> None:
                                            "cache_misses": 0, "ngrams_local": 7783539}
 
 
+def test_load_seconds_from_moses_log(tmp_path: Path) -> None:
+    log = tmp_path / "run.log"
+    # the lines of a moses -v 1 log around the end of loading (the real system, KENLM alone)
+    log.write_text("Start loading text phrase table. Moses format : [0.984] seconds\n"
+                   "Reading phrase-table.gz\n"
+                   "Created input-output object : [2.021] seconds\n"
+                   "Line 0: Initialize search took 0.000 seconds total\n")
+    assert decoder.load_seconds(log) == 2.021
+    log.write_text("Line 0: Search took 0.485 seconds\n")
+    assert decoder.load_seconds(log) is None
+
+
 def test_summary_ratios_and_rendered_section(tmp_path: Path) -> None:
     configs = [decoder.Config.parse(c) for c in ("kenlm", "exact:normalized=true")]
     assert configs[1].options == {"normalized": "true"}
     runs = [decoder.Run("kenlm", 0, 10, 10.0, 20.0, 0.0, output_sha="a"),
             decoder.Run("exact", 0, 10, 25.0, 30.0, 10.0, 200, 1000, 600, 400, "b"),
             decoder.Run("kenlm", 1, 10, 12.0, 22.0, 0.0, output_sha="a"),
-            decoder.Run("exact", 1, 10, 23.0, 32.0, 12.0, 200, 1000, 600, 400, "c")]
+            decoder.Run("exact", 1, 10, 23.0, 32.0, 12.0, 200, 1000, 600, 400, "c", load_s=7.5)]
     rows = decoder.summarise(runs, configs)
     # Medians: KENLM 11 s wall, 21 s CPU; the feature 24 s wall and, decoder + server, (40 + 44) / 2 = 42 s CPU.
     assert rows[0]["wall_ratio"] == 1.0
+    assert rows[0]["load_s"] is None and rows[1]["load_s"] == 7.5  # the rounds that logged it
     assert rows[1]["wall_s"] == 24.0 and rows[1]["wall_ratio"] == round(24 / 11, 2)
     assert rows[1]["cpu_ratio"] == 2.0
     assert rows[1]["round_trips_per_sentence"] == 20.0 and rows[1]["ngrams_sent_per_sentence"] == 100
@@ -126,7 +139,7 @@ def test_summary_ratios_and_rendered_section(tmp_path: Path) -> None:
     text = doc.read_text()
     assert text.startswith("# Results\n\n" + decoder.BEGIN) and text.endswith(decoder.END + "\n\nafter\n")
     assert "old" not in text
-    assert "| + NLM0 `normalized=true` | 25.0, 23.0 | 24.0 | 2.18 |" in text
+    assert "| + NLM0 `normalized=true` | 25.0, 23.0 | 24.0 | 2.18 | 7.5 | 31.0 |" in text
     assert "≤ 2.0×: **not met**" in text and "no for exact." in text
     assert "exact: identical output" in text and "largest difference 0.0005" in text
     assert "    bench/decoder.py --lines 10" in text

@@ -29,6 +29,8 @@
 #include "nlmserve_client.h"
 #include "nlmserve_decoder.h"
 #include "util/exception.hh"
+#include "util/file_piece.hh"
+#include "util/tokenize_piece.hh"
 
 namespace Moses {
 
@@ -118,6 +120,7 @@ NeuralLMServer::NeuralLMServer(const std::string &line)
       m_floorOnError(false),
       m_prefetch(PrefetchStack),
       m_sentencePhrases(false),
+      m_tablePrefetch(true),
       m_localScoring(false),
       m_model(new nlmserve::ModelInfo()),
       m_ids(new nlmserve::DenseIdMap()),
@@ -185,6 +188,8 @@ void NeuralLMServer::SetParameter(const std::string &key, const std::string &val
     UTIL_THROW_IF2(value != "sentence" && value != "load",
                    "NeuralLMServer: phrase-scores must be sentence or load, got " << value);
     m_sentencePhrases = (value == "sentence");
+  } else if (key == "table-prefetch") {
+    m_tablePrefetch = Scan<bool>(value);
   } else if (key == "scoring") {
     UTIL_THROW_IF2(value != "server" && value != "local",
                    "NeuralLMServer: scoring must be server or local, got " << value);
@@ -263,10 +268,83 @@ void NeuralLMServer::Load(AllOptions::ptr const &opts) {
                                  << m_tables->bytes() / 1048576 << " MB of tables (width " << m_tables->dim()
                                  << ")" << std::endl);
   }
+  // phrase-scores=load asks for each target phrase's n-grams as the tables load it, one
+  // request per phrase; reading the in-memory tables' target phrases first puts their
+  // n-grams into the cache in a few large requests.
+  const bool phraseBased = !opts || opts->search.algo == Normal || opts->search.algo == CubePruning;
+  if (m_tablePrefetch && phraseBased && !m_sentencePhrases && !m_localScoring && m_cacheSize > 0) {
+    PrefetchPhraseTables();
+  }
   VERBOSE(1, "NeuralLMServer " << GetScoreProducerDescription() << ": " << m_target << " model "
                                << info.model_hash << " order " << info.order << " vocabulary "
                                << info.vocab_size << (m_normalized ? " normalized" : " unnormalized")
                                << std::endl);
+}
+
+void NeuralLMServer::PrefetchPhraseTables() const {
+  const size_t order = m_model->order;
+  const size_t batchRows = 1 << 16;
+  // Rows the cache takes before a prefetch would evict what it has just put there.
+  const uint64_t room = m_cacheSize / 2;
+  NeuralLMServerThread &local = Local(this);
+  const std::vector<PhraseDictionary *> &tables = PhraseDictionary::GetColl();
+  for (size_t t = 0; t < tables.size(); ++t) {
+    const PhraseDictionaryMemory *table = dynamic_cast<const PhraseDictionaryMemory *>(tables[t]);
+    if (table == NULL) continue;  // other tables look phrases up while decoding
+    const std::string &path = table->GetFilePath();
+    const int64_t started = SteadyMs();
+    const uint64_t before = local.sentence.cache_misses;
+    size_t phrases = 0;
+    bool full = false;
+    local.rows.clear();
+    try {
+      util::FilePiece in(path.c_str());
+      StringPiece line;
+      Phrase target;
+      while (!full) {
+        try {
+          line = in.ReadLine();
+        } catch (const util::EndOfFileException &) {
+          break;
+        }
+        util::TokenIter<util::MultiCharacter> pipes(line, "|||");
+        if (!pipes || !++pipes) continue;  // the table's own loader reports a bad line
+        Word *lhs = NULL;
+        target.Clear();
+        target.CreateFromString(Output, table->GetOutput(), *pipes, &lhs);
+        delete lhs;
+        local.words.clear();
+        AppendIds(target, &local.words);
+        const size_t at = local.rows.size();
+        size_t position = 0;
+        if (nlmserve::PhraseRows(*m_model, local.words.data(), local.words.size(), &local.rows, NULL, NULL,
+                                 &position) != nlmserve::NgramError::kNone) {
+          local.rows.resize(at);  // the table's own scoring reports the phrase
+          continue;
+        }
+        ++phrases;
+        if (local.rows.size() >= batchRows * order) {
+          local.scores.resize(local.rows.size() / order);
+          ScoreRows(local.rows.data(), local.scores.size(), local.scores.data(), local);
+          local.rows.clear();
+          full = local.sentence.cache_misses - before >= room;
+        }
+      }
+      local.scores.resize(local.rows.size() / order);
+      ScoreRows(local.rows.data(), local.scores.size(), local.scores.data(), local);
+      local.rows.clear();
+    } catch (const util::Exception &e) {
+      // Unreadable here means unreadable for the table too, which then says why.
+      VERBOSE(1, "NeuralLMServer " << GetScoreProducerDescription() << ": no prefetch of " << path << ": "
+                                   << e.what() << std::endl);
+      continue;
+    }
+    VERBOSE(1, "NeuralLMServer " << GetScoreProducerDescription() << ": prefetched the n-grams of " << phrases
+                                 << " target phrases of " << table->GetScoreProducerDescription() << " ("
+                                 << local.sentence.cache_misses - before << " scored) in "
+                                 << (SteadyMs() - started) / 1000.0 << " s"
+                                 << (full ? "; stopped at half of cache-size" : "") << std::endl);
+  }
 }
 
 uint32_t NeuralLMServer::Id(const Word &word) const {

@@ -32,6 +32,13 @@
 //                           and a large table, but Moses' TranslationOption keeps the future
 //                           score it had when it was made, so the search's future costs then
 //                           leave the NLM out (more search errors as its weight grows)
+//   table-prefetch=true|false
+//                           with phrase-scores=load and scoring=server (default true): before
+//                           the in-memory phrase tables (PhraseDictionaryMemory) load, read the
+//                           target phrases of their files and score their n-grams into the
+//                           cache in requests of 65,536 n-grams, so that the per-phrase scoring
+//                           at load finds them there instead of costing one request per phrase;
+//                           stops when it has put cache-size/2 n-grams in the cache
 //   scoring=server|local    server (default): every n-gram not in the cache is scored by
 //                           the server; local (needs normalized=false): at load the feature
 //                           fetches the model's self-normalised scoring tables from the server
@@ -169,6 +176,9 @@ class NeuralLMServer : public LanguageModelSingleFactor {
   // phrase-scores=sentence: one request for the phrase-internal n-grams of every target
   // phrase the in-memory phrase tables hold for spans of the sentence.
   void ScoreSentencePhrases(ttasksptr const &ttask) const;
+  // table-prefetch: reads the target phrases of every in-memory phrase table's file and
+  // scores their n-grams into the cache in batches, before the tables load.
+  void PrefetchPhraseTables() const;
 
   std::string m_target;
   bool m_normalized;
@@ -183,6 +193,7 @@ class NeuralLMServer : public LanguageModelSingleFactor {
   enum Prefetching { PrefetchOff, PrefetchHypothesis, PrefetchStack };
   Prefetching m_prefetch;
   bool m_sentencePhrases;
+  bool m_tablePrefetch;
   bool m_localScoring;
 
   std::unique_ptr<nlmserve::Client> m_client;
