@@ -162,6 +162,18 @@ def tune(args: argparse.Namespace, system: System, seed: int, target: str | None
             "search_errors": round(check.share, 4), "search_error_gap": round(check.mean_gap, 3)}
 
 
+def finished(base: Path, n_test: int) -> bool:
+    """Whether the tuning in ``base`` (one system, one seed) is done and its test set decoded."""
+    return (base / "tune" / "moses.ini").exists() and count_lines(base / "test.out") == n_test
+
+
+def same_seeds(baseline: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(baseline run, run) for each seed both have, in the order of ``runs``: the outputs the
+    paired bootstrap joins."""
+    by_seed = {b["seed"]: b for b in baseline}
+    return [(by_seed[r["seed"]], r) for r in runs if r["seed"] in by_seed]
+
+
 def decode_test(args: argparse.Namespace, tuned_ini: Path, test_src: Path, out: Path, n: int) -> float:
     """Decode ``test_src`` into ``out`` → seconds it took (a finished decoding is kept, and its
     time read back from ``out``.seconds)."""
@@ -207,25 +219,32 @@ def render(result: dict[str, Any]) -> str:
     m = result["machine"]
     rows = ["| system | NLM0 | BLEU per seed | mean ± sd | Δ mean, p | iterations | s / iteration | "
             "tuning wall s | test decoding s | search errors |", "|---|---|---|---|---|---|---|---|---|---|"]
+    seeds = result["seeds"]
     for r in result["rows"]:
+        at = {s: i for i, s in enumerate(r.get("seeds", seeds))}
+
+        def per_seed(values: list[str], at: dict[int, int] = at) -> str:
+            """One value per seed of the run, — for a seed not finished."""
+            return ", ".join(values[at[s]] if s in at else "—" for s in seeds)
+
         nlm = "—" if r["model"] is None else (f"`{Path(r['model']).name}` "
                                              + " ".join(f"`{k}={v}`" for k, v in r["options"].items())).strip()
         sd = "" if r["sd"] is None else f" ± {r['sd']:.2f}"
         delta = "" if "delta" not in r else f"{r['delta']:+.2f}, p {r['p']:.3f}"
         runs = r["runs"]
-        rows.append(f"| {r['system']} | {nlm} | {', '.join(f'{b:.2f}' for b in r['bleu'])} | {r['mean']:.2f}{sd} | "
-                    f"{delta} | {', '.join(str(x['iterations']) for x in runs)} | "
-                    f"{', '.join(str(x['seconds_per_iteration']) for x in runs)} | "
-                    f"{', '.join(str(x['tuning_wall_s']) for x in runs)} | "
-                    f"{', '.join(str(x['test_decode_s']) for x in runs)} | "
-                    f"{', '.join(_percent(x.get('search_errors')) for x in runs)} |")
+        rows.append(f"| {r['system']} | {nlm} | {per_seed([f'{b:.2f}' for b in r['bleu']])} | {r['mean']:.2f}{sd} | "
+                    f"{delta} | {per_seed([str(x['iterations']) for x in runs])} | "
+                    f"{per_seed([str(x['seconds_per_iteration']) for x in runs])} | "
+                    f"{per_seed([str(x['tuning_wall_s']) for x in runs])} | "
+                    f"{per_seed([str(x['test_decode_s']) for x in runs])} | "
+                    f"{per_seed([_percent(x.get('search_errors')) for x in runs])} |")
     inis = [x["exported_ini"] for r in result["rows"] for x in r["runs"] if x.get("exported_ini")]
     lines = [BEGIN, "",
              f"Moses' `mert-moses.pl` ({result['tuner']}), {result['dev_lines']} dev sentences (every third "
              f"of newstest2012), then all {result['test_lines']} sentences of newstest2013 decoded with each tuned "
              f"moses.ini; seeds {', '.join(str(x) for x in result['seeds'])}; {m['cpu']}, {m['cores']} cores, "
              f"load average {m['load_average_1m']} at the start. Δ: the mean's difference from the first row, "
-             "p: paired bootstrap over the seeds' outputs joined. Search errors: dev sentences whose 1-best in "
+             "p: paired bootstrap over the seeds' outputs joined (the seeds both rows have; —: not finished). Search errors: dev sentences whose 1-best in "
              "the last iteration scores lower, under that iteration's weights, than a hypothesis of one of the "
              "tuning's n-best lists.", "", *rows, "",
              f"BLEU: `{result['rows'][0]['signature']}`."]
@@ -272,6 +291,9 @@ def main() -> int:
     p.add_argument("--nlm-weight", type=float, default=0.1, help="starting weight of NLM0")
     p.add_argument("--serve-args", default="", help="extra arguments of nlmserve serve")
     p.add_argument("--workdir", required=True, type=Path)
+    p.add_argument("--finished-only", action="store_true",
+                   help="tabulate the tunings already finished (tuned and test decoded), start none; "
+                        "Δ and p then pair the seeds a system shares with the first row")
     p.add_argument("--json", type=Path)
     p.add_argument("--export-inis", type=Path, metavar="DIR",
                    help="copy each tuned moses.ini here as SYSTEM.seedN.ini, paths as placeholders")
@@ -301,6 +323,9 @@ def main() -> int:
                 target = servers[system.model].target
             for seed in args.seeds:
                 base = work / system.name / f"seed{seed}"
+                if args.finished_only and not finished(base, n_test):
+                    print(f"{system.name} seed {seed}: not finished, left out", flush=True)
+                    continue
                 base.mkdir(parents=True, exist_ok=True)
                 record = tune(args, system, seed, target, mertdir, dev_src, dev_ref, base)
                 tuned = Path(record["ini"])
@@ -325,8 +350,10 @@ def main() -> int:
     refs = read_references([str(test_ref)])
     config = BleuConfig()
     base_name = systems[0].name
-    rows = []
+    rows: list[dict[str, Any]] = []
     for system in systems:
+        if not runs[system.name]:
+            continue
         scores, sig = [], ""
         for r in runs[system.name]:
             hyps = Path(r["output"]).read_text(encoding="utf-8").splitlines()
@@ -334,14 +361,16 @@ def main() -> int:
             r["bleu"] = round(score.score, 2)
             scores.append(score.score)
         row: dict[str, Any] = {"system": system.name, "model": system.model, "options": system.options,
+                               "seeds": [r["seed"] for r in runs[system.name]],
                                "bleu": [round(x, 2) for x in scores],
                                "mean": round(statistics.mean(scores), 2),
                                "sd": round(statistics.stdev(scores), 2) if len(scores) > 1 else None,
                                "signature": sig, "runs": runs[system.name]}
-        if system.name != base_name:
-            joined = [line for r in runs[system.name] for line in Path(r["output"]).read_text().splitlines()]
-            baseline = [line for r in runs[base_name] for line in Path(r["output"]).read_text().splitlines()]
-            joined_refs = [list(col) * len(runs[system.name]) for col in refs]
+        pairs = same_seeds(runs[base_name], runs[system.name])
+        if system.name != base_name and pairs:
+            joined = [line for _, r in pairs for line in Path(r["output"]).read_text().splitlines()]
+            baseline = [line for b, _ in pairs for line in Path(b["output"]).read_text().splitlines()]
+            joined_refs = [list(col) * len(pairs) for col in refs]
             paired = paired_bootstrap(baseline, joined, joined_refs, config)
             row["delta"] = round(row["mean"] - rows[0]["mean"], 2)
             row["p"] = paired.p_value

@@ -55,3 +55,31 @@ def test_rendered_section(tmp_path: Path) -> None:
     assert "| europarl | `ep5.nlm` `normalized=false` | 21.50 | 21.50 | +0.46, p 0.002 |" in text
     assert "[europarl.seed1.ini](moses-mert/europarl.seed1.ini)" in text
     assert "`nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0`" in text
+
+
+def test_unfinished_seeds_are_left_out_and_paired_by_seed(tmp_path: Path) -> None:
+    base = tmp_path / "europarl" / "seed2"
+    assert not moses_mert.finished(base, 3)
+    (base / "tune").mkdir(parents=True)
+    (base / "tune" / "moses.ini").write_text("[weight]\n")
+    (base / "test.out").write_text("a\nb\n")
+    assert not moses_mert.finished(base, 3)  # the test set is still being decoded
+    (base / "test.out").write_text("a\nb\nc\n")
+    assert moses_mert.finished(base, 3)
+    kenlm = [{"seed": 1, "output": "k1"}, {"seed": 2, "output": "k2"}]
+    europarl = [{"seed": 2, "output": "e2"}]
+    assert moses_mert.same_seeds(kenlm, europarl) == [(kenlm[1], europarl[0])]
+    assert moses_mert.same_seeds(europarl, kenlm) == [(europarl[0], kenlm[1])]
+    run = {"iterations": 7, "seconds_per_iteration": 210.5, "tuning_wall_s": 1473.4, "test_decode_s": 402.1,
+           "search_errors": 0.0123}
+    result = {
+        "machine": {"cpu": "CPU", "cores": 2, "load_average_1m": 0.5}, "tuner": "mert", "dev_lines": 1001,
+        "test_lines": 3000, "seeds": [1, 2],
+        "rows": [{"system": "kenlm", "model": None, "options": {}, "seeds": [1, 2], "bleu": [21.04, 21.0],
+                  "mean": 21.02, "sd": 0.03, "signature": "sig", "runs": [run, {**run, "iterations": 6}]},
+                 {"system": "europarl", "model": "/tmp/ep5.nlm", "options": {}, "seeds": [2], "bleu": [21.5],
+                  "mean": 21.5, "sd": None, "delta": 0.48, "p": 0.002, "runs": [{**run, "iterations": 9}]}],
+        "command": "bench/moses_mert.py --finished-only"}
+    text = moses_mert.render(result)
+    assert "| kenlm | — | 21.04, 21.00 | 21.02 ± 0.03 |  | 7, 6 |" in text
+    assert "| europarl | `ep5.nlm` | —, 21.50 | 21.50 | +0.48, p 0.002 | —, 9 | —, 210.5 |" in text
