@@ -189,7 +189,7 @@ class LanguageModel:
         if (not self.cpu_tables or self.device.type != "cpu" or not isinstance(self.net.output, ClassOutput)
                 or self.config.has_ngram_features):
             return None
-        if self._fast is None or self._fast.versions != _versions(self.net):
+        if self._fast is None or self._fast.stale():
             self._fast = _InferenceTables(self.net)
         return self._fast
 
@@ -407,10 +407,6 @@ class ScoringTables:
         return (np.einsum("nd,nd->n", r, self.output[t]) + self.bias[t]).astype(np.float32)  # type: ignore[no-any-return]
 
 
-def _versions(net: NeuralLM) -> tuple[int, ...]:
-    return tuple(p._version for p in net.parameters())
-
-
 class _InferenceTables:
     """Read-only copies for CPU inference of a class-output model, rebuilt whenever a
     parameter changes in place: the context side here (numpy views of its weights for the
@@ -418,7 +414,10 @@ class _InferenceTables:
     ``out`` (``nlmserve.lm.outputs.ClassTables``)."""
 
     def __init__(self, net: NeuralLM) -> None:
-        self.versions = _versions(net)
+        # The network's parameters, listed once (a walk over its modules costs more than a
+        # small batch's scoring), and their in-place versions when the copies were made.
+        self.params = tuple(net.parameters())
+        self.versions = tuple(p._version for p in self.params)
         cfg = net.config
         assert isinstance(net.output, ClassOutput)
         self.out = net.output.inference_tables()
@@ -443,6 +442,11 @@ class _InferenceTables:
                 self.position_tables = _position_tables(net)
                 self.position_shift = torch.arange(cfg.order - 1) * cfg.vocab_size
         self.net = net
+
+    def stale(self) -> bool:
+        """Whether a parameter has changed in place since the copies were made (training
+        steps and ``load_state_dict`` change parameters in place; none is ever replaced)."""
+        return tuple(p._version for p in self.params) != self.versions
 
     def encode(self, ctx: Tensor) -> Tensor:
         """ctx (N, order-1) → r (N, E), as ``NeuralLM.encode``."""

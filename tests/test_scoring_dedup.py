@@ -20,6 +20,7 @@ import torch
 
 import nlmserve.lm.cpu as cpu
 import nlmserve.lm.scoring as scoring
+from nlmserve.lm import dedup
 from nlmserve.lm.dedup import distinct_rows, plan_batch
 from nlmserve.lm.model import ModelConfig, NeuralLM
 from nlmserve.lm.ngrams import BOS_ID, canonical_rows
@@ -72,6 +73,31 @@ def test_plan_counts_by_hand() -> None:
     assert got.tolist() == [-1.75, -2.0, -1.75, -3.0]
     none = plan_batch(ctx, target, cls, np.zeros(4, dtype=bool))
     assert none.norm.size == 0 and none.pair_class.size == 0
+
+
+def test_small_batches_are_planned_as_large_ones() -> None:
+    # The dictionary planner of small batches finds the same sets as the sorting one (which
+    # lists them in another order): same sizes, and every row maps to its own context,
+    # row and (context, class) pair.
+    rng = np.random.default_rng(3)
+    for n in [1, 2, 5, 17, dedup.SMALL_BATCH]:
+        for _ in range(20):
+            ctx = rng.integers(0, 3, size=(n, 2))
+            target = rng.integers(0, 4, size=n)
+            cls = target % 2
+            normalized = rng.random(n) < 0.7
+            small = dedup._plan_small(ctx, target, cls, normalized)
+            large = dedup._plan_sorted(ctx, target, cls, normalized)
+            for plan in (small, large):
+                assert (ctx[plan.contexts][plan.row_context][plan.row_of] == ctx).all()
+                assert (target[plan.rows][plan.row_of] == target).all()
+                assert plan.norm.tolist() == np.flatnonzero(normalized).tolist()
+                norm_ctx = ctx[plan.contexts][plan.norm_contexts][plan.norm_context_of]
+                assert (norm_ctx == ctx[plan.norm]).all()
+                assert (ctx[plan.contexts][plan.pair_context][plan.pair_of] == ctx[plan.norm]).all()
+                assert (plan.pair_class[plan.pair_of] == cls[plan.norm]).all()
+            sizes = [(p.contexts.size, p.rows.size, p.norm_contexts.size, p.pair_class.size) for p in (small, large)]
+            assert sizes[0] == sizes[1]
 
 
 # ---------------------------------------------------------------------- decoder-like batches
