@@ -14,8 +14,9 @@ change of the machine's load hits them alike. One ``nlmserve serve`` (the model 
     NeuralLMServer name=NLM0 factor=0 order=ORDER path=127.0.0.1:PORT <configuration's options>
 
 with the weight ``--nlm-weight`` (the KENLM weights stay as the ini has them). Measured per
-run: wall time of the decoder process (loading included: the same tables load in every
-configuration), its CPU time (user + system, from wait4), the server's CPU time over the run
+run: wall time of the decoder process (loading included, and reported on its own: Moses'
+"Created input-output object" time, which with the feature's default ``phrase-scores=load``
+includes the phrase table's NLM scores), its CPU time (user + system, from wait4), the server's CPU time over the run
 (the process tree, so the native front end counts), round trips per sentence (the feature's
 ``-v 1`` line per sentence), and n-grams sent and the client cache's hit rate (the feature's
 closing line). The ratios printed are medians over the rounds against KENLM alone.
