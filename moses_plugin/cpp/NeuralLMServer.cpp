@@ -291,6 +291,8 @@ void NeuralLMServer::PrefetchPhraseTables() const {
   for (size_t t = 0; t < tables.size(); ++t) {
     const PhraseDictionaryMemory *table = dynamic_cast<const PhraseDictionaryMemory *>(tables[t]);
     if (table == NULL) continue;  // other tables look phrases up while decoding
+    const std::vector<FactorType> &output = table->GetOutput();
+    if (std::find(output.begin(), output.end(), m_factorType) == output.end()) continue;  // a generation step makes it
     const std::string &path = table->GetFilePath();
     const int64_t started = SteadyMs();
     const uint64_t before = local.sentence.cache_misses;
@@ -311,7 +313,7 @@ void NeuralLMServer::PrefetchPhraseTables() const {
         if (!pipes || !++pipes) continue;  // the table's own loader reports a bad line
         Word *lhs = NULL;
         target.Clear();
-        target.CreateFromString(Output, table->GetOutput(), *pipes, &lhs);
+        target.CreateFromString(Output, output, *pipes, &lhs);
         delete lhs;
         local.words.clear();
         AppendIds(target, &local.words);
