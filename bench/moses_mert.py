@@ -221,11 +221,11 @@ def render(result: dict[str, Any]) -> str:
             "tuning wall s | test decoding s | search errors |", "|---|---|---|---|---|---|---|---|---|---|"]
     seeds = result["seeds"]
     for r in result["rows"]:
-        at = {s: i for i, s in enumerate(r.get("seeds", seeds))}
+        ran = r.get("seeds", seeds)
 
-        def per_seed(values: list[str], at: dict[int, int] = at) -> str:
-            """One value per seed of the run, — for a seed not finished."""
-            return ", ".join(values[at[s]] if s in at else "—" for s in seeds)
+        def per_seed(values: list[str]) -> str:
+            """One value per seed of the table, — for a seed this row has not finished."""
+            return ", ".join(values[ran.index(s)] if s in ran else "—" for s in seeds)
 
         nlm = "—" if r["model"] is None else (f"`{Path(r['model']).name}` "
                                              + " ".join(f"`{k}={v}`" for k, v in r["options"].items())).strip()
