@@ -18,6 +18,7 @@ the server's context cache use both.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,42 +142,16 @@ def _plan_small(ctx: np.ndarray, target: np.ndarray, cls: np.ndarray, normalized
             return BatchPlan(zero, zero, zero, zero, _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY)
         return BatchPlan(zero, zero, zero, zero, zero, zero, zero, zero,
                          np.asarray(cls, dtype=np.int64).reshape(1), zero)
-    contexts: list[int] = []
-    ctx_of: list[int] = []
-    seen: dict[tuple[int, ...], int] = {}
-    for i, c in enumerate(map(tuple, ctx.tolist())):
-        u = seen.setdefault(c, len(contexts))
-        if u == len(contexts):
-            contexts.append(i)
-        ctx_of.append(u)
-    rows: list[int] = []
-    row_of: list[int] = []
-    seen_rows: dict[tuple[int, int], int] = {}
-    for i, (u, t) in enumerate(zip(ctx_of, target.tolist())):
-        d = seen_rows.setdefault((u, t), len(rows))
-        if d == len(rows):
-            rows.append(i)
-        row_of.append(d)
+    contexts, ctx_of = _first_seen(map(tuple, ctx.tolist()))
+    rows, row_of = _first_seen(zip(ctx_of, target.tolist()))
     norm = [i for i, x in enumerate(normalized.tolist()) if x]
-    pair_context: list[int] = []
-    pair_class: list[int] = []
-    pair_of: list[int] = []
-    seen_pairs: dict[tuple[int, int], int] = {}
-    norm_contexts: list[int] = []
-    norm_context_of: list[int] = []
-    position: dict[int, int] = {}
     classes = cls.tolist()
-    for i in norm:
-        u, k = ctx_of[i], int(classes[i])
-        p = seen_pairs.setdefault((u, k), len(pair_context))
-        if p == len(pair_context):
-            pair_context.append(u)
-            pair_class.append(k)
-        pair_of.append(p)
-        q = position.setdefault(u, len(norm_contexts))
-        if q == len(norm_contexts):
-            norm_contexts.append(u)
-        norm_context_of.append(q)
+    keys = [(ctx_of[i], int(classes[i])) for i in norm]  # (context, class) of each normalised row
+    pair_first, pair_of = _first_seen(keys)
+    context_first, norm_context_of = _first_seen(u for u, _ in keys)
+    pair_context = [keys[j][0] for j in pair_first]
+    pair_class = [keys[j][1] for j in pair_first]
+    norm_contexts = [keys[j][0] for j in context_first]
 
     def ints(values: list[int]) -> np.ndarray:
         return np.array(values, dtype=np.int64)
@@ -184,6 +159,20 @@ def _plan_small(ctx: np.ndarray, target: np.ndarray, cls: np.ndarray, normalized
     return BatchPlan(ints(contexts), ints(rows), ints([ctx_of[i] for i in rows]), ints(row_of), ints(norm),
                      ints(norm_contexts), ints(norm_context_of), ints(pair_context), ints(pair_class),
                      ints(pair_of))
+
+
+def _first_seen(keys: Iterable[Hashable]) -> tuple[list[int], list[int]]:
+    """(the position of each distinct key's first appearance, in order; for every key, the
+    index of its distinct key in that list)."""
+    first: list[int] = []
+    index_of: list[int] = []
+    seen: dict[Hashable, int] = {}
+    for i, key in enumerate(keys):
+        u = seen.setdefault(key, len(first))
+        if u == len(first):
+            first.append(i)
+        index_of.append(u)
+    return first, index_of
 
 
 def _bits(a: np.ndarray) -> int:
