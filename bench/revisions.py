@@ -1,0 +1,341 @@
+"""Before and after: the serving and training benchmarks of two revisions, run interleaved on
+one machine in one command, with new/old ratios and each side's run-to-run spread.
+
+    .venv/bin/python bench/revisions.py --old 19f2784                 # against HEAD
+    .venv/bin/python bench/revisions.py --old 19f2784 --new HEAD --rounds 3 --json out.json
+    .venv/bin/python bench/revisions.py --render docs/results.md out.json
+    .venv/bin/python bench/revisions.py --old 19f2784 --prepare-only    # build now, measure later
+
+Each revision is exported with ``git archive`` into the work folder and set up as a user
+would: its gRPC stubs generated (by its own ``make proto`` when it has no setup.py, by the
+package build otherwise), the package installed with ``pip install --no-deps
+--no-build-isolation --target``, and its C++ (client library, native front end) built with its
+own ``make cpp``. A revision already set up there is reused. Every side then runs its own
+tree's code (``PYTHONPATH`` = its install) in this environment's Python.
+
+Each round runs old, then new:
+
+* that tree's ``bench/serve.py --seconds S --json`` (engine, gRPC, single-request latency, 32
+  one-n-gram clients with and without micro-batching, the native front end);
+* sequential single n-gram requests (``--requests`` of them) to that tree's ``nlmserve serve``
+  and ``serve --frontend native`` on one model file: p50, p99, and the server's CPU per
+  request;
+* that tree's ``bench/train.py --objectives nce --minutes M --threads 1 --json``: training
+  tokens/s and the dev perplexity reached.
+
+A metric is "same" when the two sides' means differ by no more than the larger of the two
+sides' ranges (max - min over the rounds): the machine's own noise. Otherwise it is better or
+worse in the metric's direction. Run it on a quiet machine: both cores, nothing beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine, random_class_model, tree_cpu_seconds, write_json, write_section  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = REPO / "data" / "lm"
+BEGIN, END = "<!-- bench/revisions.py: begin -->", "<!-- bench/revisions.py: end -->"
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One row of the comparison: where its value is in a side's results, and which way is
+    better."""
+
+    key: str  # "serve.engine_10000", "latency.python.p50_ms", "train.tokens_per_s"
+    label: str
+    higher_is_better: bool
+
+
+METRICS = (
+    Metric("serve.engine_4096", "engine, batches of 4,096 (n-grams/s)", True),
+    Metric("serve.engine_10000", "engine, batches of 10,000 (n-grams/s)", True),
+    Metric("serve.grpc_packed_10000", "gRPC packed ids, 10,000 per request (n-grams/s)", True),
+    Metric("serve.grpc_strings_10000", "gRPC strings, 10,000 per request (n-grams/s)", True),
+    Metric("serve.latency_c1.p50_ms", "bench/serve.py single n-gram p50 (ms)", False),
+    Metric("serve.concurrent_batching.ngrams_per_s", "32 one-n-gram clients, micro-batching (n-grams/s)", True),
+    Metric("serve.concurrent_no_batching.ngrams_per_s", "32 clients, no batching (n-grams/s)", True),
+    Metric("serve.concurrent_noop.ngrams_per_s", "32 clients, no-op server: the ceiling (n-grams/s)", True),
+    Metric("serve.native_batching.ngrams_per_s", "32 clients, native front end (n-grams/s)", True),
+    Metric("latency.python.p50_ms", "sequential single n-grams, Python server, p50 (ms)", False),
+    Metric("latency.python.p99_ms", "sequential single n-grams, Python server, p99 (ms)", False),
+    Metric("latency.python.server_cpu_us", "sequential single n-grams, Python server CPU per request (µs)", False),
+    Metric("latency.native.p50_ms", "sequential single n-grams, native front end, p50 (ms)", False),
+    Metric("latency.native.p99_ms", "sequential single n-grams, native front end, p99 (ms)", False),
+    Metric("train.tokens_per_s", "training, NCE, 1 thread (tokens/s)", True),
+    Metric("train.dev_ppl", "training, dev perplexity reached", False),
+)
+
+
+def lookup(result: dict[str, Any], key: str) -> float | None:
+    """The value at the dotted ``key`` of one side's round, None when that revision's
+    benchmark does not report it."""
+    node: Any = result
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return float(node) if isinstance(node, (int, float)) else None
+
+
+def compare(old: list[float], new: list[float], higher_is_better: bool) -> dict[str, Any]:
+    """Ratio of the means (new / old), each side's range, and the verdict: "same" when the
+    means differ by no more than the larger range, else "better" or "worse"."""
+    mo, mn = statistics.fmean(old), statistics.fmean(new)
+    noise = max(max(old) - min(old), max(new) - min(new))
+    if abs(mn - mo) <= noise:
+        verdict = "same"
+    else:
+        verdict = "better" if (mn > mo) == higher_is_better else "worse"
+    return {"old_mean": mo, "new_mean": mn, "ratio": mn / mo if mo else float("inf"), "noise": noise,
+            "verdict": verdict}
+
+
+# --- setting a revision up -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Side:
+    name: str  # "old" | "new"
+    rev: str
+    sha: str
+    src: Path  # the exported tree
+    site: Path  # its install (PYTHONPATH)
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "PYTHONPATH": str(self.site), "PYTHONUNBUFFERED": "1"}
+
+    def frontend(self) -> Path:
+        """The tree's own ``nlmserve_frontend`` (build/native since the front end has its own
+        CMake project, build/cpp before)."""
+        for sub in ("native", "cpp"):
+            path = self.src / "build" / sub / "nlmserve_frontend"
+            if path.exists():
+                return path
+        raise SystemExit(f"{self.rev}: no nlmserve_frontend under {self.src / 'build'} (make cpp failed?)")
+
+
+def run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None, log: Path | None = None) -> str:
+    """Run ``cmd``; its stdout, or SystemExit with the tail of its output."""
+    out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    if log is not None:
+        with log.open("a") as f:
+            f.write(f"$ {' '.join(cmd)}\n{out.stdout}{out.stderr}\n")
+    if out.returncode != 0:
+        tail = "\n".join((out.stdout + out.stderr).splitlines()[-20:])
+        raise SystemExit(f"{' '.join(cmd)} (in {cwd}) failed with {out.returncode}:\n{tail}")
+    return out.stdout
+
+
+def prepare(name: str, rev: str, work: Path) -> Side:
+    """Export ``rev`` into ``work`` and set it up (stubs, install, C++), unless done before."""
+    sha = run(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], REPO).strip()
+    root = work / sha[:12]
+    side = Side(name, rev, sha, root / "src", root / "site")
+    ready = root / "ready"
+    if ready.exists():
+        return side
+    log = root / "setup.log"
+    if root.exists():
+        run(["rm", "-rf", str(root)], work)
+    side.src.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", "--format=tar", sha], cwd=REPO, capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(side.src, filter="data")
+    print(f"# setting up {name} = {rev} ({sha[:12]}) in {root}", file=sys.stderr, flush=True)
+    bin_dir = Path(sys.executable).parent
+    if not (side.src / "setup.py").exists():  # stubs came from the Makefile then
+        run(["make", "proto", f"PY={sys.executable}", f"BIN={bin_dir}"], side.src, log=log)
+    run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
+         str(side.site), str(side.src)], side.src, log=log)
+    run(["make", "cpp"], side.src, log=log)
+    side.frontend()
+    ready.write_text(sha + "\n")
+    return side
+
+
+# --- the measurements ------------------------------------------------------------------------
+
+
+def serve_bench(side: Side, seconds: float, out: Path) -> dict[str, Any]:
+    """That tree's bench/serve.py → its JSON."""
+    run([sys.executable, str(side.src / "bench" / "serve.py"), "--seconds", str(seconds), "--json", str(out)],
+        side.src, side.env, log=out.with_suffix(".log"))
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def train_bench(side: Side, minutes: float, work: Path) -> dict[str, Any]:
+    """That tree's bench/train.py, NCE on one thread → its JSON row."""
+    stdout = run([sys.executable, str(side.src / "bench" / "train.py"), "--objectives", "nce", "--minutes",
+                  str(minutes), "--threads", "1", "--workdir", str(work), "--json"], side.src, side.env,
+                 log=work.with_suffix(".log"))
+    for line in stdout.splitlines():
+        if line.startswith("{"):
+            row: dict[str, Any] = json.loads(line)
+            if row.get("objective") == "nce":
+                return row
+    raise SystemExit(f"{side.rev}: bench/train.py printed no nce row")
+
+
+def sequential_latency(side: Side, model: Path, requests: int, native: bool) -> dict[str, float]:
+    """``requests`` single 5-gram requests, one after another, to that tree's ``nlmserve
+    serve`` (with ``native``: behind its native front end) → p50, p99 (ms) and the server
+    tree's CPU per request (µs)."""
+    import grpc
+    import numpy as np
+
+    from nlmserve.proto import lm_pb2, lm_pb2_grpc
+
+    cmd = [sys.executable, "-m", "nlmserve.cli", "serve", "--model", str(model), "--host", "127.0.0.1", "--port", "0"]
+    if native:
+        cmd += ["--frontend", "native", "--frontend-binary", str(side.frontend())]
+    proc = subprocess.Popen(cmd, cwd=side.src, env=side.env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        bound = re.match(r"listening on (\S+)", line)
+        if bound is None:
+            raise SystemExit(f"{side.rev}: `nlmserve serve` did not start ({line.strip() or 'no output'}); "
+                             "can this revision read the model? (--model)")
+        rows = np.random.default_rng(0).integers(4, 1000, size=(requests, 5)).astype("<u4")
+        reqs = [lm_pb2.ScoreNgramsRequest(packed_ids=r.tobytes(), packed_order=5) for r in rows]
+        with grpc.insecure_channel(bound.group(1)) as channel:
+            stub = lm_pb2_grpc.LanguageModelStub(channel)
+            for req in reqs[:200]:  # warm-up
+                stub.ScoreNgrams(req, timeout=30)
+            times = []
+            cpu0 = tree_cpu_seconds(proc.pid)
+            for req in reqs:
+                t0 = time.perf_counter()
+                stub.ScoreNgrams(req, timeout=30)
+                times.append(time.perf_counter() - t0)
+            cpu1 = tree_cpu_seconds(proc.pid)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    times.sort()
+    return {"p50_ms": times[len(times) // 2] * 1e3, "p99_ms": times[int(len(times) * 0.99)] * 1e3,
+            "server_cpu_us": (cpu1 - cpu0) / len(reqs) * 1e6}
+
+
+# --- the report --------------------------------------------------------------------------------
+
+
+def summarise(rounds: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per metric both sides report: the values of each round and :func:`compare`'s result."""
+    rows = []
+    for m in METRICS:
+        old = [lookup(r, m.key) for r in rounds["old"]]
+        new = [lookup(r, m.key) for r in rounds["new"]]
+        if not old or not new or None in old or None in new:
+            continue
+        olds = [v for v in old if v is not None]
+        news = [v for v in new if v is not None]
+        rows.append({"key": m.key, "label": m.label, "old": olds, "new": news,
+                     **compare(olds, news, m.higher_is_better)})
+    return rows
+
+
+def _fmt(x: float) -> str:
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}" if abs(x) < 1 else f"{x:.2f}"
+
+
+def render(result: dict[str, Any]) -> str:
+    """The comparison as Markdown: one line on what ran where, the table, the command."""
+    m = result["machine"]
+    old, new = result["old"], result["new"]
+    lines = [
+        f"`{old['rev']}` ({old['sha'][:7]}) against `{new['rev']}` ({new['sha'][:7]}), {result['rounds']} rounds "
+        f"interleaved old/new; {m['cpu']}, {m['cores']} cores, load average {m['load_average_1m']} at the start. "
+        "Same: the means differ by no more than the larger of the two sides' ranges.",
+        "",
+        "| metric | old runs | new runs | new / old | verdict |",
+        "|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        lines.append(f"| {row['label']} | {', '.join(map(_fmt, row['old']))} | {', '.join(map(_fmt, row['new']))} "
+                     f"| {row['ratio']:.2f} | {row['verdict']} |")
+    lines += ["", f"Command: `{result['command']}`"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--old", help="the revision before (any git revision)")
+    ap.add_argument("--new", default="HEAD", help="the revision after")
+    ap.add_argument("--rounds", type=int, default=2, help="old/new pairs (at least 2: the spread needs two)")
+    ap.add_argument("--seconds", type=float, default=3.0, help="bench/serve.py --seconds")
+    ap.add_argument("--train-minutes", type=float, default=1.0, help="bench/train.py --minutes (0: no training)")
+    ap.add_argument("--requests", type=int, default=3000, help="sequential single n-gram requests per server")
+    ap.add_argument("--model", type=Path, help="model file for the sequential requests (default: a random one "
+                    "of bench/serve.py's shape, written by this tree)")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/nlmserve-revisions"),
+                    help="exported trees, installs and logs (reused)")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--prepare-only", action="store_true",
+                    help="set the two revisions up (export, install, make cpp) and stop: build ahead, "
+                    "measure later on a quiet machine")
+    ap.add_argument("--render", nargs=2, metavar=("DOC", "JSON"),
+                    help="only replace DOC's bench/revisions.py section with JSON's table")
+    args = ap.parse_args(argv)
+    if args.render:
+        doc, js = map(Path, args.render)
+        write_section(doc, BEGIN, END, f"{BEGIN}\n\n{render(json.loads(js.read_text()))}\n\n{END}")
+        return 0
+    if not args.old:
+        ap.error("--old is required")
+    if args.rounds < 2:
+        ap.error("--rounds must be at least 2")
+    args.work.mkdir(parents=True, exist_ok=True)
+    sides = [prepare("old", args.old, args.work), prepare("new", args.new, args.work)]
+    if args.prepare_only:
+        for side in sides:
+            print(f"{side.name}: {side.rev} ({side.sha[:12]}) ready in {side.src.parent}")
+        return 0
+    model = args.model
+    if model is None:
+        model = args.work / "latency.nlm"
+        if not model.exists():
+            random_class_model([DATA / "europarl.train.50k.lc-moses.en.xz"], 10_000, 5, 256, 0, model)
+    result: dict[str, Any] = {"machine": machine(), "command": " ".join(["bench/revisions.py", *(argv or sys.argv[1:])]),
+                              "rounds": args.rounds}
+    rounds: dict[str, list[dict[str, Any]]] = {"old": [], "new": []}
+    for r in range(args.rounds):
+        for side in sides:
+            tag = f"{side.name}{r + 1}"
+            print(f"# round {r + 1}: {side.name} ({side.rev})", file=sys.stderr, flush=True)
+            one: dict[str, Any] = {"serve": serve_bench(side, args.seconds, args.work / f"serve-{tag}.json"),
+                                   "latency": {"python": sequential_latency(side, model, args.requests, False),
+                                               "native": sequential_latency(side, model, args.requests, True)}}
+            if args.train_minutes > 0:
+                one["train"] = train_bench(side, args.train_minutes, args.work / f"train-{tag}")
+            rounds[side.name].append(one)
+    result.update({s.name: {"rev": s.rev, "sha": s.sha} for s in sides})
+    result["rounds_detail"] = rounds
+    result["rows"] = summarise(rounds)
+    print(render(result))
+    if args.json:
+        write_json(args.json, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

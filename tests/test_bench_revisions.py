@@ -1,0 +1,89 @@
+"""bench/revisions.py: the verdict rule on hand-made runs, the table it renders into a page, and
+its sequential-latency probe against a real server of this tree."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from support import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+import revisions  # noqa: E402
+from _common import random_class_model  # noqa: E402
+
+
+def test_same_when_the_means_differ_by_less_than_the_larger_range() -> None:
+    # old 100, 110 (range 10); new 104, 108 (range 4): means 105 and 106 differ by 1 <= 10
+    r = revisions.compare([100.0, 110.0], [104.0, 108.0], higher_is_better=True)
+    assert r["verdict"] == "same" and r["noise"] == 10.0
+    assert r["ratio"] == pytest.approx(106 / 105)
+
+
+def test_better_or_worse_follows_the_metric_direction() -> None:
+    # means 101 and 90.5 differ by 10.5, ranges 2 and 1
+    assert revisions.compare([100.0, 102.0], [90.0, 91.0], higher_is_better=True)["verdict"] == "worse"
+    assert revisions.compare([100.0, 102.0], [90.0, 91.0], higher_is_better=False)["verdict"] == "better"
+    # exactly the range apart is still the same
+    assert revisions.compare([1.0, 3.0], [4.0, 4.0], higher_is_better=True)["verdict"] == "same"
+
+
+def test_lookup_and_summary_skip_what_a_revision_does_not_report() -> None:
+    run = {"serve": {"engine_10000": 100, "latency_c1": {"p50_ms": 1.0}, "load_clients": "C++"},
+           "train": {"tokens_per_s": 5e4, "dev_ppl": 100.0}}
+    assert revisions.lookup(run, "serve.latency_c1.p50_ms") == 1.0
+    assert revisions.lookup(run, "serve.load_clients") is None  # not a number
+    assert revisions.lookup(run, "serve.engine_4096") is None
+    old = [run, {**run, "serve": {**run["serve"], "engine_10000": 120}}]
+    new = [{**run, "serve": {"engine_10000": 60}}, {**run, "serve": {"engine_10000": 62}}]
+    rows = {r["key"]: r for r in revisions.summarise({"old": old, "new": new})}
+    # new's runs report no single-request latency: that metric is left out
+    assert set(rows) == {"serve.engine_10000", "train.tokens_per_s", "train.dev_ppl"}
+    assert rows["serve.engine_10000"]["old"] == [100.0, 120.0]
+    assert rows["serve.engine_10000"]["verdict"] == "worse"  # 61 vs 110, ranges 20 and 2
+    assert rows["train.dev_ppl"]["verdict"] == "same" and rows["train.dev_ppl"]["ratio"] == 1.0
+
+
+def test_render_writes_the_table_into_the_page(tmp_path: Path) -> None:
+    result = {"machine": {"cpu": "AMD EPYC", "cores": 2, "load_average_1m": 0.1}, "rounds": 2,
+              "command": "bench/revisions.py --old 19f2784",
+              "old": {"rev": "19f2784", "sha": "19f2784" + "0" * 33}, "new": {"rev": "HEAD", "sha": "abcdef1" + "0" * 33},
+              "rows": revisions.summarise({"old": [{"train": {"tokens_per_s": 100}}, {"train": {"tokens_per_s": 110}}],
+                                           "new": [{"train": {"tokens_per_s": 104}}, {"train": {"tokens_per_s": 108}}]})}
+    js = tmp_path / "r.json"
+    js.write_text(json.dumps(result))
+    doc = tmp_path / "results.md"
+    doc.write_text(f"# Results\n\n{revisions.BEGIN}\nold table\n{revisions.END}\n\nafter\n")
+    assert revisions.main(["--render", str(doc), str(js)]) == 0
+    text = doc.read_text()
+    assert "old table" not in text and text.endswith("\n\nafter\n")
+    assert "| training, NCE, 1 thread (tokens/s) | 100, 110 | 104, 108 | 1.01 | same |" in text
+    assert "`19f2784` (19f2784) against `HEAD` (abcdef1), 2 rounds" in text
+    assert "Command: `bench/revisions.py --old 19f2784`" in text
+
+
+def test_one_round_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        revisions.main(["--old", "HEAD", "--rounds", "1"])
+
+
+def test_sequential_latency_against_a_real_server(tmp_path: Path) -> None:
+    model = tmp_path / "m.nlm"
+    random_class_model([REPO / "data" / "lm" / "europarl.train.50k.lc-moses.en.xz"], 2000, 5, 16, 0, model)
+    # this tree, as installed in this environment (an empty PYTHONPATH adds nothing)
+    side = revisions.Side("new", "HEAD", "0" * 40, REPO, tmp_path / "site")
+    assert side.env["PYTHONPATH"] == str(tmp_path / "site") and os.environ.get("PYTHONPATH") != side.env["PYTHONPATH"]
+    r = revisions.sequential_latency(side, model, 60, native=False)
+    assert 0 < r["p50_ms"] <= r["p99_ms"] < 5000
+    assert r["server_cpu_us"] > 0  # the server did work for the requests
+
+
+def test_a_server_that_cannot_start_is_a_clear_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.nlm"
+    bad.write_text("not a model\n")
+    side = revisions.Side("old", "19f2784", "0" * 40, REPO, tmp_path / "site")
+    with pytest.raises(SystemExit, match="did not start"):
+        revisions.sequential_latency(side, bad, 10, native=False)
