@@ -351,13 +351,20 @@ def main() -> int:
     config = BleuConfig()
     base_name = systems[0].name
     rows: list[dict[str, Any]] = []
+    outputs: dict[str, list[str]] = {}
+
+    def hypotheses(run: dict[str, Any]) -> list[str]:
+        """A run's newstest2013 output, read once."""
+        if run["output"] not in outputs:
+            outputs[run["output"]] = Path(run["output"]).read_text(encoding="utf-8").splitlines()
+        return outputs[run["output"]]
+
     for system in systems:
         if not runs[system.name]:
             continue
         scores, sig = [], ""
         for r in runs[system.name]:
-            hyps = Path(r["output"]).read_text(encoding="utf-8").splitlines()
-            score, sig = corpus_bleu(hyps, refs, config)
+            score, sig = corpus_bleu(hypotheses(r), refs, config)
             r["bleu"] = round(score.score, 2)
             scores.append(score.score)
         row: dict[str, Any] = {"system": system.name, "model": system.model, "options": system.options,
@@ -368,8 +375,8 @@ def main() -> int:
                                "signature": sig, "runs": runs[system.name]}
         pairs = same_seeds(runs[base_name], runs[system.name])
         if system.name != base_name and pairs:
-            joined = [line for _, r in pairs for line in Path(r["output"]).read_text().splitlines()]
-            baseline = [line for b, _ in pairs for line in Path(b["output"]).read_text().splitlines()]
+            joined = [line for _, r in pairs for line in hypotheses(r)]
+            baseline = [line for b, _ in pairs for line in hypotheses(b)]
             joined_refs = [list(col) * len(pairs) for col in refs]
             paired = paired_bootstrap(baseline, joined, joined_refs, config)
             row["delta"] = round(row["mean"] - rows[0]["mean"], 2)
