@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 REQUEST = struct.Struct("<4s7I")  # magic, request_id, flags, timeout_ms, rows, width, auth_len, parts
 RESPONSE = struct.Struct("<4s7I")  # magic, request_id, status, flags, rows, hash_len, message_len, parts
 PART = struct.Struct("<2I")  # request: part_rows, part_order; response: part_status, part_message_len
+OK_PART = PART.pack(0, 0)  # a part answered OK: status 0, no message
 REQUEST_MAGIC, RESPONSE_MAGIC = b"NLQ2", b"NLR2"
 RPC = "ScoreNgrams"
 LOG10, ALLOW_UNNORMALIZED = 1, 2  # request flags
@@ -174,15 +175,16 @@ class LocalBackend:
                     raise ProtocolError("oversized batch") from None
                 if parts == 0 or parts > rows:
                     raise ProtocolError(f"{parts} parts for {rows} rows")
-                auth = _read_exact(conn, auth_len)
-                table = _read_exact(conn, parts * PART.size)
-                data = _read_exact(conn, size)
-                if auth is None or table is None or data is None:
+                table_end = auth_len + parts * PART.size
+                body = _read_exact(conn, table_end + size)  # the rest of the frame, in one read
+                if body is None:
                     raise ProtocolError("connection closed inside a frame")
-                shape = [(r, k) for r, k in PART.iter_unpack(table)]
+                view = memoryview(body)
+                auth = body[:auth_len]
+                shape = list(PART.iter_unpack(view[auth_len:table_end]))
                 if sum(r for r, _ in shape) != rows or not all(r >= 1 and 1 <= k <= width for r, k in shape):
                     raise ProtocolError(f"a part table that does not describe {rows} rows of width {width}")
-                conn.sendall(self._answer(request_id, flags, timeout_ms, width, auth, shape, data))
+                conn.sendall(self._answer(request_id, flags, timeout_ms, width, auth, shape, view[table_end:]))
         except ProtocolError as e:
             log.warning("local backend channel: %s; closing the connection", e)
         except OSError as e:
@@ -195,7 +197,7 @@ class LocalBackend:
 
     # ------------------------------------------------------------------ one batch
     def _answer(self, request_id: int, flags: int, timeout_ms: int, width: int, auth: bytes,
-                parts: list[tuple[int, int]], data: bytes) -> bytes:
+                parts: list[tuple[int, int]], data: bytes | memoryview) -> bytes:
         handler = self.requests
         n = len(parts)
         start = handler.started(n)
@@ -214,7 +216,7 @@ class LocalBackend:
             try:
                 try:
                     scores = np.asarray(self._score(ids, normalized, log10, timeout, state), dtype="<f4")
-                    statuses = [(grpc.StatusCode.OK, "")] * n
+                    statuses = None  # every part OK
                 except InvalidRequestError:
                     # Some part is invalid: each part alone gets the servicer's answer to it.
                     scores, statuses = self._score_parts(ids, parts, normalized, log10, timeout, state)
@@ -224,12 +226,15 @@ class LocalBackend:
                 return self._failed(request_id, code, flags, state.model_hash, message)
         finally:
             handler.finished(RPC, start, n)
-        for code, _ in statuses:
-            handler.count(RPC, code)
         out_flags = (LOG10 if log10 else 0) | (NORMALIZED if normalized or not state.self_normalized else 0)
         digest = state.model_hash.encode()
-        texts = [message.encode("utf-8", "replace") for _, message in statuses]
         head = RESPONSE.pack(RESPONSE_MAGIC, request_id, 0, out_flags, scores.shape[0], len(digest), 0, n)
+        if statuses is None:
+            handler.count(RPC, grpc.StatusCode.OK, n)
+            return b"".join((head, digest, OK_PART * n, scores.tobytes()))
+        for code, _ in statuses:
+            handler.count(RPC, code)
+        texts = [message.encode("utf-8", "replace") for _, message in statuses]
         table = b"".join(PART.pack(code.value[0], len(text)) for (code, _), text in zip(statuses, texts))
         return b"".join((head, digest, table, *texts, scores.tobytes()))
 
