@@ -24,8 +24,8 @@ Each round runs old, then new:
   tokens/s and the dev perplexity reached.
 
 A metric is "same" when the two sides' means differ by no more than the larger of the two
-sides' ranges (max - min over the rounds): the machine's own noise. Otherwise it is better or
-worse in the metric's direction. Run it on a quiet machine: both cores, nothing beside it.
+sides' ranges (max - min over the rounds: the machine's own noise), or by less than 1%.
+Otherwise it is better or worse in the metric's direction. Run it on a quiet machine: both cores, nothing beside it.
 """
 
 from __future__ import annotations
@@ -93,11 +93,17 @@ def lookup(result: dict[str, Any], key: str) -> float | None:
     return float(node) if isinstance(node, (int, float)) else None
 
 
+#: A difference below this share of the old mean is never called a change (two runs can
+#: agree by chance and show no range at all).
+FLOOR = 0.01
+
+
 def compare(old: list[float], new: list[float], higher_is_better: bool) -> dict[str, Any]:
-    """Ratio of the means (new / old), each side's range, and the verdict: "same" when the
-    means differ by no more than the larger range, else "better" or "worse"."""
+    """Ratio of the means (new / old), the noise, and the verdict: "same" when the means
+    differ by no more than the noise (the larger of the two sides' ranges, at least
+    :data:`FLOOR` of the old mean), else "better" or "worse"."""
     mo, mn = statistics.fmean(old), statistics.fmean(new)
-    noise = max(max(old) - min(old), max(new) - min(new))
+    noise = max(max(old) - min(old), max(new) - min(new), FLOOR * abs(mo))
     if abs(mn - mo) <= noise:
         verdict = "same"
     else:
@@ -265,7 +271,7 @@ def render(result: dict[str, Any]) -> str:
     lines = [
         f"`{old['rev']}` ({old['sha'][:7]}) against `{new['rev']}` ({new['sha'][:7]}), {result['rounds']} rounds "
         f"interleaved old/new; {m['cpu']}, {m['cores']} cores, load average {m['load_average_1m']} at the start. "
-        "Same: the means differ by no more than the larger of the two sides' ranges.",
+        "Same: the means differ by no more than the larger of the two sides' ranges, or by less than 1%.",
         "",
         "| metric | old runs | new runs | new / old | verdict |",
         "|---|---|---|---|---|",
@@ -281,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--old", help="the revision before (any git revision)")
     ap.add_argument("--new", default="HEAD", help="the revision after")
-    ap.add_argument("--rounds", type=int, default=2, help="old/new pairs (at least 2: the spread needs two)")
+    ap.add_argument("--rounds", type=int, default=3, help="old/new pairs (at least 2: the spread needs two)")
     ap.add_argument("--seconds", type=float, default=3.0, help="bench/serve.py --seconds")
     ap.add_argument("--train-minutes", type=float, default=1.0, help="bench/train.py --minutes (0: no training)")
     ap.add_argument("--requests", type=int, default=3000, help="sequential single n-gram requests per server")

@@ -31,6 +31,12 @@ def test_better_or_worse_follows_the_metric_direction() -> None:
     assert revisions.compare([1.0, 3.0], [4.0, 4.0], higher_is_better=True)["verdict"] == "same"
 
 
+def test_differences_under_one_percent_are_the_same_even_without_spread() -> None:
+    # two runs each side that agree exactly: 0.5% apart is the same, 2% apart is not
+    assert revisions.compare([100.0, 100.0], [100.5, 100.5], higher_is_better=False)["verdict"] == "same"
+    assert revisions.compare([100.0, 100.0], [102.0, 102.0], higher_is_better=False)["verdict"] == "worse"
+
+
 def test_lookup_and_summary_skip_what_a_revision_does_not_report() -> None:
     run = {"serve": {"engine_10000": 100, "latency_c1": {"p50_ms": 1.0}, "load_clients": "C++"},
            "train": {"tokens_per_s": 5e4, "dev_ppl": 100.0}}
