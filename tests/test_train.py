@@ -35,7 +35,7 @@ def small_train(tmp_path_factory: pytest.TempPathFactory, train_small_path: Path
 def _config(train_path: Path, valid: Path, out: Path, **kw: object) -> TrainConfig:
     base = dict(train=str(train_path), valid=str(valid), out=str(out), order=4, dim=8, classes=12,
                 min_count=2, batch_size=64, lr=0.2, threads=1, seed=3, progress=False,
-                learning_curve=False, valid_every=15, checkpoint_every=10, max_steps=40)
+                learning_curve=False, valid_every=15, checkpoint_every=10, checkpoint_share=0.0, max_steps=40)
     base.update(kw)
     return TrainConfig(**base)  # type: ignore[arg-type]
 
@@ -64,6 +64,31 @@ def test_interrupt_then_resume_ends_at_the_same_parameters(small_train: Path, de
     lb = LanguageModel.load(tmp_path / "b.nlm", device="cpu")
     rows = np.array([[1, 1, 5], [3, 4, 9], [7, 8, 2]])
     assert np.allclose(la.score_ngrams(rows), lb.score_ngrams(rows), atol=1e-6)
+
+
+@pytest.mark.parametrize("share,expected", [(0.0, [5, 10, 15, 20, 25, 30, 35, 40]), (0.01, [5, 40])])
+# (the point at step 40 is where training stops: the end's own checkpoint is written there)
+def test_slow_checkpoints_are_written_less_often_but_always_at_the_end(
+        small_train: Path, dev_small_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, share: float,
+        expected: list[int]) -> None:
+    # a checkpoint that takes 0.2 s with share 0.01 passes over the points of the next 20 s:
+    # the 40 steps of this model take far less, so only the first point and the last write
+    import nlmserve.lm.train as train_module
+
+    written: list[int] = []
+    real = train_module.save_checkpoint
+
+    def slow_save(path: str, model: object, opt: object, gen: object, state: dict[str, int], *rest: object,
+                  **kw: object) -> None:
+        time.sleep(0.2)
+        written.append(state["step"])
+        real(path, model, opt, gen, state, *rest, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(train_module, "save_checkpoint", slow_save)
+    cfg = _config(small_train, dev_small_path, tmp_path / "m.nlm", checkpoint_every=5, checkpoint_share=share)
+    assert train(cfg).steps == 40
+    assert written == expected
+    assert load_checkpoint(cfg.checkpoint_path)["state"]["step"] == 40
 
 
 @pytest.mark.parametrize("tables", [0, 512])
