@@ -11,7 +11,8 @@ text on two cores (docs/results.md, "Perplexity against Kneser-Ney", and bench/t
   ``lmplz -o 5``'s 61.1.
 * ``large``: width 768, 2^22 and 2^24 feature slots, the learning rate falling linearly to 0
   over the budget, validation every 16,000 steps. The whole corpus (18.25M tokens) in 60
-  minutes: 52.3 against 52.4.
+  minutes: 52.3 against 52.4 in the run it comes from; chosen with no flag, 53.2 in a later
+  run that spent 11% of its hour writing checkpoints (docs/results.md).
 
 ``large`` is chosen for at least 10M training tokens and a budget of at least 45 minutes;
 ``small`` otherwise. Every process trains lock-free on its own core (``--workers`` = cores,
