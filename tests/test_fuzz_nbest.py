@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from nlmserve.errors import NbestFormatError
@@ -172,17 +172,26 @@ def test_known_lines_are_parsed_or_refused_with_file_and_line(workdir: Path, lin
 @FUZZ
 @given(lines=st.lists(st.one_of(random_line, good_line(), bad_line()), min_size=1, max_size=25),
        gz=st.booleans())
+@example(lines=[Line(b"\x1f\x8b", None), Line(b"000000", None)], gz=False)  # gzip's magic, plain
 def test_random_lines_never_raise_anything_but_nbest_format_error(workdir: Path, lines: list[Line],
                                                                   gz: bool) -> None:
     path = write(workdir, lines, gz, 0)
     try:
+        if not gz and path.read_bytes()[:2] == b"\x1f\x8b":
+            # a plain file that opens with gzip's magic is read as gzip, and is damaged gzip:
+            # the whole file is refused, skip_bad or not (no line of it can be read)
+            for skip_bad in (False, True):
+                with pytest.raises(NbestFormatError, match="damaged or truncated gzip data") as err:
+                    read_all(path, skip_bad=skip_bad)
+                assert err.value.path == str(path) and err.value.line == 1
+            return
         try:
             strict = len(read_all(path, skip_bad=False)[0])
         except NbestFormatError as e:
             assert e.path == str(path) and e.line is not None and 1 <= e.line <= len(lines)
             assert str(e).startswith(f"{path}:{e.line}: ")
             strict = None
-        entries, stats = read_all(path, skip_bad=True)  # never raises
+        entries, stats = read_all(path, skip_bad=True)  # never raises on a readable file
         blank = sum(1 for line in lines if is_blank(line.data))
         assert len(entries) + stats.bad_lines + blank == len(lines) == stats.lines
         assert stats.entries == len(entries)
