@@ -90,8 +90,9 @@ def register(subparsers: Any) -> None:
                         "linearly to 0 over the budget (--max-minutes, --max-steps or --epochs)")
     p.add_argument("--patience", type=int, help="validations without improvement before stopping")
     p.add_argument("--valid-every", type=int, help="validate every N steps (0: each epoch)")
-    p.add_argument("--checkpoint-every", type=int, default=1000, help="write OUT.ckpt every N steps, fewer when writing would take over 2%% of the "
-                   "time, always where training stops (0: never)")
+    p.add_argument("--checkpoint-every", type=int, default=1000,
+                   help="write OUT.ckpt every N steps, fewer when writing would take over 2%% of the time, "
+                   "always where training stops (0: never)")
     p.add_argument("--log-every", type=int, default=100, help="append a record to OUT.log.jsonl every N steps")
     p.add_argument("--ngram-features", action=argparse.BooleanOptionalAction,
                    help="direct hashed n-gram features on the class and word scores (OxLM)")

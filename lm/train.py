@@ -86,9 +86,9 @@ class TrainConfig:
         checkpoint_every: write ``out.ckpt`` every N steps (0: never).
         checkpoint_share: the most of the wall time checkpoints may take: after one that
             took t seconds, the checkpoint points of the next t / checkpoint_share seconds
-            are passed over; the last, where training stops, always writes (a width-768 model with
-            n-gram features writes 1.2 GB in about 3.5 s, every 30 s at 1,000 steps); 0:
-            write at every point.
+            are passed over; the last, where training stops, always writes (a width-768
+            model with n-gram features writes 1.2 GB in about 3.5 s, every 30 s at 1,000
+            steps); 0: write at every point.
         log_every: append a JSONL record every N steps.
         progress: a tqdm bar when stderr is a terminal, else a log line every 30 s
             (nlmserve.progress); learning_curve: write ``out.curve.png``.
