@@ -228,6 +228,10 @@ def noop_serve(model: Path) -> int:
             for i in range(0, len(words), size):
                 yield lm_pb2.VocabularyChunk(offset=i, words=words[i : i + size])
 
+        async def GetScoringTables(self, request: Any, context: Any) -> Any:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "the no-op server has no scoring tables")
+            yield  # an async generator, as the servicer's streaming methods are
+
     async def run() -> None:
         server = grpc.aio.server()
         lm_pb2_grpc.add_LanguageModelServicer_to_server(Noop(), server)
