@@ -34,7 +34,6 @@ import argparse
 import io
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -204,42 +203,28 @@ def sequential_latency(side: Side, model: Path, requests: int, native: bool) -> 
     """``requests`` single 5-gram requests, one after another, to that tree's ``nlmserve
     serve`` (with ``native``: behind its native front end) → p50, p99 (ms) and the server
     tree's CPU per request (µs)."""
-    import grpc
     import numpy as np
 
-    from nlmserve.proto import lm_pb2, lm_pb2_grpc
+    from nlmserve.errors import NlmserveError
+    from nlmserve.moses_plugin.experiment import start_server
+    from serve import single_latency  # bench/serve.py (bench/ is sys.path[0])
 
-    cmd = [sys.executable, "-m", "nlmserve.cli", "serve", "--model", str(model), "--host", "127.0.0.1", "--port", "0"]
+    extra = ["--host", "127.0.0.1"]
     if native:
-        cmd += ["--frontend", "native", "--frontend-binary", str(side.frontend())]
-    proc = subprocess.Popen(cmd, cwd=side.src, env=side.env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True)
+        extra += ["--frontend", "native", "--frontend-binary", str(side.frontend())]
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        bound = re.match(r"listening on (\S+)", line)
-        if bound is None:
-            raise SystemExit(f"{side.rev}: `nlmserve serve` did not start ({line.strip() or 'no output'}); "
-                             "can this revision read the model? (--model)")
-        rows = np.random.default_rng(0).integers(4, 1000, size=(requests, 5)).astype("<u4")
-        reqs = [lm_pb2.ScoreNgramsRequest(packed_ids=r.tobytes(), packed_order=5) for r in rows]
-        with grpc.insecure_channel(bound.group(1)) as channel:
-            stub = lm_pb2_grpc.LanguageModelStub(channel)
-            for req in reqs[:200]:  # warm-up
-                stub.ScoreNgrams(req, timeout=30)
-            times = []
-            cpu0 = tree_cpu_seconds(proc.pid)
-            for req in reqs:
-                t0 = time.perf_counter()
-                stub.ScoreNgrams(req, timeout=30)
-                times.append(time.perf_counter() - t0)
-            cpu1 = tree_cpu_seconds(proc.pid)
+        server = start_server(model, extra, env=side.env, cwd=side.src)
+    except NlmserveError as e:
+        raise SystemExit(f"{side.rev}: `nlmserve serve` did not start ({e}); "
+                         "can this revision read the model? (--model)") from e
+    try:
+        ids = np.random.default_rng(0).integers(4, 1000, size=(requests, 5)).astype("<u4")
+        r = single_latency(server.target, ids, requests, warmup=200,
+                           probe=lambda: tree_cpu_seconds(server.process.pid))
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    times.sort()
-    return {"p50_ms": times[len(times) // 2] * 1e3, "p99_ms": times[int(len(times) * 0.99)] * 1e3,
-            "server_cpu_us": (cpu1 - cpu0) / len(reqs) * 1e6}
+        server.stop()
+    return {"p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"],
+            "server_cpu_us": (r["after"] - r["before"]) / requests * 1e6}
 
 
 # --- the report --------------------------------------------------------------------------------

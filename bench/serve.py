@@ -252,7 +252,11 @@ def percentile_ms(lat: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(lat) * 1e3, q))
 
 
-def single_latency(target: str, ids: np.ndarray, n: int) -> dict[str, float]:
+def single_latency(target: str, ids: np.ndarray, n: int, warmup: int = 100,
+                   probe: Callable[[], Any] | None = None) -> dict[str, Any]:
+    """``n`` requests of one n-gram each (the rows of ``ids`` in turn), one after another, after
+    ``warmup`` unmeasured ones → p50 and p99 (ms). ``probe``: called just before and just after
+    the measured requests; its two results are returned as ``before`` and ``after``."""
     import grpc
 
     from nlmserve.proto import lm_pb2, lm_pb2_grpc
@@ -262,13 +266,18 @@ def single_latency(target: str, ids: np.ndarray, n: int) -> dict[str, float]:
     lat = []
     with grpc.insecure_channel(target) as ch:
         stub = lm_pb2_grpc.LanguageModelStub(ch)
-        for r in reqs[:100]:
+        for r in reqs[:warmup]:
             stub.ScoreNgrams(r)
+        before = probe() if probe else None
         for r in reqs:
             t0 = time.perf_counter()
             stub.ScoreNgrams(r)
             lat.append(time.perf_counter() - t0)
-    return {"p50_ms": percentile_ms(lat, 50), "p99_ms": percentile_ms(lat, 99)}
+        after = probe() if probe else None
+    out: dict[str, Any] = {"p50_ms": percentile_ms(lat, 50), "p99_ms": percentile_ms(lat, 99)}
+    if probe:
+        out.update(before=before, after=after)
+    return out
 
 
 def concurrent_single(target: str, ids: np.ndarray, clients: int, seconds: float) -> dict[str, float]:

@@ -289,10 +289,15 @@ class ServerProcess:
             self.process.wait()
 
 
-def start_server(model: Path, extra: list[str] | None = None, timeout: float = 180.0) -> ServerProcess:
-    """Start ``nlmserve serve --model M --port 0`` and wait for ``listening on HOST:PORT``."""
+def start_server(model: Path, extra: list[str] | None = None, timeout: float = 180.0,
+                 env: dict[str, str] | None = None, cwd: Path | None = None) -> ServerProcess:
+    """Start ``nlmserve serve --model M --port 0`` and wait for ``listening on HOST:PORT``.
+
+    ``env`` and ``cwd``: the subprocess's environment and directory (default: this process's),
+    e.g. another installation's ``PYTHONPATH``.
+    """
     cmd = [*nlmserve_command(), "serve", "--model", str(model), "--port", "0", *(extra or [])]
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, bufsize=1)
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, bufsize=1, env=env, cwd=cwd)
     found: list[str] = []
     ready = threading.Event()
 
