@@ -21,7 +21,13 @@ Each round runs old, then new:
   and ``serve --frontend native`` on one model file: p50, p99, and the server's CPU per
   request;
 * that tree's ``bench/train.py --objectives nce --minutes M --threads 1 --json``: training
-  tokens/s and the dev perplexity reached.
+  tokens/s and the dev perplexity reached;
+* with ``--train-args="ARGS"``: that tree's ``nlmserve train ARGS --out F`` (give it a budget,
+  e.g. ``--max-minutes 4``), and from its log (``F.log.jsonl``) the tokens per second from
+  step 1,000 on (the minutes before, vocabulary, classes and the first steps, are left out)
+  and the steps taken: a user's own training recipe, old against new.
+
+``--skip-serve`` leaves the serving measurements out (training only).
 
 A metric is "same" when the two sides' means differ by no more than the larger of the two
 sides' ranges (max - min over the rounds: the machine's own noise), or by less than 1%.
@@ -34,6 +40,8 @@ import argparse
 import io
 import json
 import os
+import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -49,6 +57,14 @@ from _common import machine, random_class_model, tree_cpu_seconds, write_json, w
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "data" / "lm"
 BEGIN, END = "<!-- bench/revisions.py: begin -->", "<!-- bench/revisions.py: end -->"
+
+
+def markers(section: str = "") -> tuple[str, str]:
+    """The comment lines around a rendered table in a page; a named ``section`` has its own,
+    so one page can hold several comparisons."""
+    if not section:
+        return BEGIN, END
+    return f"<!-- bench/revisions.py {section}: begin -->", f"<!-- bench/revisions.py {section}: end -->"
 
 
 @dataclass(frozen=True)
@@ -78,7 +94,12 @@ METRICS = (
     Metric("latency.native.p99_ms", "sequential single n-grams, native front end, p99 (ms)", False),
     Metric("train.tokens_per_s", "training, NCE, 1 thread (tokens/s)", True),
     Metric("train.dev_ppl", "training, dev perplexity reached", False),
+    Metric("recipe.tokens_per_s", "nlmserve train with --train-args, from step 1,000 (tokens/s)", True),
+    Metric("recipe.steps", "nlmserve train with --train-args, steps taken", True),
 )
+
+#: The first steps of a ``--train-args`` run that its speed leaves out.
+SKIP_STEPS = 1000
 
 
 def lookup(result: dict[str, Any], key: str) -> float | None:
@@ -199,6 +220,32 @@ def train_bench(side: Side, minutes: float, work: Path) -> dict[str, Any]:
     raise SystemExit(f"{side.rev}: bench/train.py printed no nce row")
 
 
+def training_speed(log: Path, skip_steps: int = SKIP_STEPS) -> dict[str, float]:
+    """From an ``nlmserve train`` log (``MODEL.log.jsonl``): tokens per second between its
+    first progress record at or after ``skip_steps`` and its last one, and the steps taken."""
+    rows = [r for r in map(json.loads, log.read_text().splitlines()) if "tokens_per_s" in r]
+    start = next((r for r in rows if r["step"] >= skip_steps), None)
+    if start is None or rows[-1] is start:
+        raise SystemExit(f"{log}: no progress record after step {skip_steps:,} and a later one; "
+                         "give the training a larger budget in --train-args")
+    end = rows[-1]
+    return {"tokens_per_s": (end["tokens"] - start["tokens"]) / (end["elapsed"] - start["elapsed"]),
+            "steps": float(end["step"])}
+
+
+def recipe_bench(side: Side, train_args: list[str], out: Path) -> dict[str, float]:
+    """That tree's ``nlmserve train ARGS --out OUT`` (earlier outputs of OUT removed first) →
+    :func:`training_speed` of its log."""
+    for old in out.parent.glob(out.name + "*"):
+        if old.is_dir():
+            shutil.rmtree(old)
+        else:
+            old.unlink()
+    run([sys.executable, "-m", "nlmserve.cli", "train", *train_args, "--out", str(out)], side.src, side.env,
+        log=out.with_suffix(".log"))
+    return training_speed(out.with_name(out.name + ".log.jsonl"))
+
+
 def sequential_latency(side: Side, model: Path, requests: int, native: bool) -> dict[str, float]:
     """``requests`` single 5-gram requests, one after another, to that tree's ``nlmserve
     serve`` (with ``native``: behind its native front end) → p50, p99 (ms) and the server
@@ -275,6 +322,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="old/new pairs (at least 2: the spread needs two)")
     ap.add_argument("--seconds", type=float, default=3.0, help="bench/serve.py --seconds")
     ap.add_argument("--train-minutes", type=float, default=1.0, help="bench/train.py --minutes (0: no training)")
+    ap.add_argument("--train-args", type=shlex.split, default=[],
+                    help='also time `nlmserve train ARGS` of each tree (one quoted string, given with "=": '
+                    '--train-args="--train T --max-minutes 4"; --out is added)')
+    ap.add_argument("--skip-serve", action="store_true", help="leave the serving measurements out")
     ap.add_argument("--requests", type=int, default=3000, help="sequential single n-gram requests per server")
     ap.add_argument("--model", type=Path, help="model file for the sequential requests (default: a random one "
                     "of bench/serve.py's shape, written by this tree)")
@@ -286,10 +337,13 @@ def main(argv: list[str] | None = None) -> int:
                     "measure later on a quiet machine")
     ap.add_argument("--render", nargs=2, metavar=("DOC", "JSON"),
                     help="only replace DOC's bench/revisions.py section with JSON's table")
+    ap.add_argument("--section", default="", help="with --render: the named section (its own markers, "
+                    "<!-- bench/revisions.py NAME: begin/end -->) instead of the unnamed one")
     args = ap.parse_args(argv)
     if args.render:
         doc, js = map(Path, args.render)
-        write_section(doc, BEGIN, END, f"{BEGIN}\n\n{render(json.loads(js.read_text()))}\n\n{END}")
+        begin, end = markers(args.section)
+        write_section(doc, begin, end, f"{begin}\n\n{render(json.loads(js.read_text()))}\n\n{end}")
         return 0
     if not args.old:
         ap.error("--old is required")
@@ -302,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{side.name}: {side.rev} ({side.sha[:12]}) ready in {side.src.parent}")
         return 0
     model = args.model
-    if model is None:
+    if model is None and not args.skip_serve:
         model = args.work / "latency.nlm"
         if not model.exists():
             random_class_model([DATA / "europarl.train.50k.lc-moses.en.xz"], 10_000, 5, 256, 0, model)
@@ -313,11 +367,15 @@ def main(argv: list[str] | None = None) -> int:
         for side in sides:
             tag = f"{side.name}{r + 1}"
             print(f"# round {r + 1}: {side.name} ({side.rev})", file=sys.stderr, flush=True)
-            one: dict[str, Any] = {"serve": serve_bench(side, args.seconds, args.work / f"serve-{tag}.json"),
-                                   "latency": {"python": sequential_latency(side, model, args.requests, False),
-                                               "native": sequential_latency(side, model, args.requests, True)}}
+            one: dict[str, Any] = {}
+            if not args.skip_serve:
+                one["serve"] = serve_bench(side, args.seconds, args.work / f"serve-{tag}.json")
+                one["latency"] = {"python": sequential_latency(side, model, args.requests, False),
+                                  "native": sequential_latency(side, model, args.requests, True)}
             if args.train_minutes > 0:
                 one["train"] = train_bench(side, args.train_minutes, args.work / f"train-{tag}")
+            if args.train_args:
+                one["recipe"] = recipe_bench(side, args.train_args, args.work / f"recipe-{tag}.nlm")
             rounds[side.name].append(one)
     result.update({s.name: {"rev": s.rev, "sha": s.sha} for s in sides})
     result["rounds_detail"] = rounds

@@ -1,5 +1,6 @@
-"""bench/revisions.py: the verdict rule on hand-made runs, the table it renders into a page, and
-its sequential-latency probe against a real server of this tree."""
+"""bench/revisions.py: the verdict rule on hand-made runs, the table it renders into a page, its
+sequential-latency probe against a real server of this tree, and its timing of a training
+recipe from the trainer's log."""
 
 from __future__ import annotations
 
@@ -69,6 +70,36 @@ def test_render_writes_the_table_into_the_page(tmp_path: Path) -> None:
     assert "| training, NCE, 1 thread (tokens/s) | 100, 110 | 104, 108 | 1.01 | same |" in text
     assert "`19f2784` (19f2784) against `HEAD` (abcdef1), 2 rounds" in text
     assert "Command: `bench/revisions.py --old 19f2784`" in text
+    # a named section is written between its own markers; the unnamed one stays
+    begin, end = revisions.markers("training")
+    doc.write_text(text + f"\n{begin}\nold\n{end}\n")
+    assert revisions.main(["--render", str(doc), str(js), "--section", "training"]) == 0
+    named = doc.read_text()
+    assert named.startswith(text) and named.count("| training, NCE, 1 thread (tokens/s) |") == 2
+
+
+def test_training_speed_reads_tokens_per_second_after_the_first_steps(tmp_path: Path) -> None:
+    log = tmp_path / "m.nlm.log.jsonl"
+    rows = [{"event": "start", "step": 0, "tokens": 0},
+            {"step": 500, "tokens": 256_000, "elapsed": 40.0, "tokens_per_s": 6400.0, "loss": 5.0},
+            {"step": 1000, "tokens": 512_000, "elapsed": 60.0, "tokens_per_s": 8533.3, "loss": 4.0},
+            {"step": 1000, "valid_ppl": 90.0, "elapsed": 61.0},
+            {"step": 1500, "tokens": 768_000, "elapsed": 80.0, "tokens_per_s": 9600.0, "loss": 3.9}]
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # (768,000 - 512,000) tokens in (80 - 60) s, from step 1,000 on
+    assert revisions.training_speed(log) == {"tokens_per_s": 12_800.0, "steps": 1500.0}
+    with pytest.raises(SystemExit, match="larger budget"):
+        revisions.training_speed(log, skip_steps=1500)  # nothing after it
+
+
+def test_a_training_recipe_of_this_tree_is_timed_from_its_log(tmp_path: Path, train_small_path: Path) -> None:
+    side = revisions.Side("new", "HEAD", "0" * 40, REPO, tmp_path / "site")
+    args = ["--train", str(train_small_path), "--recipe", "none", "--dim", "8", "--order", "3", "--batch-size", "8",
+            "--max-steps", "1200", "--log-every", "100", "--checkpoint-every", "0", "--threads", "1"]
+    out = tmp_path / "recipe.nlm"
+    r = revisions.recipe_bench(side, args, out)
+    assert r["steps"] == 1200.0 and r["tokens_per_s"] > 0
+    assert out.exists()
 
 
 def test_one_round_is_refused() -> None:
