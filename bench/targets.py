@@ -177,7 +177,7 @@ def run_target(row: Row, args: argparse.Namespace, work: Path) -> None:
              "--valid-every": args.valid_every, "--batch-size": args.batch_size, "--lr": args.lr,
              "--dropout": args.dropout, "--min-improvement": args.min_improvement, "--workers": args.workers,
              "--lr-schedule": args.lr_schedule, "--ngram-class-bits": args.ngram_class_bits,
-             "--ngram-word-bits": args.ngram_word_bits}
+             "--ngram-word-bits": args.ngram_word_bits, "--noise-samples": args.noise_samples}
     for flag, value in given.items():
         if value is not None:
             cmd += [flag, str(value)]
@@ -251,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="nlmserve train --min-improvement (learning-rate decay on small gains)")
     p.add_argument("--workers", type=int, help="Hogwild processes (nlmserve train --workers)")
     p.add_argument("--dropout", type=float, help="dropout on the context vector (0: none)")
+    p.add_argument("--noise-samples", type=int, help="nlmserve train --noise-samples (NCE's k)")
     p.add_argument("--json", type=Path, help="also write the rows as JSON here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
