@@ -31,7 +31,8 @@ Each round runs old, then new:
 
 A metric is "same" when the two sides' means differ by no more than the larger of the two
 sides' ranges (max - min over the rounds: the machine's own noise), or by less than 1%.
-Otherwise it is better or worse in the metric's direction. Run it on a quiet machine: both cores, nothing beside it.
+Otherwise it is better or worse in the metric's direction. Run it on a quiet machine: both
+cores, nothing beside it.
 """
 
 from __future__ import annotations
@@ -241,8 +242,9 @@ def recipe_bench(side: Side, train_args: list[str], out: Path) -> dict[str, floa
             shutil.rmtree(old)
         else:
             old.unlink()
-    run([sys.executable, "-m", "nlmserve.cli", "train", *train_args, "--out", str(out)], side.src, side.env,
-        log=out.with_suffix(".log"))
+    from nlmserve.moses_plugin.experiment import nlmserve_command
+
+    run([*nlmserve_command(), "train", *train_args, "--out", str(out)], side.src, side.env, log=out.with_suffix(".log"))
     return training_speed(out.with_name(out.name + ".log.jsonl"))
 
 
