@@ -35,7 +35,7 @@ def register(subparsers: Any) -> None:
                    help="auto: the flags shown with 'default: recipe' are chosen from the corpus size, "
                         "--max-minutes and the cores (nlmserve.lm.recipe); none: their plain values, "
                         "the same on every machine")
-    p.add_argument("--order", type=int, default=5, help="n-gram order: the predicted word and order-1 before it")
+    p.add_argument("--order", type=int, help="n-gram order: the predicted word and order-1 before it")
     p.add_argument("--dim", type=int, help="embedding width D")
     p.add_argument("--context", choices=("diagonal", "full"), default="diagonal", help="context weights")
     p.add_argument("--hidden", type=int, default=0, help="hidden layer width (0: none)")
@@ -100,8 +100,8 @@ def register(subparsers: Any) -> None:
                    help="log2 of the class feature table size (with --ngram-features)")
     p.add_argument("--ngram-word-bits", type=int,
                    help="log2 of the word feature table size (with --ngram-features)")
-    p.add_argument("--ngram-order", type=int, default=0,
-                   help="longest n-gram with a direct feature (with --ngram-features; default: --order)")
+    p.add_argument("--ngram-order", type=int,
+                   help="longest n-gram with a direct feature (with --ngram-features; 0: the order)")
     p.add_argument("--workdir", help="where the id files go (default OUT.work)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_train)
@@ -176,7 +176,10 @@ def apply_recipe(args: argparse.Namespace) -> str:
     if args.recipe == "auto":
         tokens = _count_tokens(args.train, args.max_train_lines)  # a bad line fails as training would
     recipe = choose(tokens, args.max_minutes, ncores) if args.recipe == "auto" else PLAIN
-    return describe(recipe, fill(args, recipe), tokens, args.max_minutes, ncores)
+    chosen = fill(args, recipe)
+    if "ngram_order" in chosen and (not args.ngram_features or args.ngram_order >= args.order):
+        args.ngram_order = 0  # the recipe's bound on the features: none to bound, or the order itself
+    return describe(recipe, {name: getattr(args, name) for name in chosen}, tokens, args.max_minutes, ncores)
 
 
 def _train(args: argparse.Namespace) -> int:

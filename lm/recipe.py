@@ -1,18 +1,20 @@
 """The training recipe ``nlmserve train`` chooses for the flags it is not given: from the
 corpus size, the time budget and the cores, as ``lmplz -o 5`` needs no flags.
 
-Two recipes, each the settings of a run that matched Kneser-Ney on the lowercased Europarl
+Two recipes, each the settings of a run that beat Kneser-Ney on the lowercased Europarl
 text on two cores (docs/results.md, "Perplexity against Kneser-Ney", and bench/targets.py):
 
-* ``small``: width 512, direct n-gram features (2^20 class and 2^22 word slots), Brown
+* ``small``: order 5, width 512, direct n-gram features (2^20 class and 2^22 word slots), Brown
   classes, dropout 0.2, AdaGrad at 0.05 halved when a validation gains less than 0.5%,
   validation every 8,000 steps (once per pass on smaller corpora). The first 200,000 lines in 20
   minutes, chosen by this module with no training flag: dev perplexity 59.6 against
   ``lmplz -o 5``'s 61.1.
-* ``large``: width 768, 2^22 and 2^24 feature slots, the learning rate falling linearly to 0
+* ``large``: order 10 (nine context words) with the direct features on n-grams of up to
+  5 words, width 768, 2^22 and 2^24 feature slots, the learning rate falling linearly to 0
   over the budget, validation every 16,000 steps. The whole corpus (18.25M tokens) in 60
-  minutes: 52.3 against 52.4 in the run it comes from; chosen with no flag, 53.2 in a later
-  run that spent 11% of its hour writing checkpoints (docs/results.md).
+  minutes, chosen with no flag: 51.0 against 52.4. The same settings as a 5-gram sat at
+  Kneser-Ney's level (52.3 to 53.2 from one day to the next); the nine words of context
+  gain about 4% at every validation.
 
 ``large`` is chosen for at least 10M training tokens and a budget of at least 45 minutes;
 ``small`` otherwise. Every process trains lock-free on its own core (``--workers`` = cores,
@@ -40,6 +42,8 @@ class Recipe:
     """Values of the ``nlmserve train`` flags a recipe sets (names as the argparse dests)."""
 
     name: str
+    order: int
+    ngram_order: int
     dim: int
     workers: int
     threads: int
@@ -64,7 +68,7 @@ class Recipe:
 
 #: ``--recipe none``: the plain values (``nlmserve.lm.train.TrainConfig``'s defaults, which a
 #: test keeps equal): a small, single-process model, for tests and reproducible demos.
-PLAIN = Recipe("none", dim=128, workers=1, threads=2, ngram_features=False, ngram_class_bits=20,
+PLAIN = Recipe("none", order=5, ngram_order=0, dim=128, workers=1, threads=2, ngram_features=False, ngram_class_bits=20,
                ngram_word_bits=22, class_method="frequency", dropout=0.0, lr=0.1, lr_schedule="plateau",
                min_improvement=0.0, valid_every=0, patience=3, epochs=10)
 
@@ -80,12 +84,12 @@ def choose(tokens: int, minutes: float | None, cores: int) -> Recipe:
     budget = minutes is not None
     epochs = 100 if budget else 10
     if budget and tokens >= LARGE_TOKENS and minutes is not None and minutes >= LARGE_MINUTES:
-        return Recipe("large", dim=768, workers=workers, threads=threads, ngram_features=True,
+        return Recipe("large", order=10, ngram_order=5, dim=768, workers=workers, threads=threads, ngram_features=True,
                       ngram_class_bits=22, ngram_word_bits=24, class_method="brown", dropout=0.2, lr=0.05,
                       lr_schedule="linear", min_improvement=0.0, valid_every=16_000, patience=100, epochs=epochs)
     # Validate every 8,000 steps, or once per pass over a smaller corpus (512-token minibatches).
     valid_every = int(min(8_000, max(250, tokens // 512)))
-    return Recipe("small", dim=512, workers=workers, threads=threads, ngram_features=True,
+    return Recipe("small", order=5, ngram_order=0, dim=512, workers=workers, threads=threads, ngram_features=True,
                   ngram_class_bits=20, ngram_word_bits=22, class_method="brown", dropout=0.2, lr=0.05,
                   lr_schedule="plateau", min_improvement=0.005, valid_every=valid_every,
                   patience=100 if budget else 3, epochs=epochs)
@@ -110,12 +114,12 @@ def fill(args: Any, recipe: Recipe) -> list[str]:
     return chosen
 
 
-def describe(recipe: Recipe, chosen: list[str], tokens: int, minutes: float | None, ncores: int) -> str:
-    """One line for the log and the model file: which recipe, why, and what it set."""
+def describe(recipe: Recipe, chosen: dict[str, Any], tokens: int, minutes: float | None, ncores: int) -> str:
+    """One line for the log and the model file: which recipe, why, and what it set (``chosen``:
+    flag → the value it got)."""
     if not chosen:
         return "every recipe flag given on the command line"
-    values = recipe.values()
-    set_ = ", ".join(f"{name}={values[name]}" for name in chosen)
+    set_ = ", ".join(f"{name}={value}" for name, value in chosen.items())
     if recipe.name == PLAIN.name:
         return f"none (the plain values): {set_}"
     budget = f"{minutes:g} minutes" if minutes is not None else "no time budget"

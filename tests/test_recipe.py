@@ -24,7 +24,7 @@ def test_the_200k_line_budget_gets_the_small_recipe_as_measured() -> None:
         512, 2, 1, True, 20, 22)
     assert (r.class_method, r.dropout, r.lr, r.lr_schedule, r.min_improvement, r.valid_every) == (
         "brown", 0.2, 0.05, "plateau", 0.005, 8000)
-    assert (r.patience, r.epochs) == (100, 100)  # the budget ends the run
+    assert (r.patience, r.epochs, r.order, r.ngram_order) == (100, 100, 5, 0)  # the budget ends the run
 
 
 def test_the_full_corpus_in_an_hour_gets_the_large_recipe_as_measured() -> None:
@@ -32,6 +32,7 @@ def test_the_full_corpus_in_an_hour_gets_the_large_recipe_as_measured() -> None:
     assert r.name == "large"
     assert (r.dim, r.ngram_class_bits, r.ngram_word_bits, r.lr_schedule, r.min_improvement, r.valid_every) == (
         768, 22, 24, "linear", 0.0, 16_000)
+    assert (r.order, r.ngram_order) == (10, 5)  # nine context words, direct features to 5-grams
     # a shorter budget or a smaller corpus keeps the small one
     assert choose(18_250_000, 30.0, 2).name == choose(9_000_000, 60.0, 2).name == "small"
 
@@ -54,6 +55,30 @@ def test_plain_values_are_the_training_configs_defaults() -> None:
             assert defaults[name] == value, name
 
 
+def test_the_large_recipes_feature_bound_yields_to_the_flags(
+        train_small_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from nlmserve.lm import recipe
+
+    large = choose(18_250_000, 60.0, 2)  # as if the text were all of Europarl
+    monkeypatch.setattr(recipe, "choose", lambda tokens, minutes, ncores: large)
+
+    def filled(*flags: str) -> tuple[str, argparse.Namespace]:
+        args = _parser().parse_args(["train", "--train", str(train_small_path), "--out", "m",
+                                     "--max-minutes", "60", *flags])
+        return cli.apply_recipe(args), args
+
+    line, args = filled()
+    assert (args.order, args.ngram_order, args.ngram_features) == (10, 5, True)
+    assert line.startswith("large (") and "order=10, ngram_order=5, " in line
+    # no features to bound, or an order the bound reaches: 0 (the order), and the line says so
+    line, args = filled("--no-ngram-features")
+    assert (args.order, args.ngram_order) == (10, 0) and "ngram_order=0" in line
+    line, args = filled("--order", "5")
+    assert (args.order, args.ngram_order) == (5, 0) and "order=10" not in line
+    line, args = filled("--order", "7", "--ngram-order", "3")  # given: both win
+    assert (args.order, args.ngram_order) == (7, 3) and "order=" not in line
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nlmserve")
     cli.register(parser.add_subparsers())
@@ -65,7 +90,7 @@ def test_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> None:
         _parser().parse_args(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--dim DIM embedding width D (default: recipe)" in text
-    assert "n-gram order: the predicted word and order-1 before it (default: 5)" in text
+    assert "n-gram order: the predicted word and order-1 before it (default: recipe)" in text
     assert "--batch-size BATCH_SIZE n-grams per minibatch (per worker) (default: 512)" in text
     for flag in RECIPE_FLAGS:
         assert f"--{flag.replace('_', '-')}" in text
