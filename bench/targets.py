@@ -5,7 +5,7 @@ Three experiments on the shared Europarl (``../shared/data/lm``), dev perplexity
 KenLM's ``query`` reports it):
 
 * ``200k``: the first 200,000 lines, our model within 20 minutes, against a Kneser-Ney
-  5-gram on the same lines (measured: 61.1);
+  5-gram on the same lines (61.1);
 * ``full``: the whole 18.25M-token corpus within 60 minutes (Kneser-Ney: 52.4);
 * ``oxlm-nce`` / ``oxlm-mle``: the OxLM comparison on the first 120,000 lines with
   singletons mapped to ``<unk>`` (``--min-count 2``), width 256, NCE within 10 minutes
@@ -13,8 +13,8 @@ KenLM's ``query`` reports it):
 
 Kneser-Ney: with ``--lmplz PATH`` (and ``--query``, default next to it) a modified
 Kneser-Ney 5-gram is built with ``lmplz -o 5`` on each experiment's training lines and
-scored with ``query``; otherwise the perplexities above are used (``--kn NAME=PPL``
-overrides one). For the 120k-line targets Kneser-Ney sees the same tokens as our model:
+scored with ``query``; otherwise the perplexities above, typed in here from earlier
+``lmplz`` runs, are used and the table says "typed in" (``--kn NAME=PPL`` overrides one). For the 120k-line targets Kneser-Ney sees the same tokens as our model:
 words seen fewer than ``--min-count`` times in the training lines, and dev words outside
 that vocabulary, become one placeholder word in both texts (KenLM refuses ``<unk>`` itself
 in its input), so both sides predict the same events, including the unknown-word ones.
@@ -60,7 +60,7 @@ class Target:
         name: the table row's name (``--only`` selects by it).
         lines: first N training lines (None: all).
         minutes: the issue's wall-time budget for our model.
-        kn: Kneser-Ney dev perplexity measured on this machine (used without ``--lmplz``).
+        kn: Kneser-Ney dev perplexity typed in from an earlier ``lmplz`` run (used without ``--lmplz``).
         objective: nce or mle.
         min_count: 2 maps singletons to ``<unk>`` (the OxLM set-up).
         dim: embedding width (None: the ``--dim`` flag; the OxLM targets' 256 yields to ``--oxlm-dim``).
@@ -160,19 +160,19 @@ def kenlm_perplexity(lmplz: Path, query: Path, text: Path, dev: Path, work: Path
     return float(m.group(1))
 
 
-def run_target(row: Row, args: argparse.Namespace, work: Path) -> None:
-    """Train our model for the row's budget and evaluate it on the dev text."""
+def train_command(row: Row, args: argparse.Namespace, train_text: Path, out: Path) -> list[str]:
+    """The ``nlmserve train`` command of the row: the text, the budget, and only the model
+    flags given here (its recipe chooses the others, lm/recipe.py)."""
+    from nlmserve.moses_plugin.experiment import nlmserve_command
+
     t = row.target
-    train_text = head_lines(TRAIN, t.lines, work / f"train.{t.lines or 'full'}.txt")
-    out = work / f"{t.name}.nlm"
     dim = (args.oxlm_dim or t.dim) if t.dim else args.dim
-    cmd = [
-        sys.executable, "-m", "nlmserve.cli", "train", "--train", str(train_text), "--valid", str(args.valid),
-        "--out", str(out), "--max-minutes", f"{row.minutes:.3f}", "--no-progress",
+    cmd = nlmserve_command() + [
+        "train", "--train", str(train_text), "--valid", str(args.valid), "--out", str(out),
+        "--max-minutes", f"{row.minutes:.3f}", "--no-progress",
     ]
     if t.objective != "nce" or t.min_count != 1:  # the OxLM set-ups
         cmd += ["--objective", t.objective, "--min-count", str(t.min_count)]
-    # Only the flags given here: nlmserve train's recipe chooses the others (lm/recipe.py).
     given = {"--dim": dim, "--class-method": args.class_method, "--threads": args.threads,
              "--valid-every": args.valid_every, "--batch-size": args.batch_size, "--lr": args.lr,
              "--dropout": args.dropout, "--min-improvement": args.min_improvement, "--workers": args.workers,
@@ -183,11 +183,22 @@ def run_target(row: Row, args: argparse.Namespace, work: Path) -> None:
             cmd += [flag, str(value)]
     if args.ngram_features is not None:
         cmd += ["--ngram-features" if args.ngram_features else "--no-ngram-features"]
+    return cmd
+
+
+def run_target(row: Row, args: argparse.Namespace, work: Path) -> None:
+    """Train our model for the row's budget and evaluate it on the dev text."""
+    from nlmserve.moses_plugin.experiment import nlmserve_command
+
+    t = row.target
+    train_text = head_lines(TRAIN, t.lines, work / f"train.{t.lines or 'full'}.txt")
+    out = work / f"{t.name}.nlm"
+    cmd = train_command(row, args, train_text, out)
     log.info("%s: %s", t.name, " ".join(cmd))
     t0 = time.monotonic()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     row.train_seconds = time.monotonic() - t0
-    ev = subprocess.run([sys.executable, "-m", "nlmserve.cli", "eval", "--model", str(out), "--text", str(DEV),
+    ev = subprocess.run([*nlmserve_command(), "eval", "--model", str(out), "--text", str(DEV),
                          "--json", "--threads", str(args.threads or 0)], check=True, capture_output=True, text=True)
     res = json.loads(ev.stdout)
     row.ppl, row.ppl_excl_oov, row.oov = res["perplexity"], res["perplexity_excl_oov"], res["oov"]
@@ -225,7 +236,7 @@ def format_table(rows: list[Row], scale: float) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--scale", type=float, default=1.0, help="budget fraction (1: the issue's budgets)")
     p.add_argument("--only", help="comma-separated target names: " + ",".join(t.name for t in TARGETS))
@@ -253,6 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dropout", type=float, help="dropout on the context vector (0: none)")
     p.add_argument("--noise-samples", type=int, help="nlmserve train --noise-samples (NCE's k)")
     p.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     if args.scale <= 0:
@@ -287,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                 kn_text, kn_dev = map_rare(kn_text, DEV, t.min_count, work)
             kn, source = kenlm_perplexity(args.lmplz, query, kn_text, kn_dev, work), "lmplz"
         else:
-            kn, source = t.kn, "measured"
+            kn, source = t.kn, "typed in"
         row = Row(t, t.minutes * args.scale, kn, source)
         run_target(row, args, work)
         log.info("%s: ppl %.2f against KN %.2f", t.name, row.ppl or float("nan"), kn)
@@ -295,7 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     table = format_table(rows, args.scale)
     print(table)
     if args.json:
-        args.json.write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
+        tmp = args.json.with_name(args.json.name + ".tmp")
+        tmp.write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
+        os.replace(tmp, args.json)
     return 0
 
 

@@ -1,0 +1,52 @@
+"""bench/targets.py: the ``nlmserve train`` command each target runs (the text and the budget,
+plus only the model flags given to the bench: the trainer's recipe chooses the rest), and the
+label of a Kneser-Ney perplexity that no lmplz run of this invocation produced."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from support import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+import targets  # noqa: E402
+
+FULL, OXLM = targets.TARGETS[1], targets.TARGETS[2]
+
+
+def _command(target: targets.Target, *flags: str, scale: float = 1.0) -> list[str]:
+    args = targets.parser().parse_args(list(flags))
+    row = targets.Row(target, target.minutes * scale, target.kn, "typed in")
+    return targets.train_command(row, args, Path("w/train.full.txt"), Path("w/full.nlm"))
+
+
+def test_no_model_flag_leaves_every_choice_to_the_recipe() -> None:
+    cmd = _command(FULL)
+    assert cmd[:3] == [sys.executable, "-m", "nlmserve.cli"]
+    assert cmd[3:] == ["train", "--train", "w/train.full.txt", "--valid", str(targets.DEV), "--out", "w/full.nlm",
+                       "--max-minutes", "60.000", "--no-progress"]
+
+
+def test_given_flags_pass_through_and_the_scale_shortens_the_budget() -> None:
+    cmd = _command(FULL, "--noise-samples", "5", "--dim", "768", "--no-ngram-features", "--lr", "0.05",
+                   "--workers", "2", scale=0.05)
+    text = " ".join(cmd)
+    assert "--max-minutes 3.000" in text
+    assert "--noise-samples 5" in text and "--dim 768" in text and "--lr 0.05" in text and "--workers 2" in text
+    assert cmd[-1] == "--no-ngram-features"
+    assert "--threads" not in cmd and "--class-method" not in cmd  # not given: the recipe's
+
+
+def test_the_oxlm_targets_set_their_objective_min_count_and_width() -> None:
+    text = " ".join(_command(OXLM))
+    assert "--objective nce --min-count 2" in text and "--dim 256" in text
+    assert "--dim 512" in " ".join(_command(OXLM, "--oxlm-dim", "512"))
+    assert "--dim" not in _command(FULL, "--oxlm-dim", "512")  # the width of the OxLM rows only
+
+
+def test_a_typed_in_kneser_ney_value_says_so_in_the_table() -> None:
+    row = targets.Row(FULL, 60.0, FULL.kn, "typed in", ppl=52.0, steps=10, tokens_seen=5120, train_seconds=3600,
+                      dim=768, recipe="large")
+    line = targets.format_table([row], 1.0).splitlines()[-1]
+    assert line.startswith("| full | 60.00 | 768 | 52.4 | typed in | 52.0 | n/a | -0.8% | 10 | 5,120 | 3600 | large |")
