@@ -38,7 +38,9 @@ def start_replica(model: str, *flags: str) -> tuple[subprocess.Popen[str], str, 
     """``nlmserve serve`` on a free port with one torch and one OpenMP thread; (process, target,
     /metrics URL). Not ``nlmserve.moses_plugin.experiment.start_server``: each replica needs
     ``OMP_NUM_THREADS=1`` in its environment and the /metrics address it prints second."""
-    cmd = [sys.executable, "-m", "nlmserve.cli", "serve", "--model", model, "--port", "0", "--metrics-port", "0",
+    from nlmserve.moses_plugin.experiment import nlmserve_command
+
+    cmd = [*nlmserve_command(), "serve", "--model", model, "--port", "0", "--metrics-port", "0",
            "--torch-threads", "1", *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})

@@ -167,8 +167,9 @@ class ServerProcess(_Process):
         if noop:
             cmd = [sys.executable, __file__, "--noop-server", str(model)]
         else:
-            cmd = [sys.executable, "-m", "nlmserve.cli", "serve", "--model", str(model), "--port", "0",
-                   "--metrics-port", "0", *flags]
+            from nlmserve.moses_plugin.experiment import nlmserve_command
+
+            cmd = [*nlmserve_command(), "serve", "--model", str(model), "--port", "0", "--metrics-port", "0", *flags]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
         assert self.proc.stdout is not None
