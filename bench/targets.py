@@ -14,10 +14,11 @@ KenLM's ``query`` reports it):
 Kneser-Ney: with ``--lmplz PATH`` (and ``--query``, default next to it) a modified
 Kneser-Ney 5-gram is built with ``lmplz -o 5`` on each experiment's training lines and
 scored with ``query``; otherwise the perplexities above, typed in here from earlier
-``lmplz`` runs, are used and the table says "typed in" (``--kn NAME=PPL`` overrides one). For the 120k-line targets Kneser-Ney sees the same tokens as our model:
-words seen fewer than ``--min-count`` times in the training lines, and dev words outside
-that vocabulary, become one placeholder word in both texts (KenLM refuses ``<unk>`` itself
-in its input), so both sides predict the same events, including the unknown-word ones.
+``lmplz`` runs, are used and the table says "typed in" (``--kn NAME=PPL`` overrides one).
+For the 120k-line targets Kneser-Ney sees the same tokens as our model: words seen fewer
+than ``--min-count`` times in the training lines, and dev words outside that vocabulary,
+become one placeholder word in both texts (KenLM refuses ``<unk>`` itself in its input), so
+both sides predict the same events, including the unknown-word ones.
 
 ``--scale F`` multiplies every budget (e.g. 0.1 for a short end-to-end check); the table
 then says so. ``nlmserve train`` gets the text, the budget and nothing else unless a

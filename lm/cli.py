@@ -176,10 +176,7 @@ def apply_recipe(args: argparse.Namespace) -> str:
     if args.recipe == "auto":
         tokens = _count_tokens(args.train, args.max_train_lines)  # a bad line fails as training would
     recipe = choose(tokens, args.max_minutes, ncores) if args.recipe == "auto" else PLAIN
-    chosen = fill(args, recipe)
-    if "ngram_order" in chosen and (not args.ngram_features or args.ngram_order >= args.order):
-        args.ngram_order = 0  # the recipe's bound on the features: none to bound, or the order itself
-    return describe(recipe, {name: getattr(args, name) for name in chosen}, tokens, args.max_minutes, ncores)
+    return describe(recipe, fill(args, recipe), tokens, args.max_minutes, ncores)
 
 
 def _train(args: argparse.Namespace) -> int:

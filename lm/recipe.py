@@ -4,8 +4,8 @@ corpus size, the time budget and the cores, as ``lmplz -o 5`` needs no flags.
 Two recipes, each the settings of a run that beat Kneser-Ney on the lowercased Europarl
 text on two cores (docs/results.md, "Perplexity against Kneser-Ney", and bench/targets.py):
 
-* ``small``: order 5, width 512, direct n-gram features (2^20 class and 2^22 word slots), Brown
-  classes, dropout 0.2, AdaGrad at 0.05 halved when a validation gains less than 0.5%,
+* ``small``: order 5, width 512, direct n-gram features (2^20 class and 2^22 word slots),
+  Brown classes, dropout 0.2, AdaGrad at 0.05 halved when a validation gains less than 0.5%,
   validation every 8,000 steps (once per pass on smaller corpora). The first 200,000 lines in 20
   minutes, chosen by this module with no training flag: dev perplexity 59.6 against
   ``lmplz -o 5``'s 61.1.
@@ -68,9 +68,9 @@ class Recipe:
 
 #: ``--recipe none``: the plain values (``nlmserve.lm.train.TrainConfig``'s defaults, which a
 #: test keeps equal): a small, single-process model, for tests and reproducible demos.
-PLAIN = Recipe("none", order=5, ngram_order=0, dim=128, workers=1, threads=2, ngram_features=False, ngram_class_bits=20,
-               ngram_word_bits=22, class_method="frequency", dropout=0.0, lr=0.1, lr_schedule="plateau",
-               min_improvement=0.0, valid_every=0, patience=3, epochs=10)
+PLAIN = Recipe("none", order=5, ngram_order=0, dim=128, workers=1, threads=2, ngram_features=False,
+               ngram_class_bits=20, ngram_word_bits=22, class_method="frequency", dropout=0.0, lr=0.1,
+               lr_schedule="plateau", min_improvement=0.0, valid_every=0, patience=3, epochs=10)
 
 #: The argparse dests a recipe fills when the command line leaves them unset (None).
 RECIPE_FLAGS = tuple(f.name for f in dataclasses.fields(Recipe) if f.name != "name")
@@ -84,14 +84,15 @@ def choose(tokens: int, minutes: float | None, cores: int) -> Recipe:
     budget = minutes is not None
     epochs = 100 if budget else 10
     if budget and tokens >= LARGE_TOKENS and minutes is not None and minutes >= LARGE_MINUTES:
-        return Recipe("large", order=10, ngram_order=5, dim=768, workers=workers, threads=threads, ngram_features=True,
-                      ngram_class_bits=22, ngram_word_bits=24, class_method="brown", dropout=0.2, lr=0.05,
-                      lr_schedule="linear", min_improvement=0.0, valid_every=16_000, patience=100, epochs=epochs)
+        return Recipe("large", order=10, ngram_order=5, dim=768, workers=workers, threads=threads,
+                      ngram_features=True, ngram_class_bits=22, ngram_word_bits=24, class_method="brown",
+                      dropout=0.2, lr=0.05, lr_schedule="linear", min_improvement=0.0, valid_every=16_000,
+                      patience=100, epochs=epochs)
     # Validate every 8,000 steps, or once per pass over a smaller corpus (512-token minibatches).
     valid_every = int(min(8_000, max(250, tokens // 512)))
-    return Recipe("small", order=5, ngram_order=0, dim=512, workers=workers, threads=threads, ngram_features=True,
-                  ngram_class_bits=20, ngram_word_bits=22, class_method="brown", dropout=0.2, lr=0.05,
-                  lr_schedule="plateau", min_improvement=0.005, valid_every=valid_every,
+    return Recipe("small", order=5, ngram_order=0, dim=512, workers=workers, threads=threads,
+                  ngram_features=True, ngram_class_bits=20, ngram_word_bits=22, class_method="brown",
+                  dropout=0.2, lr=0.05, lr_schedule="plateau", min_improvement=0.005, valid_every=valid_every,
                   patience=100 if budget else 3, epochs=epochs)
 
 
@@ -103,14 +104,19 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def fill(args: Any, recipe: Recipe) -> list[str]:
+def fill(args: Any, recipe: Recipe) -> dict[str, Any]:
     """Set every recipe flag that is None on ``args`` (an argparse namespace) from ``recipe``
-    → the flags it set."""
-    chosen = []
+    → the flags it set and their values.
+
+    The recipe's bound on the direct features (``ngram_order``) yields to the other flags:
+    with no features, or an order the bound reaches, it is 0 (the order)."""
+    chosen = {}
     for name, value in recipe.values().items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-            chosen.append(name)
+            chosen[name] = value
+    if "ngram_order" in chosen and (not args.ngram_features or args.ngram_order >= args.order):
+        args.ngram_order = chosen["ngram_order"] = 0
     return chosen
 
 
