@@ -14,7 +14,7 @@ text on two cores (docs/results.md, "Perplexity against Kneser-Ney", and bench/t
   over the budget, validation every 16,000 steps. The whole corpus (18.25M tokens) in 60
   minutes, chosen with no flag: 51.0 against 52.4. The same settings as a 5-gram sat at
   Kneser-Ney's level (52.3 to 53.2 from one day to the next); the nine words of context
-  gain about 4% at every validation.
+  gain about 4% at every validation (hand-run, no script).
 
 ``large`` is chosen for at least 10M training tokens and a budget of at least 45 minutes;
 ``small`` otherwise. Every process trains lock-free on its own core (``--workers`` = cores,
