@@ -14,9 +14,9 @@ scores it against KENLM alone tuned the same way.
 Each ``--system NAME[=MODEL[,key=value...]]`` is KENLM alone (no model) or KENLM plus
 ``NeuralLMServer name=NLM0`` asking an ``nlmserve serve`` of MODEL (one server per model, on
 127.0.0.1, shared by all seeds; the options after the model are the feature's moses.ini
-options, e.g. ``normalized=false``). Every system is tuned once per seed (mert's ``-r SEED``,
-or kbmira's ``--random-seed SEED`` with ``--tuner mira``), starting from the ini's weights
-and ``--nlm-weight`` for NLM0.
+options, e.g. ``normalized=false``; an ``order=`` there overrides ``--order``). Every system
+is tuned once per seed (mert's ``-r SEED``, or kbmira's ``--random-seed SEED`` with
+``--tuner mira``), starting from the ini's weights and ``--nlm-weight`` for NLM0.
 
 Resumable: a tuning whose working folder exists is continued with mert-moses.pl's
 ``--continue``; a finished tuning (its ``moses.ini`` written) and a finished test decoding
@@ -77,6 +77,14 @@ class System:
         return cls(name, model, options)
 
 
+def feature_line(system: System, order: int, target: str) -> str:
+    """NLM0's moses.ini line: the system's options after ``path=``; its own ``order=`` (the
+    model's order) overrides ``order``."""
+    options = {"order": str(order), **system.options}
+    rest = " ".join(f"{k}={v}" for k, v in options.items() if k != "order")
+    return f"NeuralLMServer name=NLM0 factor=0 order={options['order']} path={target} {rest}".rstrip()
+
+
 def find_mertdir(root: Path, work: Path) -> Path:
     """A folder of links to the mert tools found under ``root`` (bjam leaves each in its bin/)."""
     out = work / "mertdir"
@@ -117,10 +125,7 @@ def tune(args: argparse.Namespace, system: System, seed: int, target: str | None
     work = base / "tune"
     tuned = work / "moses.ini"
     ini = base / "start.ini"
-    feature = None
-    if system.model is not None:
-        opts = " ".join(f"{k}={v}" for k, v in system.options.items())
-        feature = f"NeuralLMServer name=NLM0 factor=0 order={args.order} path={target} {opts}".rstrip()
+    feature = None if system.model is None else feature_line(system, args.order, str(target))
     # When the tuning first started (the ini is rewritten by every invocation: a restarted
     # server has another port, and mert-moses.pl --continue builds each run's ini from it).
     first = base / "tune.started"
@@ -287,7 +292,8 @@ def main() -> int:
     p.add_argument("--max-iterations", type=int, default=25)
     p.add_argument("--nbest", type=int, default=100)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--order", type=int, default=5)
+    p.add_argument("--order", type=int, default=5,
+                   help="NLM0's order= (the model's order) for systems that give no order= of their own")
     p.add_argument("--nlm-weight", type=float, default=0.1, help="starting weight of NLM0")
     p.add_argument("--serve-args", default="", help="extra arguments of nlmserve serve")
     p.add_argument("--workdir", required=True, type=Path)
