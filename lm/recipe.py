@@ -109,7 +109,8 @@ def fill(args: Any, recipe: Recipe) -> dict[str, Any]:
     → the flags it set and their values.
 
     The recipe's bound on the direct features (``ngram_order``) yields to the other flags:
-    with no features, or an order the bound reaches, it is 0 (the order)."""
+    with no features, or an order the bound reaches, it is 0 (the order). With no features
+    the feature tables' sizes are set but not listed: they size nothing."""
     chosen = {}
     for name, value in recipe.values().items():
         if getattr(args, name) is None:
@@ -117,6 +118,9 @@ def fill(args: Any, recipe: Recipe) -> dict[str, Any]:
             chosen[name] = value
     if "ngram_order" in chosen and (not args.ngram_features or args.ngram_order >= args.order):
         args.ngram_order = chosen["ngram_order"] = 0
+    if not args.ngram_features:
+        chosen.pop("ngram_class_bits", None)
+        chosen.pop("ngram_word_bits", None)
     return chosen
 
 

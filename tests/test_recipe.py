@@ -73,6 +73,7 @@ def test_the_large_recipes_feature_bound_yields_to_the_flags(
     # no features to bound, or an order the bound reaches: 0 (the order), and the line says so
     line, args = filled("--no-ngram-features")
     assert (args.order, args.ngram_order) == (10, 0) and "ngram_order=0" in line
+    assert "ngram_word_bits" not in line and "ngram_class_bits" not in line  # no tables to size
     line, args = filled("--order", "5")
     assert (args.order, args.ngram_order) == (5, 0) and "order=10" not in line
     line, args = filled("--order", "7", "--ngram-order", "3")  # given: both win
