@@ -81,6 +81,7 @@ class TrainConfig:
             besides, every step uses the rate times the fraction of the budget left, so it
             falls linearly to 0 at the end of the run (budget: ``max_minutes`` counted from
             the start of the run, else ``max_steps``, else ``epochs``; the first to run out).
+            A resumed run has spent the training time its checkpoint holds.
         patience: validations without improvement before stopping.
         valid_every: validate every N steps (0: at the end of each epoch only).
         checkpoint_every: write ``out.ckpt`` every N steps (0: never).
@@ -559,6 +560,9 @@ class _Trainer:
         self.best = ck["best"]
         if self.state.stopped in ("max steps", "max minutes"):  # a budget, not convergence: go on
             self.state.done, self.state.stopped = False, ""
+        # --max-minutes is the run's budget, not this invocation's: the training time the
+        # checkpoint holds is spent (the deadline and the linear rate go on from there)
+        self.t_start -= self.state.elapsed
         log.info("resumed from %s at step %d (epoch %d, position %d)",
                  cfg.checkpoint_path, self.state.step, self.state.epoch, self.state.pos)
 
@@ -698,6 +702,8 @@ class _Trainer:
         steps_per_epoch = math.ceil(N / cfg.batch_size)
         elapsed_before, t_loop = state.elapsed, time.monotonic()
         deadline = self.t_start + cfg.max_minutes * 60.0 if cfg.max_minutes else None
+        if deadline is not None and self.dist.any(time.monotonic() >= deadline):
+            self.stop("max minutes")  # resumed with no time left
         if cfg.workers > 1 and self.pool is None:  # after a resume: the restored tensors are shared
             self.pool = HogwildPool(self.model, self.opt, self.update, cfg.workers, cfg.seed, max(1, cfg.threads))
         done_steps = state.epoch * steps_per_epoch + math.ceil(state.pos / cfg.batch_size)

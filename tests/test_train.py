@@ -349,6 +349,25 @@ def test_bad_flag_values_are_rejected(tmp_path: Path, small_train: Path, capsys:
     assert rc == 1 and "--classes" in err
 
 
+def test_resume_after_a_time_budget_counts_the_time_spent(small_train: Path, dev_small_path: Path,
+                                                          tmp_path: Path) -> None:
+    cfg = _config(small_train, dev_small_path, tmp_path / "timed.nlm", max_steps=None, epochs=1000, max_minutes=0.05,
+                  valid_every=50, patience=10**6, lr_schedule="linear", log_every=1)
+    first = train(cfg)
+    assert first.stopped == "max minutes"
+    again = train(replace(cfg, resume=True))  # the same budget: spent, nothing more to do
+    assert (again.steps, again.stopped) == (first.steps, "max minutes")
+    spent = load_checkpoint(cfg.checkpoint_path)["state"]["elapsed"]
+    assert spent > 0
+    lines = len(Path(cfg.log_path).read_text().splitlines())
+    more = train(replace(cfg, resume=True, max_minutes=0.1))
+    assert more.steps > first.steps and more.stopped == "max minutes"
+    # the linear rate goes on from the time spent (0.2 at the start, 0 at 6 s), not from 0.2
+    resumed = [json.loads(x) for x in Path(cfg.log_path).read_text().splitlines()[lines:]]
+    first_rate = next(r["lr"] for r in resumed if "loss" in r)
+    assert first_rate <= 0.2 * (1 - spent / 6.0) + 1e-9
+
+
 def test_resume_after_a_step_budget_continues(small_train: Path, dev_small_path: Path, tmp_path: Path) -> None:
     cfg = _config(small_train, dev_small_path, tmp_path / "budget.nlm", max_steps=20)
     assert train(cfg).steps == 20
