@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 from typing import Any
 
@@ -210,13 +211,23 @@ def _train(args: argparse.Namespace) -> int:
         print(f"nlmserve train: error: {exc}", file=sys.stderr)
         return 2
     keep_freed_memory()  # the steps' large tensors reuse the heap instead of fresh pages
-    result = train(cfg)
+    # SIGTERM (kill, systemd, a batch scheduler) stops the run as Ctrl-C does: the best model
+    # so far is written, the last checkpoint stays for --resume
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        result = train(cfg)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if result.rank != 0:  # data-parallel: rank 0 reports
         return 130 if result.stopped == "interrupted" else 0
     ppl = f"{result.best_valid_ppl:.3f}" if result.best_valid_ppl is not None else "n/a"
     print(f"model\t{result.model_path}\nsteps\t{result.steps}\ntokens\t{result.tokens}\n"
           f"valid_perplexity\t{ppl}\nstopped\t{result.stopped}")
     return 130 if result.stopped == "interrupted" else 0
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def _count_tokens(path: str, max_lines: int | None) -> int:

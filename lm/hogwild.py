@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing.connection as mpc
+import signal
 from typing import Any, Callable
 
 import numpy as np
@@ -51,10 +52,17 @@ def worker_seed(seed: int, worker: int, step: int) -> int:
 
 
 def _serve(conn: mpc.Connection, step_fn: StepFn, worker: int, seed: int, threads: int) -> None:
+    # Ctrl-C and SIGTERM reach the whole process group: the trainer handles them and stops
+    # its helpers (a helper whose trainer died sees the pipe close)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(threads)
     gen = torch.Generator()
     while True:
-        msg = conn.recv()
+        try:
+            msg = conn.recv()
+        except EOFError:  # the trainer is gone
+            return
         if msg is None:
             return
         positions, lr, step = msg

@@ -767,9 +767,9 @@ class _Trainer:
 def train(cfg: TrainConfig, *, _interrupt_after_step: int | None = None) -> TrainResult:
     """Train as ``cfg`` says and write the model file; returns the final state.
 
-    Ctrl-C stops cleanly: the best model so far is written (no final validation or
-    checkpoint: the last periodic checkpoint stays valid for ``resume``). The result's
-    ``stopped`` is then ``"interrupted"``. ``_interrupt_after_step`` (tests) stops dead right
+    Ctrl-C stops cleanly (``nlmserve train`` maps SIGTERM to it): the best model so far is
+    written (no final validation or checkpoint: the last periodic checkpoint stays valid for
+    ``resume``). The result's ``stopped`` is then ``"interrupted"``. ``_interrupt_after_step`` (tests) stops dead right
     after that step, as a kill would (no final validation, no model file, no final
     checkpoint).
     """

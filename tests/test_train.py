@@ -280,6 +280,31 @@ def test_killed_subprocess_resumes_exactly(small_train: Path, dev_small_path: Pa
         assert torch.allclose(t, b["model"][name], atol=1e-6, rtol=0), name
 
 
+def test_sigterm_to_the_process_group_writes_the_best_model(small_train: Path, dev_small_path: Path,
+                                                             tmp_path: Path) -> None:
+    # as `kill -- -PGID`, systemd or a batch scheduler would stop a Hogwild run: the trainer
+    # stops as on Ctrl-C, its helper leaves when told, and --resume goes on from the checkpoint
+    out = tmp_path / "termed.nlm"
+    cmd = [sys.executable, "-c", _LM_TRAIN, "train", "--recipe", "none", "--train", str(small_train),
+           "--valid", str(dev_small_path), "--out", str(out), "--order", "4", "--dim", "8", "--classes", "12",
+           "--min-count", "2", "--batch-size", "32", "--threads", "1", "--workers", "2", "--valid-every", "20",
+           "--checkpoint-every", "20", "--max-steps", "1000000", "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    ckpt = Path(str(out) + ".ckpt")
+    deadline = time.monotonic() + 120
+    while not ckpt.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    assert proc.poll() is None, proc.communicate()[1]
+    os.killpg(proc.pid, signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "interrupted at step" in stderr and "Traceback" not in stderr
+    assert "stopped\tinterrupted" in stdout
+    lm = LanguageModel.load(out, device="cpu")
+    assert lm.training["stopped"] == "interrupted" and lm.training["valid_perplexity"] > 1
+    assert 0 < load_checkpoint(str(ckpt))["state"]["step"] < 1_000_000
+
+
 @pytest.mark.parametrize("objective", ["nce", "mle", "softmax"])
 def test_each_objective_trains_and_writes_a_loadable_model(small_train: Path, dev_small_path: Path,
                                                           tmp_path: Path, objective: str) -> None:
