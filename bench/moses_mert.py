@@ -85,6 +85,16 @@ def feature_line(system: System, order: int, target: str) -> str:
     return f"NeuralLMServer name=NLM0 factor=0 order={options['order']} path={target} {rest}".rstrip()
 
 
+def tuned_with(work: Path) -> str | None:
+    """The tuner of mert-moses.pl's finished first iteration in ``work`` (batch MIRA leaves
+    ``run1.mira.out`` beside ``run1.mert.out``), None before it: the working folder's layout
+    does not name the tuner, so a workdir of MERT runs must not be continued or reported as
+    MIRA's."""
+    if (work / "run1.mira.out").exists():
+        return "mira"
+    return "mert" if (work / "run1.mert.out").exists() else None
+
+
 def find_mertdir(root: Path, work: Path) -> Path:
     """A folder of links to the mert tools found under ``root`` (bjam leaves each in its bin/)."""
     out = work / "mertdir"
@@ -123,6 +133,10 @@ def count_lines(path: Path) -> int:
 def tune(args: argparse.Namespace, system: System, seed: int, target: str | None, mertdir: Path,
          dev_src: Path, dev_ref: Path, base: Path) -> dict[str, Any]:
     work = base / "tune"
+    done_with = tuned_with(work)
+    if done_with not in (None, args.tuner):
+        raise SystemExit(f"{work} was tuned with {done_with}, not {args.tuner}: "
+                         f"give --tuner {done_with}, or another --workdir for {args.tuner}")
     tuned = work / "moses.ini"
     ini = base / "start.ini"
     feature = None if system.model is None else feature_line(system, args.order, str(target))
@@ -264,14 +278,7 @@ def write_section(doc: Path, text: str) -> None:
     _common.write_section(doc, BEGIN, END, text)
 
 
-def main() -> int:
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--render", type=Path)
-    pre.add_argument("--doc", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "results.md")
-    only, _ = pre.parse_known_args()
-    if only.render is not None:
-        write_section(only.doc, render(json.loads(only.render.read_text())))
-        return 0
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--moses-root", required=True, type=Path, help="Moses checkout (scripts/, mert/)")
@@ -305,7 +312,18 @@ def main() -> int:
                    help="copy each tuned moses.ini here as SYSTEM.seedN.ini, paths as placeholders")
     p.add_argument("--render", type=Path, metavar="JSON", help="only write JSON's section into --doc")
     p.add_argument("--doc", type=Path, help="document with the results section (default: docs/results.md)")
-    args = p.parse_args()
+    return p
+
+
+def main() -> int:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--render", type=Path)
+    pre.add_argument("--doc", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "results.md")
+    only, _ = pre.parse_known_args()
+    if only.render is not None:
+        write_section(only.doc, render(json.loads(only.render.read_text())))
+        return 0
+    args = parser().parse_args()
     systems = [System.parse(s) for s in args.system]
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)

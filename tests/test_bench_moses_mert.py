@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 from support import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
@@ -92,3 +94,20 @@ def test_feature_line_takes_the_systems_own_order() -> None:
     ten = moses_mert.System.parse("ep10=/m/ep10.nlm,normalized=false,order=10")
     assert (moses_mert.feature_line(ten, 5, "127.0.0.1:7") ==
             "NeuralLMServer name=NLM0 factor=0 order=10 path=127.0.0.1:7 normalized=false")
+
+
+def test_a_workdir_tuned_with_one_tuner_is_refused_for_the_other(tmp_path: Path) -> None:
+    # mert-moses.pl's file names after a first iteration: MERT's, then batch MIRA's
+    work = tmp_path / "seed1" / "tune"
+    assert moses_mert.tuned_with(work) is None
+    work.mkdir(parents=True)
+    (work / "run1.mert.out").write_text("0.1 0.2\n")
+    assert moses_mert.tuned_with(work) == "mert"
+    (work / "run1.mira.out").write_text("")
+    assert moses_mert.tuned_with(work) == "mira"
+    args = moses_mert.parser().parse_args(
+        ["--moses-root", "m", "--moses", "moses", "--ini", "i", "--dev-src", "s", "--dev-ref", "r",
+         "--test-src", "t", "--test-ref", "u", "--system", "kenlm", "--workdir", str(tmp_path), "--tuner", "mert"])
+    with pytest.raises(SystemExit, match="tuned with mira, not mert: give --tuner mira, or another --workdir"):
+        moses_mert.tune(args, moses_mert.System.parse("kenlm"), 1, None, tmp_path, tmp_path / "s", tmp_path / "r",
+                        tmp_path / "seed1")
