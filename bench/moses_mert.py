@@ -20,7 +20,8 @@ is tuned once per seed (mert's ``-r SEED``, or kbmira's ``--random-seed SEED`` w
 
 Resumable: a tuning whose working folder exists is continued with mert-moses.pl's
 ``--continue``; a finished tuning (its ``moses.ini`` written) and a finished test decoding
-(as many lines as the input) are kept. Results: BLEU of each run, mean ± sd per system, the
+(as many lines as the input) are kept. A workdir holds one tuner's runs: MERT's are refused
+to ``--tuner mira`` and the other way round. Results: BLEU of each run, mean ± sd per system, the
 difference of the means from the first system, and a paired bootstrap p-value over the runs
 joined (run r against run r of the first system), with sacrebleu's signature; the wall time
 of each tuning, its iterations and the mean time per iteration (from the n-best lists'
