@@ -236,6 +236,7 @@ class _State:
     best_ppl: float = math.inf
     bad_validations: int = 0
     elapsed: float = 0.0
+    budget_spent: float = 0.0  # --max-minutes' seconds used, set-up included (at the checkpoint)
     done: bool = False
     stopped: str = ""
     last_valid_step: int = -1
@@ -562,11 +563,12 @@ class _Trainer:
             self.state.done, self.state.stopped = False, ""
         # --max-minutes is the run's budget, not this invocation's: the training time the
         # checkpoint holds is spent (the deadline and the linear rate go on from there)
-        self.t_start -= self.state.elapsed
+        self.t_start -= self.state.budget_spent or self.state.elapsed  # older checkpoints: the loop's time
         log.info("resumed from %s at step %d (epoch %d, position %d)",
                  cfg.checkpoint_path, self.state.step, self.state.epoch, self.state.pos)
 
     def checkpoint(self) -> None:
+        self.state.budget_spent = time.monotonic() - self.t_start
         gens = self.dist.gather_generators(self.gen)  # rank 0 only writes
         if gens is not None:
             started = time.monotonic()
