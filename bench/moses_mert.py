@@ -230,13 +230,23 @@ def export_ini(tuned: Path, out: Path, system_dir: Path, kenlm: str | None) -> N
 BEGIN, END = "<!-- bench/moses_mert.py: begin -->", "<!-- bench/moses_mert.py: end -->"
 
 
+def markers(tuner: str) -> tuple[str, str]:
+    """The markers of a tuner's results section: MERT's table and batch MIRA's live side by
+    side in one document."""
+    if tuner == "mert":
+        return BEGIN, END
+    return f"<!-- bench/moses_mert.py --tuner {tuner}: begin -->", f"<!-- bench/moses_mert.py --tuner {tuner}: end -->"
+
+
 def _percent(x: float | None) -> str:
     return "—" if x is None else f"{100 * x:.1f}%"
 
 
 def render(result: dict[str, Any]) -> str:
-    """The results section (between BEGIN and END) for ``result`` (the --json output)."""
+    """The results section (between its tuner's markers) for ``result`` (the --json output)."""
     m = result["machine"]
+    begin, end = markers(result["tuner"])
+    at_most = f", at most {result['max_iterations']} iterations" if result.get("max_iterations") else ""
     rows = ["| system | NLM0 | BLEU per seed | mean ± sd | Δ mean, p | iterations | s / iteration | "
             "tuning wall s | test decoding s | search errors |", "|---|---|---|---|---|---|---|---|---|---|"]
     seeds = result["seeds"]
@@ -259,8 +269,8 @@ def render(result: dict[str, Any]) -> str:
                     f"{per_seed([str(x['test_decode_s']) for x in runs])} | "
                     f"{per_seed([_percent(x.get('search_errors')) for x in runs])} |")
     inis = [x["exported_ini"] for r in result["rows"] for x in r["runs"] if x.get("exported_ini")]
-    lines = [BEGIN, "",
-             f"Moses' `mert-moses.pl` ({result['tuner']}), {result['dev_lines']} dev sentences (every third "
+    lines = [begin, "",
+             f"Moses' `mert-moses.pl` ({result['tuner']}{at_most}), {result['dev_lines']} dev sentences (every third "
              f"of newstest2012), then all {result['test_lines']} sentences of newstest2013 decoded with each tuned "
              f"moses.ini; seeds {', '.join(str(x) for x in result['seeds'])}; {m['cpu']}, {m['cores']} cores, "
              f"load average {m['load_average_1m']} at the start. Δ: the mean's difference from the first row, "
@@ -270,13 +280,13 @@ def render(result: dict[str, Any]) -> str:
              f"BLEU: `{result['rows'][0]['signature']}`."]
     if inis:
         lines.append("Tuned weights: " + ", ".join(f"[{Path(i).name}]({i})" for i in inis) + ".")
-    lines += ["", "Command:", "", "    " + result["command"], "", END]
+    lines += ["", "Command:", "", "    " + result["command"], "", end]
     return "\n".join(lines)
 
 
-def write_section(doc: Path, text: str) -> None:
-    """Replace the text between this script's markers in ``doc`` (atomically)."""
-    _common.write_section(doc, BEGIN, END, text)
+def write_section(doc: Path, text: str, tuner: str = "mert") -> None:
+    """Replace the text between the markers of ``tuner``'s section in ``doc`` (atomically)."""
+    _common.write_section(doc, *markers(tuner), text)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -322,7 +332,8 @@ def main() -> int:
     pre.add_argument("--doc", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "results.md")
     only, _ = pre.parse_known_args()
     if only.render is not None:
-        write_section(only.doc, render(json.loads(only.render.read_text())))
+        result = json.loads(only.render.read_text())
+        write_section(only.doc, render(result), result["tuner"])
         return 0
     args = parser().parse_args()
     systems = [System.parse(s) for s in args.system]
@@ -411,7 +422,7 @@ def main() -> int:
         print(f"{system.name}: BLEU {row['bleu']} mean {row['mean']} ± {row['sd']}{delta}", flush=True)
     if args.json:
         result = {"machine": info, "dev_lines": n_dev, "test_lines": n_test, "tuner": args.tuner,
-                  "seeds": args.seeds, "rows": rows, "command": " ".join(sys.argv)}
+                  "max_iterations": args.max_iterations, "seeds": args.seeds, "rows": rows, "command": " ".join(sys.argv)}
         write_json(args.json, result)
     return 0
 

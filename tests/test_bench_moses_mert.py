@@ -59,6 +59,28 @@ def test_rendered_section(tmp_path: Path) -> None:
     assert "`nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0`" in text
 
 
+
+def test_a_mira_section_beside_the_mert_one(tmp_path: Path) -> None:
+    run = {"iterations": 6, "seconds_per_iteration": 250.0, "tuning_wall_s": 1500.0, "test_decode_s": 400.0,
+           "search_errors": 0.0}
+    result = {
+        "machine": {"cpu": "CPU", "cores": 2, "load_average_1m": 0.5}, "tuner": "mira", "max_iterations": 6,
+        "dev_lines": 1001, "test_lines": 3000, "seeds": [1],
+        "rows": [{"system": "kenlm", "model": None, "options": {}, "bleu": [20.61], "mean": 20.61, "sd": None,
+                  "signature": "nrefs:1|case:mixed|eff:no|tok:none|smooth:exp|version:2.6.0", "runs": [run]}],
+        "command": "bench/moses_mert.py --tuner mira"}
+    begin, end = moses_mert.markers("mira")
+    assert (begin, end) != (moses_mert.BEGIN, moses_mert.END) and moses_mert.markers("mert")[0] == moses_mert.BEGIN
+    doc = tmp_path / "results.md"
+    doc.write_text(f"{moses_mert.BEGIN}\nmert table\n{moses_mert.END}\n\n{begin}\nold\n{end}\n")
+    moses_mert.write_section(doc, moses_mert.render(result), "mira")
+    text = doc.read_text()
+    assert "mert table" in text and "old" not in text
+    assert "Moses' `mert-moses.pl` (mira, at most 6 iterations), 1001 dev sentences" in text
+    assert "| kenlm | — | 20.61 | 20.61 |  | 6 | 250.0 | 1500.0 | 400.0 | 0.0% |" in text
+    with pytest.raises(SystemExit, match="no '<!-- bench/moses_mert.py --tuner pro: begin -->'"):
+        moses_mert.write_section(doc, moses_mert.render(result), "pro")
+
 def test_unfinished_seeds_are_left_out_and_paired_by_seed(tmp_path: Path) -> None:
     base = tmp_path / "europarl" / "seed2"
     assert not moses_mert.finished(base, 3)
