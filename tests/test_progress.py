@@ -77,10 +77,12 @@ def test_training_into_a_file_writes_log_lines_with_steps_loss_and_speed(
                     "--out", str(tmp_path / "m.nlm"), "--order", "3", "--dim", "16", "--threads", "1",
                     "--max-steps", "24", "--log-every", "4", "--checkpoint-every", "0"], tmp_path / "stderr")
     assert "\r" not in text
-    lines = re.findall(r"nlmserve\.lm\.train: train: (\d+)/[\d,]+ step \(\d+%\), loss ([\d.]+), tok_s ([\d,]+)$",
+    # the total is the run's budget (--max-steps), not the recipe's epochs of steps
+    lines = re.findall(r"nlmserve\.lm\.train: train: (\d+)/24 step \(\d+%\), loss ([\d.]+), tok_s ([\d,]+)$",
                        text, re.M)
     steps = [int(s) for s, _, _ in lines]
     assert len(steps) >= 5 and steps == sorted(steps) and steps[-1] == 24, text
+    assert "train: 24/24 step (100%)" in text
     assert all(float(loss) > 0 and int(tps.replace(",", "")) > 0 for _, loss, tps in lines)
 
 
