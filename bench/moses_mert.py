@@ -78,6 +78,20 @@ class System:
         return cls(name, model, options)
 
 
+def check_local_scoring(systems: list[System]) -> None:
+    """Refuse, before any tuning starts, a system with ``scoring=local`` whose model has no
+    scoring tables (the decoder would fail at load, after the systems before it had tuned)."""
+    from nlmserve.lm.scoring import LanguageModel
+
+    for system in systems:
+        if system.model is None or system.options.get("scoring") != "local":
+            continue
+        why = LanguageModel.load(system.model, device="cpu").scoring_tables_missing()
+        if why is not None:
+            raise SystemExit(f"--system {system.name}: scoring=local needs the model's scoring tables, "
+                             f"and {system.model} has none: {why}")
+
+
 def feature_line(system: System, order: int, target: str) -> str:
     """NLM0's moses.ini line: the system's options after ``path=``; its own ``order=`` (the
     model's order) overrides ``order``."""
@@ -337,6 +351,7 @@ def main() -> int:
         return 0
     args = parser().parse_args()
     systems = [System.parse(s) for s in args.system]
+    check_local_scoring(systems)
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)
     mertdir = args.mertdir or find_mertdir(args.moses_root, work)

@@ -256,18 +256,24 @@ class LanguageModel:
         with torch.inference_mode():
             return self.net.output.score(r, target, ctx)
 
-    def scoring_tables(self) -> ScoringTables:
-        """The self-normalised score as tables (:class:`ScoringTables`). Raises
-        UnsupportedModelError, saying why, for a model they cannot describe: one that is not
-        self-normalised, has no class output, a context other than the diagonal one, a
+    def scoring_tables_missing(self) -> str | None:
+        """Why :meth:`scoring_tables` cannot describe this model (None: it can): one that is
+        not self-normalised, has no class output, a context other than the diagonal one, a
         hidden layer or direct n-gram features."""
         cfg = self.config
-        why = ("the model is not self-normalised (trained with NCE)" if not self.self_normalized
-               else f"the output layer is {cfg.output!r}, not 'class'" if cfg.output != "class"
-               else f"the context is {cfg.context!r}, not 'diagonal'" if cfg.context != "diagonal"
-               else "the model has a hidden layer" if cfg.hidden
-               else "the model has direct n-gram features (train it with --no-ngram-features)" if cfg.has_ngram_features
-               else None)
+        return ("the model is not self-normalised (trained with NCE)" if not self.self_normalized
+                else f"the output layer is {cfg.output!r}, not 'class'" if cfg.output != "class"
+                else f"the context is {cfg.context!r}, not 'diagonal'" if cfg.context != "diagonal"
+                else "the model has a hidden layer" if cfg.hidden
+                else "the model has direct n-gram features (train it with --no-ngram-features)"
+                if cfg.has_ngram_features else None)
+
+    def scoring_tables(self) -> ScoringTables:
+        """The self-normalised score as tables (:class:`ScoringTables`). Raises
+        UnsupportedModelError, saying why (:meth:`scoring_tables_missing`), for a model they
+        cannot describe."""
+        cfg = self.config
+        why = self.scoring_tables_missing()
         if why is not None:
             raise UnsupportedModelError(f"no scoring tables: {why}")
         assert isinstance(self.net.output, ClassOutput)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from support import REPO
+from support import REPO, golden_model
 
 sys.path.insert(0, str(REPO / "bench"))
 import moses_mert  # noqa: E402
@@ -133,3 +133,13 @@ def test_a_workdir_tuned_with_one_tuner_is_refused_for_the_other(tmp_path: Path)
     with pytest.raises(SystemExit, match="tuned with mira, not mert: give --tuner mira, or another --workdir"):
         moses_mert.tune(args, moses_mert.System.parse("kenlm"), 1, None, tmp_path, tmp_path / "s", tmp_path / "r",
                         tmp_path / "seed1")
+
+
+def test_a_model_without_scoring_tables_is_refused_before_any_tuning(tmp_path: Path) -> None:
+    nce, mle = golden_model(tmp_path / "nce.nlm"), golden_model(tmp_path / "mle.nlm", objective="mle")
+    ok = [moses_mert.System.parse("kenlm"), moses_mert.System.parse(f"nce={nce},normalized=false,scoring=local"),
+          moses_mert.System.parse(f"mle={mle},normalized=false")]  # the server scores it: no tables needed
+    moses_mert.check_local_scoring(ok)
+    refused = [*ok, moses_mert.System.parse(f"late={mle},normalized=false,scoring=local")]
+    with pytest.raises(SystemExit, match=r"--system late: scoring=local needs .* not self-normalised"):
+        moses_mert.check_local_scoring(refused)
