@@ -4,6 +4,7 @@ a process tree (a server and the helpers it started).
     from _common import machine, tree_cpu_seconds, write_json
     from _common import random_class_model   # a model file for speed benchmarks
     from _common import write_section        # a script's section of a document, between markers
+    from _common import require_scoring_tables  # before a run that asks for scoring=local
 
 Benchmarks run as scripts from bench/, so this module is imported by its file name.
 """
@@ -132,3 +133,15 @@ def write_section(doc: Path, begin: str, end: str, text: str) -> None:
     tmp = doc.with_name(doc.name + ".tmp")
     tmp.write_text(head + text + tail, encoding="utf-8")
     tmp.replace(doc)
+
+
+def require_scoring_tables(model: str | Path, what: str) -> None:
+    """SystemExit, before a long run starts, when ``model`` has no scoring tables for the
+    decoder's ``scoring=local`` (``what`` names the option that asked for it); the decoder
+    would fail at its load, after the runs before it."""
+    from nlmserve.lm.scoring import LanguageModel
+
+    why = LanguageModel.load(model, device="cpu").scoring_tables_missing()
+    if why is not None:
+        raise SystemExit(f"{what}: scoring=local needs the model's scoring tables, and {model} has none: {why}")
+

@@ -27,7 +27,9 @@ Same translations: the 1-best output of each configuration is compared across ro
 outputs are byte-identical within each scoring.
 
 The ini is rewritten into the work folder with absolute table paths; ``LM_PATH`` in it is
-replaced by ``--kenlm`` (the shipped system's ini has that placeholder).
+replaced by ``--kenlm`` (the shipped system's ini has that placeholder). A ``scoring=local``
+configuration with a ``--model`` that has no scoring tables (direct n-gram features, say) is
+refused before the first round.
 """
 
 from __future__ import annotations
@@ -377,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which(args.moses) is None and not Path(args.moses).is_file():
         p.error(f"--moses {args.moses}: not found")
     configs = [Config.parse(c) for c in args.configs]
+    for c in configs:
+        if args.model and c.options is not None and c.options.get("scoring") == "local":
+            _common.require_scoring_tables(args.model, f"--configs {c.name}")
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-decoder-"))
     work.mkdir(parents=True, exist_ok=True)

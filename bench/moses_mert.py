@@ -16,7 +16,8 @@ Each ``--system NAME[=MODEL[,key=value...]]`` is KENLM alone (no model) or KENLM
 127.0.0.1, shared by all seeds; the options after the model are the feature's moses.ini
 options, e.g. ``normalized=false``; an ``order=`` there overrides ``--order``). Every system
 is tuned once per seed (mert's ``-r SEED``, or kbmira's ``--random-seed SEED`` with
-``--tuner mira``), starting from the ini's weights and ``--nlm-weight`` for NLM0.
+``--tuner mira``), starting from the ini's weights and ``--nlm-weight`` for NLM0. A system
+with ``scoring=local`` whose model has no scoring tables is refused before any tuning.
 
 Resumable: a tuning whose working folder exists is continued with mert-moses.pl's
 ``--continue``; a finished tuning (its ``moses.ini`` written) and a finished test decoding
@@ -81,15 +82,9 @@ class System:
 def check_local_scoring(systems: list[System]) -> None:
     """Refuse, before any tuning starts, a system with ``scoring=local`` whose model has no
     scoring tables (the decoder would fail at load, after the systems before it had tuned)."""
-    from nlmserve.lm.scoring import LanguageModel
-
     for system in systems:
-        if system.model is None or system.options.get("scoring") != "local":
-            continue
-        why = LanguageModel.load(system.model, device="cpu").scoring_tables_missing()
-        if why is not None:
-            raise SystemExit(f"--system {system.name}: scoring=local needs the model's scoring tables, "
-                             f"and {system.model} has none: {why}")
+        if system.model is not None and system.options.get("scoring") == "local":
+            _common.require_scoring_tables(system.model, f"--system {system.name}")
 
 
 def feature_line(system: System, order: int, target: str) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from support import REPO
+from support import REPO, golden_model
 
 sys.path.insert(0, str(REPO / "bench"))
 import decoder  # noqa: E402
@@ -143,3 +143,14 @@ def test_summary_ratios_and_rendered_section(tmp_path: Path) -> None:
     assert "≤ 2.0×: **not met**" in text and "no for exact." in text
     assert "exact: identical output" in text and "largest difference 0.0005" in text
     assert "    bench/decoder.py --lines 10" in text
+
+
+def test_local_scoring_of_a_model_without_tables_is_refused_before_any_round(tmp_path: Path) -> None:
+    mle = golden_model(tmp_path / "mle.nlm", objective="mle")  # not self-normalised: no scoring tables
+    work = tmp_path / "work"
+    argv = ["--moses", sys.executable, "--ini", str(tmp_path / "moses.ini"), "--model", str(mle),
+            "--input", str(tmp_path / "in.txt"), "--workdir", str(work)]
+    with pytest.raises(SystemExit, match=r"--configs local: scoring=local needs .* not self-normalised"):
+        decoder.main([*argv, "--configs", "kenlm", "selfnorm:normalized=false", "local:normalized=false,scoring=local"])
+    assert not work.exists()  # nothing started
+
