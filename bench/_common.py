@@ -144,4 +144,3 @@ def require_scoring_tables(model: str | Path, what: str) -> None:
     why = LanguageModel.load(model, device="cpu").scoring_tables_missing()
     if why is not None:
         raise SystemExit(f"{what}: scoring=local needs the model's scoring tables, and {model} has none: {why}")
-

@@ -153,4 +153,3 @@ def test_local_scoring_of_a_model_without_tables_is_refused_before_any_round(tmp
     with pytest.raises(SystemExit, match=r"--configs local: scoring=local needs .* not self-normalised"):
         decoder.main([*argv, "--configs", "kenlm", "selfnorm:normalized=false", "local:normalized=false,scoring=local"])
     assert not work.exists()  # nothing started
-
