@@ -379,9 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which(args.moses) is None and not Path(args.moses).is_file():
         p.error(f"--moses {args.moses}: not found")
     configs = [Config.parse(c) for c in args.configs]
-    for c in configs:
-        if args.model and c.options is not None and c.options.get("scoring") == "local":
-            _common.require_scoring_tables(args.model, f"--configs {c.name}")
+    local = [c.name for c in configs if c.options is not None and c.options.get("scoring") == "local"]
+    if args.model and local:
+        _common.require_scoring_tables(args.model, f"--configs {' '.join(local)}")
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-decoder-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -432,7 +432,8 @@ def main() -> int:
         print(f"{system.name}: BLEU {row['bleu']} mean {row['mean']} ± {row['sd']}{delta}", flush=True)
     if args.json:
         result = {"machine": info, "dev_lines": n_dev, "test_lines": n_test, "tuner": args.tuner,
-                  "max_iterations": args.max_iterations, "seeds": args.seeds, "rows": rows, "command": " ".join(sys.argv)}
+                  "max_iterations": args.max_iterations, "seeds": args.seeds, "rows": rows,
+                  "command": " ".join(sys.argv)}
         write_json(args.json, result)
     return 0
 

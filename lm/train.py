@@ -709,8 +709,9 @@ class _Trainer:
         if cfg.workers > 1 and self.pool is None:  # after a resume: the restored tensors are shared
             self.pool = HogwildPool(self.model, self.opt, self.update, cfg.workers, cfg.seed, max(1, cfg.threads))
         done_steps = state.epoch * steps_per_epoch + math.ceil(state.pos / cfg.batch_size)
-        total = steps_per_epoch * cfg.epochs if cfg.max_steps is None else min(steps_per_epoch * cfg.epochs,
-                                                                               cfg.max_steps)
+        total = steps_per_epoch * cfg.epochs
+        if cfg.max_steps is not None:
+            total = min(total, cfg.max_steps)
         with progress(total=total, initial=done_steps, unit="step", desc="train",
                       enabled=cfg.progress and self.dist.is_main, logger=log) as bar:
             while state.epoch < cfg.epochs and not state.done:

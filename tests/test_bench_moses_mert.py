@@ -59,7 +59,6 @@ def test_rendered_section(tmp_path: Path) -> None:
     assert "`nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0`" in text
 
 
-
 def test_a_mira_section_beside_the_mert_one(tmp_path: Path) -> None:
     run = {"iterations": 6, "seconds_per_iteration": 250.0, "tuning_wall_s": 1500.0, "test_decode_s": 400.0,
            "search_errors": 0.0}
@@ -80,6 +79,7 @@ def test_a_mira_section_beside_the_mert_one(tmp_path: Path) -> None:
     assert "| kenlm | — | 20.61 | 20.61 |  | 6 | 250.0 | 1500.0 | 400.0 | 0.0% |" in text
     with pytest.raises(SystemExit, match="no '<!-- bench/moses_mert.py --tuner pro: begin -->'"):
         moses_mert.write_section(doc, moses_mert.render(result), "pro")
+
 
 def test_unfinished_seeds_are_left_out_and_paired_by_seed(tmp_path: Path) -> None:
     base = tmp_path / "europarl" / "seed2"
