@@ -28,7 +28,7 @@ outputs are byte-identical within each scoring.
 
 The ini is rewritten into the work folder with absolute table paths; ``LM_PATH`` in it is
 replaced by ``--kenlm`` (the shipped system's ini has that placeholder). A ``scoring=local``
-configuration with a ``--model`` that has no scoring tables (direct n-gram features, say) is
+configuration with a ``--model`` that has no scoring tables (one trained with MLE, say) is
 refused before the first round.
 """
 

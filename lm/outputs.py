@@ -445,9 +445,9 @@ class ClassOutput(OutputLayer):
 
     # ------------------------------------------------------------------ fast inference
     def output_rows(self) -> tuple[Tensor, Tensor]:
-        """s_c(h) + s_w(h) = (S_k + R_w)·r + (b_k + b_w) for k the class of w (no features):
-        one row per word (V, E) and one bias per word (V,), so a row's unnormalised score is
-        one dot product."""
+        """s_c(h) + s_w(h) = (S_k + R_w)·r + (b_k + b_w) for k the class of w, besides the
+        direct n-gram features: one row per word (V, E) and one bias per word (V,), so a
+        row's unnormalised score is one dot product (plus the features' weights)."""
         cls = self.word_class
         rows = (self.word_embed + self.class_embed[cls]).detach().contiguous()
         bias = (self.word_bias + self.word_mask + self.class_bias[cls] + self.class_mask[cls]).detach().contiguous()

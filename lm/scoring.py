@@ -30,7 +30,7 @@ from nlmserve.lm.model import ModelConfig, NeuralLM
 from nlmserve.lm.model_file import FORMAT_VERSION, ModelFile, read_model_file
 from nlmserve.lm.ngrams import BOS_ID, EOS_ID, UNK_ID, canonical_rows, check_sentences, sentence_windows, word_ids
 from nlmserve.lm.objectives import SELF_NORMALIZING
-from nlmserve.lm.outputs import NO_SCORES, ClassOutput
+from nlmserve.lm.outputs import NO_SCORES, ClassOutput, context_hashes, ngram_feature_index
 from nlmserve.lm.vocab import Vocabulary
 from nlmserve.errors import UnsupportedModelError
 from nlmserve.logbase import LOG10_E
@@ -258,15 +258,13 @@ class LanguageModel:
 
     def scoring_tables_missing(self) -> str | None:
         """Why :meth:`scoring_tables` cannot describe this model (None: it can): one that is
-        not self-normalised, has no class output, a context other than the diagonal one, a
-        hidden layer or direct n-gram features."""
+        not self-normalised, has no class output, a context other than the diagonal one or a
+        hidden layer."""
         cfg = self.config
         return ("the model is not self-normalised (trained with NCE)" if not self.self_normalized
                 else f"the output layer is {cfg.output!r}, not 'class'" if cfg.output != "class"
                 else f"the context is {cfg.context!r}, not 'diagonal'" if cfg.context != "diagonal"
-                else "the model has a hidden layer" if cfg.hidden
-                else "the model has direct n-gram features (train it with --no-ngram-features)"
-                if cfg.has_ngram_features else None)
+                else "the model has a hidden layer" if cfg.hidden else None)
 
     def scoring_tables(self) -> ScoringTables:
         """The self-normalised score as tables (:class:`ScoringTables`). Raises
@@ -278,9 +276,16 @@ class LanguageModel:
             raise UnsupportedModelError(f"no scoring tables: {why}")
         assert isinstance(self.net.output, ClassOutput)
         with torch.inference_mode():
-            out_embed, out_bias = self.net.output.output_rows()
+            out = self.net.output
+            out_embed, out_bias = out.output_rows()
             position = _position_tables(self.net).reshape(cfg.order - 1, cfg.vocab_size, cfg.dim)
-            return ScoringTables(to_numpy(position), to_numpy(out_embed), to_numpy(out_bias), cfg.activation)
+            if not out.has_features:
+                return ScoringTables(to_numpy(position), to_numpy(out_embed), to_numpy(out_bias), cfg.activation)
+            return ScoringTables(
+                to_numpy(position), to_numpy(out_embed), to_numpy(out_bias), cfg.activation,
+                feature_order=cfg.feature_order, word_class=out.word_class.cpu().numpy(),
+                ngram_class=None if out.ngram_class is None else to_numpy(out.ngram_class.detach().reshape(-1)),
+                ngram_word=None if out.ngram_word is None else to_numpy(out.ngram_word.detach().reshape(-1)))
 
     # ------------------------------------------------------------------ batch scoring
     def score_ngrams(self, ids: npt.ArrayLike | Tensor, *, normalized: bool = True, log10: bool = False) -> np.ndarray:
@@ -386,18 +391,40 @@ class ScoringTables:
 
         r = act(Σ_j position[j, w_j])        position (n-1, V, D)
         s = r · output[w_n] + bias[w_n]      output (V, D), bias (V,); natural log
+          [+ Σ_l ngram_class[slot(h_l, class[w_n])] + Σ_l ngram_word[slot(h_l, w_n)]]
 
-    which is ``score_ngrams(rows, normalized=False)`` to float rounding.
+    which is ``score_ngrams(rows, normalized=False)`` to float rounding. The bracketed sums
+    are a model's direct n-gram features (``feature_order`` > 0): h_l for the context's
+    newest suffixes of length 0 .. feature_order-1 and the slots as
+    ``nlmserve.lm.outputs.context_hashes`` and ``ngram_feature_index`` make them; a table
+    of size 0 adds nothing.
     """
 
     position: np.ndarray
     output: np.ndarray
     bias: np.ndarray
     activation: str
+    feature_order: int = 0
+    word_class: np.ndarray | None = None  # (V,) class ids, with features
+    ngram_class: np.ndarray | None = None  # (ngram_class_table,) hashed (suffix, class) weights
+    ngram_word: np.ndarray | None = None  # (ngram_word_table,) hashed (suffix, word) weights
+
+    @property
+    def feature_tables(self) -> tuple[int, int]:
+        """Sizes of the two hashed tables (0, 0 without features)."""
+        return (0 if self.ngram_class is None else self.ngram_class.size,
+                0 if self.ngram_word is None else self.ngram_word.size)
 
     def flat(self) -> np.ndarray:
-        """The three tables as the one float32 array the wire streams: position, output, bias."""
-        return np.concatenate([self.position.reshape(-1), self.output.reshape(-1), self.bias])
+        """The tables as the one float32 array the wire streams: position, output, bias, and
+        with features the word classes (ids, exact in float32: below 2^24), ngram_class and
+        ngram_word."""
+        parts = [self.position.reshape(-1), self.output.reshape(-1), self.bias]
+        if self.feature_order:
+            assert self.word_class is not None
+            parts.append(self.word_class.astype(np.float32))
+            parts.extend(t for t in (self.ngram_class, self.ngram_word) if t is not None)
+        return np.concatenate([p.astype(np.float32, copy=False) for p in parts])
 
     def score(self, rows: npt.ArrayLike) -> np.ndarray:
         """The formula above for canonical rows (N, n) → float32 (N,) (the reference the
@@ -410,7 +437,14 @@ class ScoringTables:
         elif self.activation == "relu":
             r = np.maximum(r, 0)
         t = rows[:, n1]
-        return (np.einsum("nd,nd->n", r, self.output[t]) + self.bias[t]).astype(np.float32)  # type: ignore[no-any-return]
+        s = np.einsum("nd,nd->n", r, self.output[t]) + self.bias[t]
+        if self.feature_order:
+            assert self.word_class is not None
+            h = context_hashes(torch.from_numpy(rows[:, n1 - (self.feature_order - 1):n1]))
+            for table, y in ((self.ngram_class, self.word_class[t]), (self.ngram_word, t)):
+                if table is not None:
+                    s = s + table[ngram_feature_index(h, torch.from_numpy(y), table.size).numpy()].sum(axis=1)
+        return s.astype(np.float32)  # type: ignore[no-any-return]
 
 
 class _InferenceTables:

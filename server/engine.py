@@ -94,11 +94,15 @@ def load_model(config: ServerConfig, path: str | None = None) -> ScoringModel:
 @dataclass(frozen=True)
 class FlatTables:
     """``ScoringTables`` as the wire streams them: one little-endian float32 array
-    (position, output, bias), the context width and the activation."""
+    (``ScoringTables.flat``), the context width, the activation and the direct n-gram
+    features' order and table sizes (0 without)."""
 
     data: np.ndarray
     dim: int
     activation: str
+    feature_order: int = 0
+    ngram_class_table: int = 0
+    ngram_word_table: int = 0
 
 
 class ModelState:
@@ -128,7 +132,7 @@ class ModelState:
                 try:
                     tables = self.lm.scoring_tables()
                     self._tables = FlatTables(tables.flat().astype("<f4", copy=False), tables.output.shape[1],
-                                              tables.activation)
+                                              tables.activation, tables.feature_order, *tables.feature_tables)
                 except UnsupportedModelError as e:
                     self._tables = str(e)
             if isinstance(self._tables, str):

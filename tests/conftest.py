@@ -102,6 +102,21 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory, train_small_path: 
 
 
 @pytest.fixture(scope="session")
+def feature_model_path(tmp_path_factory: pytest.TempPathFactory, train_small_path: Path,
+                       dev_small_path: Path) -> Path:
+    """A small model trained with direct n-gram features (AdaGrad: sparse feature updates;
+    order 4, tables of 1,024 class and 4,096 word slots)."""
+    from nlmserve.lm.train import TrainConfig, train
+
+    out = tmp_path_factory.mktemp("ngram") / "feat.nlm"
+    train(TrainConfig(train=str(train_small_path), valid=str(dev_small_path), out=str(out), order=4, dim=8,
+                      classes=16, objective="nce", min_count=2, max_steps=120, batch_size=128,
+                      valid_every=60, threads=1, seed=3, progress=False, learning_curve=False,
+                      checkpoint_every=0, ngram_class_table=1 << 10, ngram_word_table=1 << 12))
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_lm(tiny_model_path: Path):  # type: ignore[no-untyped-def]
     """``tiny_model_path`` loaded on the CPU."""
     import torch

@@ -204,10 +204,10 @@ def test_unit_checks_of_cache_rules_and_decoder_parts(driver: Path) -> None:
     rules on other ids and types, nlmserve_decoder.h's phrase and boundary rows (hand-computed),
     word-id table, expansion scores (in order at the cursor, or looked up) and error pause,
     lowercasing and target parsing, and the scoring tables' arithmetic (hand-computed, each
-    activation, the kept context vectors)."""
+    activation, the kept context vectors, the direct n-gram features' hashes and slots)."""
     done = subprocess.run([str(UNIT)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "unit: 94 passed, 0 failed", done.stderr
+    assert done.stdout.strip() == "unit: 107 passed, 0 failed", done.stderr
 
 
 def test_golden_ngram_rules_through_the_cpp_owner(driver: Path) -> None:
@@ -256,15 +256,13 @@ def test_scores_equal_python_client(driver: Path, server: Server, ngram_file: tu
     assert got[ngrams.index(["of", "<s>", "the"])] == got[ngrams.index(["the"])]
 
 
-def test_scoring_tables_give_the_servers_self_normalised_scores(driver: Path, server: Server,
-                                                               ngram_file: tuple[Path, list[list[str]]]) -> None:
-    """Client::GetScoringTables and ScoringTables::Score (the Moses feature's scoring=local):
-    the trained model's self-normalised scores computed in the C++ process are the server's
-    (natural log) within float rounding, and asking one by one in another order changes none."""
+def _local_scores_are_the_servers(driver: Path, target: str, path: Path, ngrams: list[list[str]]) -> dict[str, str]:
+    """Asks the C++ process (``tables PATH``) for the self-normalised scores it computes
+    from GetScoringTables and checks them against the server's (natural log, within float
+    rounding), the model hash and the scratch's reuse → the answer's fields."""
     from nlmserve.client import LMClient
 
-    path, ngrams = ngram_file
-    cpp = Driver(driver, server.target)
+    cpp = Driver(driver, target)
     try:
         head = cpp.ask(f"tables {path}")
         assert head.startswith("ok "), head
@@ -272,12 +270,41 @@ def test_scoring_tables_give_the_servers_self_normalised_scores(driver: Path, se
     finally:
         cpp.close()
     fields = dict(item.split("=") for item in head.split()[2:])
-    with LMClient(server.target) as py:
+    with LMClient(target) as py:
         want = py.score_ngrams(ngrams, log_base="ln", normalized=False).log_probs
         assert fields["hash"] == py.info.model_hash
     assert fields["differ"] == "0"
     assert got.shape == (len(ngrams),)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    return fields
+
+
+def test_scoring_tables_give_the_servers_self_normalised_scores(driver: Path, server: Server,
+                                                               ngram_file: tuple[Path, list[list[str]]]) -> None:
+    """Client::GetScoringTables and ScoringTables::Score (the Moses feature's scoring=local):
+    the trained model's self-normalised scores computed in the C++ process are the server's
+    (natural log) within float rounding, and asking one by one in another order changes none."""
+    path, ngrams = ngram_file
+    _local_scores_are_the_servers(driver, server.target, path, ngrams)
+
+
+def test_scoring_tables_with_direct_ngram_features(driver: Path, feature_model_path: Path, tmp_path: Path) -> None:
+    """A model with direct n-gram features (the recipe's default) served for real: the C++
+    process adds the hashed features to the tables' score as the server does (natural log,
+    self-normalised), and the tables' size counts the word classes and the two tables."""
+    from nlmserve.lm.scoring import LanguageModel
+
+    cfg = LanguageModel.load(feature_model_path, device="cpu").config
+    ngrams = [g for g in _ngrams(order=cfg.order) if len(g) <= cfg.order]
+    path = tmp_path / "ngrams.txt"
+    path.write_text("".join(" ".join(g) + "\n" for g in ngrams), encoding="utf-8")
+    server = Server(feature_model_path, tmp_path / "server.log")
+    try:
+        fields = _local_scores_are_the_servers(driver, server.target, path, ngrams)
+    finally:
+        server.kill()
+    V, D = cfg.vocab_size, cfg.dim
+    assert int(fields["bytes"]) == 4 * (cfg.order * V * D + V + V + 1024 + 4096) + 4 * V
 
 
 def test_invalid_ngrams_are_errors_not_crashes(driver: Path, server: Server) -> None:

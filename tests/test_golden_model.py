@@ -193,6 +193,7 @@ def test_scoring_tables_through_the_server(golden: LanguageModel, client: LMClie
     head = chunks[0]
     assert (head.model_hash, head.order, head.vocab_size, head.dim, head.activation, head.total_floats) == (
         golden.model_hash, 3, 6, 2, "none", want.size)
+    assert (head.feature_order, head.ngram_class_table, head.ngram_word_table) == (0, 0, 0)
     assert [c.offset for c in chunks] == list(range(0, want.size, 7))
     got = np.frombuffer(b"".join(c.data for c in chunks), dtype="<f4")
     np.testing.assert_array_equal(got, want)

@@ -101,6 +101,17 @@ def test_feature_order_caps_the_suffixes_by_hand(tmp_path: Path) -> None:
     save_model(path, model.float(), words, classes, objective="nce", lowercase=False)
     mf = read_model_file(path)
     assert mf.format_version == 2 and mf.config == cfg
+    # The scoring tables (GetScoringTables, scoring=local) carry the capped features: the
+    # same row scores 1.5 more than the tables' LBL part alone.
+    import dataclasses
+
+    from nlmserve.lm.scoring import LanguageModel
+
+    tables = LanguageModel.load(path, device="cpu").scoring_tables()
+    assert tables.feature_order == 3 and tables.feature_tables == (7, size)
+    lbl = dataclasses.replace(tables, feature_order=0, word_class=None, ngram_class=None, ngram_word=None)
+    row = [[3, 4, 5, 7, word]]
+    assert float(tables.score(row)[0] - lbl.score(row)[0]) == pytest.approx(1.5, abs=1e-6)
 
 
 def test_context_hash_depends_on_every_suffix_word_and_only_on_the_suffix() -> None:
@@ -203,20 +214,6 @@ def test_config_rejects_features_with_softmax_output() -> None:
 # ---------------------------------------------------------------------- trained model file
 
 
-@pytest.fixture(scope="module")
-def feature_model_path(tmp_path_factory: pytest.TempPathFactory, train_small_path: Path,
-                       dev_small_path: Path) -> Path:
-    """A small model trained with the features (AdaGrad: sparse feature updates)."""
-    from nlmserve.lm.train import TrainConfig, train
-
-    out = tmp_path_factory.mktemp("ngram") / "feat.nlm"
-    train(TrainConfig(train=str(train_small_path), valid=str(dev_small_path), out=str(out), order=4, dim=8,
-                      classes=16, objective="nce", min_count=2, max_steps=120, batch_size=128,
-                      valid_every=60, threads=1, seed=3, progress=False, learning_curve=False,
-                      checkpoint_every=0, ngram_class_table=1 << 10, ngram_word_table=1 << 12))
-    return out
-
-
 def test_trained_model_file_round_trip_and_normalisation(feature_model_path: Path, tmp_path: Path) -> None:
     from nlmserve.lm.model_file import read_model_file, save_model
     from nlmserve.lm.scoring import LanguageModel
@@ -298,9 +295,39 @@ def test_hashed_adagrad_matches_torch_adagrad() -> None:
     assert models[1].output.ngram_word is not None and models[1].output.ngram_word.abs().sum() > 0
 
 
-def test_a_model_with_features_has_no_scoring_tables_and_says_how_to_train_one(feature_model_path: Path) -> None:
-    from nlmserve.errors import UnsupportedModelError
+def test_scoring_tables_of_a_trained_feature_model_give_its_self_normalised_scores(
+        feature_model_path: Path, dev_small_path: Path) -> None:
+    """The tables a client evaluates itself hold the features too: their score of every
+    n-gram of the dev text is ``score_ngrams(normalized=False)``, and the wire's flat array
+    ends with the word classes and the two hashed tables."""
     from nlmserve.lm.scoring import LanguageModel
 
-    with pytest.raises(UnsupportedModelError, match="direct n-gram features .*--no-ngram-features"):
-        LanguageModel.load(feature_model_path, device="cpu").scoring_tables()
+    lm = LanguageModel.load(feature_model_path, device="cpu")
+    tables = lm.scoring_tables()
+    assert tables.feature_order == 4 and tables.feature_tables == (1024, 4096)
+    sentences = [line.split() for line in dev_small_path.read_text(encoding="utf-8").splitlines()[:40]]
+    rows = lm.canonical_rows(lm.sentence_ngrams(sentences)[0])
+    assert len(rows) > 500
+    np.testing.assert_allclose(tables.score(rows), lm.score_ngrams(rows, normalized=False), rtol=0, atol=1e-5)
+    V, D = lm.config.vocab_size, lm.config.dim
+    flat = tables.flat()
+    assert flat.size == 3 * V * D + V * D + V + V + 1024 + 4096
+    np.testing.assert_array_equal(flat[4 * V * D + V: 4 * V * D + 2 * V], lm.net.output.word_class.numpy())
+    np.testing.assert_array_equal(flat[-4096:], tables.ngram_word)
+    # GetScoringTables streams that array, its first chunk naming the features.
+    import grpc
+
+    from nlmserve.proto import lm_pb2, lm_pb2_grpc
+    from support import start_server
+
+    running = start_server(lm)
+    try:
+        with grpc.insecure_channel(running.target) as channel:
+            chunks = list(lm_pb2_grpc.LanguageModelStub(channel).GetScoringTables(
+                lm_pb2.GetScoringTablesRequest(chunk_floats=1000)))
+    finally:
+        running.stop(1.0)
+    head = chunks[0]
+    assert (head.feature_order, head.ngram_class_table, head.ngram_word_table, head.total_floats) == (
+        4, 1024, 4096, flat.size)
+    np.testing.assert_array_equal(np.frombuffer(b"".join(c.data for c in chunks), dtype="<f4"), flat)

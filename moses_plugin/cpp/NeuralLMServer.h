@@ -44,8 +44,10 @@
 //                           fetches the model's self-normalised scoring tables from the server
 //                           (GetScoringTables: order x vocabulary x width floats, 188 MB for a
 //                           5-gram of 36,660 words and width 256) and scores every n-gram in
-//                           the decoder, two table sums and a dot product each, with no cache
-//                           and no request; the server then answers nothing per n-gram, and
+//                           the decoder, table sums and a dot product each (and a model's
+//                           direct n-gram features: one hashed weight per context suffix
+//                           from each of their two tables), with no cache and no request;
+//                           the server then answers nothing per n-gram, and
 //                           a reload of the server does not reach a running decoder
 //   prefetch=stack|hypothesis|false
 //                           stack (default; also true): when Moses' normal stack search starts

@@ -667,14 +667,22 @@ struct Client::Impl {
                                 head.activation() + "', which this client does not know");
     }
     std::shared_ptr<ScoringTables> tables(new ScoringTables());
+    ScoringTables::Features features;
+    features.order = head.feature_order();
+    features.class_table = head.ngram_class_table();
+    features.word_table = head.ngram_word_table();
     const std::size_t got = data.size();
     if (head.order() != info.order || head.vocab_size() != info.vocab_size ||
-        !tables->Set(head.order(), head.vocab_size(), head.dim(), activation, head.model_hash(), std::move(data))) {
+        !tables->Set(head.order(), head.vocab_size(), head.dim(), activation, head.model_hash(), std::move(data),
+                     features)) {
       throw ClientError(-1, "nlmserve server at " + target + " sent " + std::to_string(got) +
                                 " floats of scoring tables for order " + std::to_string(head.order()) +
                                 ", vocabulary " + std::to_string(head.vocab_size()) + ", width " +
-                                std::to_string(head.dim()) + " (model info: order " + std::to_string(info.order) +
-                                ", vocabulary " + std::to_string(info.vocab_size) + ")");
+                                std::to_string(head.dim()) + ", n-gram features of order " +
+                                std::to_string(features.order) + " in tables of " +
+                                std::to_string(features.class_table) + " and " +
+                                std::to_string(features.word_table) + " (model info: order " +
+                                std::to_string(info.order) + ", vocabulary " + std::to_string(info.vocab_size) + ")");
     }
     return tables;
   }

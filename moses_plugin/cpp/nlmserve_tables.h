@@ -7,9 +7,13 @@
 //
 //   r = act(sum_{j=1}^{n-1} position[j-1][w_j])     position: n-1 tables of (V, D)
 //   s = r . output[w_n] + bias[w_n]                 natural log
+//     [+ sum_l ngram_class[slot(h_l, class[w_n])] + sum_l ngram_word[slot(h_l, w_n)]]
 //
-// which is what the server answers with allow_unnormalized=true, to float rounding. No
-// gRPC or protobuf here: a decoder includes this header next to its own.
+// which is what the server answers with allow_unnormalized=true, to float rounding. The
+// bracketed sums are a model's direct n-gram features (Features below): the hashes of
+// the context's newest suffixes and their slots as the wire contract gives them (the
+// Python owner is nlmserve.lm.outputs.context_hashes and ngram_feature_index). No gRPC or
+// protobuf here: a decoder includes this header next to its own.
 #ifndef NLMSERVE_TABLES_H
 #define NLMSERVE_TABLES_H
 
@@ -37,8 +41,31 @@ inline bool ParseActivation(const std::string &name, Activation *out) {
   return true;
 }
 
+// The direct n-gram features' hash (proto/nlmserve/v1/lm.proto, ScoringTablesChunk):
+// h_0 = kHashSeed, h_l = (h_{l-1} * kHashCtx + w_{-l} + 1) mod kHashMod over the context's
+// newest words; a feature's slot is ((h * kHashKey + y * kHashOut) mod kHashMod) mod size.
+// Every product stays below 2^63 (hashes < 2^31, ids < 2^24).
+const uint64_t kHashMod = (1ULL << 31) - 1;
+const uint64_t kHashSeed = 1000003ULL;
+const uint64_t kHashCtx = 1299709ULL;
+const uint64_t kHashKey = 1640531527ULL;
+const uint64_t kHashOut = 805306457ULL;
+
+inline std::size_t FeatureSlot(uint64_t h, uint32_t y, std::size_t size) {
+  return static_cast<std::size_t>(((h * kHashKey + static_cast<uint64_t>(y) * kHashOut) % kHashMod) % size);
+}
+
 class ScoringTables {
  public:
+  // A model's direct n-gram features: the longest n-gram with a feature (0: none, else
+  // 1 .. order) and the sizes of the two hashed tables (0: that table is absent).
+  struct Features {
+    Features() : order(0), class_table(0), word_table(0) {}
+    uint32_t order;
+    uint32_t class_table;
+    uint32_t word_table;
+  };
+
   // What one thread reuses between calls: the context vectors of the last few distinct
   // contexts (a decoder's batch asks for many words after one context in a row, or
   // nearly so), direct-mapped by a hash of the context.
@@ -46,25 +73,49 @@ class ScoringTables {
     static const std::size_t kSlots = 64;
     std::vector<float> vectors;   // kSlots x dim
     std::vector<uint32_t> keys;   // kSlots x (order-1)
+    std::vector<uint64_t> hashes; // kSlots x feature order: the context's suffix hashes
     std::vector<uint8_t> used;    // kSlots
   };
 
   ScoringTables() {}
-  // Takes the wire's array (position, output, bias) and its shape; false when the array
-  // has another size than the shape gives.
+  // Takes the wire's array (position, output, bias, and with features word classes,
+  // ngram_class, ngram_word) and its shape; false when the array has another size than
+  // the shape gives, or the features do not fit the model (an order above the model's, a
+  // vocabulary of 2^24 words or more, a class id that is not a whole number below 2^24).
   bool Set(uint32_t order, uint32_t vocab_size, uint32_t dim, Activation activation, std::string model_hash,
-           std::vector<float> data) {
+           std::vector<float> data, Features features = Features()) {
     if (order < 2 || vocab_size == 0 || dim == 0) return false;
-    const std::size_t want = static_cast<std::size_t>(order) * vocab_size * dim + vocab_size;
+    const bool featured = features.order > 0;
+    if (featured && (features.order > order || vocab_size >= (1u << 24) ||
+                     (features.class_table == 0 && features.word_table == 0))) {
+      return false;
+    }
+    if (!featured) features = Features();
+    const std::size_t lbl = static_cast<std::size_t>(order) * vocab_size * dim + vocab_size;
+    const std::size_t want =
+        lbl + (featured ? static_cast<std::size_t>(vocab_size) + features.class_table + features.word_table : 0);
     if (data.size() != want) return false;
+    std::vector<uint32_t> word_class;
+    if (featured) {
+      word_class.resize(vocab_size);
+      for (std::size_t w = 0; w < vocab_size; ++w) {
+        const float c = data[lbl + w];
+        if (!(c >= 0.f && c < 16777216.f) || c != std::floor(c)) return false;
+        word_class[w] = static_cast<uint32_t>(c);
+      }
+    }
     order_ = order;
     vocab_size_ = vocab_size;
     dim_ = dim;
     activation_ = activation;
     model_hash_ = model_hash;
+    features_ = features;
+    word_class_.swap(word_class);
     data_.swap(data);
     output_ = data_.data() + static_cast<std::size_t>(order - 1) * vocab_size * dim;
     bias_ = output_ + static_cast<std::size_t>(vocab_size) * dim;
+    ngram_class_ = bias_ + 2 * static_cast<std::size_t>(vocab_size);
+    ngram_word_ = ngram_class_ + features.class_table;
     return true;
   }
 
@@ -73,16 +124,18 @@ class ScoringTables {
   uint32_t dim() const { return dim_; }
   Activation activation() const { return activation_; }
   const std::string &model_hash() const { return model_hash_; }
-  std::size_t bytes() const { return data_.size() * sizeof(float); }
+  const Features &features() const { return features_; }
+  std::size_t bytes() const { return data_.size() * sizeof(float) + word_class_.size() * sizeof(uint32_t); }
 
   // Natural-log scores of n canonical rows (order ids each, ids < vocab_size: the caller
   // has checked them, as for Client::ScoreRows) into out[0, n).
   void Score(const uint32_t *rows, std::size_t n, float *out, Scratch *scratch) const {
-    const std::size_t width = order_, context = order_ - 1, dim = dim_;
+    const std::size_t width = order_, context = order_ - 1, dim = dim_, suffixes = features_.order;
     if (scratch->used.size() != Scratch::kSlots || scratch->vectors.size() != Scratch::kSlots * dim ||
-        scratch->keys.size() != Scratch::kSlots * context) {
+        scratch->keys.size() != Scratch::kSlots * context || scratch->hashes.size() != Scratch::kSlots * suffixes) {
       scratch->vectors.assign(Scratch::kSlots * dim, 0.f);
       scratch->keys.assign(Scratch::kSlots * context, 0);
+      scratch->hashes.assign(Scratch::kSlots * suffixes, 0);
       scratch->used.assign(Scratch::kSlots, 0);
     }
     for (std::size_t i = 0; i < n; ++i) {
@@ -90,14 +143,18 @@ class ScoringTables {
       const std::size_t slot = Slot(row, context);
       float *r = scratch->vectors.data() + slot * dim;
       uint32_t *key = scratch->keys.data() + slot * context;
+      uint64_t *h = scratch->hashes.data() + slot * suffixes;
       if (!scratch->used[slot] || !Equal(key, row, context)) {
         Encode(row, r);
+        SuffixHashes(row, h);
         for (std::size_t j = 0; j < context; ++j) key[j] = row[j];
         scratch->used[slot] = 1;
       }
       const uint32_t w = row[context];
       const float *q = output_ + static_cast<std::size_t>(w) * dim;
-      out[i] = Dot(r, q, dim) + bias_[w];
+      float s = Dot(r, q, dim) + bias_[w];
+      if (suffixes) s += FeatureSum(h, w);
+      out[i] = s;
     }
   }
 
@@ -145,14 +202,46 @@ class ScoringTables {
     }
   }
 
+  // h[l] for the row's context suffixes of length l = 0 .. features_.order-1.
+  void SuffixHashes(const uint32_t *row, uint64_t *h) const {
+    const std::size_t context = order_ - 1;
+    uint64_t x = kHashSeed;
+    for (std::size_t l = 0; l < features_.order; ++l) {
+      if (l > 0) x = (x * kHashCtx + row[context - l] + 1) % kHashMod;
+      h[l] = x;
+    }
+  }
+
+  // The features' weights of (suffix, class of w) and (suffix, w), summed as the model
+  // sums them: each table over the suffixes, then the two.
+  float FeatureSum(const uint64_t *h, uint32_t w) const {
+    float by_class = 0.f, by_word = 0.f;
+    if (features_.class_table) {
+      const uint32_t c = word_class_[w];
+      for (std::size_t l = 0; l < features_.order; ++l) {
+        by_class += ngram_class_[FeatureSlot(h[l], c, features_.class_table)];
+      }
+    }
+    if (features_.word_table) {
+      for (std::size_t l = 0; l < features_.order; ++l) {
+        by_word += ngram_word_[FeatureSlot(h[l], w, features_.word_table)];
+      }
+    }
+    return by_class + by_word;
+  }
+
   uint32_t order_ = 0;
   uint32_t vocab_size_ = 0;
   uint32_t dim_ = 0;
   Activation activation_ = Activation::kNone;
   std::string model_hash_;
+  Features features_;
+  std::vector<uint32_t> word_class_;  // with features: each word's class
   std::vector<float> data_;
   const float *output_ = nullptr;
   const float *bias_ = nullptr;
+  const float *ngram_class_ = nullptr;  // with features: the hashed tables in data_
+  const float *ngram_word_ = nullptr;
 };
 
 }  // namespace nlmserve

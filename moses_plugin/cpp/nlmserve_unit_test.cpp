@@ -569,6 +569,72 @@ void TestScoringTables() {
   Check(std::fabs(out[0] - (0.f + 1.f + 0.1f)) < 1e-6, "scoring tables 11");  // r = relu(-2, 1) = (0, 1)
 }
 
+void TestScoringTablesFeatures() {
+  // Order 3, V = 12, D = 1, every LBL weight 0 (r = 0, s = the features alone); word w is
+  // in class w % 3. The context "5 7" has the suffix hashes h_0 = 1000003,
+  // h_1 = (h_0 * 1299709 + 7 + 1) mod (2^31 - 1) = 485292700 and
+  // h_2 = (h_1 * 1299709 + 5 + 1) mod (2^31 - 1) = 1867863936 (by hand, as the Python
+  // test of the same numbers). Word 9 (class 0): word slots 96, 16, 77 of 101, class
+  // slots 3, 5, 6 of 7 (((h * 1640531527 + y * 805306457) mod (2^31 - 1)) mod size).
+  Check(nlmserve::FeatureSlot(1000003, 9, 101) == 96 && nlmserve::FeatureSlot(485292700, 9, 101) == 16 &&
+            nlmserve::FeatureSlot(1867863936, 9, 101) == 77 && nlmserve::FeatureSlot(1867863936, 0, 7) == 6,
+        "feature slots by hand");
+  const uint32_t V = 12, kClass = 7, kWord = 101;
+  std::vector<float> data(3 * V * 1 + V, 0.f);
+  for (uint32_t w = 0; w < V; ++w) data.push_back(static_cast<float>(w % 3));  // word classes
+  const std::size_t class_at = data.size();
+  data.resize(class_at + kClass + kWord, 0.f);
+  const std::size_t word_at = class_at + kClass;
+  data[class_at + 3] = 10.f;
+  data[class_at + 5] = 20.f;
+  data[class_at + 6] = 40.f;
+  data[word_at + 96] = 0.25f;
+  data[word_at + 16] = 0.5f;
+  data[word_at + 77] = 0.75f;
+  nlmserve::ScoringTables::Features full;
+  full.order = 3;
+  full.class_table = kClass;
+  full.word_table = kWord;
+  nlmserve::ScoringTables tables, bigrams, no_class;
+  Check(tables.Set(3, V, 1, nlmserve::Activation::kNone, "h", data, full), "feature tables set");
+  nlmserve::ScoringTables::Features two = full;
+  two.order = 2;  // the suffixes "" and "7" only
+  Check(bigrams.Set(3, V, 1, nlmserve::Activation::kNone, "h", data, two), "feature tables set, order 2");
+  const uint32_t rows[] = {5, 7, 9, 6, 7, 9, 5, 7, 9};
+  float out[3];
+  nlmserve::ScoringTables::Scratch scratch;
+  tables.Score(rows, 3, out, &scratch);
+  // "5 7 9": 10 + 20 + 40 + 0.25 + 0.5 + 0.75, the third row again from the scratch's
+  // kept hashes; "6 7 9": h_2 = 1867863937, whose class slot is 3 again (10) and word
+  // slot 85 (0): 10 + 20 + 10 + 0.25 + 0.5.
+  Check(std::fabs(out[0] - 71.5f) < 1e-5 && std::fabs(out[2] - 71.5f) < 1e-5, "features by hand, order 3");
+  Check(std::fabs(out[1] - 40.75f) < 1e-5, "a changed oldest word changes the trigram features");
+  bigrams.Score(rows, 1, out, &scratch);  // scratch of the other model: its hashes are recomputed
+  Check(std::fabs(out[0] - 30.75f) < 1e-5, "features by hand, order 2");
+  // Refused: a class id that is not a whole number, a feature order above the model's,
+  // a missing float, features with both tables empty.
+  std::vector<float> bad = data;
+  bad[4 * V + 4] = 1.5f;  // the class of word 4
+  Check(!no_class.Set(3, V, 1, nlmserve::Activation::kNone, "h", bad, full), "fractional class id refused");
+  nlmserve::ScoringTables::Features too_long = full;
+  too_long.order = 4;
+  Check(!no_class.Set(3, V, 1, nlmserve::Activation::kNone, "h", data, too_long), "feature order above the model's");
+  Check(!no_class.Set(3, V, 1, nlmserve::Activation::kNone, "h", std::vector<float>(data.begin(), data.end() - 1), full),
+        "a missing float refused");
+  nlmserve::ScoringTables::Features empty;
+  empty.order = 3;
+  Check(!no_class.Set(3, V, 1, nlmserve::Activation::kNone, "h", data, empty), "features without tables refused");
+  // Without the class table (the array without its 7 floats): only the word weights.
+  std::vector<float> word_only(data.begin(), data.begin() + class_at);
+  word_only.insert(word_only.end(), data.begin() + word_at, data.end());
+  nlmserve::ScoringTables::Features words = full;
+  words.class_table = 0;
+  Check(no_class.Set(3, V, 1, nlmserve::Activation::kNone, "h", word_only, words), "word features alone");
+  no_class.Score(rows, 1, out, &scratch);
+  Check(std::fabs(out[0] - 1.5f) < 1e-6, "word features by hand");
+  Check(tables.bytes() == data.size() * sizeof(float) + V * sizeof(uint32_t), "feature tables bytes");
+}
+
 int main(int argc, char **argv) {
   if (argc >= 2 && std::string(argv[1]) == "--canonical") return Canonical();
   if (argc >= 2) {
@@ -588,6 +654,7 @@ int main(int argc, char **argv) {
   TestErrorPause();
   TestTextAndTargets();
   TestScoringTables();
+  TestScoringTablesFeatures();
   std::printf("unit: %d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }
