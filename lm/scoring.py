@@ -279,13 +279,13 @@ class LanguageModel:
             out = self.net.output
             out_embed, out_bias = out.output_rows()
             position = _position_tables(self.net).reshape(cfg.order - 1, cfg.vocab_size, cfg.dim)
-            if not out.has_features:
-                return ScoringTables(to_numpy(position), to_numpy(out_embed), to_numpy(out_bias), cfg.activation)
+            ngram_class, ngram_word = (None if t is None else to_numpy(t.detach().reshape(-1))
+                                       for t in (out.ngram_class, out.ngram_word))
             return ScoringTables(
                 to_numpy(position), to_numpy(out_embed), to_numpy(out_bias), cfg.activation,
-                feature_order=cfg.feature_order, word_class=out.word_class.cpu().numpy(),
-                ngram_class=None if out.ngram_class is None else to_numpy(out.ngram_class.detach().reshape(-1)),
-                ngram_word=None if out.ngram_word is None else to_numpy(out.ngram_word.detach().reshape(-1)))
+                feature_order=cfg.feature_order if out.has_features else 0,
+                word_class=out.word_class.cpu().numpy() if out.has_features else None,
+                ngram_class=ngram_class, ngram_word=ngram_word)
 
     # ------------------------------------------------------------------ batch scoring
     def score_ngrams(self, ids: npt.ArrayLike | Tensor, *, normalized: bool = True, log10: bool = False) -> np.ndarray:
