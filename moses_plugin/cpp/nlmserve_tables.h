@@ -55,6 +55,13 @@ inline std::size_t FeatureSlot(uint64_t h, uint32_t y, std::size_t size) {
   return static_cast<std::size_t>(((h * kHashKey + static_cast<uint64_t>(y) * kHashOut) % kHashMod) % size);
 }
 
+// FeatureSlot for a table of `size` slots with mask = size - 1 when size is a power of two
+// (the recipe's sizes; x & (size - 1) == x mod size then), else 0: no 64-bit division.
+inline uint32_t FeatureSlot(uint64_t h, uint32_t y, uint32_t size, uint32_t mask) {
+  const uint64_t x = (h * kHashKey + static_cast<uint64_t>(y) * kHashOut) % kHashMod;
+  return static_cast<uint32_t>(mask ? (x & mask) : (x % size));
+}
+
 class ScoringTables {
  public:
   // A model's direct n-gram features: the longest n-gram with a feature (0: none, else
@@ -68,13 +75,14 @@ class ScoringTables {
 
   // What one thread reuses between calls: the context vectors of the last few distinct
   // contexts (a decoder's batch asks for many words after one context in a row, or
-  // nearly so), direct-mapped by a hash of the context.
+  // nearly so), direct-mapped by a hash of the context; with features, the table slots
+  // of the row being scored and of the next one.
   struct Scratch {
     static const std::size_t kSlots = 64;
     std::vector<float> vectors;   // kSlots x dim
     std::vector<uint32_t> keys;   // kSlots x (order-1)
-    std::vector<uint64_t> hashes; // kSlots x feature order: the context's suffix hashes
     std::vector<uint8_t> used;    // kSlots
+    std::vector<uint32_t> slots;  // 2 rows x 2 tables x feature order
   };
 
   ScoringTables() {}
@@ -110,6 +118,8 @@ class ScoringTables {
     activation_ = activation;
     model_hash_ = model_hash;
     features_ = features;
+    class_mask_ = PowerOfTwoMask(features.class_table);
+    word_mask_ = PowerOfTwoMask(features.word_table);
     word_class_.swap(word_class);
     data_.swap(data);
     output_ = data_.data() + static_cast<std::size_t>(order - 1) * vocab_size * dim;
@@ -128,32 +138,35 @@ class ScoringTables {
   std::size_t bytes() const { return data_.size() * sizeof(float) + word_class_.size() * sizeof(uint32_t); }
 
   // Natural-log scores of n canonical rows (order ids each, ids < vocab_size: the caller
-  // has checked them, as for Client::ScoreRows) into out[0, n).
+  // has checked them, as for Client::ScoreRows) into out[0, n). With features, the next
+  // row's table slots are computed and prefetched before this row's dot product, so that
+  // their cache misses (the tables are tens of MB) overlap the arithmetic.
   void Score(const uint32_t *rows, std::size_t n, float *out, Scratch *scratch) const {
-    const std::size_t width = order_, context = order_ - 1, dim = dim_, suffixes = features_.order;
+    const std::size_t width = order_, context = order_ - 1, dim = dim_, per_row = 2 * features_.order;
     if (scratch->used.size() != Scratch::kSlots || scratch->vectors.size() != Scratch::kSlots * dim ||
-        scratch->keys.size() != Scratch::kSlots * context || scratch->hashes.size() != Scratch::kSlots * suffixes) {
+        scratch->keys.size() != Scratch::kSlots * context || scratch->slots.size() != 2 * per_row) {
       scratch->vectors.assign(Scratch::kSlots * dim, 0.f);
       scratch->keys.assign(Scratch::kSlots * context, 0);
-      scratch->hashes.assign(Scratch::kSlots * suffixes, 0);
       scratch->used.assign(Scratch::kSlots, 0);
+      scratch->slots.assign(2 * per_row, 0);
     }
+    if (per_row && n > 0) RowSlots(rows, scratch->slots.data());
     for (std::size_t i = 0; i < n; ++i) {
       const uint32_t *row = rows + i * width;
+      const uint32_t *slots = scratch->slots.data() + (i % 2) * per_row;
+      if (per_row && i + 1 < n) RowSlots(row + width, scratch->slots.data() + ((i + 1) % 2) * per_row);
       const std::size_t slot = Slot(row, context);
       float *r = scratch->vectors.data() + slot * dim;
       uint32_t *key = scratch->keys.data() + slot * context;
-      uint64_t *h = scratch->hashes.data() + slot * suffixes;
       if (!scratch->used[slot] || !Equal(key, row, context)) {
         Encode(row, r);
-        SuffixHashes(row, h);
         for (std::size_t j = 0; j < context; ++j) key[j] = row[j];
         scratch->used[slot] = 1;
       }
       const uint32_t w = row[context];
       const float *q = output_ + static_cast<std::size_t>(w) * dim;
       float s = Dot(r, q, dim) + bias_[w];
-      if (suffixes) s += FeatureSum(h, w);
+      if (per_row) s += FeatureSum(slots);
       out[i] = s;
     }
   }
@@ -202,30 +215,49 @@ class ScoringTables {
     }
   }
 
-  // h[l] for the row's context suffixes of length l = 0 .. features_.order-1.
-  void SuffixHashes(const uint32_t *row, uint64_t *h) const {
-    const std::size_t context = order_ - 1;
-    uint64_t x = kHashSeed;
-    for (std::size_t l = 0; l < features_.order; ++l) {
-      if (l > 0) x = (x * kHashCtx + row[context - l] + 1) % kHashMod;
-      h[l] = x;
+  static uint32_t PowerOfTwoMask(uint32_t size) {
+    return size > 1 && (size & (size - 1)) == 0 ? size - 1 : 0;
+  }
+
+  // The row's feature slots into slots[0, 2 * features_.order): the class table's for
+  // the context suffixes of length l = 0 .. order-1 (h_l as the wire gives it), then the
+  // word table's; each slot's weight is prefetched. A table that is absent gets slots of 0
+  // that FeatureSum skips.
+  void RowSlots(const uint32_t *row, uint32_t *slots) const {
+    const std::size_t context = order_ - 1, m = features_.order;
+    const uint32_t w = row[context], c = word_class_[w];
+    uint64_t h = kHashSeed;
+    for (std::size_t l = 0; l < m; ++l) {
+      if (l > 0) h = (h * kHashCtx + row[context - l] + 1) % kHashMod;
+      if (features_.class_table) {
+        slots[l] = FeatureSlot(h, c, features_.class_table, class_mask_);
+        Prefetch(ngram_class_ + slots[l]);
+      }
+      if (features_.word_table) {
+        slots[m + l] = FeatureSlot(h, w, features_.word_table, word_mask_);
+        Prefetch(ngram_word_ + slots[m + l]);
+      }
     }
   }
 
-  // The features' weights of (suffix, class of w) and (suffix, w), summed as the model
-  // sums them: each table over the suffixes, then the two.
-  float FeatureSum(const uint64_t *h, uint32_t w) const {
+  static void Prefetch(const float *p) {
+#if defined(__GNUC__)
+    __builtin_prefetch(p);
+#else
+    (void)p;
+#endif
+  }
+
+  // The features' weights at the row's slots, summed as the model sums them: each table
+  // over the suffixes, then the two.
+  float FeatureSum(const uint32_t *slots) const {
+    const std::size_t m = features_.order;
     float by_class = 0.f, by_word = 0.f;
     if (features_.class_table) {
-      const uint32_t c = word_class_[w];
-      for (std::size_t l = 0; l < features_.order; ++l) {
-        by_class += ngram_class_[FeatureSlot(h[l], c, features_.class_table)];
-      }
+      for (std::size_t l = 0; l < m; ++l) by_class += ngram_class_[slots[l]];
     }
     if (features_.word_table) {
-      for (std::size_t l = 0; l < features_.order; ++l) {
-        by_word += ngram_word_[FeatureSlot(h[l], w, features_.word_table)];
-      }
+      for (std::size_t l = 0; l < m; ++l) by_word += ngram_word_[slots[m + l]];
     }
     return by_class + by_word;
   }
@@ -236,6 +268,8 @@ class ScoringTables {
   Activation activation_ = Activation::kNone;
   std::string model_hash_;
   Features features_;
+  uint32_t class_mask_ = 0;  // PowerOfTwoMask of each table's size
+  uint32_t word_mask_ = 0;
   std::vector<uint32_t> word_class_;  // with features: each word's class
   std::vector<float> data_;
   const float *output_ = nullptr;

@@ -604,13 +604,34 @@ void TestScoringTablesFeatures() {
   float out[3];
   nlmserve::ScoringTables::Scratch scratch;
   tables.Score(rows, 3, out, &scratch);
-  // "5 7 9": 10 + 20 + 40 + 0.25 + 0.5 + 0.75, the third row again from the scratch's
-  // kept hashes; "6 7 9": h_2 = 1867863937, whose class slot is 3 again (10) and word
-  // slot 85 (0): 10 + 20 + 10 + 0.25 + 0.5.
+  // "5 7 9": 10 + 20 + 40 + 0.25 + 0.5 + 0.75 (and the third row again, its slots computed
+  // while the second was scored); "6 7 9": h_2 = 1867863937, whose class slot is 3 again
+  // (10) and word slot 85 (0): 10 + 20 + 10 + 0.25 + 0.5.
   Check(std::fabs(out[0] - 71.5f) < 1e-5 && std::fabs(out[2] - 71.5f) < 1e-5, "features by hand, order 3");
   Check(std::fabs(out[1] - 40.75f) < 1e-5, "a changed oldest word changes the trigram features");
-  bigrams.Score(rows, 1, out, &scratch);  // scratch of the other model: its hashes are recomputed
+  bigrams.Score(rows, 1, out, &scratch);  // scratch of the other model: its slots are resized
   Check(std::fabs(out[0] - 30.75f) < 1e-5, "features by hand, order 2");
+  // Tables whose sizes are powers of two (the recipe's): the slot is the low bits. For
+  // "5 7 9", (h * 1640531527 + 9 * 805306457) mod (2^31 - 1) = 1481514455, 1021317874,
+  // 1837456919, whose low 7 bits are word slots 87, 114, 23 of 128; class 0 takes slots
+  // 3, 6, 3 of 8 (the same suffix sums twice into slot 3).
+  Check(nlmserve::FeatureSlot(1000003, 9, 128, 127) == 87 && nlmserve::FeatureSlot(485292700, 9, 128, 127) == 114 &&
+            nlmserve::FeatureSlot(1867863936, 9, 128, 127) == 23 && nlmserve::FeatureSlot(1867863936, 0, 8, 7) == 3 &&
+            nlmserve::FeatureSlot(1867863936, 9, 101, 0) == 77,
+        "feature slots of power-of-two tables by hand");
+  std::vector<float> pow2(data.begin(), data.begin() + class_at);
+  pow2.resize(class_at + 8 + 128, 0.f);
+  pow2[class_at + 3] = 10.f;
+  pow2[class_at + 6] = 20.f;
+  pow2[class_at + 8 + 87] = 0.25f;
+  pow2[class_at + 8 + 114] = 0.5f;
+  pow2[class_at + 8 + 23] = 0.75f;
+  nlmserve::ScoringTables::Features sized = full;
+  sized.class_table = 8;
+  sized.word_table = 128;
+  Check(no_class.Set(3, V, 1, nlmserve::Activation::kNone, "h", pow2, sized), "power-of-two feature tables set");
+  no_class.Score(rows, 1, out, &scratch);
+  Check(std::fabs(out[0] - 41.5f) < 1e-5, "power-of-two features by hand");  // 10 + 20 + 10 + 1.5
   // Refused: a class id that is not a whole number, a feature order above the model's,
   // a missing float, features with both tables empty.
   std::vector<float> bad = data;
