@@ -8,12 +8,20 @@ KENLM alone, on a real system, measured side by side in one run.
 
 Every configuration decodes the same first ``--lines`` sentences with ``moses -threads T``;
 the rounds are interleaved (KENLM alone, then each feature configuration, then again), so a
-change of the machine's load hits them alike. One ``nlmserve serve`` (the model given) runs on
-127.0.0.1 for the whole benchmark, and the feature line added to the ini is
+change of the machine's load hits them alike. One ``nlmserve serve`` per model runs on
+127.0.0.1 for the whole benchmark (``--model``, and any other a configuration names with
+``model=PATH``), and the feature line added to the ini is
 
     NeuralLMServer name=NLM0 factor=0 order=ORDER path=127.0.0.1:PORT <configuration's options>
 
-with the weight ``--nlm-weight`` (the KENLM weights stay as the ini has them). Measured per
+with the weight ``--nlm-weight`` (the KENLM weights stay as the ini has them). A
+configuration's ``moses=PATH`` decodes it with another binary: two builds of the feature
+side by side, e.g.
+
+    --configs kenlm local:normalized=false,scoring=local \
+              local-old:normalized=false,scoring=local,moses=/path/to/old/moses
+
+and ``model=`` two models (with and without direct n-gram features, say). Measured per
 run: wall time of the decoder process (loading included, and reported on its own: Moses'
 "Created input-output object" time, which with the feature's default ``phrase-scores=load``
 includes the phrase table's NLM scores), its CPU time (user + system, from wait4), the server's CPU time over the run
@@ -67,16 +75,22 @@ _LOCAL = re.compile(r"(\d+) n-grams scored locally")
 _LOADED = re.compile(r"Created input-output object : \[([\d.]+)\] seconds")
 
 
+#: Keys of a configuration that are the benchmark's, not the feature's moses.ini options.
+BENCH_KEYS = ("model", "moses")
+
+
 @dataclass
 class Config:
     name: str
     options: dict[str, str] | None  # None: KENLM alone
+    model: str | None = None  # None: --model
+    moses: str | None = None  # None: --moses
 
     @classmethod
     def parse(cls, text: str) -> "Config":
-        """``kenlm`` or ``NAME:key=value,key=value`` (the feature's moses.ini options)."""
-        if text == "kenlm":
-            return cls("kenlm", None)
+        """``kenlm`` or ``NAME:key=value,key=value``: the feature's moses.ini options (an
+        ``order=`` there replaces ``--order``), and ``model=PATH`` (served by a server of its
+        own) or ``moses=PATH`` (another decoder binary) for this configuration alone."""
         name, _, rest = text.partition(":")
         options: dict[str, str] = {}
         for item in filter(None, rest.split(",")):
@@ -84,7 +98,12 @@ class Config:
             if not sep:
                 raise SystemExit(f"--configs: {item!r} in {text!r} is not key=value")
             options[key] = value
-        return cls(name, options)
+        model, moses = options.pop("model", None), options.pop("moses", None)
+        if name == "kenlm":
+            if model is not None or options:
+                raise SystemExit(f"--configs {text!r}: KENLM alone takes no feature options or model")
+            return cls("kenlm", None, moses=moses)
+        return cls(name, options, model, moses)
 
 
 @dataclass
@@ -103,6 +122,13 @@ class Run:
     extra: dict[str, Any] = field(default_factory=dict)
     ngrams_local: int | None = None
     load_s: float | None = None
+
+
+def feature_line(options: dict[str, str], target: str, order: int) -> str:
+    """The ``NeuralLMServer`` line of a configuration: its options after the server's
+    address; an ``order=`` among them replaces ``order``."""
+    opts = " ".join(f"{k}={v}" for k, v in options.items() if k != "order")
+    return f"NeuralLMServer name=NLM0 factor=0 order={options.get('order', order)} path={target} {opts}".rstrip()
 
 
 def rewrite_ini(ini: Path, kenlm: str | None, out: Path, feature: str | None, weight: float) -> None:
@@ -248,6 +274,9 @@ def summarise(runs: list[Run], configs: list[Config]) -> list[dict[str, Any]]:
             "cpu_ratio": round(cpu / base_cpu, 2) if base_cpu else None,
             "same_output_every_round": len({r.output_sha for r in rs}) == 1,
         }
+        for key in BENCH_KEYS:
+            if getattr(c, key) is not None:
+                row[key] = getattr(c, key)
         trips = [r.round_trips for r in rs if r.round_trips is not None]
         sent = [r.ngrams_sent for r in rs if r.ngrams_sent is not None]
         hits = [(r.cache_hits, r.cache_misses) for r in rs if r.cache_hits is not None and r.cache_misses is not None]
@@ -282,6 +311,7 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         opts = "KENLM alone" if r["options"] is None else ("+ NLM0 " + " ".join(
             f"`{k}={v}`" for k, v in r["options"].items()))
+        opts += "".join(f" ({key} `{Path(r[key]).name}`)" for key in BENCH_KEYS if r.get(key))
         target = "" if "target" not in r else f"≤ {r['target']}×: {'met' if r['met'] else '**not met**'}"
         out.append(f"| {opts} | {', '.join(str(w) for w in r['walls_s'])} | {r['wall_s']} | {r['wall_ratio']} | "
                    f"{'' if r.get('load_s') is None else r['load_s']} | {r['decoder_cpu_s']} | {r['server_cpu_s']} | {r['cpu_ratio']} | "
@@ -374,14 +404,22 @@ def main(argv: list[str] | None = None) -> int:
         write_section(only.doc, render(json.loads(only.render.read_text())))
         return 0
     args = p.parse_args(argv)
-    if (args.model is None) == (args.server is None):
-        p.error("give --model or --server")
-    if shutil.which(args.moses) is None and not Path(args.moses).is_file():
-        p.error(f"--moses {args.moses}: not found")
     configs = [Config.parse(c) for c in args.configs]
-    local = [c.name for c in configs if c.options is not None and c.options.get("scoring") == "local"]
-    if args.model and local:
-        _common.require_scoring_tables(args.model, f"--configs {' '.join(local)}")
+    if args.model is not None and args.server is not None:
+        p.error("give --model or --server, not both")
+    if args.server is not None and any(c.model for c in configs):
+        p.error("a configuration's model= needs a server of its own: leave out --server")
+    if args.model is None and args.server is None and any(c.options is not None and c.model is None for c in configs):
+        p.error("give --model or --server (or model= in every feature configuration)")
+    for binary in {args.moses, *(c.moses for c in configs if c.moses)}:
+        if shutil.which(binary) is None and not Path(binary).is_file():
+            p.error(f"moses binary {binary}: not found")
+    local: dict[str, list[str]] = {}
+    for c in configs:
+        if c.options is not None and c.options.get("scoring") == "local" and (c.model or args.model):
+            local.setdefault(c.model or args.model, []).append(c.name)
+    for model, names in local.items():
+        _common.require_scoring_tables(model, f"--configs {' '.join(names)}")
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-decoder-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -391,28 +429,30 @@ def main(argv: list[str] | None = None) -> int:
     src.write_text("".join(chosen), encoding="utf-8")
     lines = len(chosen)
 
-    server: ServerProcess | None = None
-    target = args.server
+    servers: dict[str, ServerProcess] = {}  # model path -> its server
     info = machine()
     try:
-        if target is None:
-            server = start_server(Path(args.model), args.serve_args.split())
-            target = server.target
+        for model in dict.fromkeys(c.model or args.model for c in configs if c.options is not None):
+            if model is not None:
+                servers[model] = start_server(Path(model), args.serve_args.split())
 
-        def ini_for(name: str, options: dict[str, str] | None) -> Path:
+        def ini_for(name: str, options: dict[str, str] | None, model: str | None = None) -> Path:
             path = work / f"{name}.ini"
             feature = None
             if options is not None:
-                opts = " ".join(f"{k}={v}" for k, v in options.items())
-                feature = f"NeuralLMServer name=NLM0 factor=0 order={args.order} path={target} {opts}".rstrip()
+                target = servers[model or args.model].target if (model or args.model) else args.server
+                feature = feature_line(options, target, args.order)
             rewrite_ini(args.ini, args.kenlm, path, feature, args.nlm_weight)
             return path
 
-        def measure(name: str, options: dict[str, str] | None, rnd: int, source: Path, n: int) -> Run:
-            ini = ini_for(name, options)
+        def measure(c: Config, options: dict[str, str] | None, rnd: int, source: Path, n: int,
+                    name: str | None = None) -> Run:
+            name = name or c.name
+            ini = ini_for(name, options, c.model)
             out, log = work / f"{name}.r{rnd}.out", work / f"{name}.r{rnd}.log"
+            server = servers.get(c.model or args.model or "") if options is not None else None
             before = tree_cpu_seconds(server.process.pid) if server else 0.0
-            wall, cpu = decode(args.moses, ini, source, args.threads, out, log)
+            wall, cpu = decode(c.moses or args.moses, ini, source, args.threads, out, log)
             after = tree_cpu_seconds(server.process.pid) if server else 0.0
             run = Run(name, rnd, n, wall, cpu, after - before, output_sha=sha(out), **feature_counts(log),
                       load_s=load_seconds(log),
@@ -424,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         runs: list[Run] = []
         for rnd in range(args.rounds):
             for c in configs:
-                runs.append(measure(c.name, c.options, rnd, src, lines))
+                runs.append(measure(c, c.options, rnd, src, lines))
         rows = summarise(runs, configs)
 
         prefetch: dict[str, Any] = {}
@@ -437,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
                 shas = {}
                 for mode in PREFETCH_MODES:
                     opts = {**c.options, "prefetch": mode}
-                    r = measure(f"{c.name}-prefetch-{mode}", opts, 0, head, args.prefetch_check)
+                    r = measure(c, opts, 0, head, args.prefetch_check, name=f"{c.name}-prefetch-{mode}")
                     shas[mode] = r.output_sha
                     prefetch[f"{c.name}/{mode}"] = {"wall_s": round(r.wall_s, 2), "round_trips": r.round_trips}
                 prefetch[f"{c.name}/identical"] = len(set(shas.values())) == 1
@@ -449,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
                                 args.model, work)
             nbest["lines"] = args.nbest_check
     finally:
-        if server is not None:
+        for server in servers.values():
             server.stop()
 
     print()

@@ -55,6 +55,23 @@ def test_the_ini_of_each_configuration(tmp_path: Path) -> None:
     assert [x for x in lines if x not in (line, "NLM0= 0.25")] == want_plain.splitlines()
 
 
+def test_a_configuration_names_its_model_binary_and_order() -> None:
+    c = decoder.Config.parse("ep10:normalized=false,scoring=local,order=10,model=/m/ep10.nlm,moses=/b/moses")
+    assert (c.name, c.model, c.moses) == ("ep10", "/m/ep10.nlm", "/b/moses")
+    assert c.options == {"normalized": "false", "scoring": "local", "order": "10"}  # the feature's alone
+    assert decoder.feature_line(c.options, "127.0.0.1:7", 5) == \
+        "NeuralLMServer name=NLM0 factor=0 order=10 path=127.0.0.1:7 normalized=false scoring=local"
+    assert decoder.feature_line({"normalized": "true"}, "h:1", 5) == \
+        "NeuralLMServer name=NLM0 factor=0 order=5 path=h:1 normalized=true"
+    old = decoder.Config.parse("kenlm:moses=/b/old")
+    assert (old.options, old.moses, old.model) == (None, "/b/old", None)
+    for bad in ("kenlm:normalized=false", "kenlm:model=/m/x.nlm"):
+        with pytest.raises(SystemExit, match="KENLM alone takes no feature options"):
+            decoder.Config.parse(bad)
+    with pytest.raises(SystemExit, match="is not key=value"):
+        decoder.Config.parse("x:scoring")
+
+
 def test_an_ini_without_kenlm_is_refused(tmp_path: Path) -> None:
     ini = tmp_path / "moses.ini"
     ini.write_text(INI.replace("KENLM", "SRILM"))
@@ -140,6 +157,11 @@ def test_summary_ratios_and_rendered_section(tmp_path: Path) -> None:
     assert text.startswith("# Results\n\n" + decoder.BEGIN) and text.endswith(decoder.END + "\n\nafter\n")
     assert "old" not in text
     assert "| + NLM0 `normalized=true` | 25.0, 23.0 | 24.0 | 2.18 | 7.5 | 31.0 |" in text
+    # a configuration with its own model and binary says so in its row
+    own = decoder.Config.parse("exact:normalized=true,model=/m/ep5x.nlm,moses=/b/moses-old")
+    result["rows"] = decoder.summarise(runs, [configs[0], own])
+    assert result["rows"][1]["model"] == "/m/ep5x.nlm" and "moses" not in result["rows"][0]
+    assert "| + NLM0 `normalized=true` (model `ep5x.nlm`) (moses `moses-old`) | 25.0, 23.0 |" in decoder.render(result)
     assert "≤ 2.0×: **not met**" in text and "no for exact." in text
     assert "exact: identical output" in text and "largest difference 0.0005" in text
     assert "    bench/decoder.py --lines 10" in text
@@ -152,4 +174,8 @@ def test_local_scoring_of_a_model_without_tables_is_refused_before_any_round(tmp
             "--input", str(tmp_path / "in.txt"), "--workdir", str(work)]
     with pytest.raises(SystemExit, match=r"--configs local: scoring=local needs .* not self-normalised"):
         decoder.main([*argv, "--configs", "kenlm", "selfnorm:normalized=false", "local:normalized=false,scoring=local"])
+    # ... and so is a configuration's own model=, named with the configurations that ask
+    own = [a for a in argv if a not in ("--model", str(mle))]
+    with pytest.raises(SystemExit, match=r"--configs a b: scoring=local needs .* not self-normalised"):
+        decoder.main([*own, "--configs", "kenlm", f"a:scoring=local,model={mle}", f"b:scoring=local,model={mle}"])
     assert not work.exists()  # nothing started
