@@ -323,11 +323,20 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
 BEGIN, END = "<!-- bench/decoder.py: begin -->", "<!-- bench/decoder.py: end -->"
 
 
+def markers(section: str | None = None) -> tuple[str, str]:
+    """The markers of a results section: the main table's, or another run's (``--section``)
+    beside it in the same document."""
+    if not section:
+        return BEGIN, END
+    return f"<!-- bench/decoder.py {section}: begin -->", f"<!-- bench/decoder.py {section}: end -->"
+
+
 def render(result: dict[str, Any]) -> str:
     """The results page's section for one run (the JSON that --json writes)."""
     m = result["machine"]
+    begin, end = markers(result.get("section"))
     serve = " ".join(["nlmserve serve --model MODEL", result["serve_args"]]).strip()
-    lines = [BEGIN, "",
+    lines = [begin, "",
              f"{result['lines']} sentences of `{Path(result['input']).name}`, `moses -threads {result['threads']}`, "
              f"{result['rounds']} interleaved rounds, the server on the same machine "
              f"(`{serve}`); NLM0 weight {result['nlm_weight']}; "
@@ -359,13 +368,13 @@ def render(result: dict[str, Any]) -> str:
                      f"log10, floored at −100, summed with `</s>`): largest difference {nb['max_abs_diff']}, "
                      f"mean {nb['mean_abs_diff']} (Moses prints six significant digits).")
     at = f" (code at commit {result['commit']})" if result.get("commit") else ""
-    lines += ["", f"Command{at}:", "", "    " + result["command"], "", END]
+    lines += ["", f"Command{at}:", "", "    " + result["command"], "", end]
     return "\n".join(lines)
 
 
-def write_section(doc: Path, text: str) -> None:
-    """Replace the text between this script's markers in ``doc`` (atomically)."""
-    _common.write_section(doc, BEGIN, END, text)
+def write_section(doc: Path, text: str, section: str | None = None) -> None:
+    """Replace the text between the markers of ``section`` in ``doc`` (atomically)."""
+    _common.write_section(doc, *markers(section), text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -396,12 +405,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="only write the section of --doc from a JSON file of an earlier run")
     p.add_argument("--doc", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "results.md",
                    help="page whose bench/decoder.py section --render replaces")
+    p.add_argument("--section", help="name of this run's section in --doc (its markers are "
+                                     "'<!-- bench/decoder.py NAME: begin -->' and '... end -->'; default: the main "
+                                     "table); with --render, the section to write the JSON's run into")
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--render", type=Path)
     pre.add_argument("--doc", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "results.md")
+    pre.add_argument("--section")
     only, _ = pre.parse_known_args(argv)
     if only.render is not None:  # no decoding: the section of --doc from an earlier run's JSON
-        write_section(only.doc, render(json.loads(only.render.read_text())))
+        result = json.loads(only.render.read_text())
+        result["section"] = only.section or result.get("section")
+        write_section(only.doc, render(result), result["section"])
         return 0
     args = p.parse_args(argv)
     configs = [Config.parse(c) for c in args.configs]
@@ -504,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
         result = {"machine": info, "lines": lines, "input": str(args.input), "threads": args.threads,
                   "rounds": args.rounds, "nlm_weight": args.nlm_weight, "prefetch_lines": args.prefetch_check, "serve_args": args.serve_args,
                   "model": args.model, "rows": rows, "prefetch_check": prefetch, "nbest_check": nbest,
-                  "runs": [asdict(r) for r in runs], "command": " ".join(sys.argv), "commit": commit()}
+                  "runs": [asdict(r) for r in runs], "command": " ".join(sys.argv), "commit": commit(),
+                  "section": args.section}
         write_json(args.json, result)
     return 0
 

@@ -4,6 +4,7 @@ section it renders. (The decoding itself needs a Moses build: docs/moses-decoder
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -162,6 +163,21 @@ def test_summary_ratios_and_rendered_section(tmp_path: Path) -> None:
     result["rows"] = decoder.summarise(runs, [configs[0], own])
     assert result["rows"][1]["model"] == "/m/ep5x.nlm" and "moses" not in result["rows"][0]
     assert "| + NLM0 `normalized=true` (model `ep5x.nlm`) (moses `moses-old`) | 25.0, 23.0 |" in decoder.render(result)
+    # a run of its own goes between its section's markers, and the main table stays
+    result["section"] = "features"
+    begin, end = decoder.markers("features")
+    assert begin == "<!-- bench/decoder.py features: begin -->"
+    doc.write_text(f"{text}\n{begin}\nstale section\n{end}\n")
+    decoder.write_section(doc, decoder.render(result), "features")
+    two = doc.read_text()
+    assert two.startswith(text) and "stale section" not in two and two.count("(model `ep5x.nlm`)") == 1
+    assert two.rstrip().endswith(end)
+    # --render puts an earlier run's JSON into the section --section names
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps({**result, "section": None, "command": "bench/decoder.py --lines 20"}))
+    assert decoder.main(["--render", str(saved), "--doc", str(doc), "--section", "features"]) == 0
+    three = doc.read_text()
+    assert three.startswith(text) and "    bench/decoder.py --lines 20\n\n" + end in three
     assert "≤ 2.0×: **not met**" in text and "no for exact." in text
     assert "exact: identical output" in text and "largest difference 0.0005" in text
     assert "    bench/decoder.py --lines 10" in text
