@@ -48,7 +48,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 from _common import machine, write_json  # noqa: E402
-from decoder import rewrite_ini  # noqa: E402
+from decoder import feature_line, rewrite_ini  # noqa: E402
 
 from nlmserve.moses_plugin.bleu import BleuConfig, corpus_bleu, paired_bootstrap, read_references  # noqa: E402
 from nlmserve.moses_plugin.experiment import ServerProcess, start_server  # noqa: E402
@@ -85,14 +85,6 @@ def check_local_scoring(systems: list[System]) -> None:
     for system in systems:
         if system.model is not None and system.options.get("scoring") == "local":
             _common.require_scoring_tables(system.model, f"--system {system.name}")
-
-
-def feature_line(system: System, order: int, target: str) -> str:
-    """NLM0's moses.ini line: the system's options after ``path=``; its own ``order=`` (the
-    model's order) overrides ``order``."""
-    options = {"order": str(order), **system.options}
-    rest = " ".join(f"{k}={v}" for k, v in options.items() if k != "order")
-    return f"NeuralLMServer name=NLM0 factor=0 order={options['order']} path={target} {rest}".rstrip()
 
 
 def tuned_with(work: Path) -> str | None:
@@ -149,7 +141,7 @@ def tune(args: argparse.Namespace, system: System, seed: int, target: str | None
                          f"give --tuner {done_with}, or another --workdir for {args.tuner}")
     tuned = work / "moses.ini"
     ini = base / "start.ini"
-    feature = None if system.model is None else feature_line(system, args.order, str(target))
+    feature = None if system.model is None else feature_line(system.options, str(target), args.order)
     # When the tuning first started (the ini is rewritten by every invocation: a restarted
     # server has another port, and mert-moses.pl --continue builds each run's ini from it).
     first = base / "tune.started"

@@ -111,10 +111,10 @@ def test_unfinished_seeds_are_left_out_and_paired_by_seed(tmp_path: Path) -> Non
 
 def test_feature_line_takes_the_systems_own_order() -> None:
     plain = moses_mert.System.parse("ep5=/m/ep5.nlm,normalized=false,scoring=local")
-    assert (moses_mert.feature_line(plain, 5, "127.0.0.1:7") ==
+    assert (moses_mert.feature_line(plain.options, "127.0.0.1:7", 5) ==
             "NeuralLMServer name=NLM0 factor=0 order=5 path=127.0.0.1:7 normalized=false scoring=local")
     ten = moses_mert.System.parse("ep10=/m/ep10.nlm,normalized=false,order=10")
-    assert (moses_mert.feature_line(ten, 5, "127.0.0.1:7") ==
+    assert (moses_mert.feature_line(ten.options, "127.0.0.1:7", 5) ==
             "NeuralLMServer name=NLM0 factor=0 order=10 path=127.0.0.1:7 normalized=false")
 
 
