@@ -135,6 +135,13 @@ def write_section(doc: Path, begin: str, end: str, text: str) -> None:
     tmp.replace(doc)
 
 
+def markers(script: str, section: str | None = None) -> tuple[str, str]:
+    """The comment lines around a benchmark's rendered section in a page: ``bench/SCRIPT``'s
+    main one, or a named ``section`` of its own, so that one page holds several runs."""
+    name = f"bench/{script}" + (f" {section}" if section else "")
+    return f"<!-- {name}: begin -->", f"<!-- {name}: end -->"
+
+
 def require_scoring_tables(model: str | Path, what: str) -> None:
     """SystemExit, before a long run starts, when ``model`` has no scoring tables for the
     decoder's ``scoring=local`` (``what`` names the option that asked for it); the decoder

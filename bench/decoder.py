@@ -320,15 +320,13 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-BEGIN, END = "<!-- bench/decoder.py: begin -->", "<!-- bench/decoder.py: end -->"
+BEGIN, END = _common.markers("decoder.py")
 
 
 def markers(section: str | None = None) -> tuple[str, str]:
     """The markers of a results section: the main table's, or another run's (``--section``)
     beside it in the same document."""
-    if not section:
-        return BEGIN, END
-    return f"<!-- bench/decoder.py {section}: begin -->", f"<!-- bench/decoder.py {section}: end -->"
+    return _common.markers("decoder.py", section)
 
 
 def render(result: dict[str, Any]) -> str:

@@ -228,15 +228,13 @@ def export_ini(tuned: Path, out: Path, system_dir: Path, kenlm: str | None) -> N
     tmp.replace(out)
 
 
-BEGIN, END = "<!-- bench/moses_mert.py: begin -->", "<!-- bench/moses_mert.py: end -->"
+BEGIN, END = _common.markers("moses_mert.py")
 
 
-def markers(tuner: str) -> tuple[str, str]:
-    """The markers of a tuner's results section: MERT's table and batch MIRA's live side by
-    side in one document."""
-    if tuner == "mert":
-        return BEGIN, END
-    return f"<!-- bench/moses_mert.py --tuner {tuner}: begin -->", f"<!-- bench/moses_mert.py --tuner {tuner}: end -->"
+def markers(tuner: str, section: str | None = None) -> tuple[str, str]:
+    """The markers of a results section: MERT's main table, batch MIRA's (``--tuner mira``)
+    beside it, or a run's own ``--section``."""
+    return _common.markers("moses_mert.py", section or (None if tuner == "mert" else f"--tuner {tuner}"))
 
 
 def _percent(x: float | None) -> str:
@@ -246,7 +244,7 @@ def _percent(x: float | None) -> str:
 def render(result: dict[str, Any]) -> str:
     """The results section (between its tuner's markers) for ``result`` (the --json output)."""
     m = result["machine"]
-    begin, end = markers(result["tuner"])
+    begin, end = markers(result["tuner"], result.get("section"))
     at_most = f", at most {result['max_iterations']} iterations" if result.get("max_iterations") else ""
     rows = ["| system | NLM0 | BLEU per seed | mean ± sd | Δ mean, p | iterations | s / iteration | "
             "tuning wall s | test decoding s | search errors |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -285,9 +283,10 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_section(doc: Path, text: str, tuner: str = "mert") -> None:
-    """Replace the text between the markers of ``tuner``'s section in ``doc`` (atomically)."""
-    _common.write_section(doc, *markers(tuner), text)
+def write_section(doc: Path, text: str, tuner: str = "mert", section: str | None = None) -> None:
+    """Replace the text between the markers of ``tuner``'s (or ``section``'s) section in
+    ``doc`` (atomically)."""
+    _common.write_section(doc, *markers(tuner, section), text)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -324,6 +323,9 @@ def parser() -> argparse.ArgumentParser:
                    help="copy each tuned moses.ini here as SYSTEM.seedN.ini, paths as placeholders")
     p.add_argument("--render", type=Path, metavar="JSON", help="only write JSON's section into --doc")
     p.add_argument("--doc", type=Path, help="document with the results section (default: docs/results.md)")
+    p.add_argument("--section", help="name of this run's own section in --doc (markers "
+                                     "'<!-- bench/moses_mert.py NAME: begin -->' and '... end -->'; default: the "
+                                     "tuner's table); with --render, the section to write the JSON's run into")
     return p
 
 
@@ -331,10 +333,12 @@ def main() -> int:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--render", type=Path)
     pre.add_argument("--doc", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "results.md")
+    pre.add_argument("--section")
     only, _ = pre.parse_known_args()
     if only.render is not None:
         result = json.loads(only.render.read_text())
-        write_section(only.doc, render(result), result["tuner"])
+        result["section"] = only.section or result.get("section")
+        write_section(only.doc, render(result), result["tuner"], result["section"])
         return 0
     args = parser().parse_args()
     systems = [System.parse(s) for s in args.system]
@@ -425,7 +429,7 @@ def main() -> int:
     if args.json:
         result = {"machine": info, "dev_lines": n_dev, "test_lines": n_test, "tuner": args.tuner,
                   "max_iterations": args.max_iterations, "seeds": args.seeds, "rows": rows,
-                  "command": " ".join(sys.argv)}
+                  "command": " ".join(sys.argv), "section": args.section}
         write_json(args.json, result)
     return 0
 

@@ -53,19 +53,17 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
 from _common import machine, random_class_model, tree_cpu_seconds, write_json, write_section  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "data" / "lm"
-BEGIN, END = "<!-- bench/revisions.py: begin -->", "<!-- bench/revisions.py: end -->"
+BEGIN, END = _common.markers("revisions.py")
 
 
 def markers(section: str = "") -> tuple[str, str]:
-    """The comment lines around a rendered table in a page; a named ``section`` has its own,
-    so one page can hold several comparisons."""
-    if not section:
-        return BEGIN, END
-    return f"<!-- bench/revisions.py {section}: begin -->", f"<!-- bench/revisions.py {section}: end -->"
+    """The markers of this script's table in a page, or of a named ``section`` of its own."""
+    return _common.markers("revisions.py", section)
 
 
 @dataclass(frozen=True)

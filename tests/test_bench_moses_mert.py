@@ -79,6 +79,14 @@ def test_a_mira_section_beside_the_mert_one(tmp_path: Path) -> None:
     assert "| kenlm | — | 20.61 | 20.61 |  | 6 | 250.0 | 1500.0 | 400.0 | 0.0% |" in text
     with pytest.raises(SystemExit, match="no '<!-- bench/moses_mert.py --tuner pro: begin -->'"):
         moses_mert.write_section(doc, moses_mert.render(result), "pro")
+    # a MERT run of its own (--section) goes between its own markers; the others stay
+    result["tuner"], result["section"] = "mert", "ep10f"
+    own = moses_mert.markers("mert", "ep10f")
+    assert own == ("<!-- bench/moses_mert.py ep10f: begin -->", "<!-- bench/moses_mert.py ep10f: end -->")
+    doc.write_text(f"{text}\n{own[0]}\nstale\n{own[1]}\n")
+    moses_mert.write_section(doc, moses_mert.render(result), "mert", "ep10f")
+    after = doc.read_text()
+    assert after.startswith(text) and "stale" not in after and after.count("| kenlm | — | 20.61 |") == 2
 
 
 def test_unfinished_seeds_are_left_out_and_paired_by_seed(tmp_path: Path) -> None:
