@@ -71,7 +71,7 @@ TARGETS = {"exact": 2.0, "selfnorm": 1.5, "local": 1.5}
 
 _SENTENCE = re.compile(r"NeuralLMServer \S+: sentence \d+ took (\d+) round trips")
 _CLOSING = re.compile(r"(\d+) n-grams sent, (\d+) cache hits, (\d+) misses")
-_LOCAL = re.compile(r"(\d+) n-grams scored locally")
+_LOCAL = re.compile(r"(\d+) n-grams scored locally(?: \((\d+) position rows summed\))?")
 _LOADED = re.compile(r"Created input-output object : \[([\d.]+)\] seconds")
 
 
@@ -121,6 +121,7 @@ class Run:
     output_sha: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
     ngrams_local: int | None = None
+    rows_summed: int | None = None  # scoring=local: position rows summed for the contexts
     load_s: float | None = None
 
 
@@ -181,10 +182,12 @@ def feature_counts(log: Path) -> dict[str, int | None]:
     trips: list[int] = []
     closing: tuple[int, int, int] | None = None
     local: int | None = None
+    summed: int | None = None
     for line in log.read_text(errors="replace").splitlines():
         lo = _LOCAL.search(line)
         if lo:
             local = int(lo.group(1))
+            summed = int(lo.group(2)) if lo.group(2) else None
         m = _SENTENCE.search(line)
         if m:
             trips.append(int(m.group(1)))
@@ -195,7 +198,7 @@ def feature_counts(log: Path) -> dict[str, int | None]:
             "ngrams_sent": closing[0] if closing else None,
             "cache_hits": closing[1] if closing else None,
             "cache_misses": closing[2] if closing else None,
-            "ngrams_local": local}
+            "ngrams_local": local, "rows_summed": summed}
 
 
 def load_seconds(log: Path) -> float | None:
@@ -287,6 +290,9 @@ def summarise(runs: list[Run], configs: list[Config]) -> list[dict[str, Any]]:
         local = [r.ngrams_local for r in rs if r.ngrams_local is not None]
         if local:
             row["ngrams_local_per_sentence"] = round(statistics.median(local) / lines)
+        summed = [r.rows_summed / r.ngrams_local for r in rs if r.rows_summed is not None and r.ngrams_local]
+        if summed:
+            row["rows_summed_per_ngram"] = round(statistics.median(summed), 3)
         first = {r.config: r.output_sha for r in runs if r.round == 0}
         if c.options is not None:
             row["same_output_as"] = sorted(name for name, sha_ in first.items()
@@ -316,8 +322,17 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
         out.append(f"| {opts} | {', '.join(str(w) for w in r['walls_s'])} | {r['wall_s']} | {r['wall_ratio']} | "
                    f"{'' if r.get('load_s') is None else r['load_s']} | {r['decoder_cpu_s']} | {r['server_cpu_s']} | {r['cpu_ratio']} | "
                    f"{r.get('round_trips_per_sentence', '')} | {r.get('ngrams_sent_per_sentence', '')} | "
-                   f"{r.get('cache_hit_rate', '')} | {r.get('ngrams_local_per_sentence', '')} | {target} |")
+                   f"{r.get('cache_hit_rate', '')} | {local_cell(r)} | {target} |")
     return out
+
+
+def local_cell(row: dict[str, Any]) -> str:
+    """The n-grams scored in the decoder per sentence, and the position rows summed per
+    n-gram for their contexts (order-1 without reuse) where the feature reported them."""
+    cell = str(row.get("ngrams_local_per_sentence", ""))
+    if row.get("rows_summed_per_ngram") is not None:
+        cell += f" ({row['rows_summed_per_ngram']} position rows summed each)"
+    return cell
 
 
 BEGIN, END = _common.markers("decoder.py")

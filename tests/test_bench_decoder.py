@@ -96,16 +96,23 @@ def test_feature_counts_from_the_log(tmp_path: Path) -> None:
     log = tmp_path / "run.log"
     log.write_text(LOG)
     assert decoder.feature_counts(log) == {"round_trips": 25, "ngrams_sent": 112123,
-                                           "cache_hits": 95612, "cache_misses": 112123, "ngrams_local": None}
+                                           "cache_hits": 95612, "cache_misses": 112123, "ngrams_local": None,
+                                           "rows_summed": None}
     log.write_text("no feature here\n")
     assert decoder.feature_counts(log) == {"round_trips": None, "ngrams_sent": None,
-                                           "cache_hits": None, "cache_misses": None, "ngrams_local": None}
+                                           "cache_hits": None, "cache_misses": None, "ngrams_local": None,
+                                           "rows_summed": None}
     # scoring=local: the closing line counts the n-grams scored in the decoder
     log.write_text("NeuralLMServer NLM0: 20 sentences, 0 round trips, 0 failed requests, 0 requests floored, "
                    "0 n-grams sent, 0 cache hits, 0 misses, 7783539 n-grams scored locally; boundary scores: "
                    "4836542 in order, 0 looked up, 0 scored alone\n")
     assert decoder.feature_counts(log) == {"round_trips": None, "ngrams_sent": 0, "cache_hits": 0,
-                                           "cache_misses": 0, "ngrams_local": 7783539}
+                                           "cache_misses": 0, "ngrams_local": 7783539, "rows_summed": None}
+    # and the position rows summed for their contexts (a real 30-sentence run of the 10-gram)
+    log.write_text("NeuralLMServer NLM0: 30 sentences, 0 round trips, 0 failed requests, 0 requests floored, "
+                   "0 n-grams sent, 0 cache hits, 0 misses, 13770312 n-grams scored locally (4976492 position "
+                   "rows summed); boundary scores: 9082806 in order, 0 looked up, 0 scored alone\n")
+    assert decoder.feature_counts(log)["rows_summed"] == 4976492
 
 
 def test_load_seconds_from_moses_log(tmp_path: Path) -> None:
@@ -140,10 +147,13 @@ def test_summary_ratios_and_rendered_section(tmp_path: Path) -> None:
     # scoring=local: n-grams scored in the decoder, and which configurations translated alike
     local = decoder.Config.parse("local:normalized=false,scoring=local")
     assert local.options == {"normalized": "false", "scoring": "local"}
-    both = runs + [decoder.Run("local", r, 10, 12.0, 24.0, 0.0, None, 0, 0, 0, sha, ngrams_local=5000)
-                   for r, sha in ((0, "b"), (1, "b"))]
+    both = runs + [decoder.Run("local", r, 10, 12.0, 24.0, 0.0, None, 0, 0, 0, sha, ngrams_local=5000,
+                               rows_summed=summed)
+                   for r, sha, summed in ((0, "b", 1000), (1, "b", 2000))]
     extra = decoder.summarise(both, configs + [local])
     assert extra[2]["ngrams_local_per_sentence"] == 500 and "cache_hit_rate" not in extra[2]
+    assert extra[2]["rows_summed_per_ngram"] == 0.3  # the median of 0.2 and 0.4
+    assert decoder.local_cell(extra[2]) == "500 (0.3 position rows summed each)"
     assert extra[2]["same_output_as"] == ["exact"] and extra[1]["same_output_as"] == ["local"]
     assert extra[2]["target"] == 1.5 and extra[2]["met"] is True  # 12 s against 11 s
     result = {"machine": {"cpu": "CPU", "cores": 2, "load_average_1m": 1.0}, "lines": 10, "input": "/x/test.src",

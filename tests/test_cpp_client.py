@@ -207,7 +207,7 @@ def test_unit_checks_of_cache_rules_and_decoder_parts(driver: Path) -> None:
     activation, the kept context vectors, the direct n-gram features' hashes and slots)."""
     done = subprocess.run([str(UNIT)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "unit: 110 passed, 0 failed", done.stderr
+    assert done.stdout.strip() == "unit: 121 passed, 0 failed", done.stderr
 
 
 def test_golden_ngram_rules_through_the_cpp_owner(driver: Path) -> None:

@@ -70,9 +70,11 @@ struct NeuralLMServerThread {
   uint64_t inOrder = 0;
   uint64_t lookedUp = 0;
   uint64_t scoredAlone = 0;
-  // scoring=local: the thread's context vectors, and the n-grams it scored.
+  // scoring=local: the thread's context prefixes, the n-grams it scored in the current
+  // sentence and the position rows it summed for their contexts.
   nlmserve::ScoringTables::Scratch tables;
   uint64_t scoredLocally = 0;
+  uint64_t rowsSummed = 0;
 };
 
 namespace {
@@ -134,6 +136,7 @@ NeuralLMServer::NeuralLMServer(const std::string &line)
       m_lookedUp(0),
       m_scoredAlone(0),
       m_scoredLocally(0),
+      m_rowsSummed(0),
       m_pause(new nlmserve::ErrorPause()) {
   ReadParameters();
   m_target = m_filePath;
@@ -162,7 +165,10 @@ NeuralLMServer::~NeuralLMServer() {
       VERBOSE(1, ", " << stats.ngrams_sent << " n-grams sent, " << stats.cache_hits << " cache hits, "
                       << stats.cache_misses << " misses");
     }
-    if (m_tables) VERBOSE(1, ", " << m_scoredLocally.load() << " n-grams scored locally");
+    if (m_tables) {
+      VERBOSE(1, ", " << m_scoredLocally.load() << " n-grams scored locally (" << m_rowsSummed.load()
+                      << " position rows summed)");
+    }
     VERBOSE(1, "; boundary scores: " << m_inOrder.load() << " in order, " << m_lookedUp.load() << " looked up, "
                                      << m_scoredAlone.load() << " scored alone");
     VERBOSE(1, std::endl);
@@ -377,9 +383,11 @@ void NeuralLMServer::ScoreRows(const uint32_t *rows, size_t n, float *out, Neura
         return;
       }
     }
+    const uint64_t summed = local.tables.rows_added;
     m_tables->Score(rows, n, out, &local.tables);  // natural log, as TransformLMScore makes it
     for (size_t i = 0; i < n; ++i) out[i] = FloorScore(out[i]);
     local.scoredLocally += n;
+    local.rowsSummed += local.tables.rows_added - summed;
     return;
   }
   // on-error=floor: after a failed request the server is left alone for a pause, so that
@@ -743,7 +751,7 @@ void NeuralLMServer::InitializeForInput(ttasksptr const &ttask) {
   ++tl_sentence;
   NeuralLMServerThread &local = Local(this);
   local.sentence = nlmserve::BatchCounts();
-  local.inOrder = local.lookedUp = local.scoredAlone = local.scoredLocally = 0;
+  local.inOrder = local.lookedUp = local.scoredAlone = local.scoredLocally = local.rowsSummed = 0;
   // The last sentence's expansions name its hypotheses, whose addresses this one may
   // reuse: EvaluateWhenApplied trusts an entry that matches at the cursor.
   local.boundary.Clear();
@@ -759,6 +767,7 @@ void NeuralLMServer::CleanUpAfterSentenceProcessing(ttasksptr const &ttask) {
   m_lookedUp.fetch_add(local.lookedUp);
   m_scoredAlone.fetch_add(local.scoredAlone);
   m_scoredLocally.fetch_add(local.scoredLocally);
+  m_rowsSummed.fetch_add(local.rowsSummed);
   const uint64_t lookups = counts.cache_hits + counts.cache_misses;
   char rate[32] = "no lookups";
   if (lookups > 0) std::snprintf(rate, sizeof(rate), "%.1f%% hits", 100.0 * counts.cache_hits / lookups);

@@ -215,8 +215,8 @@ class NeuralLMServer : public LanguageModelSingleFactor {
   mutable std::atomic<uint64_t> m_floored;
   // Boundary scores of all sentences: at the prefetch's cursor, looked up, scored alone.
   mutable std::atomic<uint64_t> m_inOrder, m_lookedUp, m_scoredAlone;
-  // scoring=local: n-grams scored in the decoder.
-  mutable std::atomic<uint64_t> m_scoredLocally;
+  // scoring=local: n-grams scored in the decoder, and the position rows summed for them.
+  mutable std::atomic<uint64_t> m_scoredLocally, m_rowsSummed;
   std::unique_ptr<nlmserve::ErrorPause> m_pause;
 };
 

@@ -17,6 +17,7 @@
 #ifndef NLMSERVE_TABLES_H
 #define NLMSERVE_TABLES_H
 
+#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -73,16 +74,25 @@ class ScoringTables {
     uint32_t word_table;
   };
 
-  // What one thread reuses between calls: the context vectors of the last few distinct
-  // contexts (a decoder's batch asks for many words after one context in a row, or
-  // nearly so), direct-mapped by a hash of the context; with features, the table slots
-  // of the row being scored and of the next one.
+  // What one thread reuses between calls: the sums of the position rows of recent context
+  // prefixes. A decoder's rows come in groups that share their oldest context words (the
+  // expansions of one hypothesis: its last words, shifted by the first t words of each
+  // phrase), so a row whose first m context words were summed before adds only its other
+  // order-1-m rows, to the same floats as summing them all. Entries are direct-mapped by a
+  // hash of the prefix; an entry of a whole context holds the vector after the activation.
+  // With features, the table slots of the row being scored and of the next one. A scratch
+  // belongs to the tables that last used it (Set makes them new tables).
   struct Scratch {
-    static const std::size_t kSlots = 64;
-    std::vector<float> vectors;   // kSlots x dim
-    std::vector<uint32_t> keys;   // kSlots x (order-1)
-    std::vector<uint8_t> used;    // kSlots
-    std::vector<uint32_t> slots;  // 2 rows x 2 tables x feature order
+    static const unsigned kPrefixBits = 9;
+    static const std::size_t kPrefixes = std::size_t(1) << kPrefixBits;
+    std::vector<float> vectors;        // kPrefixes x dim
+    std::vector<uint32_t> keys;        // kPrefixes x (order-1): the prefix's words
+    std::vector<uint64_t> hashes;      // kPrefixes: the prefix's hash
+    std::vector<uint32_t> lengths;     // kPrefixes: the prefix's length (0: empty)
+    std::vector<uint64_t> row_hashes;  // order-1: the hashes of the scored row's prefixes
+    std::vector<uint32_t> slots;       // 2 rows x 2 tables x feature order
+    uint64_t tables = 0;               // the serial of the tables the entries belong to
+    uint64_t rows_added = 0;           // position rows summed, a count for reports
   };
 
   ScoringTables() {}
@@ -126,6 +136,7 @@ class ScoringTables {
     bias_ = output_ + static_cast<std::size_t>(vocab_size) * dim;
     ngram_class_ = bias_ + 2 * static_cast<std::size_t>(vocab_size);
     ngram_word_ = ngram_class_ + features.class_table;
+    serial_ = NextSerial();
     return true;
   }
 
@@ -143,26 +154,22 @@ class ScoringTables {
   // their cache misses (the tables are tens of MB) overlap the arithmetic.
   void Score(const uint32_t *rows, std::size_t n, float *out, Scratch *scratch) const {
     const std::size_t width = order_, context = order_ - 1, dim = dim_, per_row = 2 * features_.order;
-    if (scratch->used.size() != Scratch::kSlots || scratch->vectors.size() != Scratch::kSlots * dim ||
-        scratch->keys.size() != Scratch::kSlots * context || scratch->slots.size() != 2 * per_row) {
-      scratch->vectors.assign(Scratch::kSlots * dim, 0.f);
-      scratch->keys.assign(Scratch::kSlots * context, 0);
-      scratch->used.assign(Scratch::kSlots, 0);
+    if (scratch->tables != serial_ || scratch->vectors.size() != Scratch::kPrefixes * dim ||
+        scratch->keys.size() != Scratch::kPrefixes * context || scratch->slots.size() != 2 * per_row) {
+      scratch->vectors.assign(Scratch::kPrefixes * dim, 0.f);
+      scratch->keys.assign(Scratch::kPrefixes * context, 0);
+      scratch->hashes.assign(Scratch::kPrefixes, 0);
+      scratch->lengths.assign(Scratch::kPrefixes, 0);
+      scratch->row_hashes.assign(context, 0);
       scratch->slots.assign(2 * per_row, 0);
+      scratch->tables = serial_;
     }
     if (per_row && n > 0) RowSlots(rows, scratch->slots.data());
     for (std::size_t i = 0; i < n; ++i) {
       const uint32_t *row = rows + i * width;
       const uint32_t *slots = scratch->slots.data() + (i % 2) * per_row;
       if (per_row && i + 1 < n) RowSlots(row + width, scratch->slots.data() + ((i + 1) % 2) * per_row);
-      const std::size_t slot = Slot(row, context);
-      float *r = scratch->vectors.data() + slot * dim;
-      uint32_t *key = scratch->keys.data() + slot * context;
-      if (!scratch->used[slot] || !Equal(key, row, context)) {
-        Encode(row, r);
-        for (std::size_t j = 0; j < context; ++j) key[j] = row[j];
-        scratch->used[slot] = 1;
-      }
+      const float *r = Context(row, scratch);
       const uint32_t w = row[context];
       const float *q = output_ + static_cast<std::size_t>(w) * dim;
       float s = Dot(r, q, dim) + bias_[w];
@@ -172,10 +179,59 @@ class ScoringTables {
   }
 
  private:
-  static std::size_t Slot(const uint32_t *ids, std::size_t n) {
+  static uint64_t NextSerial() {
+    static std::atomic<uint64_t> next(0);
+    return ++next;
+  }
+
+  // r = act(sum_j position[j][row[j]]) for the row's context, from the longest of its
+  // prefixes in the scratch; the prefixes it sums are put there. The sum runs over j in
+  // order, whatever prefix it starts from, so the floats do not depend on the entries.
+  const float *Context(const uint32_t *row, Scratch *scratch) const {
+    const std::size_t context = order_ - 1, dim = dim_;
+    uint64_t *hash = scratch->row_hashes.data();
     uint64_t h = 0x9e3779b97f4a7c15ULL;
-    for (std::size_t j = 0; j < n; ++j) h = (h ^ ids[j]) * 0xff51afd7ed558ccdULL;
-    return static_cast<std::size_t>(h >> 58);  // top 6 bits: kSlots = 64
+    for (std::size_t j = 0; j < context; ++j) {
+      h = (h ^ row[j]) * 0xff51afd7ed558ccdULL;
+      hash[j] = h;  // of the prefix of j + 1 words
+    }
+    std::size_t m = context, at = 0;
+    for (; m > 0; --m) {
+      at = PrefixSlot(hash[m - 1]);
+      if (scratch->lengths[at] == m && scratch->hashes[at] == hash[m - 1] &&
+          Equal(scratch->keys.data() + at * context, row, m)) {
+        break;
+      }
+    }
+    const float *sum = m > 0 ? scratch->vectors.data() + at * dim : nullptr;
+    if (m == context) return sum;
+    float *to = nullptr;
+    for (std::size_t j = m; j < context; ++j) {
+      const std::size_t slot = PrefixSlot(hash[j]);
+      to = scratch->vectors.data() + slot * dim;  // may be sum's own entry: d by d, in place
+      const float *p = data_.data() + (j * vocab_size_ + row[j]) * dim;
+      if (sum == nullptr) {
+        for (std::size_t d = 0; d < dim; ++d) to[d] = p[d];
+      } else {
+        for (std::size_t d = 0; d < dim; ++d) to[d] = sum[d] + p[d];
+      }
+      uint32_t *key = scratch->keys.data() + slot * context;
+      for (std::size_t k = 0; k <= j; ++k) key[k] = row[k];
+      scratch->hashes[slot] = hash[j];
+      scratch->lengths[slot] = static_cast<uint32_t>(j + 1);
+      sum = to;
+    }
+    scratch->rows_added += context - m;
+    if (activation_ == Activation::kTanh) {
+      for (std::size_t d = 0; d < dim; ++d) to[d] = std::tanh(to[d]);
+    } else if (activation_ == Activation::kRelu) {
+      for (std::size_t d = 0; d < dim; ++d) to[d] = to[d] > 0.f ? to[d] : 0.f;
+    }
+    return to;
+  }
+
+  static std::size_t PrefixSlot(uint64_t hash) {
+    return static_cast<std::size_t>(hash >> (64 - Scratch::kPrefixBits));
   }
 
   // Eight partial sums, so that the compiler can keep them in one vector register
@@ -197,22 +253,6 @@ class ScoringTables {
       if (a[j] != b[j]) return false;
     }
     return true;
-  }
-
-  // r = act(sum_j position[j][row[j]]).
-  void Encode(const uint32_t *row, float *r) const {
-    const std::size_t dim = dim_, context = order_ - 1;
-    const float *p0 = data_.data() + static_cast<std::size_t>(row[0]) * dim;
-    for (std::size_t d = 0; d < dim; ++d) r[d] = p0[d];
-    for (std::size_t j = 1; j < context; ++j) {
-      const float *p = data_.data() + (j * vocab_size_ + row[j]) * dim;
-      for (std::size_t d = 0; d < dim; ++d) r[d] += p[d];
-    }
-    if (activation_ == Activation::kTanh) {
-      for (std::size_t d = 0; d < dim; ++d) r[d] = std::tanh(r[d]);
-    } else if (activation_ == Activation::kRelu) {
-      for (std::size_t d = 0; d < dim; ++d) r[d] = r[d] > 0.f ? r[d] : 0.f;
-    }
   }
 
   static uint32_t PowerOfTwoMask(uint32_t size) {
@@ -276,6 +316,7 @@ class ScoringTables {
   const float *bias_ = nullptr;
   const float *ngram_class_ = nullptr;  // with features: the hashed tables in data_
   const float *ngram_word_ = nullptr;
+  uint64_t serial_ = 0;  // NextSerial() of the last Set: which scratch entries are this table's
 };
 
 }  // namespace nlmserve

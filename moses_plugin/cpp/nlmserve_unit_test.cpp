@@ -656,6 +656,66 @@ void TestScoringTablesFeatures() {
   Check(tables.bytes() == data.size() * sizeof(float) + V * sizeof(uint32_t), "feature tables bytes");
 }
 
+void TestScoringTablesPrefixes() {
+  // Order 4, V = 8, D = 2. position[j][w] = (a, b) with values whose sum depends on the
+  // order of the additions: (1e8 + 1) - 1e8 is 0 in floats, 1 + (1e8 - 1e8) is 1.
+  const uint32_t V = 8, D = 2;
+  std::vector<float> data(4 * V * D + V, 0.f);
+  for (uint32_t j = 0; j < 3; ++j) {
+    for (uint32_t w = 0; w < V; ++w) {
+      data[(j * V + w) * D] = 0.25f * static_cast<float>(j + 1) + 0.125f * static_cast<float>(w);
+      data[(j * V + w) * D + 1] = 0.5f - 0.0625f * static_cast<float>(w * (j + 2));
+    }
+  }
+  data[(0 * V + 1) * D] = 1e8f;   // position[0][1]
+  data[(1 * V + 2) * D] = 1.f;    // position[1][2]
+  data[(2 * V + 3) * D] = -1e8f;  // position[2][3]
+  for (uint32_t w = 0; w < V; ++w) {
+    data[3 * V * D + w * D] = 1.f;  // output[w] = (1, w / 4)
+    data[3 * V * D + w * D + 1] = 0.25f * static_cast<float>(w);
+  }
+  nlmserve::ScoringTables none, tanh_;
+  Check(none.Set(4, V, D, nlmserve::Activation::kNone, "h", data), "prefix tables set");
+  Check(tanh_.Set(4, V, D, nlmserve::Activation::kTanh, "h", data), "prefix tanh tables set");
+  // Rows sharing their oldest words as a decoder's expansions do: the second shares
+  // "1 2", the third "1", the fourth the whole context of the first, the fifth nothing.
+  const uint32_t rows[] = {1, 2, 3, 0, 1, 2, 4, 5, 1, 5, 6, 7, 1, 2, 3, 6, 7, 2, 3, 0};
+  const std::size_t n = 5;
+  float out[n], alone[n];
+  for (int a = 0; a < 2; ++a) {
+    const nlmserve::ScoringTables &t = a == 0 ? none : tanh_;
+    nlmserve::ScoringTables::Scratch batch;
+    t.Score(rows, n, out, &batch);
+    bool same = true;
+    for (std::size_t i = 0; i < n; ++i) {
+      nlmserve::ScoringTables::Scratch fresh;  // every row summed from its first word
+      t.Score(rows + 4 * i, 1, alone + i, &fresh);
+      same = same && out[i] == alone[i];
+    }
+    Check(same, a == 0 ? "prefix sums: the floats of summing every row alone"
+                       : "prefix sums with tanh: the floats of summing every row alone");
+    // 3 rows summed for the first, 1 for the second (after "1 2"), 2 for the third (after
+    // "1"), none for the fourth, 3 for the fifth.
+    Check(batch.rows_added == 9, "prefix sums: the rows summed");
+    // "1 2 3 0": r = ((1e8 + 1) + -1e8, b) in that order: (0, 0.375 + 0.125 - 0.25) =
+    // (0, 0.25); s = 0 + 0.25 * 0 = 0.
+    if (a == 0) Check(out[0] == 0.f, "prefix sums: added in order, oldest word first");
+  }
+  // A scratch follows its tables: other tables of the same shape, or the same object
+  // set again, do not see its entries.
+  nlmserve::ScoringTables::Scratch scratch;
+  none.Score(rows, 1, out, &scratch);
+  std::vector<float> other = data;
+  other[(2 * V + 3) * D] = 0.f;  // position[2][3] = (0, b): r = (1e8, b), s = 1e8
+  nlmserve::ScoringTables changed;
+  Check(changed.Set(4, V, D, nlmserve::Activation::kNone, "h", other), "prefix tables set, other");
+  changed.Score(rows, 1, out + 1, &scratch);
+  Check(out[1] == 1e8f && scratch.rows_added == 6, "a scratch of other tables starts empty");
+  Check(none.Set(4, V, D, nlmserve::Activation::kNone, "h", other), "prefix tables set again");
+  none.Score(rows, 1, out + 2, &scratch);
+  Check(out[2] == 1e8f && scratch.rows_added == 9, "tables set again start their scratch empty");
+}
+
 int main(int argc, char **argv) {
   if (argc >= 2 && std::string(argv[1]) == "--canonical") return Canonical();
   if (argc >= 2) {
@@ -676,6 +736,7 @@ int main(int argc, char **argv) {
   TestTextAndTargets();
   TestScoringTables();
   TestScoringTablesFeatures();
+  TestScoringTablesPrefixes();
   std::printf("unit: %d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }
