@@ -376,7 +376,8 @@ def render(result: dict[str, Any]) -> str:
                      + ".")
     nb = result.get("nbest_check") or {}
     if nb:
-        lines.append(f"NLM0 in Moses' 10-best lists of the first {nb['lines']} sentences ({nb['hypotheses']} "
+        of = f" (`{Path(nb['model']).name}`)" if nb.get("model") else ""
+        lines.append(f"NLM0{of} in Moses' 10-best lists of the first {nb['lines']} sentences ({nb['hypotheses']} "
                      f"hypotheses, exact scores) against the model's own sentence scores (ln 10 × each token's "
                      f"log10, floored at −100, summed with `</s>`): largest difference {nb['max_abs_diff']}, "
                      f"mean {nb['mean_abs_diff']} (Moses prints six significant digits).")
@@ -411,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="decode the first N sentences with every prefetch mode and compare")
     p.add_argument("--nbest-check", type=int, default=0, metavar="N",
                    help="decode the first N sentences with a 10-best list (exact scores) and compare every "
-                        "NLM0 with the model's own sentence score")
+                        "NLM0 with the model's own sentence score (--model, else the first configuration's "
+                        "model=)")
     p.add_argument("--workdir", type=Path, help="keep inis, outputs and logs here (default: a temporary folder)")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--render", type=Path, metavar="JSON",
@@ -439,6 +441,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("a configuration's model= needs a server of its own: leave out --server")
     if args.model is None and args.server is None and any(c.options is not None and c.model is None for c in configs):
         p.error("give --model or --server (or model= in every feature configuration)")
+    # The n-best check compares with the model file's own scores: --model's, else the first
+    # configuration's model=.
+    check_model = args.model or next((c.model for c in configs if c.model), None)
+    if args.nbest_check and check_model is None:
+        p.error("--nbest-check compares with the model file's own scores: give --model or a configuration's model=")
     for binary in {args.moses, *(c.moses for c in configs if c.moses)}:
         if shutil.which(binary) is None and not Path(binary).is_file():
             p.error(f"moses binary {binary}: not found")
@@ -510,12 +517,13 @@ def main(argv: list[str] | None = None) -> int:
                     prefetch[f"{c.name}/{mode}"] = {"wall_s": round(r.wall_s, 2), "round_trips": r.round_trips}
                 prefetch[f"{c.name}/identical"] = len(set(shas.values())) == 1
         nbest: dict[str, Any] = {}
-        if args.nbest_check and args.model:
+        if args.nbest_check and check_model is not None:
             head = work / "nbest-input.txt"
             head.write_text("".join(chosen[: args.nbest_check]), encoding="utf-8")
-            nbest = nbest_check(args.moses, ini_for("nbest", {"normalized": "true"}), head, args.threads,
-                                args.model, work)
+            nbest = nbest_check(args.moses, ini_for("nbest", {"normalized": "true"}, check_model), head,
+                                args.threads, check_model, work)
             nbest["lines"] = args.nbest_check
+            nbest["model"] = check_model
     finally:
         for server in servers.values():
             server.stop()

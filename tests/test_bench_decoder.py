@@ -190,6 +190,9 @@ def test_summary_ratios_and_rendered_section(tmp_path: Path) -> None:
     assert three.startswith(text) and "    bench/decoder.py --lines 20\n\n" + end in three
     assert "≤ 2.0×: **not met**" in text and "no for exact." in text
     assert "exact: identical output" in text and "largest difference 0.0005" in text
+    assert "NLM0 in Moses' 10-best lists of the first 3 sentences" in text
+    result["nbest_check"]["model"] = "/m/ep10f.nlm"  # the model the check scored with is named
+    assert "NLM0 (`ep10f.nlm`) in Moses' 10-best lists" in decoder.render(result)
     assert "    bench/decoder.py --lines 10" in text
 
 
@@ -205,3 +208,14 @@ def test_local_scoring_of_a_model_without_tables_is_refused_before_any_round(tmp
     with pytest.raises(SystemExit, match=r"--configs a b: scoring=local needs .* not self-normalised"):
         decoder.main([*own, "--configs", "kenlm", f"a:scoring=local,model={mle}", f"b:scoring=local,model={mle}"])
     assert not work.exists()  # nothing started
+
+
+def test_the_nbest_check_needs_a_model_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # --server alone gives no file to score the n-best lists with: refused before anything runs
+    work = tmp_path / "work"
+    with pytest.raises(SystemExit):
+        decoder.main(["--moses", sys.executable, "--ini", str(tmp_path / "moses.ini"), "--server", "127.0.0.1:1",
+                      "--input", str(tmp_path / "in.txt"), "--workdir", str(work), "--nbest-check", "2",
+                      "--configs", "kenlm", "selfnorm:normalized=false"])
+    assert "--nbest-check compares with the model file's own scores" in capsys.readouterr().err
+    assert not work.exists()
