@@ -85,6 +85,7 @@ class Config:
     options: dict[str, str] | None  # None: KENLM alone
     model: str | None = None  # None: --model
     moses: str | None = None  # None: --moses
+    text: str = ""  # as given to --configs
 
     @classmethod
     def parse(cls, text: str) -> "Config":
@@ -102,8 +103,8 @@ class Config:
         if name == "kenlm":
             if model is not None or options:
                 raise SystemExit(f"--configs {text!r}: KENLM alone takes no feature options or model")
-            return cls("kenlm", None, moses=moses)
-        return cls(name, options, model, moses)
+            return cls("kenlm", None, moses=moses, text=text)
+        return cls(name, options, model, moses, text)
 
 
 @dataclass
@@ -242,6 +243,21 @@ def nbest_check(moses: str, ini: Path, src: Path, threads: int, model: str, work
             "mean_abs_diff": round(sum(diffs) / len(diffs), 6) if diffs else None}
 
 
+def read_journal(path: Path) -> dict[str, Run]:
+    """The runs a --workdir's runs.jsonl recorded, by their key (the last of each key); a
+    line cut short by a crash is skipped."""
+    kept: dict[str, Run] = {}
+    if not path.exists():
+        return kept
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+            kept[record["key"]] = Run(**record["run"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return kept
+
+
 def commit() -> str | None:
     """The checkout's commit (the code measured), when this is a git checkout."""
     r = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
@@ -367,15 +383,18 @@ def render(result: dict[str, Any]) -> str:
     alike = [f"{r['config']} = {', '.join(r['same_output_as'])}" for r in result["rows"] if r.get("same_output_as")]
     if alike:
         lines.append("Same translations across configurations (first round): " + "; ".join(alike) + ".")
-    checks = {k.split("/")[0]: v for k, v in result.get("prefetch_check", {}).items() if k.endswith("/identical")}
+    checks = {k.split("/")[0]: ("identical output" if v else "**outputs differ**") if k.endswith("/identical")
+              else f"no answer ({v})"
+              for k, v in result.get("prefetch_check", {}).items() if k.endswith(("/identical", "/error"))}
     if checks:
         n = result.get("prefetch_lines", 0)
         lines.append("Prefetch modes (`stack`, `hypothesis`, `false`) on "
                      + ("the first sentence" if n == 1 else f"the first {n} sentences") + ": " + "; ".join(
-                         f"{name}: {'identical output' if ok else '**outputs differ**'}" for name, ok in checks.items())
-                     + ".")
+                         f"{name}: {what}" for name, what in checks.items()) + ".")
     nb = result.get("nbest_check") or {}
-    if nb:
+    if nb.get("error"):
+        lines.append(f"NLM0 in Moses' n-best lists: no answer ({nb['error']}).")
+    elif nb:
         of = f" (`{Path(nb['model']).name}`)" if nb.get("model") else ""
         lines.append(f"NLM0{of} in Moses' 10-best lists of the first {nb['lines']} sentences ({nb['hypotheses']} "
                      f"hypotheses, exact scores) against the model's own sentence scores (ln 10 × each token's "
@@ -414,7 +433,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="decode the first N sentences with a 10-best list (exact scores) and compare every "
                         "NLM0 with the model's own sentence score (--model, else the first configuration's "
                         "model=)")
-    p.add_argument("--workdir", type=Path, help="keep inis, outputs and logs here (default: a temporary folder)")
+    p.add_argument("--workdir", type=Path, help="keep inis, outputs and logs here (default: a temporary folder); "
+                                                "every finished run is recorded in its runs.jsonl")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the runs that --workdir's runs.jsonl holds for the same configuration, round, "
+                        "sentences, binaries and system, and measure only the others")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--render", type=Path, metavar="JSON",
                    help="only write the section of --doc from a JSON file of an earlier run")
@@ -443,9 +466,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("give --model or --server (or model= in every feature configuration)")
     # The n-best check compares with the model file's own scores: --model's, else the first
     # configuration's model=.
-    check_model = args.model or next((c.model for c in configs if c.model), None)
+    checked = next((c for c in configs if c.options is not None and (c.model or args.model)), None)
+    check_model = checked.model or args.model if checked else None
     if args.nbest_check and check_model is None:
         p.error("--nbest-check compares with the model file's own scores: give --model or a configuration's model=")
+    if args.resume and args.workdir is None:
+        p.error("--resume needs the --workdir of the run to resume")
     for binary in {args.moses, *(c.moses for c in configs if c.moses)}:
         if shutil.which(binary) is None and not Path(binary).is_file():
             p.error(f"moses binary {binary}: not found")
@@ -463,6 +489,16 @@ def main(argv: list[str] | None = None) -> int:
         chosen = [line for _, line in zip(range(args.lines), f)]
     src.write_text("".join(chosen), encoding="utf-8")
     lines = len(chosen)
+
+    journal = work / "runs.jsonl"
+    kept = read_journal(journal) if args.resume else {}
+
+    def run_key(c: Config, rnd: int) -> str:
+        """What a recorded run must share with this one to be kept by --resume."""
+        return json.dumps({"config": c.text, "round": rnd, "lines": lines, "input": str(args.input),
+                           "moses": c.moses or args.moses, "model": c.model or args.model, "ini": str(args.ini),
+                           "kenlm": args.kenlm, "order": args.order, "nlm_weight": args.nlm_weight,
+                           "threads": args.threads, "serve_args": args.serve_args}, sort_keys=True)
 
     servers: dict[str, ServerProcess] = {}  # model path -> its server
     info = machine()
@@ -499,7 +535,15 @@ def main(argv: list[str] | None = None) -> int:
         runs: list[Run] = []
         for rnd in range(args.rounds):
             for c in configs:
-                runs.append(measure(c, c.options, rnd, src, lines))
+                key = run_key(c, rnd)
+                if key in kept:
+                    runs.append(kept[key])
+                    print(f"round {rnd} {c.name}: kept from {journal}", flush=True)
+                    continue
+                run = measure(c, c.options, rnd, src, lines)
+                with open(journal, "a", encoding="utf-8") as f:  # one line per finished run
+                    f.write(json.dumps({"key": key, "run": asdict(run)}) + "\n")
+                runs.append(run)
         rows = summarise(runs, configs)
 
         prefetch: dict[str, Any] = {}
@@ -510,18 +554,29 @@ def main(argv: list[str] | None = None) -> int:
                 if c.options is None:
                     continue
                 shas = {}
-                for mode in PREFETCH_MODES:
-                    opts = {**c.options, "prefetch": mode}
-                    r = measure(c, opts, 0, head, args.prefetch_check, name=f"{c.name}-prefetch-{mode}")
-                    shas[mode] = r.output_sha
-                    prefetch[f"{c.name}/{mode}"] = {"wall_s": round(r.wall_s, 2), "round_trips": r.round_trips}
+                try:
+                    for mode in PREFETCH_MODES:
+                        opts = {**c.options, "prefetch": mode}
+                        r = measure(c, opts, 0, head, args.prefetch_check, name=f"{c.name}-prefetch-{mode}")
+                        shas[mode] = r.output_sha
+                        prefetch[f"{c.name}/{mode}"] = {"wall_s": round(r.wall_s, 2), "round_trips": r.round_trips}
+                except SystemExit as e:  # the measured rounds stay; the check says why it has no answer
+                    prefetch[f"{c.name}/error"] = str(e)
+                    print(f"prefetch check {c.name}: {e}", file=sys.stderr)
+                    continue
                 prefetch[f"{c.name}/identical"] = len(set(shas.values())) == 1
         nbest: dict[str, Any] = {}
-        if args.nbest_check and check_model is not None:
+        if args.nbest_check and checked is not None and check_model is not None:
             head = work / "nbest-input.txt"
             head.write_text("".join(chosen[: args.nbest_check]), encoding="utf-8")
-            nbest = nbest_check(args.moses, ini_for("nbest", {"normalized": "true"}, check_model), head,
-                                args.threads, check_model, work)
+            # exact scores, at the order the checked configuration decodes with
+            exact = {"normalized": "true", **{k: v for k, v in (checked.options or {}).items() if k == "order"}}
+            try:
+                nbest = nbest_check(checked.moses or args.moses, ini_for("nbest", exact, check_model), head,
+                                    args.threads, check_model, work)
+            except SystemExit as e:
+                nbest = {"error": str(e)}
+                print(f"n-best check: {e}", file=sys.stderr)
             nbest["lines"] = args.nbest_check
             nbest["model"] = check_model
     finally:

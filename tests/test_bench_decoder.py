@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -219,3 +220,36 @@ def test_the_nbest_check_needs_a_model_file(tmp_path: Path, capsys: pytest.Captu
                       "--configs", "kenlm", "selfnorm:normalized=false"])
     assert "--nbest-check compares with the model file's own scores" in capsys.readouterr().err
     assert not work.exists()
+
+
+def test_the_journal_of_finished_runs(tmp_path: Path) -> None:
+    # each finished run is a line {"key", "run"}; --resume keeps the last of each key, and a
+    # line cut short by a crash is skipped
+    journal = tmp_path / "runs.jsonl"
+    first = decoder.Run("kenlm", 0, 500, 93.9, 182.1, 0.0, output_sha="a")
+    again = decoder.Run("kenlm", 0, 500, 78.0, 150.2, 0.0, output_sha="a")
+    local = decoder.Run("ep10f", 0, 500, 175.4, 331.2, 7.7, output_sha="b", ngrams_local=1, rows_summed=2)
+    journal.write_text("".join(json.dumps({"key": k, "run": asdict(r)}) + "\n"
+                               for k, r in (("k", first), ("l", local), ("k", again)))
+                       + '{"key": "m", "run": {"config": "ep5')
+    kept = decoder.read_journal(journal)
+    assert kept == {"k": again, "l": local}
+    assert decoder.read_journal(tmp_path / "none.jsonl") == {}
+    with pytest.raises(SystemExit):
+        decoder.main(["--moses", sys.executable, "--ini", str(tmp_path / "moses.ini"), "--server", "127.0.0.1:1",
+                      "--input", str(tmp_path / "in.txt"), "--resume", "--configs", "kenlm"])
+
+
+def test_a_failed_check_keeps_the_rounds(tmp_path: Path) -> None:
+    # a check that could not run is reported as such; the measured table stays
+    runs = [decoder.Run("kenlm", r, 10, 11.0, 20.0, 0.0, output_sha="a") for r in (0, 1)]
+    result = {"machine": {"cpu": "CPU", "cores": 2, "load_average_1m": 1.0}, "lines": 10, "input": "/x/test.src",
+              "threads": 2, "rounds": 2, "serve_args": "", "nlm_weight": 0.1,
+              "rows": decoder.summarise(runs, [decoder.Config.parse("kenlm")]),
+              "prefetch_check": {"local/error": "moses exited with 1"}, "prefetch_lines": 3,
+              "nbest_check": {"error": "n-best check: moses exited with 1", "lines": 5, "model": "/m/x.nlm"},
+              "command": "bench/decoder.py"}
+    text = decoder.render(result)
+    assert "| KENLM alone | 11.0, 11.0 |" in text
+    assert "the first 3 sentences: local: no answer (moses exited with 1)." in text
+    assert "NLM0 in Moses' n-best lists: no answer (n-best check: moses exited with 1)." in text
