@@ -360,6 +360,14 @@ def markers(section: str | None = None) -> tuple[str, str]:
     return _common.markers("decoder.py", section)
 
 
+def after_loads(runs: list[dict[str, Any]]) -> str:
+    """"; the 1-minute load average after each run: ..." where the runs recorded it."""
+    if not any("load_average_1m_after" in r.get("extra", {}) for r in runs):
+        return ""
+    return "; the 1-minute load average after each run: " + ", ".join(
+        f"{r['config']} r{r['round']} {r['extra'].get('load_average_1m_after', '?')}" for r in runs)
+
+
 def render(result: dict[str, Any]) -> str:
     """The results page's section for one run (the JSON that --json writes)."""
     m = result["machine"]
@@ -372,10 +380,7 @@ def render(result: dict[str, Any]) -> str:
              f"{m['cpu']}, {m['cores']} cores, load average {m['load_average_1m']} at the start. "
              "Wall and CPU times include loading (Moses' \"Created input-output object\" time, "
              "column \"loading s\": the tables and, with the feature's default `phrase-scores=load`, "
-             "the phrase table's NLM scores); "
-             "the 1-minute load average after each run: "
-             + ", ".join(f"{r['config']} r{r['round']} {r['extra'].get('load_average_1m_after', '?')}"
-                         for r in result.get("runs", [])) + ".",
+             "the phrase table's NLM scores)" + after_loads(result.get("runs", [])) + ".",
              "", *table(result["rows"]), ""]
     same = [r["config"] for r in result["rows"] if not r["same_output_every_round"]]
     lines.append("Same translations in every round: " + ("yes, every configuration." if not same else

@@ -253,3 +253,7 @@ def test_a_failed_check_keeps_the_rounds(tmp_path: Path) -> None:
     assert "| KENLM alone | 11.0, 11.0 |" in text
     assert "the first 3 sentences: local: no answer (moses exited with 1)." in text
     assert "NLM0 in Moses' n-best lists: no answer (n-best check: moses exited with 1)." in text
+    # the load after each run, where the runs recorded it
+    assert "load average after each run" not in text
+    result["runs"] = [{"config": "kenlm", "round": r, "extra": {"load_average_1m_after": 1.5 + r}} for r in (0, 1)]
+    assert "; the 1-minute load average after each run: kenlm r0 1.5, kenlm r1 2.5." in decoder.render(result)
