@@ -204,10 +204,24 @@ def test_unit_checks_of_cache_rules_and_decoder_parts(driver: Path) -> None:
     rules on other ids and types, nlmserve_decoder.h's phrase and boundary rows (hand-computed),
     word-id table, expansion scores (in order at the cursor, or looked up) and error pause,
     lowercasing and target parsing, and the scoring tables' arithmetic (hand-computed, each
-    activation, the kept context vectors, the direct n-gram features' hashes and slots)."""
+    activation, the kept context prefix sums, the direct n-gram features' hashes and slots)."""
     done = subprocess.run([str(UNIT)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "unit: 121 passed, 0 failed", done.stderr
+
+
+def test_scoring_tables_are_filled_into_huge_pages(driver: Path) -> None:
+    """The client reserves the scoring tables, advises huge pages, then writes them: 32 MB
+    filled that way sit in huge pages where the kernel offers them on advice (Linux's
+    transparent huge pages, mode "always" or "madvise"), where 4 KB pages would make nearly
+    every random row read a TLB miss."""
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.exists() or "[never]" in mode.read_text():
+        pytest.skip("this kernel offers no transparent huge pages")
+    done = subprocess.run([str(UNIT), "--huge-pages"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    kb = int(done.stdout.split("huge pages:")[1].split()[0])
+    assert kb >= 2048, done.stdout  # at least one 2 MB page of the 15 whole ones inside
 
 
 def test_golden_ngram_rules_through_the_cpp_owner(driver: Path) -> None:

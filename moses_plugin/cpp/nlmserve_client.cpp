@@ -639,6 +639,7 @@ struct Client::Impl {
               head = chunk;
               head.clear_data();
               data.reserve(head.total_floats());
+              AdviseHugePages(data.data(), data.capacity() * sizeof(float));  // before the floats are written
               first = false;
             }
             const std::string &bytes = chunk.data();

@@ -7,10 +7,15 @@
 //       reads lines "ORDER<TAB>VOCAB_SIZE<TAB>IDS" (IDS space-separated, "-" for none) on
 //       stdin and prints, for each, the canonical row CanonicalRow writes or
 //       "error:KIND" (the columns of tests/golden/canonical_ngrams.tsv).
+//   nlmserve_unit_test --huge-pages
+//       fills 32 MB as the client fills the scoring tables (reserved, AdviseHugePages, then
+//       written) and prints "huge pages: K kB" from /proc/self/smaps: the huge pages of
+//       the mapping that holds them.
 #include <algorithm>
 #include <cmath>
 #include <atomic>
 #include <cstdio>
+#include <fstream>
 #include <iostream>
 #include <random>
 #include <sstream>
@@ -716,10 +721,39 @@ void TestScoringTablesPrefixes() {
   Check(out[2] == 1e8f && scratch.rows_added == 9, "tables set again start their scratch empty");
 }
 
+// The AnonHugePages of the /proc/self/smaps mapping that holds p (-1: no such mapping).
+long HugePagesKb(const void *p) {
+  std::ifstream smaps("/proc/self/smaps");
+  std::string line;
+  bool inside = false;
+  const unsigned long at = reinterpret_cast<unsigned long>(p);
+  while (std::getline(smaps, line)) {
+    unsigned long from = 0, to = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &from, &to) == 2 && line.find(':') > line.find(' ')) {
+      inside = from <= at && at < to;
+      continue;
+    }
+    long kb = 0;
+    if (inside && std::sscanf(line.c_str(), "AnonHugePages: %ld kB", &kb) == 1) return kb;
+  }
+  return -1;
+}
+
+int HugePages() {
+  std::vector<float> data;
+  const std::size_t floats = std::size_t(8) << 20;  // 32 MB
+  data.reserve(floats);
+  nlmserve::AdviseHugePages(data.data(), data.capacity() * sizeof(float));
+  data.resize(floats, 1.f);
+  std::printf("huge pages: %ld kB\n", HugePagesKb(data.data() + floats / 2));
+  return 0;
+}
+
 int main(int argc, char **argv) {
   if (argc >= 2 && std::string(argv[1]) == "--canonical") return Canonical();
+  if (argc >= 2 && std::string(argv[1]) == "--huge-pages") return HugePages();
   if (argc >= 2) {
-    std::fprintf(stderr, "usage: %s [--canonical]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s [--canonical | --huge-pages]\n", argv[0]);
     return 2;
   }
   TestCacheBasics();
