@@ -133,9 +133,17 @@ def feature_line(options: dict[str, str], target: str, order: int) -> str:
     return f"NeuralLMServer name=NLM0 factor=0 order={options.get('order', order)} path={target} {opts}".rstrip()
 
 
+def weight_line(feature: str, weight: float) -> str:
+    """The ``[weight]`` line of the feature: ``weight`` for its score, and 0 for the count of
+    words outside the model's vocabulary when the line asks for ``oov-feature`` (Moses then
+    expects two weights)."""
+    oov = re.search(r"(?:^|\s)oov-feature=(\S+)", feature)
+    return f"NLM0= {weight}" + (" 0" if oov and oov.group(1).lower() in ("1", "true", "yes") else "")
+
+
 def rewrite_ini(ini: Path, kenlm: str | None, out: Path, feature: str | None, weight: float) -> None:
-    """The ini with absolute table paths, LM_PATH replaced, and the feature line and its weight
-    added when ``feature`` is given."""
+    """The ini with absolute table paths, LM_PATH replaced, and the feature line and its
+    weights (:func:`weight_line`) added when ``feature`` is given."""
     base = ini.resolve().parent
     lines: list[str] = []
     section = ""
@@ -152,13 +160,13 @@ def rewrite_ini(ini: Path, kenlm: str | None, out: Path, feature: str | None, we
             line = re.sub(r"(\bpath=)(\S+)", absolute, line)
         if line.startswith("["):
             if section == "[weight]" and feature is not None:
-                lines.append(f"NLM0= {weight}")
+                lines.append(weight_line(feature, weight))
             section = line.strip()
         lines.append(line)
         if section == "[feature]" and line.startswith("KENLM") and feature is not None:
             lines.append(feature)
     if section == "[weight]" and feature is not None:
-        lines.append(f"NLM0= {weight}")
+        lines.append(weight_line(feature, weight))
     if feature is not None and not any(x == feature for x in lines):
         raise SystemExit(f"{ini}: no KENLM line in its [feature] section to add the feature after")
     out.write_text("\n".join(lines) + "\n")

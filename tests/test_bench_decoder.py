@@ -57,6 +57,18 @@ def test_the_ini_of_each_configuration(tmp_path: Path) -> None:
     assert [x for x in lines if x not in (line, "NLM0= 0.25")] == want_plain.splitlines()
 
 
+def test_oov_feature_gets_its_own_weight(tmp_path: Path) -> None:
+    # With oov-feature=1 Moses gives the feature two scores and refuses an ini with one weight.
+    ini = tmp_path / "moses.ini"
+    ini.write_text(INI)
+    line = "NeuralLMServer name=NLM0 factor=0 order=5 path=h:1 normalized=false oov-feature=1"
+    decoder.rewrite_ini(ini, "/lm.bin", tmp_path / "out.ini", line, 0.1)
+    assert (tmp_path / "out.ini").read_text().splitlines()[-1] == "NLM0= 0.1 0"
+    assert decoder.weight_line("NeuralLMServer name=NLM0 oov-feature=true", 0.2) == "NLM0= 0.2 0"
+    assert decoder.weight_line("NeuralLMServer name=NLM0 oov-feature=0", 0.2) == "NLM0= 0.2"
+    assert decoder.weight_line("NeuralLMServer name=NLM0 xoov-feature=1", 0.2) == "NLM0= 0.2"
+
+
 def test_a_configuration_names_its_model_binary_and_order() -> None:
     c = decoder.Config.parse("ep10:normalized=false,scoring=local,order=10,model=/m/ep10.nlm,moses=/b/moses")
     assert (c.name, c.model, c.moses) == ("ep10", "/m/ep10.nlm", "/b/moses")
