@@ -494,23 +494,31 @@ def weights_from_totals(paths: Sequence[str], layout: Layout, *, skip_bad: bool 
 
     Totals and features are centred per sentence first, so a per-sentence constant the
     list does not show (e.g. an untuned unknown-word penalty) does not disturb the fit.
-    Returns the weights and the largest absolute residual.
+    The fit uses the sentences whose features are ``layout``; where there are none (``layout``
+    is a selection of the list's features, as ``tune --features`` makes), those whose
+    features include all of ``layout``'s, first such layout seen, since their totals count
+    every feature; the weights of ``layout`` are then kept. Returns the weights and the
+    largest absolute residual.
     """
-    xs, ys = [], []
+    wanted = dict(layout)
+    found: dict[Layout, tuple[list[np.ndarray], list[np.ndarray]]] = {}
     for path in paths:
         for group in iter_sentences(path, skip_bad=skip_bad):
-            if group[0].layout() != layout:
+            own = group[0].layout()
+            if any(dict(own).get(k) != n for k, n in wanted.items()):
                 continue
-            matrix = group_arrays(group, layout, path)
+            matrix = group_arrays(group, own, path)
             totals = np.asarray([e.total for e in group])
+            xs, ys = found.setdefault(own, ([], []))
             xs.append(matrix - matrix.mean(axis=0))
             ys.append(totals - totals.mean())
-    if not xs:
+    if not found:
         raise InputError("no hypotheses with the expected features to fit weights to")
-    x, y = np.vstack(xs), np.concatenate(ys)
+    full = layout if layout in found else next(iter(found))
+    x, y = np.vstack(found[full][0]), np.concatenate(found[full][1])
     w, *_ = np.linalg.lstsq(x, y, rcond=None)
     residual = float(np.abs(x @ w - y).max()) if len(y) else 0.0
-    return Weights.from_flat(layout, w.tolist()), residual
+    return Weights.from_flat(full, w.tolist()).for_layout(layout), residual
 
 
 def merge(into: MertData, other: MertData) -> int:

@@ -109,6 +109,24 @@ def test_moses_weights_are_recovered_from_the_totals() -> None:
         assert rerank(path, weights).hyps == first_best(path)
 
 
+def test_a_selection_of_features_starts_from_the_full_totals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # tune --features drops the other columns; the start is still the decoder's weights,
+    # fitted with every column its totals count, and kept for the selected ones.
+    scorer = SentenceStats(BleuConfig(), read_references([REF]))
+    full = mert.load_nbest_data(LISTS[:1], scorer).layout
+    sub = tuple(g for g in full if g[0] != "lm")
+    assert mert.load_nbest_data(LISTS[:1], scorer, features=["d", "tm", "w"]).layout == sub
+    whole, _ = mert.weights_from_totals(LISTS[:1], full)
+    part, residual = mert.weights_from_totals(LISTS[:1], sub)
+    assert residual < 1e-3
+    assert part == whole.for_layout(sub) and whole.get("lm") is not None
+    out = tmp_path / "w"
+    assert main(["tune", "--nbest", LISTS[0], "--ref", REF, "--out", str(out), "--restarts", "0",
+                 "--features", "d", "tm", "w"]) == 0
+    capsys.readouterr()
+    assert load_weights(str(out) + ".ini").layout == sub
+
+
 def test_mert_reaches_at_least_the_lists_own_one_best() -> None:
     refs = read_references([REF])
     scorer = SentenceStats(BleuConfig(), refs)
