@@ -136,9 +136,9 @@ def feature_line(options: dict[str, str], target: str, order: int) -> str:
 def weight_line(feature: str, weight: float) -> str:
     """The ``[weight]`` line of the feature: ``weight`` for its score, and 0 for the count of
     words outside the model's vocabulary when the line asks for ``oov-feature`` (Moses then
-    expects two weights)."""
+    expects two weights). True as Moses' ``Scan<bool>`` reads it: yes, y, true or 1, any case."""
     oov = re.search(r"(?:^|\s)oov-feature=(\S+)", feature)
-    return f"NLM0= {weight}" + (" 0" if oov and oov.group(1).lower() in ("1", "true", "yes") else "")
+    return f"NLM0= {weight}" + (" 0" if oov and oov.group(1).lower() in ("1", "true", "yes", "y") else "")
 
 
 def rewrite_ini(ini: Path, kenlm: str | None, out: Path, feature: str | None, weight: float) -> None:

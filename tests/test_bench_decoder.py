@@ -65,6 +65,7 @@ def test_oov_feature_gets_its_own_weight(tmp_path: Path) -> None:
     decoder.rewrite_ini(ini, "/lm.bin", tmp_path / "out.ini", line, 0.1)
     assert (tmp_path / "out.ini").read_text().splitlines()[-1] == "NLM0= 0.1 0"
     assert decoder.weight_line("NeuralLMServer name=NLM0 oov-feature=true", 0.2) == "NLM0= 0.2 0"
+    assert decoder.weight_line("NeuralLMServer name=NLM0 oov-feature=Y", 0.2) == "NLM0= 0.2 0"
     assert decoder.weight_line("NeuralLMServer name=NLM0 oov-feature=0", 0.2) == "NLM0= 0.2"
     assert decoder.weight_line("NeuralLMServer name=NLM0 xoov-feature=1", 0.2) == "NLM0= 0.2"
 
