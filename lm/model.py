@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from nlmserve.lm.outputs import BandedOutput, ClassOutput, OutputLayer, SoftmaxOutput, TreeOutput
+from nlmserve.lm.outputs import BandedOutput, ClassOutput, OutputLayer, SoftmaxOutput, TreeOutput, checks_no_word
 from nlmserve.lm.trees import Tree
 
 CONTEXT_TYPES = ("diagonal", "full")
@@ -228,8 +228,14 @@ class NeuralLM(nn.Module):
 
     # ------------------------------------------------------------------ context
     def encode(self, ctx: Tensor) -> Tensor:
-        """ctx (N, order-1) word ids, oldest first → r (N, E)."""
-        q: Tensor = self.embed(ctx)  # (N, n-1, D)
+        """ctx (N, order-1) word ids, oldest first → r (N, E). The id vocab_size (a word
+        that is not known, ``nlmserve.lm.ngrams``) adds nothing; training data never has it."""
+        V = self.embed.num_embeddings
+        if checks_no_word(ctx, self.training) and bool((ctx >= V).any()):
+            known = ctx < V
+            q: Tensor = self.embed(ctx.masked_fill(~known, 0)) * known.unsqueeze(-1)
+        else:
+            q = self.embed(ctx)  # (N, n-1, D)
         if self.config.context == "diagonal":
             r = (q * self.ctx_weight).sum(dim=1)  # (N, n-1, D) * (n-1, D) → sum over j → (N, D)
         else:

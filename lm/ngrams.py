@@ -7,6 +7,13 @@ canonical row has ``order`` ids: left-padded with ``<s>``, and everything left o
 ``<s>`` in the context set to ``<s>`` (a sentence start resets the history), so
 ``<s> <s> the`` ≡ ``<s> the`` ≡ ``the``. ``<s>`` is never predicted.
 
+The id ``vocab_size`` (one past the vocabulary, :func:`no_word_id`) stands, in a context,
+for a word that is not known: the history before a phrase that a decoder scores before it
+knows what precedes it. It adds nothing to the context (no row, no direct feature of a
+suffix that holds it), so such a row is the model's estimate from the words that are known,
+as a lower-order n-gram is KenLM's. Like ``<s>``, everything left of the newest no-word is
+no-word; it is never predicted.
+
     canonical_rows(ids, order, vocab_size)      # validate (N, n) ids → (N, order) int64
     sentence_windows(sentences, order, bos=, eos=)  # every n-gram of id sentences
     pack_ngrams(ngrams, index, order, lowercase=)   # word n-grams → padded id rows + OOV
@@ -41,13 +48,19 @@ def _too_long(n: int, order: int, index: int) -> InvalidRequestError:
                                kind=TOO_LONG)
 
 
+def no_word_id(vocab_size: int) -> int:
+    """The context id of a word that is not known (see the module's text): ``vocab_size``."""
+    return vocab_size
+
+
 def canonical_rows(ids: npt.ArrayLike, order: int, vocab_size: int) -> np.ndarray:
     """Validate n-gram rows (N, n) and bring them to the canonical (N, order) int64 form.
 
     Raises InvalidRequestError (with ``index`` the first offending row and ``kind``) for an
     array that is not 2-D or not of integers, an empty n-gram, one longer than ``order``,
-    an id outside ``[0, vocab_size)`` and ``<s>`` as the predicted word, checked in that
-    order. No rows give an empty (0, order) array whatever their width.
+    an id outside ``[0, vocab_size)`` (``vocab_size`` itself, the no-word, is allowed in the
+    context) and ``<s>`` as the predicted word, checked in that order. No rows give an
+    empty (0, order) array whatever their width.
     """
     arr = np.asarray(ids)
     if arr.ndim != 2:
@@ -62,7 +75,9 @@ def canonical_rows(ids: npt.ArrayLike, order: int, vocab_size: int) -> np.ndarra
     if n > order:
         raise _too_long(n, order, 0)
     a = arr.astype(np.int64, copy=False)
-    bad = np.flatnonzero(((a < 0) | (a >= vocab_size)).any(axis=1))
+    out_of_range = (a < 0) | (a > vocab_size)
+    out_of_range[:, -1] |= a[:, -1] == vocab_size
+    bad = np.flatnonzero(out_of_range.any(axis=1))
     if bad.size:
         i = int(bad[0])
         raise InvalidRequestError(f"word id out of range [0, {vocab_size}): {a[i].tolist()}", index=i,
@@ -73,9 +88,14 @@ def canonical_rows(ids: npt.ArrayLike, order: int, vocab_size: int) -> np.ndarra
     out = np.full((n_rows, order), BOS_ID, dtype=np.int64)
     out[:, order - n :] = a
     ctx = out[:, :-1]  # a view: the assignment below changes ``out``
-    # Everything left of the newest <s> becomes <s>: reverse cumulative OR of is-<s>.
-    left_of_bos = np.logical_or.accumulate((ctx == BOS_ID)[:, ::-1], axis=1)[:, ::-1]
-    ctx[left_of_bos] = BOS_ID
+    # Everything left of the newest <s> becomes <s>: reverse cumulative OR of is-<s>; and
+    # the same for the no-word, whichever of the two is newer.
+    marker = np.where(ctx == BOS_ID, BOS_ID, np.where(ctx == vocab_size, vocab_size, -1))
+    newest = np.maximum.accumulate(np.where(marker >= 0, np.arange(ctx.shape[1]), -1), axis=1)[:, -1:]
+    if (newest >= 0).any():
+        cols = np.arange(ctx.shape[1])
+        fill = np.take_along_axis(marker, np.maximum(newest, 0), axis=1)  # (N, 1)
+        ctx[:] = np.where(cols < newest, fill, ctx)
     return out
 
 

@@ -141,6 +141,7 @@ HASH_SEED = 1_000_003  # hash of the empty suffix
 HASH_CTX = 1_299_709  # suffix hash: h_l = (h_{l-1} * HASH_CTX + w_{-l} + 1) mod HASH_MOD
 HASH_KEY = 1_640_531_527  # slot: ((h_l * HASH_KEY + y * HASH_OUT) mod HASH_MOD) mod size
 HASH_OUT = 805_306_457
+NO_HASH = -1  # context_hashes: a suffix with a word that is not known (no feature)
 #: NCE's class scores: with m classes per row, one GEMM over all K classes while
 #: K <= this * m. Forward and backward, 512 rows, width 512, m = 11, one thread: the GEMM
 #: takes 2.0 / 3.5 / 6.3 / 12.0 ms at K = 100 / 189 / 350 / 700, gathering and multiplying
@@ -148,16 +149,28 @@ HASH_OUT = 805_306_457
 GEMM_CLASSES_PER_SCORE = 40
 
 
-def context_hashes(ctx: Tensor) -> Tensor:
+def checks_no_word(t: Tensor, training: bool) -> bool:
+    """Whether to look for the no-word in ``t`` (ids or hashes) before using it: always but
+    when training on a GPU, where the check would wait for the device at every step and the
+    training data never holds it."""
+    return not (training and t.is_cuda)
+
+
+def context_hashes(ctx: Tensor, no_word: int | None = None) -> Tensor:
     """ctx (N, L-1) word ids, oldest first → (N, L) int64 hashes of the context suffixes of
-    length 0, 1, …, L-1 (the newest words)."""
+    length 0, 1, …, L-1 (the newest words). A suffix that holds ``no_word`` (the id of a word
+    that is not known, ``nlmserve.lm.ngrams``) gets NO_HASH: it has no feature."""
     N, n1 = ctx.shape
     h = torch.full((N,), HASH_SEED, dtype=torch.int64, device=ctx.device)
     out = [h]
     for length in range(1, n1 + 1):
         h = (h * HASH_CTX + ctx[:, n1 - length].long() + 1) % HASH_MOD
         out.append(h)
-    return torch.stack(out, dim=1)
+    hashes = torch.stack(out, dim=1)
+    if no_word is not None and n1:
+        unknown = torch.cumsum((ctx == no_word).flip(1).long(), dim=1) > 0  # (N, L-1): suffix 1.. holds one
+        hashes[:, 1:] = hashes[:, 1:].masked_fill(unknown, NO_HASH)
+    return hashes
 
 
 def ngram_feature_index(h: Tensor, y: Tensor, size: int) -> Tensor:
@@ -279,14 +292,18 @@ class ClassOutput(OutputLayer):
             return None
         if ctx is None:
             raise ValueError("a model with direct n-gram features scores with the context ids beside r")
-        return context_hashes(ctx[:, ctx.shape[1] - (self.feature_order - 1):])
+        return context_hashes(ctx[:, ctx.shape[1] - (self.feature_order - 1):], no_word=self.word_class.numel())
 
     def _feature(self, table: nn.Parameter | None, h: Tensor | None, y: Tensor) -> Tensor | None:
-        """Σ over the context suffixes of the hashed weights of (suffix, y) → y.shape."""
+        """Σ over the context suffixes of the hashed weights of (suffix, y) → y.shape (a
+        suffix hashed NO_HASH adds nothing)."""
         if table is None or h is None:
             return None
         idx = ngram_feature_index(h, y, table.shape[0])  # (N, ..., L)
-        return F.embedding(idx, table, sparse=self.feature_sparse).squeeze(-1).sum(-1)
+        w = F.embedding(idx, table, sparse=self.feature_sparse).squeeze(-1)
+        if checks_no_word(h, self.training) and bool((h == NO_HASH).any()):
+            w = w.masked_fill((h == NO_HASH).view(h.shape[0], *([1] * (y.dim() - 1)), h.shape[1]), 0.0)
+        return w.sum(-1)
 
     # ------------------------------------------------------------------ the two factors
     def classes_of(self, word: Tensor) -> Tensor:

@@ -30,7 +30,7 @@ from nlmserve.lm.model import ModelConfig, NeuralLM
 from nlmserve.lm.model_file import FORMAT_VERSION, ModelFile, read_model_file
 from nlmserve.lm.ngrams import BOS_ID, EOS_ID, UNK_ID, canonical_rows, check_sentences, sentence_windows, word_ids
 from nlmserve.lm.objectives import SELF_NORMALIZING
-from nlmserve.lm.outputs import NO_SCORES, ClassOutput, context_hashes, ngram_feature_index
+from nlmserve.lm.outputs import NO_HASH, NO_SCORES, ClassOutput, context_hashes, ngram_feature_index
 from nlmserve.lm.vocab import Vocabulary
 from nlmserve.errors import UnsupportedModelError
 from nlmserve.logbase import LOG10_E
@@ -376,10 +376,14 @@ TINY_ROWS = 32
 ENCODE_TABLE_BYTES = 512 << 20
 
 
-def _position_tables(net: NeuralLM) -> Tensor:
+def _position_tables(net: NeuralLM, no_word_rows: bool = False) -> Tensor:
     """The diagonal context as tables: q(w) ⊙ c_j for each context position j, stacked
-    ((n-1)·V, D), so r = Σ_j table_j[w_j] (Devlin et al. 2014's precomputation)."""
+    ((n-1)·V, D), so r = Σ_j table_j[w_j] (Devlin et al. 2014's precomputation). With
+    ``no_word_rows`` each position's table ends with a zero row for the id V (a word that
+    is not known): ((n-1)·(V+1), D)."""
     emb, cw = net.embed.weight.detach(), net.ctx_weight.detach()
+    if no_word_rows:
+        emb = torch.cat([emb, emb.new_zeros(1, emb.shape[1])])
     return torch.cat([emb * cw[j] for j in range(net.config.order - 1)])
 
 
@@ -393,7 +397,9 @@ class ScoringTables:
         s = r · output[w_n] + bias[w_n]      output (V, D), bias (V,); natural log
           [+ Σ_l ngram_class[slot(h_l, class[w_n])] + Σ_l ngram_word[slot(h_l, w_n)]]
 
-    which is ``score_ngrams(rows, normalized=False)`` to float rounding. The bracketed sums
+    which is ``score_ngrams(rows, normalized=False)`` to float rounding. A context id V (a
+    word that is not known, ``nlmserve.lm.ngrams``) has no position row and no suffix that
+    holds it a feature. The bracketed sums
     are a model's direct n-gram features (``feature_order`` > 0): h_l for the context's
     newest suffixes of length 0 .. feature_order-1 and the slots as
     ``nlmserve.lm.outputs.context_hashes`` and ``ngram_feature_index`` make them; a table
@@ -430,8 +436,9 @@ class ScoringTables:
         """The formula above for canonical rows (N, n) → float32 (N,) (the reference the
         C++ evaluation is tested against)."""
         rows = np.asarray(rows, dtype=np.int64)
-        n1 = self.position.shape[0]
-        r = self.position[np.arange(n1), rows[:, :n1]].sum(axis=1)  # (N, D)
+        n1, V = self.position.shape[0], self.position.shape[1]
+        known = rows[:, :n1] < V  # the id V: a word that is not known, adds nothing
+        r = (self.position[np.arange(n1), np.where(known, rows[:, :n1], 0)] * known[..., None]).sum(axis=1)  # (N, D)
         if self.activation == "tanh":
             r = np.tanh(r)
         elif self.activation == "relu":
@@ -440,10 +447,11 @@ class ScoringTables:
         s = np.einsum("nd,nd->n", r, self.output[t]) + self.bias[t]
         if self.feature_order:
             assert self.word_class is not None
-            h = context_hashes(torch.from_numpy(rows[:, n1 - (self.feature_order - 1):n1]))
+            h = context_hashes(torch.from_numpy(rows[:, n1 - (self.feature_order - 1):n1]), no_word=V)
+            has = (h != NO_HASH).numpy()
             for table, y in ((self.ngram_class, self.word_class[t]), (self.ngram_word, t)):
                 if table is not None:
-                    s = s + table[ngram_feature_index(h, torch.from_numpy(y), table.size).numpy()].sum(axis=1)
+                    s = s + (table[ngram_feature_index(h, torch.from_numpy(y), table.size).numpy()] * has).sum(axis=1)
         return s.astype(np.float32)  # type: ignore[no-any-return]
 
 
@@ -479,8 +487,8 @@ class _InferenceTables:
         self.position_tables: Tensor | None = None
         if cfg.context == "diagonal" and (cfg.order - 1) * cfg.vocab_size * cfg.dim * 4 <= ENCODE_TABLE_BYTES:
             with torch.no_grad():
-                self.position_tables = _position_tables(net)
-                self.position_shift = torch.arange(cfg.order - 1) * cfg.vocab_size
+                self.position_tables = _position_tables(net, no_word_rows=True)
+                self.position_shift = torch.arange(cfg.order - 1) * (cfg.vocab_size + 1)
         self.net = net
 
     def stale(self) -> bool:
@@ -492,6 +500,7 @@ class _InferenceTables:
         """ctx (N, order-1) → r (N, E), as ``NeuralLM.encode``."""
         if self.position_tables is None:
             return self.net.encode(ctx)
+        # A word that is not known (id vocab_size) is each position's zero row.
         r = F.embedding_bag(ctx + self.position_shift, self.position_tables, mode="sum")
         if self.hidden is not None:
             r = self.hidden(r)
@@ -508,7 +517,12 @@ class _InferenceTables:
 
     def _encode_numpy(self, ctx: np.ndarray) -> np.ndarray:
         """ctx (U, order-1) → r (U, E), as ``NeuralLM.encode``."""
-        q = self.np_embed[ctx]  # (U, n-1, D)
+        V = self.np_embed.shape[0]
+        if ctx.size and ctx.max() >= V:  # words that are not known (id V) add nothing
+            known = ctx < V
+            q = self.np_embed[np.where(known, ctx, 0)] * known[..., None]
+        else:
+            q = self.np_embed[ctx]  # (U, n-1, D)
         if self.context == "diagonal":
             r: np.ndarray = (q * self.np_ctx).sum(axis=1)
         else:

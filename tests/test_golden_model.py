@@ -151,6 +151,25 @@ def test_hand_computed_ids_through_the_server(client: LMClient) -> None:
     np.testing.assert_allclose(got.log_probs, [ln for _, _, ln, _ in CASES], atol=TOL, rtol=0)
 
 
+def test_the_no_word_adds_nothing(golden: LanguageModel, client: LMClient) -> None:
+    """The id V = 6 in a context (a word that is not known: the words before a phrase
+    scored on its own) has no q and no position row, and everything left of it is the
+    no-word too: ? a b has r = 2 q(a) = (2, 0) and p = 1/8 as <s> a b; a ? b is ? ? b, r = 0,
+    p(b) = 3/4 * 1/3 = 1/4; ? ? a 1/4. In process, from the tables and through the server;
+    the no-word predicted is an error."""
+    NO = 6
+    rows = np.array([[NO, A, B], [A, NO, B], [NO, NO, A]])
+    ln = [-2.0794415416798357, -1.3862943611198906, -1.3862943611198906]
+    raw = [1.0986122886681098, 1.0986122886681098, 1.0986122886681098]  # ln 3 + s_w, s_w = 0, 0, 0
+    assert golden.canonical_rows(rows)[1].tolist() == [NO, NO, B]
+    np.testing.assert_allclose(golden.score_ngrams(rows), ln, atol=TOL, rtol=0)
+    np.testing.assert_allclose(golden.score_ngrams(rows, normalized=False), raw, atol=TOL, rtol=0)
+    np.testing.assert_allclose(golden.scoring_tables().score(golden.canonical_rows(rows)), raw, atol=TOL, rtol=0)
+    np.testing.assert_allclose(client.score_ids(rows.astype(np.uint32), log_base="ln").log_probs, ln, atol=TOL, rtol=0)
+    with pytest.raises(Exception, match="out of range"):
+        client.score_ids(np.array([[A, B, NO]], dtype=np.uint32), log_base="ln")
+
+
 def test_hand_computed_sentences_through_the_server(client: LMClient) -> None:
     got = client.score_sentences([text for text, _, _ in SENTENCES], log_base="ln")
     for result, (_, tokens, total) in zip(got, SENTENCES):

@@ -13,7 +13,8 @@ from torch.func import functional_call
 
 from nlmserve.lm.classes import frequency_binning
 from nlmserve.lm.model import ModelConfig, NeuralLM
-from nlmserve.lm.outputs import HASH_CTX, HASH_KEY, HASH_MOD, HASH_OUT, HASH_SEED, context_hashes, ngram_feature_index
+from nlmserve.lm.outputs import (HASH_CTX, HASH_KEY, HASH_MOD, HASH_OUT, HASH_SEED, NO_HASH, context_hashes,
+                                  ngram_feature_index)
 from nlmserve.lm.objectives import NoiseDistribution, mle_loss, nce_loss
 from nlmserve.lm.vocab import BOS_ID
 
@@ -112,6 +113,34 @@ def test_feature_order_caps_the_suffixes_by_hand(tmp_path: Path) -> None:
     lbl = dataclasses.replace(tables, feature_order=0, word_class=None, ngram_class=None, ngram_word=None)
     row = [[3, 4, 5, 7, word]]
     assert float(tables.score(row)[0] - lbl.score(row)[0]) == pytest.approx(1.5, abs=1e-6)
+
+
+def test_the_no_word_has_no_row_and_no_feature_by_hand() -> None:
+    """Context ? 7 (? the no-word, id V = 12: a word that is not known): the suffixes "" and
+    "7" keep their hashes and "? 7" has NO_HASH, so the feature adds the first two slots'
+    weights only (0.25 + 0.5); its context vector is 7's position row alone, as the context
+    5 7 with q(5) zeroed; and every distribution with no-words still sums to one."""
+    size, word, V = 101, 9, 12
+    h0 = HASH_SEED
+    h1 = (h0 * HASH_CTX + 7 + 1) % HASH_MOD
+    assert context_hashes(torch.tensor([[V, 7], [V, V]]), no_word=V).tolist() == [[h0, h1, NO_HASH], [h0, NO_HASH, NO_HASH]]
+    slots = [((h * HASH_KEY + word * HASH_OUT) % HASH_MOD) % size for h in (h0, h1)]
+    cfg = ModelConfig(vocab_size=V, order=3, dim=2, num_classes=3, ngram_word_table=size, ngram_class_table=7)
+    model = NeuralLM(cfg, np.arange(V) % 3)
+    ctx, tgt = torch.tensor([[V, 7]]), torch.tensor([word])
+    with torch.no_grad():
+        before = float(model.output.word_score(model.encode(ctx), tgt, ctx))
+        assert model.output.ngram_word is not None
+        for i, s in enumerate(slots):
+            model.output.ngram_word[s, 0] += 0.25 * (i + 1)
+        after = float(model.output.word_score(model.encode(ctx), tgt, ctx))
+        zeroed = model.embed.weight.clone()
+        zeroed[5] = 0
+        model.embed.weight.copy_(zeroed)
+        assert torch.equal(model.encode(ctx), model.encode(torch.tensor([[5, 7]])))
+        full = model.full_log_probs(torch.tensor([[V, 7], [V, V], [V, BOS_ID]]))
+    assert after - before == pytest.approx(0.75, abs=1e-6)
+    assert torch.allclose(full.exp().sum(dim=1), torch.ones(3), atol=1e-5)
 
 
 def test_context_hash_depends_on_every_suffix_word_and_only_on_the_suffix() -> None:
