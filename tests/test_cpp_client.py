@@ -204,10 +204,11 @@ def test_unit_checks_of_cache_rules_and_decoder_parts(driver: Path) -> None:
     rules on other ids and types, nlmserve_decoder.h's phrase and boundary rows (hand-computed),
     word-id table, expansion scores (in order at the cursor, or looked up) and error pause,
     lowercasing and target parsing, and the scoring tables' arithmetic (hand-computed, each
-    activation, the kept context prefix sums, the direct n-gram features' hashes and slots)."""
+    activation, the kept context prefix sums, the direct n-gram features' hashes and slots,
+    the no-word)."""
     done = subprocess.run([str(UNIT)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "unit: 121 passed, 0 failed", done.stderr
+    assert done.stdout.strip() == "unit: 124 passed, 0 failed", done.stderr
 
 
 def test_scoring_tables_are_filled_into_huge_pages(driver: Path) -> None:
@@ -319,6 +320,56 @@ def test_scoring_tables_with_direct_ngram_features(driver: Path, feature_model_p
         server.kill()
     V, D = cfg.vocab_size, cfg.dim
     assert int(fields["bytes"]) == 4 * (cfg.order * V * D + V + V + 1024 + 4096) + 4 * V
+
+
+def _phrase_scores_agree(driver: Path, target: str, model_path: Path, phrases: list[str]) -> None:
+    """Through the driver's ``phrase``: the rows PhraseRows makes of each phrase have the
+    no-word (id V) where the words before the phrase would be; their natural-log scores
+    from the tables in the C++ process equal the server's (the wire carries the no-word)
+    and the Python owner's, and differ from the same n-grams padded with <s>."""
+    from nlmserve.lm.scoring import LanguageModel
+
+    lm = LanguageModel.load(model_path, device="cpu")
+    V, order = len(lm.vocab), lm.order
+    cpp = Driver(driver, target, "--unnormalized")
+    try:
+        for phrase in phrases:
+            words = phrase.split()
+            head = cpp.ask(f"phrase {phrase}")
+            assert head == f"ok {len(words)}", head
+            lines = [cpp.read().split() for _ in words]
+            rows = np.array([[int(x) for x in line[:order]] for line in lines])
+            local = np.array([float(line[order]) for line in lines])
+            served = np.array([float(line[order + 1]) for line in lines]) * np.log(10)
+            ids = [lm.vocab.id(w) for w in words]
+            for i, row in enumerate(rows):  # word i predicted from the i words before it
+                known = min(i, order - 1)
+                assert row.tolist() == [V] * (order - 1 - known) + ids[i - known:i + 1], (phrase, i, row)
+            np.testing.assert_allclose(local, served, rtol=0, atol=1e-5)
+            np.testing.assert_allclose(local, lm.score_ngrams(rows, normalized=False), rtol=0, atol=1e-5)
+            padded = lm.score_ngrams(np.where(rows == V, 1, rows), normalized=False)
+            assert np.abs(local - padded)[0] > 1e-3, (phrase, local, padded)
+    finally:
+        cpp.close()
+
+
+def test_phrase_rows_score_the_words_before_a_phrase_as_unknown(driver: Path, server: Server,
+                                                                 tiny_model_path: Path) -> None:
+    """A target phrase scored on its own (the Moses feature's phrase scores and future-cost
+    estimates, Moses' LanguageModelImplementation::CalcScore): its first words are predicted
+    from the phrase's words alone, the words before it being the no-word, not <s>."""
+    _phrase_scores_agree(driver, server.target, tiny_model_path,
+                         ["of the european union", "the", "and , in particular , the commission"])
+
+
+def test_phrase_rows_with_direct_ngram_features(driver: Path, feature_model_path: Path, tmp_path: Path) -> None:
+    """The same with a model with direct n-gram features: a suffix that holds the no-word
+    has no feature, in the tables here as in the server."""
+    server = Server(feature_model_path, tmp_path / "server.log")
+    try:
+        _phrase_scores_agree(driver, server.target, feature_model_path, ["of the european union", "the"])
+    finally:
+        server.kill()
 
 
 def test_invalid_ngrams_are_errors_not_crashes(driver: Path, server: Server) -> None:

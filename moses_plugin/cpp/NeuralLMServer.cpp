@@ -376,7 +376,7 @@ void NeuralLMServer::ScoreRows(const uint32_t *rows, size_t n, float *out, Neura
     // checked again here because the tables are read at them.
     const size_t width = m_model->order;
     for (size_t i = 0; i < n * width; ++i) {
-      if (rows[i] >= m_model->vocab_size) {
+      if (nlmserve::OutOfRange(rows[i], i % width != width - 1, *m_model)) {
         Failed("an n-gram id " + std::to_string(rows[i]) + " outside the vocabulary of " +
                    std::to_string(m_model->vocab_size) + " words",
                n, out);

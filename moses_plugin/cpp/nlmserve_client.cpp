@@ -355,10 +355,18 @@ NgramError CanonicalRow(const uint32_t *ids, std::size_t n, const ModelInfo &mod
   if (n == 0) return NgramError::kEmpty;
   if (n > model.order) return NgramError::kTooLong;
   for (std::size_t i = 0; i < n; ++i) {
-    if (ids[i] >= model.vocab_size) return NgramError::kOutOfRange;
+    if (OutOfRange(ids[i], i + 1 < n, model)) return NgramError::kOutOfRange;
   }
   if (ids[n - 1] == model.bos_id) return NgramError::kBosTarget;
-  CanonicalContext(ids, n - 1, model.order - 1, model.bos_id, out);
+  const std::size_t width = model.order - 1;
+  CanonicalContext(ids, n - 1, width, model.bos_id, out);
+  // The no-word as <s>: everything left of the newer of the two is that one.
+  for (std::size_t j = width; j-- > 0;) {
+    if (out[j] == model.bos_id || out[j] == model.vocab_size) {
+      for (std::size_t i = 0; i < j; ++i) out[i] = out[j];
+      break;
+    }
+  }
   out[model.order - 1] = ids[n - 1];
   return NgramError::kNone;
 }
@@ -372,7 +380,7 @@ std::string NgramErrorMessage(NgramError error, const uint32_t *ids, std::size_t
       return which + " has " + std::to_string(n) + " words; the model takes 1 to " + std::to_string(model.order);
     case NgramError::kOutOfRange:
       for (std::size_t i = 0; i < n; ++i) {
-        if (ids[i] >= model.vocab_size) {
+        if (OutOfRange(ids[i], i + 1 < n, model)) {
           return which + " has id " + std::to_string(ids[i]) + " outside the vocabulary of " +
                  std::to_string(model.vocab_size);
         }
@@ -752,7 +760,7 @@ struct Client::Impl {
       const uint32_t *row = rows + i * width;
       NgramError error = row[width - 1] == info.bos_id ? NgramError::kBosTarget : NgramError::kNone;
       for (std::size_t j = 0; j < width; ++j) {
-        if (row[j] >= info.vocab_size) error = NgramError::kOutOfRange;
+        if (OutOfRange(row[j], j + 1 < width, info)) error = NgramError::kOutOfRange;
       }
       if (error != NgramError::kNone) throw ClientError(3, NgramErrorMessage(error, row, width, i, info));
     }

@@ -6,8 +6,9 @@
 // Conventions (proto/nlmserve/v1/lm.proto):
 // - an n-gram lists ids oldest first, the predicted word last;
 // - a context shorter than order-1 is left-padded with <s>, and everything left of
-//   the newest <s> in a context is <s> too (CanonicalRow below is the one C++ owner of
-//   these rules);
+//   the newest <s> in a context is <s> too; the id vocab_size in a context is a word that
+//   is not known (NoWordId), and everything left of it is too (CanonicalRow below is the
+//   one C++ owner of these rules);
 // - scores are log10 unless a method says otherwise.
 //
 // Thread safety: every public method may be called from many threads at once.
@@ -101,6 +102,17 @@ inline void CanonicalContext(const T *words, std::size_t n, std::size_t width, c
       break;
     }
   }
+}
+
+// The id that stands, in a context, for a word that is not known (the words before a phrase
+// scored on its own): model.vocab_size. It adds nothing to the score (no position row, no
+// feature of a suffix that holds it), and everything left of it is the no-word too, as for
+// <s>; it is never predicted.
+inline uint32_t NoWordId(const ModelInfo &model) { return model.vocab_size; }
+
+// Whether `id` is outside what a row may hold: the vocabulary, and the no-word in a context.
+inline bool OutOfRange(uint32_t id, bool in_context, const ModelInfo &model) {
+  return id > model.vocab_size || (id == model.vocab_size && !in_context);
 }
 
 // The row the wire carries for the n-gram ids[0, n) (oldest first, the predicted word

@@ -13,6 +13,9 @@
 //         ids I1 .. In              -> ok SCORE
 //         row W1 .. Wn              -> ok I1 .. I_order   (the canonical row the client sends)
 //         raw I1 .. In              -> ok SCORE           (the ids as one row, straight to ScoreRows)
+//         phrase W1 .. Wn           -> ok N, then N lines "I1 .. I_order LOCAL SERVED": the rows
+//                                      PhraseRows makes of a target phrase, their natural-log
+//                                      score from GetScoringTables and their score from the server
 //         file PATH                 -> ok N, then N lines of scores (one batch, one n-gram a line)
 //         rows PATH                 -> ok N hits=.. misses=.. sent=.. round_trips=.., then N lines of
 //                                      scores: the same n-grams as canonical rows in one flat
@@ -43,6 +46,7 @@
 #include <atomic>
 
 #include "nlmserve_client.h"
+#include "nlmserve_decoder.h"
 
 namespace {
 
@@ -160,6 +164,28 @@ void Run(nlmserve::Client &client) {
         float score = 0.0f;
         client.ScoreRows(row.data(), 1, row.size(), &score);
         std::cout << "ok " << Fmt(score) << "\n";
+      } else if (cmd == "phrase") {
+        // The rows the Moses feature scores for a target phrase on its own (PhraseRows: the
+        // words before it are the no-word), scored by the tables here and by the server.
+        std::vector<uint32_t> ids, rows;
+        std::string w;
+        while (in >> w) ids.push_back(client.WordId(w));
+        std::size_t position = 0;
+        const nlmserve::NgramError error =
+            nlmserve::PhraseRows(client.info(), ids.data(), ids.size(), &rows, nullptr, nullptr, &position);
+        if (error != nlmserve::NgramError::kNone) throw nlmserve::ClientError(3, "phrase rows failed");
+        const std::size_t width = client.info().order, n = rows.size() / width;
+        std::vector<float> local(n), served(n);
+        nlmserve::ScoringTables::Scratch scratch;
+        client.GetScoringTables()->Score(rows.data(), n, local.data(), &scratch);
+        client.ScoreRows(rows.data(), n, width, served.data());
+        std::ostringstream out;
+        out << "ok " << n << "\n";
+        for (std::size_t i = 0; i < n; ++i) {
+          for (std::size_t j = 0; j < width; ++j) out << rows[i * width + j] << " ";
+          out << Fmt(local[i]) << " " << Fmt(served[i]) << "\n";
+        }
+        std::cout << out.str();
       } else if (cmd == "row") {
         std::vector<uint32_t> ids;
         std::string w;

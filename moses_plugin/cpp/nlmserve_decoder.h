@@ -51,6 +51,11 @@ inline NgramError PhraseRows(const ModelInfo &model, const uint32_t *ids, std::s
       *position = pos;
       return error;
     }
+    // A row whose context the phrase does not hold whole (and which does not start at <s>)
+    // is an estimate: the words before the phrase are unknown, not <s>.
+    if (pos + 1 - start < order && ids[from] != model.bos_id) {
+      for (std::size_t j = 0; j < order - (pos + 1 - start); ++j) (*rows)[at + j] = NoWordId(model);
+    }
     if (complete) complete->push_back(pos + 1 - start == order ? 1 : 0);
     if (unknown && ids[pos] == model.unk_id) ++*unknown;
   }

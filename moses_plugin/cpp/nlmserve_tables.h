@@ -230,11 +230,19 @@ class ScoringTables {
     for (std::size_t j = m; j < context; ++j) {
       const std::size_t slot = PrefixSlot(hash[j]);
       to = scratch->vectors.data() + slot * dim;  // may be sum's own entry: d by d, in place
-      const float *p = data_.data() + (j * vocab_size_ + row[j]) * dim;
-      if (sum == nullptr) {
-        for (std::size_t d = 0; d < dim; ++d) to[d] = p[d];
+      if (row[j] == vocab_size_) {  // no word: adds nothing
+        if (sum == nullptr) {
+          for (std::size_t d = 0; d < dim; ++d) to[d] = 0.f;
+        } else if (to != sum) {
+          for (std::size_t d = 0; d < dim; ++d) to[d] = sum[d];
+        }
       } else {
-        for (std::size_t d = 0; d < dim; ++d) to[d] = sum[d] + p[d];
+        const float *p = data_.data() + (j * vocab_size_ + row[j]) * dim;
+        if (sum == nullptr) {
+          for (std::size_t d = 0; d < dim; ++d) to[d] = p[d];
+        } else {
+          for (std::size_t d = 0; d < dim; ++d) to[d] = sum[d] + p[d];
+        }
       }
       uint32_t *key = scratch->keys.data() + slot * context;
       for (std::size_t k = 0; k <= j; ++k) key[k] = row[k];
@@ -289,6 +297,10 @@ class ScoringTables {
     const uint32_t w = row[context], c = word_class_[w];
     uint64_t h = kHashSeed;
     for (std::size_t l = 0; l < m; ++l) {
+      if (l > 0 && row[context - l] == vocab_size_) {  // no word: no longer suffix either
+        for (; l < m; ++l) slots[l] = slots[m + l] = kNoSlot;
+        break;
+      }
       if (l > 0) h = (h * kHashCtx + row[context - l] + 1) % kHashMod;
       if (features_.class_table) {
         slots[l] = FeatureSlot(h, c, features_.class_table, class_mask_);
@@ -315,13 +327,15 @@ class ScoringTables {
     const std::size_t m = features_.order;
     float by_class = 0.f, by_word = 0.f;
     if (features_.class_table) {
-      for (std::size_t l = 0; l < m; ++l) by_class += ngram_class_[slots[l]];
+      for (std::size_t l = 0; l < m && slots[l] != kNoSlot; ++l) by_class += ngram_class_[slots[l]];
     }
     if (features_.word_table) {
-      for (std::size_t l = 0; l < m; ++l) by_word += ngram_word_[slots[m + l]];
+      for (std::size_t l = 0; l < m && slots[m + l] != kNoSlot; ++l) by_word += ngram_word_[slots[m + l]];
     }
     return by_class + by_word;
   }
+
+  static const uint32_t kNoSlot = 0xffffffffu;  // RowSlots: a suffix that holds no word
 
   uint32_t order_ = 0;
   uint32_t vocab_size_ = 0;

@@ -343,9 +343,10 @@ void TestPhraseRows() {
   const Row plain = {5, 0, 7, 8};
   Check(nlmserve::PhraseRows(m, plain.data(), plain.size(), &rows, &complete, &unknown, &position) ==
                 nlmserve::NgramError::kNone &&
-            rows == Row({1, 1, 5, 1, 5, 0, 5, 0, 7, 0, 7, 8}) && complete == std::vector<uint8_t>({0, 0, 1, 1}) &&
+            rows == Row({50, 50, 5, 50, 5, 0, 5, 0, 7, 0, 7, 8}) && complete == std::vector<uint8_t>({0, 0, 1, 1}) &&
             unknown == 1,
-        "phrase rows: growing context, full n-grams complete, <unk> counted");
+        "phrase rows: growing context (the words before the phrase: the no-word, id 50), full n-grams "
+        "complete, <unk> counted");
   rows.clear();
   complete.clear();
   const Row starts = {1, 5, 6};
@@ -357,13 +358,13 @@ void TestPhraseRows() {
   const Row gap = {5, kNonTerminal, 6, 7};
   Check(nlmserve::PhraseRows(m, gap.data(), gap.size(), &rows, nullptr, nullptr, &position) ==
                 nlmserve::NgramError::kNone &&
-            rows == Row({1, 1, 5, 1, 1, 6, 1, 6, 7}),
-        "phrase rows: a non-terminal resets the context");
+            rows == Row({50, 50, 5, 50, 50, 6, 50, 6, 7}),
+        "phrase rows: a non-terminal resets the context (to no-words)");
   rows.clear();
   const Row inner = {5, 1, 6};
   Check(nlmserve::PhraseRows(m, inner.data(), inner.size(), &rows, nullptr, nullptr, &position) ==
                 nlmserve::NgramError::kBosTarget &&
-            position == 1 && rows == Row({1, 1, 5}),
+            position == 1 && rows == Row({50, 50, 5}),
         "phrase rows: <s> inside a phrase is an error at its position");
 }
 
@@ -572,6 +573,13 @@ void TestScoringTables() {
   Check(std::fabs(out[0] - (std::tanh(2.f) + std::tanh(1.f) + 0.1f)) < 1e-6, "scoring tables 10");
   relu.Score(rows, 1, out, &scratch);
   Check(std::fabs(out[0] - (0.f + 1.f + 0.1f)) < 1e-6, "scoring tables 11");  // r = relu(-2, 1) = (0, 1)
+  // The no-word (id V = 3) as the context adds no row: r = act((0, 0)); (3, 2): s = 0.2,
+  // and after (2, 2), whose context vector the scratch keeps, still 0.2.
+  const uint32_t unknown[] = {2, 2, 3, 2, 3, 1};
+  none.Score(unknown, 3, out, &scratch);
+  Check(std::fabs(out[0] - 4.2f) < 1e-6 && out[1] == 0.2f && out[2] == 0.1f, "scoring tables: the no-word adds nothing");
+  tanh_.Score(unknown + 2, 1, out, &scratch);
+  Check(out[0] == 0.2f, "scoring tables: the no-word, tanh(0) = 0");
 }
 
 void TestScoringTablesFeatures() {
@@ -614,6 +622,11 @@ void TestScoringTablesFeatures() {
   // (10) and word slot 85 (0): 10 + 20 + 10 + 0.25 + 0.5.
   Check(std::fabs(out[0] - 71.5f) < 1e-5 && std::fabs(out[2] - 71.5f) < 1e-5, "features by hand, order 3");
   Check(std::fabs(out[1] - 40.75f) < 1e-5, "a changed oldest word changes the trigram features");
+  // The no-word (id V = 12) has no feature, nor has any longer suffix: "? 7 9" has the
+  // suffixes "" and "7" (10 + 20 + 0.25 + 0.5), "? ? 9" the empty one (10 + 0.25).
+  const uint32_t unknown[] = {V, 7, 9, V, V, 9};
+  tables.Score(unknown, 2, out, &scratch);
+  Check(out[0] == 30.75f && out[1] == 10.25f, "features: none for a suffix that holds the no-word");
   bigrams.Score(rows, 1, out, &scratch);  // scratch of the other model: its slots are resized
   Check(std::fabs(out[0] - 30.75f) < 1e-5, "features by hand, order 2");
   // Tables whose sizes are powers of two (the recipe's): the slot is the low bits. For
