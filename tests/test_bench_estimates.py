@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from support import REPO, golden_model
+from support import REPO, TINY_ARPA, golden_model
 
 sys.path.insert(0, str(REPO / "bench"))
 import estimates  # noqa: E402
@@ -46,36 +46,19 @@ def test_measures_on_the_golden_model_by_hand(tmp_path: Path) -> None:
     assert table.startswith("<!-- bench/estimates.py: begin -->") and "| `no-word` | +0.01 | 0.19 | 0.16 | 0.23 | — | — |" in table
 
 
-ARPA = """\\data\\
-ngram 1=5
-ngram 2=3
-
-\\1-grams:
--1.0\t<unk>\t0
--99\t<s>\t-0.5
--0.5\t</s>\t0
--0.3\ta\t-0.2
--0.6\tb\t-0.1
-
-\\2-grams:
--0.1\t<s> a
--0.2\ta b
--0.4\tb a
-
-\\end\\
-"""
-
 
 def test_kenlm_estimates_by_hand(tmp_path: Path) -> None:
-    # "a b a" with the bigram model above: in context b is -0.2 (a b) and a -0.4 (b a); from
-    # the null context (unigrams) -0.6 and -0.3: differences -0.4 and +0.1.
+    # "the of the" with tests/support.py's bigram TINY_ARPA: in context "of" is -0.39794
+    # (the of) and "the" -0.1 - 0.69897 (back-off of "of", then the unigram); from the null
+    # context -0.60206 and -0.69897: differences -0.20412 and +0.1.
     pytest.importorskip("kenlm")
     arpa = tmp_path / "lm.arpa"
-    arpa.write_text(ARPA, encoding="utf-8")
+    arpa.write_text(TINY_ARPA, encoding="utf-8")
     text = tmp_path / "text.txt"
-    text.write_text("a b a\n", encoding="utf-8")
+    text.write_text("the of the\n", encoding="utf-8")
     got = estimates.measure_kenlm(str(arpa), text, 10, order=5)
     r = got["rules"]["KenLM lower orders"]
     assert got["order"] == 2 and got["words"] == 2
-    assert r["bias"] == pytest.approx(-0.15, abs=1e-6) and r["mae"] == pytest.approx(0.25, abs=1e-6)
+    assert r["bias"] == pytest.approx((-0.20412 + 0.1) / 2, abs=1e-5)
+    assert r["mae"] == pytest.approx((0.20412 + 0.1) / 2, abs=1e-5)
     assert [p["k"] for p in r["per_k"]] == [0]
