@@ -14,7 +14,9 @@ scores it against KENLM alone tuned the same way.
 Each ``--system NAME[=MODEL[,key=value...]]`` is KENLM alone (no model) or KENLM plus
 ``NeuralLMServer name=NLM0`` asking an ``nlmserve serve`` of MODEL (one server per model, on
 127.0.0.1, shared by all seeds; the options after the model are the feature's moses.ini
-options, e.g. ``normalized=false``; an ``order=`` there overrides ``--order``). Every system
+options, e.g. ``normalized=false``; an ``order=`` there overrides ``--order``; a ``moses=PATH``
+there tunes and decodes this system with another Moses binary than ``--moses``, e.g. another
+build of the feature). Every system
 is tuned once per seed (mert's ``-r SEED``, or kbmira's ``--random-seed SEED`` with
 ``--tuner mira``), starting from the ini's weights and ``--nlm-weight`` for NLM0. A system
 with ``scoring=local`` whose model has no scoring tables is refused before any tuning.
@@ -63,6 +65,7 @@ class System:
     name: str
     model: str | None
     options: dict[str, str]
+    moses: str | None = None  # another decoder binary than --moses for this system
 
     @classmethod
     def parse(cls, text: str) -> "System":
@@ -76,7 +79,7 @@ class System:
             if not sep:
                 raise SystemExit(f"--system {text}: {o!r} is not key=value")
             options[k] = v
-        return cls(name, model, options)
+        return cls(name, model, options, options.pop("moses", None))
 
 
 def check_local_scoring(systems: list[System]) -> None:
@@ -152,7 +155,8 @@ def tune(args: argparse.Namespace, system: System, seed: int, target: str | None
     started = time.monotonic()
     if not tuned.exists():
         cmd = ["perl", str(args.moses_root / "scripts" / "training" / "mert-moses.pl"),
-               str(dev_src.resolve()), str(dev_ref.resolve()), str(Path(args.moses).resolve()), str(ini.resolve()),
+               str(dev_src.resolve()), str(dev_ref.resolve()), str(Path(system.moses or args.moses).resolve()),
+               str(ini.resolve()),
                "--mertdir", str(mertdir.resolve()), "--working-dir", str(work.resolve()),
                "--no-filter-phrase-table", "--nbest", str(args.nbest),
                "--decoder-flags", f"-threads {args.threads}",
@@ -195,7 +199,7 @@ def same_seeds(baseline: list[dict[str, Any]], runs: list[dict[str, Any]]) -> li
     return [(by_seed[r["seed"]], r) for r in runs if r["seed"] in by_seed]
 
 
-def decode_test(args: argparse.Namespace, tuned_ini: Path, test_src: Path, out: Path, n: int) -> float:
+def decode_test(args: argparse.Namespace, moses: str, tuned_ini: Path, test_src: Path, out: Path, n: int) -> float:
     """Decode ``test_src`` into ``out`` → seconds it took (a finished decoding is kept, and its
     time read back from ``out``.seconds)."""
     seconds = out.with_suffix(".seconds")
@@ -204,7 +208,7 @@ def decode_test(args: argparse.Namespace, tuned_ini: Path, test_src: Path, out: 
     tmp = out.with_name(out.name + ".tmp")
     start = time.monotonic()
     with open(test_src, "rb") as fin, open(tmp, "wb") as fout, open(out.with_suffix(".log"), "wb") as ferr:
-        r = subprocess.run([args.moses, "-f", str(tuned_ini), "-threads", str(args.threads)],
+        r = subprocess.run([moses, "-f", str(tuned_ini), "-threads", str(args.threads)],
                            stdin=fin, stdout=fout, stderr=ferr)
     if r.returncode != 0 or count_lines(tmp) != n:
         raise SystemExit(f"decoding {test_src} with {tuned_ini} failed: see {out.with_suffix('.log')}")
@@ -258,6 +262,8 @@ def render(result: dict[str, Any]) -> str:
 
         nlm = "—" if r["model"] is None else (f"`{Path(r['model']).name}` "
                                              + " ".join(f"`{k}={v}`" for k, v in r["options"].items())).strip()
+        if r.get("moses"):
+            nlm += f" (decoder `{r['moses']}`)"
         sd = "" if r["sd"] is None else f" ± {r['sd']:.2f}"
         delta = "" if "delta" not in r else f"{r['delta']:+.2f}, p {r['p']:.3f}"
         runs = r["runs"]
@@ -376,7 +382,8 @@ def main() -> int:
                     tuned_now = base / "tuned.ini"
                     tuned_now.write_text(re.sub(r"(NeuralLMServer [^\n]*path=)\S+", rf"\g<1>{target}", text))
                     tuned = tuned_now
-                record["test_decode_s"] = round(decode_test(args, tuned, test_src, base / "test.out", n_test), 1)
+                record["test_decode_s"] = round(decode_test(args, system.moses or args.moses, tuned, test_src,
+                                                                  base / "test.out", n_test), 1)
                 if args.export_inis is not None:
                     exported = args.export_inis / f"{system.name}.seed{seed}.ini"
                     export_ini(Path(record["ini"]), exported, args.ini.parent, args.kenlm)
@@ -410,6 +417,7 @@ def main() -> int:
             r["bleu"] = round(score.score, 2)
             scores.append(score.score)
         row: dict[str, Any] = {"system": system.name, "model": system.model, "options": system.options,
+                               "moses": system.moses,
                                "seeds": [r["seed"] for r in runs[system.name]],
                                "bleu": [round(x, 2) for x in scores],
                                "mean": round(statistics.mean(scores), 2),

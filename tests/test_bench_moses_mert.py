@@ -124,6 +124,22 @@ def test_feature_line_takes_the_systems_own_order() -> None:
     ten = moses_mert.System.parse("ep10=/m/ep10.nlm,normalized=false,order=10")
     assert (moses_mert.feature_line(ten.options, "127.0.0.1:7", 5) ==
             "NeuralLMServer name=NLM0 factor=0 order=10 path=127.0.0.1:7 normalized=false")
+    assert plain.moses is None and ten.moses is None
+
+
+def test_a_systems_own_decoder_binary_is_not_a_feature_option() -> None:
+    """``moses=PATH`` among a system's options is the binary that tunes and decodes it (another
+    build of the feature), not a moses.ini option; the table names it beside the options."""
+    other = moses_mert.System.parse("new=/m/ep10.nlm,normalized=false,moses=/tmp/moses-new,order=10")
+    assert other.moses == "/tmp/moses-new" and other.options == {"normalized": "false", "order": "10"}
+    assert (moses_mert.feature_line(other.options, "127.0.0.1:7", 5) ==
+            "NeuralLMServer name=NLM0 factor=0 order=10 path=127.0.0.1:7 normalized=false")
+    run = {"iterations": 3, "seconds_per_iteration": 1.0, "tuning_wall_s": 3.0, "test_decode_s": 1.0}
+    result = {"machine": {"cpu": "CPU", "cores": 2, "load_average_1m": 0.5}, "tuner": "mert", "dev_lines": 10,
+              "test_lines": 10, "seeds": [1], "command": "c",
+              "rows": [{"system": "new", "model": "/m/ep10.nlm", "options": other.options, "moses": other.moses,
+                        "bleu": [20.0], "mean": 20.0, "sd": None, "signature": "s", "runs": [run]}]}
+    assert "| new | `ep10.nlm` `normalized=false` `order=10` (decoder `/tmp/moses-new`) | 20.00 |" in moses_mert.render(result)
 
 
 def test_a_workdir_tuned_with_one_tuner_is_refused_for_the_other(tmp_path: Path) -> None:
