@@ -29,7 +29,6 @@ what ``scoring=local`` computes) unless ``--normalized``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -70,6 +69,14 @@ def phrase_rows(sentences: list[np.ndarray], order: int, vocab_size: int) -> dic
     return out
 
 
+def summary(d: np.ndarray, k: np.ndarray) -> dict[str, Any]:
+    """Bias (mean) and MAE of the differences ``d`` from the scores in context, in all and
+    per number of known words ``k``."""
+    per_k = [{"k": int(j), "n": int((k == j).sum()), "bias": float(d[k == j].mean()),
+              "mae": float(np.abs(d[k == j]).mean())} for j in np.unique(k).tolist()]
+    return {"bias": float(d.mean()), "mae": float(np.abs(d).mean()), "per_k": per_k}
+
+
 def measure(model: str, text: Path, lines: int, normalized: bool) -> dict[str, Any]:
     from nlmserve.lm.scoring import LanguageModel
 
@@ -89,9 +96,7 @@ def measure(model: str, text: Path, lines: int, normalized: bool) -> dict[str, A
                               "sentences": len(sentences), "words": int(k.size), "rules": {}}
     for rule in RULES:
         d = lm.score_ngrams(rows[rule], normalized=normalized, log10=True).astype(np.float64) - actual
-        per_k = [{"k": int(j), "n": int((k == j).sum()), "bias": float(d[k == j].mean()),
-                  "mae": float(np.abs(d[k == j]).mean())} for j in range(lm.order - 1) if (k == j).any()]
-        result["rules"][rule] = {"bias": float(d.mean()), "mae": float(np.abs(d).mean()), "per_k": per_k}
+        result["rules"][rule] = summary(d, k)
     return result
 
 
@@ -128,10 +133,7 @@ def measure_kenlm(path: str, text: Path, lines: int, order: int) -> dict[str, An
                     known.append(k)
                     state, out = out, state
     d, k = np.array(diffs), np.array(known)
-    per_k = [{"k": int(j), "n": int((k == j).sum()), "bias": float(d[k == j].mean()),
-              "mae": float(np.abs(d[k == j]).mean())} for j in range(n1) if (k == j).any()]
-    return {"model": str(path), "order": model.order, "words": int(d.size),
-            "rules": {"KenLM lower orders": {"bias": float(d.mean()), "mae": float(np.abs(d).mean()), "per_k": per_k}}}
+    return {"model": str(path), "order": model.order, "words": int(d.size), "rules": {"KenLM lower orders": summary(d, k)}}
 
 
 def render(res: dict[str, Any]) -> str:
