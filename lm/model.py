@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from nlmserve.lm.outputs import BandedOutput, ClassOutput, OutputLayer, SoftmaxOutput, TreeOutput, checks_no_word
+from nlmserve.lm.ngrams import no_word_id
 from nlmserve.lm.trees import Tree
 
 CONTEXT_TYPES = ("diagonal", "full")
@@ -230,9 +231,9 @@ class NeuralLM(nn.Module):
     def encode(self, ctx: Tensor) -> Tensor:
         """ctx (N, order-1) word ids, oldest first → r (N, E). The id vocab_size (a word
         that is not known, ``nlmserve.lm.ngrams``) adds nothing; training data never has it."""
-        V = self.embed.num_embeddings
-        if checks_no_word(ctx, self.training) and bool((ctx >= V).any()):
-            known = ctx < V
+        no_word = no_word_id(self.embed.num_embeddings)
+        if checks_no_word(ctx, self.training) and bool((ctx >= no_word).any()):
+            known = ctx < no_word
             q: Tensor = self.embed(ctx.masked_fill(~known, 0)) * known.unsqueeze(-1)
         else:
             q = self.embed(ctx)  # (N, n-1, D)

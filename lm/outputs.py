@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from nlmserve.lm import cpu
 from nlmserve.lm.dedup import BatchPlan
+from nlmserve.lm.ngrams import no_word_id
 from nlmserve.lm.trees import Tree, node_log_odds
 from nlmserve.lm.vocab import BOS_ID
 
@@ -292,7 +293,7 @@ class ClassOutput(OutputLayer):
             return None
         if ctx is None:
             raise ValueError("a model with direct n-gram features scores with the context ids beside r")
-        return context_hashes(ctx[:, ctx.shape[1] - (self.feature_order - 1):], no_word=self.word_class.numel())
+        return context_hashes(ctx[:, ctx.shape[1] - (self.feature_order - 1):], no_word=no_word_id(self.word_class.numel()))
 
     def _feature(self, table: nn.Parameter | None, h: Tensor | None, y: Tensor) -> Tensor | None:
         """Σ over the context suffixes of the hashed weights of (suffix, y) → y.shape (a

@@ -28,7 +28,8 @@ from nlmserve.lm import cpu
 from nlmserve.lm.cpu import to_numpy
 from nlmserve.lm.model import ModelConfig, NeuralLM
 from nlmserve.lm.model_file import FORMAT_VERSION, ModelFile, read_model_file
-from nlmserve.lm.ngrams import BOS_ID, EOS_ID, UNK_ID, canonical_rows, check_sentences, sentence_windows, word_ids
+from nlmserve.lm.ngrams import (BOS_ID, EOS_ID, UNK_ID, canonical_rows, check_sentences, no_word_id, sentence_windows,
+                                word_ids)
 from nlmserve.lm.objectives import SELF_NORMALIZING
 from nlmserve.lm.outputs import NO_HASH, NO_SCORES, ClassOutput, context_hashes, ngram_feature_index
 from nlmserve.lm.vocab import Vocabulary
@@ -437,7 +438,7 @@ class ScoringTables:
         C++ evaluation is tested against)."""
         rows = np.asarray(rows, dtype=np.int64)
         n1, V = self.position.shape[0], self.position.shape[1]
-        known = rows[:, :n1] < V  # the id V: a word that is not known, adds nothing
+        known = rows[:, :n1] < no_word_id(V)  # a word that is not known adds nothing
         r = (self.position[np.arange(n1), np.where(known, rows[:, :n1], 0)] * known[..., None]).sum(axis=1)  # (N, D)
         if self.activation == "tanh":
             r = np.tanh(r)
@@ -447,7 +448,7 @@ class ScoringTables:
         s = np.einsum("nd,nd->n", r, self.output[t]) + self.bias[t]
         if self.feature_order:
             assert self.word_class is not None
-            h = context_hashes(torch.from_numpy(rows[:, n1 - (self.feature_order - 1):n1]), no_word=V)
+            h = context_hashes(torch.from_numpy(rows[:, n1 - (self.feature_order - 1):n1]), no_word=no_word_id(V))
             has = (h != NO_HASH).numpy()
             for table, y in ((self.ngram_class, self.word_class[t]), (self.ngram_word, t)):
                 if table is not None:
@@ -517,9 +518,9 @@ class _InferenceTables:
 
     def _encode_numpy(self, ctx: np.ndarray) -> np.ndarray:
         """ctx (U, order-1) → r (U, E), as ``NeuralLM.encode``."""
-        V = self.np_embed.shape[0]
-        if ctx.size and ctx.max() >= V:  # words that are not known (id V) add nothing
-            known = ctx < V
+        no_word = no_word_id(self.np_embed.shape[0])
+        if ctx.size and ctx.max() >= no_word:  # words that are not known add nothing
+            known = ctx < no_word
             q = self.np_embed[np.where(known, ctx, 0)] * known[..., None]
         else:
             q = self.np_embed[ctx]  # (U, n-1, D)
