@@ -21,8 +21,8 @@ is tuned once per seed (mert's ``-r SEED``, or kbmira's ``--random-seed SEED`` w
 ``--tuner mira``), starting from the ini's weights and ``--nlm-weight`` for NLM0. A system
 with ``scoring=local`` whose model has no scoring tables is refused before any tuning.
 
-Resumable: a tuning whose working folder exists is continued with mert-moses.pl's
-``--continue``; a finished tuning (its ``moses.ini`` written) and a finished test decoding
+Resumable: a tuning with a finished iteration is continued with mert-moses.pl's
+``--continue`` (one stopped inside its first iteration starts again); a finished tuning (its ``moses.ini`` written) and a finished test decoding
 (as many lines as the input) are kept. A workdir holds one tuner's runs: MERT's are refused
 to ``--tuner mira`` and the other way round. Results: BLEU of each run, mean ± sd per system, the
 difference of the means from the first system, and a paired bootstrap p-value over the runs
@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -100,6 +101,12 @@ def tuned_with(work: Path) -> str | None:
     return "mert" if (work / "run1.mert.out").exists() else None
 
 
+def can_continue(work: Path) -> bool:
+    """Whether mert-moses.pl's ``--continue`` can resume the tuning in ``work``: it needs the
+    ``finished_step.txt`` written after each finished iteration."""
+    return (work / "finished_step.txt").exists()
+
+
 def find_mertdir(root: Path, work: Path) -> Path:
     """A folder of links to the mert tools found under ``root`` (bjam leaves each in its bin/)."""
     out = work / "mertdir"
@@ -148,6 +155,11 @@ def tune(args: argparse.Namespace, system: System, seed: int, target: str | None
     # When the tuning first started (the ini is rewritten by every invocation: a restarted
     # server has another port, and mert-moses.pl --continue builds each run's ini from it).
     first = base / "tune.started"
+    if work.exists() and not tuned.exists() and not can_continue(work):
+        # Stopped inside its first iteration: mert-moses.pl --continue would die on the
+        # missing finished_step.txt, so the tuning starts again, its clock too.
+        shutil.rmtree(work)
+        first.unlink(missing_ok=True)
     if not first.exists():
         first.write_text(f"{ini.stat().st_mtime if ini.exists() else time.time():.3f}\n")
     first_start = float(first.read_text())
@@ -165,7 +177,7 @@ def tune(args: argparse.Namespace, system: System, seed: int, target: str | None
             cmd += ["--batch-mira", "--batch-mira-args", f"--random-seed {seed}"]
         else:
             cmd += ["--mertargs", f"-r {seed}"]
-        if work.exists():
+        if can_continue(work):
             cmd.append("--continue")
         log = base / "mert.log"
         print(f"{system.name} seed {seed}: tuning ({' '.join(cmd)})", flush=True)
