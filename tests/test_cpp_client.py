@@ -554,6 +554,25 @@ def test_load_generator_refuses_ngrams_longer_than_the_order(driver: Path, serve
     assert done.returncode == 2 and "n-gram 0 has 7 words; the model takes 1 to 5" in done.stderr
 
 
+def test_ngram_files_skip_blank_lines_and_split_on_any_white_space(driver: Path, server: Server,
+                                                                    tmp_path: Path) -> None:
+    """nlmserve::ReadNgramFile (the load generator's and the client test's reader)."""
+    def load(path: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(BUILD / "nlmserve_load"), server.target, str(path), "--mode", "async"],
+                              capture_output=True, text=True, timeout=120)
+
+    path = tmp_path / "ngrams.txt"
+    path.write_text("\n  the house \n\n\ta b\tc d  e f g\t\n", encoding="utf-8")
+    done = load(path)
+    # the second n-gram is number 1: blank lines are not n-grams, tabs and runs of spaces split
+    assert done.returncode == 2 and "n-gram 1 has 7 words; the model takes 1 to 5" in done.stderr
+    path.write_text("\n \t\n", encoding="utf-8")
+    done = load(path)
+    assert done.returncode == 2 and f"nlmserve_load: no n-grams in {path}" in done.stderr
+    done = load(tmp_path / "missing.txt")
+    assert done.returncode == 2 and f"nlmserve_load: cannot read {tmp_path / 'missing.txt'}" in done.stderr
+
+
 def test_golden_model_through_the_cpp_client(driver: Path, tmp_path: Path) -> None:
     """The fixed-weight golden model (tests/test_golden_model.py has the arithmetic) served
     for real and asked by the C++ client: each n-gram's log10 probability is the hand-computed

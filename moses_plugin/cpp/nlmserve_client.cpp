@@ -371,6 +371,20 @@ NgramError CanonicalRow(const uint32_t *ids, std::size_t n, const ModelInfo &mod
   return NgramError::kNone;
 }
 
+bool ReadNgramFile(const std::string &path, std::vector<std::vector<std::string> > *out) {
+  std::ifstream in(path);
+  if (!in) return false;
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream words(line);
+    std::vector<std::string> ngram;
+    std::string w;
+    while (words >> w) ngram.push_back(w);
+    if (!ngram.empty()) out->push_back(ngram);
+  }
+  return true;
+}
+
 std::string NgramErrorMessage(NgramError error, const uint32_t *ids, std::size_t n, std::size_t index,
                               const ModelInfo &model) {
   const std::string which = "n-gram " + std::to_string(index);

@@ -126,6 +126,11 @@ NgramError CanonicalRow(const uint32_t *ids, std::size_t n, const ModelInfo &mod
 std::string NgramErrorMessage(NgramError error, const uint32_t *ids, std::size_t n, std::size_t index,
                               const ModelInfo &model);
 
+// Reads a file of n-grams as words (nlmserve_load's and the client test's input): one
+// n-gram per line, its words separated by white space, blank lines skipped. Appends them to
+// `out`; false when the file cannot be opened.
+bool ReadNgramFile(const std::string &path, std::vector<std::vector<std::string> > *out);
+
 // Any failure to get a score: unreachable or restarting server, deadline, invalid
 // request, or a model that changed under the client. Never a process exit.
 class ClientError : public std::runtime_error {

@@ -34,7 +34,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <iostream>
 #include <mutex>
 #include <random>
@@ -52,23 +51,10 @@ namespace {
 
 typedef std::vector<std::vector<std::string> > StringNgrams;
 
-bool ReadNgrams(const std::string &path, StringNgrams *out) {
-  std::ifstream in(path);
-  if (!in) return false;
-  std::string line;
-  while (std::getline(in, line)) {
-    std::istringstream words(line);
-    std::vector<std::string> ngram;
-    std::string w;
-    while (words >> w) ngram.push_back(w);
-    if (!ngram.empty()) out->push_back(ngram);
-  }
-  return true;
-}
 
 // The n-grams of a file (one per line, words) as the canonical rows the client sends.
 std::vector<uint32_t> FileRows(const nlmserve::Client &client, const std::string &path, StringNgrams *ngrams) {
-  if (!ReadNgrams(path, ngrams)) throw nlmserve::ClientError(-1, "cannot read " + path);
+  if (!nlmserve::ReadNgramFile(path, ngrams)) throw nlmserve::ClientError(-1, "cannot read " + path);
   const std::size_t width = client.info().order;
   std::vector<uint32_t> rows(ngrams->size() * width), ids;
   for (std::size_t i = 0; i < ngrams->size(); ++i) {
@@ -198,7 +184,7 @@ void Run(nlmserve::Client &client) {
         std::string path;
         in >> path;
         StringNgrams ngrams;
-        if (!ReadNgrams(path, &ngrams)) throw nlmserve::ClientError(-1, "cannot read " + path);
+        if (!nlmserve::ReadNgramFile(path, &ngrams)) throw nlmserve::ClientError(-1, "cannot read " + path);
         std::vector<float> scores = client.ScoreStrings(ngrams);
         std::ostringstream out;
         out << "ok " << scores.size() << "\n";
@@ -242,7 +228,7 @@ void Run(nlmserve::Client &client) {
         std::string path;
         in >> threads >> path >> repeats;
         StringNgrams ngrams;
-        if (!ReadNgrams(path, &ngrams)) throw nlmserve::ClientError(-1, "cannot read " + path);
+        if (!nlmserve::ReadNgramFile(path, &ngrams)) throw nlmserve::ClientError(-1, "cannot read " + path);
         std::cout << Threads(client, threads, ngrams, repeats) << "\n";
       } else if (cmd == "stats") {
         nlmserve::ClientStats s = client.stats();

@@ -20,9 +20,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <iostream>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -83,19 +81,10 @@ Args Parse(int argc, char **argv) {
 }
 
 std::vector<std::vector<std::string> > ReadNgrams(const std::string &path) {
-  std::ifstream in(path);
-  if (!in) {
+  std::vector<std::vector<std::string> > out;
+  if (!nlmserve::ReadNgramFile(path, &out)) {
     std::cerr << "nlmserve_load: cannot read " << path << "\n";
     std::exit(2);
-  }
-  std::vector<std::vector<std::string> > out;
-  std::string line;
-  while (std::getline(in, line)) {
-    std::istringstream words(line);
-    std::vector<std::string> ngram;
-    std::string w;
-    while (words >> w) ngram.push_back(w);
-    if (!ngram.empty()) out.push_back(ngram);
   }
   if (out.empty()) {
     std::cerr << "nlmserve_load: no n-grams in " << path << "\n";
