@@ -187,6 +187,23 @@ def _unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return contiguous[first], inverse.reshape(-1)
 
 
+class _Outage:
+    """The waits while the server is away: 0.2 s, doubling up to 5 s, until ``seconds`` have
+    passed since the first failure; then ServerUnavailableError."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.deadline = time.monotonic() + seconds
+        self.delay = 0.2
+
+    def wait(self, exc: Exception, what: str, then: str) -> None:
+        if time.monotonic() + self.delay > self.deadline:
+            raise ServerUnavailableError(f"server unreachable for {self.seconds:g} s: {exc}") from exc
+        log.warning("%s (%s); %s in %.1f s", what, exc, then, self.delay)
+        time.sleep(self.delay)
+        self.delay = min(self.delay * 2, 5.0)
+
+
 class Connection:
     """A source plus what rescoring derived from it; reconnects with backoff when asked."""
 
@@ -199,8 +216,7 @@ class Connection:
         self.model_hash = ""
 
     def open(self) -> SentenceLM:
-        deadline = time.monotonic() + self.config.wait_server
-        delay = 0.2
+        outage = _Outage(self.config.wait_server)
         while True:
             try:
                 client = self._connect()
@@ -209,11 +225,7 @@ class Connection:
                 model_hash = str(client.info.model_hash)
                 break
             except (ServerUnavailableError, OverloadedError, ConnectionError, OSError) as exc:
-                if time.monotonic() + delay > deadline:
-                    raise ServerUnavailableError(f"server unreachable for {self.config.wait_server:.0f} s: {exc}") from exc
-                log.warning("server unreachable (%s); retrying in %.1f s", exc, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                outage.wait(exc, "server unreachable", "retrying")
         if self.model_hash and model_hash and model_hash != self.model_hash:
             raise NlmserveError(f"the model is now {model_hash}, not {self.model_hash} as when this output was begun; "
                                "rescoring stopped")
@@ -225,8 +237,7 @@ class Connection:
 
     def score(self, ids: np.ndarray) -> np.ndarray:
         """Natural-log probabilities of the rows of ``ids``, retrying through server outages."""
-        deadline = time.monotonic() + self.config.wait_server
-        delay = 0.2
+        outage = _Outage(self.config.wait_server)
         while True:
             try:
                 if self.client is None:
@@ -239,11 +250,7 @@ class Connection:
                     out.append(np.asarray(result.log_probs, dtype=np.float64))
                 return np.concatenate(out) if out else np.zeros(0)
             except (ServerUnavailableError, OverloadedError, ConnectionError, TimeoutError) as exc:
-                if time.monotonic() + delay > deadline:
-                    raise ServerUnavailableError(f"server unreachable for {self.config.wait_server:.0f} s: {exc}") from exc
-                log.warning("server unavailable (%s); reconnecting in %.1f s", exc, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                outage.wait(exc, "server unavailable", "reconnecting")
                 self.close()
                 self.stats.reconnects += 1
 

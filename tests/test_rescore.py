@@ -221,3 +221,34 @@ def test_unwritable_output_is_one_clear_error(server: RunningServer, small_list:
     blocked = tmp_path / "missing-folder" / "out.nbest"
     with pytest.raises(InputError, match=f"{blocked}.partial: cannot write the output"):
         rescore(str(small_list), str(blocked), lambda: LMClient(server.target), _config())
+
+
+def test_a_server_that_stays_away_ends_the_run_after_wait_server(tiny_lm: Any) -> None:
+    """The waits (0.2 s doubling) stop at --wait-server with ServerUnavailableError, both when
+    connecting and when a server that answered dies and does not come back."""
+    import socket
+
+    from nlmserve.errors import ServerUnavailableError
+    from nlmserve.moses_plugin.rescore import Connection, RescoreStats
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    closed = s.getsockname()[1]
+    s.close()
+    started = time.monotonic()
+    stats = RescoreStats()
+    conn = Connection(lambda: LMClient(f"127.0.0.1:{closed}"), _config(wait_server=1.0), stats)
+    with pytest.raises(ServerUnavailableError, match="server unreachable for 1 s: .*UNAVAILABLE"):
+        conn.open()
+    assert 0.6 <= time.monotonic() - started < 30  # waited 0.2 + 0.4 s, and not for ever
+
+    running = start(tiny_lm)
+    conn = Connection(lambda: LMClient(running.target), _config(wait_server=1.0), stats)
+    lm = conn.open()
+    rows, _ = lm.ngrams(["the house"])
+    assert conn.score(rows).shape == (3,)  # the, house, </s>
+    running.stop(0.5)
+    started = time.monotonic()
+    with pytest.raises(ServerUnavailableError, match="server unreachable for 1 s"):
+        conn.score(rows)
+    assert time.monotonic() - started < 30
