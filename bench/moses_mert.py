@@ -22,8 +22,9 @@ is tuned once per seed (mert's ``-r SEED``, or kbmira's ``--random-seed SEED`` w
 with ``scoring=local`` whose model has no scoring tables is refused before any tuning.
 
 Resumable: a tuning with a finished iteration is continued with mert-moses.pl's
-``--continue`` (one stopped inside its first iteration starts again); a finished tuning (its ``moses.ini`` written) and a finished test decoding
-(as many lines as the input) are kept. A workdir holds one tuner's runs: MERT's are refused
+``--continue`` (one stopped inside its first iteration starts again); a finished tuning
+(its ``moses.ini`` written) and a finished test decoding (as many lines as the input) are
+kept. A workdir holds one tuner's runs: MERT's are refused
 to ``--tuner mira`` and the other way round. Results: BLEU of each run, mean ± sd per system, the
 difference of the means from the first system, and a paired bootstrap p-value over the runs
 joined (run r against run r of the first system), with sacrebleu's signature; the wall time

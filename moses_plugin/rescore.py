@@ -188,8 +188,8 @@ def _unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 class _Outage:
-    """The waits while the server is away: 0.2 s, doubling up to 5 s, until ``seconds`` have
-    passed since the first failure; then ServerUnavailableError."""
+    """The waits of one call while the server is away: 0.2 s, doubling up to 5 s, until
+    ``seconds`` have passed since the call began; then ServerUnavailableError."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds

@@ -6,6 +6,7 @@ import gzip
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -17,9 +18,9 @@ import numpy as np
 import pytest
 
 from nlmserve.client import LMClient
-from nlmserve.errors import InputError
+from nlmserve.errors import InputError, ServerUnavailableError
 from nlmserve.moses_plugin.nbest import iter_entries
-from nlmserve.moses_plugin.rescore import RescoreConfig, SentenceLM, rescore
+from nlmserve.moses_plugin.rescore import Connection, RescoreConfig, RescoreStats, SentenceLM, rescore
 from nlmserve.server.app import RunningServer
 
 from support import nbest_head, start_server
@@ -226,11 +227,6 @@ def test_unwritable_output_is_one_clear_error(server: RunningServer, small_list:
 def test_a_server_that_stays_away_ends_the_run_after_wait_server(tiny_lm: Any) -> None:
     """The waits (0.2 s doubling) stop at --wait-server with ServerUnavailableError, both when
     connecting and when a server that answered dies and does not come back."""
-    import socket
-
-    from nlmserve.errors import ServerUnavailableError
-    from nlmserve.moses_plugin.rescore import Connection, RescoreStats
-
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     closed = s.getsockname()[1]

@@ -51,7 +51,6 @@ namespace {
 
 typedef std::vector<std::vector<std::string> > StringNgrams;
 
-
 // The n-grams of a file (one per line, words) as the canonical rows the client sends.
 std::vector<uint32_t> FileRows(const nlmserve::Client &client, const std::string &path, StringNgrams *ngrams) {
   if (!nlmserve::ReadNgramFile(path, ngrams)) throw nlmserve::ClientError(-1, "cannot read " + path);
