@@ -31,7 +31,8 @@ from nlmserve.lm.model_file import FORMAT_VERSION, ModelFile, read_model_file
 from nlmserve.lm.ngrams import (BOS_ID, EOS_ID, UNK_ID, canonical_rows, check_sentences, no_word_id, sentence_windows,
                                 word_ids)
 from nlmserve.lm.objectives import SELF_NORMALIZING
-from nlmserve.lm.outputs import NO_HASH, NO_SCORES, ClassOutput, context_hashes, ngram_feature_index
+from nlmserve.lm.outputs import NO_HASH, NO_SCORES, ClassOutput, TreeOutput, context_hashes, ngram_feature_index
+from nlmserve.lm.trees import TreePaths
 from nlmserve.lm.vocab import Vocabulary
 from nlmserve.errors import UnsupportedModelError
 from nlmserve.logbase import LOG10_E
@@ -263,7 +264,7 @@ class LanguageModel:
         hidden layer."""
         cfg = self.config
         return ("the model is not self-normalised (trained with NCE)" if not self.self_normalized
-                else f"the output layer is {cfg.output!r}, not 'class'" if cfg.output != "class"
+                else f"the output layer is {cfg.output!r}, not 'class' or 'tree'" if cfg.output not in ("class", "tree")
                 else f"the context is {cfg.context!r}, not 'diagonal'" if cfg.context != "diagonal"
                 else "the model has a hidden layer" if cfg.hidden else None)
 
@@ -275,11 +276,15 @@ class LanguageModel:
         why = self.scoring_tables_missing()
         if why is not None:
             raise UnsupportedModelError(f"no scoring tables: {why}")
-        assert isinstance(self.net.output, ClassOutput)
         with torch.inference_mode():
             out = self.net.output
-            out_embed, out_bias = out.output_rows()
             position = _position_tables(self.net).reshape(cfg.order - 1, cfg.vocab_size, cfg.dim)
+            if isinstance(out, TreeOutput):
+                return ScoringTables(to_numpy(position), to_numpy(out.node_embed.detach()),
+                                     to_numpy(out.node_bias.detach()), cfg.activation,
+                                     tree=out.tree.paths(cfg.vocab_size))
+            assert isinstance(out, ClassOutput)
+            out_embed, out_bias = out.output_rows()
             ngram_class, ngram_word = (None if t is None else to_numpy(t.detach().reshape(-1))
                                        for t in (out.ngram_class, out.ngram_word))
             return ScoringTables(
@@ -388,11 +393,16 @@ def _position_tables(net: NeuralLM, no_word_rows: bool = False) -> Tensor:
     return torch.cat([emb * cw[j] for j in range(net.config.order - 1)])
 
 
+#: Whole numbers up to 2^24 are exact in float32 (the tables' integer fields).
+FLOAT_EXACT = 1 << 24
+
+
 @dataclass(frozen=True)
 class ScoringTables:
-    """The self-normalised score of a class-output model with the diagonal context, as
-    tables a client can evaluate without the model (the wire's ``ScoringTablesChunk``,
-    the Moses feature's ``scoring=local``). For a canonical row w_1 .. w_{n-1} w_n::
+    """The self-normalised score of a class-output model, or the log-probability of a
+    tree-output model, with the diagonal context, as tables a client can evaluate without
+    the model (the wire's ``ScoringTablesChunk``, the Moses feature's ``scoring=local``).
+    For a canonical row w_1 .. w_{n-1} w_n::
 
         r = act(Σ_j position[j, w_j])        position (n-1, V, D)
         s = r · output[w_n] + bias[w_n]      output (V, D), bias (V,); natural log
@@ -405,6 +415,15 @@ class ScoringTables:
     newest suffixes of length 0 .. feature_order-1 and the slots as
     ``nlmserve.lm.outputs.context_hashes`` and ``ngram_feature_index`` make them; a table
     of size 0 adds nothing.
+
+    With ``tree`` (a tree output), ``output`` holds the K node vectors and ``bias`` the
+    node biases, and the score is the exact log-probability, a sum over the word's codes
+    of products along each code's path (``nlmserve.lm.outputs.TreeOutput``)::
+
+        s = log Σ_{codes of w_n} Π_{(node, bit) on the code} σ(±(r · output[node] + bias[node]))
+
+    ``+`` where the code goes left (bit 1), which is ``score_ngrams(rows)`` (normalised) to
+    float rounding; about log2 V dot products per row instead of a normaliser's hundreds.
     """
 
     position: np.ndarray
@@ -415,6 +434,12 @@ class ScoringTables:
     word_class: np.ndarray | None = None  # (V,) class ids, with features
     ngram_class: np.ndarray | None = None  # (ngram_class_table,) hashed (suffix, class) weights
     ngram_word: np.ndarray | None = None  # (ngram_word_table,) hashed (suffix, word) weights
+    tree: TreePaths | None = None  # a tree output's codes
+
+    @property
+    def kind(self) -> str:
+        """The wire's ``output``: "class" (the self-normalised score) or "tree" (exact)."""
+        return "class" if self.tree is None else "tree"
 
     @property
     def feature_tables(self) -> tuple[int, int]:
@@ -423,14 +448,20 @@ class ScoringTables:
                 0 if self.ngram_word is None else self.ngram_word.size)
 
     def flat(self) -> np.ndarray:
-        """The tables as the one float32 array the wire streams: position, output, bias, and
+        """The tables as the one float32 array the wire streams: position, output, bias;
         with features the word classes (ids, exact in float32: below 2^24), ngram_class and
-        ngram_word."""
+        ngram_word; with a tree its code_start, step_start and steps (``TreePaths``, whole
+        numbers below 2^24; ValueError for a tree too large for that)."""
         parts = [self.position.reshape(-1), self.output.reshape(-1), self.bias]
         if self.feature_order:
             assert self.word_class is not None
             parts.append(self.word_class.astype(np.float32))
             parts.extend(t for t in (self.ngram_class, self.ngram_word) if t is not None)
+        if self.tree is not None:
+            ints = (self.tree.code_start, self.tree.step_start, self.tree.steps)
+            if max(int(a.max()) for a in ints) >= FLOAT_EXACT:
+                raise ValueError(f"the tree's paths do not fit the tables (steps or ids of {FLOAT_EXACT:,} or more)")
+            parts.extend(a.astype(np.float32) for a in ints)
         return np.concatenate([p.astype(np.float32, copy=False) for p in parts])
 
     def score(self, rows: npt.ArrayLike) -> np.ndarray:
@@ -445,6 +476,8 @@ class ScoringTables:
         elif self.activation == "relu":
             r = np.maximum(r, 0)
         t = rows[:, n1]
+        if self.tree is not None:
+            return self._tree_score(r, t)
         s = np.einsum("nd,nd->n", r, self.output[t]) + self.bias[t]
         if self.feature_order:
             assert self.word_class is not None
@@ -454,6 +487,20 @@ class ScoringTables:
                 if table is not None:
                     s = s + (table[ngram_feature_index(h, torch.from_numpy(y), table.size).numpy()] * has).sum(axis=1)
         return s.astype(np.float32)  # type: ignore[no-any-return]
+
+    def _tree_score(self, r: np.ndarray, target: np.ndarray) -> np.ndarray:
+        assert self.tree is not None
+        paths = self.tree
+        out = np.full(target.size, -np.inf)  # <s>: no code
+        for i, w in enumerate(target.tolist()):
+            per_code = []
+            for c in range(int(paths.code_start[w]), int(paths.code_start[w + 1])):
+                step = paths.steps[paths.step_start[c]:paths.step_start[c + 1]]
+                x = self.output[step >> 1].astype(np.float64) @ r[i] + self.bias[step >> 1]
+                per_code.append(-np.logaddexp(0.0, -np.where(step & 1, x, -x)).sum())  # Σ log σ(±x)
+            if per_code:
+                out[i] = np.logaddexp.reduce(per_code)
+        return out.astype(np.float32)
 
 
 class _InferenceTables:

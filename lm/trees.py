@@ -30,6 +30,23 @@ TREE_METHODS = ("huffman", "random", "balanced", "adaptive", "adaptive-eps")
 
 
 @dataclass(frozen=True)
+class TreePaths:
+    """A tree's codes as three flat arrays (the scoring tables' layout, ``ScoringTables``):
+    the codes of word w are code_start[w] .. code_start[w+1]-1, code c's steps on its path
+    from the root are steps[step_start[c] .. step_start[c+1]-1], each step 2·node + bit (bit
+    1: the code goes left at that node). ``<s>`` has no code."""
+
+    code_start: np.ndarray  # (V+1,) int64
+    step_start: np.ndarray  # (C+1,) int64
+    steps: np.ndarray  # (S,) int64
+
+    @property
+    def sizes(self) -> tuple[int, int]:
+        """(codes, steps)."""
+        return int(self.step_start.size - 1), int(self.steps.size)
+
+
+@dataclass(frozen=True)
 class Tree:
     """A binary tree over words, as the model uses and the model file stores it.
 
@@ -74,6 +91,20 @@ class Tree:
             n = int((self.code_nodes[c] >= 0).sum())
             out.append("".join(str(int(b)) for b in self.code_bits[c, :n]))
         return out
+
+    def paths(self, vocab_size: int) -> "TreePaths":
+        """Every word's codes as flat arrays (:class:`TreePaths`), the words in id order and
+        each word's codes in their order here."""
+        by_word = np.argsort(self.code_word, kind="stable")
+        code_start = np.zeros(vocab_size + 1, dtype=np.int64)
+        code_start[1:] = np.cumsum(np.bincount(self.code_word, minlength=vocab_size))
+        lengths = self.code_lengths()[by_word]
+        step_start = np.zeros(by_word.size + 1, dtype=np.int64)
+        step_start[1:] = np.cumsum(lengths)
+        nodes, bits = self.code_nodes[by_word], self.code_bits[by_word]
+        on_path = nodes >= 0  # each row's first length entries, row after row
+        steps = 2 * nodes[on_path].astype(np.int64) + bits[on_path]
+        return TreePaths(code_start, step_start, steps)
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The arrays a model file stores (names ``tree_*``)."""

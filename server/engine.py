@@ -29,7 +29,7 @@ import time
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
-from typing import Sequence, TypeVar
+from typing import TYPE_CHECKING, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -42,6 +42,9 @@ from nlmserve.logbase import LOG10_E
 from nlmserve.server.cache import Scorer
 from nlmserve.server.config import ServerConfig
 from nlmserve.server.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from nlmserve.lm.scoring import ScoringTables
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +97,9 @@ def load_model(config: ServerConfig, path: str | None = None) -> ScoringModel:
 @dataclass(frozen=True)
 class FlatTables:
     """``ScoringTables`` as the wire streams them: one little-endian float32 array
-    (``ScoringTables.flat``), the context width, the activation and the direct n-gram
-    features' order and table sizes (0 without)."""
+    (``ScoringTables.flat``), the context width, the activation, the direct n-gram
+    features' order and table sizes (0 without), the output ("class" or "tree") and a
+    tree's nodes, codes and steps (0 without)."""
 
     data: np.ndarray
     dim: int
@@ -103,6 +107,18 @@ class FlatTables:
     feature_order: int = 0
     ngram_class_table: int = 0
     ngram_word_table: int = 0
+    output: str = "class"
+    tree_nodes: int = 0
+    tree_codes: int = 0
+    tree_steps: int = 0
+
+    @classmethod
+    def of(cls, tables: ScoringTables) -> "FlatTables":
+        codes, steps = tables.tree.sizes if tables.tree is not None else (0, 0)
+        return cls(tables.flat().astype("<f4", copy=False), tables.output.shape[1], tables.activation,
+                   tables.feature_order, *tables.feature_tables, output=tables.kind,
+                   tree_nodes=tables.output.shape[0] if tables.tree is not None else 0,
+                   tree_codes=codes, tree_steps=steps)
 
 
 class ModelState:
@@ -130,10 +146,8 @@ class ModelState:
         with self._tables_lock:
             if self._tables is None:
                 try:
-                    tables = self.lm.scoring_tables()
-                    self._tables = FlatTables(tables.flat().astype("<f4", copy=False), tables.output.shape[1],
-                                              tables.activation, tables.feature_order, *tables.feature_tables)
-                except UnsupportedModelError as e:
+                    self._tables = FlatTables.of(self.lm.scoring_tables())
+                except (UnsupportedModelError, ValueError) as e:
                     self._tables = str(e)
             if isinstance(self._tables, str):
                 raise UnsupportedModelError(self._tables)

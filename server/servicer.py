@@ -235,7 +235,8 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
                 model_hash=state.model_hash, order=state.order, vocab_size=state.vocab_size,
                 dim=tables.dim, activation=tables.activation, total_floats=flat.size,
                 feature_order=tables.feature_order, ngram_class_table=tables.ngram_class_table,
-                ngram_word_table=tables.ngram_word_table, offset=0, data=flat[:size].tobytes())
+                ngram_word_table=tables.ngram_word_table, output=tables.output, tree_nodes=tables.tree_nodes,
+                tree_codes=tables.tree_codes, tree_steps=tables.tree_steps, offset=0, data=flat[:size].tobytes())
             for i in range(size, flat.size, size):
                 yield lm_pb2.ScoringTablesChunk(offset=i, data=flat[i : i + size].tobytes())
         finally:

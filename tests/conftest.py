@@ -117,6 +117,19 @@ def feature_model_path(tmp_path_factory: pytest.TempPathFactory, train_small_pat
 
 
 @pytest.fixture(scope="session")
+def tree_model_path(tmp_path_factory: pytest.TempPathFactory, train_small_path: Path, dev_small_path: Path) -> Path:
+    """A small trained tree-output model (Huffman codes, exact likelihood; order 4)."""
+    from nlmserve.lm.train import TrainConfig, train
+
+    out = tmp_path_factory.mktemp("tree") / "tree.nlm"
+    train(TrainConfig(train=str(train_small_path), valid=str(dev_small_path), out=str(out), order=4, dim=8,
+                      output="huffman", objective="mle", min_count=2, max_steps=120, batch_size=128,
+                      valid_every=60, threads=1, seed=3, progress=False, learning_curve=False,
+                      checkpoint_every=0))
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_lm(tiny_model_path: Path):  # type: ignore[no-untyped-def]
     """``tiny_model_path`` loaded on the CPU."""
     import torch

@@ -111,22 +111,46 @@ def test_feature_counts_from_the_log(tmp_path: Path) -> None:
     log.write_text(LOG)
     assert decoder.feature_counts(log) == {"round_trips": 25, "ngrams_sent": 112123,
                                            "cache_hits": 95612, "cache_misses": 112123, "ngrams_local": None,
-                                           "rows_summed": None}
+                                           "rows_summed": None, "nodes_computed": None}
     log.write_text("no feature here\n")
     assert decoder.feature_counts(log) == {"round_trips": None, "ngrams_sent": None,
                                            "cache_hits": None, "cache_misses": None, "ngrams_local": None,
-                                           "rows_summed": None}
+                                           "rows_summed": None, "nodes_computed": None}
     # scoring=local: the closing line counts the n-grams scored in the decoder
     log.write_text("NeuralLMServer NLM0: 20 sentences, 0 round trips, 0 failed requests, 0 requests floored, "
                    "0 n-grams sent, 0 cache hits, 0 misses, 7783539 n-grams scored locally; boundary scores: "
                    "4836542 in order, 0 looked up, 0 scored alone\n")
     assert decoder.feature_counts(log) == {"round_trips": None, "ngrams_sent": 0, "cache_hits": 0,
-                                           "cache_misses": 0, "ngrams_local": 7783539, "rows_summed": None}
+                                           "cache_misses": 0, "ngrams_local": 7783539, "rows_summed": None,
+                                           "nodes_computed": None}
     # and the position rows summed for their contexts (a real 30-sentence run of the 10-gram)
     log.write_text("NeuralLMServer NLM0: 30 sentences, 0 round trips, 0 failed requests, 0 requests floored, "
                    "0 n-grams sent, 0 cache hits, 0 misses, 13770312 n-grams scored locally (4976492 position "
                    "rows summed); boundary scores: 9082806 in order, 0 looked up, 0 scored alone\n")
     assert decoder.feature_counts(log)["rows_summed"] == 4976492
+    # and with a tree output, the node dot products computed (the feature's closing line)
+    log.write_text("NeuralLMServer NLM0: 30 sentences, 0 round trips, 0 failed requests, 0 requests floored, "
+                   "0 n-grams sent, 0 cache hits, 0 misses, 13770312 n-grams scored locally (4976492 position "
+                   "rows summed, 51000000 tree nodes computed); boundary scores: 9082806 in order, 0 looked up, "
+                   "0 scored alone\n")
+    counts = decoder.feature_counts(log)
+    assert (counts["rows_summed"], counts["nodes_computed"]) == (4976492, 51000000)
+
+
+def test_targets_follow_the_scores_not_the_name() -> None:
+    """≤ 2× for exact scores (the feature's default normalized=true, from the server or a
+    tree model's tables with scoring=local), ≤ 1.5× for self-normalised ones."""
+    assert decoder.target_of({"normalized": "false", "scoring": "local"}) == 1.5
+    assert decoder.target_of({"scoring": "local", "model": "/m/tree.nlm"}) == 2.0
+    assert decoder.target_of({"normalized": "true"}) == 2.0
+    runs = [decoder.Run("kenlm", 0, 10, 10.0, 20.0, 0.0, output_sha="a"),
+            decoder.Run("ep5", 0, 10, 14.0, 30.0, 0.0, output_sha="b"),
+            decoder.Run("tree", 0, 10, 19.0, 30.0, 0.0, output_sha="c")]
+    configs = [decoder.Config.parse(c) for c in ("kenlm", "ep5:normalized=false,scoring=local",
+                                                 "tree:scoring=local,model=/m/tree.nlm")]
+    rows = decoder.summarise(runs, configs)
+    assert "target" not in rows[0]
+    assert (rows[1]["target"], rows[1]["met"]) == (1.5, True) and (rows[2]["target"], rows[2]["met"]) == (2.0, True)
 
 
 def test_load_seconds_from_moses_log(tmp_path: Path) -> None:
@@ -168,6 +192,8 @@ def test_summary_ratios_and_rendered_section(tmp_path: Path) -> None:
     assert extra[2]["ngrams_local_per_sentence"] == 500 and "cache_hit_rate" not in extra[2]
     assert extra[2]["rows_summed_per_ngram"] == 0.3  # the median of 0.2 and 0.4
     assert decoder.local_cell(extra[2]) == "500 (0.3 position rows summed each)"
+    assert decoder.local_cell({**extra[2], "nodes_per_ngram": 4.5}) == (
+        "500 (0.3 position rows summed, 4.5 tree nodes each)")
     assert extra[2]["same_output_as"] == ["exact"] and extra[1]["same_output_as"] == ["local"]
     assert extra[2]["target"] == 1.5 and extra[2]["met"] is True  # 12 s against 11 s
     result = {"machine": {"cpu": "CPU", "cores": 2, "load_average_1m": 1.0}, "lines": 10, "input": "/x/test.src",

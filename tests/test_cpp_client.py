@@ -272,9 +272,10 @@ def test_scores_equal_python_client(driver: Path, server: Server, ngram_file: tu
 
 
 def _local_scores_are_the_servers(driver: Path, target: str, path: Path, ngrams: list[list[str]]) -> dict[str, str]:
-    """Asks the C++ process (``tables PATH``) for the self-normalised scores it computes
-    from GetScoringTables and checks them against the server's (natural log, within float
-    rounding), the model hash and the scratch's reuse → the answer's fields."""
+    """Asks the C++ process (``tables PATH``) for the scores it computes from
+    GetScoringTables (self-normalised, or a tree's exact ones) and checks them against the
+    server's of the same kind (natural log, within float rounding), the model hash and the
+    scratch's reuse → the answer's fields."""
     from nlmserve.client import LMClient
 
     cpp = Driver(driver, target)
@@ -286,7 +287,7 @@ def _local_scores_are_the_servers(driver: Path, target: str, path: Path, ngrams:
         cpp.close()
     fields = dict(item.split("=") for item in head.split()[2:])
     with LMClient(target) as py:
-        want = py.score_ngrams(ngrams, log_base="ln", normalized=False).log_probs
+        want = py.score_ngrams(ngrams, log_base="ln", normalized=fields["normalized"] == "1").log_probs
         assert fields["hash"] == py.info.model_hash
     assert fields["differ"] == "0"
     assert got.shape == (len(ngrams),)
@@ -320,6 +321,32 @@ def test_scoring_tables_with_direct_ngram_features(driver: Path, feature_model_p
         server.kill()
     V, D = cfg.vocab_size, cfg.dim
     assert int(fields["bytes"]) == 4 * (cfg.order * V * D + V + V + 1024 + 4096) + 4 * V
+
+
+def test_scoring_tables_of_a_tree_output_give_exact_scores(driver: Path, tree_model_path: Path,
+                                                           tmp_path: Path) -> None:
+    """A tree-output model (Huffman codes) served for real: its tables carry the node
+    vectors and every word's path, and the C++ process computes the exact log-probabilities
+    the server answers for normalized=true (which the feature then takes with scoring=local
+    and normalized=true); the tables' size counts the paths."""
+    from nlmserve.lm.scoring import LanguageModel
+
+    lm = LanguageModel.load(tree_model_path, device="cpu")
+    cfg = lm.config
+    ngrams = [g for g in _ngrams(order=cfg.order) if len(g) <= cfg.order]
+    path = tmp_path / "ngrams.txt"
+    path.write_text("".join(" ".join(g) + "\n" for g in ngrams), encoding="utf-8")
+    server = Server(tree_model_path, tmp_path / "server.log")
+    try:
+        fields = _local_scores_are_the_servers(driver, server.target, path, ngrams)
+    finally:
+        server.kill()
+    assert fields["normalized"] == "1"
+    V, D, tree = cfg.vocab_size, cfg.dim, lm.scoring_tables().tree
+    assert tree is not None
+    codes, steps = tree.sizes
+    K = cfg.tree_nodes
+    assert int(fields["bytes"]) == 4 * ((cfg.order - 1) * V * D + K * D + K + (V + 1) + (codes + 1) + steps)
 
 
 def _phrase_scores_agree(driver: Path, target: str, model_path: Path, phrases: list[str]) -> None:

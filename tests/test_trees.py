@@ -4,6 +4,7 @@ codes, the feature-based clustering rules, and normalisation of every output typ
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -182,3 +183,77 @@ def test_default_bands_cover_the_vocabulary_and_the_width() -> None:
     assert default_bands(50_000, 128) == ((2500, 7500, 40_000), (64, 32, 32))
     assert default_bands(5000, 128) == ((2500, 2500), (96, 32))
     assert default_bands(100, 16) == ((100,), (16,))
+
+
+def test_tree_paths_of_the_golden_tree_by_hand() -> None:
+    """The scoring tables' layout of ((0, 2), 3) over 4 words (<s> = 1 has no code): word 0
+    goes left, left (steps 2·0+1, 2·1+1), word 2 left, right (1, 2), word 3 right (0); the
+    same arrays as the C++ unit test's tree (moses_plugin/cpp/nlmserve_unit_test.cpp)."""
+    paths = tree_from_splits(((0, 2), 3), "test").paths(4)
+    assert paths.code_start.tolist() == [0, 1, 1, 2, 3]
+    assert paths.step_start.tolist() == [0, 2, 4, 5]
+    assert paths.steps.tolist() == [1, 3, 1, 2, 0]
+    assert paths.sizes == (3, 5)
+
+
+def _saved(model: NeuralLM, path: Path) -> Path:
+    from nlmserve.lm.model_file import save_model
+    from nlmserve.lm.vocab import Vocabulary
+
+    words = [f"w{i}" for i in range(model.config.vocab_size - 3)]
+    save_model(path, model, Vocabulary(words), None, objective="mle")
+    return path
+
+
+@pytest.mark.parametrize("output", ["huffman", "adaptive-eps"])
+def test_scoring_tables_of_a_tree_give_its_exact_log_probabilities(output: str, tmp_path: Path) -> None:
+    """ScoringTables of a tree-output model: node vectors and biases as output and bias,
+    every word's codes as paths, and the score the model's normalised log-probability (a
+    word with several codes, as ADAPTIVE(ε) makes them, the log of their sum)."""
+    from nlmserve.lm.scoring import LanguageModel
+
+    model = _random_model(output)
+    lm = LanguageModel.load(_saved(model, tmp_path / "tree.nlm"), device="cpu")
+    assert lm.scoring_tables_missing() is None
+    tables = lm.scoring_tables()
+    tree = model.output.tree
+    assert tables.kind == "tree" and tables.output.shape == (tree.num_nodes, 8) and tables.bias.shape == (tree.num_nodes,)
+    assert tables.tree is not None and tables.tree.sizes == (tree.num_codes, int(tree.code_lengths().sum()))
+    if output == "adaptive-eps":
+        assert np.diff(tables.tree.code_start).max() > 1  # some word has two codes
+    rng = np.random.default_rng(0)
+    rows = rng.integers(0, 23, size=(200, 3))
+    rows[:, 2] = np.where(rows[:, 2] == BOS_ID, 2, rows[:, 2])
+    rows = lm.canonical_rows(rows)
+    np.testing.assert_allclose(tables.score(rows), lm.score_ngrams(rows), rtol=0, atol=1e-5)
+    assert tables.score(np.array([[3, 4, BOS_ID]]))[0] == -np.inf
+    V, D, K = 23, 8, tree.num_nodes
+    codes, steps = tables.tree.sizes
+    assert tables.flat().size == 2 * V * D + K * D + K + (V + 1) + (codes + 1) + steps
+
+
+def test_a_tree_model_streams_its_tables_with_the_tree_sizes(tmp_path: Path) -> None:
+    """GetScoringTables of a served tree model: output "tree", the tree's nodes, codes and
+    steps in the first chunk, the array ScoringTables.flat gives."""
+    import grpc
+
+    from nlmserve.lm.scoring import LanguageModel
+    from nlmserve.proto import lm_pb2, lm_pb2_grpc
+    from support import start_server
+
+    lm = LanguageModel.load(_saved(_random_model("huffman"), tmp_path / "tree.nlm"), device="cpu")
+    want = lm.scoring_tables()
+    assert want.tree is not None
+    running = start_server(lm)
+    try:
+        with grpc.insecure_channel(running.target) as channel:
+            chunks = list(lm_pb2_grpc.LanguageModelStub(channel).GetScoringTables(
+                lm_pb2.GetScoringTablesRequest(chunk_floats=100)))
+    finally:
+        running.stop(1.0)
+    head = chunks[0]
+    assert (head.output, head.tree_nodes, head.tree_codes, head.tree_steps) == (
+        "tree", want.output.shape[0], *want.tree.sizes)
+    assert head.feature_order == 0 and head.total_floats == want.flat().size
+    got = np.concatenate([np.frombuffer(c.data, dtype="<f4") for c in chunks])
+    np.testing.assert_array_equal(got, want.flat())

@@ -71,10 +71,12 @@ struct NeuralLMServerThread {
   uint64_t lookedUp = 0;
   uint64_t scoredAlone = 0;
   // scoring=local: the thread's context prefixes, the n-grams it scored in the current
-  // sentence and the position rows it summed for their contexts.
+  // sentence, the position rows it summed for their contexts and, with a tree, the dot
+  // products of nodes it computed.
   nlmserve::ScoringTables::Scratch tables;
   uint64_t scoredLocally = 0;
   uint64_t rowsSummed = 0;
+  uint64_t nodesComputed = 0;
 };
 
 namespace {
@@ -137,6 +139,7 @@ NeuralLMServer::NeuralLMServer(const std::string &line)
       m_scoredAlone(0),
       m_scoredLocally(0),
       m_rowsSummed(0),
+      m_nodesComputed(0),
       m_pause(new nlmserve::ErrorPause()) {
   ReadParameters();
   m_target = m_filePath;
@@ -167,7 +170,9 @@ NeuralLMServer::~NeuralLMServer() {
     }
     if (m_tables) {
       VERBOSE(1, ", " << m_scoredLocally.load() << " n-grams scored locally (" << m_rowsSummed.load()
-                      << " position rows summed)");
+                      << " position rows summed");
+      if (m_tables->normalized()) VERBOSE(1, ", " << m_nodesComputed.load() << " tree nodes computed");
+      VERBOSE(1, ")");
     }
     VERBOSE(1, "; boundary scores: " << m_inOrder.load() << " in order, " << m_lookedUp.load() << " looked up, "
                                      << m_scoredAlone.load() << " scored alone");
@@ -262,16 +267,21 @@ void NeuralLMServer::Load(AllOptions::ptr const &opts) {
   m_beginState = new NeuralLMServerState(m_nGramOrder - 1, m_sentenceStart);
   m_nullState = new NeuralLMServerState(m_nGramOrder - 1, m_sentenceStart);
   if (m_localScoring) {
-    UTIL_THROW_IF2(m_normalized, "NeuralLMServer " << GetScoreProducerDescription()
-                                                   << ": scoring=local computes self-normalised scores only: add "
-                                                      "normalized=false, or use scoring=server");
     try {
       m_tables = m_client->GetScoringTables();
     } catch (const nlmserve::ClientError &e) {
       UTIL_THROW2("NeuralLMServer " << GetScoreProducerDescription() << ": scoring=local: " << e.what());
     }
+    // A tree output's tables give exact log-probabilities; a class output's give the
+    // self-normalised score, not what normalized=true (the default) asks for.
+    UTIL_THROW_IF2(m_normalized && !m_tables->normalized(),
+                   "NeuralLMServer " << GetScoreProducerDescription()
+                                     << ": scoring=local computes self-normalised scores only with a class-output "
+                                        "model: add normalized=false, use scoring=server, or serve a tree-output "
+                                        "model (exact scores)");
     VERBOSE(1, "NeuralLMServer " << GetScoreProducerDescription() << ": scoring locally with "
                                  << m_tables->bytes() / 1048576 << " MB of tables (width " << m_tables->dim()
+                                 << (m_tables->normalized() ? ", a tree: exact log-probabilities" : ", self-normalised")
                                  << ")" << std::endl);
   }
   // phrase-scores=load asks for each target phrase's n-grams as the tables load it, one
@@ -383,11 +393,12 @@ void NeuralLMServer::ScoreRows(const uint32_t *rows, size_t n, float *out, Neura
         return;
       }
     }
-    const uint64_t summed = local.tables.rows_added;
+    const uint64_t summed = local.tables.rows_added, computed = local.tables.nodes_computed;
     m_tables->Score(rows, n, out, &local.tables);  // natural log, as TransformLMScore makes it
     for (size_t i = 0; i < n; ++i) out[i] = FloorScore(out[i]);
     local.scoredLocally += n;
     local.rowsSummed += local.tables.rows_added - summed;
+    local.nodesComputed += local.tables.nodes_computed - computed;
     return;
   }
   // on-error=floor: after a failed request the server is left alone for a pause, so that
@@ -752,6 +763,7 @@ void NeuralLMServer::InitializeForInput(ttasksptr const &ttask) {
   NeuralLMServerThread &local = Local(this);
   local.sentence = nlmserve::BatchCounts();
   local.inOrder = local.lookedUp = local.scoredAlone = local.scoredLocally = local.rowsSummed = 0;
+  local.nodesComputed = 0;
   // The last sentence's expansions name its hypotheses, whose addresses this one may
   // reuse: EvaluateWhenApplied trusts an entry that matches at the cursor.
   local.boundary.Clear();
@@ -768,6 +780,7 @@ void NeuralLMServer::CleanUpAfterSentenceProcessing(ttasksptr const &ttask) {
   m_scoredAlone.fetch_add(local.scoredAlone);
   m_scoredLocally.fetch_add(local.scoredLocally);
   m_rowsSummed.fetch_add(local.rowsSummed);
+  m_nodesComputed.fetch_add(local.nodesComputed);
   const uint64_t lookups = counts.cache_hits + counts.cache_misses;
   char rate[32] = "no lookups";
   if (lookups > 0) std::snprintf(rate, sizeof(rate), "%.1f%% hits", 100.0 * counts.cache_hits / lookups);

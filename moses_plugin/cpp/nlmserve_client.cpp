@@ -689,23 +689,38 @@ struct Client::Impl {
       throw ClientError(-1, "nlmserve server at " + target + " sent scoring tables with activation '" +
                                 head.activation() + "', which this client does not know");
     }
+    if (!head.output().empty() && head.output() != "class" && head.output() != "tree") {
+      throw ClientError(-1, "nlmserve server at " + target + " sent scoring tables of a '" + head.output() +
+                                "' output, which this client does not know");
+    }
     std::shared_ptr<ScoringTables> tables(new ScoringTables());
     ScoringTables::Features features;
     features.order = head.feature_order();
     features.class_table = head.ngram_class_table();
     features.word_table = head.ngram_word_table();
+    ScoringTables::Tree tree;
+    const bool treed = head.output() == "tree";
+    if (treed) {
+      tree.nodes = head.tree_nodes();
+      tree.codes = head.tree_codes();
+      tree.steps = head.tree_steps();
+    }
     const std::size_t got = data.size();
-    if (head.order() != info.order || head.vocab_size() != info.vocab_size ||
+    if (head.order() != info.order || head.vocab_size() != info.vocab_size || (treed && tree.nodes == 0) ||
         !tables->Set(head.order(), head.vocab_size(), head.dim(), activation, head.model_hash(), std::move(data),
-                     features)) {
+                     features, tree)) {
       throw ClientError(-1, "nlmserve server at " + target + " sent " + std::to_string(got) +
                                 " floats of scoring tables for order " + std::to_string(head.order()) +
                                 ", vocabulary " + std::to_string(head.vocab_size()) + ", width " +
-                                std::to_string(head.dim()) + ", n-gram features of order " +
-                                std::to_string(features.order) + " in tables of " +
-                                std::to_string(features.class_table) + " and " +
-                                std::to_string(features.word_table) + " (model info: order " +
-                                std::to_string(info.order) + ", vocabulary " + std::to_string(info.vocab_size) + ")");
+                                std::to_string(head.dim()) +
+                                (treed ? ", a tree of " + std::to_string(tree.nodes) + " nodes, " +
+                                             std::to_string(tree.codes) + " codes and " +
+                                             std::to_string(tree.steps) + " steps"
+                                       : ", n-gram features of order " + std::to_string(features.order) +
+                                             " in tables of " + std::to_string(features.class_table) + " and " +
+                                             std::to_string(features.word_table)) +
+                                " (model info: order " + std::to_string(info.order) + ", vocabulary " +
+                                std::to_string(info.vocab_size) + ")");
     }
     return tables;
   }

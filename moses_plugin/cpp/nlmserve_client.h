@@ -238,12 +238,13 @@ class Client {
   // Number of entries in the cache.
   std::size_t CacheEntries() const;
 
-  // The served model's self-normalised score as tables (nlmserve_tables.h), for scoring
-  // self-normalised n-grams in this process: one streamed GetScoringTables call (with a
-  // deadline of its own, `deadline_ms` at least, as the tables run to hundreds of MB).
-  // Throws ClientError: code 9 (FAILED_PRECONDITION) with the server's reason when the
-  // model has none (not self-normalised, not the diagonal class-output model), 9 when they
-  // come from another model than info()'s, the transport's code otherwise.
+  // The served model's self-normalised score, or a tree-output model's exact
+  // log-probability, as tables (nlmserve_tables.h), for scoring n-grams in this process:
+  // one streamed GetScoringTables call (with a deadline of its own, `deadline_ms` at least,
+  // as the tables run to hundreds of MB). Throws ClientError: code 9 (FAILED_PRECONDITION)
+  // with the server's reason when the model has none (not self-normalised, not a diagonal
+  // class- or tree-output model), 9 when they come from another model than info()'s, the
+  // transport's code otherwise.
   std::shared_ptr<const ScoringTables> GetScoringTables(int deadline_ms = 600000);
 
   // Successful ScoreNgrams RPCs made by the calling thread (all clients). A decoder

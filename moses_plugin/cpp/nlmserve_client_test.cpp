@@ -20,10 +20,11 @@
 //         rows PATH                 -> ok N hits=.. misses=.. sent=.. round_trips=.., then N lines of
 //                                      scores: the same n-grams as canonical rows in one flat
 //                                      ScoreRows call, with the BatchCounts it returned
-//         tables PATH               -> ok N dim=.. bytes=.. hash=.. differ=.., then N lines of natural-log
-//                                      self-normalised scores computed from GetScoringTables in this
-//                                      process (differ: scores that change when asked one by one in
-//                                      reverse order, which must be 0)
+//         tables PATH               -> ok N dim=.. bytes=.. hash=.. differ=.. normalized=0|1, then N lines
+//                                      of natural-log scores computed from GetScoringTables in this
+//                                      process, self-normalised (0) or a tree's exact ones (1)
+//                                      (differ: scores that change when asked one by one in reverse
+//                                      order, which must be 0)
 //         threads T PATH REPEATS    -> ok mismatches=.. far=.. max_diff=.. errors=.. calls=..
 //                                      (mismatches: answers not bit-equal to the reference;
 //                                       far: answers more than 1e-5 from it)
@@ -205,7 +206,8 @@ void Run(nlmserve::Client &client) {
         for (std::size_t i = 0; i < scores.size(); ++i) differ += scores[i] != again[i];
         std::ostringstream out;
         out << "ok " << scores.size() << " dim=" << tables->dim() << " bytes=" << tables->bytes()
-            << " hash=" << tables->model_hash() << " differ=" << differ << "\n";
+            << " hash=" << tables->model_hash() << " differ=" << differ
+            << " normalized=" << tables->normalized() << "\n";
         for (float s : scores) out << Fmt(s) << "\n";
         std::cout << out.str();
       } else if (cmd == "rows") {

@@ -12,7 +12,14 @@
 // which is what the server answers with allow_unnormalized=true, to float rounding. The
 // bracketed sums are a model's direct n-gram features (Features below): the hashes of
 // the context's newest suffixes and their slots as the wire contract gives them (the
-// Python owner is nlmserve.lm.outputs.context_hashes and ngram_feature_index). No gRPC or
+// Python owner is nlmserve.lm.outputs.context_hashes and ngram_feature_index).
+//
+// A tree-output model's tables (Tree below) give its exact log-probability instead: output
+// and bias are the tree's node vectors and biases, and
+//
+//   s = log sum_{codes c of w_n} prod_{(node, bit) on c} sigmoid(+-(r . output[node] + bias[node]))
+//
+// (+ where the code goes left, bit 1), about log2 V dot products per row. No gRPC or
 // protobuf here: a decoder includes this header next to its own.
 #ifndef NLMSERVE_TABLES_H
 #define NLMSERVE_TABLES_H
@@ -103,45 +110,83 @@ class ScoringTables {
   // hash of the prefix; an entry of a whole context holds the vector after the activation.
   // With features, the table slots of the row being scored and of the next one. A scratch
   // belongs to the tables that last used it (Set makes them new tables).
+  //
+  // With a tree, the log-sigmoids of recent (context, node) pairs: the expansions of one
+  // hypothesis share their context, and the words they predict share the upper nodes of
+  // their paths. An entry names its context by the generation of the context's entry (a
+  // number given each time an entry is written, never reused), so it can only ever hold
+  // that context's values; entries are direct-mapped by a hash of (generation, node).
   struct Scratch {
     static const unsigned kPrefixBits = 9;
     static const std::size_t kPrefixes = std::size_t(1) << kPrefixBits;
+    static const unsigned kNodeBits = 13;
+    struct Node {
+      uint64_t generation;  // 0: empty
+      uint32_t node;
+      float left, right;  // log sigmoid(x), log sigmoid(-x)
+    };
     std::vector<float> vectors;        // kPrefixes x dim
     std::vector<uint32_t> keys;        // kPrefixes x (order-1): the prefix's words
     std::vector<uint64_t> hashes;      // kPrefixes: the prefix's hash
     std::vector<uint32_t> lengths;     // kPrefixes: the prefix's length (0: empty)
+    std::vector<uint64_t> generations; // kPrefixes: when the entry was written
     std::vector<uint64_t> row_hashes;  // order-1: the hashes of the scored row's prefixes
     std::vector<uint32_t> slots;       // 2 rows x 2 tables x feature order
+    std::vector<Node> nodes;           // with a tree: 2^kNodeBits (context, node) entries
     uint64_t tables = 0;               // the serial of the tables the entries belong to
+    uint64_t generation = 0;           // the last generation given
     uint64_t rows_added = 0;           // position rows summed, a count for reports
+    uint64_t nodes_computed = 0;       // tree nodes' dot products computed, a count for reports
+  };
+
+  // A tree output's sizes (the wire's tree_nodes, tree_codes, tree_steps; nodes 0: the
+  // tables are a class output's).
+  struct Tree {
+    Tree() : nodes(0), codes(0), steps(0) {}
+    uint32_t nodes;
+    uint32_t codes;
+    uint64_t steps;
   };
 
   ScoringTables() {}
   // Takes the wire's array (position, output, bias, and with features word classes,
-  // ngram_class, ngram_word) and its shape; false when the array has another size than
-  // the shape gives, or the features do not fit the model (an order above the model's, a
-  // vocabulary of 2^24 words or more, a class id that is not a whole number below 2^24).
+  // ngram_class, ngram_word; with a tree its node vectors and biases as output and bias,
+  // then code_start, step_start and steps) and its shape; false when the array has another
+  // size than the shape gives, the features do not fit the model (an order above the
+  // model's, a vocabulary of 2^24 words or more, a class id that is not a whole number
+  // below 2^24), a tree comes with features, or the tree's paths are not whole numbers that
+  // hold together (each word's codes and each code's steps in order, every node below
+  // tree.nodes, at most 2^24 of anything).
   bool Set(uint32_t order, uint32_t vocab_size, uint32_t dim, Activation activation, std::string model_hash,
-           std::vector<float> data, Features features = Features()) {
+           std::vector<float> data, Features features = Features(), Tree tree = Tree()) {
     if (order < 2 || vocab_size == 0 || dim == 0) return false;
-    const bool featured = features.order > 0;
-    if (featured && (features.order > order || vocab_size >= (1u << 24) ||
+    const bool featured = features.order > 0, treed = tree.nodes > 0;
+    if (featured && (treed || features.order > order || vocab_size >= (1u << 24) ||
                      (features.class_table == 0 && features.word_table == 0))) {
       return false;
     }
     if (!featured) features = Features();
-    const std::size_t lbl = static_cast<std::size_t>(order) * vocab_size * dim + vocab_size;
+    if (!treed) tree = Tree();
+    const std::size_t outputs = treed ? tree.nodes : vocab_size;
+    const std::size_t lbl = static_cast<std::size_t>(order - 1) * vocab_size * dim + outputs * (dim + 1);
     const std::size_t want =
-        lbl + (featured ? static_cast<std::size_t>(vocab_size) + features.class_table + features.word_table : 0);
+        lbl + (featured ? static_cast<std::size_t>(vocab_size) + features.class_table + features.word_table : 0) +
+        (treed ? static_cast<std::size_t>(vocab_size) + 1 + tree.codes + 1 + tree.steps : 0);
     if (data.size() != want) return false;
-    std::vector<uint32_t> word_class;
+    std::vector<uint32_t> word_class, paths;
     if (featured) {
       word_class.resize(vocab_size);
       for (std::size_t w = 0; w < vocab_size; ++w) {
-        const float c = data[lbl + w];
-        if (!(c >= 0.f && c < 16777216.f) || c != std::floor(c)) return false;
-        word_class[w] = static_cast<uint32_t>(c);
+        if (!WholeNumber(data[lbl + w], &word_class[w])) return false;
       }
+    }
+    if (treed) {
+      paths.resize(want - lbl);
+      for (std::size_t i = 0; i < paths.size(); ++i) {
+        if (!WholeNumber(data[lbl + i], &paths[i])) return false;
+      }
+      if (!PathsHold(paths, vocab_size, tree)) return false;
+      data.resize(lbl);
     }
     order_ = order;
     vocab_size_ = vocab_size;
@@ -151,10 +196,15 @@ class ScoringTables {
     features_ = features;
     class_mask_ = PowerOfTwoMask(features.class_table);
     word_mask_ = PowerOfTwoMask(features.word_table);
+    tree_ = tree;
     word_class_.swap(word_class);
+    paths_.swap(paths);
+    code_start_ = paths_.data();
+    step_start_ = code_start_ + (treed ? vocab_size + 1 : 0);
+    steps_ = step_start_ + (treed ? tree.codes + 1 : 0);
     data_.swap(data);
     output_ = data_.data() + static_cast<std::size_t>(order - 1) * vocab_size * dim;
-    bias_ = output_ + static_cast<std::size_t>(vocab_size) * dim;
+    bias_ = output_ + outputs * dim;
     ngram_class_ = bias_ + 2 * static_cast<std::size_t>(vocab_size);
     ngram_word_ = ngram_class_ + features.class_table;
     serial_ = NextSerial();
@@ -167,7 +217,13 @@ class ScoringTables {
   Activation activation() const { return activation_; }
   const std::string &model_hash() const { return model_hash_; }
   const Features &features() const { return features_; }
-  std::size_t bytes() const { return data_.size() * sizeof(float) + word_class_.size() * sizeof(uint32_t); }
+  const Tree &tree() const { return tree_; }
+  // True for a tree output's tables: Score gives log-probabilities, normalised exactly;
+  // false for a class output's self-normalised scores.
+  bool normalized() const { return tree_.nodes > 0; }
+  std::size_t bytes() const {
+    return data_.size() * sizeof(float) + (word_class_.size() + paths_.size()) * sizeof(uint32_t);
+  }
 
   // Natural-log scores of n canonical rows (order ids each, ids < vocab_size: the caller
   // has checked them, as for Client::ScoreRows) into out[0, n). With features, the next
@@ -175,14 +231,19 @@ class ScoringTables {
   // their cache misses (the tables are tens of MB) overlap the arithmetic.
   void Score(const uint32_t *rows, std::size_t n, float *out, Scratch *scratch) const {
     const std::size_t width = order_, context = order_ - 1, dim = dim_, per_row = 2 * features_.order;
+    const std::size_t memo = tree_.nodes ? std::size_t(1) << Scratch::kNodeBits : 0;
     if (scratch->tables != serial_ || scratch->vectors.size() != Scratch::kPrefixes * dim ||
-        scratch->keys.size() != Scratch::kPrefixes * context || scratch->slots.size() != 2 * per_row) {
+        scratch->keys.size() != Scratch::kPrefixes * context || scratch->slots.size() != 2 * per_row ||
+        scratch->nodes.size() != memo) {
       scratch->vectors.assign(Scratch::kPrefixes * dim, 0.f);
       scratch->keys.assign(Scratch::kPrefixes * context, 0);
       scratch->hashes.assign(Scratch::kPrefixes, 0);
       scratch->lengths.assign(Scratch::kPrefixes, 0);
+      scratch->generations.assign(Scratch::kPrefixes, 0);
       scratch->row_hashes.assign(context, 0);
       scratch->slots.assign(2 * per_row, 0);
+      Scratch::Node empty = {0, 0, 0.f, 0.f};
+      scratch->nodes.assign(memo, empty);
       scratch->tables = serial_;
     }
     if (per_row && n > 0) RowSlots(rows, scratch->slots.data());
@@ -190,8 +251,13 @@ class ScoringTables {
       const uint32_t *row = rows + i * width;
       const uint32_t *slots = scratch->slots.data() + (i % 2) * per_row;
       if (per_row && i + 1 < n) RowSlots(row + width, scratch->slots.data() + ((i + 1) % 2) * per_row);
-      const float *r = Context(row, scratch);
+      uint64_t generation = 0;
+      const float *r = Context(row, scratch, &generation);
       const uint32_t w = row[context];
+      if (tree_.nodes) {
+        out[i] = TreeScore(r, generation, w, scratch);
+        continue;
+      }
       const float *q = output_ + static_cast<std::size_t>(w) * dim;
       float s = Dot(r, q, dim) + bias_[w];
       if (per_row) s += FeatureSum(slots);
@@ -208,7 +274,8 @@ class ScoringTables {
   // r = act(sum_j position[j][row[j]]) for the row's context, from the longest of its
   // prefixes in the scratch; the prefixes it sums are put there. The sum runs over j in
   // order, whatever prefix it starts from, so the floats do not depend on the entries.
-  const float *Context(const uint32_t *row, Scratch *scratch) const {
+  // *generation: the generation of the context's entry.
+  const float *Context(const uint32_t *row, Scratch *scratch, uint64_t *generation) const {
     const std::size_t context = order_ - 1, dim = dim_;
     uint64_t *hash = scratch->row_hashes.data();
     uint64_t h = 0x9e3779b97f4a7c15ULL;
@@ -225,7 +292,10 @@ class ScoringTables {
       }
     }
     const float *sum = m > 0 ? scratch->vectors.data() + at * dim : nullptr;
-    if (m == context) return sum;
+    if (m == context) {
+      *generation = scratch->generations[at];
+      return sum;
+    }
     float *to = nullptr;
     for (std::size_t j = m; j < context; ++j) {
       const std::size_t slot = PrefixSlot(hash[j]);
@@ -248,6 +318,7 @@ class ScoringTables {
       for (std::size_t k = 0; k <= j; ++k) key[k] = row[k];
       scratch->hashes[slot] = hash[j];
       scratch->lengths[slot] = static_cast<uint32_t>(j + 1);
+      *generation = scratch->generations[slot] = ++scratch->generation;
       sum = to;
     }
     scratch->rows_added += context - m;
@@ -257,6 +328,75 @@ class ScoringTables {
       for (std::size_t d = 0; d < dim; ++d) to[d] = to[d] > 0.f ? to[d] : 0.f;
     }
     return to;
+  }
+
+  // log sum_c prod sigmoid(+-x) over w's codes, x = r . output[node] + bias[node] for the
+  // context r of the given generation: each code's sum of log-sigmoids, then the codes'
+  // log-sum-exp (-inf for a word without a code). A node's pair of log-sigmoids comes
+  // from the scratch when this context has met the node recently.
+  float TreeScore(const float *r, uint64_t generation, uint32_t w, Scratch *scratch) const {
+    const std::size_t dim = dim_;
+    const uint32_t first = code_start_[w], last = code_start_[w + 1];
+    double best = -INFINITY, codes[2];
+    std::vector<double> more;  // a word with more than two codes (Mnih & Hinton's adaptive trees)
+    for (uint32_t c = first; c < last; ++c) {
+      double lp = 0.0;
+      for (uint32_t k = step_start_[c]; k < step_start_[c + 1]; ++k) {
+        const uint32_t node = steps_[k] >> 1;
+        Scratch::Node &e = scratch->nodes[NodeSlot(generation, node)];
+        if (e.generation != generation || e.node != node) {
+          const double x = Dot(r, output_ + static_cast<std::size_t>(node) * dim, dim) + bias_[node];
+          const double left = -(std::log1p(std::exp(-std::fabs(x))) + (x < 0 ? -x : 0.0));  // log sigmoid(x)
+          e.generation = generation;
+          e.node = node;
+          e.left = static_cast<float>(left);
+          e.right = static_cast<float>(left - x);  // log sigmoid(-x) = log sigmoid(x) - x
+          ++scratch->nodes_computed;
+        }
+        lp += steps_[k] & 1 ? e.left : e.right;
+      }
+      if (c - first < 2) {
+        codes[c - first] = lp;
+      } else {
+        more.push_back(lp);
+      }
+      if (lp > best) best = lp;
+    }
+    if (last - first <= 1) return static_cast<float>(best);  // one code (or none: -inf)
+    double sum = std::exp(codes[0] - best) + std::exp(codes[1] - best);
+    for (double lp : more) sum += std::exp(lp - best);
+    return static_cast<float>(best + std::log(sum));
+  }
+
+  static std::size_t NodeSlot(uint64_t generation, uint32_t node) {
+    return static_cast<std::size_t>(((generation * 0x9e3779b97f4a7c15ULL) ^ (node * 0xff51afd7ed558ccdULL)) >>
+                                    (64 - Scratch::kNodeBits));
+  }
+
+  // A float of the wire's integer fields: a whole number in [0, 2^24).
+  static bool WholeNumber(float f, uint32_t *out) {
+    if (!(f >= 0.f && f < 16777216.f) || f != std::floor(f)) return false;
+    *out = static_cast<uint32_t>(f);
+    return true;
+  }
+
+  // code_start (V+1), step_start (codes+1), steps as Set describes them hold together:
+  // both starts run from 0 up to the next array's size, and every step is a node of the tree.
+  static bool PathsHold(const std::vector<uint32_t> &paths, uint32_t vocab_size, const Tree &tree) {
+    const uint32_t *code_start = paths.data(), *step_start = code_start + vocab_size + 1,
+                   *steps = step_start + tree.codes + 1;
+    if (code_start[0] != 0 || code_start[vocab_size] != tree.codes) return false;
+    for (uint32_t w = 0; w < vocab_size; ++w) {
+      if (code_start[w] > code_start[w + 1]) return false;
+    }
+    if (step_start[0] != 0 || step_start[tree.codes] != tree.steps) return false;
+    for (uint32_t c = 0; c < tree.codes; ++c) {
+      if (step_start[c] >= step_start[c + 1]) return false;  // every code is a path of one node at least
+    }
+    for (uint64_t k = 0; k < tree.steps; ++k) {
+      if ((steps[k] >> 1) >= tree.nodes) return false;
+    }
+    return true;
   }
 
   static std::size_t PrefixSlot(uint64_t hash) {
@@ -346,6 +486,11 @@ class ScoringTables {
   uint32_t class_mask_ = 0;  // PowerOfTwoMask of each table's size
   uint32_t word_mask_ = 0;
   std::vector<uint32_t> word_class_;  // with features: each word's class
+  Tree tree_;
+  std::vector<uint32_t> paths_;  // with a tree: code_start, step_start, steps
+  const uint32_t *code_start_ = nullptr;
+  const uint32_t *step_start_ = nullptr;
+  const uint32_t *steps_ = nullptr;
   std::vector<float> data_;
   const float *output_ = nullptr;
   const float *bias_ = nullptr;

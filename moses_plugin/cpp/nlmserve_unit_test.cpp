@@ -582,6 +582,90 @@ void TestScoringTables() {
   Check(out[0] == 0.2f, "scoring tables: the no-word, tanh(0) = 0");
 }
 
+void TestScoringTablesTree() {
+  // Order 2, V = 4, D = 2, the tree ((0, 2), 3) of tests/test_trees.py's golden case: the
+  // root (node 0) goes left to node 1 and right to word 3, node 1 left to word 0 and right
+  // to word 2; <s> (word 1) has no code. q_0 = (0.5, -0.25), b_0 = 0.1; q_1 = (0.2, 0.3),
+  // b_1 = -0.4. position[0][0] = (1, 2), every other row 0. After context 0: r = (1, 2),
+  // x_0 = 0.1, x_1 = 0.4; after context 2: r = 0, x_0 = 0.1, x_1 = -0.4.
+  const float position[] = {1, 2, 0, 0, 0, 0, 0, 0};
+  const float nodes[] = {0.5f, -0.25f, 0.2f, 0.3f, /* biases */ 0.1f, -0.4f};
+  // code_start (V+1), step_start (codes+1), steps (2 * node + bit, bit 1 left).
+  const float paths[] = {0, 1, 1, 2, 3, /* */ 0, 2, 4, 5, /* */ 1, 3, 1, 2, 0};
+  std::vector<float> data(position, position + 8);
+  data.insert(data.end(), nodes, nodes + 6);
+  data.insert(data.end(), paths, paths + 14);
+  nlmserve::ScoringTables::Tree tree;
+  tree.nodes = 2;
+  tree.codes = 3;
+  tree.steps = 5;
+  nlmserve::ScoringTables tables;
+  Check(tables.Set(2, 4, 2, nlmserve::Activation::kNone, "h", data, nlmserve::ScoringTables::Features(), tree),
+        "tree tables are taken");
+  Check(tables.normalized() && tables.tree().nodes == 2, "tree tables give normalised scores");
+  const uint32_t rows[] = {0, 0, 0, 2, 0, 3, 2, 3, 2, 0, 0, 1};
+  float out[6];
+  nlmserve::ScoringTables::Scratch scratch;
+  tables.Score(rows, 6, out, &scratch);
+  auto sig = [](double x) { return 1.0 / (1.0 + std::exp(-x)); };
+  Check(std::fabs(out[0] - std::log(sig(0.1) * sig(0.4))) < 1e-6 && std::fabs(out[1] - std::log(sig(0.1) * sig(-0.4))) < 1e-6 &&
+            std::fabs(out[2] - std::log(sig(-0.1))) < 1e-6,
+        "tree scores by hand after context 0");
+  Check(std::fabs(out[3] - std::log(sig(-0.1))) < 1e-6 && std::fabs(out[4] - std::log(sig(0.1) * sig(-0.4))) < 1e-6,
+        "tree scores by hand after context 2");
+  Check(std::isinf(out[5]) && out[5] < 0, "<s> has no code: -inf");
+  double sum = 0;
+  for (int i = 0; i < 3; ++i) sum += std::exp(out[i]);
+  Check(std::fabs(sum - 1.0) < 1e-6, "the tree's words sum to one");
+  // The nodes kept for a context change no score: each row alone, from a fresh scratch,
+  // gives the same floats; the batch computed each (context, node) pair once: context 0
+  // meets nodes 0 and 1, context 2 nodes 0 and 1 again (5 rows, 4 pairs).
+  Check(scratch.nodes_computed == 4, "each (context, node) pair computed once");
+  for (int i = 0; i < 6; ++i) {
+    nlmserve::ScoringTables::Scratch fresh;
+    float alone;
+    tables.Score(rows + 2 * i, 1, &alone, &fresh);
+    Check(alone == out[i] || (std::isinf(alone) && std::isinf(out[i])), "a tree score does not depend on the scratch");
+  }
+  // Word 3 given a second code (it then also sits at node 1's right, in place of word 2's
+  // only code moving to word 3): code_start 0, 1, 1, 1, 3, so p(3) = sigmoid(x_0) sigmoid(-x_1) + sigmoid(-x_0).
+  std::vector<float> two = data;
+  two[14 + 3] = 1;
+  Check(tables.Set(2, 4, 2, nlmserve::Activation::kNone, "h", two, nlmserve::ScoringTables::Features(), tree),
+        "a word with two codes is taken");
+  tables.Score(rows + 4, 1, out, &scratch);
+  Check(std::fabs(out[0] - std::log(sig(0.1) * sig(-0.4) + sig(-0.1))) < 1e-6, "a word's codes are summed");
+  // Refused: one float short; a step at node 2 of a two-node tree; a code with no step;
+  // code_start not reaching the codes; a fraction; a tree with features.
+  nlmserve::ScoringTables refused;
+  Check(!refused.Set(2, 4, 2, nlmserve::Activation::kNone, "h", std::vector<float>(data.begin(), data.end() - 1),
+                     nlmserve::ScoringTables::Features(), tree),
+        "tree tables one float short are refused");
+  std::vector<float> bad = data;
+  bad[27] = 4;  // 2 * node 2 + 0
+  Check(!refused.Set(2, 4, 2, nlmserve::Activation::kNone, "h", bad, nlmserve::ScoringTables::Features(), tree),
+        "a step outside the tree is refused");
+  bad = data;
+  bad[14 + 5 + 2] = 2;  // step_start 0, 2, 2, 5: the second code has no step
+  Check(!refused.Set(2, 4, 2, nlmserve::Activation::kNone, "h", bad, nlmserve::ScoringTables::Features(), tree),
+        "a code without a step is refused");
+  bad = data;
+  bad[14 + 4] = 2;  // code_start ends at 2 of 3 codes
+  Check(!refused.Set(2, 4, 2, nlmserve::Activation::kNone, "h", bad, nlmserve::ScoringTables::Features(), tree),
+        "codes that do not add up are refused");
+  bad = data;
+  bad[24] = 1.5f;
+  Check(!refused.Set(2, 4, 2, nlmserve::Activation::kNone, "h", bad, nlmserve::ScoringTables::Features(), tree),
+        "a fractional step is refused");
+  nlmserve::ScoringTables::Features features;
+  features.order = 1;
+  features.word_table = 1;
+  bad = data;
+  bad.insert(bad.begin() + 14, 5, 0.f);  // room for word classes (V) and one word slot
+  Check(!refused.Set(2, 4, 2, nlmserve::Activation::kNone, "h", bad, features, tree), "a tree with features is refused");
+  Check(refused.order() == 0, "refused tables stay empty");
+}
+
 void TestScoringTablesFeatures() {
   // Order 3, V = 12, D = 1, every LBL weight 0 (r = 0, s = the features alone); word w is
   // in class w % 3. The context "5 7" has the suffix hashes h_0 = 1000003,
@@ -782,6 +866,7 @@ int main(int argc, char **argv) {
   TestErrorPause();
   TestTextAndTargets();
   TestScoringTables();
+  TestScoringTablesTree();
   TestScoringTablesFeatures();
   TestScoringTablesPrefixes();
   std::printf("unit: %d passed, %d failed\n", g_passed, g_failed);
