@@ -42,6 +42,23 @@ def start_server(lm: Any, **overrides: Any) -> RunningServer:
     return create_server(config, engine=Engine(lm, config))
 
 
+def streamed_tables(lm: Any, chunk_floats: int) -> tuple[Any, np.ndarray]:
+    """GetScoringTables of ``lm`` served for real (:func:`start_server`) in chunks of
+    ``chunk_floats`` → (the first chunk, the streamed array of little-endian float32)."""
+    import grpc
+
+    from nlmserve.proto import lm_pb2, lm_pb2_grpc
+
+    running = start_server(lm)
+    try:
+        with grpc.insecure_channel(running.target) as channel:
+            chunks = list(lm_pb2_grpc.LanguageModelStub(channel).GetScoringTables(
+                lm_pb2.GetScoringTablesRequest(chunk_floats=chunk_floats)))
+    finally:
+        running.stop(1.0)
+    return chunks[0], np.frombuffer(b"".join(c.data for c in chunks), dtype="<f4")
+
+
 # ---------------------------------------------------------------------- the golden model
 #: The golden model's words after <unk> = 0, <s> = 1, </s> = 2: a = 3, b = 4, c = 5.
 GOLDEN_WORDS = ("a", "b", "c")

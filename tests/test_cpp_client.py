@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Any, Iterator
 
 import numpy as np
 import pytest
@@ -304,21 +304,29 @@ def test_scoring_tables_give_the_servers_self_normalised_scores(driver: Path, se
     _local_scores_are_the_servers(driver, server.target, path, ngrams)
 
 
+def _served_tables_agree(driver: Path, model_path: Path, tmp_path: Path) -> tuple[dict[str, str], Any]:
+    """``model_path`` served for real, its n-grams of the test set up to its order scored
+    by the C++ process from the tables and checked against the server
+    (:func:`_local_scores_are_the_servers`) → the answer's fields and the model."""
+    from nlmserve.lm.scoring import LanguageModel
+
+    lm = LanguageModel.load(model_path, device="cpu")
+    ngrams = [g for g in _ngrams(order=lm.order) if len(g) <= lm.order]
+    path = tmp_path / "ngrams.txt"
+    path.write_text("".join(" ".join(g) + "\n" for g in ngrams), encoding="utf-8")
+    server = Server(model_path, tmp_path / "server.log")
+    try:
+        return _local_scores_are_the_servers(driver, server.target, path, ngrams), lm
+    finally:
+        server.kill()
+
+
 def test_scoring_tables_with_direct_ngram_features(driver: Path, feature_model_path: Path, tmp_path: Path) -> None:
     """A model with direct n-gram features (the recipe's default) served for real: the C++
     process adds the hashed features to the tables' score as the server does (natural log,
     self-normalised), and the tables' size counts the word classes and the two tables."""
-    from nlmserve.lm.scoring import LanguageModel
-
-    cfg = LanguageModel.load(feature_model_path, device="cpu").config
-    ngrams = [g for g in _ngrams(order=cfg.order) if len(g) <= cfg.order]
-    path = tmp_path / "ngrams.txt"
-    path.write_text("".join(" ".join(g) + "\n" for g in ngrams), encoding="utf-8")
-    server = Server(feature_model_path, tmp_path / "server.log")
-    try:
-        fields = _local_scores_are_the_servers(driver, server.target, path, ngrams)
-    finally:
-        server.kill()
+    fields, lm = _served_tables_agree(driver, feature_model_path, tmp_path)
+    cfg = lm.config
     V, D = cfg.vocab_size, cfg.dim
     assert int(fields["bytes"]) == 4 * (cfg.order * V * D + V + V + 1024 + 4096) + 4 * V
 
@@ -329,18 +337,8 @@ def test_scoring_tables_of_a_tree_output_give_exact_scores(driver: Path, tree_mo
     vectors and every word's path, and the C++ process computes the exact log-probabilities
     the server answers for normalized=true (which the feature then takes with scoring=local
     and normalized=true); the tables' size counts the paths."""
-    from nlmserve.lm.scoring import LanguageModel
-
-    lm = LanguageModel.load(tree_model_path, device="cpu")
+    fields, lm = _served_tables_agree(driver, tree_model_path, tmp_path)
     cfg = lm.config
-    ngrams = [g for g in _ngrams(order=cfg.order) if len(g) <= cfg.order]
-    path = tmp_path / "ngrams.txt"
-    path.write_text("".join(" ".join(g) + "\n" for g in ngrams), encoding="utf-8")
-    server = Server(tree_model_path, tmp_path / "server.log")
-    try:
-        fields = _local_scores_are_the_servers(driver, server.target, path, ngrams)
-    finally:
-        server.kill()
     assert fields["normalized"] == "1"
     V, D, tree = cfg.vocab_size, cfg.dim, lm.scoring_tables().tree
     assert tree is not None

@@ -344,19 +344,10 @@ def test_scoring_tables_of_a_trained_feature_model_give_its_self_normalised_scor
     np.testing.assert_array_equal(flat[4 * V * D + V: 4 * V * D + 2 * V], lm.net.output.word_class.numpy())
     np.testing.assert_array_equal(flat[-4096:], tables.ngram_word)
     # GetScoringTables streams that array, its first chunk naming the features.
-    import grpc
+    from support import streamed_tables
 
-    from nlmserve.proto import lm_pb2, lm_pb2_grpc
-    from support import start_server
-
-    running = start_server(lm)
-    try:
-        with grpc.insecure_channel(running.target) as channel:
-            chunks = list(lm_pb2_grpc.LanguageModelStub(channel).GetScoringTables(
-                lm_pb2.GetScoringTablesRequest(chunk_floats=1000)))
-    finally:
-        running.stop(1.0)
-    head = chunks[0]
+    head, got = streamed_tables(lm, 1000)
     assert (head.feature_order, head.ngram_class_table, head.ngram_word_table, head.total_floats) == (
         4, 1024, 4096, flat.size)
-    np.testing.assert_array_equal(np.frombuffer(b"".join(c.data for c in chunks), dtype="<f4"), flat)
+    assert head.output == "class"
+    np.testing.assert_array_equal(got, flat)

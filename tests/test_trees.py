@@ -235,25 +235,14 @@ def test_scoring_tables_of_a_tree_give_its_exact_log_probabilities(output: str, 
 def test_a_tree_model_streams_its_tables_with_the_tree_sizes(tmp_path: Path) -> None:
     """GetScoringTables of a served tree model: output "tree", the tree's nodes, codes and
     steps in the first chunk, the array ScoringTables.flat gives."""
-    import grpc
-
     from nlmserve.lm.scoring import LanguageModel
-    from nlmserve.proto import lm_pb2, lm_pb2_grpc
-    from support import start_server
+    from support import streamed_tables
 
     lm = LanguageModel.load(_saved(_random_model("huffman"), tmp_path / "tree.nlm"), device="cpu")
     want = lm.scoring_tables()
     assert want.tree is not None
-    running = start_server(lm)
-    try:
-        with grpc.insecure_channel(running.target) as channel:
-            chunks = list(lm_pb2_grpc.LanguageModelStub(channel).GetScoringTables(
-                lm_pb2.GetScoringTablesRequest(chunk_floats=100)))
-    finally:
-        running.stop(1.0)
-    head = chunks[0]
+    head, got = streamed_tables(lm, 100)
     assert (head.output, head.tree_nodes, head.tree_codes, head.tree_steps) == (
         "tree", want.output.shape[0], *want.tree.sizes)
     assert head.feature_order == 0 and head.total_floats == want.flat().size
-    got = np.concatenate([np.frombuffer(c.data, dtype="<f4") for c in chunks])
     np.testing.assert_array_equal(got, want.flat())
