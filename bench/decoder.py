@@ -72,9 +72,15 @@ PREFETCH_MODES = ["stack", "hypothesis", "false"]
 TARGETS = {"exact": 2.0, "self-normalised": 1.5}
 
 
+def exact_config(options: dict[str, str] | None) -> bool:
+    """A feature configuration that decodes with exact scores (the feature's default
+    normalized=true; with scoring=local, the tables of a tree-output model)."""
+    return options is not None and options.get("normalized") != "false"
+
+
 def target_of(options: dict[str, str]) -> float:
     """The target of a feature configuration (its options)."""
-    return TARGETS["self-normalised" if options.get("normalized") == "false" else "exact"]
+    return TARGETS["exact" if exact_config(options) else "self-normalised"]
 
 _SENTENCE = re.compile(r"NeuralLMServer \S+: sentence \d+ took (\d+) round trips")
 _CLOSING = re.compile(r"(\d+) n-grams sent, (\d+) cache hits, (\d+) misses")
@@ -600,8 +606,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.nbest_check and checked is not None and check_model is not None:
             head = work / "nbest-input.txt"
             head.write_text("".join(chosen[: args.nbest_check]), encoding="utf-8")
-            # exact scores, at the order the checked configuration decodes with
-            exact = {"normalized": "true", **{k: v for k, v in (checked.options or {}).items() if k == "order"}}
+            # exact scores, at the order the checked configuration decodes with, and computed
+            # where it computes them when they are exact there (a tree model's scoring=local)
+            exact = {"normalized": "true", **{k: v for k, v in (checked.options or {}).items()
+                                              if k == "order" or (k == "scoring" and exact_config(checked.options))}}
             try:
                 nbest = nbest_check(checked.moses or args.moses, ini_for("nbest", exact, check_model), head,
                                     args.threads, check_model, work)

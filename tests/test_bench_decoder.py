@@ -143,6 +143,9 @@ def test_targets_follow_the_scores_not_the_name() -> None:
     assert decoder.target_of({"normalized": "false", "scoring": "local"}) == 1.5
     assert decoder.target_of({"scoring": "local", "model": "/m/tree.nlm"}) == 2.0
     assert decoder.target_of({"normalized": "true"}) == 2.0
+    # (the n-best check decodes exact scores where such a configuration computes them)
+    assert decoder.exact_config({"scoring": "local"}) and not decoder.exact_config({"normalized": "false"})
+    assert not decoder.exact_config(None)  # KENLM alone
     runs = [decoder.Run("kenlm", 0, 10, 10.0, 20.0, 0.0, output_sha="a"),
             decoder.Run("ep5", 0, 10, 14.0, 30.0, 0.0, output_sha="b"),
             decoder.Run("tree", 0, 10, 19.0, 30.0, 0.0, output_sha="c")]
