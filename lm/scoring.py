@@ -260,8 +260,8 @@ class LanguageModel:
 
     def scoring_tables_missing(self) -> str | None:
         """Why :meth:`scoring_tables` cannot describe this model (None: it can): one that is
-        not self-normalised, has no class output, a context other than the diagonal one or a
-        hidden layer."""
+        not self-normalised, has neither a class nor a tree output, a context other than the
+        diagonal one or a hidden layer."""
         cfg = self.config
         return ("the model is not self-normalised (trained with NCE)" if not self.self_normalized
                 else f"the output layer is {cfg.output!r}, not 'class' or 'tree'" if cfg.output not in ("class", "tree")
@@ -451,7 +451,7 @@ class ScoringTables:
         """The tables as the one float32 array the wire streams: position, output, bias;
         with features the word classes (ids, exact in float32: below 2^24), ngram_class and
         ngram_word; with a tree its code_start, step_start and steps (``TreePaths``, whole
-        numbers below 2^24; ValueError for a tree too large for that)."""
+        numbers below 2^24; UnsupportedModelError for a tree too large for that)."""
         parts = [self.position.reshape(-1), self.output.reshape(-1), self.bias]
         if self.feature_order:
             assert self.word_class is not None
@@ -460,7 +460,8 @@ class ScoringTables:
         if self.tree is not None:
             ints = (self.tree.code_start, self.tree.step_start, self.tree.steps)
             if max(int(a.max()) for a in ints) >= FLOAT_EXACT:
-                raise ValueError(f"the tree's paths do not fit the tables (steps or ids of {FLOAT_EXACT:,} or more)")
+                raise UnsupportedModelError(f"no scoring tables: the tree's paths do not fit them (steps or "
+                                            f"ids of {FLOAT_EXACT:,} or more)")
             parts.extend(a.astype(np.float32) for a in ints)
         return np.concatenate([p.astype(np.float32, copy=False) for p in parts])
 

@@ -114,6 +114,7 @@ class FlatTables:
 
     @classmethod
     def of(cls, tables: ScoringTables) -> "FlatTables":
+        """The wire's form of ``tables`` (UnsupportedModelError when they do not fit it)."""
         codes, steps = tables.tree.sizes if tables.tree is not None else (0, 0)
         return cls(tables.flat().astype("<f4", copy=False), tables.output.shape[1], tables.activation,
                    tables.feature_order, *tables.feature_tables, output=tables.kind,
@@ -147,7 +148,7 @@ class ModelState:
             if self._tables is None:
                 try:
                     self._tables = FlatTables.of(self.lm.scoring_tables())
-                except (UnsupportedModelError, ValueError) as e:
+                except UnsupportedModelError as e:
                     self._tables = str(e)
             if isinstance(self._tables, str):
                 raise UnsupportedModelError(self._tables)

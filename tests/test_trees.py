@@ -246,3 +246,17 @@ def test_a_tree_model_streams_its_tables_with_the_tree_sizes(tmp_path: Path) -> 
         "tree", want.output.shape[0], *want.tree.sizes)
     assert head.feature_order == 0 and head.total_floats == want.flat().size
     np.testing.assert_array_equal(got, want.flat())
+
+
+def test_a_tree_whose_paths_do_not_fit_float32_has_no_tables() -> None:
+    """The paths travel as whole numbers in float32, exact below 2^24: a step beyond that
+    (a tree of millions of nodes) is refused with the reason, which the server answers
+    GetScoringTables with, instead of sending rounded node ids."""
+    from nlmserve.errors import UnsupportedModelError
+    from nlmserve.lm.scoring import ScoringTables
+    from nlmserve.lm.trees import TreePaths
+
+    paths = TreePaths(np.array([0, 1, 1, 2]), np.array([0, 1, 2]), np.array([2 * (1 << 24) + 1, 0]))
+    tables = ScoringTables(np.zeros((1, 3, 1)), np.zeros((2, 1)), np.zeros(2), "none", tree=paths)
+    with pytest.raises(UnsupportedModelError, match="do not fit"):
+        tables.flat()
