@@ -82,6 +82,13 @@ def target_of(options: dict[str, str]) -> float:
     """The target of a feature configuration (its options)."""
     return TARGETS["exact" if exact_config(options) else "self-normalised"]
 
+
+def set_target(row: dict[str, Any]) -> None:
+    """A summary row of a feature configuration gets its target and whether it met it."""
+    if row.get("options") is not None and row.get("wall_ratio") is not None:
+        row["target"] = target_of(row["options"])
+        row["met"] = row["wall_ratio"] <= row["target"]
+
 _SENTENCE = re.compile(r"NeuralLMServer \S+: sentence \d+ took (\d+) round trips")
 _CLOSING = re.compile(r"(\d+) n-grams sent, (\d+) cache hits, (\d+) misses")
 _LOCAL = re.compile(r"(\d+) n-grams scored locally(?: \((\d+) position rows summed(?:, (\d+) tree nodes computed)?\))?")
@@ -344,9 +351,7 @@ def summarise(runs: list[Run], configs: list[Config]) -> list[dict[str, Any]]:
             h, m = hits[0]
             row["cache_hit_rate"] = round(h / (h + m), 4) if h + m else None
             row["lookups_per_sentence"] = round((h + m) / lines)
-        if c.options is not None and row["wall_ratio"] is not None:
-            row["target"] = target_of(c.options)
-            row["met"] = row["wall_ratio"] <= row["target"]
+        set_target(row)
         rows.append(row)
     return rows
 
@@ -488,9 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         result = json.loads(only.render.read_text())
         result["section"] = only.section or result.get("section")
         for row in result["rows"]:  # the targets as TARGETS states them now
-            if row.get("options") is not None and row.get("wall_ratio") is not None:
-                row["target"] = target_of(row["options"])
-                row["met"] = row["wall_ratio"] <= row["target"]
+            set_target(row)
         write_section(only.doc, render(result), result["section"])
         return 0
     args = p.parse_args(argv)
