@@ -265,8 +265,11 @@ def test_replicas_serving_different_models_raise_unless_mixing_is_allowed(tiny_l
 
         async def run() -> None:
             async with AsyncLMClient([a.target, b.target], timeout=10) as aclient:
-                with pytest.raises(ModelMismatchError):
+                with pytest.raises(ModelMismatchError):  # as above: a replica connected later too
                     await aclient.get_info()
+                    deadline = time.monotonic() + 20
+                    while time.monotonic() < deadline:
+                        await aclient.score_ngrams([["of", "the"]])
 
         asyncio.run(run())
         with LMClient(f"{a.target},{b.target}", timeout=10) as client, pytest.raises(ValueError, match="replica"):
