@@ -91,7 +91,8 @@ def set_target(row: dict[str, Any]) -> None:
 
 _SENTENCE = re.compile(r"NeuralLMServer \S+: sentence \d+ took (\d+) round trips")
 _CLOSING = re.compile(r"(\d+) n-grams sent, (\d+) cache hits, (\d+) misses")
-_LOCAL = re.compile(r"(\d+) n-grams scored locally(?: \((\d+) position rows summed(?:, (\d+) tree nodes computed)?\))?")
+_LOCAL = re.compile(r"(\d+) n-grams scored locally"
+                    r"(?: \((?:(\d+) remembered, )?(\d+) position rows summed(?:, (\d+) tree nodes computed)?\))?")
 _LOADED = re.compile(r"Created input-output object : \[([\d.]+)\] seconds")
 
 
@@ -144,6 +145,7 @@ class Run:
     ngrams_local: int | None = None
     rows_summed: int | None = None  # scoring=local: position rows summed for the contexts
     nodes_computed: int | None = None  # scoring=local with a tree: node dot products computed
+    rows_remembered: int | None = None  # scoring=local, a tree or features: scores the tables kept
     load_s: float | None = None
 
 
@@ -214,12 +216,14 @@ def feature_counts(log: Path) -> dict[str, int | None]:
     local: int | None = None
     summed: int | None = None
     nodes: int | None = None
+    remembered: int | None = None
     for line in log.read_text(errors="replace").splitlines():
         lo = _LOCAL.search(line)
         if lo:
             local = int(lo.group(1))
-            summed = int(lo.group(2)) if lo.group(2) else None
-            nodes = int(lo.group(3)) if lo.group(3) else None
+            remembered = int(lo.group(2)) if lo.group(2) else None
+            summed = int(lo.group(3)) if lo.group(3) else None
+            nodes = int(lo.group(4)) if lo.group(4) else None
         m = _SENTENCE.search(line)
         if m:
             trips.append(int(m.group(1)))
@@ -230,7 +234,8 @@ def feature_counts(log: Path) -> dict[str, int | None]:
             "ngrams_sent": closing[0] if closing else None,
             "cache_hits": closing[1] if closing else None,
             "cache_misses": closing[2] if closing else None,
-            "ngrams_local": local, "rows_summed": summed, "nodes_computed": nodes}
+            "ngrams_local": local, "rows_summed": summed, "nodes_computed": nodes,
+            "rows_remembered": remembered}
 
 
 def load_seconds(log: Path) -> float | None:
@@ -343,6 +348,9 @@ def summarise(runs: list[Run], configs: list[Config]) -> list[dict[str, Any]]:
         nodes = [r.nodes_computed / r.ngrams_local for r in rs if r.nodes_computed is not None and r.ngrams_local]
         if nodes:
             row["nodes_per_ngram"] = round(statistics.median(nodes), 2)
+        kept = [r.rows_remembered / r.ngrams_local for r in rs if r.rows_remembered is not None and r.ngrams_local]
+        if kept:
+            row["remembered_share"] = round(statistics.median(kept), 3)
         first = {r.config: r.output_sha for r in runs if r.round == 0}
         if c.options is not None:
             row["same_output_as"] = sorted(name for name, sha_ in first.items()
@@ -364,7 +372,7 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         opts = "KENLM alone" if r["options"] is None else ("+ NLM0 " + " ".join(
             f"`{k}={v}`" for k, v in r["options"].items()))
-        opts += "".join(f" ({key} `{Path(r[key]).name}`)" for key in BENCH_KEYS if r.get(key))
+        opts += "".join(f" ({key} `{shown(r[key])}`)" for key in BENCH_KEYS if r.get(key))
         target = "" if "target" not in r else f"≤ {r['target']}×: {'met' if r['met'] else '**not met**'}"
         out.append(f"| {opts} | {', '.join(str(w) for w in r['walls_s'])} | {r['wall_s']} | {r['wall_ratio']} | "
                    f"{'' if r.get('load_s') is None else r['load_s']} | {r['decoder_cpu_s']} | {r['server_cpu_s']} | {r['cpu_ratio']} | "
@@ -373,14 +381,24 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def shown(path: str) -> str:
+    """A model or Moses binary as the table names it: the file's name, or for a binary inside
+    a Moses tree (ROOT/moses-cmd/bin/...), the tree's folder, which tells builds apart."""
+    parts = Path(path).parts
+    return parts[parts.index("moses-cmd") - 1] if "moses-cmd" in parts[1:] else Path(path).name
+
+
 def local_cell(row: dict[str, Any]) -> str:
-    """The n-grams scored in the decoder per sentence, the position rows summed per n-gram
-    for their contexts (order-1 without reuse) and, with a tree, the node dot products
-    computed per n-gram, where the feature reported them."""
+    """The n-grams scored in the decoder per sentence, the share whose score the tables
+    remembered, the position rows summed per n-gram for their contexts (order-1 without
+    reuse) and, with a tree, the node dot products computed per n-gram, where the feature
+    reported them."""
     cell = str(row.get("ngrams_local_per_sentence", ""))
     if row.get("rows_summed_per_ngram") is not None:
+        kept = (f"{100 * row['remembered_share']:.1f}% remembered, "
+                if row.get("remembered_share") is not None else "")
         nodes = f", {row['nodes_per_ngram']} tree nodes" if row.get("nodes_per_ngram") is not None else ""
-        cell += f" ({row['rows_summed_per_ngram']} position rows summed{nodes} each)"
+        cell += f" ({kept}{row['rows_summed_per_ngram']} position rows summed{nodes} each)"
     return cell
 
 

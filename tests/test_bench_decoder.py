@@ -111,18 +111,18 @@ def test_feature_counts_from_the_log(tmp_path: Path) -> None:
     log.write_text(LOG)
     assert decoder.feature_counts(log) == {"round_trips": 25, "ngrams_sent": 112123,
                                            "cache_hits": 95612, "cache_misses": 112123, "ngrams_local": None,
-                                           "rows_summed": None, "nodes_computed": None}
+                                           "rows_summed": None, "nodes_computed": None, "rows_remembered": None}
     log.write_text("no feature here\n")
     assert decoder.feature_counts(log) == {"round_trips": None, "ngrams_sent": None,
                                            "cache_hits": None, "cache_misses": None, "ngrams_local": None,
-                                           "rows_summed": None, "nodes_computed": None}
+                                           "rows_summed": None, "nodes_computed": None, "rows_remembered": None}
     # scoring=local: the closing line counts the n-grams scored in the decoder
     log.write_text("NeuralLMServer NLM0: 20 sentences, 0 round trips, 0 failed requests, 0 requests floored, "
                    "0 n-grams sent, 0 cache hits, 0 misses, 7783539 n-grams scored locally; boundary scores: "
                    "4836542 in order, 0 looked up, 0 scored alone\n")
     assert decoder.feature_counts(log) == {"round_trips": None, "ngrams_sent": 0, "cache_hits": 0,
                                            "cache_misses": 0, "ngrams_local": 7783539, "rows_summed": None,
-                                           "nodes_computed": None}
+                                           "nodes_computed": None, "rows_remembered": None}
     # and the position rows summed for their contexts (a real 30-sentence run of the 10-gram)
     log.write_text("NeuralLMServer NLM0: 30 sentences, 0 round trips, 0 failed requests, 0 requests floored, "
                    "0 n-grams sent, 0 cache hits, 0 misses, 13770312 n-grams scored locally (4976492 position "
@@ -135,6 +135,15 @@ def test_feature_counts_from_the_log(tmp_path: Path) -> None:
                    "0 scored alone\n")
     counts = decoder.feature_counts(log)
     assert (counts["rows_summed"], counts["nodes_computed"]) == (4976492, 51000000)
+    assert counts["rows_remembered"] is None
+    # and the rows whose scores the tables remembered (tables of a tree or with features)
+    log.write_text("NeuralLMServer NLM0: 30 sentences, 0 round trips, 0 failed requests, 0 requests floored, "
+                   "0 n-grams sent, 0 cache hits, 0 misses, 13770312 n-grams scored locally (6000000 remembered, "
+                   "2976492 position rows summed, 31000000 tree nodes computed); boundary scores: 9082806 in "
+                   "order, 0 looked up, 0 scored alone\n")
+    counts = decoder.feature_counts(log)
+    assert (counts["ngrams_local"], counts["rows_remembered"], counts["rows_summed"], counts["nodes_computed"]) == (
+        13770312, 6000000, 2976492, 31000000)
 
 
 def test_targets_follow_the_scores_not_the_name() -> None:
@@ -189,13 +198,16 @@ def test_summary_ratios_and_rendered_section(tmp_path: Path) -> None:
     local = decoder.Config.parse("local:normalized=false,scoring=local")
     assert local.options == {"normalized": "false", "scoring": "local"}
     both = runs + [decoder.Run("local", r, 10, 12.0, 24.0, 0.0, None, 0, 0, 0, sha, ngrams_local=5000,
-                               rows_summed=summed)
-                   for r, sha, summed in ((0, "b", 1000), (1, "b", 2000))]
+                               rows_summed=summed, rows_remembered=kept)
+                   for r, sha, summed, kept in ((0, "b", 1000, 2000), (1, "b", 2000, 3000))]
     extra = decoder.summarise(both, configs + [local])
     assert extra[2]["ngrams_local_per_sentence"] == 500 and "cache_hit_rate" not in extra[2]
     assert extra[2]["rows_summed_per_ngram"] == 0.3  # the median of 0.2 and 0.4
-    assert decoder.local_cell(extra[2]) == "500 (0.3 position rows summed each)"
-    assert decoder.local_cell({**extra[2], "nodes_per_ngram": 4.5}) == (
+    assert extra[2]["remembered_share"] == 0.5  # the median of 0.4 and 0.6
+    assert decoder.local_cell(extra[2]) == "500 (50.0% remembered, 0.3 position rows summed each)"
+    plain = {k: v for k, v in extra[2].items() if k != "remembered_share"}
+    assert decoder.local_cell(plain) == "500 (0.3 position rows summed each)"
+    assert decoder.local_cell({**plain, "nodes_per_ngram": 4.5}) == (
         "500 (0.3 position rows summed, 4.5 tree nodes each)")
     assert extra[2]["same_output_as"] == ["exact"] and extra[1]["same_output_as"] == ["local"]
     assert extra[2]["target"] == 1.5 and extra[2]["met"] is True  # 12 s against 11 s
@@ -216,6 +228,10 @@ def test_summary_ratios_and_rendered_section(tmp_path: Path) -> None:
     result["rows"] = decoder.summarise(runs, [configs[0], own])
     assert result["rows"][1]["model"] == "/m/ep5x.nlm" and "moses" not in result["rows"][0]
     assert "| + NLM0 `normalized=true` (model `ep5x.nlm`) (moses `moses-old`) | 25.0, 23.0 |" in decoder.render(result)
+    # a binary inside a Moses tree is named by the tree's folder, which tells two builds apart
+    assert decoder.shown("/tmp/moses-main/moses-cmd/bin/gcc-12/release/link-static/threading-multi/moses") == (
+        "moses-main")
+    assert decoder.shown("/tmp/moses-est") == "moses-est" and decoder.shown("/m/ep5x.nlm") == "ep5x.nlm"
     # a run of its own goes between its section's markers, and the main table stays
     result["section"] = "features"
     begin, end = decoder.markers("features")

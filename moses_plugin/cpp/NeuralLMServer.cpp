@@ -77,6 +77,7 @@ struct NeuralLMServerThread {
   uint64_t scoredLocally = 0;
   uint64_t rowsSummed = 0;
   uint64_t nodesComputed = 0;
+  uint64_t rowsRemembered = 0;
 };
 
 namespace {
@@ -140,6 +141,7 @@ NeuralLMServer::NeuralLMServer(const std::string &line)
       m_scoredLocally(0),
       m_rowsSummed(0),
       m_nodesComputed(0),
+      m_rowsRemembered(0),
       m_pause(new nlmserve::ErrorPause()) {
   ReadParameters();
   m_target = m_filePath;
@@ -169,8 +171,9 @@ NeuralLMServer::~NeuralLMServer() {
                       << stats.cache_misses << " misses");
     }
     if (m_tables) {
-      VERBOSE(1, ", " << m_scoredLocally.load() << " n-grams scored locally (" << m_rowsSummed.load()
-                      << " position rows summed");
+      VERBOSE(1, ", " << m_scoredLocally.load() << " n-grams scored locally (");
+      if (m_tables->RemembersRows()) VERBOSE(1, m_rowsRemembered.load() << " remembered, ");
+      VERBOSE(1, m_rowsSummed.load() << " position rows summed");
       if (m_tables->normalized()) VERBOSE(1, ", " << m_nodesComputed.load() << " tree nodes computed");
       VERBOSE(1, ")");
     }
@@ -393,12 +396,14 @@ void NeuralLMServer::ScoreRows(const uint32_t *rows, size_t n, float *out, Neura
         return;
       }
     }
-    const uint64_t summed = local.tables.rows_added, computed = local.tables.nodes_computed;
+    const uint64_t summed = local.tables.rows_added, computed = local.tables.nodes_computed,
+                   remembered = local.tables.rows_remembered;
     m_tables->Score(rows, n, out, &local.tables);  // natural log, as TransformLMScore makes it
     for (size_t i = 0; i < n; ++i) out[i] = FloorScore(out[i]);
     local.scoredLocally += n;
     local.rowsSummed += local.tables.rows_added - summed;
     local.nodesComputed += local.tables.nodes_computed - computed;
+    local.rowsRemembered += local.tables.rows_remembered - remembered;
     return;
   }
   // on-error=floor: after a failed request the server is left alone for a pause, so that
@@ -763,7 +768,7 @@ void NeuralLMServer::InitializeForInput(ttasksptr const &ttask) {
   NeuralLMServerThread &local = Local(this);
   local.sentence = nlmserve::BatchCounts();
   local.inOrder = local.lookedUp = local.scoredAlone = local.scoredLocally = local.rowsSummed = 0;
-  local.nodesComputed = 0;
+  local.nodesComputed = local.rowsRemembered = 0;
   // The last sentence's expansions name its hypotheses, whose addresses this one may
   // reuse: EvaluateWhenApplied trusts an entry that matches at the cursor.
   local.boundary.Clear();
@@ -781,6 +786,7 @@ void NeuralLMServer::CleanUpAfterSentenceProcessing(ttasksptr const &ttask) {
   m_scoredLocally.fetch_add(local.scoredLocally);
   m_rowsSummed.fetch_add(local.rowsSummed);
   m_nodesComputed.fetch_add(local.nodesComputed);
+  m_rowsRemembered.fetch_add(local.rowsRemembered);
   const uint64_t lookups = counts.cache_hits + counts.cache_misses;
   char rate[32] = "no lookups";
   if (lookups > 0) std::snprintf(rate, sizeof(rate), "%.1f%% hits", 100.0 * counts.cache_hits / lookups);

@@ -215,9 +215,9 @@ class NeuralLMServer : public LanguageModelSingleFactor {
   mutable std::atomic<uint64_t> m_floored;
   // Boundary scores of all sentences: at the prefetch's cursor, looked up, scored alone.
   mutable std::atomic<uint64_t> m_inOrder, m_lookedUp, m_scoredAlone;
-  // scoring=local: n-grams scored in the decoder, the position rows summed for them and a
-  // tree's node dot products computed.
-  mutable std::atomic<uint64_t> m_scoredLocally, m_rowsSummed, m_nodesComputed;
+  // scoring=local: n-grams scored in the decoder, the position rows summed for them, a
+  // tree's node dot products computed and the rows whose scores the tables remembered.
+  mutable std::atomic<uint64_t> m_scoredLocally, m_rowsSummed, m_nodesComputed, m_rowsRemembered;
   std::unique_ptr<nlmserve::ErrorPause> m_pause;
 };
 

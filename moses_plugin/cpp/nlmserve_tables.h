@@ -116,14 +116,25 @@ class ScoringTables {
   // their paths. An entry names its context by the generation of the context's entry (a
   // number given each time an entry is written, never reused), so it can only ever hold
   // that context's values; entries are direct-mapped by a hash of (generation, node).
+  //
+  // With a tree or features, the scores of recent rows, direct-mapped by a hash of the row
+  // and checked against its ids: a decoder asks for the same n-gram again and again (other
+  // hypotheses ending in the same words), and such a row costs a tree's few dot products
+  // and log-sigmoids or the features' cache misses, far more than one probe. A remembered
+  // score is the float computed the first time, which is what computing it again gives.
   struct Scratch {
     static const unsigned kPrefixBits = 9;
     static const std::size_t kPrefixes = std::size_t(1) << kPrefixBits;
     static const unsigned kNodeBits = 13;
+    static const unsigned kRowBits = 16;
     struct Node {
       uint64_t generation;  // 0: empty
       uint32_t node;
       float left, right;  // log sigmoid(x), log sigmoid(-x)
+    };
+    struct Row {
+      uint64_t hash;  // RowHash, never 0; 0: empty
+      float score;
     };
     std::vector<float> vectors;        // kPrefixes x dim
     std::vector<uint32_t> keys;        // kPrefixes x (order-1): the prefix's words
@@ -133,10 +144,13 @@ class ScoringTables {
     std::vector<uint64_t> row_hashes;  // order-1: the hashes of the scored row's prefixes
     std::vector<uint32_t> slots;       // 2 rows x 2 tables x feature order
     std::vector<Node> nodes;           // with a tree: 2^kNodeBits (context, node) entries
+    std::vector<Row> rows;             // with a tree or features: 2^kRowBits scored rows
+    std::vector<uint32_t> row_keys;    // 2^kRowBits x order: each scored row's ids
     uint64_t tables = 0;               // the serial of the tables the entries belong to
     uint64_t generation = 0;           // the last generation given
     uint64_t rows_added = 0;           // position rows summed, a count for reports
     uint64_t nodes_computed = 0;       // tree nodes' dot products computed, a count for reports
+    uint64_t rows_remembered = 0;      // rows whose score came from `rows`, a count for reports
   };
 
   // A tree output's sizes (the wire's tree_nodes, tree_codes, tree_steps; nodes 0: the
@@ -232,9 +246,11 @@ class ScoringTables {
   void Score(const uint32_t *rows, std::size_t n, float *out, Scratch *scratch) const {
     const std::size_t width = order_, context = order_ - 1, dim = dim_, per_row = 2 * features_.order;
     const std::size_t memo = tree_.nodes ? std::size_t(1) << Scratch::kNodeBits : 0;
+    const std::size_t remembered = RemembersRows() ? std::size_t(1) << Scratch::kRowBits : 0;
     if (scratch->tables != serial_ || scratch->vectors.size() != Scratch::kPrefixes * dim ||
         scratch->keys.size() != Scratch::kPrefixes * context || scratch->slots.size() != 2 * per_row ||
-        scratch->nodes.size() != memo) {
+        scratch->nodes.size() != memo || scratch->rows.size() != remembered ||
+        scratch->row_keys.size() != remembered * width) {
       scratch->vectors.assign(Scratch::kPrefixes * dim, 0.f);
       scratch->keys.assign(Scratch::kPrefixes * context, 0);
       scratch->hashes.assign(Scratch::kPrefixes, 0);
@@ -244,26 +260,54 @@ class ScoringTables {
       scratch->slots.assign(2 * per_row, 0);
       Scratch::Node empty = {0, 0, 0.f, 0.f};
       scratch->nodes.assign(memo, empty);
+      Scratch::Row none = {0, 0.f};
+      scratch->rows.assign(remembered, none);
+      scratch->row_keys.assign(remembered * width, 0);
       scratch->tables = serial_;
     }
+    uint64_t *hash = scratch->row_hashes.data();
     if (per_row && n > 0) RowSlots(rows, scratch->slots.data());
     for (std::size_t i = 0; i < n; ++i) {
       const uint32_t *row = rows + i * width;
       const uint32_t *slots = scratch->slots.data() + (i % 2) * per_row;
       if (per_row && i + 1 < n) RowSlots(row + width, scratch->slots.data() + ((i + 1) % 2) * per_row);
+      PrefixHashes(row, hash);
+      const uint32_t w = row[context];
+      Scratch::Row *entry = nullptr;
+      uint32_t *key = nullptr;
+      uint64_t h = 0;
+      if (remembered) {
+        h = RowHash(hash[context - 1], w);
+        const std::size_t at = static_cast<std::size_t>(h >> (64 - Scratch::kRowBits));
+        entry = &scratch->rows[at];
+        key = scratch->row_keys.data() + at * width;
+        if (entry->hash == h && Equal(key, row, width)) {
+          out[i] = entry->score;
+          ++scratch->rows_remembered;
+          continue;
+        }
+      }
       uint64_t generation = 0;
       const float *r = Context(row, scratch, &generation);
-      const uint32_t w = row[context];
+      float s;
       if (tree_.nodes) {
-        out[i] = TreeScore(r, generation, w, scratch);
-        continue;
+        s = TreeScore(r, generation, w, scratch);
+      } else {
+        s = Dot(r, output_ + static_cast<std::size_t>(w) * dim, dim) + bias_[w];
+        if (per_row) s += FeatureSum(slots);
       }
-      const float *q = output_ + static_cast<std::size_t>(w) * dim;
-      float s = Dot(r, q, dim) + bias_[w];
-      if (per_row) s += FeatureSum(slots);
+      if (entry != nullptr) {
+        entry->hash = h;
+        entry->score = s;
+        for (std::size_t j = 0; j < width; ++j) key[j] = row[j];
+      }
       out[i] = s;
     }
   }
+
+  // True where Score keeps recent rows' scores (Scratch::rows): a row of a tree or with
+  // features costs more than a probe; a plain class output's one dot product does not.
+  bool RemembersRows() const { return tree_.nodes > 0 || features_.order > 0; }
 
  private:
   static uint64_t NextSerial() {
@@ -271,18 +315,29 @@ class ScoringTables {
     return ++next;
   }
 
+  // hash[j]: a hash of the row's first j + 1 words, j = 0 .. order-2.
+  void PrefixHashes(const uint32_t *row, uint64_t *hash) const {
+    uint64_t h = 0x9e3779b97f4a7c15ULL;
+    for (std::size_t j = 0; j + 1 < order_; ++j) {
+      h = (h ^ row[j]) * 0xff51afd7ed558ccdULL;
+      hash[j] = h;
+    }
+  }
+
+  // A hash of a whole row from its context's (PrefixHashes) and its word; never 0.
+  static uint64_t RowHash(uint64_t context, uint32_t w) {
+    uint64_t h = (context ^ (w + 0x9e3779b97f4a7c15ULL)) * 0xc4ceb9fe1a85ec53ULL;
+    return (h ^ (h >> 29)) | 1;
+  }
+
   // r = act(sum_j position[j][row[j]]) for the row's context, from the longest of its
   // prefixes in the scratch; the prefixes it sums are put there. The sum runs over j in
   // order, whatever prefix it starts from, so the floats do not depend on the entries.
-  // *generation: the generation of the context's entry.
+  // The scratch's row_hashes hold the row's PrefixHashes. *generation: the generation of
+  // the context's entry.
   const float *Context(const uint32_t *row, Scratch *scratch, uint64_t *generation) const {
     const std::size_t context = order_ - 1, dim = dim_;
-    uint64_t *hash = scratch->row_hashes.data();
-    uint64_t h = 0x9e3779b97f4a7c15ULL;
-    for (std::size_t j = 0; j < context; ++j) {
-      h = (h ^ row[j]) * 0xff51afd7ed558ccdULL;
-      hash[j] = h;  // of the prefix of j + 1 words
-    }
+    const uint64_t *hash = scratch->row_hashes.data();
     std::size_t m = context, at = 0;
     for (; m > 0; --m) {
       at = PrefixSlot(hash[m - 1]);

@@ -582,12 +582,12 @@ void TestScoringTables() {
   Check(out[0] == 0.2f, "scoring tables: the no-word, tanh(0) = 0");
 }
 
-void TestScoringTablesTree() {
-  // Order 2, V = 4, D = 2, the tree ((0, 2), 3) of tests/test_trees.py's golden case: the
-  // root (node 0) goes left to node 1 and right to word 3, node 1 left to word 0 and right
-  // to word 2; <s> (word 1) has no code. q_0 = (0.5, -0.25), b_0 = 0.1; q_1 = (0.2, 0.3),
-  // b_1 = -0.4. position[0][0] = (1, 2), every other row 0. After context 0: r = (1, 2),
-  // x_0 = 0.1, x_1 = 0.4; after context 2: r = 0, x_0 = 0.1, x_1 = -0.4.
+// Order 2, V = 4, D = 2, the tree ((0, 2), 3) of tests/test_trees.py's golden case: the
+// root (node 0) goes left to node 1 and right to word 3, node 1 left to word 0 and right
+// to word 2; <s> (word 1) has no code. q_0 = (0.5, -0.25), b_0 = 0.1; q_1 = (0.2, 0.3),
+// b_1 = -0.4. position[0][0] = (1, 2), every other row 0. After context 0: r = (1, 2),
+// x_0 = 0.1, x_1 = 0.4; after context 2: r = 0, x_0 = 0.1, x_1 = -0.4.
+std::vector<float> GoldenTree(nlmserve::ScoringTables::Tree *tree) {
   const float position[] = {1, 2, 0, 0, 0, 0, 0, 0};
   const float nodes[] = {0.5f, -0.25f, 0.2f, 0.3f, /* biases */ 0.1f, -0.4f};
   // code_start (V+1), step_start (codes+1), steps (2 * node + bit, bit 1 left).
@@ -595,10 +595,15 @@ void TestScoringTablesTree() {
   std::vector<float> data(position, position + 8);
   data.insert(data.end(), nodes, nodes + 6);
   data.insert(data.end(), paths, paths + 14);
+  tree->nodes = 2;
+  tree->codes = 3;
+  tree->steps = 5;
+  return data;
+}
+
+void TestScoringTablesTree() {
   nlmserve::ScoringTables::Tree tree;
-  tree.nodes = 2;
-  tree.codes = 3;
-  tree.steps = 5;
+  const std::vector<float> data = GoldenTree(&tree);
   nlmserve::ScoringTables tables;
   Check(tables.Set(2, 4, 2, nlmserve::Activation::kNone, "h", data, nlmserve::ScoringTables::Features(), tree),
         "tree tables are taken");
@@ -701,11 +706,12 @@ void TestScoringTablesFeatures() {
   float out[3];
   nlmserve::ScoringTables::Scratch scratch;
   tables.Score(rows, 3, out, &scratch);
-  // "5 7 9": 10 + 20 + 40 + 0.25 + 0.5 + 0.75 (and the third row again, its slots computed
-  // while the second was scored); "6 7 9": h_2 = 1867863937, whose class slot is 3 again
-  // (10) and word slot 85 (0): 10 + 20 + 10 + 0.25 + 0.5.
+  // "5 7 9": 10 + 20 + 40 + 0.25 + 0.5 + 0.75 (and the third row again, remembered);
+  // "6 7 9", its slots computed while the first row was scored: h_2 = 1867863937, whose
+  // class slot is 3 again (10) and word slot 85 (0): 10 + 20 + 10 + 0.25 + 0.5.
   Check(std::fabs(out[0] - 71.5f) < 1e-5 && std::fabs(out[2] - 71.5f) < 1e-5, "features by hand, order 3");
   Check(std::fabs(out[1] - 40.75f) < 1e-5, "a changed oldest word changes the trigram features");
+  Check(tables.RemembersRows() && scratch.rows_remembered == 1, "tables with features remember rows");
   // The no-word (id V = 12) has no feature, nor has any longer suffix: "? 7 9" has the
   // suffixes "" and "7" (10 + 20 + 0.25 + 0.5), "? ? 9" the empty one (10 + 0.25).
   const uint32_t unknown[] = {V, 7, 9, V, V, 9};
@@ -756,6 +762,49 @@ void TestScoringTablesFeatures() {
   no_class.Score(rows, 1, out, &scratch);
   Check(std::fabs(out[0] - 1.5f) < 1e-6, "word features by hand");
   Check(tables.bytes() == data.size() * sizeof(float) + V * sizeof(uint32_t), "feature tables bytes");
+}
+
+void TestScoringTablesRemembered() {
+  // Tables of a tree keep recent rows' scores: a row scored again costs no node, gives the
+  // same float, and rows differing in any id are not taken for each other.
+  nlmserve::ScoringTables::Tree tree;
+  nlmserve::ScoringTables tables;
+  Check(tables.Set(2, 4, 2, nlmserve::Activation::kNone, "h", GoldenTree(&tree), nlmserve::ScoringTables::Features(),
+                   tree) &&
+            tables.RemembersRows(),
+        "tree tables remember rows");
+  // (0, 0) computes nodes 0 and 1 for context 0, (0, 2) finds both, (2, 3) computes node 0
+  // for context 2; the third and fifth rows are the first two again.
+  const uint32_t rows[] = {0, 0, 0, 2, 0, 0, 2, 3, 0, 2};
+  float out[5], again[5], fresh_out[5];
+  nlmserve::ScoringTables::Scratch scratch, fresh;
+  tables.Score(rows, 5, out, &scratch);
+  Check(scratch.rows_remembered == 2 && scratch.nodes_computed == 3, "repeated rows remembered, nodes computed once");
+  Check(out[2] == out[0] && out[4] == out[1] && out[0] != out[1], "a remembered row has its own score");
+  tables.Score(rows, 5, again, &scratch);
+  Check(scratch.rows_remembered == 7 && scratch.nodes_computed == 3, "a second batch is remembered whole");
+  for (int i = 0; i < 5; ++i) tables.Score(rows + 2 * i, 1, fresh_out + i, &fresh);
+  bool same = true;
+  for (int i = 0; i < 5; ++i) same = same && again[i] == out[i] && fresh_out[i] == out[i];
+  Check(same, "remembered scores are the floats computed");
+  // New tables (a changed bias) make the scratch's rows stale: nothing is remembered (the
+  // count, a report's, goes on from 7).
+  std::vector<float> moved = GoldenTree(&tree);
+  moved[12] = 0.6f;  // b_0 = 0.6
+  Check(tables.Set(2, 4, 2, nlmserve::Activation::kNone, "h", moved, nlmserve::ScoringTables::Features(), tree),
+        "changed tree tables are taken");
+  tables.Score(rows, 1, again, &scratch);
+  auto sig = [](double x) { return 1.0 / (1.0 + std::exp(-x)); };
+  Check(scratch.rows_remembered == 7 && std::fabs(again[0] - std::log(sig(0.6) * sig(0.4))) < 1e-6,
+        "new tables forget the old tables' rows");
+  // A class output's tables without features compute a row for less than a probe costs.
+  std::vector<float> plain = {0, 1, 1, 1, 2, 1, /* output */ 1, 0, 1, 1, 1, 2, /* bias */ 0.f, 0.1f, 0.2f};
+  nlmserve::ScoringTables lbl;
+  Check(lbl.Set(2, 3, 2, nlmserve::Activation::kNone, "h", plain) && !lbl.RemembersRows(),
+        "plain class tables do not remember rows");
+  const uint32_t twice[] = {2, 1, 2, 1};
+  lbl.Score(twice, 2, out, &scratch);
+  Check(scratch.rows_remembered == 7 && out[0] == out[1], "plain class tables compute every row");
 }
 
 void TestScoringTablesPrefixes() {
@@ -868,6 +917,7 @@ int main(int argc, char **argv) {
   TestScoringTables();
   TestScoringTablesTree();
   TestScoringTablesFeatures();
+  TestScoringTablesRemembered();
   TestScoringTablesPrefixes();
   std::printf("unit: %d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
