@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -117,11 +118,13 @@ class ScoringTables {
   // number given each time an entry is written, never reused), so it can only ever hold
   // that context's values; entries are direct-mapped by a hash of (generation, node).
   //
-  // With a tree or features, the scores of recent rows, direct-mapped by a hash of the row
-  // and checked against its ids: a decoder asks for the same n-gram again and again (other
-  // hypotheses ending in the same words), and such a row costs a tree's few dot products
-  // and log-sigmoids or the features' cache misses, far more than one probe. A remembered
-  // score is the float computed the first time, which is what computing it again gives.
+  // With a tree, the scores of recent rows, direct-mapped by a hash of the row and checked
+  // against its ids: a decoder asks for the same n-gram again and again (other hypotheses
+  // ending in the same words), and a tree's row costs dot products and log-sigmoids, more
+  // than one probe. An entry is [hash (two words), score, the row's ids], so that one cache
+  // line holds it, and the next row's entry is prefetched while a row is scored (the
+  // entries are too many for the processor's caches). A remembered score is the float
+  // computed the first time, which is what computing it again gives.
   struct Scratch {
     static const unsigned kPrefixBits = 9;
     static const std::size_t kPrefixes = std::size_t(1) << kPrefixBits;
@@ -132,20 +135,15 @@ class ScoringTables {
       uint32_t node;
       float left, right;  // log sigmoid(x), log sigmoid(-x)
     };
-    struct Row {
-      uint64_t hash;  // RowHash, never 0; 0: empty
-      float score;
-    };
     std::vector<float> vectors;        // kPrefixes x dim
     std::vector<uint32_t> keys;        // kPrefixes x (order-1): the prefix's words
     std::vector<uint64_t> hashes;      // kPrefixes: the prefix's hash
     std::vector<uint32_t> lengths;     // kPrefixes: the prefix's length (0: empty)
     std::vector<uint64_t> generations; // kPrefixes: when the entry was written
-    std::vector<uint64_t> row_hashes;  // order-1: the hashes of the scored row's prefixes
+    std::vector<uint64_t> row_hashes;  // 2 rows x (order-1): the hashes of a row's prefixes
     std::vector<uint32_t> slots;       // 2 rows x 2 tables x feature order
     std::vector<Node> nodes;           // with a tree: 2^kNodeBits (context, node) entries
-    std::vector<Row> rows;             // with a tree or features: 2^kRowBits scored rows
-    std::vector<uint32_t> row_keys;    // 2^kRowBits x order: each scored row's ids
+    std::vector<uint32_t> rows;        // with a tree: 2^kRowBits scored rows (RowStride words each)
     uint64_t tables = 0;               // the serial of the tables the entries belong to
     uint64_t generation = 0;           // the last generation given
     uint64_t rows_added = 0;           // position rows summed, a count for reports
@@ -246,49 +244,57 @@ class ScoringTables {
   void Score(const uint32_t *rows, std::size_t n, float *out, Scratch *scratch) const {
     const std::size_t width = order_, context = order_ - 1, dim = dim_, per_row = 2 * features_.order;
     const std::size_t memo = tree_.nodes ? std::size_t(1) << Scratch::kNodeBits : 0;
+    const std::size_t stride = RowStride(width);
     const std::size_t remembered = RemembersRows() ? std::size_t(1) << Scratch::kRowBits : 0;
+    const std::size_t row_words = remembered ? remembered * stride + kLine / sizeof(uint32_t) : 0;
     if (scratch->tables != serial_ || scratch->vectors.size() != Scratch::kPrefixes * dim ||
         scratch->keys.size() != Scratch::kPrefixes * context || scratch->slots.size() != 2 * per_row ||
-        scratch->nodes.size() != memo || scratch->rows.size() != remembered ||
-        scratch->row_keys.size() != remembered * width) {
+        scratch->nodes.size() != memo || scratch->rows.size() != row_words) {
       scratch->vectors.assign(Scratch::kPrefixes * dim, 0.f);
       scratch->keys.assign(Scratch::kPrefixes * context, 0);
       scratch->hashes.assign(Scratch::kPrefixes, 0);
       scratch->lengths.assign(Scratch::kPrefixes, 0);
       scratch->generations.assign(Scratch::kPrefixes, 0);
-      scratch->row_hashes.assign(context, 0);
+      scratch->row_hashes.assign(2 * context, 0);
       scratch->slots.assign(2 * per_row, 0);
       Scratch::Node empty = {0, 0, 0.f, 0.f};
       scratch->nodes.assign(memo, empty);
-      Scratch::Row none = {0, 0.f};
-      scratch->rows.assign(remembered, none);
-      scratch->row_keys.assign(remembered * width, 0);
+      scratch->rows.assign(row_words, 0);
       scratch->tables = serial_;
     }
-    uint64_t *hash = scratch->row_hashes.data();
-    if (per_row && n > 0) RowSlots(rows, scratch->slots.data());
+    if (n == 0) return;
+    if (per_row) RowSlots(rows, scratch->slots.data());
+    uint32_t *const kept = remembered ? LineAligned(scratch->rows.data()) : nullptr;
+    uint64_t next_hash = 0;  // the next row's RowHash, when rows are remembered
+    PrefixHashes(rows, scratch->row_hashes.data());
+    if (remembered) next_hash = RowHash(scratch->row_hashes[context - 1], rows[context]);
     for (std::size_t i = 0; i < n; ++i) {
       const uint32_t *row = rows + i * width;
       const uint32_t *slots = scratch->slots.data() + (i % 2) * per_row;
-      if (per_row && i + 1 < n) RowSlots(row + width, scratch->slots.data() + ((i + 1) % 2) * per_row);
-      PrefixHashes(row, hash);
+      const uint64_t *hash = scratch->row_hashes.data() + (i % 2) * context;
+      const uint64_t h = next_hash;
+      if (i + 1 < n) {
+        if (per_row) RowSlots(row + width, scratch->slots.data() + ((i + 1) % 2) * per_row);
+        uint64_t *next = scratch->row_hashes.data() + ((i + 1) % 2) * context;
+        PrefixHashes(row + width, next);
+        if (remembered) {
+          next_hash = RowHash(next[context - 1], row[width + context]);
+          Prefetch(kept + RowEntry(next_hash) * stride);
+        }
+      }
       const uint32_t w = row[context];
-      Scratch::Row *entry = nullptr;
-      uint32_t *key = nullptr;
-      uint64_t h = 0;
+      uint32_t *entry = nullptr;
       if (remembered) {
-        h = RowHash(hash[context - 1], w);
-        const std::size_t at = static_cast<std::size_t>(h >> (64 - Scratch::kRowBits));
-        entry = &scratch->rows[at];
-        key = scratch->row_keys.data() + at * width;
-        if (entry->hash == h && Equal(key, row, width)) {
-          out[i] = entry->score;
+        entry = kept + RowEntry(h) * stride;
+        if (entry[0] == static_cast<uint32_t>(h) && entry[1] == static_cast<uint32_t>(h >> 32) &&
+            Equal(entry + 3, row, width)) {
+          std::memcpy(out + i, entry + 2, sizeof(float));
           ++scratch->rows_remembered;
           continue;
         }
       }
       uint64_t generation = 0;
-      const float *r = Context(row, scratch, &generation);
+      const float *r = Context(row, hash, scratch, &generation);
       float s;
       if (tree_.nodes) {
         s = TreeScore(r, generation, w, scratch);
@@ -297,17 +303,19 @@ class ScoringTables {
         if (per_row) s += FeatureSum(slots);
       }
       if (entry != nullptr) {
-        entry->hash = h;
-        entry->score = s;
-        for (std::size_t j = 0; j < width; ++j) key[j] = row[j];
+        entry[0] = static_cast<uint32_t>(h);
+        entry[1] = static_cast<uint32_t>(h >> 32);
+        std::memcpy(entry + 2, &s, sizeof(float));
+        for (std::size_t j = 0; j < width; ++j) entry[3 + j] = row[j];
       }
       out[i] = s;
     }
   }
 
-  // True where Score keeps recent rows' scores (Scratch::rows): a row of a tree or with
-  // features costs more than a probe; a plain class output's one dot product does not.
-  bool RemembersRows() const { return tree_.nodes > 0 || features_.order > 0; }
+  // True where Score keeps recent rows' scores (Scratch::rows): a tree's row costs more
+  // than a probe; a class output's dot product (and direct features' weights) do not
+  // (measured side by side in the decoder: docs/results.md).
+  bool RemembersRows() const { return tree_.nodes > 0; }
 
  private:
   static uint64_t NextSerial() {
@@ -324,20 +332,33 @@ class ScoringTables {
     }
   }
 
-  // A hash of a whole row from its context's (PrefixHashes) and its word; never 0.
+  // A hash of a whole row from its context's (PrefixHashes) and its word; never 0, the
+  // hash of an empty entry.
   static uint64_t RowHash(uint64_t context, uint32_t w) {
     uint64_t h = (context ^ (w + 0x9e3779b97f4a7c15ULL)) * 0xc4ceb9fe1a85ec53ULL;
     return (h ^ (h >> 29)) | 1;
   }
 
+  // Words per remembered row: its hash (two), its score, its ids.
+  static std::size_t RowStride(std::size_t width) { return 3 + width; }
+
+  // The first cache-line boundary at or after p (Scratch::rows has a line to spare), so that
+  // an entry of a 5-gram, 32 bytes, never straddles two lines.
+  static const std::size_t kLine = 64;
+  static uint32_t *LineAligned(uint32_t *p) {
+    const std::size_t at = reinterpret_cast<std::size_t>(p);
+    return reinterpret_cast<uint32_t *>((at + kLine - 1) & ~(kLine - 1));
+  }
+
+  // The entry of Scratch::rows a row of this RowHash goes to.
+  static std::size_t RowEntry(uint64_t hash) { return static_cast<std::size_t>(hash >> (64 - Scratch::kRowBits)); }
+
   // r = act(sum_j position[j][row[j]]) for the row's context, from the longest of its
   // prefixes in the scratch; the prefixes it sums are put there. The sum runs over j in
   // order, whatever prefix it starts from, so the floats do not depend on the entries.
-  // The scratch's row_hashes hold the row's PrefixHashes. *generation: the generation of
-  // the context's entry.
-  const float *Context(const uint32_t *row, Scratch *scratch, uint64_t *generation) const {
+  // hash: the row's PrefixHashes. *generation: the generation of the context's entry.
+  const float *Context(const uint32_t *row, const uint64_t *hash, Scratch *scratch, uint64_t *generation) const {
     const std::size_t context = order_ - 1, dim = dim_;
-    const uint64_t *hash = scratch->row_hashes.data();
     std::size_t m = context, at = 0;
     for (; m > 0; --m) {
       at = PrefixSlot(hash[m - 1]);
@@ -508,7 +529,7 @@ class ScoringTables {
     }
   }
 
-  static void Prefetch(const float *p) {
+  static void Prefetch(const void *p) {
 #if defined(__GNUC__)
     __builtin_prefetch(p);
 #else

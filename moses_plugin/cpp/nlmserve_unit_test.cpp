@@ -706,12 +706,12 @@ void TestScoringTablesFeatures() {
   float out[3];
   nlmserve::ScoringTables::Scratch scratch;
   tables.Score(rows, 3, out, &scratch);
-  // "5 7 9": 10 + 20 + 40 + 0.25 + 0.5 + 0.75 (and the third row again, remembered);
-  // "6 7 9", its slots computed while the first row was scored: h_2 = 1867863937, whose
-  // class slot is 3 again (10) and word slot 85 (0): 10 + 20 + 10 + 0.25 + 0.5.
+  // "5 7 9": 10 + 20 + 40 + 0.25 + 0.5 + 0.75 (and the third row again, its slots computed
+  // while the second was scored); "6 7 9": h_2 = 1867863937, whose class slot is 3 again
+  // (10) and word slot 85 (0): 10 + 20 + 10 + 0.25 + 0.5.
   Check(std::fabs(out[0] - 71.5f) < 1e-5 && std::fabs(out[2] - 71.5f) < 1e-5, "features by hand, order 3");
   Check(std::fabs(out[1] - 40.75f) < 1e-5, "a changed oldest word changes the trigram features");
-  Check(tables.RemembersRows() && scratch.rows_remembered == 1, "tables with features remember rows");
+  Check(!tables.RemembersRows() && scratch.rows_remembered == 0, "tables with features compute every row");
   // The no-word (id V = 12) has no feature, nor has any longer suffix: "? 7 9" has the
   // suffixes "" and "7" (10 + 20 + 0.25 + 0.5), "? ? 9" the empty one (10 + 0.25).
   const uint32_t unknown[] = {V, 7, 9, V, V, 9};
@@ -797,7 +797,7 @@ void TestScoringTablesRemembered() {
   auto sig = [](double x) { return 1.0 / (1.0 + std::exp(-x)); };
   Check(scratch.rows_remembered == 7 && std::fabs(again[0] - std::log(sig(0.6) * sig(0.4))) < 1e-6,
         "new tables forget the old tables' rows");
-  // A class output's tables without features compute a row for less than a probe costs.
+  // A class output's tables compute a row for less than a probe costs.
   std::vector<float> plain = {0, 1, 1, 1, 2, 1, /* output */ 1, 0, 1, 1, 1, 2, /* bias */ 0.f, 0.1f, 0.2f};
   nlmserve::ScoringTables lbl;
   Check(lbl.Set(2, 3, 2, nlmserve::Activation::kNone, "h", plain) && !lbl.RemembersRows(),
