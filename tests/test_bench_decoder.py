@@ -136,14 +136,14 @@ def test_feature_counts_from_the_log(tmp_path: Path) -> None:
     counts = decoder.feature_counts(log)
     assert (counts["rows_summed"], counts["nodes_computed"]) == (4976492, 51000000)
     assert counts["rows_remembered"] is None
-    # and the rows whose scores the tables remembered (tables of a tree or with features)
-    log.write_text("NeuralLMServer NLM0: 30 sentences, 0 round trips, 0 failed requests, 0 requests floored, "
-                   "0 n-grams sent, 0 cache hits, 0 misses, 13770312 n-grams scored locally (6000000 remembered, "
-                   "2976492 position rows summed, 31000000 tree nodes computed); boundary scores: 9082806 in "
-                   "order, 0 looked up, 0 scored alone\n")
+    # and the rows whose scores a tree's tables remembered (a real 500-sentence run of eph.nlm)
+    log.write_text("NeuralLMServer NLM0: 500 sentences, 0 round trips, 0 failed requests, 0 requests floored, "
+                   "0 n-grams sent, 0 cache hits, 0 misses, 216244451 n-grams scored locally (143702653 "
+                   "remembered, 25772294 position rows summed, 403633508 tree nodes computed); boundary scores: "
+                   "146329310 in order, 0 looked up, 0 scored alone\n")
     counts = decoder.feature_counts(log)
     assert (counts["ngrams_local"], counts["rows_remembered"], counts["rows_summed"], counts["nodes_computed"]) == (
-        13770312, 6000000, 2976492, 31000000)
+        216244451, 143702653, 25772294, 403633508)
 
 
 def test_targets_follow_the_scores_not_the_name() -> None:

@@ -121,9 +121,9 @@ class ScoringTables {
   // With a tree, the scores of recent rows, direct-mapped by a hash of the row and checked
   // against its ids: a decoder asks for the same n-gram again and again (other hypotheses
   // ending in the same words), and a tree's row costs dot products and log-sigmoids, more
-  // than one probe. An entry is [hash (two words), score, the row's ids], so that one cache
-  // line holds it, and the next row's entry is prefetched while a row is scored (the
-  // entries are too many for the processor's caches). A remembered score is the float
+  // than one probe. An entry is [hash (two words), score, the row's ids], one probe of memory
+  // (a 5-gram's 32 bytes never straddle two cache lines), and the next row's entry is
+  // prefetched while a row is scored (the entries are too many for the processor's caches). A remembered score is the float
   // computed the first time, which is what computing it again gives.
   struct Scratch {
     static const unsigned kPrefixBits = 9;
