@@ -109,7 +109,7 @@ class ScoringTables {
   // phrase), so a row whose first m context words were summed before adds only its other
   // order-1-m rows, to the same floats as summing them all. Entries are direct-mapped by a
   // hash of the prefix; an entry of a whole context holds the vector after the activation.
-  // With features, the table slots of the row being scored and of the next one. A scratch
+  // With features, the table slots of the row being scored and of the next kAhead. A scratch
   // belongs to the tables that last used it (Set makes them new tables).
   //
   // With a tree, the log-sigmoids of recent (context, node) pairs: the expansions of one
@@ -130,6 +130,7 @@ class ScoringTables {
     static const std::size_t kPrefixes = std::size_t(1) << kPrefixBits;
     static const unsigned kNodeBits = 13;
     static const unsigned kRowBits = 16;
+    static const std::size_t kAhead = 2;  // rows whose feature slots are prefetched ahead
     struct Node {
       uint64_t generation;  // 0: empty
       uint32_t node;
@@ -141,7 +142,7 @@ class ScoringTables {
     std::vector<uint32_t> lengths;     // kPrefixes: the prefix's length (0: empty)
     std::vector<uint64_t> generations; // kPrefixes: when the entry was written
     std::vector<uint64_t> row_hashes;  // 2 rows x (order-1): the hashes of a row's prefixes
-    std::vector<uint32_t> slots;       // 2 rows x 2 tables x feature order
+    std::vector<uint32_t> slots;       // kAhead + 1 rows x 2 tables x feature order
     std::vector<Node> nodes;           // with a tree: 2^kNodeBits (context, node) entries
     std::vector<uint32_t> rows;        // with a tree: 2^kRowBits scored rows (RowStride words each)
     uint64_t tables = 0;               // the serial of the tables the entries belong to
@@ -238,9 +239,10 @@ class ScoringTables {
   }
 
   // Natural-log scores of n canonical rows (order ids each, ids < vocab_size: the caller
-  // has checked them, as for Client::ScoreRows) into out[0, n). With features, the next
-  // row's table slots are computed and prefetched before this row's dot product, so that
-  // their cache misses (the tables are tens of MB) overlap the arithmetic.
+  // has checked them, as for Client::ScoreRows) into out[0, n). With features, the table
+  // slots of the row Scratch::kAhead rows on are computed and prefetched before this row's
+  // dot product, so that their cache misses (the tables are tens of MB) overlap the work
+  // of the rows in between.
   void Score(const uint32_t *rows, std::size_t n, float *out, Scratch *scratch) const {
     const std::size_t width = order_, context = order_ - 1, dim = dim_, per_row = 2 * features_.order;
     const std::size_t memo = tree_.nodes ? std::size_t(1) << Scratch::kNodeBits : 0;
@@ -248,7 +250,7 @@ class ScoringTables {
     const std::size_t remembered = RemembersRows() ? std::size_t(1) << Scratch::kRowBits : 0;
     const std::size_t row_words = remembered ? remembered * stride + kLine / sizeof(uint32_t) : 0;
     if (scratch->tables != serial_ || scratch->vectors.size() != Scratch::kPrefixes * dim ||
-        scratch->keys.size() != Scratch::kPrefixes * context || scratch->slots.size() != 2 * per_row ||
+        scratch->keys.size() != Scratch::kPrefixes * context || scratch->slots.size() != (Scratch::kAhead + 1) * per_row ||
         scratch->nodes.size() != memo || scratch->rows.size() != row_words) {
       scratch->vectors.assign(Scratch::kPrefixes * dim, 0.f);
       scratch->keys.assign(Scratch::kPrefixes * context, 0);
@@ -256,25 +258,30 @@ class ScoringTables {
       scratch->lengths.assign(Scratch::kPrefixes, 0);
       scratch->generations.assign(Scratch::kPrefixes, 0);
       scratch->row_hashes.assign(2 * context, 0);
-      scratch->slots.assign(2 * per_row, 0);
+      scratch->slots.assign((Scratch::kAhead + 1) * per_row, 0);
       Scratch::Node empty = {0, 0, 0.f, 0.f};
       scratch->nodes.assign(memo, empty);
       scratch->rows.assign(row_words, 0);
       scratch->tables = serial_;
     }
     if (n == 0) return;
-    if (per_row) RowSlots(rows, scratch->slots.data());
+    const std::size_t ring = Scratch::kAhead + 1;
+    for (std::size_t i = 0; per_row && i < Scratch::kAhead && i < n; ++i) {
+      RowSlots(rows + i * width, scratch->slots.data() + i * per_row);
+    }
     uint32_t *const kept = remembered ? LineAligned(scratch->rows.data()) : nullptr;
     uint64_t next_hash = 0;  // the next row's RowHash, when rows are remembered
     PrefixHashes(rows, scratch->row_hashes.data());
     if (remembered) next_hash = RowHash(scratch->row_hashes[context - 1], rows[context]);
     for (std::size_t i = 0; i < n; ++i) {
       const uint32_t *row = rows + i * width;
-      const uint32_t *slots = scratch->slots.data() + (i % 2) * per_row;
+      const uint32_t *slots = scratch->slots.data() + (i % ring) * per_row;
+      if (per_row && i + Scratch::kAhead < n) {
+        RowSlots(row + Scratch::kAhead * width, scratch->slots.data() + ((i + Scratch::kAhead) % ring) * per_row);
+      }
       const uint64_t *hash = scratch->row_hashes.data() + (i % 2) * context;
       const uint64_t h = next_hash;
       if (i + 1 < n) {
-        if (per_row) RowSlots(row + width, scratch->slots.data() + ((i + 1) % 2) * per_row);
         uint64_t *next = scratch->row_hashes.data() + ((i + 1) % 2) * context;
         PrefixHashes(row + width, next);
         if (remembered) {

@@ -707,11 +707,18 @@ void TestScoringTablesFeatures() {
   nlmserve::ScoringTables::Scratch scratch;
   tables.Score(rows, 3, out, &scratch);
   // "5 7 9": 10 + 20 + 40 + 0.25 + 0.5 + 0.75 (and the third row again, its slots computed
-  // while the second was scored); "6 7 9": h_2 = 1867863937, whose class slot is 3 again
+  // while the first was scored); "6 7 9": h_2 = 1867863937, whose class slot is 3 again
   // (10) and word slot 85 (0): 10 + 20 + 10 + 0.25 + 0.5.
   Check(std::fabs(out[0] - 71.5f) < 1e-5 && std::fabs(out[2] - 71.5f) < 1e-5, "features by hand, order 3");
   Check(std::fabs(out[1] - 40.75f) < 1e-5, "a changed oldest word changes the trigram features");
   Check(!tables.RemembersRows() && scratch.rows_remembered == 0, "tables with features compute every row");
+  // A batch longer than the slots prefetched ahead: each row keeps its own slots.
+  const uint32_t longer[] = {5, 7, 9, 6, 7, 9, 5, 7, 9, 6, 7, 9, 5, 7, 9, 6, 7, 9};
+  float got[6];
+  tables.Score(longer, 6, got, &scratch);
+  bool alternate = true;
+  for (int i = 0; i < 6; ++i) alternate = alternate && std::fabs(got[i] - (i % 2 ? 40.75f : 71.5f)) < 1e-5;
+  Check(alternate, "feature slots prefetched rows ahead stay with their rows");
   // The no-word (id V = 12) has no feature, nor has any longer suffix: "? 7 9" has the
   // suffixes "" and "7" (10 + 20 + 0.25 + 0.5), "? ? 9" the empty one (10 + 0.25).
   const uint32_t unknown[] = {V, 7, 9, V, V, 9};
