@@ -109,8 +109,8 @@ class ScoringTables {
   // phrase), so a row whose first m context words were summed before adds only its other
   // order-1-m rows, to the same floats as summing them all. Entries are direct-mapped by a
   // hash of the prefix; an entry of a whole context holds the vector after the activation.
-  // With features, the table slots of the row being scored and of the next kAhead. A scratch
-  // belongs to the tables that last used it (Set makes them new tables).
+  // With features, the table slots of the row being scored and of the next kAhead rows. A
+  // scratch belongs to the tables that last used it (Set makes them new tables).
   //
   // With a tree, the log-sigmoids of recent (context, node) pairs: the expansions of one
   // hypothesis share their context, and the words they predict share the upper nodes of
@@ -121,10 +121,11 @@ class ScoringTables {
   // With a tree, the scores of recent rows, direct-mapped by a hash of the row and checked
   // against its ids: a decoder asks for the same n-gram again and again (other hypotheses
   // ending in the same words), and a tree's row costs dot products and log-sigmoids, more
-  // than one probe. An entry is [hash (two words), score, the row's ids], one probe of memory
-  // (a 5-gram's 32 bytes never straddle two cache lines), and the next row's entry is
-  // prefetched while a row is scored (the entries are too many for the processor's caches). A remembered score is the float
-  // computed the first time, which is what computing it again gives.
+  // than one probe. An entry is [hash (two words), score, the row's ids], one probe of
+  // memory (a 5-gram's 32 bytes never straddle two cache lines), and the next row's entry is
+  // prefetched while a row is scored (the entries are too many for the processor's caches).
+  // A remembered score is the float computed the first time, which is what computing it
+  // again gives.
   struct Scratch {
     static const unsigned kPrefixBits = 9;
     static const std::size_t kPrefixes = std::size_t(1) << kPrefixBits;
@@ -249,8 +250,9 @@ class ScoringTables {
     const std::size_t stride = RowStride(width);
     const std::size_t remembered = RemembersRows() ? std::size_t(1) << Scratch::kRowBits : 0;
     const std::size_t row_words = remembered ? remembered * stride + kLine / sizeof(uint32_t) : 0;
+    const std::size_t ring = Scratch::kAhead + 1;  // rows of slots kept
     if (scratch->tables != serial_ || scratch->vectors.size() != Scratch::kPrefixes * dim ||
-        scratch->keys.size() != Scratch::kPrefixes * context || scratch->slots.size() != (Scratch::kAhead + 1) * per_row ||
+        scratch->keys.size() != Scratch::kPrefixes * context || scratch->slots.size() != ring * per_row ||
         scratch->nodes.size() != memo || scratch->rows.size() != row_words) {
       scratch->vectors.assign(Scratch::kPrefixes * dim, 0.f);
       scratch->keys.assign(Scratch::kPrefixes * context, 0);
@@ -258,14 +260,13 @@ class ScoringTables {
       scratch->lengths.assign(Scratch::kPrefixes, 0);
       scratch->generations.assign(Scratch::kPrefixes, 0);
       scratch->row_hashes.assign(2 * context, 0);
-      scratch->slots.assign((Scratch::kAhead + 1) * per_row, 0);
+      scratch->slots.assign(ring * per_row, 0);
       Scratch::Node empty = {0, 0, 0.f, 0.f};
       scratch->nodes.assign(memo, empty);
       scratch->rows.assign(row_words, 0);
       scratch->tables = serial_;
     }
     if (n == 0) return;
-    const std::size_t ring = Scratch::kAhead + 1;
     for (std::size_t i = 0; per_row && i < Scratch::kAhead && i < n; ++i) {
       RowSlots(rows + i * width, scratch->slots.data() + i * per_row);
     }
