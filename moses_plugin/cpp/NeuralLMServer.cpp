@@ -385,16 +385,14 @@ void NeuralLMServer::AppendIds(const Phrase &phrase, std::vector<uint32_t> *ids)
 void NeuralLMServer::ScoreRows(const uint32_t *rows, size_t n, float *out, NeuralLMServerThread &local) const {
   if (n == 0) return;
   if (m_tables) {
-    // The rows come from CanonicalRow or BoundaryRows, which have checked them; the ids are
-    // checked again here because the tables are read at them.
-    const size_t width = m_model->order;
-    for (size_t i = 0; i < n * width; ++i) {
-      if (nlmserve::OutOfRange(rows[i], i % width != width - 1, *m_model)) {
-        Failed("an n-gram id " + std::to_string(rows[i]) + " outside the vocabulary of " +
-                   std::to_string(m_model->vocab_size) + " words",
-               n, out);
-        return;
-      }
+    // The rows come from CanonicalRow or BoundaryRows, which have checked them; they are
+    // checked again here because the tables are read at their ids.
+    nlmserve::NgramError error;
+    const size_t bad = nlmserve::FirstBadRow(rows, n, *m_model, &error);
+    if (bad < n) {
+      const size_t width = m_model->order;
+      Failed(nlmserve::NgramErrorMessage(error, rows + bad * width, width, bad, *m_model), n, out);
+      return;
     }
     const uint64_t summed = local.tables.rows_added, computed = local.tables.nodes_computed,
                    remembered = local.tables.rows_remembered;

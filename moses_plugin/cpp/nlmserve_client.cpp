@@ -371,6 +371,28 @@ NgramError CanonicalRow(const uint32_t *ids, std::size_t n, const ModelInfo &mod
   return NgramError::kNone;
 }
 
+std::size_t FirstBadRow(const uint32_t *rows, std::size_t n, const ModelInfo &model, NgramError *error) {
+  const std::size_t width = model.order;
+  const uint32_t bos = model.bos_id;
+  *error = NgramError::kNone;
+  bool bad = false;  // the rows' context ids, then their words
+  for (std::size_t i = 0; i < n; ++i) {
+    const uint32_t *row = rows + i * width;
+    for (std::size_t j = 0; j + 1 < width; ++j) bad |= OutOfRange(row[j], true, model);
+    bad |= OutOfRange(row[width - 1], false, model) | (row[width - 1] == bos);
+  }
+  if (!bad) return n;
+  for (std::size_t i = 0; i < n; ++i) {
+    const uint32_t *row = rows + i * width;
+    for (std::size_t j = 0; j < width; ++j) {
+      if (OutOfRange(row[j], j + 1 < width, model)) *error = NgramError::kOutOfRange;
+    }
+    if (*error == NgramError::kNone && row[width - 1] == bos) *error = NgramError::kBosTarget;
+    if (*error != NgramError::kNone) return i;
+  }
+  return n;
+}
+
 bool ReadNgramFile(const std::string &path, std::vector<std::vector<std::string> > *out) {
   std::ifstream in(path);
   if (!in) return false;
@@ -785,14 +807,9 @@ struct Client::Impl {
                                std::to_string(info.order));
     }
     // What the server would refuse, refused here with the row's index.
-    for (std::size_t i = 0; i < n_rows; ++i) {
-      const uint32_t *row = rows + i * width;
-      NgramError error = row[width - 1] == info.bos_id ? NgramError::kBosTarget : NgramError::kNone;
-      for (std::size_t j = 0; j < width; ++j) {
-        if (OutOfRange(row[j], j + 1 < width, info)) error = NgramError::kOutOfRange;
-      }
-      if (error != NgramError::kNone) throw ClientError(3, NgramErrorMessage(error, row, width, i, info));
-    }
+    NgramError error;
+    const std::size_t bad = FirstBadRow(rows, n_rows, info, &error);
+    if (bad < n_rows) throw ClientError(3, NgramErrorMessage(error, rows + bad * width, width, bad, info));
     BatchBuffers &b = ThreadBuffers();
     b.misses.clear();
     b.miss_hashes.clear();

@@ -122,6 +122,11 @@ inline bool OutOfRange(uint32_t id, bool in_context, const ModelInfo &model) {
 // NgramError::kNone. Needs no server: a ModelInfo with order and vocab_size set will do.
 NgramError CanonicalRow(const uint32_t *ids, std::size_t n, const ModelInfo &model, uint32_t *out);
 
+// The first of the rows[0, n) (model.order ids each) that a server would refuse: an id
+// OutOfRange, or <s> predicted; n when there is none (*error is then kNone). Checks all
+// rows in one pass with no branch per id, so that it costs little beside scoring them.
+std::size_t FirstBadRow(const uint32_t *rows, std::size_t n, const ModelInfo &model, NgramError *error);
+
 // The message a ClientError (code 3) carries for n-gram number `index` that breaks `error`.
 std::string NgramErrorMessage(NgramError error, const uint32_t *ids, std::size_t n, std::size_t index,
                               const ModelInfo &model);

@@ -322,6 +322,22 @@ void TestRules() {
   Check(nlmserve::NgramErrorMessage(nlmserve::NgramError::kTooLong, reset.data(), 5, 7, m) ==
             "n-gram 7 has 5 words; the model takes 1 to 4",
         "error messages name the n-gram");
+  // Rows checked as a batch: the first that breaks a rule, and which rule.
+  const nlmserve::ModelInfo v = Model(3, 20);
+  nlmserve::NgramError error = nlmserve::NgramError::kEmpty;
+  const Row fine = {20, 20, 5, 1, 1, 19};  // the no-word in a context; the last word
+  Check(nlmserve::FirstBadRow(fine.data(), 2, v, &error) == 2 && error == nlmserve::NgramError::kNone,
+        "valid rows: none is bad");
+  const Row word_v = {1, 1, 5, 1, 1, 20, 21, 1, 5};  // the no-word predicted, then 21 in a context
+  Check(nlmserve::FirstBadRow(word_v.data(), 3, v, &error) == 1 && error == nlmserve::NgramError::kOutOfRange,
+        "the no-word is never predicted; the first bad row is named");
+  Check(nlmserve::FirstBadRow(word_v.data() + 6, 1, v, &error) == 0 && error == nlmserve::NgramError::kOutOfRange,
+        "an id above the no-word in a context");
+  const Row bos_word = {1, 5, 6, 5, 6, 1};
+  Check(nlmserve::FirstBadRow(bos_word.data(), 2, v, &error) == 1 && error == nlmserve::NgramError::kBosTarget,
+        "<s> predicted");
+  Check(nlmserve::FirstBadRow(bos_word.data(), 0, v, &error) == 0 && error == nlmserve::NgramError::kNone,
+        "no rows");
   // The context rule on other types: the decoder's state of word pointers.
   const char *w[] = {"x", "<s>", "y", "z"};
   const char *bos = w[1];
