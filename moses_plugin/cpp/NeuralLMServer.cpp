@@ -172,8 +172,7 @@ NeuralLMServer::~NeuralLMServer() {
     }
     if (m_tables) {
       VERBOSE(1, ", " << m_scoredLocally.load() << " n-grams scored locally (");
-      if (m_tables->RemembersRows()) VERBOSE(1, m_rowsRemembered.load() << " remembered, ");
-      VERBOSE(1, m_rowsSummed.load() << " position rows summed");
+      VERBOSE(1, m_rowsRemembered.load() << " remembered, " << m_rowsSummed.load() << " position rows summed");
       if (m_tables->normalized()) VERBOSE(1, ", " << m_nodesComputed.load() << " tree nodes computed");
       VERBOSE(1, ")");
     }

@@ -118,20 +118,22 @@ class ScoringTables {
   // number given each time an entry is written, never reused), so it can only ever hold
   // that context's values; entries are direct-mapped by a hash of (generation, node).
   //
-  // With a tree, the scores of recent rows, direct-mapped by a hash of the row and checked
-  // against its ids: a decoder asks for the same n-gram again and again (other hypotheses
-  // ending in the same words), and a tree's row costs dot products and log-sigmoids, more
-  // than one probe. An entry is [hash (two words), score, the row's ids], one probe of
-  // memory (a 5-gram's 32 bytes never straddle two cache lines), and the next row's entry is
-  // prefetched while a row is scored (the entries are too many for the processor's caches).
-  // A remembered score is the float computed the first time, which is what computing it
-  // again gives.
+  // The scores of recent rows, direct-mapped by a hash of the row and checked against its
+  // ids: a decoder asks for the same n-gram again and again (two thirds of its rows are
+  // other hypotheses ending in the same words), and a row costs more than one probe (a
+  // tree's dot products and log-sigmoids; a class output's dot product of an output row that
+  // is seldom in cache, and its features' weights). An entry is [hash (two words), score,
+  // the row's ids], one probe of memory (a 5-gram's 32 bytes never straddle two cache
+  // lines), prefetched kProbeAhead rows before the row is scored (the entries are too many
+  // for the processor's caches). A remembered score is the float computed the first time,
+  // which is what computing it again gives.
   struct Scratch {
     static const unsigned kPrefixBits = 9;
     static const std::size_t kPrefixes = std::size_t(1) << kPrefixBits;
     static const unsigned kNodeBits = 13;
     static const unsigned kRowBits = 16;
-    static const std::size_t kAhead = 2;  // rows whose feature slots are prefetched ahead
+    static const std::size_t kAhead = 2;       // rows whose feature slots are prefetched ahead
+    static const std::size_t kProbeAhead = 3;  // rows whose entries in `rows` are prefetched ahead
     struct Node {
       uint64_t generation;  // 0: empty
       uint32_t node;
@@ -142,10 +144,10 @@ class ScoringTables {
     std::vector<uint64_t> hashes;      // kPrefixes: the prefix's hash
     std::vector<uint32_t> lengths;     // kPrefixes: the prefix's length (0: empty)
     std::vector<uint64_t> generations; // kPrefixes: when the entry was written
-    std::vector<uint64_t> row_hashes;  // 2 rows x (order-1): the hashes of a row's prefixes
+    std::vector<uint64_t> row_hashes;  // kProbeAhead + 1 rows x order: a row's PrefixHashes, its RowHash
     std::vector<uint32_t> slots;       // kAhead + 1 rows x 2 tables x feature order
     std::vector<Node> nodes;           // with a tree: 2^kNodeBits (context, node) entries
-    std::vector<uint32_t> rows;        // with a tree: 2^kRowBits scored rows (RowStride words each)
+    std::vector<uint32_t> rows;        // 2^kRowBits scored rows (RowStride words each)
     uint64_t tables = 0;               // the serial of the tables the entries belong to
     uint64_t generation = 0;           // the last generation given
     uint64_t rows_added = 0;           // position rows summed, a count for reports
@@ -239,18 +241,27 @@ class ScoringTables {
     return data_.size() * sizeof(float) + (word_class_.size() + paths_.size()) * sizeof(uint32_t);
   }
 
+  // The entry of Scratch::rows that keeps a row's score (rows that share one take it from
+  // each other).
+  std::size_t RowEntryOf(const uint32_t *row) const {
+    std::vector<uint64_t> hash(order_);
+    PrefixHashes(row, hash.data());
+    return RowEntry(RowHash(hash[order_ - 2], row[order_ - 1]));
+  }
+
   // Natural-log scores of n canonical rows (order ids each, ids < vocab_size: the caller
-  // has checked them, as for Client::ScoreRows) into out[0, n). With features, the table
-  // slots of the row Scratch::kAhead rows on are computed and prefetched before this row's
-  // dot product, so that their cache misses (the tables are tens of MB) overlap the work
-  // of the rows in between.
+  // has checked them, as for Client::ScoreRows) into out[0, n). Rows are read ahead of the
+  // one being scored, so that their cache misses overlap the work of the rows in between:
+  // Scratch::kProbeAhead rows on, a row's entry in Scratch::rows is prefetched; kAhead rows
+  // on, with features, its table slots are computed and prefetched unless that entry holds
+  // its score already (the tables are tens of MB).
   void Score(const uint32_t *rows, std::size_t n, float *out, Scratch *scratch) const {
     const std::size_t width = order_, context = order_ - 1, dim = dim_, per_row = 2 * features_.order;
     const std::size_t memo = tree_.nodes ? std::size_t(1) << Scratch::kNodeBits : 0;
     const std::size_t stride = RowStride(width);
-    const std::size_t remembered = RemembersRows() ? std::size_t(1) << Scratch::kRowBits : 0;
-    const std::size_t row_words = remembered ? remembered * stride + kLine / sizeof(uint32_t) : 0;
-    const std::size_t ring = Scratch::kAhead + 1;  // rows of slots kept
+    const std::size_t row_words = (std::size_t(1) << Scratch::kRowBits) * stride + kLine / sizeof(uint32_t);
+    const std::size_t ring = Scratch::kAhead + 1;       // rows of slots kept
+    const std::size_t lead = Scratch::kProbeAhead + 1;  // rows of hashes kept
     if (scratch->tables != serial_ || scratch->vectors.size() != Scratch::kPrefixes * dim ||
         scratch->keys.size() != Scratch::kPrefixes * context || scratch->slots.size() != ring * per_row ||
         scratch->nodes.size() != memo || scratch->rows.size() != row_words) {
@@ -259,7 +270,7 @@ class ScoringTables {
       scratch->hashes.assign(Scratch::kPrefixes, 0);
       scratch->lengths.assign(Scratch::kPrefixes, 0);
       scratch->generations.assign(Scratch::kPrefixes, 0);
-      scratch->row_hashes.assign(2 * context, 0);
+      scratch->row_hashes.assign(lead * (context + 1), 0);
       scratch->slots.assign(ring * per_row, 0);
       Scratch::Node empty = {0, 0, 0.f, 0.f};
       scratch->nodes.assign(memo, empty);
@@ -267,40 +278,31 @@ class ScoringTables {
       scratch->tables = serial_;
     }
     if (n == 0) return;
-    for (std::size_t i = 0; per_row && i < Scratch::kAhead && i < n; ++i) {
-      RowSlots(rows + i * width, scratch->slots.data() + i * per_row);
+    uint32_t *const kept = LineAligned(scratch->rows.data());
+    bool slotted[Scratch::kAhead + 1] = {};  // whether a row's slots were computed ahead
+    for (std::size_t j = 0; j < Scratch::kProbeAhead && j < n; ++j) ReadAhead(rows, j, kept, scratch);
+    for (std::size_t j = 0; j < Scratch::kAhead && j < n; ++j) {
+      slotted[j] = per_row > 0;
+      if (per_row) RowSlots(rows + j * width, scratch->slots.data() + j * per_row);
     }
-    uint32_t *const kept = remembered ? LineAligned(scratch->rows.data()) : nullptr;
-    uint64_t next_hash = 0;  // the next row's RowHash, when rows are remembered
-    PrefixHashes(rows, scratch->row_hashes.data());
-    if (remembered) next_hash = RowHash(scratch->row_hashes[context - 1], rows[context]);
     for (std::size_t i = 0; i < n; ++i) {
       const uint32_t *row = rows + i * width;
-      const uint32_t *slots = scratch->slots.data() + (i % ring) * per_row;
+      if (i + Scratch::kProbeAhead < n) ReadAhead(rows, i + Scratch::kProbeAhead, kept, scratch);
       if (per_row && i + Scratch::kAhead < n) {
-        RowSlots(row + Scratch::kAhead * width, scratch->slots.data() + ((i + Scratch::kAhead) % ring) * per_row);
+        const std::size_t j = i + Scratch::kAhead;
+        const uint64_t *ahead = scratch->row_hashes.data() + (j % lead) * (context + 1);
+        slotted[j % ring] = !Holds(kept + RowEntry(ahead[context]) * stride, ahead[context], rows + j * width, width);
+        if (slotted[j % ring]) RowSlots(rows + j * width, scratch->slots.data() + (j % ring) * per_row);
       }
-      const uint64_t *hash = scratch->row_hashes.data() + (i % 2) * context;
-      const uint64_t h = next_hash;
-      if (i + 1 < n) {
-        uint64_t *next = scratch->row_hashes.data() + ((i + 1) % 2) * context;
-        PrefixHashes(row + width, next);
-        if (remembered) {
-          next_hash = RowHash(next[context - 1], row[width + context]);
-          Prefetch(kept + RowEntry(next_hash) * stride);
-        }
+      const uint64_t *hash = scratch->row_hashes.data() + (i % lead) * (context + 1);
+      const uint64_t h = hash[context];
+      uint32_t *const entry = kept + RowEntry(h) * stride;
+      if (Holds(entry, h, row, width)) {
+        std::memcpy(out + i, entry + 2, sizeof(float));
+        ++scratch->rows_remembered;
+        continue;
       }
       const uint32_t w = row[context];
-      uint32_t *entry = nullptr;
-      if (remembered) {
-        entry = kept + RowEntry(h) * stride;
-        if (entry[0] == static_cast<uint32_t>(h) && entry[1] == static_cast<uint32_t>(h >> 32) &&
-            Equal(entry + 3, row, width)) {
-          std::memcpy(out + i, entry + 2, sizeof(float));
-          ++scratch->rows_remembered;
-          continue;
-        }
-      }
       uint64_t generation = 0;
       const float *r = Context(row, hash, scratch, &generation);
       float s;
@@ -308,22 +310,21 @@ class ScoringTables {
         s = TreeScore(r, generation, w, scratch);
       } else {
         s = Dot(r, output_ + static_cast<std::size_t>(w) * dim, dim) + bias_[w];
-        if (per_row) s += FeatureSum(slots);
+        if (per_row) {
+          uint32_t *slots = scratch->slots.data() + (i % ring) * per_row;
+          // Remembered when its slots were due, but its entry was taken since by a row
+          // between (two rows of one entry).
+          if (!slotted[i % ring]) RowSlots(row, slots);
+          s += FeatureSum(slots);
+        }
       }
-      if (entry != nullptr) {
-        entry[0] = static_cast<uint32_t>(h);
-        entry[1] = static_cast<uint32_t>(h >> 32);
-        std::memcpy(entry + 2, &s, sizeof(float));
-        for (std::size_t j = 0; j < width; ++j) entry[3 + j] = row[j];
-      }
+      entry[0] = static_cast<uint32_t>(h);
+      entry[1] = static_cast<uint32_t>(h >> 32);
+      std::memcpy(entry + 2, &s, sizeof(float));
+      for (std::size_t j = 0; j < width; ++j) entry[3 + j] = row[j];
       out[i] = s;
     }
   }
-
-  // True where Score keeps recent rows' scores (Scratch::rows): a tree's row costs more
-  // than a probe; a class output's dot product (and direct features' weights) do not
-  // (measured side by side in the decoder: docs/results.md).
-  bool RemembersRows() const { return tree_.nodes > 0; }
 
  private:
   static uint64_t NextSerial() {
@@ -360,6 +361,23 @@ class ScoringTables {
 
   // The entry of Scratch::rows a row of this RowHash goes to.
   static std::size_t RowEntry(uint64_t hash) { return static_cast<std::size_t>(hash >> (64 - Scratch::kRowBits)); }
+
+  // Whether a remembered row's entry holds the row of this RowHash.
+  static bool Holds(const uint32_t *entry, uint64_t hash, const uint32_t *row, std::size_t width) {
+    return entry[0] == static_cast<uint32_t>(hash) && entry[1] == static_cast<uint32_t>(hash >> 32) &&
+           Equal(entry + 3, row, width);
+  }
+
+  // Row j's PrefixHashes and RowHash into its place in Scratch::row_hashes (order words:
+  // the prefixes', then the row's), and its entry prefetched.
+  void ReadAhead(const uint32_t *rows, std::size_t j, const uint32_t *kept, Scratch *scratch) const {
+    const std::size_t context = order_ - 1;
+    const uint32_t *row = rows + j * order_;
+    uint64_t *hash = scratch->row_hashes.data() + (j % (Scratch::kProbeAhead + 1)) * (context + 1);
+    PrefixHashes(row, hash);
+    hash[context] = RowHash(hash[context - 1], row[context]);
+    Prefetch(kept + RowEntry(hash[context]) * RowStride(order_));
+  }
 
   // r = act(sum_j position[j][row[j]]) for the row's context, from the longest of its
   // prefixes in the scratch; the prefixes it sums are put there. The sum runs over j in

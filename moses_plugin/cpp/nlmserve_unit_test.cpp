@@ -727,14 +727,52 @@ void TestScoringTablesFeatures() {
   // (10) and word slot 85 (0): 10 + 20 + 10 + 0.25 + 0.5.
   Check(std::fabs(out[0] - 71.5f) < 1e-5 && std::fabs(out[2] - 71.5f) < 1e-5, "features by hand, order 3");
   Check(std::fabs(out[1] - 40.75f) < 1e-5, "a changed oldest word changes the trigram features");
-  Check(!tables.RemembersRows() && scratch.rows_remembered == 0, "tables with features compute every row");
-  // A batch longer than the slots prefetched ahead: each row keeps its own slots.
-  const uint32_t longer[] = {5, 7, 9, 6, 7, 9, 5, 7, 9, 6, 7, 9, 5, 7, 9, 6, 7, 9};
-  float got[6];
-  tables.Score(longer, 6, got, &scratch);
-  bool alternate = true;
-  for (int i = 0; i < 6; ++i) alternate = alternate && std::fabs(got[i] - (i % 2 ? 40.75f : 71.5f)) < 1e-5;
-  Check(alternate, "feature slots prefetched rows ahead stay with their rows");
+  Check(scratch.rows_remembered == 1, "tables with features remember the third row, the first again");
+  // A batch of distinct rows longer than the slots prefetched ahead (a fresh scratch, so
+  // that none is remembered): each row keeps its own slots (the last two rows by hand below).
+  const uint32_t longer[] = {5, 7, 9, 6, 7, 9, V, 7, 9, V, V, 9};
+  float got[4];
+  nlmserve::ScoringTables::Scratch ring;
+  tables.Score(longer, 4, got, &ring);
+  Check(ring.rows_remembered == 0 && std::fabs(got[0] - 71.5f) < 1e-5 && std::fabs(got[1] - 40.75f) < 1e-5 &&
+            got[2] == 30.75f && got[3] == 10.25f,
+        "feature slots prefetched rows ahead stay with their rows");
+  // Rows repeated one to four rows on: each remembered, with its own score.
+  const uint32_t repeated[] = {5, 7, 9, 6, 7, 9, 5, 7, 9, 5, 7, 9, V, 7, 9, 6, 7, 9, V, V, 9, V, 7, 9};
+  const float want[] = {71.5f, 40.75f, 71.5f, 71.5f, 30.75f, 40.75f, 10.25f, 30.75f};
+  float each[8];
+  nlmserve::ScoringTables::Scratch again;
+  tables.Score(repeated, 8, each, &again);
+  bool all = again.rows_remembered == 4;
+  for (int i = 0; i < 8; ++i) all = all && std::fabs(each[i] - want[i]) < 1e-5;
+  Check(all, "rows repeated one to four rows on are remembered with their own scores");
+  // A row remembered when its slots were due (so they were not computed), whose entry a row
+  // between took: its slots are computed when it is scored. x and y share an entry.
+  std::vector<uint32_t> x, y;
+  for (uint32_t k = 0; k < V * V * V && y.empty(); ++k) {
+    const uint32_t row[] = {k / (V * V), k / V % V, k % V};
+    for (uint32_t l = 0; l < k && y.empty(); ++l) {
+      const uint32_t other[] = {l / (V * V), l / V % V, l % V};
+      if (tables.RowEntryOf(row) == tables.RowEntryOf(other)) {
+        x.assign(other, other + 3);
+        y.assign(row, row + 3);
+      }
+    }
+  }
+  Check(!y.empty(), "two rows that share an entry");
+  float alone[3], taken[3];
+  nlmserve::ScoringTables::Scratch fresh_x, fresh_y, fresh_z, shared;
+  tables.Score(x.data(), 1, alone, &fresh_x);
+  tables.Score(y.data(), 1, alone + 1, &fresh_y);
+  tables.Score(longer, 1, alone + 2, &fresh_z);
+  tables.Score(x.data(), 1, taken, &shared);
+  std::vector<uint32_t> batch = y;  // y takes x's entry; then "5 7 9"; then x
+  batch.insert(batch.end(), longer, longer + 3);
+  batch.insert(batch.end(), x.begin(), x.end());
+  tables.Score(batch.data(), 3, taken, &shared);
+  Check(shared.rows_remembered == 0 && taken[0] == alone[1] && taken[1] == alone[2] && taken[2] == alone[0] &&
+            alone[0] != alone[1],
+        "a row whose entry was taken gets its slots");
   // The no-word (id V = 12) has no feature, nor has any longer suffix: "? 7 9" has the
   // suffixes "" and "7" (10 + 20 + 0.25 + 0.5), "? ? 9" the empty one (10 + 0.25).
   const uint32_t unknown[] = {V, 7, 9, V, V, 9};
@@ -788,14 +826,13 @@ void TestScoringTablesFeatures() {
 }
 
 void TestScoringTablesRemembered() {
-  // Tables of a tree keep recent rows' scores: a row scored again costs no node, gives the
-  // same float, and rows differing in any id are not taken for each other.
+  // Tables keep recent rows' scores: a row scored again costs no node (with a tree), gives
+  // the same float, and rows differing in any id are not taken for each other.
   nlmserve::ScoringTables::Tree tree;
   nlmserve::ScoringTables tables;
   Check(tables.Set(2, 4, 2, nlmserve::Activation::kNone, "h", GoldenTree(&tree), nlmserve::ScoringTables::Features(),
-                   tree) &&
-            tables.RemembersRows(),
-        "tree tables remember rows");
+                   tree),
+        "tree tables set");
   // (0, 0) computes nodes 0 and 1 for context 0, (0, 2) finds both, (2, 3) computes node 0
   // for context 2; the third and fifth rows are the first two again.
   const uint32_t rows[] = {0, 0, 0, 2, 0, 0, 2, 3, 0, 2};
@@ -820,14 +857,18 @@ void TestScoringTablesRemembered() {
   auto sig = [](double x) { return 1.0 / (1.0 + std::exp(-x)); };
   Check(scratch.rows_remembered == 7 && std::fabs(again[0] - std::log(sig(0.6) * sig(0.4))) < 1e-6,
         "new tables forget the old tables' rows");
-  // A class output's tables compute a row for less than a probe costs.
+  // A class output's tables remember rows too; rows that share a context and differ in the
+  // word are told apart. Their own scratch: one belongs to the tables that last used it.
   std::vector<float> plain = {0, 1, 1, 1, 2, 1, /* output */ 1, 0, 1, 1, 1, 2, /* bias */ 0.f, 0.1f, 0.2f};
   nlmserve::ScoringTables lbl;
-  Check(lbl.Set(2, 3, 2, nlmserve::Activation::kNone, "h", plain) && !lbl.RemembersRows(),
-        "plain class tables do not remember rows");
-  const uint32_t twice[] = {2, 1, 2, 1};
-  lbl.Score(twice, 2, out, &scratch);
-  Check(scratch.rows_remembered == 7 && out[0] == out[1], "plain class tables compute every row");
+  Check(lbl.Set(2, 3, 2, nlmserve::Activation::kNone, "h", plain), "plain class tables set");
+  const uint32_t twice[] = {2, 1, 2, 1, 2, 0};
+  nlmserve::ScoringTables::Scratch own;
+  lbl.Score(twice, 3, out, &own);
+  // context 2: (2, 1); word 1: 2 * 1 + 1 * 1 + 0.1, word 0: 2 * 1 + 1 * 0 + 0.
+  Check(own.rows_remembered == 1 && std::fabs(out[0] - 3.1f) < 1e-6 && out[1] == out[0] &&
+            std::fabs(out[2] - 2.0f) < 1e-6,
+        "plain class tables remember rows");
 }
 
 void TestScoringTablesPrefixes() {
