@@ -858,7 +858,7 @@ void TestScoringTablesRemembered() {
   Check(scratch.rows_remembered == 7 && std::fabs(again[0] - std::log(sig(0.6) * sig(0.4))) < 1e-6,
         "new tables forget the old tables' rows");
   // A class output's tables remember rows too; rows that share a context and differ in the
-  // word are told apart. Their own scratch: one belongs to the tables that last used it.
+  // word are told apart (a scratch of their own, whose count starts at 0).
   std::vector<float> plain = {0, 1, 1, 1, 2, 1, /* output */ 1, 0, 1, 1, 1, 2, /* bias */ 0.f, 0.1f, 0.2f};
   nlmserve::ScoringTables lbl;
   Check(lbl.Set(2, 3, 2, nlmserve::Activation::kNone, "h", plain), "plain class tables set");
