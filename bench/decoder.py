@@ -145,7 +145,7 @@ class Run:
     ngrams_local: int | None = None
     rows_summed: int | None = None  # scoring=local: position rows summed for the contexts
     nodes_computed: int | None = None  # scoring=local with a tree: node dot products computed
-    rows_remembered: int | None = None  # scoring=local with a tree: scores the tables kept
+    rows_remembered: int | None = None  # scoring=local: scores the tables kept (every output)
     load_s: float | None = None
 
 
