@@ -126,7 +126,10 @@ class ScoringTables {
   // the row's ids], one probe of memory (a 5-gram's 32 bytes never straddle two cache
   // lines), prefetched kProbeAhead rows before the row is scored (the entries are too many
   // for the processor's caches). A remembered score is the float computed the first time,
-  // which is what computing it again gives.
+  // which is what computing it again gives. They stand in for the client's NgramCache
+  // (ngram_cache.h), which scoring=local turns off: one thread's, so no lock and no LRU
+  // window, and their hash extends the prefix hashes Context needs anyway (RowHashes),
+  // where the cache's HashRow would hash the row again.
   struct Scratch {
     static const unsigned kPrefixBits = 9;
     static const std::size_t kPrefixes = std::size_t(1) << kPrefixBits;
@@ -244,9 +247,8 @@ class ScoringTables {
   // The entry of Scratch::rows that keeps a row's score (rows that share one take it from
   // each other).
   std::size_t RowEntryOf(const uint32_t *row) const {
-    std::vector<uint64_t> hash(order_);
-    PrefixHashes(row, hash.data());
-    return RowEntry(RowHash(hash[order_ - 2], row[order_ - 1]));
+    std::vector<uint64_t> hash(order_ - 1);
+    return RowEntry(RowHashes(row, hash.data()));
   }
 
   // Natural-log scores of n canonical rows (order ids each, ids < vocab_size: the caller
@@ -348,6 +350,13 @@ class ScoringTables {
     return (h ^ (h >> 29)) | 1;
   }
 
+  // A row's PrefixHashes into hash[0, order-1), and its RowHash: where a row goes in
+  // Scratch::rows (RowEntry) and how its entry is checked (Holds).
+  uint64_t RowHashes(const uint32_t *row, uint64_t *hash) const {
+    PrefixHashes(row, hash);
+    return RowHash(hash[order_ - 2], row[order_ - 1]);
+  }
+
   // Words per remembered row: its hash (two), its score, its ids.
   static std::size_t RowStride(std::size_t width) { return 3 + width; }
 
@@ -374,8 +383,7 @@ class ScoringTables {
     const std::size_t context = order_ - 1;
     const uint32_t *row = rows + j * order_;
     uint64_t *hash = scratch->row_hashes.data() + (j % (Scratch::kProbeAhead + 1)) * (context + 1);
-    PrefixHashes(row, hash);
-    hash[context] = RowHash(hash[context - 1], row[context]);
+    hash[context] = RowHashes(row, hash);
     Prefetch(kept + RowEntry(hash[context]) * RowStride(order_));
   }
 
