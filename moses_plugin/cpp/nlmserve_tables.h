@@ -134,7 +134,7 @@ class ScoringTables {
     static const unsigned kPrefixBits = 9;
     static const std::size_t kPrefixes = std::size_t(1) << kPrefixBits;
     static const unsigned kNodeBits = 13;
-    static const unsigned kRowBits = 16;
+    static const unsigned kRowBits = 17;
     static const std::size_t kAhead = 2;       // rows whose feature slots are prefetched ahead
     static const std::size_t kProbeAhead = 3;  // rows whose entries in `rows` are prefetched ahead
     struct Node {
