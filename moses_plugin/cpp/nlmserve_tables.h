@@ -125,7 +125,9 @@ class ScoringTables {
   // is seldom in cache, and its features' weights). An entry is [hash (two words), score,
   // the row's ids], one probe of memory (a 5-gram's 32 bytes never straddle two cache
   // lines), prefetched kProbeAhead rows before the row is scored (the entries are too many
-  // for the processor's caches). A remembered score is the float computed the first time,
+  // for the processor's caches, and a remembered row takes a few nanoseconds, a miss about
+  // a hundred: 16 rows ahead, and the slots of rows not kept 6 ahead, decoded faster than 3
+  // and 2 and than 32 and 10, docs/results.md). A remembered score is the float computed the first time,
   // which is what computing it again gives. They stand in for the client's NgramCache
   // (ngram_cache.h), which scoring=local turns off: one thread's, so no lock and no LRU
   // window, and their hash extends the prefix hashes Context needs anyway (RowHashes),
@@ -135,8 +137,8 @@ class ScoringTables {
     static const std::size_t kPrefixes = std::size_t(1) << kPrefixBits;
     static const unsigned kNodeBits = 13;
     static const unsigned kRowBits = 17;
-    static const std::size_t kAhead = 2;       // rows whose feature slots are prefetched ahead
-    static const std::size_t kProbeAhead = 3;  // rows whose entries in `rows` are prefetched ahead
+    static const std::size_t kAhead = 6;        // rows whose feature slots are prefetched ahead
+    static const std::size_t kProbeAhead = 16;  // rows whose entries in `rows` are prefetched ahead
     struct Node {
       uint64_t generation;  // 0: empty
       uint32_t node;
