@@ -728,8 +728,8 @@ void TestScoringTablesFeatures() {
   Check(std::fabs(out[0] - 71.5f) < 1e-5 && std::fabs(out[2] - 71.5f) < 1e-5, "features by hand, order 3");
   Check(std::fabs(out[1] - 40.75f) < 1e-5, "a changed oldest word changes the trigram features");
   Check(scratch.rows_remembered == 1, "tables with features remember the third row, the first again");
-  // A batch of distinct rows longer than the slots prefetched ahead (a fresh scratch, so
-  // that none is remembered): each row keeps its own slots (the last two rows by hand below).
+  // A batch of distinct rows (a fresh scratch, so that none is remembered): each row keeps
+  // its own slots (the last two rows by hand below).
   const uint32_t longer[] = {5, 7, 9, 6, 7, 9, V, 7, 9, V, V, 9};
   float got[4];
   nlmserve::ScoringTables::Scratch ring;
@@ -773,6 +773,43 @@ void TestScoringTablesFeatures() {
   Check(shared.rows_remembered == 0 && taken[0] == alone[1] && taken[1] == alone[2] && taken[2] == alone[0] &&
             alone[0] != alone[1],
         "a row whose entry was taken gets its slots");
+  // A batch several read-ahead distances long, so that every place of the rings of hashes
+  // and slots is used and reused, with rows repeated 1 to 2 * kProbeAhead rows on and the
+  // no-word: each score is the float of its row scored alone.
+  typedef nlmserve::ScoringTables::Scratch Scratch;
+  std::vector<float> varied = data;
+  for (std::size_t k = 0; k < kClass + kWord; ++k) varied[class_at + k] = 0.125f * static_cast<float>(k % 13);
+  nlmserve::ScoringTables busy;
+  Check(busy.Set(3, V, 1, nlmserve::Activation::kNone, "h", varied, full), "varied feature tables set");
+  const std::size_t many = 4 * (Scratch::kProbeAhead + Scratch::kAhead + 1);
+  std::vector<uint32_t> long_batch;
+  uint32_t seed = 12345;
+  auto next = [&seed](uint32_t below) {
+    seed = seed * 1103515245u + 12345u;
+    return (seed >> 16) % below;
+  };
+  for (std::size_t i = 0; i < many; ++i) {
+    if (i > 0 && i % 3 == 0) {  // a row of 1 .. 2 * kProbeAhead rows before
+      const std::size_t back = 1 + next(static_cast<uint32_t>(std::min<std::size_t>(i, 2 * Scratch::kProbeAhead)));
+      const std::vector<uint32_t> earlier(long_batch.end() - 3 * back, long_batch.end() - 3 * (back - 1));
+      long_batch.insert(long_batch.end(), earlier.begin(), earlier.end());
+      continue;
+    }
+    const uint32_t unknown_words = next(4) == 0 ? 1 + next(2) : 0;  // no-words: the oldest context words
+    for (uint32_t j = 0; j < 2; ++j) long_batch.push_back(j < unknown_words ? V : next(V));
+    long_batch.push_back(next(V));
+  }
+  std::vector<float> batch_out(many);
+  Scratch long_scratch;
+  busy.Score(long_batch.data(), many, batch_out.data(), &long_scratch);
+  bool each_alone = long_scratch.rows_remembered >= many / 3;
+  for (std::size_t i = 0; i < many; ++i) {
+    Scratch fresh_row;
+    float one;
+    busy.Score(long_batch.data() + 3 * i, 1, &one, &fresh_row);
+    each_alone = each_alone && one == batch_out[i];
+  }
+  Check(each_alone, "a batch longer than the read-ahead: every row's score as if scored alone");
   // The no-word (id V = 12) has no feature, nor has any longer suffix: "? 7 9" has the
   // suffixes "" and "7" (10 + 20 + 0.25 + 0.5), "? ? 9" the empty one (10 + 0.25).
   const uint32_t unknown[] = {V, 7, 9, V, V, 9};
