@@ -783,11 +783,8 @@ void TestScoringTablesFeatures() {
   Check(busy.Set(3, V, 1, nlmserve::Activation::kNone, "h", varied, full), "varied feature tables set");
   const std::size_t many = 4 * (Scratch::kProbeAhead + Scratch::kAhead + 1);
   std::vector<uint32_t> long_batch;
-  uint32_t seed = 12345;
-  auto next = [&seed](uint32_t below) {
-    seed = seed * 1103515245u + 12345u;
-    return (seed >> 16) % below;
-  };
+  std::mt19937 rng(7);
+  auto next = [&rng](uint32_t below) { return static_cast<uint32_t>(rng() % below); };
   for (std::size_t i = 0; i < many; ++i) {
     if (i > 0 && i % 3 == 0) {  // a row of 1 .. 2 * kProbeAhead rows before
       const std::size_t back = 1 + next(static_cast<uint32_t>(std::min<std::size_t>(i, 2 * Scratch::kProbeAhead)));
