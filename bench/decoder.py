@@ -195,6 +195,14 @@ def rewrite_ini(ini: Path, kenlm: str | None, out: Path, feature: str | None, we
     out.write_text("\n".join(lines) + "\n")
 
 
+def write_head(source: Path, n: int, out: Path) -> list[str]:
+    """The first ``n`` lines of ``source`` (the sentences every run decodes), written to ``out``."""
+    with open(source, encoding="utf-8") as f:
+        chosen = [line for _, line in zip(range(n), f)]
+    out.write_text("".join(chosen), encoding="utf-8")
+    return chosen
+
+
 def decode(moses: str, ini: Path, src: Path, threads: int, out: Path, log: Path) -> tuple[float, float]:
     """Run the decoder; returns (wall seconds, CPU seconds of the decoder process)."""
     with open(src, "rb") as fin, open(out, "wb") as fout, open(log, "wb") as ferr:
@@ -543,9 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-decoder-"))
     work.mkdir(parents=True, exist_ok=True)
     src = work / "input.txt"
-    with open(args.input, encoding="utf-8") as f:
-        chosen = [line for _, line in zip(range(args.lines), f)]
-    src.write_text("".join(chosen), encoding="utf-8")
+    chosen = write_head(args.input, args.lines, src)
     lines = len(chosen)
 
     journal = work / "runs.jsonl"

@@ -41,7 +41,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, markers, require_scoring_tables, write_json, write_section  # noqa: E402
-from decoder import commit, feature_line, rewrite_ini  # noqa: E402
+from decoder import commit, feature_line, rewrite_ini, write_head  # noqa: E402
 
 from nlmserve.moses_plugin.experiment import ServerProcess, start_server  # noqa: E402
 
@@ -151,10 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)
     src = work / "input.txt"
-    with open(args.input, encoding="utf-8") as f:
-        chosen = [line for _, line in zip(range(args.lines), f)]
-    src.write_text("".join(chosen), encoding="utf-8")
-    lines = len(chosen)
+    lines = len(write_head(args.input, args.lines, src))
     info = machine()
 
     def ini_for(name: str, options: dict[str, str], target: str) -> Path:
