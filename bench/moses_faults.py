@@ -21,9 +21,10 @@ after Moses has loaded (its "Created input-output object" line):
   nothing: every sentence, byte-identical to an undisturbed run.
 
 ``normalized=false`` throughout (self-normalised scores; ``local`` needs a model with scoring
-tables). The undisturbed runs decode the same sentences with the same lines and servers.
-These are behaviours, not timings: the seconds reported (from the kill to the decoder's exit)
-are those of the feature's timeouts and retries (``connect-timeout-ms``, ``retries``).
+tables). The undisturbed runs decode the same sentences with the same scoring and a server
+of their own that nobody kills. These are behaviours, not timings: the seconds reported, from
+the kill to the decoder's exit, are for ``fail`` those of the feature's timeouts and retries
+(``connect-timeout-ms``, ``retries``), for the others the rest of the decoding.
 """
 
 from __future__ import annotations
