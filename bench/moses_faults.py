@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import re
 import signal
 import subprocess
@@ -101,9 +102,9 @@ def verdict(case: str, run: dict[str, Any], lines: int) -> tuple[bool, str]:
 
 
 def decode(moses: str, ini: Path, src: Path, threads: int, out: Path, log: Path,
-           on_loaded: Any = None) -> tuple[int, float | None]:
+           on_loaded: Any = None) -> tuple[int, float]:
     """Run the decoder; ``on_loaded()`` is called when it has loaded. Returns its exit status
-    and the time it exited (time.monotonic()) or None."""
+    and the time it exited (time.monotonic())."""
     with open(src, "rb") as fin, open(out, "wb") as fout, open(log, "w", encoding="utf-8") as ferr:
         proc = subprocess.Popen([moses, "-f", str(ini), "-threads", str(threads), "-v", "1"], stdin=fin,
                                 stdout=fout, stderr=subprocess.PIPE, text=True, errors="replace", cwd=ini.parent)
@@ -139,8 +140,6 @@ def main(argv: list[str] | None = None) -> int:
                                               "'<!-- bench/moses_faults.py: begin -->' and '... end -->')")
     args = ap.parse_args(argv)
     if args.render:
-        import json
-
         text = render(json.loads(args.render.read_text()))
         if args.doc:
             write_section(args.doc, *markers("moses_faults.py"), text)
@@ -211,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             "exit_status": status, "sentences_written": len(got),
             "identical": got == want, "prefix_identical": got == want[: len(got)],
             "killed": bool(killed_at),
-            "seconds_from_kill_to_exit": round(ended - killed_at[0], 1) if killed_at and ended else None,
+            "seconds_from_kill_to_exit": round(ended - killed_at[0], 1) if killed_at else None,
             "output_sha256": hashlib.sha256("\n".join(got).encode()).hexdigest(),
             **log_facts(log.read_text(encoding="utf-8", errors="replace")),
         }
