@@ -287,11 +287,14 @@ def render(result: dict[str, Any]) -> str:
                     f"{per_seed([str(x['test_decode_s']) for x in runs])} | "
                     f"{per_seed([_percent(x.get('search_errors')) for x in runs])} |")
     inis = [x["exported_ini"] for r in result["rows"] for x in r["runs"] if x.get("exported_ini")]
+    # A table made by --finished-only ran no tuning: the load then says nothing about the times.
+    load = (f"load average {m['load_average_1m']} at the start" if "--finished-only" not in result["command"].split()
+            else "the tunings' times are upper bounds (other work may have run beside them)")
     lines = [begin, "",
              f"Moses' `mert-moses.pl` ({result['tuner']}{at_most}), {result['dev_lines']} dev sentences (every third "
              f"of newstest2012), then all {result['test_lines']} sentences of newstest2013 decoded with each tuned "
              f"moses.ini; seeds {', '.join(str(x) for x in result['seeds'])}; {m['cpu']}, {m['cores']} cores, "
-             f"load average {m['load_average_1m']} at the start. Δ: the mean's difference from the first row, "
+             f"{load}. Δ: the mean's difference from the first row, "
              "p: paired bootstrap over the seeds' outputs joined (the seeds both rows have; —: not finished). Search errors: dev sentences whose 1-best in "
              "the last iteration scores lower, under that iteration's weights, than a hypothesis of one of the "
              "tuning's n-best lists.", "", *rows, "",

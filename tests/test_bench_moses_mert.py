@@ -57,6 +57,21 @@ def test_rendered_section(tmp_path: Path) -> None:
     assert "| europarl | `ep5.nlm` `normalized=false` | 21.50 | 21.50 | +0.46, p 0.002 |" in text
     assert "[europarl.seed1.ini](moses-mert/europarl.seed1.ini)" in text
     assert "`nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0`" in text
+    assert "2 cores, load average 0.5 at the start." in text and "upper bounds" not in text
+
+
+def test_tabulated_section_gives_no_load() -> None:
+    """--finished-only starts no tuning: the load when it ran is not the tunings' load."""
+    result = {
+        "machine": {"cpu": "CPU", "cores": 2, "load_average_1m": 0.5}, "tuner": "mert", "dev_lines": 1001,
+        "test_lines": 3000, "seeds": [1],
+        "rows": [{"system": "kenlm", "model": None, "options": {}, "bleu": [21.04], "mean": 21.04, "sd": None,
+                  "signature": "nrefs:1", "runs": [{"iterations": 7, "seconds_per_iteration": 210.5,
+                                                    "tuning_wall_s": 1473.4, "test_decode_s": 402.1}]}],
+        "command": "bench/moses_mert.py --seeds 1 --finished-only --json r.json"}
+    text = moses_mert.render(result)
+    assert "load average" not in text
+    assert "2 cores, the tunings' times are upper bounds (other work may have run beside them). Δ:" in text
 
 
 def test_a_mira_section_beside_the_mert_one(tmp_path: Path) -> None:
