@@ -288,7 +288,7 @@ def render(result: dict[str, Any]) -> str:
                     f"{per_seed([_percent(x.get('search_errors')) for x in runs])} |")
     inis = [x["exported_ini"] for r in result["rows"] for x in r["runs"] if x.get("exported_ini")]
     # A table made by --finished-only ran no tuning: the load then says nothing about the times.
-    load = (f"load average {m['load_average_1m']} at the start" if "--finished-only" not in result["command"].split()
+    load = (f"load average {m['load_average_1m']} at the start" if not result.get("finished_only")
             else "the tunings' times are upper bounds (other work may have run beside them)")
     lines = [begin, "",
              f"Moses' `mert-moses.pl` ({result['tuner']}{at_most}), {result['dev_lines']} dev sentences (every third "
@@ -453,7 +453,7 @@ def main() -> int:
     if args.json:
         result = {"machine": info, "dev_lines": n_dev, "test_lines": n_test, "tuner": args.tuner,
                   "max_iterations": args.max_iterations, "seeds": args.seeds, "rows": rows,
-                  "command": " ".join(sys.argv), "section": args.section}
+                  "command": " ".join(sys.argv), "section": args.section, "finished_only": args.finished_only}
         write_json(args.json, result)
     return 0
 

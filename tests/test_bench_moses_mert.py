@@ -68,7 +68,7 @@ def test_tabulated_section_gives_no_load() -> None:
         "rows": [{"system": "kenlm", "model": None, "options": {}, "bleu": [21.04], "mean": 21.04, "sd": None,
                   "signature": "nrefs:1", "runs": [{"iterations": 7, "seconds_per_iteration": 210.5,
                                                     "tuning_wall_s": 1473.4, "test_decode_s": 402.1}]}],
-        "command": "bench/moses_mert.py --seeds 1 --finished-only --json r.json"}
+        "command": "bench/moses_mert.py --seeds 1 --finished-only --json r.json", "finished_only": True}
     text = moses_mert.render(result)
     assert "load average" not in text
     assert "2 cores, the tunings' times are upper bounds (other work may have run beside them). Δ:" in text
@@ -126,7 +126,7 @@ def test_unfinished_seeds_are_left_out_and_paired_by_seed(tmp_path: Path) -> Non
                   "mean": 21.02, "sd": 0.03, "signature": "sig", "runs": [run, {**run, "iterations": 6}]},
                  {"system": "europarl", "model": "/tmp/ep5.nlm", "options": {}, "seeds": [2], "bleu": [21.5],
                   "mean": 21.5, "sd": None, "delta": 0.48, "p": 0.002, "runs": [{**run, "iterations": 9}]}],
-        "command": "bench/moses_mert.py --finished-only"}
+        "command": "bench/moses_mert.py --finished-only", "finished_only": True}
     text = moses_mert.render(result)
     assert "| kenlm | — | 21.04, 21.00 | 21.02 ± 0.03 |  | 7, 6 |" in text
     assert "| europarl | `ep5.nlm` | —, 21.50 | 21.50 | +0.48, p 0.002 | —, 9 | —, 210.5 |" in text
