@@ -72,6 +72,8 @@ def test_tabulated_section_gives_no_load() -> None:
     text = moses_mert.render(result)
     assert "load average" not in text
     assert "2 cores, the tunings' times are upper bounds (other work may have run beside them). Δ:" in text
+    # The run's own record decides, not the command string it stored.
+    assert "load average 0.5 at the start" in moses_mert.render({**result, "finished_only": False})
 
 
 def test_a_mira_section_beside_the_mert_one(tmp_path: Path) -> None:
