@@ -43,6 +43,7 @@ DEPENDENCIES = [
     "prometheus-client>=0.19",
     "tqdm>=4.66",
     "matplotlib>=3.7",
+    "numba>=0.59",  # the fused CPU training step (lm/fused.py): a wheel, no compiler needed
 ]
 PROTOBUF_FLOOR = "4.25"
 

@@ -78,6 +78,9 @@ def register(subparsers: Any) -> None:
                    help="processes training one model together on the CPU, lock-free (Hogwild); "
                         "each takes its own minibatch of --batch-size")
     p.add_argument("--dense-grads", action="store_true", help="dense embedding gradients even with AdaGrad")
+    p.add_argument("--step", choices=("auto", "torch", "fused"), default="auto",
+                   help="auto: the fused CPU step for NCE with the class output and AdaGrad, the torch "
+                        "step otherwise; torch: always the torch step (the reference)")
     p.add_argument("--seed", type=int, default=1, help="every random choice derives from it")
     p.add_argument("--resume", action="store_true", help="continue from OUT.ckpt when it exists")
     p.add_argument("--batch-size", type=int, default=512, help="n-grams per minibatch (per worker)")
@@ -195,7 +198,7 @@ def _train(args: argparse.Namespace) -> int:
             noise_samples=args.noise_samples, epochs=args.epochs, max_minutes=args.max_minutes,
             max_steps=args.max_steps, lowercase=args.lowercase, min_count=args.min_count,
             max_vocab=args.max_vocab, max_train_lines=args.max_train_lines, threads=args.threads,
-            distributed=args.distributed, dense_grads=args.dense_grads,
+            distributed=args.distributed, dense_grads=args.dense_grads, step=args.step,
             seed=args.seed, resume=args.resume, batch_size=args.batch_size, lr=args.lr,
             optimizer=args.optimizer, patience=args.patience, valid_every=args.valid_every,
             checkpoint_every=args.checkpoint_every, log_every=args.log_every, workdir=args.workdir, progress=not args.no_progress,

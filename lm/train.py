@@ -33,6 +33,7 @@ from nlmserve.lm.checkpoint import TrainingLog, load_checkpoint, load_optimizer_
 from nlmserve.lm.classes import WordClasses, brown_clusters, default_num_classes, frequency_binning, load_wcluster
 from nlmserve.lm.corpus import CorpusIds, count_words
 from nlmserve.lm.distributed import array_digest, init_distributed
+from nlmserve.lm.fused import FusedNCE, unavailable_reason
 from nlmserve.lm.hogwild import HogwildPool
 from nlmserve.lm.model import ModelConfig, NeuralLM
 from nlmserve.lm.outputs import ClassOutput
@@ -44,6 +45,10 @@ from nlmserve.lm.vocab import Vocabulary
 from nlmserve.progress import progress
 
 log = logging.getLogger(__name__)
+
+#: ``TrainConfig.step``: how a minibatch is trained.
+STEPS = ("auto", "torch", "fused")
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -70,6 +75,10 @@ class TrainConfig:
         distributed: data-parallel under torchrun (lm/distributed.py); ``batch_size`` is then
             the global batch, split across the processes.
         dense_grads: dense embedding gradients even with AdaGrad (sparse is the default).
+        step: ``auto``: the fused CPU step (``nlmserve.lm.fused``) where it applies (NCE,
+            class output, diagonal context, AdaGrad, CPU, not distributed), the torch step
+            elsewhere; ``torch``: the torch step always (the reference); ``fused``: the
+            fused step, an error where it does not apply.
         resume: continue from ``out + ".ckpt"`` when it exists.
         batch_size, lr, optimizer (adagrad | adam): the optimiser.
         lr_decay: factor applied to the learning rate on a validation plateau.
@@ -133,6 +142,7 @@ class TrainConfig:
     threads: int = 2
     distributed: bool = False
     dense_grads: bool = False
+    step: str = "auto"
     seed: int = 1
     resume: bool = False
     batch_size: int = 512
@@ -175,6 +185,8 @@ class TrainConfig:
             raise ValueError(f"min_improvement must lie in [0, 1), got {self.min_improvement}")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.step not in STEPS:
+            raise ValueError(f"step must be one of {STEPS}, got {self.step!r}")
         if self.lr_schedule not in ("plateau", "linear"):
             raise ValueError(f"lr_schedule must be plateau or linear, got {self.lr_schedule!r}")
         if self.workers > 1 and self.distributed:
@@ -537,6 +549,7 @@ class _Trainer:
             self._resume()
         self.dist.wrap(self.model)
         _set_lr(self.opt, self.state.lr)
+        self.fused = self._fused_step()
         self.log = TrainingLog(cfg.log_path, append=resumed, enabled=self.dist.is_main)
         self.digests: list[str] | None = None
         if not resumed:
@@ -566,6 +579,23 @@ class _Trainer:
         self.t_start -= self.state.budget_spent or self.state.elapsed  # older checkpoints: the loop's time
         log.info("resumed from %s at step %d (epoch %d, position %d)",
                  cfg.checkpoint_path, self.state.step, self.state.epoch, self.state.pos)
+
+    def _fused_step(self) -> FusedNCE | None:
+        """The fused step when ``cfg.step`` asks for it and it applies to this run."""
+        cfg = self.cfg
+        if cfg.step == "torch":
+            return None
+        why = unavailable_reason(cfg.objective, self.model, cfg.optimizer, self.device, self.dist.enabled)
+        if cfg.dense_grads:
+            why = why or "--dense-grads"
+        if why is not None:
+            if cfg.step == "fused":
+                raise InputError(f"--step fused does not apply: {why}")
+            if cfg.objective == "nce" and self.device.type == "cpu":
+                log.info("training with the torch step: %s", why)
+            return None
+        log.info("training with the fused CPU step (nlmserve.lm.fused)")
+        return FusedNCE(self.model, self.opt, self.noise.log_q_class, self.noise.log_q_word)
 
     def checkpoint(self) -> None:
         self.state.budget_spent = time.monotonic() - self.t_start
@@ -620,6 +650,8 @@ class _Trainer:
         on their own minibatches with their own generator and the round's rate."""
         if lr is not None:
             _set_lr(self.opt, lr)
+        if self.fused is not None:
+            return self.fused_update(positions, gen)
         self.model.dropout_gen = gen
         mine, weight = self.dist.local_batch(positions)  # this process's share (all of it alone)
         ctx_np, tgt_np = self.data.train.examples(np.sort(mine), self.mconf.order)
@@ -633,6 +665,18 @@ class _Trainer:
         self.dist.reduce_sparse()
         self.opt.step()
         return float(loss.detach())
+
+    def fused_update(self, positions: np.ndarray, gen: torch.Generator) -> float:
+        """:meth:`update` by the fused step: the same examples, the same draws from ``gen``
+        (the noise, then the dropout mask) and the same arithmetic as the torch step."""
+        assert self.fused is not None
+        ctx, tgt = self.data.train.examples(np.sort(positions), self.mconf.order)
+        noise_classes, noise_words = self.noise.sample(self.model, torch.from_numpy(tgt), self.cfg.noise_samples, gen)
+        assert noise_classes is not None  # the class output
+        p, keep = self.model.dropout, None
+        if p > 0.0:
+            keep = (torch.rand((tgt.shape[0], self.mconf.out_dim), generator=gen) >= p).numpy()
+        return self.fused.step(ctx, tgt, noise_classes.numpy(), noise_words.numpy(), keep, p)
 
     def rate(self) -> float:
         """The learning rate of the next step: the plateau-decayed rate, times the fraction

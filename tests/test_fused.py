@@ -1,0 +1,188 @@
+"""The fused CPU NCE step (nlmserve.lm.fused) against the torch step it replaces: from the same
+parameters, optimiser state, minibatch, noise and dropout mask, the same loss, the same
+AdaGrad accumulators (after a first step, the squared gradients) and the same parameters."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from nlmserve.lm.fused import FusedNCE, unavailable_reason
+from nlmserve.lm.model import ModelConfig, NeuralLM
+from nlmserve.lm.objectives import NoiseDistribution, nce_loss
+from nlmserve.lm.train import HashedAdagrad, HogwildAdagrad, TrainConfig, train
+
+pytestmark = pytest.mark.skipif(unavailable_reason("nce", NeuralLM(ModelConfig(vocab_size=8, num_classes=2),
+                                                                   np.arange(8) % 2),
+                                                   "adagrad", torch.device("cpu"), False) is not None,
+                                reason="the fused step is unavailable (numba missing or NLMSERVE_FUSED=0)")
+
+
+def _model(V: int, K: int, order: int, dim: int, activation: str, tables: tuple[int, int], ngram_order: int,
+           seed: int) -> tuple[NeuralLM, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    # every class non-empty; <s> (id 1) alone in the last class when K > 2, as frequency
+    # binning puts it (a class masked at -inf, never sampled)
+    if K > 2 and K < V:
+        others = np.concatenate([np.arange(K - 1), rng.integers(0, K - 1, V - K)])  # classes 0 .. K-2
+        wc = np.insert(others, 1, K - 1)
+    else:
+        wc = np.concatenate([np.arange(K), rng.integers(0, K, V - K)])
+    config = ModelConfig(vocab_size=V, order=order, dim=dim, activation=activation, num_classes=K,
+                         ngram_class_table=tables[0], ngram_word_table=tables[1], ngram_order=ngram_order)
+    torch.manual_seed(seed)
+    model = NeuralLM(config, wc)
+    counts = rng.integers(1, 200, V).astype(np.float64)
+    model.init_biases(counts)
+    model.set_sparse_grads(output=True, context=True, features=True)
+    model.train()
+    return model, counts
+
+
+def _optimizer(model: NeuralLM, kind: str) -> torch.optim.Optimizer:
+    """As lm.train makes them: Adagrad, HashedAdagrad with feature tables, HogwildAdagrad for --workers."""
+    if kind == "hogwild":
+        return HogwildAdagrad(model.parameters(), lr=0.1)
+    tables = model.output.feature_tables()  # type: ignore[operator]
+    if not tables:
+        return torch.optim.Adagrad(model.parameters(), lr=0.1)
+    ids = {id(p) for p in tables}
+    return HashedAdagrad([{"params": [p for p in model.parameters() if id(p) not in ids]},
+                          {"params": tables, "hashed": True}], lr=0.1)
+
+
+CASES: dict[str, dict[str, Any]] = {
+    "order5-features": dict(order=5, tables=(64, 128)),
+    "no-features": dict(order=5, tables=(0, 0)),
+    "class-features-only": dict(order=5, tables=(100, 0)),
+    "tables-not-powers-of-two": dict(order=5, tables=(97, 1000)),
+    "dropout": dict(order=5, tables=(64, 128), dropout=0.3),
+    "order10-features-at-5": dict(order=10, tables=(256, 512), ngram_order=5),
+    "order10-no-features": dict(order=10, tables=(0, 0)),
+    "tanh": dict(order=5, tables=(64, 128), activation="tanh"),
+    "relu-dropout": dict(order=4, tables=(0, 0), activation="relu", dropout=0.5),
+    "classes-of-one-word": dict(order=5, tables=(64, 128), V=40, K=40),
+    "one-class": dict(order=3, tables=(0, 64), K=1),
+    "hogwild-adagrad": dict(order=5, tables=(64, 128), optimizer="hogwild"),
+    "bigram": dict(order=2, tables=(32, 32)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fused_step_equals_the_torch_step(name: str) -> None:
+    case = {"V": 60, "K": 6, "dim": 16, "activation": "none", "ngram_order": 0, "dropout": 0.0,
+            "optimizer": "adagrad", **CASES[name]}
+    B, k, steps = 48, 5, 4
+    ref, counts = _model(case["V"], case["K"], case["order"], case["dim"], case["activation"], case["tables"],
+                         case["ngram_order"], seed=3)
+    fused_model = copy.deepcopy(ref)
+    ref.dropout = case["dropout"]
+    opt_ref = _optimizer(ref, case["optimizer"])
+    opt_fused = _optimizer(fused_model, case["optimizer"])
+    noise = NoiseDistribution(counts, ref.output.word_class.numpy(), torch.device("cpu"))  # type: ignore[union-attr, operator]
+    fused = FusedNCE(fused_model, opt_fused, noise.log_q_class, noise.log_q_word)
+    rng = np.random.default_rng(7)
+    V, n1 = case["V"], case["order"] - 1
+    for step in range(steps):
+        ctx = rng.integers(0, V, (B, n1))
+        ctx[:, 0] = 1  # <s> in the contexts, as at sentence starts
+        tgt = rng.integers(2, V, B)  # never <s>
+        tgt[:4] = tgt[0]  # a repeated target: rows touched several times
+        gen = torch.Generator()
+        gen.manual_seed(step)
+        noise_classes, noise_words = noise.sample(ref, torch.from_numpy(tgt), k, gen)
+        assert noise_classes is not None
+        # the torch step: its dropout mask drawn from a generator in the state the fused one gets
+        mask_gen = torch.Generator()
+        mask_gen.manual_seed(100 + step)
+        ref.dropout_gen = mask_gen
+        opt_ref.zero_grad(set_to_none=True)
+        loss_ref = nce_loss(ref, torch.from_numpy(ctx), torch.from_numpy(tgt), noise, noise_classes, noise_words)
+        loss_ref.backward()  # type: ignore[no-untyped-call]
+        opt_ref.step()
+        keep = None
+        if case["dropout"]:
+            mask_gen.manual_seed(100 + step)
+            keep = (torch.rand((B, case["dim"]), generator=mask_gen) >= case["dropout"]).numpy()
+        loss = fused.step(ctx, tgt, noise_classes.numpy(), noise_words.numpy(), keep, case["dropout"])
+        assert loss == pytest.approx(float(loss_ref.detach()), rel=1e-6), f"loss at step {step}"
+        for (pname, a), (_, b) in zip(ref.named_parameters(), fused_model.named_parameters()):
+            # AdaGrad's first steps move every touched element by about the rate: the
+            # tolerance is a small fraction of it
+            torch.testing.assert_close(b.detach(), a.detach(), rtol=1e-4, atol=1e-4, msg=f"{pname} at step {step}")
+            s_ref, s_fused = opt_ref.state[a], opt_fused.state[b]
+            torch.testing.assert_close(s_fused["sum"], s_ref["sum"], rtol=1e-4, atol=1e-9,
+                                       msg=f"AdaGrad sum of {pname} at step {step}")
+            assert float(s_fused["step"]) == float(s_ref["step"]) == step + 1
+    # the parameters moved (a step that did nothing would pass the comparisons above)
+    assert float((ref.output.word_embed.detach() - _model(case["V"], case["K"], case["order"], case["dim"],  # type: ignore[operator]
+                                                   case["activation"], case["tables"], case["ngram_order"],
+                                                   seed=3)[0].output.word_embed.detach()).abs().max()) > 0.05
+
+
+def test_first_step_accumulators_are_the_squared_gradients() -> None:
+    # after one step from a zero accumulator, sum = g²: the gradients themselves, element by element
+    ref, counts = _model(30, 3, 4, 8, "relu", (32, 64), 0, seed=1)
+    fused_model = copy.deepcopy(ref)
+    opt = _optimizer(fused_model, "adagrad")
+    noise = NoiseDistribution(counts, ref.output.word_class.numpy(), torch.device("cpu"))  # type: ignore[union-attr, operator]
+    fused = FusedNCE(fused_model, opt, noise.log_q_class, noise.log_q_word)
+    rng = np.random.default_rng(0)
+    ctx, tgt = rng.integers(0, 30, (16, 3)), rng.integers(2, 30, 16)
+    gen = torch.Generator()
+    gen.manual_seed(0)
+    nc, nw = noise.sample(ref, torch.from_numpy(tgt), 4, gen)
+    assert nc is not None
+    nce_loss(ref, torch.from_numpy(ctx), torch.from_numpy(tgt), noise, nc, nw).backward()  # type: ignore[no-untyped-call]
+    fused.step(ctx, tgt, nc.numpy(), nw.numpy(), None, 0.0)
+    for (pname, p), (_, q) in zip(ref.named_parameters(), fused_model.named_parameters()):
+        assert p.grad is not None
+        g = p.grad.to_dense() if p.grad.is_sparse else p.grad
+        torch.testing.assert_close(opt.state[q]["sum"].sqrt(), g.abs(), rtol=1e-4, atol=1e-7, msg=pname)
+
+
+def test_unavailable_for_other_runs() -> None:
+    model, _ = _model(20, 2, 3, 4, "none", (0, 0), 0, seed=0)
+    cpu = torch.device("cpu")
+    assert unavailable_reason("nce", model, "adagrad", cpu, False) is None
+    assert "objective mle" in str(unavailable_reason("mle", model, "adagrad", cpu, False))
+    assert "optimizer adam" in str(unavailable_reason("nce", model, "adam", cpu, False))
+    assert "--distributed" in str(unavailable_reason("nce", model, "adagrad", cpu, True))
+    assert "device cuda" in str(unavailable_reason("nce", model, "adagrad", torch.device("cuda"), False))
+    full = NeuralLM(ModelConfig(vocab_size=20, order=3, dim=4, context="full", num_classes=2), np.arange(20) % 2)
+    assert "full-matrix" in str(unavailable_reason("nce", full, "adagrad", cpu, False))
+
+
+def _short_run(train_small_path: Path, dev_small_path: Path, out: Path, step: str, **kw: Any) -> Any:
+    cfg = TrainConfig(train=str(train_small_path), valid=str(dev_small_path), out=str(out), order=4, dim=16,
+                      classes=12, min_count=2, batch_size=64, lr=0.2, threads=1, seed=3, epochs=1000, max_steps=300,
+                      valid_every=300, checkpoint_every=0, progress=False, learning_curve=False, step=step,
+                      workdir=str(out.parent / "ids"), **kw)
+    return train(cfg)
+
+
+@pytest.mark.parametrize("extra", [{}, {"ngram_class_table": 1 << 10, "ngram_word_table": 1 << 12, "dropout": 0.2,
+                                         "activation": "relu"}], ids=["plain", "features-dropout-relu"])
+def test_short_training_reaches_the_torch_steps_perplexity(train_small_path: Path, dev_small_path: Path,
+                                                            tmp_path: Path, extra: dict[str, Any]) -> None:
+    # the same seed draws the same minibatches, noise and masks: the two runs differ only by
+    # float rounding, which 300 steps of AdaGrad leave far below a percent of perplexity
+    a = _short_run(train_small_path, dev_small_path, tmp_path / "torch.nlm", "torch", **extra)
+    b = _short_run(train_small_path, dev_small_path, tmp_path / "fused.nlm", "fused", **extra)
+    assert a.steps == b.steps == 300
+    vocab = a.model.config.vocab_size
+    assert a.best_valid_ppl < vocab / 5  # it learned something (a uniform model: V)
+    assert b.best_valid_ppl == pytest.approx(a.best_valid_ppl, rel=2e-3)
+
+
+def test_step_fused_where_it_does_not_apply_is_an_error(train_small_path: Path, dev_small_path: Path,
+                                                        tmp_path: Path) -> None:
+    from nlmserve.errors import InputError
+
+    with pytest.raises(InputError, match="--step fused does not apply: objective mle"):
+        _short_run(train_small_path, dev_small_path, tmp_path / "mle.nlm", "fused", objective="mle")
