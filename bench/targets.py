@@ -120,11 +120,14 @@ def head_lines(src: Path, n: int | None, dst: Path) -> Path:
 PLACEHOLDER = "UNKWORD"  # stands for <unk> in KenLM's texts (the corpus is lowercased)
 
 
-def map_rare(text: Path, dev: Path, min_count: int, work: Path) -> tuple[Path, Path]:
+def map_rare(text: Path, dev: Path, min_count: int, work: Path,
+             placeholder: str = PLACEHOLDER) -> tuple[Path, Path]:
     """Copies of ``text`` and ``dev`` with words outside the min-count vocabulary of ``text``
-    replaced by :data:`PLACEHOLDER` (the OxLM set-up: singletons mapped to ``<unk>``)."""
-    out_text = work / f"{text.stem}.min{min_count}.txt"
-    out_dev = work / f"{dev.stem}.min{min_count}.{text.stem}.txt"
+    replaced by ``placeholder`` (the OxLM set-up: singletons mapped to ``<unk>``; KenLM's
+    texts take :data:`PLACEHOLDER`, OxLM's and ours ``<unk>`` itself)."""
+    tag = f"min{min_count}" + ("" if placeholder == PLACEHOLDER else ".unk")
+    out_text = work / f"{text.stem}.{tag}.txt"
+    out_dev = work / f"{dev.stem}.{tag}.{text.stem}.txt"
     if out_text.exists() and out_dev.exists():
         return out_text, out_dev
     counts: dict[str, int] = {}
@@ -132,14 +135,14 @@ def map_rare(text: Path, dev: Path, min_count: int, work: Path) -> tuple[Path, P
         for line in f:
             for w in line.split():
                 counts[w] = counts.get(w, 0) + 1
-    if PLACEHOLDER in counts:
-        raise RuntimeError(f"{text} contains the placeholder word {PLACEHOLDER!r}")
+    if placeholder in counts:
+        raise RuntimeError(f"{text} contains the placeholder word {placeholder!r}")
     keep = {w for w, c in counts.items() if c >= min_count}
     for src, dst in ((text, out_text), (dev, out_dev)):
         tmp = dst.with_name(dst.name + ".tmp")
         with open(src, encoding="utf-8") as fin, open(tmp, "w", encoding="utf-8") as fout:
             for line in fin:
-                fout.write(" ".join(w if w in keep else PLACEHOLDER for w in line.split()) + "\n")
+                fout.write(" ".join(w if w in keep else placeholder for w in line.split()) + "\n")
         os.replace(tmp, dst)
     return out_text, out_dev
 
