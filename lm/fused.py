@@ -189,12 +189,14 @@ class FusedNCE:
 
 
 def _jit(inline: bool = False) -> Any:
-    """numba's njit (compiled once, cached on disk), or the function as it is without numba."""
+    """numba's njit (compiled once, cached on disk), or the function as it is without numba.
+    ``error_model="numpy"``: a division by zero gives inf as in numpy instead of raising,
+    without which no loop with a division (AdaGrad's) is vectorised."""
     if numba is None:  # pragma: no cover
         return lambda f: f
     if inline:
-        return njit(inline="always", cache=True, fastmath=True)
-    return njit(cache=True, fastmath=True, nogil=True)
+        return njit(inline="always", cache=True, fastmath=True, error_model="numpy")
+    return njit(cache=True, fastmath=True, error_model="numpy", nogil=True)
 
 
 @_jit(inline=True)
@@ -219,8 +221,7 @@ def _take(where: np.ndarray, rows: np.ndarray, n: int, row: int, grad: np.ndarra
         return i, n
     where[row] = n
     rows[n] = row
-    for d in range(grad.shape[1]):
-        grad[n, d] = 0.0
+    grad[n, :] = 0.0
     return n, n + 1
 
 
@@ -256,9 +257,10 @@ def _factor(i: int, ids: np.ndarray, r: np.ndarray, dr: np.ndarray, W: np.ndarra
     loss = 0.0
     for m in range(ids.shape[1]):
         x = ids[i, m]
+        wx = W[x]  # (E,) row views: the loops below are vectorised
         s = np.float32(0.0)
         for d in range(E):
-            s += W[x, d] * r[d]
+            s += wx[d] * r[d]
         s += b[x] + mask[x]
         if has_f:
             for length in range(L):
@@ -276,9 +278,10 @@ def _factor(i: int, ids: np.ndarray, r: np.ndarray, dr: np.ndarray, W: np.ndarra
         if n2 != n:
             bias_grad[j] = 0.0
             n = n2
+        gj = grad[j]
         for d in range(E):
-            dr[d] += g * W[x, d]
-            grad[j, d] += g * r[d]
+            dr[d] += g * wx[d]
+            gj[d] += g * r[d]
         bias_grad[j] += g
         if has_f:  # fgrad is the table's shape: no map, a slot met again may be listed twice
             for length in range(L):
@@ -296,11 +299,12 @@ def _adagrad_rows(P: np.ndarray, A: np.ndarray, where: np.ndarray, rows: np.ndar
     """AdaGrad on the n touched rows of P (2-D) with its accumulator A; their map entries reset."""
     for i in range(n):
         row = rows[i]
+        p, acc, gi = P[row], A[row], grad[i]
         for d in range(P.shape[1]):
-            g = grad[i, d]
-            a = A[row, d] + g * g
-            A[row, d] = a
-            P[row, d] -= lr * g / (math.sqrt(max(a, g * g)) + eps)
+            g = gi[d]
+            a = acc[d] + g * g
+            acc[d] = a
+            p[d] -= lr * g / (math.sqrt(max(a, g * g)) + eps)
         where[row] = -1
 
 
@@ -348,12 +352,11 @@ def _nce_step(ctx, words, classes, keep, drop, keep_prob, act, log_k, L, has_fc,
     loss = 0.0
     for i in range(B):
         # the context vector: h = Σ_j C_j ⊙ Q[w_j], r = drop(act(h))
-        for d in range(D):
-            h[d] = 0.0
+        h[:] = 0.0
         for j in range(n1):
-            w = ctx[i, j]
+            cj, qw = C[j], Q[ctx[i, j]]
             for d in range(D):
-                h[d] += C[j, d] * Q[w, d]
+                h[d] += cj[d] * qw[d]
         for d in range(D):
             x = h[d]
             if act == 1:
@@ -385,17 +388,19 @@ def _nce_step(ctx, words, classes, keep, drop, keep_prob, act, log_k, L, has_fc,
         for j in range(n1):
             w = ctx[i, j]
             q, nq = _take(q_where, q_rows, nq, w, q_grad)
+            gq, gc, cj, qw = q_grad[q], ctx_grad[j], C[j], Q[w]
             for d in range(D):
-                q_grad[q, d] += C[j, d] * dr[d]
-                ctx_grad[j, d] += Q[w, d] * dr[d]
+                gq[d] += cj[d] * dr[d]
+                gc[d] += qw[d] * dr[d]
     # AdaGrad on the rows the minibatch touched (the context weights whole: all are touched)
     _adagrad_rows(Q, aQ, q_where, q_rows, q_grad, nq, lr, eps)
     for j in range(n1):
+        cj, acc, gc = C[j], aC[j], ctx_grad[j]
         for d in range(D):
-            g = ctx_grad[j, d]
-            a = aC[j, d] + g * g
-            aC[j, d] = a
-            C[j, d] -= lr * g / (math.sqrt(max(a, g * g)) + eps)
+            g = gc[d]
+            a = acc[d] + g * g
+            acc[d] = a
+            cj[d] -= lr * g / (math.sqrt(max(a, g * g)) + eps)
     _adagrad_elems(bw, abw, w_where, w_rows, w_bias, nw, lr, eps)
     _adagrad_rows(R, aR, w_where, w_rows, w_grad, nw, lr, eps)
     _adagrad_elems(bc, abc, c_where, c_rows, c_bias, nc, lr, eps)
