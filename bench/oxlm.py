@@ -22,7 +22,7 @@ what each ran with.
 
 The text: the first ``--lines`` lines of ``--train``, words seen fewer than ``--min-count``
 times replaced by ``<unk>`` in it and in the dev text (as OxLM's README prepares them);
-both tools read the same two files. Defaults are the settings of issue 50 (V = 24,291).
+both tools read the same two files (with the defaults, V = 24,291).
 
     .venv/bin/python bench/oxlm.py --oxlm-bin /tmp/oxlm/bin --json oxlm.json
     .venv/bin/python bench/oxlm.py --oxlm-bin /tmp/oxlm/bin --tokens 50000 --rounds 1   # a check of the script

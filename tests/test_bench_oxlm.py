@@ -18,7 +18,7 @@ from support import REPO
 sys.path.insert(0, str(REPO / "bench"))
 import oxlm  # noqa: E402
 
-# train_factored_sgd's stdout, 5 minibatches at the issue's settings (first 200,000 Europarl
+# train_factored_sgd's stdout, 5 minibatches at the default settings (first 200,000 Europarl
 # lines, singletons as <unk>).
 TRAIN_OUT = """\
 ################################
@@ -137,7 +137,7 @@ def test_the_evaluation_output_gives_perplexity_and_tokens() -> None:
     (3, 25_000, 25_000),  # the last minibatch of a pass is 5,000 tokens
     (4, 25_000, 35_000),  # the second pass
     (8, 58_215, 78_215),  # TWO_PASSES: 6 minibatches, then 2
-    (256, 5_652_225, 2_560_000),  # the issue's 2.56M tokens of the 200,000 lines
+    (256, 5_652_225, 2_560_000),  # the default 2.56M tokens of the 200,000 lines
 ])
 def test_tokens_of_a_number_of_minibatches(minibatches: int, corpus: int, tokens: int) -> None:
     assert oxlm.oxlm_tokens(minibatches, corpus) == tokens
@@ -150,7 +150,7 @@ def test_text_tokens_count_one_end_of_sentence_per_line(tmp_path: Path) -> None:
 
 
 def _args(*flags: str) -> argparse.Namespace:
-    return oxlm.parser().parse_args(list(flags))  # the defaults: the issue's settings
+    return oxlm.parser().parse_args(list(flags))  # the defaults
 
 
 def _flag(cmd: list[str], name: str) -> str:
@@ -191,7 +191,7 @@ def _run(tps: float, ppl: float, tokens: int = 2_560_000, seconds: float | None 
 
 
 def _result(nlm_dev_tokens: int = 189_654) -> dict[str, Any]:
-    # The issue's two rounds (tokens/s and perplexities typed in from it).
+    # Two rounds (tokens/s and perplexities as an earlier measurement gave them).
     rounds = [
         {"oxlm": _run(51_639, 87.0), "nlmserve": _run(30_153, 83.5, dev_tokens=nlm_dev_tokens),
          "oxlm_same_time": _run(51_000, 78.6, tokens=4_480_000, seconds=87.7)},
