@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from nlmserve.lm.model import NeuralLM
+from nlmserve.lm.objectives import NoiseDistribution
 from nlmserve.lm.outputs import HASH_CTX, HASH_KEY, HASH_MOD, HASH_OUT, HASH_SEED, ClassOutput
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ class FusedNCE:
     parameters are taken at every step, so a model moved to shared memory (``--workers``)
     or loaded from a checkpoint after this object was made is still the one trained."""
 
-    def __init__(self, model: NeuralLM, opt: torch.optim.Optimizer, log_q_class: Tensor, log_q_word: Tensor) -> None:
+    def __init__(self, model: NeuralLM, opt: torch.optim.Optimizer, noise: NoiseDistribution) -> None:
         out = model.output
         if not isinstance(out, ClassOutput):
             raise TypeError("the fused step needs the class output")
@@ -112,8 +113,14 @@ class FusedNCE:
         cfg = model.config
         self.act = ACTIVATION_CODES[cfg.activation]
         self.feature_order = out.feature_order if out.has_features else 0
-        self.log_q_class = log_q_class.float().cpu().numpy()
-        self.log_q_word = log_q_word.float().cpu().numpy()
+        self.log_q_class = noise.log_q_class.float().cpu().numpy()
+        self.log_q_word = noise.log_q_word.float().cpu().numpy()
+        # the noise as lm.objectives.NoiseDistribution samples it: classes by their
+        # cumulative probabilities, words by the keys class + cumulative q(w | class)
+        cum = np.cumsum(noise._class_probs.cpu().numpy())
+        self.class_cum = cum / cum[-1]
+        self.word_keys = noise._keys.cpu().numpy()
+        self.word_order = noise._order.cpu().numpy().astype(np.int64)
         self.word_mask = _np(out.word_mask).copy()
         self.class_mask = _np(out.class_mask).copy()
         self.word_class = _np(out.word_class).astype(np.int64)
@@ -144,20 +151,33 @@ class FusedNCE:
         st["step"] += 1  # as the torch step counts its updates (the state a checkpoint holds)
         return _np(st["sum"])
 
-    def step(self, ctx: np.ndarray, target: np.ndarray, noise_classes: np.ndarray, noise_words: np.ndarray,
-             keep: np.ndarray | None, dropout: float) -> float:
+    def step(self, ctx: np.ndarray, target: np.ndarray, noise_classes: np.ndarray | None,
+             noise_words: np.ndarray | None, keep: np.ndarray | None, dropout: float, *, k: int = 0,
+             seed: int = 0) -> float:
         """One minibatch: ctx (B, order-1) and target (B,) int64, the noise (B, k) of each
-        factor, the dropout mask (B, E) bool (None: no dropout) with its rate → the mean
-        NCE loss before the update (what the torch step returns)."""
+        factor and the dropout mask (B, E) bool (None: no dropout) with its rate → the mean
+        NCE loss before the update (what the torch step returns). With the noise None, the
+        step draws k noise classes and words per example and, with ``dropout`` > 0, the
+        mask, from numba's generator seeded with ``seed``: the same distributions as
+        NoiseDistribution's, other draws, several times faster."""
         model, out = self.model, self.out
-        B, k = noise_words.shape
+        B = target.shape[0]
+        k = noise_words.shape[1] if noise_words is not None else k
+        if k < 1:
+            raise ValueError("the fused step needs k >= 1 noise samples")
         self._ensure_buffers(B, k + 1)
         words = np.empty((B, k + 1), dtype=np.int64)
         words[:, 0] = target
-        words[:, 1:] = noise_words
         classes = np.empty((B, k + 1), dtype=np.int64)
         classes[:, 0] = self.word_class[target]
-        classes[:, 1:] = noise_classes
+        if noise_words is None or noise_classes is None:
+            if dropout > 0.0:
+                keep = np.empty((B, model.config.out_dim), dtype=np.bool_)
+            _draw(seed, classes, words, self.class_cum, self.word_keys, self.word_order,
+                  keep.view(np.uint8) if keep is not None else np.zeros((1, 1), dtype=np.uint8), dropout)
+        else:
+            words[:, 1:] = noise_words
+            classes[:, 1:] = noise_classes
         params = [model.embed.weight, model.ctx_weight, out.word_embed, out.word_bias, out.class_embed,
                   out.class_bias]
         lr = float(self.groups[id(params[0])]["lr"])
@@ -334,6 +354,29 @@ def _adagrad_slots(P: np.ndarray, A: np.ndarray, grad: np.ndarray, rows: np.ndar
             a = A[slot] + g * g
             A[slot] = a
             P[slot] -= lr * g / (math.sqrt(max(a, g * g)) + eps)
+
+
+@_jit()
+def _draw(seed: int, classes: np.ndarray, words: np.ndarray, class_cum: np.ndarray, word_keys: np.ndarray,
+          word_order: np.ndarray, keep: np.ndarray, dropout: float) -> None:
+    """The noise of every example into columns 1.. of classes and words (column 0: the data),
+    and the dropout mask into keep (B, E) when dropout > 0: classes from q(c) (class_cum,
+    their cumulative probabilities), words from q(w | class of the data word) by the keys
+    class + cumulative q(w | c), in (c, c+1] (``NoiseDistribution.sample_words_in_class``)."""
+    np.random.seed(seed)
+    B, m = words.shape
+    last = word_order.shape[0] - 1
+    K = class_cum.shape[0]
+    for i in range(B):
+        c = classes[i, 0]
+        for j in range(1, m):
+            classes[i, j] = min(np.searchsorted(class_cum, np.random.random(), side="right"), K - 1)
+            idx = np.searchsorted(word_keys, c + (1.0 - np.random.random()))
+            words[i, j] = word_order[min(idx, last)]
+    if dropout > 0.0:
+        for i in range(keep.shape[0]):
+            for d in range(keep.shape[1]):
+                keep[i, d] = np.random.random() >= dropout
 
 
 @_jit()

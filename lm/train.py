@@ -595,7 +595,7 @@ class _Trainer:
                 log.info("training with the torch step: %s", why)
             return None
         log.info("training with the fused CPU step (nlmserve.lm.fused)")
-        return FusedNCE(self.model, self.opt, self.noise.log_q_class, self.noise.log_q_word)
+        return FusedNCE(self.model, self.opt, self.noise)
 
     def checkpoint(self) -> None:
         self.state.budget_spent = time.monotonic() - self.t_start
@@ -667,16 +667,13 @@ class _Trainer:
         return float(loss.detach())
 
     def fused_update(self, positions: np.ndarray, gen: torch.Generator) -> float:
-        """:meth:`update` by the fused step: the same examples, the same draws from ``gen``
-        (the noise, then the dropout mask) and the same arithmetic as the torch step."""
+        """:meth:`update` by the fused step: the same examples and arithmetic as the torch
+        step; the noise and the dropout mask drawn by the step from one seed drawn from
+        ``gen`` (so a checkpoint's generator state still fixes them)."""
         assert self.fused is not None
         ctx, tgt = self.data.train.examples(np.sort(positions), self.mconf.order)
-        noise_classes, noise_words = self.noise.sample(self.model, torch.from_numpy(tgt), self.cfg.noise_samples, gen)
-        assert noise_classes is not None  # the class output
-        p, keep = self.model.dropout, None
-        if p > 0.0:
-            keep = (torch.rand((tgt.shape[0], self.mconf.out_dim), generator=gen) >= p).numpy()
-        return self.fused.step(ctx, tgt, noise_classes.numpy(), noise_words.numpy(), keep, p)
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+        return self.fused.step(ctx, tgt, None, None, None, self.model.dropout, k=self.cfg.noise_samples, seed=seed)
 
     def rate(self) -> float:
         """The learning rate of the next step: the plateau-decayed rate, times the fraction

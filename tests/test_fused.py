@@ -85,7 +85,7 @@ def test_fused_step_equals_the_torch_step(name: str) -> None:
     opt_ref = _optimizer(ref, case["optimizer"])
     opt_fused = _optimizer(fused_model, case["optimizer"])
     noise = NoiseDistribution(counts, ref.output.word_class.numpy(), torch.device("cpu"))  # type: ignore[union-attr, operator]
-    fused = FusedNCE(fused_model, opt_fused, noise.log_q_class, noise.log_q_word)
+    fused = FusedNCE(fused_model, opt_fused, noise)
     rng = np.random.default_rng(7)
     V, n1 = case["V"], case["order"] - 1
     for step in range(steps):
@@ -131,7 +131,7 @@ def test_first_step_accumulators_are_the_squared_gradients() -> None:
     fused_model = copy.deepcopy(ref)
     opt = _optimizer(fused_model, "adagrad")
     noise = NoiseDistribution(counts, ref.output.word_class.numpy(), torch.device("cpu"))  # type: ignore[union-attr, operator]
-    fused = FusedNCE(fused_model, opt, noise.log_q_class, noise.log_q_word)
+    fused = FusedNCE(fused_model, opt, noise)
     rng = np.random.default_rng(0)
     ctx, tgt = rng.integers(0, 30, (16, 3)), rng.integers(2, 30, 16)
     gen = torch.Generator()
@@ -158,11 +158,12 @@ def test_unavailable_for_other_runs() -> None:
     assert "full-matrix" in str(unavailable_reason("nce", full, "adagrad", cpu, False))
 
 
-def _short_run(train_small_path: Path, dev_small_path: Path, out: Path, step: str, **kw: Any) -> Any:
+def _short_run(train_small_path: Path, dev_small_path: Path, out: Path, step: str, seed: int = 3,
+               **kw: Any) -> Any:
     cfg = TrainConfig(train=str(train_small_path), valid=str(dev_small_path), out=str(out), order=4, dim=16,
-                      classes=12, min_count=2, batch_size=64, lr=0.2, threads=1, seed=3, epochs=1000, max_steps=300,
-                      valid_every=300, checkpoint_every=0, progress=False, learning_curve=False, step=step,
-                      workdir=str(out.parent / "ids"), **kw)
+                      classes=12, min_count=2, batch_size=64, lr=0.2, threads=1, seed=seed, epochs=1000,
+                      max_steps=300, valid_every=300, checkpoint_every=0, progress=False, learning_curve=False,
+                      step=step, workdir=str(out.parent / "ids"), **kw)
     return train(cfg)
 
 
@@ -170,14 +171,14 @@ def _short_run(train_small_path: Path, dev_small_path: Path, out: Path, step: st
                                          "activation": "relu"}], ids=["plain", "features-dropout-relu"])
 def test_short_training_reaches_the_torch_steps_perplexity(train_small_path: Path, dev_small_path: Path,
                                                             tmp_path: Path, extra: dict[str, Any]) -> None:
-    # the same seed draws the same minibatches, noise and masks: the two runs differ only by
-    # float rounding, which 300 steps of AdaGrad leave far below a percent of perplexity
-    a = _short_run(train_small_path, dev_small_path, tmp_path / "torch.nlm", "torch", **extra)
-    b = _short_run(train_small_path, dev_small_path, tmp_path / "fused.nlm", "fused", **extra)
-    assert a.steps == b.steps == 300
-    vocab = a.model.config.vocab_size
-    assert a.best_valid_ppl < vocab / 5  # it learned something (a uniform model: V)
-    assert b.best_valid_ppl == pytest.approx(a.best_valid_ppl, rel=2e-3)
+    # the same minibatches, other noise draws: over three seeds each, the fused step's mean
+    # perplexity lies within the torch step's own spread from seed to seed (or 3% of it:
+    # with dropout the torch step's three runs happen to agree within 0.2%)
+    ppl = {step: [_short_run(train_small_path, dev_small_path, tmp_path / f"{step}{seed}.nlm", step, seed,
+                             **extra).best_valid_ppl for seed in (3, 4, 5)] for step in ("torch", "fused")}
+    spread = max(max(ppl["torch"]) - min(ppl["torch"]), 0.03 * float(np.mean(ppl["torch"])))
+    assert max(ppl["torch"]) < 1000  # it learned something (V = 3,629: a uniform model's perplexity)
+    assert abs(np.mean(ppl["fused"]) - np.mean(ppl["torch"])) <= spread, ppl
 
 
 def test_step_fused_where_it_does_not_apply_is_an_error(train_small_path: Path, dev_small_path: Path,
@@ -186,3 +187,36 @@ def test_step_fused_where_it_does_not_apply_is_an_error(train_small_path: Path, 
 
     with pytest.raises(InputError, match="--step fused does not apply: objective mle"):
         _short_run(train_small_path, dev_small_path, tmp_path / "mle.nlm", "fused", objective="mle")
+
+
+def test_the_steps_own_noise_and_mask_follow_the_distributions() -> None:
+    from nlmserve.lm.fused import _draw
+
+    model, counts = _model(60, 6, 3, 8, "none", (0, 0), 0, seed=2)
+    noise = NoiseDistribution(counts, model.output.word_class.numpy(), torch.device("cpu"))  # type: ignore[union-attr, operator]
+    fused = FusedNCE(model, torch.optim.Adagrad(model.parameters()), noise)
+    wc = fused.word_class
+    B, k, E, p = 4000, 10, 8, 0.3
+    target = np.random.default_rng(0).integers(2, 60, B)
+    target[: B // 2] = 5  # half the rows in one class: enough draws to check q(w | c)
+    words = np.zeros((B, k + 1), dtype=np.int64)
+    classes = np.zeros((B, k + 1), dtype=np.int64)
+    words[:, 0], classes[:, 0] = target, wc[target]
+    keep = np.zeros((B, E), dtype=np.bool_)
+    _draw(11, classes, words, fused.class_cum, fused.word_keys, fused.word_order, keep.view(np.uint8), p)
+    q_class = np.exp(noise.log_q_class.numpy())
+    q_class[q_class < 1e-20] = 0.0
+    seen = np.bincount(classes[:, 1:].ravel(), minlength=6) / classes[:, 1:].size
+    np.testing.assert_allclose(seen, q_class, atol=0.01)  # 40,000 draws: a few thousandths of spread
+    assert seen[wc[1]] == 0.0  # the class holding only <s> is never drawn
+    assert (wc[words[:, 1:]] == wc[target][:, None]).all()  # each row's noise words are its class's
+    assert (words[:, 1:] != 1).all()  # never <s>
+    c = wc[5]
+    in_class = np.flatnonzero(wc == c)
+    drawn = words[: B // 2, 1:].ravel()
+    q_in = np.exp(noise.log_q_word.numpy()[in_class])
+    np.testing.assert_allclose(np.bincount(drawn, minlength=60)[in_class] / drawn.size, q_in, atol=0.015)
+    assert keep.mean() == pytest.approx(1 - p, abs=0.01)
+    again = words.copy()
+    _draw(11, classes, again, fused.class_cum, fused.word_keys, fused.word_order, keep.view(np.uint8), p)
+    assert (again == words).all()  # one seed, one draw
