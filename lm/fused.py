@@ -356,13 +356,24 @@ def _adagrad_slots(P: np.ndarray, A: np.ndarray, grad: np.ndarray, rows: np.ndar
             P[slot] -= lr * g / (math.sqrt(max(a, g * g)) + eps)
 
 
+@_jit(inline=True)
+def _splitmix64(state: np.uint64) -> tuple[np.uint64, np.uint64]:
+    """SplitMix64 (Steele, Lea & Flood 2014): → (next state, 64 random bits)."""
+    state = state + np.uint64(0x9E3779B97F4A7C15)
+    z = state
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return state, z ^ (z >> np.uint64(31))
+
+
 @_jit()
 def _draw(seed: int, classes: np.ndarray, words: np.ndarray, class_cum: np.ndarray, word_keys: np.ndarray,
           word_order: np.ndarray, keep: np.ndarray, dropout: float) -> None:
     """The noise of every example into columns 1.. of classes and words (column 0: the data),
     and the dropout mask into keep (B, E) when dropout > 0: classes from q(c) (class_cum,
     their cumulative probabilities), words from q(w | class of the data word) by the keys
-    class + cumulative q(w | c), in (c, c+1] (``NoiseDistribution.sample_words_in_class``)."""
+    class + cumulative q(w | c), in (c, c+1] (``NoiseDistribution.sample_words_in_class``).
+    A unit is kept when 16 random bits are at least dropout · 2^16 (the rate to 1/65,536)."""
     np.random.seed(seed)
     B, m = words.shape
     last = word_order.shape[0] - 1
@@ -373,10 +384,14 @@ def _draw(seed: int, classes: np.ndarray, words: np.ndarray, class_cum: np.ndarr
             classes[i, j] = min(np.searchsorted(class_cum, np.random.random(), side="right"), K - 1)
             idx = np.searchsorted(word_keys, c + (1.0 - np.random.random()))
             words[i, j] = word_order[min(idx, last)]
-    if dropout > 0.0:
-        for i in range(keep.shape[0]):
-            for d in range(keep.shape[1]):
-                keep[i, d] = np.random.random() >= dropout
+    if dropout > 0.0:  # 16 random bits a unit, four units a draw
+        state = np.uint64(np.random.randint(0, 2**62))
+        threshold = np.uint64(min(round(dropout * 65536.0), 65536))
+        flat = keep.reshape(-1)
+        for start in range(0, flat.shape[0], 4):
+            state, bits = _splitmix64(state)
+            for q in range(min(4, flat.shape[0] - start)):
+                flat[start + q] = ((bits >> np.uint64(16 * q)) & np.uint64(0xFFFF)) >= threshold
 
 
 @_jit()

@@ -217,6 +217,8 @@ def test_the_steps_own_noise_and_mask_follow_the_distributions() -> None:
     q_in = np.exp(noise.log_q_word.numpy()[in_class])
     np.testing.assert_allclose(np.bincount(drawn, minlength=60)[in_class] / drawn.size, q_in, atol=0.015)
     assert keep.mean() == pytest.approx(1 - p, abs=0.01)
+    for a, b in ((0, 1), (0, 4), (3, 7)):  # units drawn from the same and from other 64-bit draws
+        assert abs(np.corrcoef(keep[:, a], keep[:, b])[0, 1]) < 0.05
     again = words.copy()
     _draw(11, classes, again, fused.class_cum, fused.word_keys, fused.word_order, keep.view(np.uint8), p)
     assert (again == words).all()  # one seed, one draw
