@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -243,8 +244,12 @@ def test_unusable_tls_files_are_refused_naming_the_file(pki: Pki, tmp_path: Path
     with pytest.raises(InputError, match="do not load together") as err:
         start_with(tls_cert=pki.server_cert, tls_key=pki.client_key)  # the key of another certificate
     assert pki.server_cert in str(err.value)
-    with pytest.raises(InputError, match="do not load together"):
+    with pytest.raises(InputError, match="absent.pem: cannot read TLS certificate"):
         start_with(tls_cert=str(tmp_path / "absent.pem"), tls_key=pki.server_key)
+    fifo = tmp_path / "fifo.pem"  # read at start and on every reload: it must not block
+    os.mkfifo(fifo)
+    with pytest.raises(InputError, match="fifo.pem: TLS key is a FIFO, not a regular file"):
+        start_with(tls_cert=pki.server_cert, tls_key=str(fifo))
     bad_ca = tmp_path / "ca.pem"
     bad_ca.write_text("garbage\n", encoding="ascii")
     with pytest.raises(InputError, match="client CA") as err:
