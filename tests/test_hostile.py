@@ -267,3 +267,69 @@ def test_one_connection_cannot_take_every_slot(tiny_lm: Any) -> None:
         for c in channels:
             c.close()
         running.stop(0.5)
+
+
+@pytest.mark.parametrize("limit", ["age", "idle"])
+def test_clients_ride_over_connection_limits(tiny_lm: Any, limit: str) -> None:
+    """A connection older than --max-connection-age-seconds, or idle longer than
+    --max-connection-idle-seconds, is closed by the server with GOAWAY: the Python client,
+    alone and over two replicas (whose health Watch streams are cut too), reconnects and
+    loses no request."""
+    settings = ({"max_connection_age_seconds": 0.3, "max_connection_age_grace_seconds": 0.5} if limit == "age"
+                else {"max_connection_idle_seconds": 0.2})
+    servers = [start_server(tiny_lm, **settings) for _ in range(2)]
+    rows = dev_ngrams(tiny_lm, 0, 4)
+    expected = tiny_lm.score_ngrams(rows.astype(np.int64))
+    try:
+        # The limit is in force: a connection that made a call is closed by the server (the
+        # channel falls back to IDLE), and with the age limit a held Watch stream is cut.
+        states: list[grpc.ChannelConnectivity] = []
+        with grpc.insecure_channel(servers[0].target, options=own_connection()) as channel:
+            channel.subscribe(states.append)
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=20)
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            if limit == "age":
+                with pytest.raises(grpc.RpcError) as err:
+                    next(watch)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            else:
+                watch.cancel()
+            deadline = time.monotonic() + 10
+            ready, idle = grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.IDLE
+            while not (ready in states and idle in states[states.index(ready):]):
+                assert time.monotonic() < deadline, states
+                time.sleep(0.05)
+            channel.unsubscribe(states.append)
+        with LMClient(servers[0].target, timeout=10) as alone, \
+                LMClient([s.target for s in servers], timeout=10) as both:
+            for i in range(40):  # about 3 s: several ages, or an idle pause every 10 requests
+                for client in (alone, both):
+                    np.testing.assert_allclose(client.score_ids(rows, log_base="ln").log_probs, expected,
+                                               atol=1e-5, rtol=0)
+                time.sleep(0.5 if limit == "idle" and i % 10 == 9 else 0.05)
+    finally:
+        for s in servers:
+            s.stop(0.5)
+
+
+@pytest.mark.parametrize("rpc", ["ScoreNgrams", "ScoreSentences"])
+def test_a_log_base_the_enum_does_not_hold_is_invalid(tiny_lm: Any, rpc: str) -> None:
+    running = start_server(tiny_lm)
+    try:
+        with grpc.insecure_channel(running.target) as channel:
+            stub = lm_pb2_grpc.LanguageModelStub(channel)
+            if rpc == "ScoreNgrams":
+                call, request = stub.ScoreNgrams, lm_pb2.ScoreNgramsRequest(
+                    ngrams=[lm_pb2.NgramStrings(words=["of", "the"])], log_base=7)  # type: ignore[arg-type]
+            else:
+                call, request = stub.ScoreSentences, lm_pb2.ScoreSentencesRequest(
+                    sentences=["of the"], log_base=7)  # type: ignore[arg-type]
+            with pytest.raises(grpc.RpcError) as err:
+                call(request, timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "log_base 7 is not a LogBase" in (err.value.details() or "")
+            for base in (lm_pb2.LOG_BASE_UNSPECIFIED, lm_pb2.LOG10, lm_pb2.LN):  # the three it holds
+                request.log_base = base
+                assert call(request, timeout=10).log_base == (lm_pb2.LN if base == lm_pb2.LN else lm_pb2.LOG10)
+    finally:
+        running.stop(0.5)

@@ -112,8 +112,16 @@ def test_tls_client_scores_and_a_plaintext_client_is_refused(tls_server: Running
         assert client.score_ngrams([["the", "european"]]).model_hash == tiny_lm.model_hash
     with LMClient(f"localhost:{tls_server.port}", tls_ca=pki.ca, timeout=10) as client:  # name in the SAN too
         assert client.info.model_hash == tiny_lm.model_hash
-    with LMClient(tls_server.target, retries=0, timeout=5) as plain, pytest.raises(ServerUnavailableError):
+    with LMClient(tls_server.target, retries=0, timeout=5) as plain, \
+            pytest.raises(ServerUnavailableError, match="Socket closed.*if it serves TLS, connect with --tls"):
         plain.info
+    plaintext = start_server(tiny_lm)  # and the other way round
+    try:
+        with LMClient(plaintext.target, tls_ca=pki.ca, retries=0, timeout=5) as tls_client, \
+                pytest.raises(ServerUnavailableError, match="the server may serve plaintext"):
+            tls_client.info
+    finally:
+        plaintext.stop(0.5)
     # A server certificate from a CA the client does not trust fails the handshake.
     with LMClient(tls_server.target, tls_ca=pki.rogue_ca, retries=0, timeout=5) as wrong_ca, \
             pytest.raises(ServerUnavailableError):
