@@ -524,7 +524,7 @@ def render(result: dict[str, Any]) -> str:
               f"Health probes: {h['sent']} sent, {h['failed']} failed ({h['skipped_while_killed']} skipped while "
               "their replica was killed).",
               f"Faults: {f.get('sighup_bad', 0)} SIGHUP reloads of bad files, {f.get('sighup_good', 0)} of good "
-              f"ones, {f.get('kill_restart', 0)} replicas killed and restarted.",
+              f"ones, {f.get('kill_restart', 0)} SIGKILLs of a replica (restarted on its port).",
               "",
               "| hostile client (no token unless said) | got |",
               "|---|---|",
