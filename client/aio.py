@@ -137,7 +137,7 @@ class AsyncLMClient(ClientBase):
                 return await method(request, timeout=self.timeout, metadata=self._metadata)
             except grpc.RpcError as e:  # aio.AioRpcError
                 if not retry or not self.retry.should_retry(e, attempt):
-                    raise core.map_error(e, index_offset) from e
+                    raise core.map_error(e, index_offset, self.security.uses_tls) from e
                 wait = self.retry.delay(attempt)
                 log.info("%s from %s; retry %s in %.3f s", e.code().name, self.target, attempt + 1, wait)
                 await asyncio.sleep(wait)

@@ -136,8 +136,23 @@ class RetryPolicy:
 _ITEM = re.compile(r"^item (\d+): (.*)$", re.S)
 
 
-def map_error(error: grpc.RpcError, index_offset: int = 0) -> NlmserveError:
-    """The nlmserve error for a failed RPC; item indices shifted by ``index_offset`` (chunking)."""
+def connection_hint(details: str, tls: bool | None) -> str:
+    """What a failed connection's details suggest about a TLS mismatch ("" when nothing):
+    a TLS server closes a plaintext client's connection at once ("Socket closed"); a TLS
+    client's handshake with a plaintext server fails with WRONG_VERSION_NUMBER."""
+    if tls is False and "Socket closed" in details:
+        return (" (the server closed the connection at once, as a TLS server does to a plaintext client: "
+                "if it serves TLS, connect with --tls or --tls-ca, in Python tls=True or tls_ca=)")
+    if tls and "WRONG_VERSION_NUMBER" in details:
+        return " (the TLS handshake got no TLS answer: the server may serve plaintext; connect without TLS)"
+    if tls and "CERTIFICATE_VERIFY_FAILED" in details:
+        return " (the server's certificate is not signed by a CA this client trusts: check --tls-ca)"
+    return ""
+
+
+def map_error(error: grpc.RpcError, index_offset: int = 0, tls: bool | None = None) -> NlmserveError:
+    """The nlmserve error for a failed RPC; item indices shifted by ``index_offset`` (chunking);
+    ``tls`` (whether the client uses TLS) lets a refused connection say what may be wrong."""
     code, details = error.code(), error.details() or ""
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         m = _ITEM.match(details)
@@ -147,7 +162,7 @@ def map_error(error: grpc.RpcError, index_offset: int = 0) -> NlmserveError:
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return OverloadedError(details)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-        return ServerUnavailableError(f"server unavailable ({code.name}): {details}")
+        return ServerUnavailableError(f"server unavailable ({code.name}): {details}{connection_hint(details, tls)}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return RequestTimeoutError(f"deadline exceeded: {details}")
     return RpcError(f"{code.name}: {details}", code)

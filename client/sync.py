@@ -165,7 +165,7 @@ class LMClient(ClientBase):
                 return method(request, timeout=self.timeout, metadata=self._metadata)
             except grpc.RpcError as e:
                 if not retry or not self.retry.should_retry(e, attempt):
-                    raise core.map_error(e, index_offset) from e
+                    raise core.map_error(e, index_offset, self.security.uses_tls) from e
                 wait = self.retry.delay(attempt)
                 log.info("%s from %s; retry %s in %.3f s", e.code().name, self.target, attempt + 1, wait)
                 time.sleep(wait)

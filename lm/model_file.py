@@ -189,6 +189,14 @@ def read_model_file(path: str | os.PathLike[str]) -> ModelFile:
     magic, version, header_len = _PREFIX.unpack_from(blob)
     if magic != MAGIC:
         raise ModelFileError(f"{name}: not an nlmserve model file (magic bytes {magic!r}, expected {MAGIC!r})")
+    header_end = _PREFIX.size + header_len
+    if version > FORMAT_VERSION and (header_end > len(blob) or blob[_PREFIX.size : _PREFIX.size + 1] != b"{"):
+        # A newer file still opens with magic, version, header length and a JSON header;
+        # without them the bytes after the magic are something else (a pickle, say).
+        raise ModelFileError(
+            f"{name}: corrupt or not an nlmserve model file: the magic bytes are followed by no model "
+            f"header (version field {version}, header length {header_len}, file {len(blob)} bytes)"
+        )
     if version > FORMAT_VERSION:
         raise ModelFileError(
             f"{name}: model file format version {version} is newer than this nlmserve reads "
@@ -196,7 +204,6 @@ def read_model_file(path: str | os.PathLike[str]) -> ModelFile:
         )
     if version < 1:
         raise ModelFileError(f"{name}: invalid model file format version {version}")
-    header_end = _PREFIX.size + header_len
     if header_end > len(blob):
         raise ModelFileError(f"{name}: truncated model file (header needs {header_end} bytes, file has {len(blob)})")
     try:

@@ -229,11 +229,20 @@ def iter_sentences(
     """Yield the hypotheses of an n-best list grouped by consecutive sentence id.
 
     Only one group is held in memory at a time; order within and across groups is kept.
+    Moses writes a sentence's hypotheses together and the sentences in increasing id
+    order; a sentence id lower than the one before it (a shuffled or concatenated list,
+    which would split a sentence or mix two lists) is an NbestFormatError naming
+    ``file:line``, with ``skip_bad`` too (the line is well-formed; the list is not).
     """
     stats = stats if stats is not None else ReadStats()
     group: list[NbestEntry] = []
     for entry in iter_entries(path, skip_bad=skip_bad, stats=stats):
         if group and entry.sent_id != group[0].sent_id:
+            if entry.sent_id < group[0].sent_id:
+                raise NbestFormatError(
+                    f"sentence id {entry.sent_id} after sentence {group[0].sent_id}: an n-best list holds "
+                    "its sentences in increasing id order, each sentence's hypotheses together",
+                    os.fspath(path), entry.line_no)
             stats.sentences += 1
             yield group
             group = []

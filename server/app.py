@@ -9,7 +9,9 @@ engine (in ``finally``) → exit 0. SIGHUP reloads the model file (and the token
 failing a request (``server.admin``).
 
 Security (``server.auth``): TLS (``tls_cert``/``tls_key``, mutual with ``tls_client_ca``)
-and bearer tokens (``token_file``, a grpc.aio interceptor; the health service stays open).
+and bearer tokens (``token_file``); what a client may hold (tokens, the first-message
+deadline, concurrency limits) is the call gate's (``server.gate``, a grpc.aio interceptor),
+and how long a connection may live gRPC's own keepalive and connection-age options.
 
 One event-loop thread receives every RPC and one engine thread runs the forward passes,
 so the GIL is shared by two busy threads, not by a pool of handler threads.
@@ -38,9 +40,10 @@ from grpc_reflection.v1alpha import reflection
 from nlmserve.proto import lm_pb2
 from nlmserve.errors import ReloadError
 from nlmserve.server.admin import ADMIN_SERVICE, AdminServicer, Reloader, add_admin_to_server
-from nlmserve.server.auth import TlsFiles, TokenInterceptor, TokenStore
+from nlmserve.server.auth import TlsFiles, TokenStore
 from nlmserve.server.config import ServerConfig
 from nlmserve.server.engine import Engine, ModelState
+from nlmserve.server.gate import CallGate
 from nlmserve.server.local import LocalBackend
 from nlmserve.server.metrics import ServerMetrics
 from nlmserve.server.requests import RequestHandler
@@ -54,6 +57,9 @@ log = logging.getLogger(__name__)
 #: large answer then sends a flow-control update to a closed socket, gets a TCP reset and
 #: loses the rest of the answer ("Connection reset by peer"). Waiting lets it read first.
 SETTLE_SECONDS = 1.0
+
+#: The shortest interval between a client's keepalive pings that the server accepts.
+CLIENT_PING_FLOOR_MS = 10_000
 
 SERVICE_NAME = lm_pb2.DESCRIPTOR.services_by_name["LanguageModel"].full_name  # nlmserve.v1.LanguageModel
 
@@ -73,6 +79,7 @@ class RunningServer:
     loop: asyncio.AbstractEventLoop
     thread: threading.Thread
     reloader: Reloader
+    gate: CallGate
     local: LocalBackend | None = None
 
     def start_local_backend(self, path: str) -> LocalBackend:
@@ -136,19 +143,39 @@ def exposure_warning(config: ServerConfig) -> str | None:
             + "; use --tls-cert/--tls-key and --token-file, or bind 127.0.0.1")
 
 
-async def _start(config: ServerConfig, engine: Engine, metrics: ServerMetrics,
-                 reloader: Reloader) -> tuple[grpc.aio.Server, int, Any, LanguageModelServicer]:
+def _ms(seconds: float) -> int:
+    return int(seconds * 1000)
+
+
+def server_options(config: ServerConfig) -> list[tuple[str, Any]]:
+    """The gRPC server's channel arguments: message sizes, keepalive and connection limits."""
     options: list[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_time_ms", _ms(config.keepalive_seconds)),
+        ("grpc.keepalive_timeout_ms", _ms(config.keepalive_timeout_seconds)),
+        # Clients ping every 30 s while they have calls (client.core.channel_options);
+        # gRPC's default would answer pings more frequent than 5 min with GOAWAY.
+        ("grpc.http2.min_ping_interval_without_data_ms", CLIENT_PING_FLOOR_MS),
     ]
+    if config.max_connection_idle_seconds:
+        options.append(("grpc.max_connection_idle_ms", _ms(config.max_connection_idle_seconds)))
+    if config.max_connection_age_seconds:
+        options.append(("grpc.max_connection_age_ms", _ms(config.max_connection_age_seconds)))
+        options.append(("grpc.max_connection_age_grace_ms", _ms(config.max_connection_age_grace_seconds)))
+    return options
+
+
+async def _start(config: ServerConfig, engine: Engine, metrics: ServerMetrics,
+                 reloader: Reloader) -> tuple[grpc.aio.Server, int, Any, LanguageModelServicer, CallGate]:
     # One owner of tokens, size limits, error mapping and request metrics for the gRPC
-    # servicer, the token interceptor and the native front end's socket (server/local.py).
+    # servicer, the call gate and the native front end's socket (server/local.py).
     requests = RequestHandler(engine.config.max_ngrams_per_request, metrics, reloader.tokens)
-    interceptors = [TokenInterceptor(requests)] if reloader.tokens is not None else []
-    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs,
-                             interceptors=interceptors)
+    # Tokens, first-message deadline and concurrency limits (server/gate.py): gRPC's own
+    # maximum_concurrent_rpcs would count calls before their token is checked.
+    gate = CallGate(config, requests, metrics)
+    server = grpc.aio.server(options=server_options(config), interceptors=[gate])
     servicer = LanguageModelServicer(engine, metrics, requests)
     add_to_server(servicer, server)
     add_admin_to_server(AdminServicer(reloader, metrics), server)
@@ -170,7 +197,7 @@ async def _start(config: ServerConfig, engine: Engine, metrics: ServerMetrics,
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, port, health_servicer, servicer
+    return server, port, health_servicer, servicer, gate
 
 
 def create_server(config: ServerConfig, *, engine: Engine | None = None) -> RunningServer:
@@ -194,7 +221,7 @@ def create_server(config: ServerConfig, *, engine: Engine | None = None) -> Runn
     thread.start()
     try:
         started = asyncio.run_coroutine_threadsafe(_start(config, engine, metrics, reloader), loop)
-        server, port, health_servicer, servicer = started.result(60)
+        server, port, health_servicer, servicer, gate = started.result(60)
         metrics_port = None
         if config.metrics_port is not None:
             metrics_port = metrics.start_http(config.host, config.metrics_port)
@@ -207,14 +234,22 @@ def create_server(config: ServerConfig, *, engine: Engine | None = None) -> Runn
              "TLS" + (" with client certificates" if config.tls_client_ca else "") if config.tls_cert else "plaintext",
              f"{len(tokens)} bearer token(s)" if tokens is not None else "no token")
     return RunningServer(server, port, engine, health_servicer, servicer, metrics, metrics_port, config, loop, thread,
-                         reloader)
+                         reloader, gate)
+
+
+def _reload_logged(running: RunningServer) -> None:
+    try:
+        running.reload()
+    except ReloadError:
+        pass  # logged by the reloader; the served model stays
 
 
 def serve(config: ServerConfig) -> int:
     """Run until SIGTERM/SIGINT; print ``listening on HOST:PORT`` on stdout once bound.
 
-    SIGHUP reloads ``config.model`` (and the token file) in this thread, off the serving
-    path; a file that fails to load or check is logged and the served model stays.
+    SIGHUP reloads ``config.model`` (and the token and TLS files) in a thread of its own,
+    off the serving path; a file that fails to load or check, or a SIGHUP while a reload
+    is in progress, is logged and the served model stays.
     """
     public = config
     binary = None
@@ -225,8 +260,10 @@ def serve(config: ServerConfig) -> int:
         warning = exposure_warning(config)  # the front end is what the network reaches
         if warning is not None:
             log.warning("%s", warning)
-        # The model server on a private loopback port; the front end takes the public one.
-        config = dataclasses.replace(config, host="127.0.0.1", port=0, metrics_port=None)
+        # The model server on a private loopback port; the front end takes the public one
+        # and is its only client (one connection: the per-connection limit is the limit).
+        config = dataclasses.replace(config, host="127.0.0.1", port=0, metrics_port=None,
+                                     max_rpcs_per_connection=config.max_concurrent_rpcs)
     running = create_server(config)
     frontend = None
     stop = threading.Event()
@@ -268,10 +305,8 @@ def serve(config: ServerConfig) -> int:
             if hup.is_set():
                 hup.clear()
                 log.info("received SIGHUP: reloading %s", config.model)
-                try:
-                    running.reload()
-                except ReloadError:
-                    pass  # logged by the reloader; the served model stays
+                # In a thread of its own, so that SIGTERM is still heard during a long read.
+                threading.Thread(target=_reload_logged, args=(running,), name="nlmserve-sighup", daemon=True).start()
             if not running.engine.check_health():
                 log.error("engine worker died; stopping")
                 running.set_serving(False)

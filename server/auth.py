@@ -3,12 +3,14 @@
 Tokens: ``--token-file FILE`` holds one or more tokens, one per line (blank lines and lines
 starting with ``#`` are skipped). A call must carry ``authorization: Bearer <token>``
 metadata naming one of them; the comparison is constant-time (``hmac.compare_digest``,
-against every token). Calls without a valid token end UNAUTHENTICATED before reaching a
-servicer, and are counted in ``nlmserve_requests{code="UNAUTHENTICATED"}``. The health
-service (``grpc.health.v1.Health``) stays open, so load balancers and container health
-checks need no secret; reflection needs the token like every other service. The file is
-re-read on reload (SIGHUP or the Admin ReloadModel RPC); a file that cannot be read or holds
-no token keeps the tokens in force.
+against every token). The call gate (server/gate.py) ends calls without a valid token
+UNAUTHENTICATED from their metadata, before any handler waits for a message, and counts
+them in ``nlmserve_requests{code="UNAUTHENTICATED"}``. The health service
+(``grpc.health.v1.Health``) stays open, so load balancers and container health checks need
+no secret; reflection needs the token like every other service. The file is re-read on
+reload (SIGHUP or the Admin ReloadModel RPC); a file that cannot be read or holds no token
+(an emptied file included) keeps the tokens in force, logged at ERROR: failing safe, since
+dropping every token would lock every client out.
 """
 
 from __future__ import annotations
@@ -18,32 +20,23 @@ import logging
 import ssl
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import Any
 
 import grpc
 
 from nlmserve.errors import InputError
+from nlmserve.server.files import read_small_file
 
 log = logging.getLogger(__name__)
 
 #: Services reachable without a token (full names as in the method path).
 OPEN_SERVICES = ("grpc.health.v1.Health",)
 
-if TYPE_CHECKING:  # the stubs make these generic in the request and response types, grpc does not
-    from nlmserve.server.requests import RequestHandler
-
-    Handler = grpc.RpcMethodHandler[Any, Any]
-    _Interceptor = grpc.aio.ServerInterceptor[Any, Any]
-else:
-    _Interceptor = grpc.aio.ServerInterceptor
-
 
 def read_tokens(path: str | Path) -> tuple[bytes, ...]:
     """The tokens in ``path``; InputError naming the file (and line) when it is unusable."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as e:
-        raise InputError(f"cannot read token file: {e.strerror}", str(path)) from e
+        text = read_small_file(str(path), "token file").decode("utf-8")
     except UnicodeDecodeError as e:
         raise InputError(f"token file is not UTF-8: {e}", str(path)) from e
     tokens = []
@@ -97,70 +90,6 @@ class TokenStore:
         return ok
 
 
-def _deny(kind: str, message: str) -> Handler:
-    async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        yield  # pragma: no cover (abort raises)
-
-    if kind == "unary_stream":
-        return grpc.unary_stream_rpc_method_handler(stream)
-    if kind == "stream_unary":
-        return grpc.stream_unary_rpc_method_handler(unary)
-    if kind == "stream_stream":
-        return grpc.stream_stream_rpc_method_handler(stream)
-    return grpc.unary_unary_rpc_method_handler(unary)
-
-
-class TokenInterceptor(_Interceptor):
-    """UNAUTHENTICATED for calls without a valid bearer token, except to ``OPEN_SERVICES``.
-
-    The check, its message and its count are the request handler's (server/requests.py),
-    which the native front end's socket uses too."""
-
-    def __init__(self, requests: "RequestHandler") -> None:
-        self.requests = requests
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> Handler:
-        method: str = handler_call_details.method
-        service, _, name = method.lstrip("/").rpartition("/")
-        if service in OPEN_SERVICES:
-            return await continuation(handler_call_details)
-        header = None
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == "authorization":
-                header = value
-                break
-        message = self.requests.refusal(header)
-        if message is None:
-            return await continuation(handler_call_details)
-        log.debug("%s: %s", method, message)
-        self.requests.count(name or method, grpc.StatusCode.UNAUTHENTICATED)
-        handler = await continuation(handler_call_details)
-        kind = "unary_unary"
-        if handler is not None:
-            if handler.request_streaming and handler.response_streaming:
-                kind = "stream_stream"
-            elif handler.request_streaming:
-                kind = "stream_unary"
-            elif handler.response_streaming:
-                kind = "unary_stream"
-        return _deny(kind, message)
-
-
-def read_file_bytes(path: str, what: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError as e:
-        raise InputError(f"cannot read {what}: {e.strerror}", path) from e
-
-
 class TlsFiles:
     """Server TLS from PEM files; ``reload`` re-reads them and new connections get the new
     certificate (connections already open keep theirs). With ``client_ca`` clients must
@@ -174,12 +103,13 @@ class TlsFiles:
 
     def _configuration(self) -> Any:
         """The certificate configuration; InputError naming the file when unusable."""
+        # Read first: only regular files of a bounded size (server/files.py).
+        pair = (read_small_file(self.key, "TLS key"), read_small_file(self.cert, "TLS certificate"))
+        ca = read_small_file(self.client_ca, "client CA") if self.client_ca else None
         try:  # the key must belong to the certificate: check now, not at the first handshake
             ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(self.cert, self.key)
         except OSError as e:  # ssl.SSLError is an OSError
             raise InputError(f"TLS certificate and key do not load together ({self.key}): {e}", self.cert) from e
-        pair = (read_file_bytes(self.key, "TLS key"), read_file_bytes(self.cert, "TLS certificate"))
-        ca = read_file_bytes(self.client_ca, "client CA") if self.client_ca else None
         if ca is not None:
             try:
                 ssl.create_default_context(cadata=ca.decode("ascii"))

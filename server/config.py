@@ -47,8 +47,39 @@ class ServerConfig:
     priority_ngrams: int = 0
     #: Most n-grams waiting in the queue; beyond it requests get RESOURCE_EXHAUSTED.
     max_queue_ngrams: int = 1_000_000
-    #: Most RPCs served at once (gRPC answers RESOURCE_EXHAUSTED beyond it).
+    #: Most RPCs served at once, counted after the token check (authorised calls only;
+    #: RESOURCE_EXHAUSTED beyond it). The health service is not counted (see below).
     max_concurrent_rpcs: int = 256
+    #: Most RPCs one connection may have served at once (at most ``max_concurrent_rpcs``),
+    #: so that no single client can take every slot; RESOURCE_EXHAUSTED beyond it.
+    max_rpcs_per_connection: int = 128
+    #: Most grpc.health.v1 ``Watch`` streams open at once (replicated clients hold one per
+    #: replica connection; open without a token, so bounded on its own). Health ``Check``
+    #: is never limited.
+    max_health_watches: int = 1024
+    #: Most ``Watch`` streams on one connection.
+    max_health_watches_per_connection: int = 8
+    #: Longest wait, in seconds, for a call's first request message once its headers have
+    #: arrived (a client that opens a call and sends nothing); DEADLINE_EXCEEDED after it.
+    first_message_seconds: float = 60.0
+    #: Seconds between the server's HTTP/2 keepalive pings on a connection (a peer that
+    #: does not answer within ``keepalive_timeout_seconds`` is closed with its calls).
+    keepalive_seconds: float = 60.0
+    #: Seconds a keepalive ping may wait for its answer.
+    keepalive_timeout_seconds: float = 20.0
+    #: Close a connection that had no call for this many seconds (GOAWAY: the client
+    #: reconnects on its next call). 0: never.
+    max_connection_idle_seconds: float = 300.0
+    #: Ask a client to reconnect after this many seconds (GOAWAY; calls in flight get
+    #: ``max_connection_age_grace_seconds`` to finish). 0 (the default): never.
+    max_connection_age_seconds: float = 0.0
+    #: Seconds calls in flight get after a ``max_connection_age`` GOAWAY.
+    max_connection_age_grace_seconds: float = 60.0
+    #: Largest model file the server loads (at start and on reload), in bytes.
+    max_model_bytes: int = 8 * 1024**3
+    #: Longest a reload may take to read and check its file, in seconds; a read that takes
+    #: longer is abandoned (the served model stays) and reloads stay refused until it ends.
+    reload_timeout_seconds: float = 300.0
     #: Most n-grams (or sentence tokens) in one request; clients read it from GetModelInfo.
     max_ngrams_per_request: int = 200_000
     #: Largest gRPC message, both directions, in bytes.
@@ -97,6 +128,17 @@ class ServerConfig:
                 "max_queue_ngrams must be >= max_ngrams_per_request",
             ),
             (self.max_concurrent_rpcs >= 1, "max_concurrent_rpcs must be >= 1"),
+            (self.max_rpcs_per_connection >= 1, "max_rpcs_per_connection must be >= 1"),
+            (self.max_health_watches >= 0, "max_health_watches must be >= 0"),
+            (self.max_health_watches_per_connection >= 0, "max_health_watches_per_connection must be >= 0"),
+            (self.first_message_seconds > 0, "first_message_seconds must be > 0"),
+            (self.keepalive_seconds >= 1, "keepalive_seconds must be >= 1"),
+            (self.keepalive_timeout_seconds > 0, "keepalive_timeout_seconds must be > 0"),
+            (self.max_connection_idle_seconds >= 0, "max_connection_idle_seconds must be >= 0"),
+            (self.max_connection_age_seconds >= 0, "max_connection_age_seconds must be >= 0"),
+            (self.max_connection_age_grace_seconds >= 0, "max_connection_age_grace_seconds must be >= 0"),
+            (self.max_model_bytes >= 1024, "max_model_bytes must be >= 1024"),
+            (self.reload_timeout_seconds > 0, "reload_timeout_seconds must be > 0"),
             (self.max_message_bytes >= 1024, "max_message_bytes must be >= 1024"),
             (self.ngram_cache_size >= 0, "ngram_cache_size must be >= 0"),
             (self.context_cache_size >= 0, "context_cache_size must be >= 0"),

@@ -41,6 +41,7 @@ from nlmserve.lm.protocol import ScoringModel
 from nlmserve.logbase import LOG10_E
 from nlmserve.server.cache import Scorer
 from nlmserve.server.config import ServerConfig
+from nlmserve.server.files import check_model_file
 from nlmserve.server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
@@ -84,10 +85,13 @@ class _Part:
 
 
 def load_model(config: ServerConfig, path: str | None = None) -> ScoringModel:
-    """The model file ``path`` (default ``config.model``) loaded on the configured device."""
+    """The model file ``path`` (default ``config.model``) loaded on the configured device
+    (ModelFileError naming the file when it is not a regular file of at most
+    ``max_model_bytes`` and of the size its header gives, or does not load)."""
     from nlmserve.lm.scoring import LanguageModel
 
     path = config.model if path is None else path
+    check_model_file(path, config.max_model_bytes)  # a regular file of the size its header gives
     lm = LanguageModel.load(path, device=config.device, cpu_tables=config.cpu_tables)
     log.info("loaded %s: order %s, %s words, device %s, hash %s",
              path, lm.order, len(lm.vocab), lm.device, lm.model_hash)

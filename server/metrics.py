@@ -15,6 +15,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 log = logging.getLogger(__name__)
 
+#: The reasons of ``nlmserve_refused_total`` (server/gate.py says what each one is).
+REFUSAL_REASONS = ("max_concurrent_rpcs", "max_rpcs_per_connection", "max_health_watches",
+                   "max_health_watches_per_connection", "first_message_timeout")
+
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536)
 _SECONDS_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
@@ -69,6 +73,11 @@ class ServerMetrics:
         )
         for result in ("ok", "error"):
             self.reloads.labels(result=result)
+        self.refused = Counter(
+            "nlmserve_refused", "Calls a limit refused or cut (server/gate.py), by reason", ["reason"], registry=r
+        )
+        for reason in REFUSAL_REASONS:
+            self.refused.labels(reason=reason)
         for cache in ("ngram", "context", "in_class"):
             self.cache_hits.labels(cache=cache)
             self.cache_misses.labels(cache=cache)

@@ -54,8 +54,16 @@ TABLE_CHUNK_FLOATS = 262_144
 
 
 def _asks_log10(request: lm_pb2.ScoreNgramsRequest | lm_pb2.ScoreSentencesRequest) -> bool:
-    """The wire's LogBase as the engine's ``log10`` flag (LOG10 is the default)."""
+    """The wire's LogBase as the engine's ``log10`` flag (unset is LOG10); a value the
+    enum does not hold (a newer or broken client) is an InvalidRequestError."""
+    if request.log_base not in _LOG_BASES:
+        raise InvalidRequestError(
+            f"log_base {request.log_base} is not a LogBase (LOG10 = {lm_pb2.LOG10}, LN = {lm_pb2.LN}, unset: LOG10)"
+        )
     return request.log_base != lm_pb2.LN
+
+
+_LOG_BASES = frozenset(lm_pb2.LogBase.values())
 
 
 def _wire_log_base(log10: bool) -> Any:  # the enum type differs between stub generators

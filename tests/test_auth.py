@@ -4,6 +4,7 @@ against real servers on 127.0.0.1 (port 0) with the tiny real model."""
 from __future__ import annotations
 
 import logging
+import os
 import urllib.request
 from pathlib import Path
 from typing import Any, Iterator
@@ -128,6 +129,32 @@ def test_token_file_is_reread_on_reload(secured: RunningServer, token_file: Path
     secured.reload()
     with LMClient(secured.target, token="rotated-token-89") as new:
         assert np.isfinite(new.score("the european parliament"))
+
+
+@pytest.mark.parametrize("damage", ["emptied", "removed", "fifo"])
+def test_an_unusable_token_file_keeps_the_tokens_in_force(secured: RunningServer, token_file: Path, damage: str,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """The rule: a reload whose token file is emptied, removed or not a regular file keeps
+    the tokens in force (fail safe: dropping every token would lock out every client), logs
+    the reason at ERROR, and still reloads the model."""
+    token_file.unlink()
+    if damage == "emptied":
+        token_file.write_text("", encoding="utf-8")
+    elif damage == "fifo":
+        os.mkfifo(token_file)
+    with caplog.at_level(logging.ERROR, logger="nlmserve.server.admin"):
+        state = secured.reload()  # as SIGHUP does
+    assert state.model_hash == secured.engine.state.model_hash
+    words = {"emptied": "token file holds no token", "removed": "cannot read token file",
+             "fifo": "token file is a FIFO, not a regular file"}[damage]
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert errors == [f"token file not reloaded, the previous tokens stay: {token_file}: {words}"
+                      + ("" if damage != "removed" else ": No such file or directory")]
+    with LMClient(secured.target, token="second-token-4567", retries=0) as client:
+        assert np.isfinite(client.score("the european parliament"))
+    with LMClient(secured.target, retries=0) as anonymous, pytest.raises(RpcError) as err:
+        anonymous.score("the european parliament")
+    assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_admin_is_guarded(tiny_lm: Any, tiny_model_path: Path, secured: RunningServer) -> None:

@@ -161,9 +161,19 @@ def test_known_lines_are_parsed_or_refused_with_file_and_line(workdir: Path, lin
             assert entry.total == line.total
             assert entry.dense == line.dense
             assert entry.raw.encode("utf-8") == line.data + b"\n"
-        groups = list(iter_sentences(path, skip_bad=True))
-        assert sum(len(g) for g in groups) == len(good)
-        assert all(len({e.sent_id for e in g}) == 1 for g in groups)
+        # The sentences must come in increasing id order: the first good line whose id is
+        # below its group's predecessor is refused, naming its line.
+        good_numbers = [numbers[i] for i, line in enumerate(lines) if line.good]
+        backwards = next((n for n, prev, line in zip(good_numbers[1:], good, good[1:])
+                          if line.sent_id < prev.sent_id), None)
+        if backwards is not None:
+            with pytest.raises(NbestFormatError) as err:
+                list(iter_sentences(path, skip_bad=True))
+            assert err.value.line == backwards and "increasing id order" in str(err.value)
+        else:
+            groups = list(iter_sentences(path, skip_bad=True))
+            assert sum(len(g) for g in groups) == len(good)
+            assert all(len({e.sent_id for e in g}) == 1 for g in groups)
     finally:
         path.unlink()
 

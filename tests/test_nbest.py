@@ -138,6 +138,26 @@ def test_skip_bad_counts_and_keeps_the_rest(tmp_path: Path) -> None:
     assert f"{path}:2:" in stats.bad_examples[0]
 
 
+@pytest.mark.parametrize("ids", [[0, 1, 0], [0, 2, 1], [3, 3, 2], [0, 1, 1, 0]], ids=str)
+@pytest.mark.parametrize("skip_bad", [False, True])
+def test_a_sentence_id_out_of_order_names_file_and_line(ids: list[int], skip_bad: bool, tmp_path: Path) -> None:
+    """Moses writes sentences in increasing id order, each one's hypotheses together: an id
+    lower than its predecessor's is refused where it stands, not read as a new sentence."""
+    path = tmp_path / "shuffled.nbest"
+    path.write_text("".join(f"{i} ||| w{n} ||| F0= 1 ||| 1\n" for n, i in enumerate(ids)))
+    groups = []
+    with pytest.raises(NbestFormatError) as info:
+        for group in iter_sentences(path, skip_bad=skip_bad):
+            groups.append(group)
+    line = len(ids)
+    assert str(info.value).startswith(f"{path}:{line}: sentence id {ids[-1]} after sentence {ids[-2]}")
+    assert info.value.line == line
+    assert sum(len(g) for g in groups) == len([i for i in ids[:-1] if i != ids[-2]])  # the sentences before
+    # gaps in the ids are fine (a sentence without hypotheses)
+    path.write_text("0 ||| a ||| F0= 1 ||| 1\n2 ||| b ||| F0= 1 ||| 1\n2 ||| c ||| F0= 1 ||| 1\n")
+    assert [[e.hyp for e in g] for g in iter_sentences(path)] == [["a"], ["b", "c"]]
+
+
 def test_invalid_utf8_is_a_format_error(tmp_path: Path) -> None:
     path = tmp_path / "latin1.nbest"
     path.write_bytes(b"0 ||| caf\xe9 ||| F0= 1 ||| 1\n")

@@ -62,7 +62,8 @@ def test_padding_and_missing_weights(nbest: Path) -> None:
 def test_split_sentence_is_an_error(tmp_path: Path) -> None:
     path = tmp_path / "split.nbest"
     path.write_text(LIST + "0 ||| z ||| F0= 9 G0= 0 0 ||| 0\n")
-    with pytest.raises(InputError, match=":6: sentence 0 appears in two separate runs"):
+    with pytest.raises(InputError, match=":6: sentence id 0 after sentence 2: an n-best list holds its sentences in "
+                       "increasing id order"):  # the reader's rule (moses_plugin.nbest.iter_sentences)
         rerank(str(path), Weights((("F0", (1.0,)), ("G0", (0.0, 0.0)))))
 
 

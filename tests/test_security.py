@@ -87,3 +87,17 @@ def test_serve_refuses_a_malicious_file_without_running_it(tmp_path: Path) -> No
     assert proc.returncode != 0
     assert "evil.nlm" in proc.stderr
     assert not marker.exists()
+
+
+def test_magic_then_a_pickle_is_corrupt_not_a_newer_version(tmp_path: Path) -> None:
+    """Our magic bytes straight followed by a pickle: the version field then reads as a huge
+    number, which must not be reported as a newer format to upgrade for."""
+    marker = tmp_path / "pwned"
+    path = tmp_path / "magic-pickle.nlm"
+    path.write_bytes(MAGIC + pickle.dumps(Payload(marker)))
+    with pytest.raises(ModelFileError) as excinfo:
+        LanguageModel.load(path, device="cpu")
+    message = str(excinfo.value)
+    assert message.startswith(f"{path}: corrupt or not an nlmserve model file")
+    assert "newer" not in message and "upgrade" not in message
+    assert not marker.exists()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -111,8 +112,16 @@ def test_tls_client_scores_and_a_plaintext_client_is_refused(tls_server: Running
         assert client.score_ngrams([["the", "european"]]).model_hash == tiny_lm.model_hash
     with LMClient(f"localhost:{tls_server.port}", tls_ca=pki.ca, timeout=10) as client:  # name in the SAN too
         assert client.info.model_hash == tiny_lm.model_hash
-    with LMClient(tls_server.target, retries=0, timeout=5) as plain, pytest.raises(ServerUnavailableError):
+    with LMClient(tls_server.target, retries=0, timeout=5) as plain, \
+            pytest.raises(ServerUnavailableError, match="Socket closed.*if it serves TLS, connect with --tls"):
         plain.info
+    plaintext = start_server(tiny_lm)  # and the other way round
+    try:
+        with LMClient(plaintext.target, tls_ca=pki.ca, retries=0, timeout=5) as tls_client, \
+                pytest.raises(ServerUnavailableError, match="the server may serve plaintext"):
+            tls_client.info
+    finally:
+        plaintext.stop(0.5)
     # A server certificate from a CA the client does not trust fails the handshake.
     with LMClient(tls_server.target, tls_ca=pki.rogue_ca, retries=0, timeout=5) as wrong_ca, \
             pytest.raises(ServerUnavailableError):
@@ -243,8 +252,12 @@ def test_unusable_tls_files_are_refused_naming_the_file(pki: Pki, tmp_path: Path
     with pytest.raises(InputError, match="do not load together") as err:
         start_with(tls_cert=pki.server_cert, tls_key=pki.client_key)  # the key of another certificate
     assert pki.server_cert in str(err.value)
-    with pytest.raises(InputError, match="do not load together"):
+    with pytest.raises(InputError, match="absent.pem: cannot read TLS certificate"):
         start_with(tls_cert=str(tmp_path / "absent.pem"), tls_key=pki.server_key)
+    fifo = tmp_path / "fifo.pem"  # read at start and on every reload: it must not block
+    os.mkfifo(fifo)
+    with pytest.raises(InputError, match="fifo.pem: TLS key is a FIFO, not a regular file"):
+        start_with(tls_cert=pki.server_cert, tls_key=str(fifo))
     bad_ca = tmp_path / "ca.pem"
     bad_ca.write_text("garbage\n", encoding="ascii")
     with pytest.raises(InputError, match="client CA") as err:

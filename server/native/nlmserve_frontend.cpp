@@ -476,6 +476,10 @@ class Frontend {
  private:
   // Whether the request has a shape that can be merged, and its key kind and size.
   bool Shape(const ScoreNgramsRequest &r, BatchKey *key, long *ngrams) const {
+    // A log base the enum does not hold goes alone: the model server refuses it.
+    if (r.log_base() != nlmserve::v1::LOG_BASE_UNSPECIFIED && r.log_base() != nlmserve::v1::LOG10 &&
+        r.log_base() != nlmserve::v1::LN)
+      return false;
     bool has_packed = !r.packed_ids().empty() || r.packed_order() != 0;
     if (has_packed && r.ngrams_size() > 0) return false;
     if (has_packed) {

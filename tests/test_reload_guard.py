@@ -1,0 +1,199 @@
+"""Reloads that cannot wedge the server: files that are no model file are refused at once
+(a device, a FIFO, a directory, a 10 GB sparse file, a file of another size than its
+header says), a reload asked for during another is refused rather than queued, and a read
+that takes too long is abandoned; the served model serves on throughout. Real servers on
+127.0.0.1 (port 0) over the tiny real model."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import grpc
+import numpy as np
+import pytest
+
+import nlmserve.server.admin as admin
+from nlmserve.client import LMClient, RpcError
+from nlmserve.errors import ModelFileError, ReloadError
+from nlmserve.server.app import RunningServer, create_server
+from nlmserve.server.config import ServerConfig
+from nlmserve.server.engine import Engine
+
+from support import dev_ngrams
+
+NLMSERVE = [sys.executable, "-m", "nlmserve.cli"]
+
+
+@pytest.fixture()
+def running(tiny_lm: Any, tiny_model_path: Path) -> Iterator[RunningServer]:
+    config = ServerConfig(model=str(tiny_model_path), port=0, allow_unauthenticated_admin=True,
+                          reload_timeout_seconds=2.0)
+    server = create_server(config, engine=Engine(tiny_lm, config))
+    yield server
+    server.stop(0.5)
+
+
+def serves(running: RunningServer, lm: Any) -> None:
+    rows = dev_ngrams(lm, 0, 3)
+    with LMClient(running.target, retries=0, timeout=10) as client:
+        np.testing.assert_allclose(client.score_ids(rows, log_base="ln").log_probs,
+                                   lm.score_ngrams(rows.astype(np.int64)), atol=1e-5, rtol=0)
+
+
+def refused(running: RunningServer, path: str) -> str:
+    """The FAILED_PRECONDITION message of Admin/ReloadModel ``path`` (within 10 s)."""
+    with LMClient(running.target, retries=0, timeout=10) as client:
+        with pytest.raises(RpcError) as err:
+            client.reload_model(path)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION, err.value
+    return str(err.value)
+
+
+@pytest.fixture()
+def odd_files(tmp_path: Path, tiny_model_path: Path) -> dict[str, tuple[str, str]]:
+    """Paths that are no model file → the words their refusal must hold."""
+    fifo = tmp_path / "model.fifo"
+    os.mkfifo(fifo)
+    sparse = tmp_path / "sparse.nlm"
+    with open(sparse, "wb") as f:
+        f.truncate(10 * 10**9)  # 10 GB of holes: no disk used
+    blob = tiny_model_path.read_bytes()
+    longer = tmp_path / "longer.nlm"
+    longer.write_bytes(blob + b"\0" * 64)
+    shorter = tmp_path / "shorter.nlm"
+    shorter.write_bytes(blob[:-64])
+    return {
+        "device": ("/dev/zero", "model file is a character device, not a regular file"),
+        "fifo": (str(fifo), "model file is a FIFO, not a regular file"),
+        "directory": (str(tmp_path), "model file is a directory, not a regular file"),
+        "sparse": (str(sparse), f"model file has {10 * 10**9} bytes, more than max_model_bytes = {8 * 1024**3}"),
+        "longer": (str(longer), f"model file has {len(blob) + 64} bytes, its header says {len(blob)} "
+                                "(bytes after the data)"),
+        "shorter": (str(shorter), f"model file has {len(blob) - 64} bytes, its header says {len(blob)} "
+                                  "(truncated)"),
+    }
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo", "directory", "sparse", "longer", "shorter"])
+def test_a_file_that_is_no_model_file_is_refused_at_once(running: RunningServer, tiny_lm: Any,
+                                                         odd_files: dict[str, tuple[str, str]], kind: str) -> None:
+    path, words = odd_files[kind]
+    message = refused(running, path)
+    assert f"{path}: {words}" in message
+    assert message.count(path) == 1  # named once
+    serves(running, tiny_lm)
+    # the next reload is not held up by the refused one
+    with LMClient(running.target, retries=0, timeout=30) as client:
+        assert client.reload_model(running.config.model).model_hash == tiny_lm.model_hash
+
+
+def test_a_start_with_a_device_as_model_fails_at_once() -> None:
+    with pytest.raises(ModelFileError, match="/dev/zero: model file is a character device"):
+        create_server(ServerConfig(model="/dev/zero", port=0))
+
+
+def test_a_refused_file_is_named_once(running: RunningServer, tmp_path: Path) -> None:
+    garbage = tmp_path / "garbage.nlm"
+    garbage.write_bytes(b"NLMSERVE" + b"\x80\x04\x95" + b"\0" * 200)  # our magic, then a pickle's opcodes
+    message = refused(running, str(garbage))
+    assert message.count(str(garbage)) == 1
+    assert "corrupt or not an nlmserve model file" in message and "upgrade" not in message
+
+
+class SlowLoad:
+    """``load_model`` held at a gate, to keep a reload in progress."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.real: Callable[..., Any] = admin.load_model
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        monkeypatch.setattr(admin, "load_model", self)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.entered.set()
+        assert self.gate.wait(20)
+        return self.real(*args, **kwargs)
+
+
+def test_a_reload_during_another_is_refused_not_queued(running: RunningServer, tiny_lm: Any,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    slow = SlowLoad(monkeypatch)
+    first: list[Any] = []
+    thread = threading.Thread(target=lambda: first.append(running.reload()))
+    thread.start()
+    try:
+        assert slow.entered.wait(10)
+        with pytest.raises(ReloadError, match="a reload is in progress"):
+            running.reload()  # as SIGHUP does
+        message = refused(running, running.config.model)  # and the RPC
+        assert "a reload is in progress" in message
+        serves(running, tiny_lm)
+    finally:
+        slow.gate.set()
+        thread.join(20)
+    assert first and first[0].model_hash == tiny_lm.model_hash
+    assert running.reload().model_hash == tiny_lm.model_hash  # accepted again
+
+
+def test_a_read_that_takes_too_long_is_abandoned(running: RunningServer, tiny_lm: Any,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    slow = SlowLoad(monkeypatch)
+    try:
+        with pytest.raises(ReloadError, match=r"took more than 2 s \(reload_timeout_seconds\); abandoned"):
+            running.reload()
+        with pytest.raises(ReloadError, match="a reload is in progress"):
+            running.reload()  # the abandoned read has not ended: refused, not piled up
+        serves(running, tiny_lm)
+    finally:
+        slow.gate.set()
+    deadline = time.monotonic() + 20
+    while True:  # the abandoned read ends; reloads are accepted again
+        try:
+            assert running.reload().model_hash == tiny_lm.model_hash
+            break
+        except ReloadError as e:
+            assert "in progress" in str(e) and time.monotonic() < deadline
+            time.sleep(0.05)
+
+
+def test_sighup_with_a_fifo_as_model_file_does_not_wedge(tiny_model_path: Path, tiny_lm: Any,
+                                                        tmp_path: Path) -> None:
+    """SIGHUP re-reads --model; replaced by a FIFO it is refused at once, every time (the
+    reloads are not queued behind a blocked read), and the server serves on."""
+    model = tmp_path / "served.nlm"
+    shutil.copyfile(tiny_model_path, model)
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w", encoding="utf-8") as log_file:
+        proc = subprocess.Popen(NLMSERVE + ["serve", "--model", str(model), "--port", "0", "--torch-threads", "1"],
+                                stdout=subprocess.PIPE, stderr=log_file, text=True)
+    try:
+        assert proc.stdout is not None
+        m = re.match(r"listening on (\S+):(\d+)", proc.stdout.readline())
+        assert m, log_path.read_text(encoding="utf-8")[-2000:]
+        model.unlink()
+        os.mkfifo(model)
+        for n in range(1, 4):
+            proc.send_signal(signal.SIGHUP)
+            deadline = time.monotonic() + 20
+            while log_path.read_text(encoding="utf-8").count("model file is a FIFO") < n:
+                assert time.monotonic() < deadline, log_path.read_text(encoding="utf-8")[-2000:]
+                time.sleep(0.05)
+        rows = dev_ngrams(tiny_lm, 0, 2)
+        with LMClient(f"127.0.0.1:{m.group(2)}", retries=0, timeout=10) as client:
+            np.testing.assert_allclose(client.score_ids(rows, log_base="ln").log_probs,
+                                       tiny_lm.score_ngrams(rows.astype(np.int64)), atol=1e-5, rtol=0)
+        logged = log_path.read_text(encoding="utf-8")
+        assert logged.count(f"{model}: model file is a FIFO, not a regular file") == 3
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    assert proc.returncode == 0
