@@ -35,7 +35,7 @@ import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -61,6 +61,25 @@ _DTYPES = {"float32": np.float32, "float64": np.float64, "int64": np.int64, "int
 
 def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def declared_size(read: Callable[[int, int], bytes], size: int) -> int | None:
+    """The file size a model file's header declares (the aligned prefix and header, then the
+    data), from ``read(n, offset)`` of a file of ``size`` bytes; None when the bytes hold no
+    readable header (``read_model_file`` says then what is wrong). For a size check before the
+    whole file is read (the server's reloads)."""
+    prefix = read(_PREFIX.size, 0)
+    if len(prefix) < _PREFIX.size:
+        return None
+    magic, _, header_len = _PREFIX.unpack(prefix)
+    header_end = _PREFIX.size + header_len
+    if magic != MAGIC or header_end > size:
+        return None
+    try:
+        header = json.loads(read(header_len, _PREFIX.size))
+        return _align(header_end) + int(header["data_size"])
+    except (ValueError, TypeError, KeyError):
+        return None
 
 
 def _canonical(header: dict[str, Any]) -> bytes:

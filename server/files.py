@@ -11,12 +11,11 @@ bytes) and at most ``max_model_bytes``.
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 
 from nlmserve.errors import InputError, ModelFileError
-from nlmserve.lm.model_file import _PREFIX, MAGIC, _align
+from nlmserve.lm.model_file import declared_size
 
 #: Largest token or TLS file read, in bytes.
 MAX_SMALL_FILE_BYTES = 1024 * 1024
@@ -70,17 +69,8 @@ def check_model_file(path: str, max_bytes: int) -> None:
     except InputError as e:
         raise ModelFileError(str(e)) from e
     try:
-        prefix = os.pread(fd, _PREFIX.size, 0)
-        if len(prefix) < _PREFIX.size:
-            return
-        magic, _, header_len = _PREFIX.unpack(prefix)
-        header_end = _PREFIX.size + header_len
-        if magic != MAGIC or header_end > size:
-            return
-        try:
-            header = json.loads(os.pread(fd, header_len, _PREFIX.size))
-            expected = _align(header_end) + int(header["data_size"])
-        except (ValueError, TypeError, KeyError):
+        expected = declared_size(lambda n, offset: os.pread(fd, n, offset), size)
+        if expected is None:
             return
         if size != expected:
             raise ModelFileError(f"{path}: model file has {size} bytes, its header says {expected} "
