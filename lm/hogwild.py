@@ -7,10 +7,11 @@ without locks. A batch touches few rows of the embedding and n-gram tables, so u
 seldom collide (the premise of Hogwild!), and the rows they do share (frequent words,
 the dense context weights and biases) receive every update, in some order.
 
-Why processes and not threads: a training step of this model is many small operations, and
-on the CPU a second torch thread does not make one step faster (docs/results.md,
-"Training": 1 thread 50.5k tokens/s, 2 threads 47.2k). Two independent steps
-at once do use two cores. Unlike ``--distributed`` there is no all-reduce and no replicated
+Why processes and not threads: the fused step (``nlmserve.lm.fused``, the default's) is one
+single-threaded loop per minibatch, and the torch step is many small operations that a
+second torch thread does not make faster (docs/results.md, "Training": 1 thread 50.5k
+tokens/s, 2 threads 47.2k). Two independent steps at once do use two cores; each process
+runs either step on the shared tensors. Unlike ``--distributed`` there is no all-reduce and no replicated
 optimiser update: each update is applied once, by the process that computed it.
 
 The trainer process keeps everything else (validation, schedule, checkpoints, logging):
