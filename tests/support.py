@@ -9,6 +9,7 @@ import gzip
 import math
 import tarfile
 import threading
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -189,3 +190,13 @@ def extract_moses_tree(into: Path) -> Path:
         else:  # pragma: no cover - Python < 3.11.4
             tar.extractall(into)  # noqa: S202 - the project's own shared tarball
     return into / "mosesdecoder"
+
+
+def metric(running: RunningServer, sample: str) -> float:
+    """The value of one Prometheus sample (``name{labels}`` as exposed) of a running server, 0 when absent."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{running.metrics_port}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            key, _, value = line.rpartition(" ")
+            if key == sample:
+                return float(value)
+    return 0.0

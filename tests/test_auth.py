@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import urllib.request
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -22,7 +21,7 @@ from nlmserve.server.app import RunningServer, create_server
 from nlmserve.server.auth import TokenStore
 from nlmserve.server.config import ServerConfig
 
-from support import start_server
+from support import metric, start_server
 
 TOKENS = "# one per line\nfirst-token-0123\n\nsecond-token-4567\n"
 NGRAMS = [["the", "european", "parliament"], ["of", "the"], ["zzzunknownzzz"]]
@@ -30,15 +29,6 @@ NGRAMS = [["the", "european", "parliament"], ["of", "the"], ["zzzunknownzzz"]]
 
 def start(lm: Any, **overrides: Any) -> RunningServer:
     return start_server(lm, metrics_port=0, **overrides)
-
-
-def metric(running: RunningServer, sample: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{running.metrics_port}/metrics", timeout=5) as r:
-        for line in r.read().decode().splitlines():
-            key, _, value = line.rpartition(" ")
-            if key == sample:
-                return float(value)
-    return 0.0
 
 
 def bearer(token: str) -> tuple[tuple[str, str], ...]:

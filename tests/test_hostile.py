@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any, AsyncIterator, Coroutine, Iterator, TypeVar
 
@@ -20,21 +19,12 @@ from nlmserve.client import LMClient
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
 from nlmserve.server.app import RunningServer
 
-from support import GatedScorer, dev_ngrams, start_server
+from support import GatedScorer, dev_ngrams, metric, start_server
 
 T = TypeVar("T")
 TOKEN = "hostile-test-token-0123"
 SCORE = "/nlmserve.v1.LanguageModel/ScoreNgrams"
 HALF_OPEN = 300
-
-
-def metric(running: RunningServer, sample: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{running.metrics_port}/metrics", timeout=5) as r:
-        for line in r.read().decode().splitlines():
-            key, _, value = line.rpartition(" ")
-            if key == sample:
-                return float(value)
-    return 0.0
 
 
 class Loop:
