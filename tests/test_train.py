@@ -431,18 +431,21 @@ def test_ctrl_c_writes_the_best_model_and_exits_130(small_train: Path, dev_small
             # only the interrupt may end this run: no epoch limit or early stop before the signal
             # arrives on a loaded machine
             "--epochs", "100000", "--patience", "100000", "--out", str(out)]
-    # Ctrl-C as a terminal delivers it: with SIGINT's default action, which a test run started
-    # in the background (`make test &`) would otherwise pass down as "ignored"
-    proc = subprocess.Popen([sys.executable, "-c", _LM_TRAIN, "train", "--recipe", "none", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # Ctrl-C as a terminal delivers it: with Python's own SIGINT handler, which a test run
+    # started in the background (`make test &`) would otherwise pass down as "ignored". Set
+    # by the child itself, not by a preexec_fn: that would make Popen fork this test process,
+    # whose gRPC threads (earlier tests' servers) then restart in the child before its exec
+    # and abort there (SIGABRT, "epoll_wait error: Bad file descriptor").
+    reset = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+    proc = subprocess.Popen([sys.executable, "-c", reset + _LM_TRAIN, "train", "--recipe", "none", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ckpt = Path(str(out) + ".ckpt")
     deadline = time.monotonic() + 120
     while not ckpt.exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.02)
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 130, stderr
+    assert proc.returncode == 130, (proc.returncode, stderr[-2000:])
     assert "stopped\tinterrupted" in stdout
     lm = LanguageModel.load(out, device="cpu")
     assert lm.training["stopped"] == "interrupted" and lm.training["valid_perplexity"] is not None
