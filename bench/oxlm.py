@@ -26,10 +26,10 @@ both tools read the same two files (with the defaults, V = 24,291).
 
     .venv/bin/python bench/oxlm.py --oxlm-bin /tmp/oxlm/bin --json oxlm.json
     .venv/bin/python bench/oxlm.py --oxlm-bin /tmp/oxlm/bin --tokens 50000 --rounds 1   # a check of the script
-    .venv/bin/python bench/oxlm.py --render docs/training.md oxlm.json
+    .venv/bin/python bench/oxlm.py --render docs/performance.md oxlm.json
 
 Without ``--oxlm-bin`` it says so and exits 0. Building OxLM: bench/oxlm_build.sh and
-docs/training.md ("Against OxLM"). Run it on a quiet machine.
+docs/performance.md ("Against OxLM"). Run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ NLM_BATCH = 512
 #: OxLM's --activation numbers.
 OXLM_ACTIVATIONS = {"none": 0, "relu": 2}
 SKIP_MESSAGE = ("bench/oxlm.py: no OxLM given (--oxlm-bin DIR: the bin/ of an OxLM build with "
-                "train_factored_sgd and evaluate; bench/oxlm_build.sh, docs/training.md#against-oxlm); skipped")
+                "train_factored_sgd and evaluate; bench/oxlm_build.sh, docs/performance.md#against-oxlm); skipped")
 
 
 # --- OxLM's output ------------------------------------------------------------------------------
