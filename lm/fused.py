@@ -95,9 +95,6 @@ class _Rows:
         self.grad = np.zeros((max_touched, width), dtype=np.float32)
         self.bias = np.zeros(max_touched, dtype=np.float32)  # the row's bias gradient, where it has one
 
-    def fits(self, touched: int) -> bool:
-        return touched <= self.rows.shape[0]
-
 
 class FusedNCE:
     """The fused step for ``model`` trained by ``opt`` (``torch.optim.Adagrad`` or one of
@@ -329,7 +326,7 @@ def _adagrad_rows(P: np.ndarray, A: np.ndarray, where: np.ndarray, rows: np.ndar
 
 
 @_jit(inline=True)
-def _adagrad_elems(P: np.ndarray, A: np.ndarray, where: np.ndarray, rows: np.ndarray, grad: np.ndarray,
+def _adagrad_elems(P: np.ndarray, A: np.ndarray, rows: np.ndarray, grad: np.ndarray,
                    n: int, lr: float, eps: float) -> None:
     """AdaGrad on the n touched elements of P (1-D), gradients grad (n,) (the biases of the
     rows :func:`_adagrad_rows` updates, which resets the map)."""
@@ -459,9 +456,9 @@ def _nce_step(ctx, words, classes, keep, drop, keep_prob, act, log_k, L, has_fc,
             a = acc[d] + g * g
             acc[d] = a
             cj[d] -= lr * g / (math.sqrt(max(a, g * g)) + eps)
-    _adagrad_elems(bw, abw, w_where, w_rows, w_bias, nw, lr, eps)
+    _adagrad_elems(bw, abw, w_rows, w_bias, nw, lr, eps)
     _adagrad_rows(R, aR, w_where, w_rows, w_grad, nw, lr, eps)
-    _adagrad_elems(bc, abc, c_where, c_rows, c_bias, nc, lr, eps)
+    _adagrad_elems(bc, abc, c_rows, c_bias, nc, lr, eps)
     _adagrad_rows(S, aS, c_where, c_rows, c_grad, nc, lr, eps)
     if has_fc:
         _adagrad_slots(Fc, aFc, fc_grad, fc_rows, nfc, lr, eps)
