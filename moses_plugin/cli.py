@@ -1,4 +1,4 @@
-"""``nlmserve rescore | tune | rerank | search-errors | bleu | experiment``: parse and dispatch.
+"""``nlmserve rescore | tune | rerank | search-errors | bleu | experiment | moses-ini``: parse and dispatch.
 
 Heavy work lives in the modules; each handler imports what it needs when it runs.
 """
@@ -24,6 +24,7 @@ def register(subparsers: Any) -> None:
     _register_search_errors(subparsers)
     _register_bleu(subparsers)
     _register_experiment(subparsers)
+    _register_moses_ini(subparsers)
 
 
 def _register_rescore(subparsers: Any) -> None:
@@ -125,6 +126,72 @@ def _register_experiment(subparsers: Any) -> None:
     p = subparsers.add_parser("experiment", help="train, rescore, tune with and without NLM0, report BLEU")
     add_arguments(p)
     p.set_defaults(func=_experiment)
+
+
+def _register_moses_ini(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "moses-ini", help="the NeuralLMServer feature line and starting weight that fit a model, for moses.ini")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", metavar="FILE", help="a model file of nlmserve train (read here, no server)")
+    source.add_argument("--server", help="a running server: " + SERVER_HELP)
+    p.add_argument("--path", default=None,
+                   help="with --model: the path= the decoder will use, where the model is served "
+                        "(default 127.0.0.1:50051, nlmserve serve's default port)")
+    p.add_argument("--name", default="NLM0", help="the feature's name (no '_'; default NLM0)")
+    p.add_argument("--ini", metavar="FILE",
+                   help="the system's moses.ini: the starting weight is a share of the L1 norm of its tuneable "
+                        "weights (default: of weights of L1 norm 1, as mert-moses.pl writes them)")
+    p.add_argument("--timeout", type=float, default=30.0, help="per-request timeout in seconds (default 30)")
+    add_security_flags(p)
+    p.set_defaults(func=_moses_ini)
+
+
+def _moses_ini(args: argparse.Namespace) -> int:
+    from nlmserve.moses_plugin import moses_ini
+    from nlmserve.moses_plugin.nbest import check_feature_name
+
+    try:
+        check_feature_name(args.name)
+    except ValueError as e:
+        raise InputError(f"--name: {e}") from e
+    extra = _feature_security(args)
+    if args.model:
+        if extra:
+            raise InputError("--tls* and --token-file go with --server (the feature's own options are set for it)")
+        facts = moses_ini.facts_of_file(args.model)
+        path = args.path or moses_ini.DEFAULT_PATH
+    else:
+        if args.path:
+            raise InputError("--path goes with --model: with --server the path is the server's address")
+        from nlmserve.client.cli import security_kwargs
+
+        facts = moses_ini.facts_of_server(args.server, args.timeout, security_kwargs(args))
+        path = args.server
+    share = f"{moses_ini.START_SHARE:g} of the L1 norm of"
+    if args.ini:
+        try:
+            with open(args.ini, encoding="utf-8") as handle:
+                text = handle.read()
+        except OSError as e:
+            raise InputError(f"cannot read: {e.strerror}", args.ini) from e
+        norm = moses_ini.tuneable_l1_norm(text, args.ini)
+        reason = f"starting weight: {share} the tuneable weights of {args.ini} ({norm:.6g})"
+    else:
+        norm = 1.0
+        reason = f"starting weight: {share} the other weights (1 as mert-moses.pl writes them)"
+    print(moses_ini.render(facts, path, moses_ini.start_weight(norm), reason, args.name, extra), end="")
+    return 0
+
+
+def _feature_security(args: argparse.Namespace) -> dict[str, str]:
+    """The feature's TLS and token options for the client flags given (the feature speaks TLS
+    only with a CA file)."""
+    if args.tls and not args.tls_ca:
+        raise InputError("the NeuralLMServer feature's TLS needs the CA file: give --tls-ca")
+    names = {"tls_ca": "tls-ca", "tls_cert": "tls-cert", "tls_key": "tls-key",
+             "tls_server_name": "tls-server-name", "token_file": "token-file"}
+    return {option: os.path.abspath(getattr(args, field)) if field != "tls_server_name" else getattr(args, field)
+            for field, option in names.items() if getattr(args, field)}
 
 
 def _rescore(args: argparse.Namespace) -> int:

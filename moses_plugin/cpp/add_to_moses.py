@@ -383,8 +383,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"add_to_moses.py: error: cannot write {moses / c.rel}: {err.strerror}; the files "
                   "listed before it are written, run again once it is writable", file=sys.stderr)
             return 2
-    print(f"{moses}: {len(changes)} file(s) changed. Build with: ./bjam -j2 --with-nlmserve=PREFIX "
-          "(PREFIX: where 'cmake --install build/cpp --prefix PREFIX' put nlmserve's client library)")
+    print(f"{moses}: {len(changes)} file(s) changed. Build with: ./bjam -j2 -q --without-tcmalloc --no-xmlrpc-c "
+          "--with-nlmserve=PREFIX moses-cmd//moses (PREFIX: where 'cmake --install build/cpp --prefix PREFIX' put "
+          "nlmserve's client library)")
     return 0
 
 
