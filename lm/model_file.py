@@ -42,6 +42,7 @@ import torch
 
 from nlmserve.errors import ModelFileError
 from nlmserve.lm.model import ModelConfig, NeuralLM
+from nlmserve.lm.objectives import SELF_NORMALIZING
 from nlmserve.lm.outputs import TreeOutput
 from nlmserve.lm.vocab import Vocabulary
 
@@ -101,6 +102,13 @@ class ModelFile:
     tensors: dict[str, np.ndarray]
     sha256: str
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def self_normalized(self) -> bool:
+        """Unnormalised scores approximate log-probabilities: NCE with fixed normalisers,
+        the self-normalising objectives (weaknorm, weaknormsq), and the tree output (whose
+        score is the log-probability itself)."""
+        return self.objective in SELF_NORMALIZING or self.config.output == "tree"
 
     def build_model(self) -> NeuralLM:
         """The network with the stored weights (float32, on the CPU)."""
@@ -201,46 +209,7 @@ def read_model_file(path: str | os.PathLike[str]) -> ModelFile:
             blob = f.read()
     except OSError as exc:
         raise ModelFileError(f"{name}: cannot read model file: {exc.strerror or exc}") from exc
-    if len(blob) < _PREFIX.size:
-        if MAGIC.startswith(blob[:8]) and blob:
-            raise ModelFileError(f"{name}: truncated model file ({len(blob)} bytes)")
-        raise ModelFileError(f"{name}: not an nlmserve model file (too short, no magic bytes)")
-    magic, version, header_len = _PREFIX.unpack_from(blob)
-    if magic != MAGIC:
-        raise ModelFileError(f"{name}: not an nlmserve model file (magic bytes {magic!r}, expected {MAGIC!r})")
-    header_end = _PREFIX.size + header_len
-    if version > FORMAT_VERSION and (header_end > len(blob) or blob[_PREFIX.size : _PREFIX.size + 1] != b"{"):
-        # A newer file still opens with magic, version, header length and a JSON header;
-        # without them the bytes after the magic are something else (a pickle, say).
-        raise ModelFileError(
-            f"{name}: corrupt or not an nlmserve model file: the magic bytes are followed by no model "
-            f"header (version field {version}, header length {header_len}, file {len(blob)} bytes)"
-        )
-    if version > FORMAT_VERSION:
-        raise ModelFileError(
-            f"{name}: model file format version {version} is newer than this nlmserve reads "
-            f"(up to {FORMAT_VERSION}); upgrade nlmserve"
-        )
-    if version < 1:
-        raise ModelFileError(f"{name}: invalid model file format version {version}")
-    if header_end > len(blob):
-        raise ModelFileError(f"{name}: truncated model file (header needs {header_end} bytes, file has {len(blob)})")
-    try:
-        header = json.loads(blob[_PREFIX.size : header_end].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelFileError(f"{name}: corrupt model file header: {exc}") from exc
-    if not isinstance(header, dict) or header.get("format") != "nlmserve-model":
-        raise ModelFileError(f"{name}: corrupt model file header (no 'format': 'nlmserve-model')")
-    try:
-        expected = str(header.pop("sha256"))
-        data_size = int(header["data_size"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ModelFileError(f"{name}: corrupt model file header (missing {exc})") from exc
-    data_start = _align(header_end)
-    if data_start + data_size > len(blob):
-        raise ModelFileError(
-            f"{name}: truncated model file (needs {data_start + data_size} bytes, file has {len(blob)})"
-        )
+    version, header, expected, data_start, data_size = _parse_header(name, blob, len(blob))
     data = memoryview(blob)[data_start : data_start + data_size]
     digest = hashlib.sha256(_canonical(header))
     digest.update(data)
@@ -257,7 +226,77 @@ def read_model_file(path: str | os.PathLike[str]) -> ModelFile:
         raise ModelFileError(f"{name}: invalid model file contents: {exc}") from exc
 
 
-def _decode(name: str, header: dict[str, Any], data: memoryview, digest: str, version: int) -> ModelFile:
+def read_model_header(path: str | os.PathLike[str]) -> ModelFile:
+    """A model file's header, decoded and checked as :func:`read_model_file` does, without
+    reading its data: ``tensors`` is empty and ``sha256`` is the digest the header records
+    (``read_model_file`` checks it against the content). For describing a model
+    (``nlmserve info``) in the time its header takes to read. ModelFileError as
+    ``read_model_file``, a file shorter than its header declares included."""
+    name = str(path)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            blob = f.read(_PREFIX.size)
+            if len(blob) == _PREFIX.size and blob[:8] == MAGIC:
+                blob += f.read(_PREFIX.unpack(blob)[2])
+    except OSError as exc:
+        raise ModelFileError(f"{name}: cannot read model file: {exc.strerror or exc}") from exc
+    version, header, expected, _, _ = _parse_header(name, blob, size)
+    try:
+        return _decode(name, header, None, expected, version)
+    except ModelFileError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelFileError(f"{name}: invalid model file contents: {exc}") from exc
+
+
+def _parse_header(name: str, blob: bytes, size: int) -> tuple[int, dict[str, Any], str, int, int]:
+    """Check the prefix and header of a model file of ``size`` bytes whose first bytes
+    (at least the prefix and the header, when the file holds them) are ``blob`` → (format
+    version, header without ``sha256``, the ``sha256`` it records, data offset, data size)."""
+    if len(blob) < _PREFIX.size:
+        if MAGIC.startswith(blob[:8]) and blob:
+            raise ModelFileError(f"{name}: truncated model file ({len(blob)} bytes)")
+        raise ModelFileError(f"{name}: not an nlmserve model file (too short, no magic bytes)")
+    magic, version, header_len = _PREFIX.unpack_from(blob)
+    if magic != MAGIC:
+        raise ModelFileError(f"{name}: not an nlmserve model file (magic bytes {magic!r}, expected {MAGIC!r})")
+    header_end = _PREFIX.size + header_len
+    if version > FORMAT_VERSION and (header_end > len(blob) or blob[_PREFIX.size : _PREFIX.size + 1] != b"{"):
+        # A newer file still opens with magic, version, header length and a JSON header;
+        # without them the bytes after the magic are something else (a pickle, say).
+        raise ModelFileError(
+            f"{name}: corrupt or not an nlmserve model file: the magic bytes are followed by no model "
+            f"header (version field {version}, header length {header_len}, file {size} bytes)"
+        )
+    if version > FORMAT_VERSION:
+        raise ModelFileError(
+            f"{name}: model file format version {version} is newer than this nlmserve reads "
+            f"(up to {FORMAT_VERSION}); upgrade nlmserve"
+        )
+    if version < 1:
+        raise ModelFileError(f"{name}: invalid model file format version {version}")
+    if header_end > len(blob):
+        raise ModelFileError(f"{name}: truncated model file (header needs {header_end} bytes, file has {size})")
+    try:
+        header = json.loads(blob[_PREFIX.size : header_end].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelFileError(f"{name}: corrupt model file header: {exc}") from exc
+    if not isinstance(header, dict) or header.get("format") != "nlmserve-model":
+        raise ModelFileError(f"{name}: corrupt model file header (no 'format': 'nlmserve-model')")
+    try:
+        expected = str(header.pop("sha256"))
+        data_size = int(header["data_size"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelFileError(f"{name}: corrupt model file header (missing {exc})") from exc
+    data_start = _align(header_end)
+    if data_start + data_size > size:
+        raise ModelFileError(f"{name}: truncated model file (needs {data_start + data_size} bytes, file has {size})")
+    return version, header, expected, data_start, data_size
+
+
+def _decode(name: str, header: dict[str, Any], data: memoryview | None, digest: str, version: int) -> ModelFile:
+    """The header (and ``data``, the tensors' bytes; None: no tensors) as a ModelFile."""
     config = ModelConfig.from_json(header["config"])
     vocab = Vocabulary(header["vocabulary"])
     if len(vocab) != config.vocab_size:
@@ -271,8 +310,24 @@ def _decode(name: str, header: dict[str, Any], data: memoryview, digest: str, ve
             raise ModelFileError(f"{name}: word classes do not match the model config")
     elif config.output == "class":
         raise ModelFileError(f"{name}: a class-output model file without word classes")
+    return ModelFile(
+        path=name,
+        format_version=version,
+        config=config,
+        vocab=vocab,
+        classes=classes,
+        objective=str(header.get("objective", "")),
+        lowercase=bool(header.get("lowercase", False)),
+        training=dict(header.get("training") or {}),
+        tensors=_tensors(name, header["tensors"], data) if data is not None else {},
+        sha256=digest,
+    )
+
+
+def _tensors(name: str, index: dict[str, Any], data: memoryview) -> dict[str, np.ndarray]:
+    """The header's tensor index → arrays viewing ``data`` (no copy)."""
     tensors: dict[str, np.ndarray] = {}
-    for tname, info in header["tensors"].items():
+    for tname, info in index.items():
         dtype = _DTYPES.get(info["dtype"])
         if dtype is None:
             raise ModelFileError(f"{name}: tensor {tname} has unsupported dtype {info['dtype']!r}")
@@ -283,15 +338,4 @@ def _decode(name: str, header: dict[str, Any], data: memoryview, digest: str, ve
             raise ModelFileError(f"{name}: tensor {tname} lies outside the data section or has a bad size")
         arr = np.frombuffer(data, dtype=np.dtype(dtype).newbyteorder("<"), count=count, offset=start)
         tensors[tname] = arr.reshape(shape)
-    return ModelFile(
-        path=name,
-        format_version=version,
-        config=config,
-        vocab=vocab,
-        classes=classes,
-        objective=str(header.get("objective", "")),
-        lowercase=bool(header.get("lowercase", False)),
-        training=dict(header.get("training") or {}),
-        tensors=tensors,
-        sha256=digest,
-    )
+    return tensors

@@ -30,7 +30,6 @@ from nlmserve.lm.model import ModelConfig, NeuralLM
 from nlmserve.lm.model_file import FORMAT_VERSION, ModelFile, read_model_file
 from nlmserve.lm.ngrams import (BOS_ID, EOS_ID, UNK_ID, canonical_rows, check_sentences, no_word_id, sentence_windows,
                                 word_ids)
-from nlmserve.lm.objectives import SELF_NORMALIZING
 from nlmserve.lm.outputs import NO_HASH, NO_SCORES, ClassOutput, TreeOutput, context_hashes, ngram_feature_index
 from nlmserve.lm.trees import TreePaths
 from nlmserve.lm.vocab import Vocabulary
@@ -119,10 +118,8 @@ class LanguageModel:
 
     @property
     def self_normalized(self) -> bool:
-        """Unnormalised scores approximate log-probabilities: NCE with fixed normalisers,
-        the self-normalising objectives (weaknorm, weaknormsq), and the tree output (whose
-        score is the log-probability itself)."""
-        return self.objective in SELF_NORMALIZING or self.config.output == "tree"
+        """Unnormalised scores approximate log-probabilities (``ModelFile.self_normalized``)."""
+        return self.model_file.self_normalized
 
     @property
     def num_classes(self) -> int:
