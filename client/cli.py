@@ -5,33 +5,29 @@
 ``a:1,b:2`` or ``dns:///name:port`` (round_robin, health-checked); ``reload`` takes a
 comma-separated list and reloads the replicas one after the other.
 
-Plain output, one line per sentence, then a summary (KenLM's layout)::
+``score`` writes KenLM query's layout (``nlmserve.kenlm_query``, which ``nlmserve query``
+writes too from a model file in its own process)::
 
     word=id ngram_length log10prob<TAB>...</s>=2 n log10prob<TAB>Total: T OOV: k
     Perplexity including OOVs:<TAB>P
     Perplexity excluding OOVs:<TAB>P
     OOVs:<TAB>k
     Tokens:<TAB>n
-
-``--json``: one object per sentence (``tokens`` with word, id, ngram_length, log10 prob,
-oov; ``total``; ``oov``), then one ``{"summary": {...}}`` object.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, TextIO
+from typing import TYPE_CHECKING, Any
 
 from nlmserve.errors import InputError
+from nlmserve.kenlm_query import write_scores
 
 if TYPE_CHECKING:
+    from nlmserve.client.core import SentenceScore
     from nlmserve.client.sync import LMClient
 
-BATCH_LINES = 1000
 SERVER_HELP = ("HOST:PORT of `nlmserve serve`, or replicas of one model: HOST:PORT,HOST:PORT,... "
                "or dns:///NAME:PORT (balanced round_robin, unhealthy replicas skipped)")
 
@@ -44,6 +40,8 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     p.add_argument("--lowercase", action="store_true", help="lowercase the input first")
     p.add_argument("--no-bos", action="store_true", help="do not condition the first word on <s>")
     p.add_argument("--no-eos", action="store_true", help="do not score </s>")
+    p.add_argument("--unnormalized", action="store_true",
+                   help="the raw scores of a self-normalised model (NCE) instead of log-probabilities")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per request (default 60)")
     add_security_flags(p)
     p.set_defaults(func=run_score)
@@ -95,63 +93,12 @@ def run_reload(args: argparse.Namespace) -> int:
     return 0
 
 
-@dataclass
-class Totals:
-    log10: float = 0.0
-    oov_log10: float = 0.0
-    tokens: int = 0
-    oovs: int = 0
-
-    def summary(self) -> dict[str, float | int]:
-        ppl = math.pow(10.0, -self.log10 / self.tokens) if self.tokens else float("nan")
-        known = self.tokens - self.oovs
-        ppl_excl = math.pow(10.0, -(self.log10 - self.oov_log10) / known) if known else float("nan")
-        return {"perplexity": ppl, "perplexity_excl_oov": ppl_excl, "oovs": self.oovs, "tokens": self.tokens}
-
-
-def _batches(stream: TextIO, lowercase: bool) -> Iterator[list[str]]:
-    batch: list[str] = []
-    for line in stream:
-        text = line.strip()
-        batch.append(text.lower() if lowercase else text)
-        if len(batch) >= BATCH_LINES:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
 def run_score(args: argparse.Namespace) -> int:
-    totals = Totals()
-    out = sys.stdout
     with connect(args.server, args, args.timeout) as client:
-        vocab = client.vocabulary()
-        lower = client.info.lowercase
-        eos = not args.no_eos
-        for batch in _batches(sys.stdin, args.lowercase):
-            scores = client.score_sentences(batch, bos=not args.no_bos, eos=eos, log_base="log10")
-            for text, s in zip(batch, scores):
-                words = text.split() + (["</s>"] if eos else [])
-                lp, lens, oov = s.token_log_probs.tolist(), s.ngram_lengths.tolist(), s.oov.tolist()
-                ids = [vocab.get(w.lower() if lower else w, 0) for w in words]
-                n_oov = sum(oov)
-                totals.log10 += s.total
-                totals.oov_log10 += sum(p for p, o in zip(lp, oov) if o)
-                totals.tokens += len(words)
-                totals.oovs += n_oov
-                if args.json:
-                    tokens = [{"word": w, "id": i, "ngram_length": n, "log_prob": p, "oov": o}
-                              for w, i, n, p, o in zip(words, ids, lens, lp, oov)]
-                    out.write(json.dumps({"tokens": tokens, "total": s.total, "oov": n_oov}) + "\n")
-                else:
-                    cells = [f"{w}={i} {n} {p:.6g}" for w, i, n, p in zip(words, ids, lens, lp)]
-                    out.write("\t".join(cells + [f"Total: {s.total:.6g} OOV: {n_oov}"]) + "\n")
-    summary = totals.summary()
-    if args.json:
-        out.write(json.dumps({"summary": summary}) + "\n")
-    else:
-        out.write(f"Perplexity including OOVs:\t{summary['perplexity']:.6g}\n")
-        out.write(f"Perplexity excluding OOVs:\t{summary['perplexity_excl_oov']:.6g}\n")
-        out.write(f"OOVs:\t{summary['oovs']}\n")
-        out.write(f"Tokens:\t{summary['tokens']}\n")
+        def score(batch: list[str]) -> "list[SentenceScore]":
+            return client.score_sentences(batch, bos=not args.no_bos, eos=not args.no_eos, log_base="log10",
+                                          normalized=not args.unnormalized)
+
+        write_scores(sys.stdin.buffer, sys.stdout, score, client.vocabulary(), model_lowercase=client.info.lowercase,
+                     lowercase=args.lowercase, eos=not args.no_eos, as_json=args.json)
     return 0
