@@ -13,11 +13,25 @@ all: install
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-# torch first, pinned to the CPU build on this machine's disk; a bare `torch` pulls CUDA.
+# torch first, which build is the choice of TORCH (a bare `pip install torch` on Linux pulls
+# PyPI's CUDA build, several GB):
+#   make               TORCH=cpu: the CPU wheel, from PyTorch's CPU index
+#   make TORCH=cuda    PyPI's wheel, the CUDA build on Linux x86_64: for a machine with a GPU
+#   make TORCH=pypi    the wheel of the index pip is configured with, as it is (a mirror or a
+#                      wheel folder that already holds the build wanted; what .ci/run uses)
+# Made once per .venv: to change it later, `rm .venv/.deps-stamp` and run make again.
 # The package build generates nlmserve.proto (gen/proto) from proto/ (setup.py).
+TORCH ?= cpu
+TORCH_VERSION := 2.13.0
+TORCH_FROM_cpu  := --index-url https://download.pytorch.org/whl/cpu
+TORCH_FROM_cuda :=
+TORCH_FROM_pypi :=
+ifeq ($(filter $(TORCH),cpu cuda pypi),)
+$(error TORCH must be cpu, cuda or pypi, not '$(TORCH)')
+endif
 $(DEPS): pyproject.toml setup.py | $(PY)
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
-	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q torch==$(TORCH_VERSION) $(TORCH_FROM_$(TORCH))
 	$(BIN)/pip install -q -e '.[dev]' --config-settings editable_mode=strict
 	touch $(DEPS)
 
