@@ -1,5 +1,5 @@
-"""Every relative link in the README, docs/ and moses_plugin/README.md points at a file or
-folder of the checkout, and every #anchor into a Markdown file at one of its headings (as
+"""Every relative link in the README, docs/, moses_plugin/README.md and data/SOURCES.md points
+at a file or folder of the checkout, and every page of docs/ their text names exists, and every #anchor into a Markdown file at one of its headings (as
 GitHub makes them). Likewise every page of docs/ that a Python file names (in a docstring or
 a comment), with its #anchor or the quoted section after it (a comma or an opening bracket,
 then "Heading": matched against the start of a heading)."""
@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-PAGES = sorted([REPO / "README.md", REPO / "moses_plugin" / "README.md", *(REPO / "docs").rglob("*.md")])
+PAGES = sorted([REPO / "README.md", REPO / "moses_plugin" / "README.md", REPO / "data" / "SOURCES.md",
+                *(REPO / "docs").rglob("*.md")])
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 FENCE = re.compile(r"^(```|~~~)")
 ROOMS = ("common", "lm", "server", "client", "moses_plugin", "bench", "tests")
@@ -104,3 +105,11 @@ def test_docs_mentioned_in_python_exist(source: Path) -> None:
         elif section and not any(h.startswith(section.lower()) for h in headings(dest)):
             broken.append(f'docs/{name}, "{section}": no heading starts so')
     assert not broken, f"{source.relative_to(REPO)}: " + "; ".join(broken)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_docs_named_in_pages_exist(page: Path) -> None:
+    named = {m.group(1) for m in DOC_MENTION.finditer(page.read_text()) if m.start() == 0
+             or page.read_text()[m.start() - 1] not in "./"}
+    missing = sorted(name for name in named if not (REPO / "docs" / name).exists())
+    assert not missing, f"{page.relative_to(REPO)} names docs/{missing[0]}, which does not exist"
