@@ -9,6 +9,7 @@ import signal
 import sys
 from typing import Any
 
+from nlmserve.flags import deprecated_spelling
 from nlmserve.lm.recipe import RECIPE_FLAGS
 
 log = logging.getLogger(__name__)
@@ -121,10 +122,13 @@ def register(subparsers: Any) -> None:
     e.add_argument("--lowercase", action="store_true", help="lowercase the text (also done when the model was trained so)")
     e.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda if available)")
     e.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    e.add_argument("--kn", help="a Kneser-Ney model (ARPA or KenLM binary) to interpolate with")
+    deprecated_spelling(e, "--kn", e.add_argument(
+        "--kenlm", metavar="FILE", help="a Kneser-Ney model (ARPA or KenLM binary) to interpolate with"))
     w = e.add_mutually_exclusive_group()
-    w.add_argument("--kn-weight", type=float, help="weight λ of the neural model in the mix")
-    w.add_argument("--tune-kn-weight", metavar="DEV", help="tune λ on this text (maximum likelihood)")
+    deprecated_spelling(w, "--kn-weight", w.add_argument(
+        "--mix-weight", type=float, metavar="λ", help="weight λ of the neural model in the mix with --kenlm"))
+    deprecated_spelling(w, "--tune-kn-weight", w.add_argument(
+        "--tune-mix-weight", metavar="DEV", help="tune λ on this text (maximum likelihood)"))
     e.set_defaults(func=_eval)
 
     n = subparsers.add_parser(
@@ -283,13 +287,13 @@ def _eval(args: argparse.Namespace) -> int:
     result = evaluate(lm, args.text, lowercase=args.lowercase)
     out = result.to_json()
     mix = None
-    if args.kn:
+    if args.kenlm:
         from nlmserve.lm.interpolate import format_interpolation, interpolate
 
-        if args.kn_weight is None and args.tune_kn_weight is None:
-            print("nlmserve eval: error: --kn needs --kn-weight or --tune-kn-weight", file=sys.stderr)
+        if args.mix_weight is None and args.tune_mix_weight is None:
+            print("nlmserve eval: error: --kenlm needs --mix-weight or --tune-mix-weight", file=sys.stderr)
             return 2
-        mix = interpolate(lm, args.kn, args.text, weight=args.kn_weight, tune_text=args.tune_kn_weight,
+        mix = interpolate(lm, args.kenlm, args.text, weight=args.mix_weight, tune_text=args.tune_mix_weight,
                           lowercase=args.lowercase)
         out["interpolation"] = mix.to_json()
     if args.json:

@@ -1,5 +1,5 @@
 """Interpolation with Kneser-Ney: a tiny ARPA file whose probabilities are worked out by
-hand (back-off included), the mix, the tuned weight, and ``nlmserve eval --kn``."""
+hand (back-off included), the mix, the tuned weight, and ``nlmserve eval --kenlm``."""
 
 from __future__ import annotations
 
@@ -85,9 +85,17 @@ def test_bad_kn_file_is_an_input_error(tmp_path: Path, text: Path, tiny_lm: Any)
 def test_eval_cli_with_kn(arpa: Path, text: Path, tiny_model_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from nlmserve.cli import main
 
-    assert main(["eval", "--model", str(tiny_model_path), "--text", str(text), "--kn", str(arpa),
-                 "--kn-weight", "0.4", "--json", "--device", "cpu"]) == 0
+    assert main(["eval", "--model", str(tiny_model_path), "--text", str(text), "--kenlm", str(arpa),
+                 "--mix-weight", "0.4", "--json", "--device", "cpu"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["interpolation"]["weight"] == 0.4 and out["interpolation"]["tokens"] == 7
-    assert main(["eval", "--model", str(tiny_model_path), "--text", str(text), "--kn", str(arpa),
+    assert main(["eval", "--model", str(tiny_model_path), "--text", str(text), "--kenlm", str(arpa),
                  "--device", "cpu"]) == 2
+    assert "--kenlm needs --mix-weight or --tune-mix-weight" in capsys.readouterr().err
+    # The old spellings still work, each with one line on stderr.
+    assert main(["eval", "--model", str(tiny_model_path), "--text", str(text), "--kn", str(arpa),
+                 "--kn-weight", "0.4", "--json", "--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == out
+    assert captured.err.splitlines() == ["nlmserve eval: warning: --kn is deprecated; use --kenlm",
+                                         "nlmserve eval: warning: --kn-weight is deprecated; use --mix-weight"]
