@@ -1,4 +1,4 @@
-"""``nlmserve train``, ``eval`` and ``normalize`` (torch is imported inside the handlers)."""
+"""``nlmserve train``, ``eval``, ``query``, ``info`` and ``normalize`` (torch is imported inside the handlers)."""
 
 from __future__ import annotations
 
@@ -130,6 +130,38 @@ def register(subparsers: Any) -> None:
     deprecated_spelling(w, "--tune-kn-weight", w.add_argument(
         "--tune-mix-weight", metavar="DEV", help="tune λ on this text (maximum likelihood)"))
     e.set_defaults(func=_eval)
+
+    q = subparsers.add_parser(
+        "query", formatter_class=DefaultsFormatter,
+        help="score sentences from stdin with a model file, no server (KenLM's query)",
+        description="Score whitespace-tokenised sentences (one per line) from stdin in this process and print "
+                    "what `nlmserve score` prints through a server: word=id n log10 per token (n: the n-gram "
+                    "length used; id 0: an unknown word, scored as <unk>), each sentence's total and OOVs, then "
+                    "perplexity with and without OOVs, OOVs and tokens.",
+    )
+    q.add_argument("--model", required=True, metavar="FILE", help="model file written by `nlmserve train`")
+    q.add_argument("--json", action="store_true", help="one JSON object per sentence, then a summary")
+    q.add_argument("--lowercase", action="store_true", help="lowercase the input first")
+    q.add_argument("--no-bos", action="store_true", help="do not condition the first word on <s>")
+    q.add_argument("--no-eos", action="store_true", help="do not score </s>")
+    q.add_argument("--unnormalized", action="store_true",
+                   help="the raw scores of a self-normalised model (NCE) instead of log-probabilities")
+    q.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda if available)")
+    q.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    q.set_defaults(func=_query)
+
+    i = subparsers.add_parser(
+        "info", help="what a model file is: order, vocabulary, classes, output, objective, recipe, hash",
+        description="Describe a model file from its header (no weights are loaded): order, vocabulary size, "
+                    "classes, output layer, objective, whether it self-normalises, the recipe and flags it "
+                    "was trained with, tokens seen, validation perplexity, its hash (the one a server of "
+                    "it reports).",
+    )
+    i.add_argument("model", metavar="MODEL", help="model file written by `nlmserve train`")
+    i.add_argument("--json", action="store_true", help="one JSON object (with the header's config and training record)")
+    i.add_argument("--verify", action="store_true",
+                   help="also read the whole file and check its content against the hash")
+    i.set_defaults(func=_info)
 
     n = subparsers.add_parser(
         "normalize", formatter_class=DefaultsFormatter,
@@ -302,4 +334,33 @@ def _eval(args: argparse.Namespace) -> int:
         print(format_report(result))
         if mix is not None:
             print("\n" + format_interpolation(mix))
+    return 0
+
+
+def _query(args: argparse.Namespace) -> int:
+    import torch
+
+    from nlmserve.kenlm_query import write_scores
+    from nlmserve.lm.scoring import LanguageModel, SentenceScores
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lm = LanguageModel.load(args.model, device=args.device)
+    eos = not args.no_eos
+
+    def score(batch: list[str]) -> list[SentenceScores]:
+        return lm.score_sentences([line.split() for line in batch], bos=not args.no_bos, eos=eos,
+                                  normalized=not args.unnormalized, log10=True)
+
+    write_scores(sys.stdin.buffer, sys.stdout, score, lm.vocab.index, model_lowercase=lm.lowercase,
+                 lowercase=args.lowercase, eos=eos, as_json=args.json)
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    from nlmserve.lm.info import describe, format_info
+    from nlmserve.lm.model_file import read_model_file, read_model_header
+
+    info = describe(read_model_file(args.model) if args.verify else read_model_header(args.model))
+    print(json.dumps(info, sort_keys=True) if args.json else format_info(info))
     return 0
