@@ -1,7 +1,7 @@
 """``nlmserve.kenlm_file``: a Kneser-Ney model (ARPA or KenLM binary), read with ``kenlm``.
 
 ``kenlm`` (PyPI) is not a runtime dependency; it is in the ``bench`` and ``dev`` extras.
-Everything that reads such a file (``nlmserve eval --kn``, ``nlmserve rescore --kenlm``,
+Everything that reads such a file (``nlmserve eval --kenlm``, ``nlmserve rescore --kenlm``,
 the benchmarks) goes through :func:`load_kenlm`, so the errors are the same everywhere.
 """
 

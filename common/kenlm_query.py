@@ -24,11 +24,12 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, Iterator, Mapping, Protocol, Sequence, TextIO
-
-import numpy as np
+from typing import TYPE_CHECKING, BinaryIO, Callable, Iterator, Mapping, Protocol, Sequence, TextIO
 
 from nlmserve.errors import InputError, InvalidRequestError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 #: Lines scored in one call of the scoring function.
 BATCH_LINES = 1000
