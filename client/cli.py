@@ -1,5 +1,5 @@
 """``nlmserve score --server HOST:PORT [--json] < text``: per-sentence scores, like KenLM's ``query``;
-``nlmserve reload --server HOST:PORT [--path FILE]``: make the server load a model file.
+``nlmserve reload --server HOST:PORT [--model FILE]``: make the server load a model file.
 
 ``--server`` of ``score`` (and of ``rescore``/``experiment``) also takes replicas of one model:
 ``a:1,b:2`` or ``dns:///name:port`` (round_robin, health-checked); ``reload`` takes a
@@ -22,6 +22,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from nlmserve.errors import InputError
+from nlmserve.flags import deprecated_spelling
 from nlmserve.kenlm_query import write_scores
 
 if TYPE_CHECKING:
@@ -51,7 +52,8 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
                                           "failing a request; prints the new model hash.")
     r.add_argument("--server", required=True,
                    help="HOST:PORT of `nlmserve serve`; HOST:PORT,HOST:PORT reloads replicas one by one")
-    r.add_argument("--path", default="", help="model file on the server (default: its --model)")
+    deprecated_spelling(r, "--path", r.add_argument(
+        "--model", metavar="FILE", default="", help="model file on the server (default: its serve --model)"))
     r.add_argument("--timeout", type=float, default=300.0, help="seconds to wait (default 300)")
     add_security_flags(r)
     r.set_defaults(func=run_reload)
@@ -87,7 +89,7 @@ def run_reload(args: argparse.Namespace) -> int:
         raise InputError("reload replicas through their own HOST:PORT addresses, not a DNS name")
     for address in replicas:
         with connect(address, args, args.timeout) as client:
-            info = client.reload_model(args.path)
+            info = client.reload_model(args.model)
         sys.stdout.write(f"serving {info.model_hash}" + (f" on {address}\n" if len(replicas) > 1 else "\n"))
         sys.stdout.flush()
     return 0

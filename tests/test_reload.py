@@ -216,16 +216,18 @@ def test_reload_cli(tiny_lm: Any, tiny_model_path: Path, other_model_path: Path,
     tokens.write_text("cli-admin-token\n", encoding="utf-8")
     config = ServerConfig(model=str(tiny_model_path), port=0, token_file=str(tokens))
     running = create_server(config, engine=Engine(tiny_lm, config))
-    cmd = NLMSERVE + ["reload", "--server", running.target, "--path", str(other_model_path)]
+    cmd = NLMSERVE + ["reload", "--server", running.target, "--model", str(other_model_path)]
+    old = NLMSERVE + ["reload", "--server", running.target, "--path", str(other_model_path)]  # the old spelling
     try:
-        denied = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        denied = subprocess.run(old, capture_output=True, text=True, timeout=60)
         ok = subprocess.run(cmd + ["--token-file", str(tokens)], capture_output=True, text=True, timeout=60)
         with LMClient(running.target, token="cli-admin-token") as client:
             served = client.info.model_hash
     finally:
         running.stop(0.5)
     assert denied.returncode == 1 and "UNAUTHENTICATED" in denied.stderr
-    assert ok.returncode == 0, ok.stderr
+    assert denied.stderr.startswith("nlmserve reload: warning: --path is deprecated; use --model\n")
+    assert ok.returncode == 0 and "deprecated" not in ok.stderr, ok.stderr
     assert ok.stdout.split() == ["serving", served]
     assert served != tiny_lm.model_hash
 
