@@ -13,6 +13,7 @@ from typing import Any
 
 from nlmserve.client.cli import SERVER_HELP, add_security_flags
 from nlmserve.errors import InputError
+from nlmserve.flags import deprecated_spelling
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +61,10 @@ def _register_tune(subparsers: Any) -> None:
     p.add_argument("--ref", nargs="+", required=True, help="reference files (one per reference set)")
     p.add_argument("--out", required=True, help="weights path: writes OUT.ini ([weight] section) and OUT.txt (weights.txt)")
     p.add_argument("--init", help="initial weights: moses.ini or weights.txt (default: the decoder's, fitted to the totals)")
-    p.add_argument("--algorithm", choices=("mert", "mira"), default="mert",
-                   help="mert: Och's exact line search; mira: batch k-best MIRA as Moses' kbmira "
-                        "(mert-moses.pl --batch-mira) (default mert)")
+    tuner = p.add_argument("--tuner", choices=("mert", "mira"), default="mert",
+                           help="mert: Och's exact line search; mira: batch k-best MIRA as Moses' kbmira "
+                                "(mert-moses.pl --batch-mira) (default mert)")
+    deprecated_spelling(p, "--algorithm", tuner)
     p.add_argument("--restarts", type=int, default=5, help="MERT: random restarts (default 5)")
     p.add_argument("--random-directions", type=int, default=3, help="MERT: random directions per sweep (default 3)")
     p.add_argument("--iterations", type=int, default=60, help="MIRA: epochs over the sentences (kbmira --iters, default 60)")
@@ -253,7 +255,7 @@ def _tune(args: argparse.Namespace) -> int:
         init, residual = mert.weights_from_totals(args.nbest, data.layout, skip_bad=args.skip_bad)
         log.info("initial weights fitted to the totals (largest residual %.3g)", residual)
     ranges = mert.fix_features(mert.parse_ranges(args.ranges, data.layout), args.fix, data.layout)
-    if args.algorithm == "mira":
+    if args.tuner == "mira":
         found = mira.tune(data, scorer, init, ranges, mira_config)
         weights, tuned_bleu, start_bleu = found.weights, found.bleu, found.start_bleu
         work = f"{len(found.epochs)} MIRA epochs, {found.updates} updates"

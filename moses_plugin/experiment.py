@@ -150,9 +150,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kenlm-name", default=d.kenlm_name, help=f"its feature name (default {d.kenlm_name})")
     p.add_argument("--restarts", type=int, default=d.restarts, help="MERT random restarts")
     p.add_argument("--seed", type=int, default=d.seed, help="tuning seed")
-    p.add_argument("--runs", "--mert-runs", dest="mert_runs", type=int, default=d.mert_runs,
-                   help="tune each system N times (seeds SEED..SEED+N-1); the table gives mean ± sd and a "
-                        "p-value over the runs (default 1)")
+    runs = p.add_argument("--runs", dest="mert_runs", type=int, default=d.mert_runs,
+                          help="tune each system N times (seeds SEED..SEED+N-1); the table gives mean ± sd and "
+                               "a p-value over the runs (default 1)")
+    from nlmserve.flags import deprecated_spelling
+
+    deprecated_spelling(p, "--mert-runs", runs)
     p.add_argument("--samples", type=int, default=d.samples, help="paired bootstrap resamples")
     p.add_argument("--lowercase", action="store_true", help="lowercase hypotheses (LM and BLEU)")
     from nlmserve.client.cli import add_security_flags

@@ -1,6 +1,6 @@
 """A neural model file scored in this process, as a source for ``nlmserve rescore --model``.
 
-``nlmserve rescore --model nlm.model`` needs no server: the model is loaded with
+``nlmserve rescore --model model.nlm`` needs no server: the model is loaded with
 ``nlmserve.lm.scoring.LanguageModel`` (cuda when available, else cpu) and the rescoring
 loop (``moses_plugin.rescore``: streaming, one score per distinct n-gram, checkpoints,
 resume, atomic output) asks it for scores as it would ask a server.

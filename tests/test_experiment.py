@@ -110,7 +110,7 @@ def test_experiment_runs_and_resumes(tiny_model_path: Path, tmp_path: Path, caps
     # reused), runs 1 and 2 are new MERT runs with seeds 1 and 2 (one random restart each).
     assert main(["experiment", "--workdir", str(work), "--dev-nbest", dev, "--dev-ref", dev_ref, "--test-nbest", test,
                  "--test-ref", test_ref, "--model", str(tiny_model_path), "--restarts", "1", "--samples", "100",
-                 "--mert-runs", "3"]) == 0
+                 "--runs", "3"]) == 0
     assert "±" in capsys.readouterr().out
     replicated = json.loads((work / "results.json").read_text())
     assert replicated["mert_runs"] == 3 and (work / "test.nlm.nbest.gz").stat().st_mtime_ns == mtime
@@ -193,7 +193,7 @@ def test_experiment_runs_and_resumes(tiny_model_path: Path, tmp_path: Path, caps
     assert "use another workdir" in capsys.readouterr().err
     assert main([*args, "--kenlm", str(arpa), "--kenlm-name", "NLM0"]) == 1
     assert "is the neural model's feature" in capsys.readouterr().err
-    assert main(["experiment", "--workdir", str(tmp_path / "none"), "--model", str(tiny_model_path), "--mert-runs", "0"]) == 1
+    assert main(["experiment", "--workdir", str(tmp_path / "none"), "--model", str(tiny_model_path), "--runs", "0"]) == 1
     assert "--runs must be at least 1, not 0" in capsys.readouterr().err
     assert not (tmp_path / "none").exists()
 
@@ -275,7 +275,7 @@ def test_training_text_joins_files_in_order(tmp_path: Path) -> None:
         training_text((str(plain), str(tmp_path / "missing.txt")), tmp_path)
     assert not (tmp_path / "train.txt").exists()
     assert main(["experiment", "--workdir", str(tmp_path / "w2"), "--train-text", str(plain),
-                 str(tmp_path / "missing.txt"), "--mert-runs", "1"]) == 1
+                 str(tmp_path / "missing.txt"), "--runs", "1"]) == 1
 
 
 def test_the_demo_data_is_shipped_and_consistent() -> None:
@@ -366,3 +366,12 @@ def test_a_served_model_and_a_running_server_are_one_choice(tmp_path: Path, caps
     with pytest.raises(NlmserveError, match="give one"):
         run(ExperimentConfig(workdir=str(tmp_path / "w"), server="127.0.0.1:1", via_server=True))
     assert not (tmp_path / "w").exists()
+
+
+def test_the_old_spelling_of_runs_still_works(tmp_path: Path, tiny_model_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["experiment", "--workdir", str(tmp_path / "w"), "--model", str(tiny_model_path),
+                 "--mert-runs", "0"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "nlmserve experiment: warning: --mert-runs is deprecated; use --runs"
+    assert "--runs must be at least 1, not 0" in err[-1]  # the value reached the new spelling's field

@@ -111,7 +111,7 @@ def test_bad_settings_are_refused(field: str, value: float, message: str) -> Non
 
 def test_tune_cli_with_mira(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "w"
-    assert main(["tune", "--algorithm", "mira", "--nbest", *LISTS, "--ref", REF, "--out", str(out),
+    assert main(["tune", "--tuner", "mira", "--nbest", *LISTS, "--ref", REF, "--out", str(out),
                  "--iterations", "10", "--seed", "3"]) == 0
     printed = capsys.readouterr().out
     assert "10 MIRA epochs" in printed and "[weight]" in printed
@@ -125,7 +125,19 @@ def test_tune_cli_with_mira(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     packed = mert.PackedData(data)
     assert scorer.score(packed.corpus_stats(np.asarray(weights.flat()))).score == pytest.approx(tuned, abs=0.005)
     assert len(rerank(LISTS[-1], weights).hyps) == 10
-    assert main(["tune", "--algorithm", "mira", "--nbest", LISTS[0], "--ref", REF, "--out", str(out),
+    assert main(["tune", "--tuner", "mira", "--nbest", LISTS[0], "--ref", REF, "--out", str(out),
                  "--mira-c", "-1"]) == 1
     assert "C must be positive, not -1" in capsys.readouterr().err
     assert not math.isnan(tuned)
+
+
+def test_the_old_spelling_of_the_tuner_still_works(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    common = ["--nbest", LISTS[0], "--ref", REF, "--iterations", "5", "--seed", "1"]
+    assert main(["tune", "--tuner", "mira", *common, "--out", str(tmp_path / "new")]) == 0
+    new = capsys.readouterr()
+    assert main(["tune", "--algorithm", "mira", *common, "--out", str(tmp_path / "old")]) == 0
+    old = capsys.readouterr()
+    assert "5 MIRA epochs" in old.out
+    assert (tmp_path / "old.ini").read_bytes() == (tmp_path / "new.ini").read_bytes()
+    assert new.err == ""
+    assert old.err == "nlmserve tune: warning: --algorithm is deprecated; use --tuner\n"
