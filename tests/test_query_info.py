@@ -173,9 +173,11 @@ def file_header(path: Path) -> tuple[int, dict[str, Any]]:
     return version, json.loads(blob[20 : 20 + length])
 
 
-def test_info_json_round_trips_the_model_files_metadata(tiny_model_path: Path, dev_small_path: Path,
+def test_info_json_round_trips_the_model_files_metadata(tiny_model_path: Path, dev_small_path: Path, tiny_lm: Any,
                                                         server: RunningServer, monkeypatch: pytest.MonkeyPatch,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from nlmserve.lm.evaluate import evaluate
+
     code, out, err = run(["info", str(tiny_model_path), "--json"], b"", monkeypatch, capsys)
     assert code == 0, err
     info = json.loads(out)
@@ -191,7 +193,8 @@ def test_info_json_round_trips_the_model_files_metadata(tiny_model_path: Path, d
     assert info["class_method"] == "frequency" and info["lowercase"] is False
     assert info["training"]["steps"] == TINY_STEPS and info["tokens_seen"] == TINY_STEPS * 256  # batch 256
     assert info["recipe"] == "" and info["training"]["valid"] == str(dev_small_path)
-    assert 1 < info["valid_perplexity"] < info["vocab_size"]
+    # The validation perplexity the trainer recorded is the written model's on its validation text.
+    assert info["valid_perplexity"] == pytest.approx(evaluate(tiny_lm, dev_small_path).perplexity, rel=1e-5)
     # What a server of the same file answers.
     with LMClient(server.target) as client:
         served = client.info
