@@ -177,7 +177,8 @@ def train_command(row: Row, args: argparse.Namespace, train_text: Path, out: Pat
     ]
     if t.objective != "nce" or t.min_count != 1:  # the OxLM set-ups
         cmd += ["--objective", t.objective, "--min-count", str(t.min_count)]
-    given = {"--dim": dim, "--class-method": args.class_method, "--threads": args.threads,
+    given = {"--dim": dim, "--order": args.order, "--ngram-order": args.ngram_order,
+             "--class-method": args.class_method, "--threads": args.threads,
              "--valid-every": args.valid_every, "--batch-size": args.batch_size, "--lr": args.lr,
              "--dropout": args.dropout, "--min-improvement": args.min_improvement, "--workers": args.workers,
              "--lr-schedule": args.lr_schedule, "--ngram-class-bits": args.ngram_class_bits,
@@ -251,6 +252,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--valid", type=Path, default=DEV, help="validation text for the schedule (default: the dev text)")
     # Each of these is passed to nlmserve train only when given; otherwise its recipe chooses.
     p.add_argument("--dim", type=int)
+    p.add_argument("--order", type=int, help="nlmserve train --order (n-gram order)")
+    p.add_argument("--ngram-order", type=int, help="nlmserve train --ngram-order (longest n-gram with a direct feature)")
     p.add_argument("--oxlm-dim", type=int, help="width for the oxlm-* targets (default: 256, OxLM's own)")
     p.add_argument("--class-method", choices=("frequency", "brown"))
     p.add_argument("--threads", type=int)

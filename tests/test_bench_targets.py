@@ -30,9 +30,10 @@ def test_no_model_flag_leaves_every_choice_to_the_recipe() -> None:
 
 def test_given_flags_pass_through_and_the_scale_shortens_the_budget() -> None:
     cmd = _command(FULL, "--noise-samples", "5", "--dim", "768", "--no-ngram-features", "--lr", "0.05",
-                   "--workers", "2", scale=0.05)
+                   "--workers", "2", "--order", "10", "--ngram-order", "5", scale=0.05)
     text = " ".join(cmd)
     assert "--max-minutes 3.000" in text
+    assert "--order 10 --ngram-order 5" in text
     assert "--noise-samples 5" in text and "--dim 768" in text and "--lr 0.05" in text and "--workers 2" in text
     assert cmd[-1] == "--no-ngram-features"
     assert "--threads" not in cmd and "--class-method" not in cmd  # not given: the recipe's
