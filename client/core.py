@@ -7,7 +7,6 @@ imported here (never torch): a decoder host needs no more.
 
 from __future__ import annotations
 
-import math
 import random
 import re
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from nlmserve.errors import (
 )
 from nlmserve.lm.ngrams import pack_ngrams
 from nlmserve.logbase import is_log10
+from nlmserve.perplexity import from_log10
 from nlmserve.proto import lm_pb2
 
 
@@ -300,7 +300,7 @@ def full_scores_tuples(score: SentenceScore) -> Iterator[tuple[float, int, bool]
 def perplexity_of(total_log10: float, sentence: str, eos: bool = True) -> float:
     """KenLM's ``perplexity``: 10 ** (-score / (words + 1))."""
     words = len(sentence.split()) + int(eos)
-    return math.pow(10.0, -total_log10 / max(words, 1))
+    return from_log10(total_log10, max(words, 1))
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:

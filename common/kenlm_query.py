@@ -22,11 +22,11 @@ sentence) is an ``InputError`` naming the line. Nothing here imports torch.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, BinaryIO, Callable, Iterator, Mapping, Protocol, Sequence, TextIO
 
 from nlmserve.errors import InputError, InvalidRequestError
+from nlmserve.perplexity import from_log10
 
 if TYPE_CHECKING:
     import numpy as np
@@ -65,9 +65,8 @@ class Totals:
     oovs: int = 0
 
     def summary(self) -> dict[str, float | int]:
-        ppl = math.pow(10.0, -self.log10 / self.tokens) if self.tokens else float("nan")
-        known = self.tokens - self.oovs
-        ppl_excl = math.pow(10.0, -(self.log10 - self.oov_log10) / known) if known else float("nan")
+        ppl = from_log10(self.log10, self.tokens)
+        ppl_excl = from_log10(self.log10 - self.oov_log10, self.tokens - self.oovs)
         return {"perplexity": ppl, "perplexity_excl_oov": ppl_excl, "oovs": self.oovs, "tokens": self.tokens}
 
 

@@ -20,6 +20,7 @@ import numpy as np
 from nlmserve.lm.corpus import read_sentences
 from nlmserve.lm.scoring import LanguageModel
 from nlmserve.lm.vocab import EOS_ID
+from nlmserve.perplexity import from_log10
 
 # Training-frequency bands: (label, lowest count, highest count); OOV tokens form their own band.
 BANDS: tuple[tuple[str, int, float], ...] = (
@@ -109,9 +110,8 @@ def evaluate(lm: LanguageModel, text: str | os.PathLike[str], *, lowercase: bool
     total = float(lp.sum())
     n_oov = int(oov.sum())
     in_vocab = ~oov
-    ppl = 10.0 ** (-total / tokens)
-    kept = int(in_vocab.sum())
-    ppl_excl = 10.0 ** (-float(lp[in_vocab].sum()) / kept) if kept else math.nan
+    ppl = from_log10(total, tokens)
+    ppl_excl = from_log10(float(lp[in_vocab].sum()), int(in_vocab.sum()))
     bits = -lp / math.log10(2.0)  # -log2 p per token
     bands: list[Band] = []
     if freq_all:

@@ -31,6 +31,7 @@ from nlmserve.kenlm_file import load_kenlm
 from nlmserve.lm.corpus import read_sentences
 from nlmserve.lm.scoring import LanguageModel
 from nlmserve.logbase import LN10
+from nlmserve.perplexity import from_log10
 
 SENTENCES_PER_BATCH = 512
 
@@ -132,7 +133,7 @@ def tune_weight(scores: TokenScores, iterations: int = 60) -> float:
 
 
 def _ppl(log10: np.ndarray) -> float:
-    return float(10.0 ** (-log10.sum() / log10.size)) if log10.size else math.nan
+    return from_log10(float(log10.sum()), log10.size)
 
 
 def interpolate(lm: LanguageModel, kn_path: str | os.PathLike[str], text: str | os.PathLike[str], *,

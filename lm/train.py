@@ -42,6 +42,7 @@ from nlmserve.lm.objectives import OBJECTIVES, NoiseDistribution, batch_loss
 from nlmserve.lm.strategies import SPARSE_OUTPUT_OBJECTIVES, build_tree, model_output, output_fields, resolve_output
 from nlmserve.lm.trees import Tree
 from nlmserve.lm.vocab import Vocabulary
+from nlmserve.perplexity import from_ln as perplexity_of
 from nlmserve.progress import progress
 
 log = logging.getLogger(__name__)
@@ -375,12 +376,6 @@ def corpus_log_likelihood(model: NeuralLM, corpus: CorpusIds, order: int, device
             total += float(lp.double().sum())
     model.train(was_training)
     return total, len(span)
-
-
-def perplexity_of(ll: float, n: float) -> float:
-    """exp(-ll / n); ``inf`` when that overflows a float (a diverged model), not an error."""
-    x = -ll / n
-    return math.exp(x) if x < 709.0 else math.inf
 
 
 def perplexity(model: NeuralLM, corpus: CorpusIds, order: int, device: torch.device) -> float:
