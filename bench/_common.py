@@ -5,6 +5,7 @@ a process tree (a server and the helpers it started).
     from _common import random_class_model   # a model file for speed benchmarks
     from _common import write_section        # a script's section of a document, between markers
     from _common import require_scoring_tables  # before a run that asks for scoring=local
+    from _common import shown_command        # a recorded command line as a page prints it
 
 Benchmarks run as scripts from bench/, so this module is imported by its file name.
 """
@@ -14,10 +15,14 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 from pathlib import Path
 from typing import Any
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+_REPO = Path(__file__).resolve().parent.parent
+#: An absolute path in a command line: after a space, ``=``, ``,`` or ``:``, up to the next of them.
+_ABSOLUTE = re.compile(r"(?<![\w./-])/[^\s=,:'\"]+")
 
 
 def machine() -> dict[str, Any]:
@@ -135,11 +140,28 @@ def write_section(doc: Path, begin: str, end: str, text: str) -> None:
     tmp.replace(doc)
 
 
-def markers(script: str, section: str | None = None) -> tuple[str, str]:
-    """The comment lines around a benchmark's rendered section in a page: ``bench/SCRIPT``'s
-    main one, or a named ``section`` of its own, so that one page holds several runs."""
-    name = f"bench/{script}" + (f" {section}" if section else "")
+def markers(script: str, section: str | None = None, room: str = "bench") -> tuple[str, str]:
+    """The comment lines around a benchmark's rendered section in a page: ``ROOM/SCRIPT``'s
+    main one (``bench/`` unless ``room`` says ``experiments``), or a named ``section`` of its
+    own, so that one page holds several runs."""
+    name = f"{room}/{script}" + (f" {section}" if section else "")
     return f"<!-- {name}: begin -->", f"<!-- {name}: end -->"
+
+
+def shown_command(command: str) -> str:
+    """A recorded command line as a page prints it: a path inside this checkout relative to
+    it, one beside it (``/work/shared/data/...``) as ``../shared/data/...``, any other absolute
+    path (a scratch folder, a build elsewhere) by its file name, as the scripts' usage lines
+    name them. The JSON keeps the command as it ran."""
+
+    def short(m: re.Match[str]) -> str:
+        path = Path(m.group(0))
+        for base, prefix in ((_REPO, ""), (_REPO.parent, "../")):
+            if path.is_relative_to(base) and path != base:
+                return prefix + path.relative_to(base).as_posix()
+        return path.name or m.group(0)
+
+    return _ABSOLUTE.sub(short, command)
 
 
 def require_scoring_tables(model: str | Path, what: str) -> None:

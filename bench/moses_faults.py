@@ -3,7 +3,7 @@
     .venv/bin/python bench/moses_faults.py --moses /path/to/bin/moses \
         --ini ../shared/data/moses-fr-en/moses.ini --kenlm europarl.lc-moses.5gram.trie.bin \
         --model nlm.model --input ../shared/data/nbest/newstest-fr-en/newstest2013.src \
-        --lines 40 --json faults.json --doc docs/moses-decoder.md
+        --lines 40 --json faults.json --doc docs/performance.md
 
 Each case decodes the first ``--lines`` sentences (``moses -threads T -v 1``) with NLM0
 asked of a server of its own, and kills that server (SIGKILL) ``--kill-after`` seconds
@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, markers, require_scoring_tables, write_json, write_section  # noqa: E402
+from _common import machine, markers, require_scoring_tables, shown_command, write_json, write_section  # noqa: E402
 from decoder import commit, feature_line, rewrite_ini, write_head  # noqa: E402
 
 from nlmserve.moses_plugin.experiment import ServerProcess, start_server  # noqa: E402
@@ -279,7 +279,7 @@ def render(result: dict[str, Any]) -> str:
     messages = [f"`{r['message']}`" for r in result["cases"].values() if r.get("message")]
     if messages:
         out += ["", "The feature's message: " + messages[0]]
-    cmd = " ".join(["bench/moses_faults.py", *result["argv"]])
+    cmd = shown_command(" ".join(["bench/moses_faults.py", *result["argv"]]))
     out += ["", f"Command (code at commit {result['commit']}):", "", f"    {cmd}", "", end]
     return "\n".join(out)
 

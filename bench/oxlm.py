@@ -26,7 +26,7 @@ both tools read the same two files (with the defaults, V = 24,291).
 
     .venv/bin/python bench/oxlm.py --oxlm-bin /tmp/oxlm/bin --json oxlm.json
     .venv/bin/python bench/oxlm.py --oxlm-bin /tmp/oxlm/bin --tokens 50000 --rounds 1   # a check of the script
-    .venv/bin/python bench/oxlm.py --render docs/performance.md oxlm.json
+    .venv/bin/python bench/oxlm.py --render docs/performance.md bench/results/oxlm.json
 
 Without ``--oxlm-bin`` it says so and exits 0. Building OxLM: bench/oxlm_build.sh and
 docs/performance.md ("Against OxLM"). Run it on a quiet machine.
@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, markers, train_seconds, write_json, write_section  # noqa: E402
+from _common import machine, markers, shown_command, train_seconds, write_json, write_section  # noqa: E402
 from targets import DEV, TRAIN, head_lines, map_rare  # noqa: E402
 
 log = logging.getLogger("bench.oxlm")
@@ -309,7 +309,7 @@ def render(result: dict[str, Any]) -> str:
     else:
         lines += ["", f"Dev perplexity: each tool's own evaluator, exact, over the same {dev['oxlm'][0]:,} tokens "
                   "(`</s>` included, unknown words as `<unk>`). Tokens/s: each tool's clock of its training loop."]
-    lines += ["", f"Command: `{result['command']}`"]
+    lines += ["", f"Command: `{shown_command(result['command'])}`"]
     return "\n".join(lines)
 
 

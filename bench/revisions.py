@@ -3,7 +3,7 @@ one machine in one command, with new/old ratios and each side's run-to-run sprea
 
     .venv/bin/python bench/revisions.py --old 19f2784                 # against HEAD
     .venv/bin/python bench/revisions.py --old 19f2784 --new HEAD --rounds 3 --json out.json
-    .venv/bin/python bench/revisions.py --render docs/results.md out.json
+    .venv/bin/python bench/revisions.py --render docs/performance.md out.json
     .venv/bin/python bench/revisions.py --old 19f2784 --prepare-only    # build now, measure later
 
 Each revision is exported with ``git archive`` into the work folder and set up as a user
@@ -318,7 +318,7 @@ def render(result: dict[str, Any]) -> str:
     for row in result["rows"]:
         lines.append(f"| {row['label']} | {', '.join(map(_fmt, row['old']))} | {', '.join(map(_fmt, row['new']))} "
                      f"| {row['ratio']:.2f} | {row['verdict']} |")
-    lines += ["", f"Command: `{result['command']}`"]
+    lines += ["", f"Command: `{_common.shown_command(result['command'])}`"]
     return "\n".join(lines)
 
 

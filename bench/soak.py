@@ -1,7 +1,7 @@
 """Soak under hostile clients and faults: nothing lost, nothing wrong, no failed probe.
 
-    .venv/bin/python bench/soak.py [--model M] [--minutes 10] [--json docs/soak.json] [--doc docs/operating.md]
-    .venv/bin/python bench/soak.py --render docs/soak.json [--doc docs/operating.md]
+    .venv/bin/python bench/soak.py [--model M] [--minutes 10] [--json bench/results/soak.json] [--doc docs/operating.md]
+    .venv/bin/python bench/soak.py --render bench/results/soak.json [--doc docs/operating.md]
 
 Two ``nlmserve serve`` replicas on 127.0.0.1 with a token file serve a model; for
 ``--minutes`` these run side by side:
@@ -58,7 +58,7 @@ from typing import Any, AsyncIterator
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, write_json, write_section  # noqa: E402
+from _common import machine, shown_command, write_json, write_section  # noqa: E402
 from load import DEV_TXT, train_small_model  # noqa: E402
 
 log = logging.getLogger("bench.soak")
@@ -506,7 +506,7 @@ def meets_target(result: dict[str, Any]) -> bool:
 def render(result: dict[str, Any]) -> str:
     cfg = result["config"]
     lines = [BEGIN,
-             f"`{result['command']}`: {result['seconds'] / 60:.1f} minutes on {result['machine']['cores']} cores "
+             f"`{shown_command(result['command'])}`: {result['seconds'] / 60:.1f} minutes on {result['machine']['cores']} cores "
              f"({result['machine']['cpu']}), two replicas, `--max-concurrent-rpcs {cfg['max_concurrent_rpcs']}`.",
              "",
              "| authorised clients | sent | answered | failed | wrong | p50 ms | p99 ms |",

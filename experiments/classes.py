@@ -15,12 +15,12 @@ data:
 
 Each row is also given as a ratio to the first row (frequency, smallest factor). Usage:
 
-    .venv/bin/python bench/classes.py                       # shipped 50k-line slice, 6-8 min on 1 core
-    .venv/bin/python bench/classes.py --no-train            # classes only, under a minute
-    .venv/bin/python bench/classes.py --train ../shared/data/lm/europarl.train.lc-moses.en.xz \\
+    .venv/bin/python experiments/classes.py                       # shipped 50k-line slice, 6-8 min on 1 core
+    .venv/bin/python experiments/classes.py --no-train            # classes only, under a minute
+    .venv/bin/python experiments/classes.py --train ../shared/data/lm/europarl.train.lc-moses.en.xz \\
         --dev ../shared/data/lm/europarl.dev.lc-moses.en --steps 20000 --threads 2
 
-docs/results.md ("Training") records the measurements; docs/classes.md ("Number of
+experiments/results.md ("Training") records the measurements; docs/classes.md ("Number of
 classes"), the default chosen from them.
 """
 
@@ -48,7 +48,7 @@ from nlmserve.lm.corpus import CorpusIds, count_words, read_sentences
 from nlmserve.lm.vocab import Vocabulary
 
 REPO = Path(__file__).resolve().parent.parent
-log = logging.getLogger("bench.classes")
+log = logging.getLogger("experiments.classes")
 
 
 @dataclass
@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> list[Row]:
 def report(rows: list[Row], args: argparse.Namespace) -> str:
     base = rows[0]
     lines = [
-        f"# bench/classes.py  train={args.train} lines={args.max_train_lines} min_count={args.min_count} "
+        f"# experiments/classes.py  train={args.train} lines={args.max_train_lines} min_count={args.min_count} "
         f"steps={args.steps if not args.no_train else 0} dim={args.dim} order={args.order} threads={args.threads}",
         f"{'method':<10} {'K':>5} {'build s':>8} {'max|c|':>6} {'K+E|c|':>7} {'LL/tok':>8} {'cb ppl':>8} {'ratio':>6}"
         + ("" if args.no_train else f" {'NLM ppl':>8} {'ratio':>6} {'train s':>8} {'score tok/s':>11} {'ratio':>6}"),

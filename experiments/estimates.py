@@ -17,9 +17,9 @@ and prints, per number of known words k and in all, the mean difference from the
 context (bias) and its mean absolute value (log10), for each model; with ``--kenlm``, KenLM's
 own estimates of the same words (its lower orders) as the yardstick. Usage:
 
-    .venv/bin/python bench/estimates.py --model model.nlm [--model other.nlm]
-    .venv/bin/python bench/estimates.py --model ep10f.nlm --kenlm europarl.5gram.bin --text ../shared/data/nbest/newstest-fr-en/newstest2013.moses-1best \\
-        --lines 300 --json docs/estimates.json --doc docs/results.md
+    .venv/bin/python experiments/estimates.py --model model.nlm [--model other.nlm]
+    .venv/bin/python experiments/estimates.py --model ep10f.nlm --kenlm europarl.5gram.bin --text ../shared/data/nbest/newstest-fr-en/newstest2013.moses-1best \\
+        --lines 300 --json experiments/estimates.json --doc experiments/results.md
 
 The default text is the shipped Moses 1-best of 300 newstest2013 sentences (lowercased,
 Moses-tokenised, as the models' training text). Self-normalised scores (``normalized=false``,
@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # bench/_common.py
 import _common  # noqa: E402
 
 from nlmserve.lm.ngrams import BOS_ID, no_word_id  # noqa: E402
@@ -137,9 +137,9 @@ def measure_kenlm(path: str, text: Path, lines: int, order: int) -> dict[str, An
 
 
 def render(res: dict[str, Any]) -> str:
-    begin, end = _common.markers("estimates.py")
+    begin, end = _common.markers("estimates.py", room="experiments")
     scores = "exact (normalised)" if res["normalized"] else "self-normalised"
-    head = (f"`bench/estimates.py` on {res['text']} (first {res['lines']} lines), {scores} scores, log10. "
+    head = (f"`experiments/estimates.py` on {res['text']} (first {res['lines']} lines), {scores} scores, log10. "
             "Bias: the estimate's mean difference from the score in context; MAE: its mean absolute "
             "difference; k: words of the phrase before the predicted one.\n\n")
     rows = ["| model | phrase-initial words | rule | bias | MAE | MAE k=0 | MAE k=1 | MAE k=2 | MAE k=3 |",
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kenlm", help="also a KenLM model (ARPA or binary), for its lower orders' estimates")
     p.add_argument("--kenlm-order", type=int, default=5, help="the order of the KENLM feature (default 5)")
     p.add_argument("--json", type=Path, help="also write the results here")
-    p.add_argument("--doc", type=Path, help="write the table into this page's bench/estimates.py section")
+    p.add_argument("--doc", type=Path, help="write the table into this page's experiments/estimates.py section")
     args = p.parse_args(argv)
     res = {"machine": _common.machine(), "text": str(args.text), "lines": args.lines, "normalized": args.normalized,
            "models": [measure(m, args.text, args.lines, args.normalized) for m in args.model]}
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         _common.write_json(args.json, res)
     if args.doc:
-        _common.write_section(args.doc, *_common.markers("estimates.py"), table)
+        _common.write_section(args.doc, *_common.markers("estimates.py", room="experiments"), table)
     return 0
 
 

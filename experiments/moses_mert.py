@@ -2,7 +2,7 @@
 system on a dev subset, the tuned moses.ini decodes the test set, and ``nlmserve bleu``
 scores it against KENLM alone tuned the same way.
 
-    .venv/bin/python bench/moses_mert.py --moses-root $MOSES --moses $MOSES/bin/moses \
+    .venv/bin/python experiments/moses_mert.py --moses-root $MOSES --moses $MOSES/bin/moses \
         --ini ../shared/data/moses-fr-en/moses.ini --kenlm europarl.lc-moses.5gram.trie.bin \
         --dev-src ../shared/data/nbest/newstest-fr-en/newstest2012.src \
         --dev-ref ../shared/data/nbest/newstest-fr-en/newstest2012.ref --dev-every 3 \
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # bench/_common.py, bench/decoder.py
 import _common  # noqa: E402
 from _common import machine, write_json  # noqa: E402
 from decoder import feature_line, rewrite_ini  # noqa: E402
@@ -245,13 +245,13 @@ def export_ini(tuned: Path, out: Path, system_dir: Path, kenlm: str | None) -> N
     tmp.replace(out)
 
 
-BEGIN, END = _common.markers("moses_mert.py")
+BEGIN, END = _common.markers("moses_mert.py", room="experiments")
 
 
 def markers(tuner: str, section: str | None = None) -> tuple[str, str]:
     """The markers of a results section: MERT's main table, batch MIRA's (``--tuner mira``)
     beside it, or a run's own ``--section``."""
-    return _common.markers("moses_mert.py", section or (None if tuner == "mert" else f"--tuner {tuner}"))
+    return _common.markers("moses_mert.py", section or (None if tuner == "mert" else f"--tuner {tuner}"), room="experiments")
 
 
 def _percent(x: float | None) -> str:
@@ -301,7 +301,7 @@ def render(result: dict[str, Any]) -> str:
              f"BLEU: `{result['rows'][0]['signature']}`."]
     if inis:
         lines.append("Tuned weights: " + ", ".join(f"[{Path(i).name}]({i})" for i in inis) + ".")
-    lines += ["", "Command:", "", "    " + result["command"], "", end]
+    lines += ["", "Command:", "", "    " + _common.shown_command(result["command"]), "", end]
     return "\n".join(lines)
 
 
@@ -344,9 +344,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--export-inis", type=Path, metavar="DIR",
                    help="copy each tuned moses.ini here as SYSTEM.seedN.ini, paths as placeholders")
     p.add_argument("--render", type=Path, metavar="JSON", help="only write JSON's section into --doc")
-    p.add_argument("--doc", type=Path, help="document with the results section (default: docs/results.md)")
+    p.add_argument("--doc", type=Path, help="document with the results section (default: experiments/results.md)")
     p.add_argument("--section", help="name of this run's own section in --doc (markers "
-                                     "'<!-- bench/moses_mert.py NAME: begin -->' and '... end -->'; default: the "
+                                     "'<!-- experiments/moses_mert.py NAME: begin -->' and '... end -->'; default: the "
                                      "tuner's table); with --render, the section to write the JSON's run into")
     return p
 
@@ -354,7 +354,7 @@ def parser() -> argparse.ArgumentParser:
 def main() -> int:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--render", type=Path)
-    pre.add_argument("--doc", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "results.md")
+    pre.add_argument("--doc", type=Path, default=Path(__file__).resolve().parent / "results.md")
     pre.add_argument("--section")
     only, _ = pre.parse_known_args()
     if only.render is not None:
@@ -403,7 +403,7 @@ def main() -> int:
                 if args.export_inis is not None:
                     exported = args.export_inis / f"{system.name}.seed{seed}.ini"
                     export_ini(Path(record["ini"]), exported, args.ini.parent, args.kenlm)
-                    record["exported_ini"] = os.path.relpath(exported, (args.doc or Path("docs/results.md")).parent)
+                    record["exported_ini"] = os.path.relpath(exported, (args.doc or Path(__file__).resolve().parent / "results.md").parent)
                 record["seed"] = seed
                 record["output"] = str(base / "test.out")
                 runs[system.name].append(record)

@@ -1,6 +1,6 @@
 """Throughput of 1..N ``nlmserve serve`` replicas behind one replicated client (round_robin).
 
-    .venv/bin/python bench/replicas.py --model runs/demo/nlm.model [--replicas 1 2] [--seconds 15]
+    .venv/bin/python experiments/replicas.py --model runs/demo/nlm.model [--replicas 1 2] [--seconds 15]
         [--threads 4] [--batch 10000] [--json out.json]
 
 For each replica count: start that many ``nlmserve serve --torch-threads 1`` subprocesses on
@@ -31,7 +31,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 DEV = REPO / "data" / "lm" / "europarl.dev.1k.lc-moses.en"
-log = logging.getLogger("bench.replicas")
+log = logging.getLogger("experiments.replicas")
 
 
 def start_replica(model: str, *flags: str) -> tuple[subprocess.Popen[str], str, str]:

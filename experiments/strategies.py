@@ -1,7 +1,7 @@
 """Every output strategy trained for the same wall time on the same Europarl text, in one
 run, then compared: test perplexity alone and interpolated with a Kneser-Ney 5-gram,
 training tokens/s, normalised and unnormalised scoring n-grams/s, model size, and the
-validation perplexity against time (a PNG). Writes docs/strategies.md.
+validation perplexity against time (a PNG). Writes experiments/strategies.md.
 
 Data (``--data``, default ../shared/data/lm): the first ``--lines`` lines of
 europarl.train.lc-moses.en.xz for training (and for the KN 5-gram); of
@@ -16,8 +16,8 @@ about every ``--valid-seconds`` seconds of training; then it trains for ``--minu
 first strategy; the feature-based trees spend up to a third of it on their random-tree
 model). Usage:
 
-    .venv/bin/python bench/strategies.py --kenlm-bin /path/to/kenlm/build/bin          # ~45 min
-    .venv/bin/python bench/strategies.py --minutes 0.3 --lines 20000 --only huffman,softmax --doc /tmp/s.md
+    .venv/bin/python experiments/strategies.py --kenlm-bin /path/to/kenlm/build/bin          # ~45 min
+    .venv/bin/python experiments/strategies.py --minutes 0.3 --lines 20000 --only huffman,softmax --doc /tmp/s.md
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ from nlmserve.lm.outputs import TreeOutput
 from nlmserve.lm.scoring import LanguageModel
 from nlmserve.lm.train import TrainConfig, train
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # bench/_common.py
 from _common import machine, train_seconds  # noqa: E402
 
-log = logging.getLogger("bench.strategies")
+log = logging.getLogger("experiments.strategies")
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -229,7 +229,7 @@ def write_doc(rows: list[dict[str, Any]], args: argparse.Namespace, info: dict[s
     lines = [
         "# Output strategies side by side",
         "",
-        "Written by `bench/strategies.py` (one command; the numbers below are from the run it describes).",
+        "Written by `experiments/strategies.py` (one command; the numbers below are from the run it describes).",
         f"Command: `{info['command']}`.",
         "",
         f"Machine: {info['machine']['cpu']}, {info['machine']['cores']} cores, torch {info['machine']['torch']}, "
@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kenlm-bin", help="directory with lmplz and build_binary (KN 5-gram); none: no KN columns")
     p.add_argument("--only", help="comma-separated strategy names or outputs")
     p.add_argument("--work", default="/tmp/nlmserve-strategies")
-    p.add_argument("--doc", default=str(REPO / "docs" / "strategies.md"))
+    p.add_argument("--doc", default=str(REPO / "experiments" / "strategies.md"))
     p.add_argument("--doc-only", action="store_true", help="rewrite the page from strategies.json (no training)")
     args = p.parse_args(argv)
     if args.doc_only:
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     info = {"machine": machine(), "load_start": load_start, "load_end": os.getloadavg()[0],
             "minutes": (time.monotonic() - t_start) / 60, "vocab": vocab,
             "args": {k: v for k, v in vars(args).items() if k != "doc_only"},
-            "command": "python bench/strategies.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+            "command": "python experiments/strategies.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     doc.with_name("strategies.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
     write_doc(rows, args, info, doc, png)
     print(f"wrote {doc}, {png}")

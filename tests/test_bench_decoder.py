@@ -315,3 +315,14 @@ def test_a_failed_check_keeps_the_rounds(tmp_path: Path) -> None:
     assert "load average after each run" not in text
     result["runs"] = [{"config": "kenlm", "round": r, "extra": {"load_average_1m_after": 1.5 + r}} for r in (0, 1)]
     assert "; the 1-minute load average after each run: kenlm r0 1.5, kenlm r1 2.5." in decoder.render(result)
+
+
+def test_a_recorded_command_names_no_scratch_folder() -> None:
+    import _common
+
+    ran = (f"bench/decoder.py --moses /tmp/moses/moses-cmd/bin/gcc-12/moses --ini {REPO.parent}/shared/data/moses-fr-en/moses.ini "
+           f"--configs local:scoring=local,model=/tmp/ep5x/ep5x.nlm --doc {REPO}/docs/performance.md --json /tmp/b/d.json")
+    shown = _common.shown_command(ran)
+    assert "/tmp" not in shown and shown == (
+        "bench/decoder.py --moses moses --ini ../shared/data/moses-fr-en/moses.ini "
+        "--configs local:scoring=local,model=ep5x.nlm --doc docs/performance.md --json d.json")

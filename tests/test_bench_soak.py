@@ -32,7 +32,7 @@ def test_the_faults_files(tmp_path: Path) -> None:
 
 
 def test_the_table_says_whether_the_target_was_met() -> None:
-    result = json.loads((REPO / "docs" / "soak.json").read_text(encoding="utf-8"))
+    result = json.loads((REPO / "bench" / "results" / "soak.json").read_text(encoding="utf-8"))
     table = soak.render(result)
     assert table.startswith(soak.BEGIN) and table.rstrip().endswith(soak.END)
     assert f"| all | {result['authorised']['all']['sent']} |" in table

@@ -1,4 +1,4 @@
-"""Every relative link in the README, docs/, moses_plugin/README.md and data/SOURCES.md points
+"""Every relative link in the README, docs/, experiments/, moses_plugin/README.md and data/SOURCES.md points
 at a file or folder of the checkout, and every page of docs/ their text names exists, and every #anchor into a Markdown file at one of its headings (as
 GitHub makes them). Likewise every page of docs/ that a Python file names (in a docstring or
 a comment), with its #anchor or the quoted section after it (a comma or an opening bracket,
@@ -13,10 +13,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PAGES = sorted([REPO / "README.md", REPO / "moses_plugin" / "README.md", REPO / "data" / "SOURCES.md",
-                *(REPO / "docs").rglob("*.md")])
+                *(REPO / "docs").rglob("*.md"), *(REPO / "experiments").rglob("*.md")])
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 FENCE = re.compile(r"^(```|~~~)")
-ROOMS = ("common", "lm", "server", "client", "moses_plugin", "bench", "tests")
+ROOMS = ("common", "lm", "server", "client", "moses_plugin", "bench", "experiments", "tests")
 SOURCES = sorted(p for room in ROOMS for p in (REPO / room).rglob("*.py"))
 # a page of docs/, an optional #anchor, an optional "Section" after a comma or an opening bracket
 DOC_MENTION = re.compile(r"\bdocs/([\w./-]+?\.md)(?:#([\w-]+))?(?:(?:,|\s*\()\s*\"([^\"\n]+)\")?")
@@ -69,7 +69,7 @@ def unresolved(dest: Path, anchor: str) -> str | None:
 
 def test_the_pages_are_found() -> None:
     names = {p.relative_to(REPO).as_posix() for p in PAGES}
-    assert {"README.md", "moses_plugin/README.md", "docs/results.md"} <= names
+    assert {"README.md", "moses_plugin/README.md", "docs/performance.md", "experiments/results.md"} <= names
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(REPO).as_posix())

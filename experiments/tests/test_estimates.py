@@ -1,4 +1,4 @@
-"""bench/estimates.py: the rows it makes of every phrase start (by hand) and its measures
+"""experiments/estimates.py: the rows it makes of every phrase start (by hand) and its measures
 on the fixed-weight golden model (tests/test_golden_model.py), by hand."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 from support import REPO, TINY_ARPA, golden_model
 
-sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "experiments"))
 import estimates  # noqa: E402
 
 
@@ -43,7 +43,7 @@ def test_measures_on_the_golden_model_by_hand(tmp_path: Path) -> None:
         assert r["per_k"][0]["bias"] == pytest.approx((d[0] + d[2]) / 2, abs=1e-6)
         assert r["per_k"][1]["mae"] == pytest.approx(abs(d[1]), abs=1e-6)
     table = estimates.render({"text": str(text), "lines": 10, "normalized": True, "models": [got]})
-    assert table.startswith("<!-- bench/estimates.py: begin -->") and "| `no-word` | +0.01 | 0.19 | 0.16 | 0.23 | — | — |" in table
+    assert table.startswith("<!-- experiments/estimates.py: begin -->") and "| `no-word` | +0.01 | 0.19 | 0.16 | 0.23 | — | — |" in table
 
 
 

@@ -1,4 +1,4 @@
-"""bench/moses_mert.py's parts that need no Moses: the tuned moses.ini a reader gets (paths
+"""experiments/moses_mert.py's parts that need no Moses: the tuned moses.ini a reader gets (paths
 as placeholders, weights as tuned) and the results section it renders."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from support import REPO, golden_model
 
-sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "experiments"))
 import moses_mert  # noqa: E402
 
 TUNED = """[feature]
@@ -47,7 +47,7 @@ def test_rendered_section(tmp_path: Path) -> None:
                  {"system": "europarl", "model": "/tmp/ep5.nlm", "options": {"normalized": "false"},
                   "bleu": [21.50], "mean": 21.5, "sd": None, "delta": 0.46, "p": 0.002,
                   "runs": [{**run, "exported_ini": "moses-mert/europarl.seed1.ini"}]}],
-        "command": "bench/moses_mert.py --seeds 1"}
+        "command": "experiments/moses_mert.py --seeds 1"}
     doc = tmp_path / "results.md"
     doc.write_text(f"# R\n\n{moses_mert.BEGIN}\nold\n{moses_mert.END}\nafter\n")
     moses_mert.write_section(doc, moses_mert.render(result))
@@ -68,7 +68,7 @@ def test_tabulated_section_gives_no_load() -> None:
         "rows": [{"system": "kenlm", "model": None, "options": {}, "bleu": [21.04], "mean": 21.04, "sd": None,
                   "signature": "nrefs:1", "runs": [{"iterations": 7, "seconds_per_iteration": 210.5,
                                                     "tuning_wall_s": 1473.4, "test_decode_s": 402.1}]}],
-        "command": "bench/moses_mert.py --seeds 1 --finished-only --json r.json", "finished_only": True}
+        "command": "experiments/moses_mert.py --seeds 1 --finished-only --json r.json", "finished_only": True}
     text = moses_mert.render(result)
     assert "load average" not in text
     assert "2 cores, the tunings' times are upper bounds (other work may have run beside them). Δ:" in text
@@ -84,7 +84,7 @@ def test_a_mira_section_beside_the_mert_one(tmp_path: Path) -> None:
         "dev_lines": 1001, "test_lines": 3000, "seeds": [1],
         "rows": [{"system": "kenlm", "model": None, "options": {}, "bleu": [20.61], "mean": 20.61, "sd": None,
                   "signature": "nrefs:1|case:mixed|eff:no|tok:none|smooth:exp|version:2.6.0", "runs": [run]}],
-        "command": "bench/moses_mert.py --tuner mira"}
+        "command": "experiments/moses_mert.py --tuner mira"}
     begin, end = moses_mert.markers("mira")
     assert (begin, end) != (moses_mert.BEGIN, moses_mert.END) and moses_mert.markers("mert")[0] == moses_mert.BEGIN
     doc = tmp_path / "results.md"
@@ -94,12 +94,12 @@ def test_a_mira_section_beside_the_mert_one(tmp_path: Path) -> None:
     assert "mert table" in text and "old" not in text
     assert "Moses' `mert-moses.pl` (mira, at most 6 iterations), 1001 dev sentences" in text
     assert "| kenlm | — | 20.61 | 20.61 |  | 6 | 250.0 | 1500.0 | 400.0 | 0.0% |" in text
-    with pytest.raises(SystemExit, match="no '<!-- bench/moses_mert.py --tuner pro: begin -->'"):
+    with pytest.raises(SystemExit, match="no '<!-- experiments/moses_mert.py --tuner pro: begin -->'"):
         moses_mert.write_section(doc, moses_mert.render(result), "pro")
     # a MERT run of its own (--section) goes between its own markers; the others stay
     result["tuner"], result["section"] = "mert", "ep10f"
     own = moses_mert.markers("mert", "ep10f")
-    assert own == ("<!-- bench/moses_mert.py ep10f: begin -->", "<!-- bench/moses_mert.py ep10f: end -->")
+    assert own == ("<!-- experiments/moses_mert.py ep10f: begin -->", "<!-- experiments/moses_mert.py ep10f: end -->")
     doc.write_text(f"{text}\n{own[0]}\nstale\n{own[1]}\n")
     moses_mert.write_section(doc, moses_mert.render(result), "mert", "ep10f")
     after = doc.read_text()
@@ -128,7 +128,7 @@ def test_unfinished_seeds_are_left_out_and_paired_by_seed(tmp_path: Path) -> Non
                   "mean": 21.02, "sd": 0.03, "signature": "sig", "runs": [run, {**run, "iterations": 6}]},
                  {"system": "europarl", "model": "/tmp/ep5.nlm", "options": {}, "seeds": [2], "bleu": [21.5],
                   "mean": 21.5, "sd": None, "delta": 0.48, "p": 0.002, "runs": [{**run, "iterations": 9}]}],
-        "command": "bench/moses_mert.py --finished-only", "finished_only": True}
+        "command": "experiments/moses_mert.py --finished-only", "finished_only": True}
     text = moses_mert.render(result)
     assert "| kenlm | — | 21.04, 21.00 | 21.02 ± 0.03 |  | 7, 6 |" in text
     assert "| europarl | `ep5.nlm` | —, 21.50 | 21.50 | +0.48, p 0.002 | —, 9 | —, 210.5 |" in text
