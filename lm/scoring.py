@@ -34,7 +34,7 @@ from nlmserve.lm.outputs import NO_HASH, NO_SCORES, ClassOutput, TreeOutput, con
 from nlmserve.lm.trees import TreePaths
 from nlmserve.lm.vocab import Vocabulary
 from nlmserve.errors import UnsupportedModelError
-from nlmserve.logbase import LOG10_E
+from nlmserve.logbase import ln_to_log10
 
 log = logging.getLogger(__name__)
 
@@ -316,7 +316,7 @@ class LanguageModel:
                 out[start:end] = self.score_prepared(chunk[:, :-1], chunk[:, -1], np.full(end - start, not use_raw))
         out = out[row_of]
         if log10:
-            out *= np.float32(LOG10_E)
+            ln_to_log10(out)
         return out  # type: ignore[no-any-return]
 
     def _first_of_pairs(self, rows: np.ndarray) -> np.ndarray | None:

@@ -26,7 +26,7 @@ import numpy as np
 from nlmserve.errors import InputError
 from nlmserve.kenlm_file import load_kenlm
 from nlmserve.lm.ngrams import BOS, BOS_ID, EOS, EOS_ID, UNK, UNK_ID
-from nlmserve.logbase import LN10
+from nlmserve.logbase import log10_to_ln
 from nlmserve.moses_plugin.nbest import file_sha256
 from nlmserve.moses_plugin.rescore import SourceInfo, SourceScores, log10_flag
 
@@ -100,7 +100,7 @@ class KenlmScorer:
                 state, other = other, state
             out[i] = model.BaseScore(state, words[row[-1]], other)
         if not log10:
-            out *= LN10
+            log10_to_ln(out)
         return SourceScores(out)
 
     def close(self) -> None:

@@ -24,7 +24,7 @@ import os
 
 import numpy as np
 
-from nlmserve.logbase import LOG10_E
+from nlmserve.logbase import ln_to_log10
 from nlmserve.moses_plugin.rescore import SourceInfo, SourceScores, log10_flag
 
 #: Rows per forward pass: ``nlmserve serve``'s default ``max_batch_ngrams``.
@@ -68,7 +68,7 @@ class ModelScorer:
             part = rows[start : start + PASS_ROWS]
             out[start : start + len(part)] = lm.score_prepared(part[:, :-1], part[:, -1], np.full(len(part), norm))
         if log10:
-            out *= np.float32(LOG10_E)
+            ln_to_log10(out)
         return SourceScores(out)
 
     def close(self) -> None:

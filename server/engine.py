@@ -38,7 +38,7 @@ from nlmserve.errors import (EngineStoppedError, ModelFileError, OverloadedError
                              UnsupportedModelError)
 from nlmserve.lm.ngrams import BOS_ID, EOS_ID, canonical_rows, check_sentences, sentence_windows
 from nlmserve.lm.protocol import ScoringModel
-from nlmserve.logbase import LOG10_E
+from nlmserve.logbase import ln_to_log10
 from nlmserve.server.cache import Scorer
 from nlmserve.server.config import ServerConfig
 from nlmserve.server.files import check_model_file
@@ -317,7 +317,7 @@ class Engine:
                 m.ngrams_scored.inc(n)
                 m.queue_delay.observe(0.0)
             if log10:
-                scores *= np.float32(LOG10_E)
+                ln_to_log10(scores)
             return scores
         finally:
             with self._cond:
@@ -534,7 +534,7 @@ class Engine:
             request.remaining -= 1
             if request.remaining <= 0:
                 if request.log10:
-                    request.out *= np.float32(LOG10_E)
+                    ln_to_log10(request.out)
                 request.future.set_result(request.out)
         except InvalidStateError:  # cancelled in between
             pass
