@@ -119,6 +119,16 @@ def decode(moses: str, ini: Path, src: Path, threads: int, out: Path, log: Path,
 
 
 def main(argv: list[str] | None = None) -> int:
+    pre = argparse.ArgumentParser(add_help=False)  # --render needs none of the decoding flags
+    pre.add_argument("--render", type=Path)
+    pre.add_argument("--doc", type=Path)
+    only, _ = pre.parse_known_args(argv)
+    if only.render is not None:
+        text = render(json.loads(only.render.read_text()))
+        if only.doc:
+            write_section(only.doc, *markers("moses_faults.py"), text)
+        print(text)
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--moses", required=True, help="moses binary built with the feature")
@@ -139,12 +149,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--doc", type=Path, help="document with this script's section (markers "
                                               "'<!-- bench/moses_faults.py: begin -->' and '... end -->')")
     args = ap.parse_args(argv)
-    if args.render:
-        text = render(json.loads(args.render.read_text()))
-        if args.doc:
-            write_section(args.doc, *markers("moses_faults.py"), text)
-        print(text)
-        return 0
     if "local" in args.cases:
         require_scoring_tables(args.model, "case local")
 

@@ -10,7 +10,7 @@ tensors of 2 MiB and more are aligned to 2 MiB and advised as transparent huge p
 fault per 2 MiB where the kernel grants them). Neither removes every fault (torch allocates
 with ``posix_memalign``, whose requests freed blocks do not always fit); measured on the
 step itself, one NCE step at width 512 with n-gram features and one thread takes
-34.9–40.3 ms without and 32.6–33.6 ms with both (docs/results.md, "Training"). The cost is that the process keeps its
+34.9–40.3 ms without and 32.6–33.6 ms with both (experiments/results.md, "Training"). The cost is that the process keeps its
 peak heap until it exits; ``nlmserve train`` calls it, the library does not. Call it
 before the first large tensor is allocated.
 """

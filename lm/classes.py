@@ -159,7 +159,7 @@ def default_num_classes(vocab_size: int) -> int:
     """The default number of classes: ``round(sqrt(V))``, at least 1 and at most V.
 
     ``sqrt(V)`` minimises the output cost ``K + V/K`` of one normalised prediction. Measured
-    against ``3·sqrt(V)`` by bench/classes.py (docs/classes.md, "Number of classes"): within
+    against ``3·sqrt(V)`` by experiments/classes.py (docs/classes.md, "Number of classes"): within
     about 1 % of its perplexity at 60 % of its output cost.
     """
     if vocab_size < 1:

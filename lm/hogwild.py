@@ -9,7 +9,7 @@ the dense context weights and biases) receive every update, in some order.
 
 Why processes and not threads: the fused step (``nlmserve.lm.fused``, the default's) is one
 single-threaded loop per minibatch, and the torch step is many small operations that a
-second torch thread does not make faster (docs/results.md, "Training": 1 thread 50.5k
+second torch thread does not make faster (experiments/results.md, "Training": 1 thread 50.5k
 tokens/s, 2 threads 47.2k). Two independent steps at once do use two cores; each process
 runs either step on the shared tensors. Unlike ``--distributed`` there is no all-reduce and no replicated
 optimiser update: each update is applied once, by the process that computed it.

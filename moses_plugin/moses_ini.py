@@ -35,7 +35,7 @@ from nlmserve.errors import InputError, NlmserveError
 log = logging.getLogger(__name__)
 
 #: NLM0's starting weight as a share of the L1 norm of the system's other (tuneable) weights.
-#: Every in-decoder MERT run of docs/moses-decoder.md started NLM0 at 0.1 beside weights of
+#: Every in-decoder MERT run of experiments/moses-decoder.md started NLM0 at 0.1 beside weights of
 #: L1 norm 1 and kept it positive; batch MIRA there needed half of it.
 START_SHARE = 0.1
 

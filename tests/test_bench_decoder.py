@@ -1,6 +1,6 @@
 """bench/decoder.py's own logic, without a Moses binary: the moses.ini it writes for each
 configuration, the counts it reads from the feature's ``-v 1`` lines, and the results-page
-section it renders. (The decoding itself needs a Moses build: docs/moses-decoder.md.)"""
+section it renders. (The decoding itself needs a Moses build: experiments/moses-decoder.md.)"""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """bench/moses_faults.py's own logic, without a Moses binary: what it reads from the decoder's
 stderr, which outcome of each case counts as the one the feature promises, and the section it
-renders. (Killing a server under a real decoder needs a Moses build: docs/moses-decoder.md.)"""
+renders. (Killing a server under a real decoder needs a Moses build: experiments/moses-decoder.md.)"""
 
 from __future__ import annotations
 

@@ -127,7 +127,7 @@ class ScoringTables {
   // lines), prefetched kProbeAhead rows before the row is scored (the entries are too many
   // for the processor's caches, and a remembered row is answered in far less time than a
   // miss to memory takes: kProbeAhead and kAhead below decoded faster than 3 and 2, and
-  // than 32 and 10; docs/results.md, docs/moses-decoder.md). A
+  // than 32 and 10; experiments/results.md, experiments/moses-decoder.md). A
   // remembered score is the float computed the first time, which is what computing it
   // again gives. They stand in for the client's NgramCache
   // (ngram_cache.h), which scoring=local turns off: one thread's, so no lock and no LRU
