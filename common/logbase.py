@@ -43,7 +43,3 @@ def log10_to_ln(values: np.ndarray) -> np.ndarray:
     values *= LN10
     return values
 
-
-def log_base_name(log10: bool) -> LogBase:
-    """The internal ``log10`` flag as a ``log_base`` name."""
-    return "log10" if log10 else "ln"

@@ -14,9 +14,9 @@ Hot reload: ``prepare`` checks and wraps a newly loaded model off the serving pa
 makes it the served one. Each queued part is pinned to the model state it was submitted
 against, a batch only merges parts of one state, and the answer names that state's hash.
 
-Interface (STYLE.md 1, 3): ``submit_ngrams``/``score_ngrams``, ``submit_sentences``/
+Interface, all that the servicers call: ``submit_ngrams``/``score_ngrams``, ``submit_sentences``/
 ``score_sentences``, ``check_health``, ``shutdown``; a list in, a list of the same length
-out, same order.
+out, same order, with the batching done here and not request by request.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ whichever way its request reached the model:
 
 * bearer tokens: :meth:`RequestHandler.refusal` gives the UNAUTHENTICATED message;
 * size limits: :meth:`RequestHandler.check_size` (``max_ngrams_per_request``);
-* error mapping (STYLE.md 1, 8): :func:`status_of` and :meth:`RequestHandler.error`::
+* error mapping, each exception to one status code (the servicers only turn messages into
+  domain objects and errors into codes): :func:`status_of` and :meth:`RequestHandler.error`::
 
     InvalidRequestError  → INVALID_ARGUMENT (the message names the offending index)
     oversized request    → INVALID_ARGUMENT (the message gives the limit)

@@ -40,14 +40,17 @@
 //                           at load finds them there instead of costing one request per phrase;
 //                           stops when it has put cache-size/2 n-grams in the cache
 //   scoring=server|local    server (default): every n-gram not in the cache is scored by
-//                           the server; local (needs normalized=false): at load the feature
-//                           fetches the model's self-normalised scoring tables from the server
-//                           (GetScoringTables: order x vocabulary x width floats, 188 MB for a
-//                           5-gram of 36,660 words and width 256) and scores every n-gram in
-//                           the decoder, table sums and a dot product each (and a model's
+//                           the server; local: at load the feature fetches the model's
+//                           scoring tables from the server (GetScoringTables: order x
+//                           vocabulary x width floats, 188 MB for a 5-gram of 36,660 words
+//                           and width 256) and scores every n-gram in the decoder, table sums
+//                           and a dot product each (a tree: a few node dot products; and a model's
 //                           direct n-gram features: one hashed weight per context suffix
-//                           from each of their two tables), with no cache and no request;
-//                           the server then answers nothing per n-gram, and
+//                           from each of their two tables), with no cache and no request.
+//                           A class-output model's tables give self-normalised scores, so it
+//                           needs normalized=false (refused at load otherwise); a tree-output
+//                           model's give exact log-probabilities, with normalized=true (the
+//                           default) or false. The server then answers nothing per n-gram, and
 //                           a reload of the server does not reach a running decoder
 //   prefetch=stack|hypothesis|false
 //                           stack (default; also true): when Moses' normal stack search starts
