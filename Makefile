@@ -6,7 +6,7 @@ PY     := $(BIN)/python
 DEPS   := $(VENV)/.deps-stamp
 PROTO  := proto/nlmserve/v1/lm.proto
 
-.PHONY: all install proto test test-py typecheck demo clean bench system-deps cpp
+.PHONY: all install proto test test-py typecheck demo clean bench system-deps cpp test-experiments
 
 all: install
 
@@ -50,6 +50,10 @@ test-py: install
 	$(BIN)/pytest -q
 
 test: typecheck test-py
+
+# The research harnesses' own tests (experiments/tests), apart from the gate.
+test-experiments: install
+	$(BIN)/pytest -q experiments/tests
 
 # The demo trains for a fixed number of steps, so it trains the same weights and prints the
 # same BLEU table on a quiet and on a busy machine. A workdir made by an earlier recipe is
