@@ -25,16 +25,14 @@ import json
 import logging
 import lzma
 import os
-import signal
 import subprocess
-import sys
-import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any, Iterator, cast
 
 from nlmserve.errors import NlmserveError
+from nlmserve.serve_process import ServerProcess, nlmserve_command, start_server
 
 log = logging.getLogger(__name__)
 
@@ -182,11 +180,6 @@ def run_from_args(args: argparse.Namespace) -> int:
     return 0
 
 
-def nlmserve_command() -> list[str]:
-    """How to run the ``nlmserve`` CLI of this installation in a subprocess."""
-    return [sys.executable, "-m", "nlmserve.cli"]
-
-
 def training_text(paths: tuple[str, ...], work: Path) -> str:
     """The one training text, or ``work/train.txt``: the files' lines one after the other.
 
@@ -272,56 +265,6 @@ def train_model(config: ExperimentConfig, out: Path) -> Path:
                     "differ from a run that trains all the steps; on a busy machine raise --minutes and use a "
                     "new --workdir", config.minutes, end.get("step"), config.steps)
     return out
-
-
-@dataclass
-class ServerProcess:
-    """``nlmserve serve --port 0`` in a subprocess; ``target`` once it printed its address."""
-
-    process: subprocess.Popen[str]
-    target: str
-    lines: list[str] = field(default_factory=list)
-
-    def stop(self, grace: float = 15.0) -> None:
-        if self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(grace)
-        except subprocess.TimeoutExpired:
-            log.warning("server %d did not stop in %.0f s; killing it", self.process.pid, grace)
-            self.process.kill()
-            self.process.wait()
-
-
-def start_server(model: Path, extra: list[str] | None = None, timeout: float = 180.0,
-                 env: dict[str, str] | None = None, cwd: Path | None = None) -> ServerProcess:
-    """Start ``nlmserve serve --model M --port 0`` and wait for ``listening on HOST:PORT``.
-
-    ``env`` and ``cwd``: the subprocess's environment and directory (default: this process's),
-    e.g. another installation's ``PYTHONPATH``.
-    """
-    cmd = [*nlmserve_command(), "serve", "--model", str(model), "--port", "0", *(extra or [])]
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, bufsize=1, env=env, cwd=cwd)
-    found: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        assert process.stdout is not None
-        for line in process.stdout:
-            found.append(line.rstrip("\n"))
-            if line.startswith("listening on "):
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not ready.wait(timeout) or not any(x.startswith("listening on ") for x in found):
-        process.kill()
-        process.wait()
-        raise NlmserveError(f"server did not start: {' '.join(cmd)} (output: {found[-3:]})")
-    target = next(x for x in found if x.startswith("listening on ")).split("listening on ", 1)[1].strip()
-    log.info("server %d listening on %s", process.pid, target)
-    return ServerProcess(process, target, found)
 
 
 def run(config: ExperimentConfig, client_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:

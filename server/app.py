@@ -39,6 +39,7 @@ from grpc_reflection.v1alpha import reflection
 
 from nlmserve.proto import lm_pb2
 from nlmserve.errors import ReloadError
+from nlmserve.serve_process import listening_line, metrics_line
 from nlmserve.server.admin import ADMIN_SERVICE, AdminServicer, Reloader, add_admin_to_server
 from nlmserve.server.auth import TlsFiles, TokenStore
 from nlmserve.server.config import ServerConfig
@@ -292,11 +293,11 @@ def serve(config: ServerConfig) -> int:
             socket_dir = tempfile.mkdtemp(prefix="nlmserve-")  # a directory only this user may enter
             socket_path = running.start_local_backend(os.path.join(socket_dir, "backend.sock")).path
             frontend = NativeFrontend(binary, public, running.target, socket_path)
-            print(f"listening on {public.host}:{frontend.port}", flush=True)
+            print(listening_line(public.host, frontend.port), flush=True)
         else:
-            print(f"listening on {config.host}:{running.port}", flush=True)
+            print(listening_line(config.host, running.port), flush=True)
         if running.metrics_port is not None:
-            print(f"metrics on http://{public.host}:{running.metrics_port}/metrics", flush=True)
+            print(metrics_line(public.host, running.metrics_port), flush=True)
         while True:
             wake.wait(0.5)
             wake.clear()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import IO
 
 from nlmserve.errors import InputError
+from nlmserve.serve_process import parse_listening
 from nlmserve.server.config import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -67,11 +67,11 @@ class NativeFrontend:
         self._relay = threading.Thread(target=self._log_lines, args=(self.proc.stderr,), daemon=True)
         self._relay.start()
         line = self.proc.stdout.readline()
-        m = re.fullmatch(r"listening on (.+):(\d+)\n", line)
-        if m is None:
+        target = parse_listening(line)
+        if target is None:
             code = self.proc.wait(30)
             raise InputError(f"the native front end did not start (exit {code}); its log is above")
-        self.port = int(m.group(2))
+        self.port = int(target.rsplit(":", 1)[1])
 
     @staticmethod
     def _log_lines(stream: IO[str]) -> None:

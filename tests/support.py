@@ -1,4 +1,5 @@
-"""Helpers the test modules share: the shipped dev slice and an in-process server.
+"""Helpers the test modules share: the shipped dev slice, an in-process server and
+``nlmserve serve`` as a subprocess.
 
 Fixtures live in ``conftest.py``; plain functions that modules import live here.
 """
@@ -15,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from nlmserve.errors import NlmserveError
+from nlmserve.serve_process import ServerProcess, start_server as start_serve_process
 from nlmserve.server.app import RunningServer, create_server
 from nlmserve.server.config import ServerConfig
 from nlmserve.server.engine import Engine
@@ -41,6 +44,33 @@ def start_server(lm: Any, **overrides: Any) -> RunningServer:
     fields: dict[str, Any] = {"model": "(in-process)", "port": 0, **overrides}
     config = ServerConfig(**fields)
     return create_server(config, engine=Engine(lm, config))
+
+
+def serve_subprocess(model: str | Path, *flags: str, log: Path | None = None, stderr: Any = None,
+                     **kwargs: Any) -> ServerProcess:
+    """``nlmserve serve --model MODEL --torch-threads 1 FLAGS`` as a real process on 127.0.0.1,
+    ready when it returns (``nlmserve.serve_process.start_server``: ``port=``, ``metrics_port=0``,
+    ``env=``, ``command=`` pass through). Its log goes to ``stderr``, or is appended to the file
+    ``log``; a server that does not start is an AssertionError with the end of that log."""
+    handle = open(log, "a", encoding="utf-8") if log is not None else None
+    try:
+        return start_serve_process(model, ["--torch-threads", "1", *flags], stderr=handle or stderr, **kwargs)
+    except NlmserveError as e:
+        raise AssertionError(f"{e}\n{_log_tail(log, stderr)}") from e
+    finally:
+        if handle is not None:
+            handle.close()
+
+
+def _log_tail(log: Path | None, stderr: Any) -> str:
+    """The last 3000 characters a server logged to the file ``log`` or the readable file ``stderr``."""
+    if log is not None:
+        return log.read_text(encoding="utf-8", errors="replace")[-3000:]
+    if hasattr(stderr, "seek") and stderr.readable():
+        stderr.seek(0)
+        data = stderr.read()
+        return (data.decode("utf-8", "replace") if isinstance(data, bytes) else data)[-3000:]
+    return ""
 
 
 def streamed_tables(lm: Any, chunk_floats: int) -> tuple[Any, np.ndarray]:

@@ -25,7 +25,7 @@ from typing import IO, Any, Iterator
 import numpy as np
 import pytest
 
-from support import DEV, REPO
+from support import DEV, REPO, serve_subprocess
 
 CPP_SRC = REPO / "moses_plugin" / "cpp"
 BUILD = REPO / "build" / "cpp"
@@ -105,26 +105,15 @@ class Server:
     """A real ``nlmserve serve`` subprocess on 127.0.0.1."""
 
     def __init__(self, model: Path, log_path: Path, port: int = 0) -> None:
-        self.log = open(log_path, "a", encoding="utf-8")
-        self.proc = subprocess.Popen(
-            [*SERVE, "serve", "--model", str(model), "--port", str(port), "--device", "cpu",
-             "--torch-threads", "1"],
-            stdout=subprocess.PIPE, stderr=self.log)
-        assert self.proc.stdout is not None
-        try:
-            line = LineReader(self.proc.stdout, "nlmserve serve").read(120.0)
-        except (EOFError, TimeoutError) as e:
-            self.kill()
-            raise AssertionError(f"{e}; its log:\n{log_path.read_text(encoding='utf-8')[-3000:]}") from e
-        assert line.startswith("listening on "), line
-        self.port = int(line.rsplit(":", 1)[1])
-        self.target = f"127.0.0.1:{self.port}"
+        server = serve_subprocess(model, "--device", "cpu", port=port, log=log_path, command=SERVE, timeout=120.0)
+        self.proc = server.process
+        self.port = server.port
+        self.target = server.target
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=30)
-        self.log.close()
 
 
 class Driver:

@@ -12,7 +12,6 @@ clients' requests; errors must be the backend's, for the request that caused the
 from __future__ import annotations
 
 import os
-import re
 import urllib.request
 import signal
 import stat
@@ -31,8 +30,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from nlmserve.client import LMClient
 from nlmserve.lm.ngrams import BOS_ID
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
+from nlmserve.serve_process import parse_listening
 from nlmserve.server.app import RunningServer
-from support import GatedScorer, dev_ngrams, dev_sentences, start_server
+from support import GatedScorer, dev_ngrams, dev_sentences, serve_subprocess, start_server
 from test_cpp_client import NATIVE, SERVE, driver  # noqa: F401 - the driver fixture builds build/native
 
 FRONTEND = NATIVE / "nlmserve_frontend"
@@ -47,11 +47,11 @@ class Frontend:
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
-        m = re.fullmatch(r"listening on (127\.0\.0\.1:\d+)\n", line)
-        if m is None:
+        target = parse_listening(line)
+        if target is None or not target.startswith("127.0.0.1:"):
             self.proc.kill()
             raise AssertionError(f"front end did not start: {line!r} {self.proc.stderr.read() if self.proc.stderr else ''}")
-        self.target = m.group(1)
+        self.target = target
 
     def stop(self) -> tuple[int, str]:
         if self.proc.poll() is None:
@@ -488,25 +488,21 @@ def test_serve_with_the_native_front_end_is_one_command(driver: Path, tiny_model
     # on a private one and its private socket; values equal the in-process model; /metrics
     # counts the clients' requests; SIGTERM stops both, exit 0, and the socket's directory
     # is gone.
-    proc = subprocess.Popen([*SERVE, "serve", "--model", str(tiny_model_path), "--port", "0", "--metrics-port", "0",
-                             "--frontend", "native", "--frontend-binary", str(FRONTEND)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "TMPDIR": str(tmp_path)})
+    log = tmp_path / "serve.log"
+    server = serve_subprocess(tiny_model_path, "--frontend", "native", "--frontend-binary", str(FRONTEND),
+                              metrics_port=0, log=log, command=SERVE, env={**os.environ, "TMPDIR": str(tmp_path)})
+    proc = server.process
     try:
-        assert proc.stdout is not None
-        m = re.fullmatch(r"listening on (127\.0\.0\.1:\d+)\n", proc.stdout.readline())
-        assert m is not None
-        metrics = re.fullmatch(r"metrics on (http://\S+/metrics)\n", proc.stdout.readline())
-        assert metrics is not None
+        assert server.target.startswith("127.0.0.1:") and server.metrics_url is not None
         ids = dev_ngrams(tiny_lm, 50, 5)
-        with grpc.insecure_channel(m.group(1)) as ch:
+        with grpc.insecure_channel(server.target) as ch:
             stub = lm_pb2_grpc.LanguageModelStub(ch)
             got = stub.ScoreNgrams(packed(ids, log_base=lm_pb2.LN)).log_probs
             for row in ids[:3]:
                 stub.ScoreNgrams(packed(row[None, :], log_base=lm_pb2.LN))
         want = tiny_lm.score_ngrams(ids)
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
-        with urllib.request.urlopen(metrics.group(1), timeout=10) as page:
+        with urllib.request.urlopen(server.metrics_url, timeout=10) as page:
             text = page.read().decode()
         counted = [line for line in text.splitlines() if line.startswith("nlmserve_requests_total{")
                    and 'rpc="ScoreNgrams"' in line and 'code="OK"' in line]
@@ -516,8 +512,8 @@ def test_serve_with_the_native_front_end_is_one_command(driver: Path, tiny_model
         assert all(stat.S_IMODE(p.parent.stat().st_mode) == 0o700 for p in sockets)
     finally:
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
+        proc.wait(60)
+    assert proc.returncode == 0, log.read_text(encoding="utf-8")[-3000:]
     assert not list(tmp_path.glob("nlmserve-*"))
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import re
 import resource
 import signal
 import socket
@@ -26,7 +25,7 @@ import pytest
 
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
 
-from support import nbest_head
+from support import nbest_head, serve_subprocess
 
 NLMSERVE = [sys.executable, "-m", "nlmserve.cli"]
 N_SENTENCES = 40
@@ -46,18 +45,10 @@ class Server:
 
     def __init__(self, model: Path, port: int = 0, *flags: str) -> None:
         self.stderr = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(
-            NLMSERVE + ["serve", "--model", str(model), "--port", str(port), "--torch-threads", "1", *flags],
-            stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=ENV,
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        m = re.match(r"listening on 127\.0\.0\.1:(\d+)$", line.strip())
-        if not m:
-            self.kill()
-            raise AssertionError(f"server did not start: {line!r}\n{self.stderr_text()}")
-        self.port = int(m.group(1))
-        self.target = f"127.0.0.1:{self.port}"
+        server = serve_subprocess(model, *flags, port=port, stderr=self.stderr, env=ENV)
+        self.proc = server.process
+        self.port = server.port
+        self.target = server.target
 
     def stderr_text(self) -> str:
         self.stderr.seek(0)

@@ -9,7 +9,6 @@ models loaded in-process.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -30,7 +29,7 @@ from nlmserve.server.app import create_server
 from nlmserve.server.config import ServerConfig
 from nlmserve.server.engine import Engine
 
-from support import DEV
+from support import DEV, serve_subprocess
 
 NLMSERVE = [sys.executable, "-m", "nlmserve.cli"]
 TOL = 1e-5
@@ -236,20 +235,12 @@ def test_reload_cli(tiny_lm: Any, tiny_model_path: Path, other_model_path: Path,
 def serve_process(tiny_model_path: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Path, str, int]]:
     model = tmp_path / "served.nlm"
     shutil.copyfile(tiny_model_path, model)
-    log_path = tmp_path / "serve.log"
-    with open(log_path, "w", encoding="utf-8") as log_file:
-        proc = subprocess.Popen(
-            NLMSERVE + ["serve", "--model", str(model), "--port", "0", "--metrics-port", "0", "--torch-threads", "1",
-                        "--ngram-cache-size", "50000", "--max-batch-ngrams", "256"],
-            stdout=subprocess.PIPE, stderr=log_file, text=True)
+    server = serve_subprocess(model, "--ngram-cache-size", "50000", "--max-batch-ngrams", "256", metrics_port=0,
+                              log=tmp_path / "serve.log")
+    proc = server.process
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        m = re.match(r"listening on (\S+):(\d+)", line)
-        assert m, f"{line!r}; log: {log_path.read_text(encoding='utf-8')[-2000:]}"
-        metrics_line = proc.stdout.readline()
-        metrics_port = int(metrics_line.rsplit(":", 1)[1].split("/")[0])
-        yield proc, model, f"127.0.0.1:{m.group(2)}", metrics_port
+        assert server.metrics_port is not None
+        yield proc, model, server.target, server.metrics_port
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

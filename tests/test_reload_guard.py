@@ -7,11 +7,8 @@ that takes too long is abandoned; the served model serves on throughout. Real se
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -28,9 +25,7 @@ from nlmserve.server.app import RunningServer, create_server
 from nlmserve.server.config import ServerConfig
 from nlmserve.server.engine import Engine
 
-from support import dev_ngrams
-
-NLMSERVE = [sys.executable, "-m", "nlmserve.cli"]
+from support import dev_ngrams, serve_subprocess
 
 
 @pytest.fixture()
@@ -172,13 +167,9 @@ def test_sighup_with_a_fifo_as_model_file_does_not_wedge(tiny_model_path: Path, 
     model = tmp_path / "served.nlm"
     shutil.copyfile(tiny_model_path, model)
     log_path = tmp_path / "serve.log"
-    with open(log_path, "w", encoding="utf-8") as log_file:
-        proc = subprocess.Popen(NLMSERVE + ["serve", "--model", str(model), "--port", "0", "--torch-threads", "1"],
-                                stdout=subprocess.PIPE, stderr=log_file, text=True)
+    server = serve_subprocess(model, log=log_path)
+    proc = server.process
     try:
-        assert proc.stdout is not None
-        m = re.match(r"listening on (\S+):(\d+)", proc.stdout.readline())
-        assert m, log_path.read_text(encoding="utf-8")[-2000:]
         model.unlink()
         os.mkfifo(model)
         for n in range(1, 4):
@@ -188,7 +179,7 @@ def test_sighup_with_a_fifo_as_model_file_does_not_wedge(tiny_model_path: Path, 
                 assert time.monotonic() < deadline, log_path.read_text(encoding="utf-8")[-2000:]
                 time.sleep(0.05)
         rows = dev_ngrams(tiny_lm, 0, 2)
-        with LMClient(f"127.0.0.1:{m.group(2)}", retries=0, timeout=10) as client:
+        with LMClient(server.target, retries=0, timeout=10) as client:
             np.testing.assert_allclose(client.score_ids(rows, log_base="ln").log_probs,
                                        tiny_lm.score_ngrams(rows.astype(np.int64)), atol=1e-5, rtol=0)
         logged = log_path.read_text(encoding="utf-8")

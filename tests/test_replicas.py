@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import pytest
 from nlmserve.client import AsyncLMClient, LMClient, ModelMismatchError
 from nlmserve.client.replicas import Endpoint, ModelGuard, endpoint_of
 
-from support import DEV, REPO, start_server
+from support import DEV, REPO, serve_subprocess, start_server
 
 HEALTHCHECK = REPO / "docker" / "healthcheck.py"
 NLMSERVE = [sys.executable, "-m", "nlmserve.cli"]
@@ -40,20 +39,10 @@ class Replica:
 
     def __init__(self, model: Path) -> None:
         self.stderr = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(
-            NLMSERVE + ["serve", "--model", str(model), "--port", "0", "--metrics-port", "0", "--torch-threads", "1"],
-            stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=ENV,
-        )
-        assert self.proc.stdout is not None
-        first, second = self.proc.stdout.readline().strip(), self.proc.stdout.readline().strip()
-        grpc_port = re.fullmatch(r"listening on 127\.0\.0\.1:(\d+)", first)
-        metrics = re.fullmatch(r"metrics on (http://127\.0\.0\.1:\d+/metrics)", second)
-        if not (grpc_port and metrics):
-            self.kill()
-            self.stderr.seek(0)
-            raise AssertionError(f"replica did not start: {first!r} {second!r}\n{self.stderr.read().decode()}")
-        self.target = f"127.0.0.1:{grpc_port.group(1)}"
-        self.metrics_url = metrics.group(1)
+        server = serve_subprocess(model, metrics_port=0, stderr=self.stderr, env=ENV)
+        self.proc = server.process
+        self.target = server.target
+        self.metrics_url = server.metrics_url
 
     def requests(self, rpc: str = "ScoreNgrams", code: str = "OK") -> int:
         """``nlmserve_requests_total{rpc=..., code=...}`` from the replica's /metrics."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -18,30 +17,9 @@ import numpy as np
 import pytest
 
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
+from support import serve_subprocess
 
 NLMSERVE = [sys.executable, "-m", "nlmserve.cli"]
-
-
-def read_line(proc: subprocess.Popen[str], pattern: str, timeout: float = 60.0) -> re.Match[str]:
-    """The first stdout line matching ``pattern`` (the process must print it within ``timeout``)."""
-    assert proc.stdout is not None
-    result: list[str] = []
-
-    def reader() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            result.append(line)
-            if re.search(pattern, line):
-                return
-
-    t = threading.Thread(target=reader, daemon=True)
-    t.start()
-    t.join(timeout)
-    for line in result:
-        m = re.search(pattern, line)
-        if m:
-            return m
-    raise AssertionError(f"no line matching {pattern!r} in {result!r}")
 
 
 def in_flight(metrics_port: int) -> float:
@@ -53,15 +31,12 @@ def in_flight(metrics_port: int) -> float:
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_0(tiny_model_path: Path, tiny_lm: Any) -> None:
-    proc = subprocess.Popen(
-        NLMSERVE + ["serve", "--model", str(tiny_model_path), "--port", "0", "--metrics-port", "0",
-                    "--torch-threads", "1", "--grace-seconds", "60", "--max-ngrams-per-request", "300000",
-                    "--max-batch-ngrams", "4096"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    server = serve_subprocess(tiny_model_path, "--grace-seconds", "60", "--max-ngrams-per-request", "300000",
+                              "--max-batch-ngrams", "4096", metrics_port=0, stderr=subprocess.PIPE,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = server.process
     try:
-        port = int(read_line(proc, r"^listening on 127\.0\.0\.1:(\d+)$").group(1))
-        metrics_port = int(read_line(proc, r"^metrics on http://127\.0\.0\.1:(\d+)/metrics$").group(1))
+        port, metrics_port = server.port, server.metrics_port
         rng = np.random.default_rng(0)
         ids = rng.integers(3, len(tiny_lm.vocab), size=(150_000, tiny_lm.order)).astype(np.uint32)
         result: dict[str, Any] = {}
