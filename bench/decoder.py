@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 from _common import machine, tree_cpu_seconds, write_json  # noqa: E402
 
-from nlmserve.moses_plugin.experiment import ServerProcess, start_server  # noqa: E402
+from nlmserve.serve_process import ServerProcess, start_server  # noqa: E402
 
 #: Configurations measured by default: name, then the feature's options (None: KENLM alone).
 DEFAULT_CONFIGS = ["kenlm", "exact:normalized=true", "selfnorm:normalized=false",

@@ -43,7 +43,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine  # noqa: E402
 
-from nlmserve.moses_plugin.experiment import start_server  # noqa: E402
+from nlmserve.serve_process import start_server  # noqa: E402
 
 log = logging.getLogger("bench.load")
 

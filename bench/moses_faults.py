@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, markers, require_scoring_tables, shown_command, write_json, write_section  # noqa: E402
 from decoder import commit, feature_line, rewrite_ini, write_head  # noqa: E402
 
-from nlmserve.moses_plugin.experiment import ServerProcess, start_server  # noqa: E402
+from nlmserve.serve_process import ServerProcess, start_server  # noqa: E402
 
 #: name -> (the feature's options besides normalized=false, whether the server comes back)
 CASES: dict[str, tuple[dict[str, str], bool]] = {

@@ -136,7 +136,7 @@ def oxlm_command(bin_dir: Path, text: Path, model: Path, args: argparse.Namespac
 def nlmserve_command(text: Path, out: Path, args: argparse.Namespace, steps: int, corpus_tokens: int) -> list[str]:
     """``nlmserve train`` of this installation with OxLM's model: no recipe, no validation,
     no checkpoints, one process and one thread, ``steps`` steps."""
-    from nlmserve.moses_plugin.experiment import nlmserve_command as cli
+    from nlmserve.serve_process import nlmserve_command as cli
 
     epochs = math.ceil(steps * NLM_BATCH / corpus_tokens)
     return [*cli(), "train", "--recipe", "none", "--train", str(text), "--out", str(out),
@@ -183,7 +183,7 @@ def oxlm_run(bin_dir: Path, text: Path, dev: Path, model: Path, args: argparse.N
 def nlmserve_run(text: Path, dev: Path, out: Path, args: argparse.Namespace, steps: int,
                  corpus_tokens: int) -> dict[str, Any]:
     """Train nlmserve for ``steps`` steps, score the dev text → the run's record."""
-    from nlmserve.moses_plugin.experiment import nlmserve_command as cli
+    from nlmserve.serve_process import nlmserve_command as cli
 
     log_file = out.with_name(out.name + ".log")
     for old in (out, log_file, out.with_name(out.name + ".log.jsonl"), out.with_name(out.name + ".ckpt")):

@@ -29,9 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from nlmserve.client import LMClient
-from nlmserve.moses_plugin.experiment import ExperimentConfig, start_server, train_model
+from nlmserve.moses_plugin.experiment import ExperimentConfig, train_model
 from nlmserve.moses_plugin.nbest import iter_entries
 from nlmserve.moses_plugin.rescore import RescoreConfig, rescore
+from nlmserve.serve_process import start_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine  # noqa: E402

@@ -247,7 +247,7 @@ def recipe_bench(side: Side, train_args: list[str], out: Path) -> dict[str, floa
             shutil.rmtree(old)
         else:
             old.unlink()
-    from nlmserve.moses_plugin.experiment import nlmserve_command
+    from nlmserve.serve_process import nlmserve_command
 
     run([*nlmserve_command(), "train", *train_args, "--out", str(out)], side.src, side.env, log=out.with_suffix(".log"))
     return training_speed(out.with_name(out.name + ".log.jsonl"))
@@ -260,7 +260,7 @@ def sequential_latency(side: Side, model: Path, requests: int, native: bool) -> 
     import numpy as np
 
     from nlmserve.errors import NlmserveError
-    from nlmserve.moses_plugin.experiment import start_server
+    from nlmserve.serve_process import start_server
     from serve import single_latency  # bench/serve.py (bench/ is sys.path[0])
 
     extra = ["--host", "127.0.0.1"]

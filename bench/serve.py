@@ -36,7 +36,6 @@ import asyncio
 import json
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -159,28 +158,28 @@ class ServerProcess(_Process):
     """A server subprocess on 127.0.0.1, port 0: ``nlmserve serve`` with its /metrics on a free
     port, or (``noop=True``) this script's no-op server (same gRPC stack, no model work).
 
-    Not ``nlmserve.moses_plugin.experiment.start_server``: this benchmark also starts the
-    no-op server, reads the /metrics address the server prints second, and keeps the
-    server's log off the terminal between its tables."""
+    ``nlmserve serve`` through ``nlmserve.serve_process.start_server``, its log kept off the
+    terminal between the tables; the no-op server prints the same ``listening on`` line."""
 
     def __init__(self, model: Path, *flags: str, noop: bool = False) -> None:
-        if noop:
-            cmd = [sys.executable, __file__, "--noop-server", str(model)]
-        else:
-            from nlmserve.moses_plugin.experiment import nlmserve_command
+        from nlmserve.serve_process import parse_listening, start_server
 
-            cmd = [*nlmserve_command(), "serve", "--model", str(model), "--port", "0", "--metrics-port", "0", *flags]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        assert self.proc.stdout is not None
-        lines = [self.proc.stdout.readline()] + ([] if noop else [self.proc.stdout.readline()])
-        m = re.match(r"listening on (\S+)", lines[0])
-        mm = None if noop else re.search(r":(\d+)/metrics", lines[1])
-        if not m or not (noop or mm):
-            self.proc.kill()
-            raise RuntimeError(f"server did not start: {lines!r}")
-        self.target = m.group(1)
-        self.metrics_url = f"http://127.0.0.1:{mm.group(1)}/metrics" if mm else None
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.metrics_url: str | None = None
+        if not noop:
+            server = start_server(model, flags, metrics_port=0, stderr=subprocess.DEVNULL, env=env)
+            self.proc, self.target = server.process, server.target
+            self.metrics_url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+        else:
+            self.proc = subprocess.Popen([sys.executable, __file__, "--noop-server", str(model)],
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+            assert self.proc.stdout is not None
+            line = self.proc.stdout.readline()
+            target = parse_listening(line)
+            if target is None:
+                self.proc.kill()
+                raise RuntimeError(f"server did not start: {line!r}")
+            self.target = target
         self.native = "native" in flags  # the front end merges requests before the model server
 
     def metric(self, name: str) -> float:
@@ -203,6 +202,7 @@ def noop_serve(model: Path) -> int:
     import grpc
 
     from nlmserve.proto import lm_pb2, lm_pb2_grpc
+    from nlmserve.serve_process import listening_line
     from nlmserve.server.servicer import model_info
     from nlmserve.server.config import ServerConfig
     from nlmserve.server.engine import ModelState, load_model
@@ -238,7 +238,7 @@ def noop_serve(model: Path) -> int:
         lm_pb2_grpc.add_LanguageModelServicer_to_server(Noop(), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        print(f"listening on 127.0.0.1:{port}", flush=True)
+        print(listening_line("127.0.0.1", port), flush=True)
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, stop.set)

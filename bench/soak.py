@@ -40,7 +40,6 @@ import asyncio
 import logging
 import os
 import random
-import re
 import shutil
 import signal
 import socket
@@ -122,21 +121,14 @@ class Replica:
         self.totals: Counter[str] = Counter()  # metric samples of the incarnations before this one
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "nlmserve.cli", "serve", "--model", str(self.model), "--port", str(self.port),
-               "--metrics-port", "0", "--token-file", str(self.tokens), "--torch-threads", "1",
-               "--max-concurrent-rpcs", str(self.cfg.max_concurrent_rpcs),
-               "--max-message-bytes", str(self.cfg.max_message_bytes), "--first-message-seconds", "5"]
+        from nlmserve.serve_process import start_server
+
+        flags = ["--token-file", str(self.tokens), "--torch-threads", "1",
+                 "--max-concurrent-rpcs", str(self.cfg.max_concurrent_rpcs),
+                 "--max-message-bytes", str(self.cfg.max_message_bytes), "--first-message-seconds", "5"]
         with open(self.work / f"{self.name}.log", "a", encoding="utf-8") as stderr:
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)
-        assert self.proc.stdout is not None
-        for _ in range(2):
-            line = self.proc.stdout.readline()
-            if m := re.match(r"listening on \S+:(\d+)", line):
-                self.port = int(m.group(1))
-            elif m := re.match(r"metrics on http://\S+:(\d+)/", line):
-                self.metrics_port = int(m.group(1))
-            else:
-                raise RuntimeError(f"replica {self.name} did not start ({line!r}): see {self.work}/{self.name}.log")
+            server = start_server(self.model, flags, port=self.port, metrics_port=0, stderr=stderr)
+        self.proc, self.port, self.metrics_port = server.process, server.port, server.metrics_port or 0
         self.up.set()
 
     @property

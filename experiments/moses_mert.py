@@ -55,7 +55,7 @@ from _common import machine, write_json  # noqa: E402
 from decoder import feature_line, rewrite_ini  # noqa: E402
 
 from nlmserve.moses_plugin.bleu import BleuConfig, corpus_bleu, paired_bootstrap, read_references  # noqa: E402
-from nlmserve.moses_plugin.experiment import ServerProcess, start_server  # noqa: E402
+from nlmserve.serve_process import ServerProcess, start_server  # noqa: E402
 from nlmserve.moses_plugin.rerank import search_check  # noqa: E402
 from nlmserve.moses_plugin.weights import load_weights  # noqa: E402
 

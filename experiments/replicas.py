@@ -18,7 +18,6 @@ import argparse
 import json
 import logging
 import os
-import re
 import subprocess
 import sys
 import threading
@@ -36,22 +35,17 @@ log = logging.getLogger("experiments.replicas")
 
 def start_replica(model: str, *flags: str) -> tuple[subprocess.Popen[str], str, str]:
     """``nlmserve serve`` on a free port with one torch and one OpenMP thread; (process, target,
-    /metrics URL). Not ``nlmserve.moses_plugin.experiment.start_server``: each replica needs
-    ``OMP_NUM_THREADS=1`` in its environment and the /metrics address it prints second."""
-    from nlmserve.moses_plugin.experiment import nlmserve_command
+    /metrics URL)."""
+    from nlmserve.errors import NlmserveError
+    from nlmserve.serve_process import start_server
 
-    cmd = [*nlmserve_command(), "serve", "--model", model, "--port", "0", "--metrics-port", "0",
-           "--torch-threads", "1", *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
-    assert proc.stdout is not None
-    first, second = proc.stdout.readline().strip(), proc.stdout.readline().strip()
-    port = re.fullmatch(r"listening on (127\.0\.0\.1:\d+)", first)
-    metrics = re.fullmatch(r"metrics on (\S+)", second)
-    if not (port and metrics):
-        proc.kill()
-        raise SystemExit(f"replica did not start: {first!r} {second!r}")
-    return proc, port.group(1), metrics.group(1)
+    try:
+        server = start_server(model, ["--torch-threads", "1", *flags], metrics_port=0, stderr=subprocess.DEVNULL,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    except NlmserveError as e:
+        raise SystemExit(f"replica did not start: {e}") from e
+    assert server.metrics_url is not None
+    return server.process, server.target, server.metrics_url
 
 
 def counter(url: str, name: str, match: str = "") -> float:
