@@ -41,6 +41,7 @@ from nlmserve.lm.interpolate import load_kn, mix_log10, score_text, tune_weight
 from nlmserve.lm.outputs import TreeOutput
 from nlmserve.lm.scoring import LanguageModel
 from nlmserve.lm.train import TrainConfig, train
+from nlmserve.perplexity import from_log10
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # bench/_common.py
 from _common import machine, train_seconds  # noqa: E402
@@ -173,8 +174,8 @@ def run_one(s: Strategy, texts: dict[str, Path], work: Path, args: argparse.Name
         weight = tune_weight(score_text(lm, kn, texts["tune"]))
         t = score_text(lm, kn, texts["test"])
         mix = mix_log10(t.nlm, t.kn, weight)
-        row.update(kn_weight=weight, kn_test_ppl=float(10 ** (-t.kn.sum() / t.kn.size)),
-                   mix_test_ppl=float(10 ** (-mix.sum() / mix.size)))
+        row.update(kn_weight=weight, kn_test_ppl=from_log10(float(t.kn.sum()), t.kn.size),
+                   mix_test_ppl=from_log10(float(mix.sum()), mix.size))
     ids, _, _, _ = lm.sentence_ngrams([line.split() for line in texts["test"].read_text().splitlines()[:800]])
     ids = ids[: args.speed_ngrams]
     row["score_norm_per_s"] = scoring_speed(lm, ids, True, args.speed_batch)
