@@ -28,6 +28,8 @@ and the classes. Usage:
 
     .venv/bin/python bench/targets.py                                  # all, full budgets
     .venv/bin/python bench/targets.py --scale 0.05 --only 200k,oxlm-nce --lmplz /path/to/lmplz
+    .venv/bin/python bench/targets.py --render docs/performance.md bench/results/targets-200k.json \
+        bench/results/targets-full.json                              # the no-flag rows of the page
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine, markers, shown_command, write_json, write_section  # noqa: E402
 
 log = logging.getLogger("bench.targets")
 
@@ -66,6 +72,7 @@ class Target:
         min_count: 2 maps singletons to ``<unk>`` (the OxLM set-up).
         dim: embedding width (None: the ``--dim`` flag; the OxLM targets' 256 yields to ``--oxlm-dim``).
         peer: the peer's perplexity to print beside it (OxLM), or None.
+        goal: the relative change against Kneser-Ney the target asks for at most (None: none).
     """
 
     name: str
@@ -76,11 +83,12 @@ class Target:
     min_count: int = 1
     dim: int | None = None
     peer: float | None = None
+    goal: float | None = None
 
 
 TARGETS = (
-    Target("200k", 200_000, 20.0, 61.1),
-    Target("full", None, 60.0, 52.4),
+    Target("200k", 200_000, 20.0, 61.1, goal=-0.08),
+    Target("full", None, 60.0, 52.4, goal=-0.08),
     Target("oxlm-nce", 120_000, 10.0, 68.5, "nce", 2, 256, 66.7),
     Target("oxlm-mle", 120_000, 20.0, 68.5, "mle", 2, 256, 66.0),
 )
@@ -241,6 +249,41 @@ def format_table(rows: list[Row], scale: float) -> str:
     return "\n".join(lines)
 
 
+def _minus(number: str) -> str:
+    """A signed number as the pages print it (U+2212 for the minus sign)."""
+    return number.replace("-", "\u2212")
+
+
+_TEXT = {"200k": "first 200,000 lines", "full": "all of Europarl (18.25M tokens)"}
+
+
+def render(results: list[dict[str, Any]]) -> str:
+    """The rows of the no-flag targets (``200k``, ``full``) in ``results`` (each a ``--json``
+    file: a run's machine, command and rows) as the Markdown table of docs/performance.md."""
+    lines = ["| target | measured | verdict | command |", "|---|---|---|---|"]
+    for result in results:
+        m = result["machine"]
+        for r in result["rows"]:
+            t = r["target"]
+            if t["name"] not in _TEXT or r["ppl"] is None:
+                continue
+            rel = r["ppl"] / r["kn_ppl"] - 1
+            goal = t["goal"]
+            kn = "" if r["kn_source"] == "lmplz" else f", {r['kn_source']}"
+            recipe = f"`{r['recipe'].split(' (')[0]}`"
+            target = (f"{_TEXT[t['name']]}, {t['minutes']:g} minutes, **no training flags** (`nlmserve train` chose "
+                      f"the {recipe} recipe): at most {_minus(f'{goal * 100:.0f}')}% against `lmplz -o 5` on the same lines "
+                      f"({r['kn_ppl']:.2f}{kn})")
+            rate = r["tokens_seen"] / r["train_seconds"]
+            measured = (f"{r['ppl']:.2f} (excl. OOVs {r['ppl_excl_oov']:.2f}); {r['steps']:,} steps, "
+                        f"{r['tokens_seen'] / 1e6:.1f}M tokens, {rate:,.0f} tokens/s, {r['train_seconds']:,.0f} s")
+            verdict = f"{'met' if rel <= goal else 'not met'}, {_minus(f'{rel * 100:+.1f}')}%"
+            command = (f"`{shown_command(result['command'])}` ({result['date']}, {m['cpu']}, load average "
+                       f"{m['load_average_1m']} at the start)")
+            lines.append(f"| {target} | {measured} | {verdict} | {command} |")
+    return "\n".join(lines)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--scale", type=float, default=1.0, help="budget fraction (1: the issue's budgets)")
@@ -270,13 +313,23 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, help="Hogwild processes (nlmserve train --workers)")
     p.add_argument("--dropout", type=float, help="dropout on the context vector (0: none)")
     p.add_argument("--noise-samples", type=int, help="nlmserve train --noise-samples (NCE's k)")
-    p.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    p.add_argument("--json", type=Path, help="also write the run (machine, command, rows) as JSON here")
+    p.add_argument("--render", nargs="+", type=Path, metavar=("DOC", "JSON"),
+                   help="only replace DOC's bench/targets.py section by the no-flag rows of the JSON files")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
+    if args.render:
+        if len(args.render) < 2:
+            p.error("--render takes DOC and one or more JSON files")
+        doc, *files = args.render
+        begin, end = markers("targets.py")
+        table = render([json.loads(f.read_text(encoding="utf-8")) for f in files])
+        write_section(doc, begin, end, f"{begin}\n\n{table}\n\n{end}")
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     if args.scale <= 0:
         p.error("--scale must be positive")
@@ -298,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     query = args.query or (args.lmplz.parent / "query" if args.lmplz else None)
     rows: list[Row] = []
+    started = {"machine": machine(), "date": time.strftime("%Y-%m-%d"),
+               "command": " ".join(["bench/targets.py", *(argv if argv is not None else sys.argv[1:])])}
     for t in TARGETS:
         if t.name not in names:
             continue
@@ -318,9 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     table = format_table(rows, args.scale)
     print(table)
     if args.json:
-        tmp = args.json.with_name(args.json.name + ".tmp")
-        tmp.write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
-        os.replace(tmp, args.json)
+        write_json(args.json, {**started, "rows": [dataclasses.asdict(r) for r in rows]})
     return 0
 
 
