@@ -21,10 +21,10 @@ def test_the_200k_line_budget_gets_the_small_recipe_as_measured() -> None:
     r = choose(5_400_000, 20.0, 2)
     assert r.name == "small"
     assert (r.dim, r.workers, r.threads, r.ngram_features, r.ngram_class_bits, r.ngram_word_bits) == (
-        512, 2, 1, True, 20, 22)
+        768, 2, 1, True, 22, 24)
     assert (r.class_method, r.dropout, r.lr, r.lr_schedule, r.min_improvement, r.valid_every) == (
-        "brown", 0.2, 0.05, "plateau", 0.005, 8000)
-    assert (r.patience, r.epochs, r.order, r.ngram_order) == (100, 100, 5, 0)  # the budget ends the run
+        "brown", 0.3, 0.05, "linear", 0.0, 10_546)  # once per pass: 5.4M tokens / 512
+    assert (r.patience, r.epochs, r.order, r.ngram_order) == (100, 100, 10, 5)  # the budget ends the run
 
 
 def test_the_full_corpus_in_an_hour_gets_the_large_recipe_as_measured() -> None:
@@ -35,6 +35,9 @@ def test_the_full_corpus_in_an_hour_gets_the_large_recipe_as_measured() -> None:
     assert (r.order, r.ngram_order) == (10, 5)  # nine context words, direct features to 5-grams
     # a shorter budget or a smaller corpus keeps the small one
     assert choose(18_250_000, 30.0, 2).name == choose(9_000_000, 60.0, 2).name == "small"
+    # which differs in its dropout (a small corpus is seen more often in a budget) and validation
+    assert (r.dropout, choose(9_000_000, 60.0, 2).dropout) == (0.2, 0.3)
+    assert choose(18_250_000, 30.0, 2).valid_every == 16_000
 
 
 def test_cores_budget_and_corpus_size() -> None:
@@ -111,7 +114,7 @@ def test_the_log_and_the_model_file_say_what_the_recipe_chose(
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("recipe: "))
     assert line.startswith(f"recipe: small (for {tokens:,} training tokens, no time budget, ")
     assert "dim=" not in line and "workers=" not in line and "class_method=" not in line  # given
-    assert "ngram_features=True" in line and "dropout=0.2" in line and "lr=0.05" in line
+    assert "ngram_features=True" in line and "dropout=0.3" in line and "lr=0.05" in line
     lm = LanguageModel.load(out, device="cpu")
     assert lm.training["train_config"]["recipe"] == line.removeprefix("recipe: ")
     assert lm.config.dim == 16 and lm.config.has_ngram_features
