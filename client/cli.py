@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from nlmserve.errors import InputError
 from nlmserve.flags import deprecated_spelling
-from nlmserve.kenlm_query import write_scores
+from nlmserve.kenlm_query import add_input_flags, write_scores
 
 if TYPE_CHECKING:
     from nlmserve.client.core import SentenceScore
@@ -37,12 +37,7 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     p = subparsers.add_parser("score", help="score sentences from stdin against a server (like KenLM's query)",
                               description="Score whitespace-tokenised sentences (one per line) from stdin.")
     p.add_argument("--server", required=True, help=SERVER_HELP)
-    p.add_argument("--json", action="store_true", help="one JSON object per sentence")
-    p.add_argument("--lowercase", action="store_true", help="lowercase the input first")
-    p.add_argument("--no-bos", action="store_true", help="do not condition the first word on <s>")
-    p.add_argument("--no-eos", action="store_true", help="do not score </s>")
-    p.add_argument("--unnormalized", action="store_true",
-                   help="the raw scores of a self-normalised model (NCE) instead of log-probabilities")
+    add_input_flags(p)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per request (default 60)")
     add_security_flags(p)
     p.set_defaults(func=run_score)

@@ -21,6 +21,7 @@ sentence) is an ``InputError`` naming the line. Nothing here imports torch.
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, BinaryIO, Callable, Iterator, Mapping, Protocol, Sequence, TextIO
@@ -68,6 +69,17 @@ class Totals:
         ppl = from_log10(self.log10, self.tokens)
         ppl_excl = from_log10(self.log10 - self.oov_log10, self.tokens - self.oovs)
         return {"perplexity": ppl, "perplexity_excl_oov": ppl_excl, "oovs": self.oovs, "tokens": self.tokens}
+
+
+def add_input_flags(p: argparse.ArgumentParser) -> None:
+    """The output and input flags ``score`` and ``query`` share: ``--json``, ``--lowercase``,
+    ``--no-bos``, ``--no-eos``, ``--unnormalized``."""
+    p.add_argument("--json", action="store_true", help="one JSON object per sentence, then a summary")
+    p.add_argument("--lowercase", action="store_true", help="lowercase the input first")
+    p.add_argument("--no-bos", action="store_true", help="do not condition the first word on <s>")
+    p.add_argument("--no-eos", action="store_true", help="do not score </s>")
+    p.add_argument("--unnormalized", action="store_true",
+                   help="the raw scores of a self-normalised model (NCE) instead of log-probabilities")
 
 
 def read_batches(stream: BinaryIO, lowercase: bool = False, name: str = STDIN) -> Iterator[tuple[int, list[str]]]:

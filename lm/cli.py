@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from nlmserve.flags import deprecated_spelling
+from nlmserve.kenlm_query import add_input_flags
 from nlmserve.lm.recipe import RECIPE_FLAGS
 
 log = logging.getLogger(__name__)
@@ -140,12 +141,7 @@ def register(subparsers: Any) -> None:
                     "perplexity with and without OOVs, OOVs and tokens.",
     )
     q.add_argument("--model", required=True, metavar="FILE", help="model file written by `nlmserve train`")
-    q.add_argument("--json", action="store_true", help="one JSON object per sentence, then a summary")
-    q.add_argument("--lowercase", action="store_true", help="lowercase the input first")
-    q.add_argument("--no-bos", action="store_true", help="do not condition the first word on <s>")
-    q.add_argument("--no-eos", action="store_true", help="do not score </s>")
-    q.add_argument("--unnormalized", action="store_true",
-                   help="the raw scores of a self-normalised model (NCE) instead of log-probabilities")
+    add_input_flags(q)
     q.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda if available)")
     q.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     q.set_defaults(func=_query)
