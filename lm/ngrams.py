@@ -19,7 +19,7 @@ no-word; it is never predicted.
     pack_ngrams(ngrams, index, order, lowercase=)   # word n-grams → padded id rows + OOV
 
 Only numpy is imported here (never torch): the client and the Moses tooling use these rules
-too (tests/golden/canonical_ngrams.tsv has the cases the C++ client passes as well).
+too (proto/contract/canonical_ngrams.tsv has the cases the C++ client passes as well).
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ NATIVE_SRC = REPO / "server" / "native"
 NATIVE = REPO / "build" / "native"  # ... and builds the front end against it here
 DRIVER = BUILD / "nlmserve_client_test"
 UNIT = BUILD / "nlmserve_unit_test"
-GOLDEN = REPO / "tests" / "golden" / "canonical_ngrams.tsv"
+CONTRACT = REPO / "proto" / "contract"
+GOLDEN = CONTRACT / "canonical_ngrams.tsv"
 # `nlmserve serve` through the server room's own CLI module, so this test depends on the
 # serve subcommand only (not on every room's parser being importable).
 SERVE = [sys.executable, "-c",
@@ -216,7 +217,7 @@ def test_scoring_tables_are_filled_into_huge_pages(driver: Path) -> None:
 
 
 def test_golden_ngram_rules_through_the_cpp_owner(driver: Path) -> None:
-    """Every case of tests/golden/canonical_ngrams.tsv through nlmserve::CanonicalRow, the
+    """Every case of proto/contract/canonical_ngrams.tsv through nlmserve::CanonicalRow, the
     function the client's requests, the load generator and the Moses feature all call."""
     cases = [line.split("\t") for line in GOLDEN.read_text(encoding="utf-8").splitlines()
              if line.strip() and not line.startswith("#")]

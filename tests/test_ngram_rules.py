@@ -1,12 +1,11 @@
 """The wire contract's n-gram rules (``nlmserve.lm.ngrams``): every case of
-tests/golden/canonical_ngrams.tsv, sentence windows, word packing, and the rule module's
+proto/contract/canonical_ngrams.tsv, sentence windows, word packing, and the rule module's
 imports (numpy only, so that the client and the Moses tooling can use it without torch)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +13,9 @@ import pytest
 from nlmserve.errors import InvalidRequestError
 from nlmserve.lm.ngrams import BOS_ID, EOS_ID, UNK_ID, canonical_rows, check_sentences, pack_ngrams, sentence_windows
 
-GOLDEN = Path(__file__).parent / "golden" / "canonical_ngrams.tsv"
+from contract import CONTRACT
+
+GOLDEN = CONTRACT / "canonical_ngrams.tsv"
 
 
 def golden_cases() -> list[tuple[int, int, list[int], str]]:

@@ -83,7 +83,7 @@ enum class NgramError {
 };
 
 // "empty", "too-long", "out-of-range", "bos-target" ("" for kNone): the error kinds of
-// tests/golden/canonical_ngrams.tsv and of the Python owner's InvalidRequestError.
+// proto/contract/canonical_ngrams.tsv and of the Python owner's InvalidRequestError.
 const char *NgramErrorKind(NgramError error);
 
 // The canonical context: the last `width` of words[0, n), left-padded with `bos`, and

@@ -6,7 +6,7 @@
 //   nlmserve_unit_test --canonical
 //       reads lines "ORDER<TAB>VOCAB_SIZE<TAB>IDS" (IDS space-separated, "-" for none) on
 //       stdin and prints, for each, the canonical row CanonicalRow writes or
-//       "error:KIND" (the columns of tests/golden/canonical_ngrams.tsv).
+//       "error:KIND" (the columns of proto/contract/canonical_ngrams.tsv).
 //   nlmserve_unit_test --huge-pages
 //       fills 32 MB as the client fills the scoring tables (reserved, AdviseHugePages, then
 //       written) and prints "huge pages: K kB" from /proc/self/smaps: the huge pages of
