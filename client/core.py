@@ -22,6 +22,7 @@ from nlmserve.lm.ngrams import pack_ngrams
 from nlmserve.logbase import is_log10
 from nlmserve.perplexity import from_log10
 from nlmserve.proto import lm_pb2
+from nlmserve.tokens import read_tokens
 
 
 
@@ -369,19 +370,9 @@ def _read_pem(path: str, what: str) -> bytes:
 
 
 def read_token_file(path: str) -> str:
-    """The first token in a token file (one per line; blank and ``#`` lines skipped)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"cannot read token file: {e}", path) from e
-    for number, line in enumerate(lines, 1):
-        token = line.strip()
-        if token and not token.startswith("#"):
-            if any(c.isspace() for c in token):
-                raise InputError("a token must hold no whitespace", path, number)
-            return token
-    raise InputError("token file holds no token", path)
+    """The first token in a token file (one per line; blank and ``#`` lines skipped; the
+    rule is ``nlmserve.tokens``')."""
+    return read_tokens(path)[0]
 
 
 def security_of(tls: bool, tls_ca: str | None, tls_cert: str | None, tls_key: str | None,

@@ -1,7 +1,7 @@
 """Bearer tokens and TLS credentials for the server.
 
 Tokens: ``--token-file FILE`` holds one or more tokens, one per line (blank lines and lines
-starting with ``#`` are skipped). A call must carry ``authorization: Bearer <token>``
+starting with ``#`` are skipped; the rule is ``nlmserve.tokens``'). A call must carry ``authorization: Bearer <token>``
 metadata naming one of them; the comparison is constant-time (``hmac.compare_digest``,
 against every token). The call gate (server/gate.py) ends calls without a valid token
 UNAUTHENTICATED from their metadata, before any handler waits for a message, and counts
@@ -26,6 +26,7 @@ import grpc
 
 from nlmserve.errors import InputError
 from nlmserve.server.files import read_small_file
+from nlmserve.tokens import parse_tokens
 
 log = logging.getLogger(__name__)
 
@@ -34,27 +35,15 @@ OPEN_SERVICES = ("grpc.health.v1.Health",)
 
 
 def read_tokens(path: str | Path) -> tuple[bytes, ...]:
-    """The tokens in ``path``; InputError naming the file (and line) when it is unusable."""
-    try:
-        text = read_small_file(str(path), "token file").decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise InputError(f"token file is not UTF-8: {e}", str(path)) from e
-    tokens = []
-    for number, line in enumerate(text.splitlines(), 1):
-        token = line.strip()
-        if not token or token.startswith("#"):
-            continue
-        if any(c.isspace() for c in token) or not token.isprintable():
-            raise InputError("a token must be printable and hold no whitespace", str(path), number)
-        tokens.append(token.encode("utf-8"))
-    if not tokens:
-        raise InputError("token file holds no token", str(path))
-    return tuple(tokens)
+    """The tokens in ``path`` (the rule is ``nlmserve.tokens``'); InputError naming the file
+    (and line) when it is unusable."""
+    data = read_small_file(str(path), "token file")
+    return tuple(token.encode("ascii") for token in parse_tokens(data, str(path)))
 
 
 def read_client_token(path: str | Path) -> str:
     """The first token of a token file (what a client sends)."""
-    return read_tokens(path)[0].decode("utf-8")
+    return read_tokens(path)[0].decode("ascii")
 
 
 class TokenStore:
