@@ -26,6 +26,7 @@ from nlmserve.server.auth import TlsFiles, TokenStore
 from nlmserve.server.config import ServerConfig
 from nlmserve.server.engine import Engine, ModelState, load_model
 from nlmserve.server.metrics import ServerMetrics
+from nlmserve.server.requests import CallStatus, status_of
 from nlmserve.server.servicer import _parser, model_info
 
 if TYPE_CHECKING:
@@ -167,16 +168,16 @@ class AdminServicer:
         code, message = grpc.StatusCode.OK, ""
         info = None
         if not self.enabled:
-            code = grpc.StatusCode.PERMISSION_DENIED
+            code = CallStatus.admin_disabled
             message = "the Admin service needs --token-file (or --allow-unauthenticated-admin)"
         elif not isinstance(request, lm_pb2.ReloadModelRequest):  # did not parse
-            code, message = grpc.StatusCode.INVALID_ARGUMENT, str(getattr(request, "error", "bad request"))
+            code, message = CallStatus.malformed, str(getattr(request, "error", "bad request"))
         else:
             try:
                 state = await asyncio.to_thread(self.reloader.reload, request.path or None)
                 info = model_info(state, self.reloader.config.max_ngrams_per_request)
             except ReloadError as e:
-                code, message = grpc.StatusCode.FAILED_PRECONDITION, str(e)
+                code, message = status_of(e), str(e)
         if self.metrics is not None:
             self.metrics.requests.labels(rpc="ReloadModel", code=code.name).inc()
         if info is None:

@@ -41,7 +41,7 @@ import grpc
 from nlmserve.server.auth import OPEN_SERVICES
 from nlmserve.server.config import ServerConfig
 from nlmserve.server.metrics import ServerMetrics
-from nlmserve.server.requests import RequestHandler
+from nlmserve.server.requests import CallStatus, RequestHandler
 
 if TYPE_CHECKING:  # the stubs make these generic in the request and response types, grpc does not
     Handler = grpc.RpcMethodHandler[Any, Any]
@@ -158,8 +158,8 @@ class CallGate(_Interceptor):
             message = self.requests.refusal(header)
             if message is not None:
                 log.debug("%s: %s", method, message)
-                self.requests.count(rpc, grpc.StatusCode.UNAUTHENTICATED)
-                return refuse(grpc.StatusCode.UNAUTHENTICATED, message)
+                self.requests.count(rpc, CallStatus.unauthenticated)
+                return refuse(CallStatus.unauthenticated, message)
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler  # UNIMPLEMENTED, from gRPC
@@ -173,13 +173,13 @@ class CallGate(_Interceptor):
             async with asyncio.timeout(self.first_message_seconds):
                 request = await context.read()
         except TimeoutError:
-            self.refusals.note("first_message_timeout", rpc, grpc.StatusCode.DEADLINE_EXCEEDED, context.peer())
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+            self.refusals.note("first_message_timeout", rpc, CallStatus.first_message_timeout, context.peer())
+            await context.abort(CallStatus.first_message_timeout,
                                 f"no request message within {self.first_message_seconds:g} s of the call's "
                                 "headers (--first-message-seconds)")
         if request is EOF:
-            self.requests.count(rpc, grpc.StatusCode.INVALID_ARGUMENT)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call ended without a request message")
+            self.requests.count(rpc, CallStatus.no_message)
+            await context.abort(CallStatus.no_message, "the call ended without a request message")
         return request
 
     async def _enter(self, pool: Pool | None, context: Context, rpc: str) -> str:
@@ -189,8 +189,8 @@ class CallGate(_Interceptor):
             refused = pool.take(peer)
             if refused is not None:
                 reason, message = refused
-                self.refusals.note(reason, rpc, grpc.StatusCode.RESOURCE_EXHAUSTED, peer)
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+                self.refusals.note(reason, rpc, CallStatus.slots_full, peer)
+                await context.abort(CallStatus.slots_full, message)
         return peer
 
     def _guard(self, handler: Handler, rpc: str, pool: Pool | None) -> Handler:

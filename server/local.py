@@ -56,7 +56,7 @@ import numpy as np
 
 from nlmserve.errors import InvalidRequestError, ProtocolError
 from nlmserve.server.engine import Engine, ModelState
-from nlmserve.server.requests import RequestHandler
+from nlmserve.server.requests import CallStatus, RequestHandler, status_of
 
 log = logging.getLogger(__name__)
 
@@ -169,8 +169,8 @@ class LocalBackend:
                 except InvalidRequestError as e:
                     # answer first (the exact status), then drop the connection: the ids are not read
                     n = max(1, min(parts, rows))
-                    self.requests.count(RPC, grpc.StatusCode.INVALID_ARGUMENT, n)
-                    conn.sendall(self._failed(request_id, grpc.StatusCode.INVALID_ARGUMENT, flags,
+                    self.requests.count(RPC, status_of(e), n)
+                    conn.sendall(self._failed(request_id, status_of(e), flags,
                                               self.engine.state.model_hash, str(e)))
                     raise ProtocolError("oversized batch") from None
                 if parts == 0 or parts > rows:
@@ -210,8 +210,8 @@ class LocalBackend:
         try:
             refusal = handler.refusal(auth or None)
             if refusal is not None:
-                handler.count(RPC, grpc.StatusCode.UNAUTHENTICATED, n)
-                return self._failed(request_id, grpc.StatusCode.UNAUTHENTICATED, flags, state.model_hash, refusal)
+                handler.count(RPC, CallStatus.unauthenticated, n)
+                return self._failed(request_id, CallStatus.unauthenticated, flags, state.model_hash, refusal)
             ids = np.frombuffer(data, dtype="<u4").reshape(-1, width)
             try:
                 try:

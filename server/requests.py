@@ -10,12 +10,18 @@ whichever way its request reached the model:
 * error mapping, each exception to one status code (the servicers only turn messages into
   domain objects and errors into codes): :func:`status_of` and :meth:`RequestHandler.error`::
 
-    InvalidRequestError  → INVALID_ARGUMENT (the message names the offending index)
-    oversized request    → INVALID_ARGUMENT (the message gives the limit)
-    OverloadedError      → RESOURCE_EXHAUSTED
-    RequestExpiredError  → DEADLINE_EXCEEDED
-    EngineStoppedError   → UNAVAILABLE
-    anything else        → INTERNAL (logged with its traceback)
+    InvalidRequestError    → INVALID_ARGUMENT (the message names the offending index)
+    oversized request      → INVALID_ARGUMENT (the message gives the limit)
+    UnsupportedModelError  → FAILED_PRECONDITION
+    ReloadError            → FAILED_PRECONDITION (the served model stays)
+    OverloadedError        → RESOURCE_EXHAUSTED
+    RequestExpiredError    → DEADLINE_EXCEEDED
+    EngineStoppedError     → UNAVAILABLE
+    anything else          → INTERNAL (logged with its traceback)
+
+  and the calls that end before or beside the engine, :class:`CallStatus` (the servicer,
+  Admin and the call gate of server/gate.py abort with these);
+  proto/contract/status_codes.tsv holds both tables;
 
 * metrics: ``nlmserve_requests`` counts client requests by method and status code,
   ``nlmserve_request_latency_seconds`` their server-side latency and
@@ -32,8 +38,8 @@ from typing import Any
 
 import grpc
 
-from nlmserve.errors import (EngineStoppedError, InvalidRequestError, OverloadedError, RequestExpiredError,
-                             UnsupportedModelError)
+from nlmserve.errors import (EngineStoppedError, InvalidRequestError, OverloadedError, ReloadError,
+                             RequestExpiredError, UnsupportedModelError)
 from nlmserve.server.auth import TokenStore
 from nlmserve.server.metrics import ServerMetrics
 
@@ -42,10 +48,24 @@ log = logging.getLogger(__name__)
 _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (UnsupportedModelError, grpc.StatusCode.FAILED_PRECONDITION),
+    (ReloadError, grpc.StatusCode.FAILED_PRECONDITION),
     (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (RequestExpiredError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (EngineStoppedError, grpc.StatusCode.UNAVAILABLE),
 )
+
+
+class CallStatus:
+    """The status of each way a call ends other than by an exception of the engine."""
+
+    unauthenticated = grpc.StatusCode.UNAUTHENTICATED  # no or an unknown bearer token (call gate)
+    draining = grpc.StatusCode.UNAVAILABLE  # the server is stopping: another replica may answer
+    malformed = grpc.StatusCode.INVALID_ARGUMENT  # a request message that does not parse
+    no_message = grpc.StatusCode.INVALID_ARGUMENT  # the call ended without a request message
+    first_message_timeout = grpc.StatusCode.DEADLINE_EXCEEDED  # no request message in time
+    slots_full = grpc.StatusCode.RESOURCE_EXHAUSTED  # the call gate's concurrency limits
+    admin_disabled = grpc.StatusCode.PERMISSION_DENIED  # Admin without a token file (or the flag)
+    cancelled = grpc.StatusCode.CANCELLED  # the client cancelled (counted; nothing is sent)
 
 
 def status_of(error: BaseException) -> grpc.StatusCode:

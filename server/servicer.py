@@ -26,7 +26,7 @@ from nlmserve.lm.ngrams import BOS_ID, EOS_ID, UNK_ID, pack_ngrams, word_ids
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
 from nlmserve.server.engine import Engine, ModelState
 from nlmserve.server.metrics import ServerMetrics
-from nlmserve.server.requests import RequestHandler
+from nlmserve.server.requests import CallStatus, RequestHandler, status_of
 
 log = logging.getLogger(__name__)
 
@@ -203,11 +203,11 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
     async def GetVocabulary(self, request: lm_pb2.GetVocabularyRequest,
                             context: Context) -> AsyncIterator[lm_pb2.VocabularyChunk]:
         if isinstance(request, MalformedRequest):
-            self._count("GetVocabulary", grpc.StatusCode.INVALID_ARGUMENT)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+            self._count("GetVocabulary", CallStatus.malformed)
+            await context.abort(CallStatus.malformed, request.error)
         if self.draining:
-            self._count("GetVocabulary", grpc.StatusCode.UNAVAILABLE)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)
+            self._count("GetVocabulary", CallStatus.draining)
+            await context.abort(CallStatus.draining, DRAINING_MESSAGE)
         size = request.chunk_size or self.engine.config.vocab_chunk_size
         words = self.engine.state.words
         self._count("GetVocabulary", grpc.StatusCode.OK)
@@ -223,17 +223,17 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
                                context: Context) -> AsyncIterator[lm_pb2.ScoringTablesChunk]:
         rpc = "GetScoringTables"
         if isinstance(request, MalformedRequest):
-            self._count(rpc, grpc.StatusCode.INVALID_ARGUMENT)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+            self._count(rpc, CallStatus.malformed)
+            await context.abort(CallStatus.malformed, request.error)
         if self.draining:
-            self._count(rpc, grpc.StatusCode.UNAVAILABLE)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)
+            self._count(rpc, CallStatus.draining)
+            await context.abort(CallStatus.draining, DRAINING_MESSAGE)
         state = self.engine.state
         try:
             tables = await asyncio.to_thread(state.scoring_tables)
         except UnsupportedModelError as e:
-            self._count(rpc, grpc.StatusCode.FAILED_PRECONDITION)
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            self._count(rpc, status_of(e))
+            await context.abort(status_of(e), str(e))
         flat = tables.data
         size = request.chunk_floats or TABLE_CHUNK_FLOATS
         self._count(rpc, grpc.StatusCode.OK)
@@ -359,14 +359,14 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
         if self.draining:
             if asyncio.iscoroutine(work):
                 work.close()  # never started
-            handler.count(rpc, grpc.StatusCode.UNAVAILABLE)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)
+            handler.count(rpc, CallStatus.draining)
+            await context.abort(CallStatus.draining, DRAINING_MESSAGE)
         start = handler.started()
         self._active += 1
         try:
             result = await work
         except asyncio.CancelledError:
-            handler.count(rpc, grpc.StatusCode.CANCELLED)
+            handler.count(rpc, CallStatus.cancelled)
             raise
         except Exception as e:
             code, message = handler.error(rpc, e)

@@ -1,0 +1,111 @@
+"""The Python owners of the cross-language rules against proto/contract, one golden file
+per rule (the C++ owners read the same files: tests/test_cpp_client.py,
+``nlmserve_contract_test``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+
+from contract import cases, unescape
+from nlmserve.errors import InputError
+from nlmserve.tokens import parse_tokens
+
+TOKEN_CASES = cases("token_files.tsv", 2)
+
+
+def test_token_cases_cover_every_outcome() -> None:
+    wants = [want.split(":")[0] + (":" + want.split(":")[1] if want.startswith("error:") else "")
+             for _, want in TOKEN_CASES]
+    assert {"tokens", "error:no-token", "error:line"} <= set(wants)
+
+
+@pytest.mark.parametrize("text,want", TOKEN_CASES)
+def test_token_files(text: str, want: str) -> None:
+    data = unescape(text)
+    try:
+        got = "tokens:" + " ".join(parse_tokens(data, "f"))
+    except InputError as e:
+        got = "error:no-token" if e.line is None else f"error:line:{e.line}"
+    assert got.encode("utf-8") == unescape(want), (data, got)
+
+
+@pytest.mark.parametrize("text,want", TOKEN_CASES[:3] + TOKEN_CASES[-3:])
+def test_token_files_read_by_server_and_client(tmp_path: Path, text: str, want: str) -> None:
+    """The server's reader (every token) and the client's (the first) follow the same rule."""
+    from nlmserve.client.core import read_token_file
+    from nlmserve.server.auth import read_tokens
+
+    path = tmp_path / "tokens"
+    path.write_bytes(unescape(text))
+    if want.startswith("tokens:"):
+        tokens = unescape(want)[len("tokens:"):].split(b" ")
+        assert read_tokens(path) == tuple(tokens)
+        assert read_token_file(str(path)) == tokens[0].decode("ascii")
+    else:
+        for read in (read_tokens, read_token_file):
+            with pytest.raises(InputError):
+                read(str(path))
+
+
+# ---------------------------------------------------------------------- retry codes
+class _Failed(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+RETRY_CASES = cases("retry_codes.tsv", 4)
+
+
+def test_retry_cases_name_every_code_by_its_wire_number() -> None:
+    named = {name: int(number) for name, number, _, _ in RETRY_CASES}
+    assert named == {code.name: code.value[0] for code in grpc.StatusCode}
+    assert {want for *_, want in RETRY_CASES} == {"retry", "final"}
+
+
+@pytest.mark.parametrize("name,number,details,want", RETRY_CASES)
+def test_retry_codes(name: str, number: str, details: str, want: str) -> None:
+    from nlmserve.client.core import RetryPolicy
+
+    error = _Failed(grpc.StatusCode[name], "" if details == "-" else details)
+    assert RetryPolicy(retries=1).should_retry(error, 0) == (want == "retry")
+    assert not RetryPolicy(retries=1).should_retry(error, 1)  # the budget is spent
+
+
+# ---------------------------------------------------------------------- status codes
+STATUS_CASES = cases("status_codes.tsv", 3)
+
+
+def test_status_cases_cover_every_exception_and_call_status() -> None:
+    from nlmserve.server.requests import _STATUS, CallStatus
+
+    conditions = {c for c, _, _ in STATUS_CASES}
+    assert {f"error:{cls.__name__}" for cls, _ in _STATUS} <= conditions
+    assert {f"call:{name}" for name in vars(CallStatus) if not name.startswith("_")} == \
+        {c for c in conditions if c.startswith("call:")}
+    assert "call:unauthenticated" in conditions
+
+
+@pytest.mark.parametrize("condition,name,number", STATUS_CASES)
+def test_status_codes(condition: str, name: str, number: str) -> None:
+    from nlmserve import errors
+    from nlmserve.server.requests import CallStatus, status_of
+
+    code = grpc.StatusCode[name]
+    assert code.value[0] == int(number)
+    kind, _, what = condition.partition(":")
+    if kind == "error":
+        error = RuntimeError("x") if what == "other" else getattr(errors, what)("x")
+        assert status_of(error) == code
+    elif kind == "call":
+        assert getattr(CallStatus, what) == code
+    else:
+        assert kind == "frontend"  # the C++ front end's own (nlmserve_contract_test reads the numbers)
