@@ -76,8 +76,11 @@ def endpoint_of(target: str | Sequence[str]) -> Endpoint:
             replicated = only.startswith("dns:") or "," in only
             return Endpoint(only, () if only.startswith("dns:") else tuple(only.split(":", 1)[1].split(",")),
                             replicated)
-        m = _ADDRESS.match(only)
-        return Endpoint(only, (only,), False, (m.group("v6") or m.group("host")) if m else None)
+        try:
+            host: str | None = _address(only)[0]
+        except ValueError:
+            host = None  # gRPC reports a target it cannot use when connecting
+        return Endpoint(only, (only,), False, host)
     families: set[int] = set()
     resolved: list[str] = []
     hosts: set[str] = set()

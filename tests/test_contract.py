@@ -109,3 +109,18 @@ def test_status_codes(condition: str, name: str, number: str) -> None:
         assert getattr(CallStatus, what) == code
     else:
         assert kind == "frontend"  # the C++ front end's own (nlmserve_contract_test reads the numbers)
+
+
+# ---------------------------------------------------------------------- server targets
+@pytest.mark.parametrize("given,target,replicas,replicated,host", cases("server_targets.tsv", 5))
+def test_server_targets(given: str, target: str, replicas: str, replicated: str, host: str) -> None:
+    from nlmserve.client.replicas import endpoint_of
+
+    text = unescape(given).decode("utf-8")
+    if target == "error":
+        with pytest.raises(ValueError):
+            endpoint_of(text)
+        return
+    e = endpoint_of(text)
+    assert (e.target, ",".join(e.replicas) or "-", "yes" if e.replicated else "no", e.host_name or "-") == \
+        (target, replicas, replicated, host)
