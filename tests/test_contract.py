@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from contract import cases, unescape
+from contract import CONTRACT, cases, unescape
 from nlmserve.errors import InputError
 from nlmserve.tokens import parse_tokens
 
@@ -124,3 +124,43 @@ def test_server_targets(given: str, target: str, replicas: str, replicated: str,
     e = endpoint_of(text)
     assert (e.target, ",".join(e.replicas) or "-", "yes" if e.replicated else "no", e.host_name or "-") == \
         (target, replicas, replicated, host)
+
+
+# ---------------------------------------------------------------------- feature hashes
+HASH_CASES = cases("feature_hashes.tsv", 7)
+
+
+def test_feature_hash_constants_in_python_and_the_proto() -> None:
+    from nlmserve.lm import outputs
+
+    constants = {name: int(value) for kind, name, value, *_ in HASH_CASES if kind == "constant"}
+    assert constants == {"seed": outputs.HASH_SEED, "ctx": outputs.HASH_CTX, "key": outputs.HASH_KEY,
+                         "out": outputs.HASH_OUT, "mod": outputs.HASH_MOD}
+    proto = (CONTRACT.parent / "nlmserve" / "v1" / "lm.proto").read_text(encoding="utf-8")
+    c = constants
+    assert f"h_0 = {c['seed']}, h_l = (h_{{l-1}} * {c['ctx']} + w_{{n-l}} + 1) mod (2^31 - 1)" in proto
+    assert f"slot(h, y, size) = ((h * {c['key']} + y * {c['out']}) mod (2^31 - 1)) mod size" in proto
+    assert c["mod"] == 2**31 - 1
+
+
+@pytest.mark.parametrize("kind,V,context,y,size,hashes,slots", [c for c in HASH_CASES if c[0] == "hash"])
+def test_feature_hashes(kind: str, V: str, context: str, y: str, size: str, hashes: str, slots: str) -> None:
+    import numpy as np
+    import torch
+
+    from nlmserve.lm import fused
+    from nlmserve.lm.outputs import context_hashes, ngram_feature_index
+
+    ctx = [] if context == "-" else [int(w) for w in context.split()]
+    want_h = [int(h) for h in hashes.split()]
+    want_s = [None if s == "-" else int(s) for s in slots.split()]
+    got_h = context_hashes(torch.tensor([ctx], dtype=torch.int64).view(1, len(ctx)), no_word=int(V))[0]
+    assert got_h.tolist() == want_h
+    got_s = ngram_feature_index(got_h.view(1, -1), torch.tensor([int(y)]), int(size))[0].tolist()
+    assert [s if w is not None else None for s, w in zip(got_s, want_s)] == want_s
+    # The fused CPU step's own loops (their hashes come times HASH_KEY; contexts with the
+    # no-word never reach them: training data holds none).
+    if all(s is not None for s in want_s):
+        keyed = np.zeros(len(ctx) + 1, dtype=np.int64)
+        fused._suffix_hashes(np.array([ctx], dtype=np.int64).reshape(1, len(ctx)), 0, len(ctx) + 1, keyed)
+        assert [fused._slot(int(k), int(y), int(size)) for k in keyed] == want_s
