@@ -164,3 +164,34 @@ def test_feature_hashes(kind: str, V: str, context: str, y: str, size: str, hash
         keyed = np.zeros(len(ctx) + 1, dtype=np.int64)
         fused._suffix_hashes(np.array([ctx], dtype=np.int64).reshape(1, len(ctx)), 0, len(ctx) + 1, keyed)
         assert [fused._slot(int(k), int(y), int(size)) for k in keyed] == want_s
+
+
+# ---------------------------------------------------------------------- lowercasing
+LOWER_CASES = cases("lowercase.tsv", 2)
+
+
+def test_lowercase_cases_hold_non_ascii_and_the_special_cases() -> None:
+    words = "".join(word for word, _ in LOWER_CASES)
+    assert any(ord(c) > 0xFFFF for c in words) and "\u0130" in words and "\u03a3" in words
+    assert any(len(word) != len(lower) for word, lower in LOWER_CASES)  # U+0130
+
+
+@pytest.mark.parametrize("word,lower", LOWER_CASES)
+def test_lowercase(word: str, lower: str) -> None:
+    assert word.lower() == lower
+
+
+def test_the_cpp_lowercase_tables_are_what_str_lower_gives() -> None:
+    """nlmserve_lowercase.h is what proto/contract/lowercase_table.py writes from this
+    Python's str.lower (it checks its tables against str.lower first)."""
+    import subprocess
+    import sys
+    import unicodedata
+
+    header = (CONTRACT.parents[1] / "moses_plugin" / "cpp" / "nlmserve_lowercase.h").read_text(encoding="utf-8")
+    if f'kUnicodeVersion[] = "{unicodedata.unidata_version}"' not in header:
+        pytest.skip(f"the tables were written from another Unicode version than this Python's "
+                    f"{unicodedata.unidata_version}")
+    done = subprocess.run([sys.executable, str(CONTRACT / "lowercase_table.py"), "--check"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
