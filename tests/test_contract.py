@@ -195,3 +195,15 @@ def test_the_cpp_lowercase_tables_are_what_str_lower_gives() -> None:
     done = subprocess.run([sys.executable, str(CONTRACT / "lowercase_table.py"), "--check"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+
+
+# ---------------------------------------------------------------------- scoring tables
+def test_the_scoring_fixture_is_what_lm_gives() -> None:
+    """scoring_tables.txt (read by the C++ nlmserve_contract_test) holds the tables and the
+    scores nlmserve.lm gives its tiny model now."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(CONTRACT / "scoring_fixture.py"), "--check"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
