@@ -17,9 +17,9 @@ TOKEN_CASES = cases("token_files.tsv", 2)
 
 
 def test_token_cases_cover_every_outcome() -> None:
-    wants = [want.split(":")[0] + (":" + want.split(":")[1] if want.startswith("error:") else "")
-             for _, want in TOKEN_CASES]
-    assert {"tokens", "error:no-token", "error:line"} <= set(wants)
+    kinds = {want.rsplit(":", 1)[0] if want.startswith("error:line:") else want.split(":")[0] if
+             want.startswith("tokens:") else want for _, want in TOKEN_CASES}
+    assert kinds == {"tokens", "error:no-token", "error:line"}
 
 
 @pytest.mark.parametrize("text,want", TOKEN_CASES)
