@@ -34,6 +34,7 @@ NATIVE_SRC = REPO / "server" / "native"
 NATIVE = REPO / "build" / "native"  # ... and builds the front end against it here
 DRIVER = BUILD / "nlmserve_client_test"
 UNIT = BUILD / "nlmserve_unit_test"
+CONTRACT_TEST = BUILD / "nlmserve_contract_test"
 CONTRACT = REPO / "proto" / "contract"
 GOLDEN = CONTRACT / "canonical_ngrams.tsv"
 # `nlmserve serve` through the server room's own CLI module, so this test depends on the
@@ -231,6 +232,20 @@ def test_golden_ngram_rules_through_the_cpp_owner(driver: Path) -> None:
     assert len(got) == len(cases)
     wrong = [(case, answer) for case, answer in zip(cases, got) if answer != case[3]]
     assert not wrong, wrong
+
+
+def test_every_contract_file_through_the_cpp_owners(driver: Path) -> None:
+    """nlmserve_contract_test reads every golden file of proto/contract (tests/test_contract.py
+    runs the Python owners on the same files) and passes each case: canonical rows, token
+    files, server targets, lowercasing, feature hashes, retry and status codes, and the
+    scoring tables of a tiny model scored with no server as nlmserve.lm scores them."""
+    done = subprocess.run([str(CONTRACT_TEST), str(CONTRACT)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    *files, total = done.stdout.splitlines()
+    counts = {line.split(": ")[0]: int(line.split(": ")[1].split()[0]) for line in files}
+    golden = {p.name for p in CONTRACT.iterdir() if p.suffix in (".tsv", ".txt")}
+    assert set(counts) == golden and all(n > 0 for n in counts.values()), counts
+    assert total == f"contract: {sum(counts.values())} passed, 0 failed"
 
 
 @pytest.mark.parametrize("normalized", [True, False])

@@ -11,13 +11,13 @@
 #include <chrono>
 #include <cstring>
 #include <fstream>
-#include <locale>
 #include <mutex>
 #include <sstream>
 #include <thread>
 #include <unordered_map>
 
 #include "ngram_cache.h"
+#include "nlmserve_lowercase.h"
 #include "nlmserve/v1/lm.grpc.pb.h"
 
 namespace nlmserve {
@@ -29,11 +29,6 @@ typedef std::chrono::system_clock Clock;
 thread_local uint64_t tl_round_trips = 0;
 
 Clock::time_point DeadlineIn(int ms) { return Clock::now() + std::chrono::milliseconds(ms); }
-
-bool Retryable(grpc::StatusCode code) {
-  return code == grpc::StatusCode::UNAVAILABLE || code == grpc::StatusCode::DEADLINE_EXCEEDED ||
-         code == grpc::StatusCode::RESOURCE_EXHAUSTED || code == grpc::StatusCode::ABORTED;
-}
 
 std::string Describe(const std::string &what, const std::string &target, const grpc::Status &s) {
   std::ostringstream out;
@@ -93,25 +88,6 @@ std::string ReadFile(const std::string &path, const std::string &what) {
   return out.str();
 }
 
-// The first token of a token file: blank lines and lines starting with '#' are skipped.
-std::string ReadToken(const std::string &path) {
-  std::istringstream in(ReadFile(path, "token"));
-  std::string line;
-  int number = 0;
-  while (std::getline(in, line)) {
-    ++number;
-    std::size_t a = line.find_first_not_of(" \t\r");
-    if (a == std::string::npos || line[a] == '#') continue;
-    std::size_t b = line.find_last_not_of(" \t\r");
-    std::string token = line.substr(a, b - a + 1);
-    if (token.find_first_of(" \t") != std::string::npos) {
-      throw ClientError(-1, path + ":" + std::to_string(number) + ": a token holds no whitespace");
-    }
-    return token;
-  }
-  throw ClientError(-1, "token file " + path + " holds no token");
-}
-
 std::shared_ptr<grpc::ChannelCredentials> Credentials(const ClientOptions &o) {
   if (o.tls_ca.empty() && o.tls_cert.empty() && o.tls_key.empty() && o.tls_server_name.empty()) {
     return grpc::InsecureChannelCredentials();
@@ -136,20 +112,24 @@ std::string Trim(const std::string &s) {
   return s.substr(a, s.find_last_not_of(" \t") - a + 1);
 }
 
-// HOST:PORT or [V6]:PORT -> (host, port); throws naming the address.
+// HOST:PORT or [V6]:PORT -> (host, port); throws naming the address. A host holds no
+// ':', '[', ']', '/' or white space; a [V6] host only hex digits, ':', '.' and '%'; a port
+// is 1 to 5 digits in 1 .. 65535 (the Python owner's pattern, client/replicas.py).
 std::pair<std::string, std::string> SplitAddress(const std::string &address) {
   std::string host, port;
   if (!address.empty() && address[0] == '[') {
-    std::size_t close = address.find("]:");
-    if (close != std::string::npos) {
+    std::size_t close = address.find(']');
+    if (close != std::string::npos && close + 1 < address.size() && address[close + 1] == ':') {
       host = address.substr(1, close - 1);
       port = address.substr(close + 2);
+      if (host.find_first_not_of("0123456789abcdefABCDEF:.%") != std::string::npos) host.clear();
     }
   } else {
-    std::size_t colon = address.rfind(':');
-    if (colon != std::string::npos && address.find(':') == colon) {
+    std::size_t colon = address.find(':');
+    if (colon != std::string::npos) {
       host = address.substr(0, colon);
       port = address.substr(colon + 1);
+      if (host.find_first_of("[]/ \t\n\r\v\f") != std::string::npos) host.clear();
     }
   }
   bool digits = !port.empty() && port.size() <= 5 &&
@@ -289,19 +269,96 @@ void EncodeUtf8(long cp, std::string *out) {
   }
 }
 
-const std::ctype<wchar_t> *UnicodeCtype() {
-  static const std::ctype<wchar_t> *facet = []() -> const std::ctype<wchar_t> * {
-    try {
-      static const std::locale loc("C.UTF-8");
-      return &std::use_facet<std::ctype<wchar_t> >(loc);
-    } catch (const std::exception &) {
-      return nullptr;
-    }
-  }();
-  return facet;
+// Whether cp lies in one of the sorted, disjoint ranges [0, n).
+bool InRanges(long cp, const lowercase::Range *ranges, std::size_t n) {
+  std::size_t lo = 0, hi = n;  // the first range whose last >= cp
+  while (lo < hi) {
+    const std::size_t mid = (lo + hi) / 2;
+    if (static_cast<long>(ranges[mid].last) < cp) lo = mid + 1; else hi = mid;
+  }
+  return lo < n && static_cast<long>(ranges[lo].first) <= cp;
+}
+
+// The simple lowercase mapping of cp (nlmserve_lowercase.h's runs).
+long LowerCodePoint(long cp) {
+  const std::size_t n = sizeof(lowercase::kRuns) / sizeof(lowercase::kRuns[0]);
+  std::size_t lo = 0, hi = n;  // the first run whose last >= cp
+  while (lo < hi) {
+    const std::size_t mid = (lo + hi) / 2;
+    if (static_cast<long>(lowercase::kRuns[mid].last) < cp) lo = mid + 1; else hi = mid;
+  }
+  if (lo == n) return cp;
+  const lowercase::Run &run = lowercase::kRuns[lo];
+  if (cp < static_cast<long>(run.first) || (cp - static_cast<long>(run.first)) % run.step != 0) return cp;
+  return cp + run.delta;
+}
+
+bool CaseIgnorable(long cp) {
+  return cp >= 0 && InRanges(cp, lowercase::kCaseIgnorable,
+                             sizeof(lowercase::kCaseIgnorable) / sizeof(lowercase::kCaseIgnorable[0]));
+}
+
+bool Cased(long cp) {
+  return cp >= 0 && InRanges(cp, lowercase::kCased, sizeof(lowercase::kCased) / sizeof(lowercase::kCased[0]));
+}
+
+// U+03A3 at cps[i] is final (U+03C2) when a cased code point is before it and none after,
+// case-ignorable ones skipped on either side (Unicode's Final_Sigma, as Python's str.lower).
+bool FinalSigma(const std::vector<long> &cps, std::size_t i) {
+  std::size_t j = i;
+  while (j > 0 && CaseIgnorable(cps[j - 1])) --j;
+  if (j == 0 || !Cased(cps[j - 1])) return false;
+  std::size_t k = i + 1;
+  while (k < cps.size() && CaseIgnorable(cps[k])) ++k;
+  return k == cps.size() || !Cased(cps[k]);
 }
 
 }  // namespace
+
+int ParseTokens(const std::string &text, std::vector<std::string> *tokens) {
+  static const char kWhite[] = " \t\r\v\f";
+  tokens->clear();
+  std::size_t start = 0;
+  for (int number = 1; start <= text.size(); ++number) {
+    std::size_t end = text.find('\n', start);
+    if (end == std::string::npos) end = text.size();
+    const std::string line = text.substr(start, end - start);
+    start = end + 1;
+    const std::size_t a = line.find_first_not_of(kWhite);
+    if (a == std::string::npos || line[a] == '#') continue;
+    const std::string token = line.substr(a, line.find_last_not_of(kWhite) - a + 1);
+    for (unsigned char c : token) {
+      if (c < 0x21 || c > 0x7e) {
+        tokens->clear();
+        return number;
+      }
+    }
+    tokens->push_back(token);
+  }
+  return tokens->empty() ? -1 : 0;
+}
+
+std::string ReadTokenFile(const std::string &path) {
+  std::vector<std::string> tokens;
+  const int bad = ParseTokens(ReadFile(path, "token"), &tokens);
+  if (bad > 0) {
+    throw ClientError(-1, path + ":" + std::to_string(bad) + ": a token is printable ASCII and holds no whitespace");
+  }
+  if (bad < 0) throw ClientError(-1, "token file " + path + " holds no token");
+  return tokens[0];
+}
+
+bool Retryable(int code, const std::string &message) {
+  switch (static_cast<grpc::StatusCode>(code)) {
+    case grpc::StatusCode::UNAVAILABLE:
+    case grpc::StatusCode::CANCELLED:
+      return true;
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:  // overload, not a message over the size limit
+      return message.find("larger than max") == std::string::npos;
+    default:
+      return false;
+  }
+}
 
 std::string Lowercase(const std::string &text) {
   bool ascii = true;
@@ -317,20 +374,20 @@ std::string Lowercase(const std::string &text) {
     for (char c : text) out.push_back((c >= 'A' && c <= 'Z') ? static_cast<char>(c + 32) : c);
     return out;
   }
-  const std::ctype<wchar_t> *ct = UnicodeCtype();
-  std::size_t i = 0;
-  while (i < text.size()) {
-    long cp = DecodeUtf8(text, &i);
+  std::vector<long> cps;  // code points; an invalid byte b as -(b + 1)
+  for (std::size_t i = 0; i < text.size();) cps.push_back(DecodeUtf8(text, &i));
+  for (std::size_t i = 0; i < cps.size(); ++i) {
+    const long cp = cps[i];
     if (cp < 0) {
       out.push_back(static_cast<char>(-(cp + 1)));
-      continue;
+    } else if (cp == 0x130) {  // capital I with dot above: i and a combining dot above
+      EncodeUtf8('i', &out);
+      EncodeUtf8(0x307, &out);
+    } else if (cp == 0x3a3) {
+      EncodeUtf8(FinalSigma(cps, i) ? 0x3c2 : 0x3c3, &out);
+    } else {
+      EncodeUtf8(LowerCodePoint(cp), &out);
     }
-    if (cp < 0x80) {
-      if (cp >= 'A' && cp <= 'Z') cp += 32;
-    } else if (ct != nullptr) {
-      cp = static_cast<long>(ct->tolower(static_cast<wchar_t>(cp)));
-    }
-    EncodeUtf8(cp, &out);
   }
   return out;
 }
@@ -506,7 +563,7 @@ struct Client::Impl {
       }
       tls_name = endpoint.host_name;
     }
-    if (!options.token_file.empty()) authorization = "Bearer " + ReadToken(options.token_file);
+    if (!options.token_file.empty()) authorization = "Bearer " + ReadTokenFile(options.token_file);
   }
 
   std::shared_ptr<Connection> NewConnection() {
@@ -556,7 +613,7 @@ struct Client::Impl {
       status = call(*c->stub, &ctx);
       if (status.ok()) return;
       failed_calls.fetch_add(1, std::memory_order_relaxed);
-      if (!Retryable(status.error_code())) break;
+      if (!Retryable(status.error_code(), status.error_message())) break;
       if (status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
         std::this_thread::sleep_for(std::chrono::milliseconds(50 << std::min(attempt, 5)));
       }

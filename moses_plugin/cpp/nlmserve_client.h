@@ -32,7 +32,8 @@ struct ClientOptions {
   int deadline_ms = 10000;
   // How long a (re)connection may wait for the channel to become ready, milliseconds.
   int connect_timeout_ms = 5000;
-  // Further attempts after a failed RPC (each on a fresh channel). 0: no retry.
+  // Further attempts after an RPC that failed with a status Retryable takes (each on a
+  // fresh channel, or on the same one for replicas). 0: no retry.
   int retries = 2;
   // Entries of the n-gram -> score cache across all shards. 0 disables the cache.
   std::size_t cache_size = 1 << 20;
@@ -52,8 +53,8 @@ struct ClientOptions {
   // Check the servers' certificates against this name instead of the target's host
   // (replicas on different hosts whose certificates share one name).
   std::string tls_server_name;
-  // File whose first token (blank and '#' lines skipped) is sent on every call as
-  // `authorization: Bearer <token>`. Empty: no token.
+  // File whose first token (ReadTokenFile: blank and '#' lines skipped) is sent on every
+  // call as `authorization: Bearer <token>`. Empty: no token.
   std::string token_file;
 };
 
@@ -262,9 +263,30 @@ class Client {
   std::unique_ptr<Impl> impl_;
 };
 
-// Lowercases UTF-8 text (full Unicode simple case mapping where the C.UTF-8
-// locale is available, ASCII otherwise).
+// Lowercases UTF-8 text as Python's str.lower does, in any locale: the tables of
+// nlmserve_lowercase.h (written from Python's str.lower by proto/contract/lowercase_table.py),
+// U+0130 to "i" and U+0307, and U+03A3 to the final sigma U+03C2 at the end of a word;
+// bytes that are not UTF-8 are copied unchanged (proto/contract/lowercase.tsv has cases).
 std::string Lowercase(const std::string &text);
+
+// The tokens of a token file's bytes `text` (proto/contract/token_files.tsv; the Python
+// owner is nlmserve.tokens): lines split at '\n', each stripped of ASCII white space;
+// empty lines and lines starting with '#' skipped; any other line is one token of bytes
+// 0x21-0x7E (printable ASCII without white space). Returns 0 with the tokens in
+// `tokens`; the number (from 1) of the first line that is not a token; or -1 when the
+// file holds no token (`tokens` empty then).
+int ParseTokens(const std::string &text, std::vector<std::string> *tokens);
+
+// The first token of the file `path` (what a client sends); ClientError naming the file
+// (and the line) when it cannot be read or breaks ParseTokens' rule.
+std::string ReadTokenFile(const std::string &path);
+
+// Whether a call that failed with the gRPC status `code` and `message` is tried again
+// (proto/contract/retry_codes.tsv; the Python owner is nlmserve.client.core.RetryPolicy):
+// UNAVAILABLE, CANCELLED (a stopping server's), and RESOURCE_EXHAUSTED from overload but
+// not a message over the size limit. Never DEADLINE_EXCEEDED: the deadline is the
+// caller's budget for the call.
+bool Retryable(int code, const std::string &message);
 
 }  // namespace nlmserve
 

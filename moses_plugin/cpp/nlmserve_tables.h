@@ -81,6 +81,10 @@ const uint64_t kHashCtx = 1299709ULL;
 const uint64_t kHashKey = 1640531527ULL;
 const uint64_t kHashOut = 805306457ULL;
 
+// h_l from h_{l-1} and the context's l-th newest word w_{-l}
+// (proto/contract/feature_hashes.tsv has cases).
+inline uint64_t NextSuffixHash(uint64_t h, uint32_t word) { return (h * kHashCtx + word + 1) % kHashMod; }
+
 inline std::size_t FeatureSlot(uint64_t h, uint32_t y, std::size_t size) {
   return static_cast<std::size_t>(((h * kHashKey + static_cast<uint64_t>(y) * kHashOut) % kHashMod) % size);
 }
@@ -554,7 +558,7 @@ class ScoringTables {
         for (; l < m; ++l) slots[l] = slots[m + l] = kNoSlot;
         break;
       }
-      if (l > 0) h = (h * kHashCtx + row[context - l] + 1) % kHashMod;
+      if (l > 0) h = NextSuffixHash(h, row[context - l]);
       if (features_.class_table) {
         slots[l] = FeatureSlot(h, c, features_.class_table, class_mask_);
         Prefetch(ngram_class_ + slots[l]);

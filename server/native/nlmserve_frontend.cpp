@@ -73,6 +73,7 @@
 #include <grpcpp/health_check_service_interface.h>
 
 #include "nlmserve/v1/lm.grpc.pb.h"
+#include "nlmserve_client.h"
 
 namespace {
 
@@ -138,17 +139,14 @@ long ParsePositive(const std::string &flag, const char *text, long minimum) {
   return v;
 }
 
-// The first token of a token file (blank lines and lines starting with '#' skipped).
+// The first token of a token file (nlmserve::ReadTokenFile, the client library's reader:
+// the rule of proto/contract/token_files.tsv).
 std::string ReadToken(const std::string &path) {
-  std::ifstream in(path);
-  if (!in) Usage("cannot read --token-file " + path);
-  std::string line;
-  while (std::getline(in, line)) {
-    std::istringstream words(line);
-    std::string token;
-    if (words >> token && token[0] != '#') return token;
+  try {
+    return nlmserve::ReadTokenFile(path);
+  } catch (const nlmserve::ClientError &e) {
+    Usage(std::string("--token-file: ") + e.what());
   }
-  Usage("no token in --token-file " + path);
 }
 
 Options ParseArgs(int argc, char **argv) {

@@ -1,0 +1,374 @@
+// The C++ owners of the cross-language rules against the golden files of proto/contract
+// (proto/contract/README.md), which the Python owners pass too (tests/test_contract.py).
+// No server: tests/test_cpp_client.py runs it.
+//
+//   nlmserve_contract_test DIR
+//       reads every golden file of DIR (proto/contract) and checks its cases; prints
+//       "FILE: N passed" for each file and "contract: N passed, 0 failed" (exit 1 on a
+//       failure, each named on stderr).
+#include <grpcpp/grpcpp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "nlmserve_client.h"
+#include "nlmserve_tables.h"
+
+namespace {
+
+std::string g_dir;
+int g_passed = 0, g_failed = 0, g_file_passed = 0;
+
+void Check(bool ok, const std::string &file, const std::string &what) {
+  if (ok) {
+    ++g_passed;
+    ++g_file_passed;
+  } else {
+    ++g_failed;
+    std::cerr << "contract FAILED: " << file << ": " << what << "\n";
+  }
+}
+
+std::string ReadAll(const std::string &name) {
+  std::ifstream in((g_dir + "/" + name).c_str(), std::ios::binary);
+  if (!in) {
+    std::cerr << "cannot read " << g_dir << "/" << name << "\n";
+    std::exit(2);
+  }
+  std::ostringstream out;
+  out << in.rdbuf();
+  return out.str();
+}
+
+// The cases of a golden file: its lines that are neither blank nor comments, split at tabs
+// (each with `columns` fields; another count is a failure of the file itself).
+std::vector<std::vector<std::string> > Cases(const std::string &name, std::size_t columns) {
+  std::istringstream in(ReadAll(name));
+  std::vector<std::vector<std::string> > out;
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos || line[0] == '#') continue;
+    std::vector<std::string> fields;
+    std::size_t start = 0;
+    for (;;) {
+      const std::size_t tab = line.find('\t', start);
+      fields.push_back(line.substr(start, tab == std::string::npos ? std::string::npos : tab - start));
+      if (tab == std::string::npos) break;
+      start = tab + 1;
+    }
+    if (fields.size() != columns) {
+      std::cerr << name << ": a line of " << fields.size() << " fields, not " << columns << ": " << line << "\n";
+      std::exit(2);
+    }
+    out.push_back(fields);
+  }
+  if (out.empty()) {
+    std::cerr << name << ": no cases\n";
+    std::exit(2);
+  }
+  return out;
+}
+
+// The escapes of the golden files: \n \r \t \v \f \\ \xHH.
+std::string Unescape(const std::string &text) {
+  std::string out;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    if (text[i] == '\\' && i + 1 < text.size()) {
+      const char c = text[i + 1];
+      const char *simple = "n\nr\rt\tv\vf\f\\\\";
+      bool done = false;
+      for (const char *p = simple; *p; p += 2) {
+        if (c == p[0]) {
+          out.push_back(p[1]);
+          ++i;
+          done = true;
+          break;
+        }
+      }
+      if (done) continue;
+      if (c == 'x' && i + 3 < text.size()) {
+        out.push_back(static_cast<char>(std::strtol(text.substr(i + 2, 2).c_str(), nullptr, 16)));
+        i += 3;
+        continue;
+      }
+    }
+    out.push_back(text[i]);
+  }
+  return out;
+}
+
+std::vector<uint64_t> Numbers(const std::string &text) {
+  std::vector<uint64_t> out;
+  if (text == "-") return out;
+  std::istringstream in(text);
+  long long x;
+  while (in >> x) out.push_back(static_cast<uint64_t>(x));
+  return out;
+}
+
+void Begin() { g_file_passed = 0; }
+
+void End(const std::string &file) { std::printf("%s: %d passed\n", file.c_str(), g_file_passed); }
+
+void CanonicalNgrams() {
+  const std::string file = "canonical_ngrams.tsv";
+  Begin();
+  const std::vector<std::vector<std::string> > cases = Cases(file, 4);
+  for (std::size_t k = 0; k < cases.size(); ++k) {
+    nlmserve::ModelInfo model;
+    model.order = static_cast<uint32_t>(std::stoul(cases[k][0]));
+    model.vocab_size = static_cast<uint32_t>(std::stoul(cases[k][1]));
+    std::vector<uint32_t> ids;
+    const std::vector<uint64_t> given = Numbers(cases[k][2]);
+    for (std::size_t i = 0; i < given.size(); ++i) ids.push_back(static_cast<uint32_t>(given[i]));
+    std::vector<uint32_t> row(model.order, 0xdeadbeefu);
+    const nlmserve::NgramError error = nlmserve::CanonicalRow(ids.data(), ids.size(), model, row.data());
+    std::string got;
+    if (error != nlmserve::NgramError::kNone) {
+      got = std::string("error:") + nlmserve::NgramErrorKind(error);
+    } else {
+      for (std::size_t i = 0; i < row.size(); ++i) got += (i ? " " : "") + std::to_string(row[i]);
+    }
+    Check(got == cases[k][3], file, cases[k][2] + " -> " + got + ", not " + cases[k][3]);
+  }
+  End(file);
+}
+
+void TokenFiles() {
+  const std::string file = "token_files.tsv";
+  Begin();
+  const std::vector<std::vector<std::string> > cases = Cases(file, 2);
+  for (std::size_t k = 0; k < cases.size(); ++k) {
+    std::vector<std::string> tokens;
+    const int bad = nlmserve::ParseTokens(Unescape(cases[k][0]), &tokens);
+    std::string got;
+    if (bad > 0) {
+      got = "error:line:" + std::to_string(bad);
+    } else if (bad < 0) {
+      got = "error:no-token";
+    } else {
+      got = "tokens:";
+      for (std::size_t i = 0; i < tokens.size(); ++i) got += (i ? " " : "") + tokens[i];
+    }
+    Check(got == Unescape(cases[k][1]), file, cases[k][0] + " -> " + got + ", not " + cases[k][1]);
+  }
+  End(file);
+}
+
+void ServerTargets() {
+  const std::string file = "server_targets.tsv";
+  Begin();
+  const std::vector<std::vector<std::string> > cases = Cases(file, 5);
+  for (std::size_t k = 0; k < cases.size(); ++k) {
+    const std::vector<std::string> &c = cases[k];
+    std::string got;
+    try {
+      const nlmserve::Endpoint e = nlmserve::ParseTarget(Unescape(c[0]));
+      std::string replicas;
+      for (std::size_t i = 0; i < e.replicas.size(); ++i) replicas += (i ? "," : "") + e.replicas[i];
+      got = e.target + "\t" + (replicas.empty() ? "-" : replicas) + "\t" + (e.replicated ? "yes" : "no") + "\t" +
+            (e.host_name.empty() ? "-" : e.host_name);
+    } catch (const nlmserve::ClientError &) {
+      got = "error\t-\t-\t-";
+    }
+    const std::string want = c[1] + "\t" + c[2] + "\t" + c[3] + "\t" + c[4];
+    Check(got == want, file, "'" + c[0] + "' -> " + got + ", not " + want);
+  }
+  End(file);
+}
+
+void Lowercasing() {
+  const std::string file = "lowercase.tsv";
+  Begin();
+  const std::vector<std::vector<std::string> > cases = Cases(file, 2);
+  for (std::size_t k = 0; k < cases.size(); ++k) {
+    const std::string got = nlmserve::Lowercase(cases[k][0]);
+    Check(got == cases[k][1], file, cases[k][0] + " -> " + got + ", not " + cases[k][1]);
+  }
+  // Bytes that are not UTF-8 pass unchanged (Python's strings hold none).
+  Check(nlmserve::Lowercase("\xff" "A\xce") == "\xff" "a\xce", file, "bytes that are not UTF-8 are copied");
+  End(file);
+}
+
+void FeatureHashes() {
+  const std::string file = "feature_hashes.tsv";
+  Begin();
+  const std::vector<std::vector<std::string> > cases = Cases(file, 7);
+  std::map<std::string, uint64_t> constants;
+  constants["seed"] = nlmserve::kHashSeed;
+  constants["ctx"] = nlmserve::kHashCtx;
+  constants["key"] = nlmserve::kHashKey;
+  constants["out"] = nlmserve::kHashOut;
+  constants["mod"] = nlmserve::kHashMod;
+  std::size_t named = 0;
+  for (std::size_t k = 0; k < cases.size(); ++k) {
+    const std::vector<std::string> &c = cases[k];
+    if (c[0] == "constant") {
+      ++named;
+      Check(constants.count(c[1]) && constants[c[1]] == std::stoull(c[2]), file, "constant " + c[1]);
+      continue;
+    }
+    const uint64_t V = std::stoull(c[1]), y = std::stoull(c[3]);
+    const uint32_t size = static_cast<uint32_t>(std::stoul(c[4]));
+    const std::vector<uint64_t> context = Numbers(c[2]);
+    // As ScoringTables::RowSlots: h_0, then one newer suffix at a time until the no-word.
+    std::string got_h, got_s;
+    uint64_t h = nlmserve::kHashSeed;
+    bool dead = false;
+    const uint32_t mask = size > 1 && (size & (size - 1)) == 0 ? size - 1 : 0;
+    for (std::size_t l = 0; l <= context.size(); ++l) {
+      if (l > 0) {
+        const uint64_t w = context[context.size() - l];
+        dead = dead || w == V;
+        h = nlmserve::NextSuffixHash(h, static_cast<uint32_t>(w));
+      }
+      got_h += (l ? " " : "") + (dead ? std::string("-1") : std::to_string(h));
+      const std::size_t slot = nlmserve::FeatureSlot(h, static_cast<uint32_t>(y), static_cast<std::size_t>(size));
+      const uint32_t masked = nlmserve::FeatureSlot(h, static_cast<uint32_t>(y), size, mask);
+      Check(dead || slot == masked, file, c[2] + ": the power-of-two slot is the slot");
+      got_s += (l ? " " : "") + (dead ? std::string("-") : std::to_string(slot));
+    }
+    Check(got_h == c[5] && got_s == c[6], file,
+          c[2] + " y=" + c[3] + " size=" + c[4] + " -> " + got_h + " / " + got_s + ", not " + c[5] + " / " + c[6]);
+  }
+  Check(named == constants.size(), file, "every constant named");
+  End(file);
+}
+
+std::map<std::string, grpc::StatusCode> CodeNames() {
+  std::map<std::string, grpc::StatusCode> m;
+  m["OK"] = grpc::StatusCode::OK;
+  m["CANCELLED"] = grpc::StatusCode::CANCELLED;
+  m["UNKNOWN"] = grpc::StatusCode::UNKNOWN;
+  m["INVALID_ARGUMENT"] = grpc::StatusCode::INVALID_ARGUMENT;
+  m["DEADLINE_EXCEEDED"] = grpc::StatusCode::DEADLINE_EXCEEDED;
+  m["NOT_FOUND"] = grpc::StatusCode::NOT_FOUND;
+  m["ALREADY_EXISTS"] = grpc::StatusCode::ALREADY_EXISTS;
+  m["PERMISSION_DENIED"] = grpc::StatusCode::PERMISSION_DENIED;
+  m["RESOURCE_EXHAUSTED"] = grpc::StatusCode::RESOURCE_EXHAUSTED;
+  m["FAILED_PRECONDITION"] = grpc::StatusCode::FAILED_PRECONDITION;
+  m["ABORTED"] = grpc::StatusCode::ABORTED;
+  m["OUT_OF_RANGE"] = grpc::StatusCode::OUT_OF_RANGE;
+  m["UNIMPLEMENTED"] = grpc::StatusCode::UNIMPLEMENTED;
+  m["INTERNAL"] = grpc::StatusCode::INTERNAL;
+  m["UNAVAILABLE"] = grpc::StatusCode::UNAVAILABLE;
+  m["DATA_LOSS"] = grpc::StatusCode::DATA_LOSS;
+  m["UNAUTHENTICATED"] = grpc::StatusCode::UNAUTHENTICATED;
+  return m;
+}
+
+bool SameCode(const std::string &name, const std::string &number) {
+  const std::map<std::string, grpc::StatusCode> names = CodeNames();
+  std::map<std::string, grpc::StatusCode>::const_iterator it = names.find(name);
+  return it != names.end() && static_cast<int>(it->second) == std::stoi(number);
+}
+
+void RetryCodes() {
+  const std::string file = "retry_codes.tsv";
+  Begin();
+  const std::vector<std::vector<std::string> > cases = Cases(file, 4);
+  for (std::size_t k = 0; k < cases.size(); ++k) {
+    const std::vector<std::string> &c = cases[k];
+    Check(SameCode(c[0], c[1]), file, c[0] + " is code " + c[1]);
+    const bool retry = nlmserve::Retryable(std::stoi(c[1]), c[2] == "-" ? std::string() : c[2]);
+    Check(retry == (c[3] == "retry"), file, c[0] + " '" + c[2] + "' -> " + (retry ? "retry" : "final"));
+  }
+  End(file);
+}
+
+void StatusCodes() {
+  const std::string file = "status_codes.tsv";
+  Begin();
+  const std::vector<std::vector<std::string> > cases = Cases(file, 3);
+  for (std::size_t k = 0; k < cases.size(); ++k) {
+    Check(SameCode(cases[k][1], cases[k][2]), file, cases[k][0] + ": " + cases[k][1] + " is code " + cases[k][2]);
+  }
+  End(file);
+}
+
+void ScoringFixture() {
+  const std::string file = "scoring_tables.txt";
+  Begin();
+  std::istringstream lines(ReadAll(file));
+  std::string line, body;
+  while (std::getline(lines, line)) {
+    if (!line.empty() && line[0] != '#') body += line + "\n";
+  }
+  std::istringstream in(body);
+  std::map<std::string, std::string> head;
+  std::string name, value;
+  while (in >> name && name != "floats") {
+    in >> value;
+    head[name] = value;
+  }
+  std::size_t n = 0;
+  in >> n;
+  std::vector<float> data(n);
+  for (std::size_t i = 0; i < n; ++i) {  // strtof: the masked <s> has the bias -inf
+    std::string text;
+    in >> text;
+    data[i] = std::strtof(text.c_str(), nullptr);
+  }
+  std::size_t rows = 0;
+  in >> name >> rows;
+  const uint32_t order = static_cast<uint32_t>(std::stoul(head["order"]));
+  std::vector<uint32_t> ids(rows * order);
+  std::vector<double> want_ln(rows), want_log10(rows);
+  for (std::size_t r = 0; r < rows; ++r) {
+    for (uint32_t j = 0; j < order; ++j) in >> ids[r * order + j];
+    in >> want_ln[r] >> want_log10[r];
+  }
+  Check(!in.fail() && name == "rows" && rows > 0, file, "the fixture reads");
+  nlmserve::Activation activation = nlmserve::Activation::kNone;
+  Check(nlmserve::ParseActivation(head["activation"], &activation), file, "activation " + head["activation"]);
+  nlmserve::ScoringTables::Features features;
+  features.order = static_cast<uint32_t>(std::stoul(head["feature_order"]));
+  features.class_table = static_cast<uint32_t>(std::stoul(head["class_table"]));
+  features.word_table = static_cast<uint32_t>(std::stoul(head["word_table"]));
+  nlmserve::ScoringTables tables;
+  Check(tables.Set(order, static_cast<uint32_t>(std::stoul(head["vocab_size"])),
+                   static_cast<uint32_t>(std::stoul(head["dim"])), activation, "fixture", data, features),
+        file, "the tables are taken");
+  // All rows in one batch, then each alone: the same scores, those of nlmserve.lm.
+  std::vector<float> batch(rows);
+  nlmserve::ScoringTables::Scratch scratch;
+  tables.Score(ids.data(), rows, batch.data(), &scratch);
+  for (std::size_t r = 0; r < rows; ++r) {
+    float alone = 0.f;
+    nlmserve::ScoringTables::Scratch fresh;
+    tables.Score(ids.data() + r * order, 1, &alone, &fresh);
+    std::ostringstream what;
+    what << "row " << r << ": " << batch[r] << " (alone " << alone << "), nlmserve.lm " << want_ln[r];
+    Check(std::fabs(batch[r] - want_ln[r]) <= 1e-5 && alone == batch[r], file, what.str());
+    Check(std::fabs(batch[r] / std::log(10.0) - want_log10[r]) <= 1e-5, file, what.str() + " in log10");
+  }
+  End(file);
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: %s DIR (the folder of the golden files, proto/contract)\n", argv[0]);
+    return 2;
+  }
+  g_dir = argv[1];
+  CanonicalNgrams();
+  TokenFiles();
+  ServerTargets();
+  Lowercasing();
+  FeatureHashes();
+  RetryCodes();
+  StatusCodes();
+  ScoringFixture();
+  std::printf("contract: %d passed, %d failed\n", g_passed, g_failed);
+  return g_failed == 0 ? 0 : 1;
+}
