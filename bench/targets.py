@@ -277,7 +277,7 @@ def render(results: list[dict[str, Any]]) -> str:
             rate = r["tokens_seen"] / r["train_seconds"]
             measured = (f"{r['ppl']:.2f} (excl. OOVs {r['ppl_excl_oov']:.2f}); {r['steps']:,} steps, "
                         f"{r['tokens_seen'] / 1e6:.1f}M tokens, {rate:,.0f} tokens/s, {r['train_seconds']:,.0f} s")
-            verdict = f"{'met' if rel <= goal else 'not met'}, {_minus(f'{rel * 100:+.1f}')}%"
+            verdict = f"{'met' if rel <= goal else 'not met'}, {_minus(f'{rel * 100:+.2f}')}%"
             command = (f"`{shown_command(result['command'])}` ({result['date']}, {m['cpu']}, load average "
                        f"{m['load_average_1m']} at the start)")
             lines.append(f"| {target} | {measured} | {verdict} | {command} |")

@@ -67,7 +67,7 @@ def test_the_no_flag_rows_render_with_their_verdict_against_the_goal(tmp_path: P
     table = targets.render([run, worse]).splitlines()
     assert len(table) == 4
     # 56.0 / 61.06 - 1 = -8.29% (at most -8%: met); 56.5 / 61.06 - 1 = -7.47% (not met)
-    assert "| met, −8.3% |" in table[2] and "| not met, −7.5% |" in table[3]
+    assert "| met, −8.29% |" in table[2] and "| not met, −7.47% |" in table[3]
     assert "chose the `small` recipe): at most −8% against `lmplz -o 5` on the same lines (61.06)" in table[2]
     assert "56.00 (excl. OOVs 54.00); 1,000 steps, 6.0M tokens, 5,000 tokens/s, 1,200 s" in table[2]
     assert "`bench/targets.py --only 200k --lmplz lmplz --json 200k.json` (2026-12-02, CPU X, load average 0.5" \
@@ -78,4 +78,4 @@ def test_the_no_flag_rows_render_with_their_verdict_against_the_goal(tmp_path: P
     (tmp_path / "run.json").write_text(json.dumps(run), encoding="utf-8")
     assert targets.main(["--render", str(doc), str(tmp_path / "run.json")]) == 0
     text = doc.read_text(encoding="utf-8")
-    assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text and "| met, −8.3% |" in text
+    assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text and "| met, −8.29% |" in text
