@@ -22,8 +22,13 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs make
 
 
 def _torch_install(*args: str) -> subprocess.CompletedProcess[str]:
-    """What ``make`` would run to install the dependencies (``-B``: as on a fresh clone)."""
-    env = {k: v for k, v in os.environ.items() if k != "TORCH"}
+    """What ``make`` would run to install the dependencies (``-B``: as on a fresh clone).
+
+    Run under ``make test TORCH=pypi`` (.ci/run), the choice also reaches this make through
+    MAKEFLAGS, so neither it nor the outer make's other variables are passed on.
+    """
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TORCH", "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
     return subprocess.run(["make", "-n", "-B", ".venv/.deps-stamp", *args], cwd=REPO, text=True,
                           capture_output=True, env=env, check=False)
 
