@@ -20,7 +20,7 @@ $(PY):
 #   make TORCH=pypi    the wheel of the index pip is configured with, as it is (a mirror or a
 #                      wheel folder that already holds the build wanted; what .ci/run uses)
 # Made once per .venv: to change it later, `rm .venv/.deps-stamp` and run make again.
-# The package build generates nlmserve.proto (gen/proto) from proto/ (setup.py).
+# The package build generates nlmserve.proto's stubs into proto/ from its lm.proto (setup.py).
 TORCH ?= cpu
 TORCH_VERSION := 2.13.0
 TORCH_FROM_cpu  := --index-url https://download.pytorch.org/whl/cpu
@@ -63,7 +63,7 @@ demo: install
 	$(BIN)/nlmserve experiment --workdir $(DEMO_DIR) --tuner mira --runs 3
 
 bench: install
-	$(BIN)/python bench/serve.py
+	$(BIN)/python -m bench.serve
 
 # Debian packages for the C++ client and Moses feature (moses_plugin/cpp; boost headers to
 # compile the feature against a Moses tree) and for the
@@ -84,4 +84,4 @@ cpp:
 	cmake --build build/native -j2
 
 clean:
-	rm -rf gen build *.egg-info runs/demo
+	rm -rf gen build *.egg-info runs/demo proto/__init__.py proto/lm_pb2* proto/py.typed

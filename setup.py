@@ -1,8 +1,8 @@
 """The build step pyproject.toml cannot say: the gRPC stubs of ``nlmserve.proto``.
 
-``nlmserve.proto`` is generated from ``proto/nlmserve/v1/lm.proto`` into ``gen/proto/``
-(the package directory pyproject.toml maps it to) by every build: ``pip install .``,
-``pip wheel .``, the strict editable install of ``make install`` and the Docker images all
+``nlmserve.proto`` is generated from ``proto/nlmserve/v1/lm.proto`` into ``proto/`` itself (the
+room is the package, as every room is; the generated files are not committed) by every build:
+``pip install .``, ``pip wheel .``, the strict editable install of ``make install`` and the Docker images all
 run this one step, with ``grpcio-tools`` and ``mypy-protobuf`` from ``[build-system]``.
 
 The generated modules import each other as ``nlmserve.v1``, the proto package; they are
@@ -27,7 +27,7 @@ from setuptools.command.egg_info import egg_info
 ROOT = Path(__file__).resolve().parent
 PROTO_ROOT = ROOT / "proto"
 PROTO = "nlmserve/v1/lm.proto"
-OUT = ROOT / "gen" / "proto"
+OUT = PROTO_ROOT
 INIT = '"""Generated from proto/nlmserve/v1/lm.proto by the package build (setup.py); do not edit."""\n'
 
 # Runtime dependencies (the protobuf floor is added from the build's protoc, see above).
@@ -108,7 +108,7 @@ def protobuf_requirement() -> str:
 
 
 class BuildProto(Command):
-    """``setup.py build_proto``: generate ``gen/proto`` (nlmserve.proto) from ``proto/``."""
+    """``setup.py build_proto``: generate nlmserve.proto's modules in ``proto/`` from its lm.proto."""
 
     description = "generate the nlmserve.proto stubs from proto/nlmserve/v1/lm.proto"
     user_options: list[tuple[str, str | None, str]] = []
@@ -129,9 +129,15 @@ class BuildPy(build_py):
         self.run_command("build_proto")
         super().run()
 
+    def find_package_modules(self, package: str, package_dir: str) -> list[tuple[str, str, str]]:
+        """The checkout's root is the package ``nlmserve``: this build script, beside its
+        ``__init__.py``, is not one of its modules."""
+        modules: list[tuple[str, str, str]] = super().find_package_modules(package, package_dir)
+        return [m for m in modules if (m[0], m[1]) != ("nlmserve", "setup")]
+
 
 class EggInfo(egg_info):
-    """The file list (SOURCES.txt) walks the package directories, gen/proto among them."""
+    """The file list (SOURCES.txt) walks the package directories, the generated stubs among them."""
 
     def run(self) -> None:
         self.run_command("build_proto")

@@ -1,13 +1,13 @@
 """What every benchmark records beside its numbers: the machine it ran on, and the CPU time of
 a process tree (a server and the helpers it started).
 
-    from _common import machine, tree_cpu_seconds, write_json
-    from _common import random_class_model   # a model file for speed benchmarks
-    from _common import write_section        # a script's section of a document, between markers
-    from _common import require_scoring_tables  # before a run that asks for scoring=local
-    from _common import shown_command        # a recorded command line as a page prints it
+    from bench._common import machine, tree_cpu_seconds, write_json
+    from bench._common import random_class_model   # a model file for speed benchmarks
+    from bench._common import write_section        # a script's section of a document, between markers
+    from bench._common import require_scoring_tables  # before a run that asks for scoring=local
+    from bench._common import shown_command        # a recorded command line as a page prints it
 
-Benchmarks run as scripts from bench/, so this module is imported by its file name.
+Benchmarks run from the checkout as ``python -m bench.NAME``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _REPO = Path(__file__).resolve().parent.parent
 #: An absolute path in a command line: after a space, ``=``, ``,`` or ``:``, up to the next of them.
 _ABSOLUTE = re.compile(r"(?<![\w./-])/[^\s=,:'\"]+")
+_SCRIPT = re.compile(r"^(?:\S*python3?\s+)?(bench|experiments)/(\w+)\.py\b")
 
 
 def machine() -> dict[str, Any]:
@@ -152,7 +153,8 @@ def shown_command(command: str) -> str:
     """A recorded command line as a page prints it: a path inside this checkout relative to
     it, one beside it (``/work/shared/data/...``) as ``../shared/data/...``, any other absolute
     path (a scratch folder, a build elsewhere) by its file name, as the scripts' usage lines
-    name them. The JSON keeps the command as it ran."""
+    name them; a script of bench/ or experiments/ as the command that runs it (``python -m
+    bench.NAME``). The JSON keeps the command as it ran."""
 
     def short(m: re.Match[str]) -> str:
         path = Path(m.group(0))
@@ -161,7 +163,7 @@ def shown_command(command: str) -> str:
                 return prefix + path.relative_to(base).as_posix()
         return path.name or m.group(0)
 
-    return _ABSOLUTE.sub(short, command)
+    return _SCRIPT.sub(r"python -m \1.\2", _ABSOLUTE.sub(short, command))
 
 
 def require_scoring_tables(model: str | Path, what: str) -> None:

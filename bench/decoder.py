@@ -1,7 +1,7 @@
 """The neural LM inside the Moses decoder: decoding time with ``NeuralLMServer`` against
 KENLM alone, on a real system, measured side by side in one run.
 
-    .venv/bin/python bench/decoder.py --moses /path/to/bin/moses \
+    .venv/bin/python -m bench.decoder --moses /path/to/bin/moses \
         --ini ../shared/data/moses-fr-en/moses.ini --kenlm europarl.lc-moses.5gram.trie.bin \
         --model nlm.model --input ../shared/data/nbest/newstest-fr-en/newstest2013.src \
         --lines 500 --threads 2 --rounds 2 --json bench-decoder.json
@@ -56,11 +56,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common  # noqa: E402
-from _common import machine, tree_cpu_seconds, write_json  # noqa: E402
+from bench import _common  # noqa: E402
+from bench._common import machine, tree_cpu_seconds, write_json  # noqa: E402
 
-from nlmserve.serve_process import ServerProcess, start_server  # noqa: E402
+from nlmserve.common.serve_process import ServerProcess, start_server  # noqa: E402
 
 #: Configurations measured by default: name, then the feature's options (None: KENLM alone).
 DEFAULT_CONFIGS = ["kenlm", "exact:normalized=true", "selfnorm:normalized=false",

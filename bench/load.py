@@ -1,6 +1,6 @@
 """Load test: many concurrent clients mixing tiny and large requests against ``nlmserve serve``.
 
-    .venv/bin/python bench/load.py --model runs/demo/nlm.model [--seconds 60] [--clients 64] [--json out.json]
+    .venv/bin/python -m bench.load --model runs/demo/nlm.model [--seconds 60] [--clients 64] [--json out.json]
 
 A real ``nlmserve serve`` subprocess on 127.0.0.1 (port 0) serves the model. ``--clients``
 threads in this process, each with its own gRPC channel, send requests back to back
@@ -40,10 +40,9 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine  # noqa: E402
+from bench._common import machine  # noqa: E402
 
-from nlmserve.serve_process import start_server  # noqa: E402
+from nlmserve.common.serve_process import start_server  # noqa: E402
 
 log = logging.getLogger("bench.load")
 

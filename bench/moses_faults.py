@@ -1,6 +1,6 @@
 """What the Moses decoder does when the nlmserve server dies under it, on a real system.
 
-    .venv/bin/python bench/moses_faults.py --moses /path/to/bin/moses \
+    .venv/bin/python -m bench.moses_faults --moses /path/to/bin/moses \
         --ini ../shared/data/moses-fr-en/moses.ini --kenlm europarl.lc-moses.5gram.trie.bin \
         --model nlm.model --input ../shared/data/nbest/newstest-fr-en/newstest2013.src \
         --lines 40 --json faults.json --doc docs/performance.md
@@ -41,11 +41,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, markers, require_scoring_tables, shown_command, write_json, write_section  # noqa: E402
-from decoder import commit, feature_line, rewrite_ini, write_head  # noqa: E402
+from bench._common import machine, markers, require_scoring_tables, shown_command, write_json, write_section  # noqa: E402
+from bench.decoder import commit, feature_line, rewrite_ini, write_head  # noqa: E402
 
-from nlmserve.serve_process import ServerProcess, start_server  # noqa: E402
+from nlmserve.common.serve_process import ServerProcess, start_server  # noqa: E402
 
 #: name -> (the feature's options besides normalized=false, whether the server comes back)
 CASES: dict[str, tuple[dict[str, str], bool]] = {

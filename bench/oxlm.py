@@ -24,9 +24,9 @@ The text: the first ``--lines`` lines of ``--train``, words seen fewer than ``--
 times replaced by ``<unk>`` in it and in the dev text (as OxLM's README prepares them);
 both tools read the same two files (with the defaults, V = 24,291).
 
-    .venv/bin/python bench/oxlm.py --oxlm-bin /tmp/oxlm/bin --json oxlm.json
-    .venv/bin/python bench/oxlm.py --oxlm-bin /tmp/oxlm/bin --tokens 50000 --rounds 1   # a check of the script
-    .venv/bin/python bench/oxlm.py --render docs/performance.md bench/results/oxlm.json
+    .venv/bin/python -m bench.oxlm --oxlm-bin /tmp/oxlm/bin --json oxlm.json
+    .venv/bin/python -m bench.oxlm --oxlm-bin /tmp/oxlm/bin --tokens 50000 --rounds 1   # a check of the script
+    .venv/bin/python -m bench.oxlm --render docs/performance.md bench/results/oxlm.json
 
 Without ``--oxlm-bin`` it says so and exits 0. Building OxLM: bench/oxlm_build.sh and
 docs/performance.md ("Against OxLM"). Run it on a quiet machine.
@@ -46,9 +46,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, markers, shown_command, train_seconds, write_json, write_section  # noqa: E402
-from targets import DEV, TRAIN, head_lines, map_rare  # noqa: E402
+from bench._common import machine, markers, shown_command, train_seconds, write_json, write_section  # noqa: E402
+from bench.targets import DEV, TRAIN, head_lines, map_rare  # noqa: E402
 
 log = logging.getLogger("bench.oxlm")
 
@@ -136,7 +135,7 @@ def oxlm_command(bin_dir: Path, text: Path, model: Path, args: argparse.Namespac
 def nlmserve_command(text: Path, out: Path, args: argparse.Namespace, steps: int, corpus_tokens: int) -> list[str]:
     """``nlmserve train`` of this installation with OxLM's model: no recipe, no validation,
     no checkpoints, one process and one thread, ``steps`` steps."""
-    from nlmserve.serve_process import nlmserve_command as cli
+    from nlmserve.common.serve_process import nlmserve_command as cli
 
     epochs = math.ceil(steps * NLM_BATCH / corpus_tokens)
     return [*cli(), "train", "--recipe", "none", "--train", str(text), "--out", str(out),
@@ -183,7 +182,7 @@ def oxlm_run(bin_dir: Path, text: Path, dev: Path, model: Path, args: argparse.N
 def nlmserve_run(text: Path, dev: Path, out: Path, args: argparse.Namespace, steps: int,
                  corpus_tokens: int) -> dict[str, Any]:
     """Train nlmserve for ``steps`` steps, score the dev text → the run's record."""
-    from nlmserve.serve_process import nlmserve_command as cli
+    from nlmserve.common.serve_process import nlmserve_command as cli
 
     log_file = out.with_name(out.name + ".log")
     for old in (out, log_file, out.with_name(out.name + ".log.jsonl"), out.with_name(out.name + ".ckpt")):

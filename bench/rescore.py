@@ -1,6 +1,6 @@
 """Rescoring throughput: `nlmserve rescore` through a real server vs KenLM's Python module.
 
-    .venv/bin/python bench/rescore.py [--model M] [--kenlm-model lm.arpa|lm.binary]
+    .venv/bin/python -m bench.rescore [--model M] [--kenlm-model lm.arpa|lm.binary]
                                       [--nbest LIST ...] [--json out.json]
 
 Both score the same n-best lists: every hypothesis' sentence probability with ``</s>``.
@@ -32,10 +32,9 @@ from nlmserve.client import LMClient
 from nlmserve.moses_plugin.experiment import ExperimentConfig, train_model
 from nlmserve.moses_plugin.nbest import iter_entries
 from nlmserve.moses_plugin.rescore import RescoreConfig, rescore
-from nlmserve.serve_process import start_server
+from nlmserve.common.serve_process import start_server
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine  # noqa: E402
+from bench._common import machine  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 NEWS = REPO / "data" / "nbest" / "newstest-fr-en"

@@ -1,10 +1,10 @@
 """Before and after: the serving and training benchmarks of two revisions, run interleaved on
 one machine in one command, with new/old ratios and each side's run-to-run spread.
 
-    .venv/bin/python bench/revisions.py --old 19f2784                 # against HEAD
-    .venv/bin/python bench/revisions.py --old 19f2784 --new HEAD --rounds 3 --json out.json
-    .venv/bin/python bench/revisions.py --render docs/performance.md out.json
-    .venv/bin/python bench/revisions.py --old 19f2784 --prepare-only    # build now, measure later
+    .venv/bin/python -m bench.revisions --old 19f2784                 # against HEAD
+    .venv/bin/python -m bench.revisions --old 19f2784 --new HEAD --rounds 3 --json out.json
+    .venv/bin/python -m bench.revisions --render docs/performance.md out.json
+    .venv/bin/python -m bench.revisions --old 19f2784 --prepare-only    # build now, measure later
 
 Each revision is exported with ``git archive`` into the work folder and set up as a user
 would: its gRPC stubs generated (by its own ``make proto`` when it has no setup.py, by the
@@ -52,9 +52,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common  # noqa: E402
-from _common import machine, random_class_model, tree_cpu_seconds, write_json, write_section  # noqa: E402
+from bench import _common  # noqa: E402
+from bench._common import machine, random_class_model, tree_cpu_seconds, write_json, write_section  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "data" / "lm"
@@ -146,6 +145,13 @@ class Side:
     def env(self) -> dict[str, str]:
         return {**os.environ, "PYTHONPATH": str(self.site), "PYTHONUNBUFFERED": "1"}
 
+    def bench(self, name: str) -> list[str]:
+        """The arguments that run the tree's bench/NAME.py from its root: ``-m bench.NAME``, or
+        the script's path in a tree from before bench/ was a package."""
+        if (self.src / "bench" / "__init__.py").exists():
+            return ["-m", f"bench.{name}"]
+        return [str(self.src / "bench" / f"{name}.py")]
+
     def frontend(self) -> Path:
         """The tree's own ``nlmserve_frontend`` (build/native since the front end has its own
         CMake project, build/cpp before)."""
@@ -207,7 +213,7 @@ def prepare(name: str, rev: str, work: Path, cpp: bool = True) -> Side:
 
 def serve_bench(side: Side, seconds: float, out: Path) -> dict[str, Any]:
     """That tree's bench/serve.py → its JSON."""
-    run([sys.executable, str(side.src / "bench" / "serve.py"), "--seconds", str(seconds), "--json", str(out)],
+    run([sys.executable, *side.bench("serve"), "--seconds", str(seconds), "--json", str(out)],
         side.src, side.env, log=out.with_suffix(".log"))
     result: dict[str, Any] = json.loads(out.read_text())
     return result
@@ -215,7 +221,7 @@ def serve_bench(side: Side, seconds: float, out: Path) -> dict[str, Any]:
 
 def train_bench(side: Side, minutes: float, work: Path) -> dict[str, Any]:
     """That tree's bench/train.py, NCE on one thread → its JSON row."""
-    stdout = run([sys.executable, str(side.src / "bench" / "train.py"), "--objectives", "nce", "--minutes",
+    stdout = run([sys.executable, *side.bench("train"), "--objectives", "nce", "--minutes",
                   str(minutes), "--threads", "1", "--workdir", str(work), "--json"], side.src, side.env,
                  log=work.with_suffix(".log"))
     for line in stdout.splitlines():
@@ -247,7 +253,7 @@ def recipe_bench(side: Side, train_args: list[str], out: Path) -> dict[str, floa
             shutil.rmtree(old)
         else:
             old.unlink()
-    from nlmserve.serve_process import nlmserve_command
+    from nlmserve.common.serve_process import nlmserve_command
 
     run([*nlmserve_command(), "train", *train_args, "--out", str(out)], side.src, side.env, log=out.with_suffix(".log"))
     return training_speed(out.with_name(out.name + ".log.jsonl"))
@@ -259,9 +265,9 @@ def sequential_latency(side: Side, model: Path, requests: int, native: bool) -> 
     tree's CPU per request (µs)."""
     import numpy as np
 
-    from nlmserve.errors import NlmserveError
-    from nlmserve.serve_process import start_server
-    from serve import single_latency  # bench/serve.py (bench/ is sys.path[0])
+    from nlmserve.common.errors import NlmserveError
+    from nlmserve.common.serve_process import start_server
+    from bench.serve import single_latency
 
     extra = ["--host", "127.0.0.1"]
     if native:

@@ -1,8 +1,8 @@
 """Scoring micro-benchmark: n-grams/s of ``LanguageModel.score_prepared`` on decoder-like
 batches, every row scored on its own against the batch's distinct work done once, in one run.
 
-    .venv/bin/python bench/scoring.py [--hypotheses 47] [--targets 100] [--json out.json]
-    .venv/bin/python bench/scoring.py --quick   # a tiny model and batch: checks the script only
+    .venv/bin/python -m bench.scoring [--hypotheses 47] [--targets 100] [--json out.json]
+    .venv/bin/python -m bench.scoring --quick   # a tiny model and batch: checks the script only
 
 The model is like the decoder's (order 5, width 256, the 36,000 most frequent words of the
 shipped Europarl and news training slices, sqrt(V) frequency classes on their counts, random
@@ -43,8 +43,8 @@ import torch
 from nlmserve.lm.dedup import plan_batch
 from nlmserve.lm.scoring import LanguageModel
 
-from _common import random_class_model  # bench/ is sys.path[0]
-from serve import DATA, DEV_TXT, machine, rate  # bench/serve.py
+from bench._common import random_class_model
+from bench.serve import DATA, DEV_TXT, machine, rate
 
 TRAIN_TEXTS = (DATA / "europarl.train.50k.lc-moses.en.xz", DATA / "wmtnews.30k.lc-moses.en.xz")
 TOL = 1e-5

@@ -1,7 +1,7 @@
 """Serving benchmark: n-grams/s of the engine, gRPC (packed ids, strings), KenLM, the compute
 limit, single-request latency and the micro-batching gain, all measured in one run.
 
-    .venv/bin/python bench/serve.py [--kenlm-model lm.arpa|lm.binary] [--json out.json]
+    .venv/bin/python -m bench.serve [--kenlm-model lm.arpa|lm.binary] [--json out.json]
 
 The model is one like a realistic one (order 5, width 256, the 20k most frequent words of
 the shipped Europarl training slice, sqrt(V) frequency classes on their counts, random
@@ -50,8 +50,7 @@ import torch
 
 from nlmserve.lm.scoring import LanguageModel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, random_class_model, tree_cpu_seconds  # noqa: E402
+from bench._common import machine, random_class_model, tree_cpu_seconds  # noqa: E402
 
 log = logging.getLogger("bench.serve")
 
@@ -158,11 +157,11 @@ class ServerProcess(_Process):
     """A server subprocess on 127.0.0.1, port 0: ``nlmserve serve`` with its /metrics on a free
     port, or (``noop=True``) this script's no-op server (same gRPC stack, no model work).
 
-    ``nlmserve serve`` through ``nlmserve.serve_process.start_server``, its log kept off the
+    ``nlmserve serve`` through ``nlmserve.common.serve_process.start_server``, its log kept off the
     terminal between the tables; the no-op server prints the same ``listening on`` line."""
 
     def __init__(self, model: Path, *flags: str, noop: bool = False) -> None:
-        from nlmserve.serve_process import parse_listening, start_server
+        from nlmserve.common.serve_process import parse_listening, start_server
 
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.metrics_url: str | None = None
@@ -202,7 +201,7 @@ def noop_serve(model: Path) -> int:
     import grpc
 
     from nlmserve.proto import lm_pb2, lm_pb2_grpc
-    from nlmserve.serve_process import listening_line
+    from nlmserve.common.serve_process import listening_line
     from nlmserve.server.servicer import model_info
     from nlmserve.server.config import ServerConfig
     from nlmserve.server.engine import ModelState, load_model

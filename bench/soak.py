@@ -1,7 +1,7 @@
 """Soak under hostile clients and faults: nothing lost, nothing wrong, no failed probe.
 
-    .venv/bin/python bench/soak.py [--model M] [--minutes 10] [--json bench/results/soak.json] [--doc docs/operating.md]
-    .venv/bin/python bench/soak.py --render bench/results/soak.json [--doc docs/operating.md]
+    .venv/bin/python -m bench.soak [--model M] [--minutes 10] [--json bench/results/soak.json] [--doc docs/operating.md]
+    .venv/bin/python -m bench.soak --render bench/results/soak.json [--doc docs/operating.md]
 
 Two ``nlmserve serve`` replicas on 127.0.0.1 with a token file serve a model; for
 ``--minutes`` these run side by side:
@@ -56,9 +56,8 @@ from typing import Any, AsyncIterator
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, shown_command, write_json, write_section  # noqa: E402
-from load import DEV_TXT, train_small_model  # noqa: E402
+from bench._common import machine, shown_command, write_json, write_section  # noqa: E402
+from bench.load import DEV_TXT, train_small_model  # noqa: E402
 
 log = logging.getLogger("bench.soak")
 
@@ -121,7 +120,7 @@ class Replica:
         self.totals: Counter[str] = Counter()  # metric samples of the incarnations before this one
 
     def start(self) -> None:
-        from nlmserve.serve_process import start_server
+        from nlmserve.common.serve_process import start_server
 
         flags = ["--token-file", str(self.tokens), "--torch-threads", "1",
                  "--max-concurrent-rpcs", str(self.cfg.max_concurrent_rpcs),

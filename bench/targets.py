@@ -26,9 +26,9 @@ model flag is given here (``--dim``, ``--lr``, ...): its recipe chooses the rest
 table prints what it chose. Training time includes building the vocabulary, the id file
 and the classes. Usage:
 
-    .venv/bin/python bench/targets.py                                  # all, full budgets
-    .venv/bin/python bench/targets.py --scale 0.05 --only 200k,oxlm-nce --lmplz /path/to/lmplz
-    .venv/bin/python bench/targets.py --render docs/performance.md bench/results/targets-200k.json \
+    .venv/bin/python -m bench.targets                                  # all, full budgets
+    .venv/bin/python -m bench.targets --scale 0.05 --only 200k,oxlm-nce --lmplz /path/to/lmplz
+    .venv/bin/python -m bench.targets --render docs/performance.md bench/results/targets-200k.json \
         bench/results/targets-full.json                              # the no-flag rows of the page
 """
 
@@ -48,8 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, markers, shown_command, write_json, write_section  # noqa: E402
+from bench._common import machine, markers, shown_command, write_json, write_section  # noqa: E402
 
 log = logging.getLogger("bench.targets")
 

@@ -14,8 +14,8 @@ number of minutes (``nlmserve.lm.train`` with ``max_minutes``) and reports:
 It also times the two exact in-class normaliser strategies (grouped by class vs padded to
 the largest class) on one batch, the measurement behind the model's choice. Usage:
 
-    .venv/bin/python bench/train.py                          # shipped slice, 3 x 1.5 min on 1 thread
-    .venv/bin/python bench/train.py --minutes 3 --threads 2 --dim 256
+    .venv/bin/python -m bench.train                          # shipped slice, 3 x 1.5 min on 1 thread
+    .venv/bin/python -m bench.train --minutes 3 --threads 2 --dim 256
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import train_seconds  # noqa: E402
+from bench._common import train_seconds  # noqa: E402
 
 from nlmserve.lm.evaluate import evaluate  # noqa: E402
 from nlmserve.lm.scoring import LanguageModel  # noqa: E402

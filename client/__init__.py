@@ -3,11 +3,11 @@
 Import path: ``nlmserve.client`` (folder ``client/``).
 """
 
-from nlmserve.client.aio import AsyncLMClient
-from nlmserve.client.core import ModelInfo, NgramScores, RetryPolicy, Security, SentenceScore
-from nlmserve.client.replicas import Endpoint
-from nlmserve.client.sync import LMClient
-from nlmserve.errors import ModelMismatchError, RequestTimeoutError, RpcError  # re-exported: raised by the client
+from .aio import AsyncLMClient
+from .core import ModelInfo, NgramScores, RetryPolicy, Security, SentenceScore
+from .replicas import Endpoint
+from .sync import LMClient
+from ..common.errors import ModelMismatchError, RequestTimeoutError, RpcError  # re-exported: raised by the client
 
 __all__ = [
     "AsyncLMClient",

@@ -17,9 +17,9 @@ import grpc
 import numpy as np
 from grpc import aio
 
-from nlmserve.client import core
-from nlmserve.client.base import ClientBase, NeedIdMap, Plan, Rpc
-from nlmserve.client.core import IdMap, ModelInfo, NgramScores, SentenceScore
+from . import core
+from .base import ClientBase, NeedIdMap, Plan, Rpc
+from .core import IdMap, ModelInfo, NgramScores, SentenceScore
 
 log = logging.getLogger(__name__)
 

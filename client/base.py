@@ -16,10 +16,10 @@ from typing import Any, Generator, Sequence, TypeVar
 import numpy as np
 from google.protobuf.message import Message
 
-from nlmserve.client import core, replicas
-from nlmserve.client.core import IdMap, ModelInfo, NgramScores, RetryPolicy, SentenceScore
-from nlmserve.errors import InvalidRequestError
-from nlmserve.proto import lm_pb2, lm_pb2_grpc
+from . import core, replicas
+from .core import IdMap, ModelInfo, NgramScores, RetryPolicy, SentenceScore
+from ..common.errors import InvalidRequestError
+from ..proto import lm_pb2, lm_pb2_grpc
 
 R = TypeVar("R")
 

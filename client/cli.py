@@ -5,7 +5,7 @@
 ``a:1,b:2`` or ``dns:///name:port`` (round_robin, health-checked); ``reload`` takes a
 comma-separated list and reloads the replicas one after the other.
 
-``score`` writes KenLM query's layout (``nlmserve.kenlm_query``, which ``nlmserve query``
+``score`` writes KenLM query's layout (``nlmserve.common.kenlm_query``, which ``nlmserve query``
 writes too from a model file in its own process)::
 
     word=id ngram_length log10prob<TAB>...</s>=2 n log10prob<TAB>Total: T OOV: k
@@ -21,13 +21,13 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from nlmserve.errors import InputError
-from nlmserve.flags import deprecated_spelling
-from nlmserve.kenlm_query import add_input_flags, write_scores
+from ..common.errors import InputError
+from ..common.flags import deprecated_spelling
+from ..common.kenlm_query import add_input_flags, write_scores
 
 if TYPE_CHECKING:
-    from nlmserve.client.core import SentenceScore
-    from nlmserve.client.sync import LMClient
+    from .core import SentenceScore
+    from .sync import LMClient
 
 SERVER_HELP = ("HOST:PORT of `nlmserve serve`, or replicas of one model: HOST:PORT,HOST:PORT,... "
                "or dns:///NAME:PORT (balanced round_robin, unhealthy replicas skipped)")
@@ -70,7 +70,7 @@ def security_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def connect(server: str, args: argparse.Namespace, timeout: float) -> "LMClient":
     """An ``LMClient`` for ``--server`` with the security flags of ``add_security_flags``."""
-    from nlmserve.client.sync import LMClient
+    from .sync import LMClient
 
     try:
         return LMClient(server, timeout=timeout, **security_kwargs(args))

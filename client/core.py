@@ -15,14 +15,14 @@ from typing import Any, Iterator, Sequence
 import grpc
 import numpy as np
 
-from nlmserve.errors import (
+from ..common.errors import (
     InputError, InvalidRequestError, NlmserveError, OverloadedError, RequestTimeoutError, RpcError, ServerUnavailableError,
 )
-from nlmserve.lm.ngrams import pack_ngrams
-from nlmserve.logbase import is_log10
-from nlmserve.perplexity import from_log10
-from nlmserve.proto import lm_pb2
-from nlmserve.tokens import read_tokens
+from ..lm.ngrams import pack_ngrams
+from ..common.logbase import is_log10
+from ..common.perplexity import from_log10
+from ..proto import lm_pb2
+from ..common.tokens import read_tokens
 
 
 
@@ -371,7 +371,7 @@ def _read_pem(path: str, what: str) -> bytes:
 
 def read_token_file(path: str) -> str:
     """The first token in a token file (one per line; blank and ``#`` lines skipped; the
-    rule is ``nlmserve.tokens``')."""
+    rule is ``nlmserve.common.tokens``')."""
     return read_tokens(path)[0]
 
 

@@ -16,8 +16,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from nlmserve.client.core import Security
-from nlmserve.errors import ModelMismatchError
+from .core import Security
+from ..common.errors import ModelMismatchError
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 import grpc
 import numpy as np
 
-from nlmserve.client import core
-from nlmserve.client.base import ClientBase, NeedIdMap, Plan, Rpc
-from nlmserve.client.core import IdMap, ModelInfo, NgramScores, SentenceScore
+from . import core
+from .base import ClientBase, NeedIdMap, Plan, Rpc
+from .core import IdMap, ModelInfo, NgramScores, SentenceScore
 
 log = logging.getLogger(__name__)
 

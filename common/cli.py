@@ -1,4 +1,4 @@
-"""``nlmserve.cli``, the ``nlmserve`` command line: parses and dispatches, nothing more.
+"""``nlmserve.common.cli``, the ``nlmserve`` command line: parses and dispatches, nothing more.
 
 Each room registers its own subcommands from a light ``cli`` module that imports heavy
 dependencies (torch) only inside the handler, so ``nlmserve score`` on a decoder host
@@ -13,8 +13,8 @@ import logging
 import sys
 from typing import Callable, Sequence
 
-from nlmserve import __version__
-from nlmserve.errors import NlmserveError
+from .. import __version__
+from .errors import NlmserveError
 
 # Modules that define ``register(subparsers) -> None``; each parser sets ``func``.
 _ROOM_CLIS = (

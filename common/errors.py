@@ -1,4 +1,4 @@
-"""``nlmserve.errors``: the exception hierarchy of every room, in one module.
+"""``nlmserve.common.errors``: the exception hierarchy of every room, in one module.
 
 Each server-side class maps to one gRPC status code in the servicer (``server.servicer``);
 the client maps status codes back (``client.core.map_error``); the CLI prints the message

@@ -1,4 +1,4 @@
-"""``nlmserve.flags``: what the rooms' command lines share about their flags.
+"""``nlmserve.common.flags``: what the rooms' command lines share about their flags.
 
 One spelling per idea; an older spelling stays accepted, hidden from ``--help``, and says
 once on stderr what to write instead::

@@ -1,4 +1,4 @@
-"""``nlmserve.kenlm_file``: a Kneser-Ney model (ARPA or KenLM binary), read with ``kenlm``.
+"""``nlmserve.common.kenlm_file``: a Kneser-Ney model (ARPA or KenLM binary), read with ``kenlm``.
 
 ``kenlm`` (PyPI) is not a runtime dependency; it is in the ``bench`` and ``dev`` extras.
 Everything that reads such a file (``nlmserve eval --kenlm``, ``nlmserve rescore --kenlm``,
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from nlmserve.errors import InputError
+from .errors import InputError
 
 
 def load_kenlm(path: str | os.PathLike[str]) -> Any:

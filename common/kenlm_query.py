@@ -1,4 +1,4 @@
-"""``nlmserve.kenlm_query``: KenLM ``query``'s output, for ``nlmserve score`` (through a server)
+"""``nlmserve.common.kenlm_query``: KenLM ``query``'s output, for ``nlmserve score`` (through a server)
 and ``nlmserve query`` (a model file in this process), which differ only in who scores.
 
 Plain output, one line per sentence, then a summary::
@@ -26,8 +26,8 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, BinaryIO, Callable, Iterator, Mapping, Protocol, Sequence, TextIO
 
-from nlmserve.errors import InputError, InvalidRequestError
-from nlmserve.perplexity import from_log10
+from .errors import InputError, InvalidRequestError
+from .perplexity import from_log10
 
 if TYPE_CHECKING:
     import numpy as np

@@ -1,4 +1,4 @@
-"""``nlmserve.memory``: process-wide allocator settings for the hot loops (training).
+"""``nlmserve.common.memory``: process-wide allocator settings for the hot loops (training).
 
 A training step allocates and frees the same large tensors every time (at width 512 the
 (N, 1 + k, E) noise products are 11.5 MB each). With glibc's defaults some of them come

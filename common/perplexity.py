@@ -1,4 +1,4 @@
-"""``nlmserve.perplexity``: perplexity from a sum of log-probabilities, in either base.
+"""``nlmserve.common.perplexity``: perplexity from a sum of log-probabilities, in either base.
 
     from_log10(total, tokens) = 10 ** (-total / tokens)    (KenLM's ``query`` and ``perplexity``)
     from_ln(total, tokens)    = exp(-total / tokens)       (the trainer's validation)

@@ -1,4 +1,4 @@
-"""``nlmserve.progress``: progress on stderr, a tqdm bar on a terminal, a log line elsewhere.
+"""``nlmserve.common.progress``: progress on stderr, a tqdm bar on a terminal, a log line elsewhere.
 
 tqdm redraws its bar with carriage returns; written into a file (stderr redirected, a
 container's log, a CI job) every redraw stays in it. So the bar is drawn only when the

@@ -1,4 +1,4 @@
-"""``nlmserve.serve_process``: the lines ``nlmserve serve`` prints once bound, and ``nlmserve
+"""``nlmserve.common.serve_process``: the lines ``nlmserve serve`` prints once bound, and ``nlmserve
 serve`` started as a subprocess that is ready when it returns.
 
 Once its port is bound the server writes to stdout, in this order, and nothing else (its log
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Sequence
 
-from nlmserve.errors import NlmserveError
+from .errors import NlmserveError
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def parse_metrics(line: str) -> str | None:
 
 def nlmserve_command() -> list[str]:
     """How to run the ``nlmserve`` CLI of this installation in a subprocess."""
-    return [sys.executable, "-m", "nlmserve.cli"]
+    return [sys.executable, "-m", "nlmserve"]
 
 
 @dataclass

@@ -15,9 +15,9 @@ data:
 
 Each row is also given as a ratio to the first row (frequency, smallest factor). Usage:
 
-    .venv/bin/python experiments/classes.py                       # shipped 50k-line slice, 6-8 min on 1 core
-    .venv/bin/python experiments/classes.py --no-train            # classes only, under a minute
-    .venv/bin/python experiments/classes.py --train ../shared/data/lm/europarl.train.lc-moses.en.xz \\
+    .venv/bin/python -m experiments.classes                       # shipped 50k-line slice, 6-8 min on 1 core
+    .venv/bin/python -m experiments.classes --no-train            # classes only, under a minute
+    .venv/bin/python -m experiments.classes --train ../shared/data/lm/europarl.train.lc-moses.en.xz \\
         --dev ../shared/data/lm/europarl.dev.lc-moses.en --steps 20000 --threads 2
 
 experiments/results.md ("Training") records the measurements; docs/classes.md ("Number of

@@ -22,8 +22,8 @@ the final model. The configurations:
 
 Usage (the shipped slice and dev text by default; id files are shared between the runs):
 
-    .venv/bin/python experiments/distributed.py --steps 2000
-    .venv/bin/python experiments/distributed.py --steps 2000 --objective mle --repeats 2
+    .venv/bin/python -m experiments.distributed --steps 2000
+    .venv/bin/python -m experiments.distributed --steps 2000 --objective mle --repeats 2
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ and prints, per number of known words k and in all, the mean difference from the
 context (bias) and its mean absolute value (log10), for each model; with ``--kenlm``, KenLM's
 own estimates of the same words (its lower orders) as the yardstick. Usage:
 
-    .venv/bin/python experiments/estimates.py --model model.nlm [--model other.nlm]
-    .venv/bin/python experiments/estimates.py --model ep10f.nlm --kenlm europarl.5gram.bin --text ../shared/data/nbest/newstest-fr-en/newstest2013.moses-1best \\
+    .venv/bin/python -m experiments.estimates --model model.nlm [--model other.nlm]
+    .venv/bin/python -m experiments.estimates --model ep10f.nlm --kenlm europarl.5gram.bin --text ../shared/data/nbest/newstest-fr-en/newstest2013.moses-1best \\
         --lines 300 --json experiments/estimates.json --doc experiments/results.md
 
 The default text is the shipped Moses 1-best of 300 newstest2013 sentences (lowercased,
@@ -35,8 +35,7 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # bench/_common.py
-import _common  # noqa: E402
+from bench import _common  # noqa: E402
 
 from nlmserve.lm.ngrams import BOS_ID, no_word_id  # noqa: E402
 
@@ -106,7 +105,7 @@ def measure_kenlm(path: str, text: Path, lines: int, order: int) -> dict[str, An
     its score after the real history."""
     import kenlm
 
-    from nlmserve.kenlm_file import load_kenlm
+    from nlmserve.common.kenlm_file import load_kenlm
 
     model = load_kenlm(path)
     n1 = min(order, model.order) - 1

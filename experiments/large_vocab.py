@@ -1,6 +1,6 @@
 """A large-vocabulary model: memory, class shapes and scoring speed at V ≥ 100k.
 
-    .venv/bin/python experiments/large_vocab.py --model big.nlm --text dev.en [--cache-entries 100000]
+    .venv/bin/python -m experiments.large_vocab --model big.nlm --text dev.en [--cache-entries 100000]
 
 For the trained model file ``--model`` it reports:
 
@@ -40,7 +40,7 @@ from nlmserve.lm.classes import WordClasses, frequency_binning
 from nlmserve.lm.model_file import read_model_file
 from nlmserve.lm.scoring import LanguageModel
 
-from replicas import counter as metric, start_replica as start_server  # experiments/replicas.py (experiments/ is sys.path[0])
+from experiments.replicas import counter as metric, start_replica as start_server
 
 
 def text_ngrams(lm: LanguageModel, text: Path, limit: int) -> np.ndarray:

@@ -2,7 +2,7 @@
 system on a dev subset, the tuned moses.ini decodes the test set, and ``nlmserve bleu``
 scores it against KENLM alone tuned the same way.
 
-    .venv/bin/python experiments/moses_mert.py --moses-root $MOSES --moses $MOSES/bin/moses \
+    .venv/bin/python -m experiments.moses_mert --moses-root $MOSES --moses $MOSES/bin/moses \
         --ini ../shared/data/moses-fr-en/moses.ini --kenlm europarl.lc-moses.5gram.trie.bin \
         --dev-src ../shared/data/nbest/newstest-fr-en/newstest2012.src \
         --dev-ref ../shared/data/nbest/newstest-fr-en/newstest2012.ref --dev-every 3 \
@@ -49,13 +49,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # bench/_common.py, bench/decoder.py
-import _common  # noqa: E402
-from _common import machine, write_json  # noqa: E402
-from decoder import feature_line, rewrite_ini  # noqa: E402
+from bench import _common  # noqa: E402
+from bench._common import machine, write_json  # noqa: E402
+from bench.decoder import feature_line, rewrite_ini  # noqa: E402
 
 from nlmserve.moses_plugin.bleu import BleuConfig, corpus_bleu, paired_bootstrap, read_references  # noqa: E402
-from nlmserve.serve_process import ServerProcess, start_server  # noqa: E402
+from nlmserve.common.serve_process import ServerProcess, start_server  # noqa: E402
 from nlmserve.moses_plugin.rerank import search_check  # noqa: E402
 from nlmserve.moses_plugin.weights import load_weights  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Throughput of 1..N ``nlmserve serve`` replicas behind one replicated client (round_robin).
 
-    .venv/bin/python experiments/replicas.py --model runs/demo/nlm.model [--replicas 1 2] [--seconds 15]
+    .venv/bin/python -m experiments.replicas --model runs/demo/nlm.model [--replicas 1 2] [--seconds 15]
         [--threads 4] [--batch 10000] [--json out.json]
 
 For each replica count: start that many ``nlmserve serve --torch-threads 1`` subprocesses on
@@ -36,8 +36,8 @@ log = logging.getLogger("experiments.replicas")
 def start_replica(model: str, *flags: str) -> tuple[subprocess.Popen[str], str, str]:
     """``nlmserve serve`` on a free port with one torch and one OpenMP thread; (process, target,
     /metrics URL)."""
-    from nlmserve.errors import NlmserveError
-    from nlmserve.serve_process import start_server
+    from nlmserve.common.errors import NlmserveError
+    from nlmserve.common.serve_process import start_server
 
     try:
         server = start_server(model, ["--torch-threads", "1", *flags], metrics_port=0, stderr=subprocess.DEVNULL,

@@ -16,8 +16,8 @@ about every ``--valid-seconds`` seconds of training; then it trains for ``--minu
 first strategy; the feature-based trees spend up to a third of it on their random-tree
 model). Usage:
 
-    .venv/bin/python experiments/strategies.py --kenlm-bin /path/to/kenlm/build/bin          # ~45 min
-    .venv/bin/python experiments/strategies.py --minutes 0.3 --lines 20000 --only huffman,softmax --doc /tmp/s.md
+    .venv/bin/python -m experiments.strategies --kenlm-bin /path/to/kenlm/build/bin          # ~45 min
+    .venv/bin/python -m experiments.strategies --minutes 0.3 --lines 20000 --only huffman,softmax --doc /tmp/s.md
 """
 
 from __future__ import annotations
@@ -41,10 +41,9 @@ from nlmserve.lm.interpolate import load_kn, mix_log10, score_text, tune_weight
 from nlmserve.lm.outputs import TreeOutput
 from nlmserve.lm.scoring import LanguageModel
 from nlmserve.lm.train import TrainConfig, train
-from nlmserve.perplexity import from_log10
+from nlmserve.common.perplexity import from_log10
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # bench/_common.py
-from _common import machine, train_seconds  # noqa: E402
+from bench._common import machine, train_seconds  # noqa: E402
 
 log = logging.getLogger("experiments.strategies")
 REPO = Path(__file__).resolve().parent.parent
@@ -374,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     info = {"machine": machine(), "load_start": load_start, "load_end": os.getloadavg()[0],
             "minutes": (time.monotonic() - t_start) / 60, "vocab": vocab,
             "args": {k: v for k, v in vars(args).items() if k != "doc_only"},
-            "command": "python experiments/strategies.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+            "command": "python -m experiments.strategies " + " ".join(argv if argv is not None else sys.argv[1:])}
     doc.with_name("strategies.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
     write_doc(rows, args, info, doc, png)
     print(f"wrote {doc}, {png}")

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from nlmserve.errors import InputError
-from nlmserve.lm.model import NeuralLM
+from ..common.errors import InputError
+from .model import NeuralLM
 
 #: Version 2 names the optimiser's parameters (``optimizer_params``); version 1 listed each
 #: group's parameters in the model file's order, and is still read.

@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
-from nlmserve.errors import CorpusError, InputError, ModelFileError
-from nlmserve.lm.vocab import Vocabulary
+from ..common.errors import CorpusError, InputError, ModelFileError
+from .vocab import Vocabulary
 
 if TYPE_CHECKING:
-    from nlmserve.lm.corpus import CorpusIds
+    from .corpus import CorpusIds
 
 logger = logging.getLogger(__name__)
 

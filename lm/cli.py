@@ -9,9 +9,9 @@ import signal
 import sys
 from typing import Any
 
-from nlmserve.flags import deprecated_spelling
-from nlmserve.kenlm_query import add_input_flags
-from nlmserve.lm.recipe import RECIPE_FLAGS
+from ..common.flags import deprecated_spelling
+from ..common.kenlm_query import add_input_flags
+from .recipe import RECIPE_FLAGS
 
 log = logging.getLogger(__name__)
 
@@ -195,8 +195,8 @@ class DefaultsFormatter(argparse.HelpFormatter):
 def apply_recipe(args: argparse.Namespace) -> str:
     """Fill the recipe flags ``args`` leaves unset (None), as ``--recipe`` says → the line
     the log and the model file get ("" when every flag was given)."""
-    from nlmserve.lm.recipe import PLAIN, choose, cores, describe, fill
-    from nlmserve.lm.strategies import resolve_output
+    from .recipe import PLAIN, choose, cores, describe, fill
+    from .strategies import resolve_output
 
     if args.distributed and args.workers is None:
         args.workers = 1  # data-parallel processes, not Hogwild workers
@@ -216,8 +216,8 @@ def apply_recipe(args: argparse.Namespace) -> str:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from nlmserve.lm.train import TrainConfig, train
-    from nlmserve.memory import keep_freed_memory
+    from .train import TrainConfig, train
+    from ..common.memory import keep_freed_memory
 
     recipe = apply_recipe(args)
     if recipe:
@@ -267,7 +267,7 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 def _count_tokens(path: str, max_lines: int | None) -> int:
     """Words of the training text (its first ``max_lines`` lines), for the recipe."""
-    from nlmserve.lm.corpus import open_text_lines
+    from .corpus import open_text_lines
 
     tokens = 0
     for i, line in enumerate(open_text_lines(path)):
@@ -287,7 +287,7 @@ def _table_size(enabled: bool, bits: int, flag: str) -> int:
 
 
 def _normalize(args: argparse.Namespace) -> int:
-    from nlmserve.lm.normalize import TextForm, normalize_file
+    from .normalize import TextForm, normalize_file
 
     if args.lc_moses:
         form = TextForm.lc_moses()
@@ -306,8 +306,8 @@ def _normalize(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     import torch
 
-    from nlmserve.lm.evaluate import evaluate, format_report
-    from nlmserve.lm.scoring import LanguageModel
+    from .evaluate import evaluate, format_report
+    from .scoring import LanguageModel
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -316,7 +316,7 @@ def _eval(args: argparse.Namespace) -> int:
     out = result.to_json()
     mix = None
     if args.kenlm:
-        from nlmserve.lm.interpolate import format_interpolation, interpolate
+        from .interpolate import format_interpolation, interpolate
 
         if args.mix_weight is None and args.tune_mix_weight is None:
             print("nlmserve eval: error: --kenlm needs --mix-weight or --tune-mix-weight", file=sys.stderr)
@@ -336,8 +336,8 @@ def _eval(args: argparse.Namespace) -> int:
 def _query(args: argparse.Namespace) -> int:
     import torch
 
-    from nlmserve.kenlm_query import write_scores
-    from nlmserve.lm.scoring import LanguageModel, SentenceScores
+    from ..common.kenlm_query import write_scores
+    from .scoring import LanguageModel, SentenceScores
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -354,8 +354,8 @@ def _query(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from nlmserve.lm.info import describe, format_info
-    from nlmserve.lm.model_file import read_model_file, read_model_header
+    from .info import describe, format_info
+    from .model_file import read_model_file, read_model_header
 
     info = describe(read_model_file(args.model) if args.verify else read_model_header(args.model))
     print(json.dumps(info, sort_keys=True) if args.json else format_info(info))

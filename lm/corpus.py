@@ -31,8 +31,8 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from nlmserve.errors import CorpusError
-from nlmserve.lm.vocab import BOS, BOS_ID, EOS, EOS_ID, UNK_ID, Vocabulary
+from ..common.errors import CorpusError
+from .vocab import BOS, BOS_ID, EOS, EOS_ID, UNK_ID, Vocabulary
 
 logger = logging.getLogger(__name__)
 

@@ -44,8 +44,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from nlmserve.errors import InputError
-from nlmserve.lm.model import NeuralLM
+from ..common.errors import InputError
+from .model import NeuralLM
 
 log = logging.getLogger(__name__)
 

@@ -17,10 +17,10 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from nlmserve.lm.corpus import read_sentences
-from nlmserve.lm.scoring import LanguageModel
-from nlmserve.lm.vocab import EOS_ID
-from nlmserve.perplexity import from_log10
+from .corpus import read_sentences
+from .scoring import LanguageModel
+from .vocab import EOS_ID
+from ..common.perplexity import from_log10
 
 # Training-frequency bands: (label, lowest count, highest count); OOV tokens form their own band.
 BANDS: tuple[tuple[str, int, float], ...] = (

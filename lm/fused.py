@@ -38,9 +38,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from nlmserve.lm.model import NeuralLM
-from nlmserve.lm.objectives import NoiseDistribution
-from nlmserve.lm.outputs import HASH_CTX, HASH_KEY, HASH_MOD, HASH_OUT, HASH_SEED, ClassOutput
+from .model import NeuralLM
+from .objectives import NoiseDistribution
+from .outputs import HASH_CTX, HASH_KEY, HASH_MOD, HASH_OUT, HASH_SEED, ClassOutput
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from nlmserve.lm.model_file import ModelFile
+from .model_file import ModelFile
 
 #: The training record's entries shown in the text output, in this order.
 _TRAINING_KEYS = ("tokens_seen", "steps", "epochs_completed", "valid_perplexity", "stopped", "train", "valid")

@@ -26,12 +26,12 @@ from typing import Any
 
 import numpy as np
 
-from nlmserve.errors import InputError
-from nlmserve.kenlm_file import load_kenlm
-from nlmserve.lm.corpus import read_sentences
-from nlmserve.lm.scoring import LanguageModel
-from nlmserve.logbase import LN10
-from nlmserve.perplexity import from_log10
+from ..common.errors import InputError
+from ..common.kenlm_file import load_kenlm
+from .corpus import read_sentences
+from .scoring import LanguageModel
+from ..common.logbase import LN10
+from ..common.perplexity import from_log10
 
 SENTENCES_PER_BATCH = 512
 

@@ -23,9 +23,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from nlmserve.lm.outputs import BandedOutput, ClassOutput, OutputLayer, SoftmaxOutput, TreeOutput, checks_no_word
-from nlmserve.lm.ngrams import no_word_id
-from nlmserve.lm.trees import Tree
+from .outputs import BandedOutput, ClassOutput, OutputLayer, SoftmaxOutput, TreeOutput, checks_no_word
+from .ngrams import no_word_id
+from .trees import Tree
 
 CONTEXT_TYPES = ("diagonal", "full")
 ACTIVATIONS = ("none", "tanh", "relu")

@@ -40,14 +40,14 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
-from nlmserve.errors import ModelFileError
-from nlmserve.lm.model import ModelConfig, NeuralLM
-from nlmserve.lm.objectives import SELF_NORMALIZING
-from nlmserve.lm.outputs import TreeOutput
-from nlmserve.lm.vocab import Vocabulary
+from ..common.errors import ModelFileError
+from .model import ModelConfig, NeuralLM
+from .objectives import SELF_NORMALIZING
+from .outputs import TreeOutput
+from .vocab import Vocabulary
 
 if TYPE_CHECKING:
-    from nlmserve.lm.classes import WordClasses
+    from .classes import WordClasses
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class ModelFile:
         word_class = self.classes.word_class if self.classes is not None else None
         tree = None
         if self.config.output == "tree":
-            from nlmserve.lm.trees import Tree
+            from .trees import Tree
 
             try:
                 tree = Tree.from_arrays(self.tensors, self.config.tree_method)
@@ -303,7 +303,7 @@ def _decode(name: str, header: dict[str, Any], data: memoryview | None, digest: 
         raise ModelFileError(f"{name}: vocabulary has {len(vocab)} words, config says {config.vocab_size}")
     classes = None
     if header.get("classes") is not None:
-        from nlmserve.lm.classes import WordClasses
+        from .classes import WordClasses
 
         classes = WordClasses.from_json(header["classes"])
         if len(classes.word_class) != config.vocab_size or classes.num_classes != config.num_classes:

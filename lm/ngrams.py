@@ -29,7 +29,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from nlmserve.errors import InvalidRequestError
+from ..common.errors import InvalidRequestError
 
 UNK = "<unk>"
 BOS = "<s>"

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Iterable, Iterator
 
-from nlmserve.errors import CorpusError
-from nlmserve.lm.corpus import decode_lines, open_text_lines
+from ..common.errors import CorpusError
+from .corpus import decode_lines, open_text_lines
 
 # Moses' tokenizer.perl -a: s/([\p{IsAlnum}])\-(?=[\p{IsAlnum}])/$1 \@-\@ /g
 _HYPHEN = re.compile(r"(?<=[^\W_])-(?=[^\W_])")

@@ -38,9 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nlmserve.lm.model import NeuralLM
-from nlmserve.lm.outputs import ClassOutput, SoftmaxFamily
-from nlmserve.lm.vocab import BOS_ID
+from .model import NeuralLM
+from .outputs import ClassOutput, SoftmaxFamily
+from .vocab import BOS_ID
 
 OBJECTIVES = ("nce", "mle", "softmax", "sampling", "weaknorm", "weaknormsq")
 #: Objectives whose unnormalised scores approximate log-probabilities (the fast path).

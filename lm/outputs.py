@@ -38,11 +38,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nlmserve.lm import cpu
-from nlmserve.lm.dedup import BatchPlan
-from nlmserve.lm.ngrams import no_word_id
-from nlmserve.lm.trees import Tree, node_log_odds
-from nlmserve.lm.vocab import BOS_ID
+from . import cpu
+from .dedup import BatchPlan
+from .ngrams import no_word_id
+from .trees import Tree, node_log_odds
+from .vocab import BOS_ID
 
 #: Rows per chunk of exact scoring: at most this many ...
 MAX_CHUNK_ROWS = 8192

@@ -14,10 +14,10 @@ import numpy.typing as npt
 import torch
 from torch import Tensor
 
-from nlmserve.lm.vocab import Vocabulary
+from .vocab import Vocabulary
 
 if TYPE_CHECKING:
-    from nlmserve.lm.scoring import ScoringTables
+    from .scoring import ScoringTables
 
 
 class ScoringModel(Protocol):

@@ -23,18 +23,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nlmserve.lm.dedup import BatchPlan, distinct_rows, plan_batch
-from nlmserve.lm import cpu
-from nlmserve.lm.cpu import to_numpy
-from nlmserve.lm.model import ModelConfig, NeuralLM
-from nlmserve.lm.model_file import FORMAT_VERSION, ModelFile, read_model_file
-from nlmserve.lm.ngrams import (BOS_ID, EOS_ID, UNK_ID, canonical_rows, check_sentences, no_word_id, sentence_windows,
+from .dedup import BatchPlan, distinct_rows, plan_batch
+from . import cpu
+from .cpu import to_numpy
+from .model import ModelConfig, NeuralLM
+from .model_file import FORMAT_VERSION, ModelFile, read_model_file
+from .ngrams import (BOS_ID, EOS_ID, UNK_ID, canonical_rows, check_sentences, no_word_id, sentence_windows,
                                 word_ids)
-from nlmserve.lm.outputs import NO_HASH, NO_SCORES, ClassOutput, TreeOutput, context_hashes, ngram_feature_index
-from nlmserve.lm.trees import TreePaths
-from nlmserve.lm.vocab import Vocabulary
-from nlmserve.errors import UnsupportedModelError
-from nlmserve.logbase import ln_to_log10
+from .outputs import NO_HASH, NO_SCORES, ClassOutput, TreeOutput, context_hashes, ngram_feature_index
+from .trees import TreePaths
+from .vocab import Vocabulary
+from ..common.errors import UnsupportedModelError
+from ..common.logbase import ln_to_log10
 
 log = logging.getLogger(__name__)
 

@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from nlmserve.lm.model import ModelConfig, NeuralLM
-from nlmserve.lm.outputs import default_bands
-from nlmserve.lm.tree_clustering import cluster_tree, mean_context_vectors
-from nlmserve.lm.trees import TREE_METHODS, Tree, huffman_tree, random_tree, tree_words
+from .model import ModelConfig, NeuralLM
+from .outputs import default_bands
+from .tree_clustering import cluster_tree, mean_context_vectors
+from .trees import TREE_METHODS, Tree, huffman_tree, random_tree, tree_words
 
 if TYPE_CHECKING:
-    from nlmserve.lm.corpus import CorpusIds
-    from nlmserve.lm.train import TrainConfig
+    from .corpus import CorpusIds
+    from .train import TrainConfig
 
 log = logging.getLogger(__name__)
 

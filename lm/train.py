@@ -28,22 +28,22 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from nlmserve.errors import CorpusError, InputError
-from nlmserve.lm.checkpoint import TrainingLog, load_checkpoint, load_optimizer_state, save_checkpoint, write_learning_curve
-from nlmserve.lm.classes import WordClasses, brown_clusters, default_num_classes, frequency_binning, load_wcluster
-from nlmserve.lm.corpus import CorpusIds, count_words
-from nlmserve.lm.distributed import array_digest, init_distributed
-from nlmserve.lm.fused import FusedNCE, unavailable_reason
-from nlmserve.lm.hogwild import HogwildPool
-from nlmserve.lm.model import ModelConfig, NeuralLM
-from nlmserve.lm.outputs import ClassOutput
-from nlmserve.lm.model_file import save_model
-from nlmserve.lm.objectives import OBJECTIVES, NoiseDistribution, batch_loss
-from nlmserve.lm.strategies import SPARSE_OUTPUT_OBJECTIVES, build_tree, model_output, output_fields, resolve_output
-from nlmserve.lm.trees import Tree
-from nlmserve.lm.vocab import Vocabulary
-from nlmserve.perplexity import from_ln as perplexity_of
-from nlmserve.progress import progress
+from ..common.errors import CorpusError, InputError
+from .checkpoint import TrainingLog, load_checkpoint, load_optimizer_state, save_checkpoint, write_learning_curve
+from .classes import WordClasses, brown_clusters, default_num_classes, frequency_binning, load_wcluster
+from .corpus import CorpusIds, count_words
+from .distributed import array_digest, init_distributed
+from .fused import FusedNCE, unavailable_reason
+from .hogwild import HogwildPool
+from .model import ModelConfig, NeuralLM
+from .outputs import ClassOutput
+from .model_file import save_model
+from .objectives import OBJECTIVES, NoiseDistribution, batch_loss
+from .strategies import SPARSE_OUTPUT_OBJECTIVES, build_tree, model_output, output_fields, resolve_output
+from .trees import Tree
+from .vocab import Vocabulary
+from ..common.perplexity import from_ln as perplexity_of
+from ..common.progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class TrainConfig:
             steps); 0: write at every point.
         log_every: append a JSONL record every N steps.
         progress: a tqdm bar when stderr is a terminal, else a log line every 30 s
-            (nlmserve.progress); learning_curve: write ``out.curve.png``.
+            (nlmserve.common.progress); learning_curve: write ``out.curve.png``.
         workdir: where id files go (None: ``out + ".work"``).
         ngram_class_table, ngram_word_table: sizes of the hashed direct n-gram feature
             tables for the class and the word scores (0: none; class output only).

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from nlmserve.lm.trees import Tree, tree_from_children
+from .trees import Tree, tree_from_children
 
 log = logging.getLogger(__name__)
 

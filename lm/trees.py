@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from nlmserve.lm.vocab import BOS_ID
+from .vocab import BOS_ID
 
 TREE_METHODS = ("huffman", "random", "balanced", "adaptive", "adaptive-eps")
 

@@ -15,7 +15,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from nlmserve.lm.ngrams import BOS, BOS_ID, EOS, EOS_ID, UNK, UNK_ID
+from .ngrams import BOS, BOS_ID, EOS, EOS_ID, UNK, UNK_ID
 
 SPECIALS = (UNK, BOS, EOS)
 

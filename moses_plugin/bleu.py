@@ -20,8 +20,8 @@ from typing import Any, Mapping, Sequence, cast
 import numpy as np
 from sacrebleu.metrics.bleu import BLEU, BLEUScore
 
-from nlmserve.errors import InputError
-from nlmserve.moses_plugin.nbest import read_lines
+from ..common.errors import InputError
+from .nbest import read_lines
 
 log = logging.getLogger(__name__)
 

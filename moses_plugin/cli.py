@@ -11,9 +11,9 @@ import logging
 import os
 from typing import Any
 
-from nlmserve.client.cli import SERVER_HELP, add_security_flags
-from nlmserve.errors import InputError
-from nlmserve.flags import deprecated_spelling
+from ..client.cli import SERVER_HELP, add_security_flags
+from ..common.errors import InputError
+from ..common.flags import deprecated_spelling
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def _register_bleu(subparsers: Any) -> None:
 
 
 def _register_experiment(subparsers: Any) -> None:
-    from nlmserve.moses_plugin.experiment import add_arguments
+    from .experiment import add_arguments
 
     p = subparsers.add_parser("experiment", help="train, rescore, tune with and without NLM0, report BLEU")
     add_arguments(p)
@@ -149,8 +149,8 @@ def _register_moses_ini(subparsers: Any) -> None:
 
 
 def _moses_ini(args: argparse.Namespace) -> int:
-    from nlmserve.moses_plugin import moses_ini
-    from nlmserve.moses_plugin.nbest import check_feature_name
+    from . import moses_ini
+    from .nbest import check_feature_name
 
     try:
         check_feature_name(args.name)
@@ -165,7 +165,7 @@ def _moses_ini(args: argparse.Namespace) -> int:
     else:
         if args.path:
             raise InputError("--path goes with --model: with --server the path is the server's address")
-        from nlmserve.client.cli import security_kwargs
+        from ..client.cli import security_kwargs
 
         facts = moses_ini.facts_of_server(args.server, args.timeout, security_kwargs(args))
         path = args.server
@@ -197,7 +197,7 @@ def _feature_security(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _rescore(args: argparse.Namespace) -> int:
-    from nlmserve.moses_plugin.rescore import RescoreConfig, rescore
+    from .rescore import RescoreConfig, rescore
 
     config = RescoreConfig(
         feature_name=args.feature_name,
@@ -211,14 +211,14 @@ def _rescore(args: argparse.Namespace) -> int:
 
     def connect() -> Any:
         if args.kenlm:
-            from nlmserve.moses_plugin.kenlm_source import KenlmScorer
+            from .kenlm_source import KenlmScorer
 
             return KenlmScorer(args.kenlm)
         if args.model:
-            from nlmserve.moses_plugin.model_source import ModelScorer
+            from .model_source import ModelScorer
 
             return ModelScorer(args.model)
-        from nlmserve.client.cli import connect
+        from ..client.cli import connect
 
         return connect(args.server, args, args.timeout)
 
@@ -234,10 +234,10 @@ def _rescore(args: argparse.Namespace) -> int:
 
 
 def _tune(args: argparse.Namespace) -> int:
-    from nlmserve.moses_plugin import extractor, mert, mira
-    from nlmserve.moses_plugin.bleu import BleuConfig, SentenceStats, full_signature, read_references
-    from nlmserve.moses_plugin.nbest import write_text_atomic
-    from nlmserve.moses_plugin.weights import load_weights, to_moses_ini, to_weights_txt
+    from . import extractor, mert, mira
+    from .bleu import BleuConfig, SentenceStats, full_signature, read_references
+    from .nbest import write_text_atomic
+    from .weights import load_weights, to_moses_ini, to_weights_txt
 
     mira_config = mira.MiraConfig(iterations=args.iterations, c=args.mira_c, decay=args.decay, model_bg=args.model_bg,
                                   seed=args.seed, normalize=not args.no_normalize)  # checked before any work
@@ -285,9 +285,9 @@ def _strip_suffix(path: str) -> str:
 
 
 def _rerank(args: argparse.Namespace) -> int:
-    from nlmserve.moses_plugin.nbest import write_text_atomic
-    from nlmserve.moses_plugin.rerank import rerank
-    from nlmserve.moses_plugin.weights import load_weights
+    from .nbest import write_text_atomic
+    from .rerank import rerank
+    from .weights import load_weights
 
     weights = load_weights(args.weights, _layout_of(args.nbest))
     result = rerank(args.nbest, weights, skip_bad=args.skip_bad)
@@ -297,8 +297,8 @@ def _rerank(args: argparse.Namespace) -> int:
 
 
 def _search_errors(args: argparse.Namespace) -> int:
-    from nlmserve.moses_plugin.rerank import search_check
-    from nlmserve.moses_plugin.weights import load_weights
+    from .rerank import search_check
+    from .weights import load_weights
 
     weights = load_weights(args.weights, _layout_of(args.nbest))
     check = search_check(args.nbest, list(args.earlier), weights, margin=args.margin)
@@ -313,7 +313,7 @@ def _search_errors(args: argparse.Namespace) -> int:
 
 
 def _layout_of(path: str) -> tuple[tuple[str, int], ...] | None:
-    from nlmserve.moses_plugin.nbest import iter_entries
+    from .nbest import iter_entries
 
     for entry in iter_entries(path, skip_bad=True):
         return entry.layout()
@@ -321,8 +321,8 @@ def _layout_of(path: str) -> tuple[tuple[str, int], ...] | None:
 
 
 def _bleu(args: argparse.Namespace) -> int:
-    from nlmserve.moses_plugin.bleu import BleuConfig, corpus_bleu, paired_bootstrap, read_references
-    from nlmserve.moses_plugin.nbest import read_lines
+    from .bleu import BleuConfig, corpus_bleu, paired_bootstrap, read_references
+    from .nbest import read_lines
 
     config = BleuConfig(lowercase=args.lowercase, tokenize=args.tokenize)
     hyps = read_lines(args.hyp)
@@ -345,6 +345,6 @@ def _bleu(args: argparse.Namespace) -> int:
 
 
 def _experiment(args: argparse.Namespace) -> int:
-    from nlmserve.moses_plugin.experiment import run_from_args
+    from .experiment import run_from_args
 
     return run_from_args(args)

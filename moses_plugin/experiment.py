@@ -31,8 +31,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any, Iterator, cast
 
-from nlmserve.errors import NlmserveError
-from nlmserve.serve_process import ServerProcess, nlmserve_command, start_server
+from ..common.errors import NlmserveError
+from ..common.serve_process import ServerProcess, nlmserve_command, start_server
 
 log = logging.getLogger(__name__)
 
@@ -151,12 +151,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     runs = p.add_argument("--runs", dest="mert_runs", type=int, default=d.mert_runs,
                           help="tune each system N times (seeds SEED..SEED+N-1); the table gives mean ± sd and "
                                "a p-value over the runs (default 1)")
-    from nlmserve.flags import deprecated_spelling
+    from ..common.flags import deprecated_spelling
 
     deprecated_spelling(p, "--mert-runs", runs)
     p.add_argument("--samples", type=int, default=d.samples, help="paired bootstrap resamples")
     p.add_argument("--lowercase", action="store_true", help="lowercase hypotheses (LM and BLEU)")
-    from nlmserve.client.cli import add_security_flags
+    from ..client.cli import add_security_flags
 
     add_security_flags(p)  # for --server; a server started by --via-server is plaintext on 127.0.0.1
 
@@ -170,9 +170,9 @@ def run_from_args(args: argparse.Namespace) -> int:
         kenlm_name=args.kenlm_name, restarts=args.restarts, seed=args.seed,
         mert_runs=args.mert_runs, samples=args.samples, lowercase=args.lowercase,
     )
-    from nlmserve.moses_plugin.report import format_table
+    from .report import format_table
 
-    from nlmserve.client.cli import security_kwargs
+    from ..client.cli import security_kwargs
 
     report = run(config, security_kwargs(args))
     print(format_table(report))
@@ -272,8 +272,8 @@ def run(config: ExperimentConfig, client_kwargs: dict[str, Any] | None = None) -
 
     ``client_kwargs``: TLS and token arguments of ``LMClient`` for ``config.server``.
     """
-    from nlmserve.moses_plugin.nbest import check_feature_name
-    from nlmserve.moses_plugin.pipeline import FEATURE, TUNERS, NlmSource, Pipeline
+    from .nbest import check_feature_name
+    from .pipeline import FEATURE, TUNERS, NlmSource, Pipeline
 
     if config.mert_runs < 1:
         raise NlmserveError(f"--runs must be at least 1, not {config.mert_runs}")
@@ -290,7 +290,7 @@ def run(config: ExperimentConfig, client_kwargs: dict[str, Any] | None = None) -
             raise NlmserveError(f"--kenlm-name {FEATURE} is the neural model's feature: choose another name")
     work = Path(config.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    from nlmserve.moses_plugin.workdir import check_workdir
+    from .workdir import check_workdir
 
     check_workdir(config, work, trains=config.model is None and config.server is None)
     started = time.monotonic()
@@ -311,7 +311,7 @@ def run(config: ExperimentConfig, client_kwargs: dict[str, Any] | None = None) -
             server.stop()
     report["seconds"] = time.monotonic() - started
     report["config"] = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(config).items()}
-    from nlmserve.moses_plugin.report import save_report
+    from .report import save_report
 
     save_report(report, work)
     return report

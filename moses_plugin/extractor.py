@@ -23,11 +23,11 @@ from typing import Iterator, TextIO
 
 import numpy as np
 
-from nlmserve.errors import InputError
-from nlmserve.moses_plugin.bleu import MOSES_N_STATS, from_moses, to_moses
-from nlmserve.moses_plugin.mert import MertData
-from nlmserve.moses_plugin.nbest import format_value, write_text_atomic
-from nlmserve.moses_plugin.weights import layout_from_names, layout_names
+from ..common.errors import InputError
+from .bleu import MOSES_N_STATS, from_moses, to_moses
+from .mert import MertData
+from .nbest import format_value, write_text_atomic
+from .weights import layout_from_names, layout_names
 
 FEATURES_BEGIN = "FEATURES_TXT_BEGIN_0"
 FEATURES_END = "FEATURES_TXT_END_0"

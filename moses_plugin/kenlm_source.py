@@ -23,12 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from nlmserve.errors import InputError
-from nlmserve.kenlm_file import load_kenlm
-from nlmserve.lm.ngrams import BOS, BOS_ID, EOS, EOS_ID, UNK, UNK_ID
-from nlmserve.logbase import log10_to_ln
-from nlmserve.moses_plugin.nbest import file_sha256
-from nlmserve.moses_plugin.rescore import SourceInfo, SourceScores, log10_flag
+from ..common.errors import InputError
+from ..common.kenlm_file import load_kenlm
+from ..lm.ngrams import BOS, BOS_ID, EOS, EOS_ID, UNK, UNK_ID
+from ..common.logbase import log10_to_ln
+from .nbest import file_sha256
+from .rescore import SourceInfo, SourceScores, log10_flag
 
 
 class _GrowingVocabulary(dict[str, int]):

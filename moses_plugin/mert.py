@@ -23,10 +23,10 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from nlmserve.errors import InputError, NbestFormatError
-from nlmserve.moses_plugin.bleu import N_STATS, SentenceStats, score_from_stats
-from nlmserve.moses_plugin.nbest import NbestEntry, iter_sentences
-from nlmserve.moses_plugin.weights import Layout, Weights
+from ..common.errors import InputError, NbestFormatError
+from .bleu import N_STATS, SentenceStats, score_from_stats
+from .nbest import NbestEntry, iter_sentences
+from .weights import Layout, Weights
 
 log = logging.getLogger(__name__)
 

@@ -29,10 +29,10 @@ from typing import Sequence
 
 import numpy as np
 
-from nlmserve.errors import InputError
-from nlmserve.moses_plugin.bleu import SentenceStats, score_from_stats
-from nlmserve.moses_plugin.mert import FeatureRange, MertData, PackedData, prepare
-from nlmserve.moses_plugin.weights import Weights
+from ..common.errors import InputError
+from .bleu import SentenceStats, score_from_stats
+from .mert import FeatureRange, MertData, PackedData, prepare
+from .weights import Weights
 
 log = logging.getLogger(__name__)
 

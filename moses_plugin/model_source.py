@@ -24,8 +24,8 @@ import os
 
 import numpy as np
 
-from nlmserve.logbase import ln_to_log10
-from nlmserve.moses_plugin.rescore import SourceInfo, SourceScores, log10_flag
+from ..common.logbase import ln_to_log10
+from .rescore import SourceInfo, SourceScores, log10_flag
 
 #: Rows per forward pass: ``nlmserve serve``'s default ``max_batch_ngrams``.
 PASS_ROWS = 4096
@@ -40,7 +40,7 @@ class ModelScorer:
     """
 
     def __init__(self, path: str | os.PathLike[str], device: str | None = None) -> None:
-        from nlmserve.lm.scoring import LanguageModel  # torch: only when a model file is scored here
+        from ..lm.scoring import LanguageModel  # torch: only when a model file is scored here
 
         self._lm = LanguageModel.load(path, device)
         self._vocab = dict(self._lm.vocab.index)

@@ -30,7 +30,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from nlmserve.errors import InputError, NlmserveError
+from ..common.errors import InputError, NlmserveError
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def tuneable_l1_norm(text: str, path: str = "<string>") -> float:
     features whose ``[feature]`` line says ``tuneable=false`` and of ``UnknownWordPenalty``
     (untuned unless its line says ``tuneable=true``; a ``[weight]`` section alone is read by
     these names)."""
-    from nlmserve.moses_plugin.weights import parse_moses_ini
+    from .weights import parse_moses_ini
 
     tuneable: dict[str, bool] = {}
     section = ""
@@ -132,7 +132,7 @@ def tuneable_l1_norm(text: str, path: str = "<string>") -> float:
 
 def facts_of_file(path: str) -> ModelFacts:
     """The facts of a model file (read and verified: ModelFileError names the file)."""
-    from nlmserve.lm.scoring import LanguageModel
+    from ..lm.scoring import LanguageModel
 
     lm = LanguageModel.load(path, device="cpu", cpu_tables=False)
     return ModelFacts(order=lm.order, output=lm.output_type, objective=lm.objective,
@@ -145,10 +145,10 @@ def facts_of_server(target: str, timeout: float = 30.0, client_kwargs: dict[str,
     ``GetScoringTables`` (its first chunk, of one float, is read and the rest cancelled)."""
     import grpc
 
-    from nlmserve.client.base import Rpc
-    from nlmserve.client.core import map_error
-    from nlmserve.client.sync import LMClient
-    from nlmserve.proto import lm_pb2
+    from ..client.base import Rpc
+    from ..client.core import map_error
+    from ..client.sync import LMClient
+    from ..proto import lm_pb2
 
     class TablesProbe(LMClient):
         """The client, with its TLS and token, asked for the tables' first chunk only."""

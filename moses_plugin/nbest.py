@@ -28,7 +28,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import IO, Iterator, Sequence, cast
 
-from nlmserve.errors import NbestFormatError
+from ..common.errors import NbestFormatError
 
 log = logging.getLogger(__name__)
 

@@ -46,15 +46,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from nlmserve.errors import InputError
-from nlmserve.moses_plugin import bleu, mert, mira
-from nlmserve.moses_plugin.nbest import file_sha256, read_lines, write_text_atomic
-from nlmserve.moses_plugin.rerank import rerank
-from nlmserve.moses_plugin.rescore import RescoreConfig, ScoreSource, rescore
-from nlmserve.moses_plugin.weights import Weights, load_weights, to_moses_ini, to_weights_txt
+from ..common.errors import InputError
+from . import bleu, mert, mira
+from .nbest import file_sha256, read_lines, write_text_atomic
+from .rerank import rerank
+from .rescore import RescoreConfig, ScoreSource, rescore
+from .weights import Weights, load_weights, to_moses_ini, to_weights_txt
 
 if TYPE_CHECKING:
-    from nlmserve.moses_plugin.experiment import ExperimentConfig
+    from .experiment import ExperimentConfig
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class NlmSource:
 
         def connect() -> ScoreSource:
             if not loaded:
-                from nlmserve.moses_plugin.model_source import ModelScorer
+                from .model_source import ModelScorer
 
                 loaded.append(ModelScorer(path))
             return loaded[0]
@@ -112,7 +112,7 @@ class NlmSource:
         kwargs = dict(client_kwargs or {})
 
         def connect() -> ScoreSource:
-            from nlmserve.client import LMClient
+            from ..client import LMClient
 
             return LMClient(target, timeout=120.0, **kwargs)
 
@@ -161,7 +161,7 @@ class Pipeline:
 
     def with_kenlm(self, name: str, nbest: str) -> Path:
         """``nbest`` with the Kneser-Ney feature added (``NAME.kn.nbest.gz``), made once per model."""
-        from nlmserve.moses_plugin.kenlm_source import KenlmScorer
+        from .kenlm_source import KenlmScorer
 
         assert self.config.kenlm
         out = self.work / f"{name}.kn.nbest.gz"

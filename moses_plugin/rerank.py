@@ -8,10 +8,10 @@ from typing import Iterator
 
 import numpy as np
 
-from nlmserve.errors import InputError
-from nlmserve.moses_plugin.mert import group_arrays
-from nlmserve.moses_plugin.nbest import NbestEntry, ReadStats, iter_sentences
-from nlmserve.moses_plugin.weights import Weights
+from ..common.errors import InputError
+from .mert import group_arrays
+from .nbest import NbestEntry, ReadStats, iter_sentences
+from .weights import Weights
 
 log = logging.getLogger(__name__)
 

@@ -40,10 +40,10 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
-from nlmserve.errors import InputError, NbestFormatError, NlmserveError, OverloadedError, ServerUnavailableError
-from nlmserve.lm.ngrams import sentence_windows, word_ids
-from nlmserve.logbase import is_log10
-from nlmserve.moses_plugin.nbest import (
+from ..common.errors import InputError, NbestFormatError, NlmserveError, OverloadedError, ServerUnavailableError
+from ..lm.ngrams import sentence_windows, word_ids
+from ..common.logbase import is_log10
+from .nbest import (
     NbestEntry,
     ReadStats,
     add_feature,
@@ -51,7 +51,7 @@ from nlmserve.moses_plugin.nbest import (
     fsync_dir,
     iter_sentences,
 )
-from nlmserve.progress import progress
+from ..common.progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class RescoreConfig:
             ends at a sentence boundary and is one checkpoint.
         request_ngrams: most distinct n-grams sent in one ``score_ids`` request.
         wait_server: seconds to keep retrying (and reconnecting) when the server is gone.
-        progress: show progress on stderr (``nlmserve.progress``: a bar on a terminal, log
+        progress: show progress on stderr (``nlmserve.common.progress``: a bar on a terminal, log
             lines otherwise).
     """
 

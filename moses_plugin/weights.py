@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from nlmserve.errors import InputError
+from ..common.errors import InputError
 
 Layout = tuple[tuple[str, int], ...]
 

@@ -26,11 +26,11 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nlmserve.errors import NlmserveError
-from nlmserve.moses_plugin.nbest import file_sha256, write_text_atomic
+from ..common.errors import NlmserveError
+from .nbest import file_sha256, write_text_atomic
 
 if TYPE_CHECKING:
-    from nlmserve.moses_plugin.experiment import ExperimentConfig
+    from .experiment import ExperimentConfig
 
 RECORD = "inputs.json"
 # Outputs whose presence without a record means an earlier, unrecorded run.

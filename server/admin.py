@@ -20,17 +20,17 @@ from typing import TYPE_CHECKING, NoReturn
 
 import grpc
 
-from nlmserve.errors import InputError, ModelFileError, ReloadError
-from nlmserve.proto import lm_pb2
-from nlmserve.server.auth import TlsFiles, TokenStore
-from nlmserve.server.config import ServerConfig
-from nlmserve.server.engine import Engine, ModelState, load_model
-from nlmserve.server.metrics import ServerMetrics
-from nlmserve.server.requests import CallStatus, status_of
-from nlmserve.server.servicer import _parser, model_info
+from ..common.errors import InputError, ModelFileError, ReloadError
+from ..proto import lm_pb2
+from .auth import TlsFiles, TokenStore
+from .config import ServerConfig
+from .engine import Engine, ModelState, load_model
+from .metrics import ServerMetrics
+from .requests import CallStatus, status_of
+from .servicer import _parser, model_info
 
 if TYPE_CHECKING:
-    from nlmserve.server.servicer import Context
+    from .servicer import Context
 
 log = logging.getLogger(__name__)
 

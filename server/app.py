@@ -37,18 +37,18 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from nlmserve.proto import lm_pb2
-from nlmserve.errors import ReloadError
-from nlmserve.serve_process import listening_line, metrics_line
-from nlmserve.server.admin import ADMIN_SERVICE, AdminServicer, Reloader, add_admin_to_server
-from nlmserve.server.auth import TlsFiles, TokenStore
-from nlmserve.server.config import ServerConfig
-from nlmserve.server.engine import Engine, ModelState
-from nlmserve.server.gate import CallGate
-from nlmserve.server.local import LocalBackend
-from nlmserve.server.metrics import ServerMetrics
-from nlmserve.server.requests import RequestHandler
-from nlmserve.server.servicer import LanguageModelServicer, add_to_server
+from ..proto import lm_pb2
+from ..common.errors import ReloadError
+from ..common.serve_process import listening_line, metrics_line
+from .admin import ADMIN_SERVICE, AdminServicer, Reloader, add_admin_to_server
+from .auth import TlsFiles, TokenStore
+from .config import ServerConfig
+from .engine import Engine, ModelState
+from .gate import CallGate
+from .local import LocalBackend
+from .metrics import ServerMetrics
+from .requests import RequestHandler
+from .servicer import LanguageModelServicer, add_to_server
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +255,7 @@ def serve(config: ServerConfig) -> int:
     public = config
     binary = None
     if config.frontend == "native":
-        from nlmserve.server.frontend import find_binary
+        from .frontend import find_binary
 
         binary = find_binary(config.frontend_binary)
         warning = exposure_warning(config)  # the front end is what the network reaches
@@ -286,7 +286,7 @@ def serve(config: ServerConfig) -> int:
     code = 0
     try:
         if binary is not None:
-            from nlmserve.server.frontend import NativeFrontend
+            from .frontend import NativeFrontend
 
             if public.metrics_port is not None:
                 running.metrics_port = running.metrics.start_http(public.host, public.metrics_port)

@@ -26,9 +26,9 @@ from typing import Any, Generic, Hashable, TypeVar
 import numpy as np
 import torch
 
-from nlmserve.lm.dedup import plan_batch
-from nlmserve.lm.protocol import ScoringModel
-from nlmserve.server.metrics import ServerMetrics
+from ..lm.dedup import plan_batch
+from ..lm.protocol import ScoringModel
+from .metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 

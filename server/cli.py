@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from nlmserve.errors import InputError, ModelFileError
+from ..common.errors import InputError, ModelFileError
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +67,8 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from nlmserve.server.app import serve
-    from nlmserve.server.config import build_config
+    from .app import serve
+    from .config import build_config
 
     overrides = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, _, _ in _FLAGS}
     overrides["model"] = args.model

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from nlmserve.errors import InputError
+from ..common.errors import InputError
 
 
 @dataclass(frozen=True)

@@ -34,18 +34,18 @@ from typing import TYPE_CHECKING, Sequence, TypeVar
 import numpy as np
 import torch
 
-from nlmserve.errors import (EngineStoppedError, ModelFileError, OverloadedError, RequestExpiredError,
+from ..common.errors import (EngineStoppedError, ModelFileError, OverloadedError, RequestExpiredError,
                              UnsupportedModelError)
-from nlmserve.lm.ngrams import BOS_ID, EOS_ID, canonical_rows, check_sentences, sentence_windows
-from nlmserve.lm.protocol import ScoringModel
-from nlmserve.logbase import ln_to_log10
-from nlmserve.server.cache import Scorer
-from nlmserve.server.config import ServerConfig
-from nlmserve.server.files import check_model_file
-from nlmserve.server.metrics import ServerMetrics
+from ..lm.ngrams import BOS_ID, EOS_ID, canonical_rows, check_sentences, sentence_windows
+from ..lm.protocol import ScoringModel
+from ..common.logbase import ln_to_log10
+from .cache import Scorer
+from .config import ServerConfig
+from .files import check_model_file
+from .metrics import ServerMetrics
 
 if TYPE_CHECKING:
-    from nlmserve.lm.scoring import ScoringTables
+    from ..lm.scoring import ScoringTables
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def load_model(config: ServerConfig, path: str | None = None) -> ScoringModel:
     """The model file ``path`` (default ``config.model``) loaded on the configured device
     (ModelFileError naming the file when it is not a regular file of at most
     ``max_model_bytes`` and of the size its header gives, or does not load)."""
-    from nlmserve.lm.scoring import LanguageModel
+    from ..lm.scoring import LanguageModel
 
     path = config.model if path is None else path
     check_model_file(path, config.max_model_bytes)  # a regular file of the size its header gives

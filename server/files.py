@@ -14,8 +14,8 @@ from __future__ import annotations
 import os
 import stat
 
-from nlmserve.errors import InputError, ModelFileError
-from nlmserve.lm.model_file import declared_size
+from ..common.errors import InputError, ModelFileError
+from ..lm.model_file import declared_size
 
 #: Largest token or TLS file read, in bytes.
 MAX_SMALL_FILE_BYTES = 1024 * 1024

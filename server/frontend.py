@@ -19,9 +19,9 @@ import threading
 from pathlib import Path
 from typing import IO
 
-from nlmserve.errors import InputError
-from nlmserve.serve_process import parse_listening
-from nlmserve.server.config import ServerConfig
+from ..common.errors import InputError
+from ..common.serve_process import parse_listening
+from .config import ServerConfig
 
 log = logging.getLogger(__name__)
 

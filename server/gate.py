@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from nlmserve.server.auth import OPEN_SERVICES
-from nlmserve.server.config import ServerConfig
-from nlmserve.server.metrics import ServerMetrics
-from nlmserve.server.requests import CallStatus, RequestHandler
+from .auth import OPEN_SERVICES
+from .config import ServerConfig
+from .metrics import ServerMetrics
+from .requests import CallStatus, RequestHandler
 
 if TYPE_CHECKING:  # the stubs make these generic in the request and response types, grpc does not
     Handler = grpc.RpcMethodHandler[Any, Any]

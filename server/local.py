@@ -54,9 +54,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from nlmserve.errors import InvalidRequestError, ProtocolError
-from nlmserve.server.engine import Engine, ModelState
-from nlmserve.server.requests import CallStatus, RequestHandler, status_of
+from ..common.errors import InvalidRequestError, ProtocolError
+from .engine import Engine, ModelState
+from .requests import CallStatus, RequestHandler, status_of
 
 log = logging.getLogger(__name__)
 

@@ -38,10 +38,10 @@ from typing import Any
 
 import grpc
 
-from nlmserve.errors import (EngineStoppedError, InvalidRequestError, OverloadedError, ReloadError,
+from ..common.errors import (EngineStoppedError, InvalidRequestError, OverloadedError, ReloadError,
                              RequestExpiredError, UnsupportedModelError)
-from nlmserve.server.auth import TokenStore
-from nlmserve.server.metrics import ServerMetrics
+from .auth import TokenStore
+from .metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 

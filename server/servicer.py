@@ -21,12 +21,12 @@ import grpc
 import numpy as np
 from google.protobuf.message import Message
 
-from nlmserve.errors import InvalidRequestError, UnsupportedModelError
-from nlmserve.lm.ngrams import BOS_ID, EOS_ID, UNK_ID, pack_ngrams, word_ids
-from nlmserve.proto import lm_pb2, lm_pb2_grpc
-from nlmserve.server.engine import Engine, ModelState
-from nlmserve.server.metrics import ServerMetrics
-from nlmserve.server.requests import CallStatus, RequestHandler, status_of
+from ..common.errors import InvalidRequestError, UnsupportedModelError
+from ..lm.ngrams import BOS_ID, EOS_ID, UNK_ID, pack_ngrams, word_ids
+from ..proto import lm_pb2, lm_pb2_grpc
+from .engine import Engine, ModelState
+from .metrics import ServerMetrics
+from .requests import CallStatus, RequestHandler, status_of
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from nlmserve.errors import NlmserveError
-from nlmserve.serve_process import ServerProcess, start_server as start_serve_process
+from nlmserve.common.errors import NlmserveError
+from nlmserve.common.serve_process import ServerProcess, start_server as start_serve_process
 from nlmserve.server.app import RunningServer, create_server
 from nlmserve.server.config import ServerConfig
 from nlmserve.server.engine import Engine
@@ -49,7 +49,7 @@ def start_server(lm: Any, **overrides: Any) -> RunningServer:
 def serve_subprocess(model: str | Path, *flags: str, log: Path | None = None, stderr: Any = None,
                      **kwargs: Any) -> ServerProcess:
     """``nlmserve serve --model MODEL --torch-threads 1 FLAGS`` as a real process on 127.0.0.1,
-    ready when it returns (``nlmserve.serve_process.start_server``: ``port=``, ``metrics_port=0``,
+    ready when it returns (``nlmserve.common.serve_process.start_server``: ``port=``, ``metrics_port=0``,
     ``env=``, ``command=`` pass through). Its log goes to ``stderr``, or is appended to the file
     ``log``; a server that does not start is an AssertionError with the end of that log."""
     handle = open(log, "a", encoding="utf-8") if log is not None else None

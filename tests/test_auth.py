@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from nlmserve.client import LMClient, RpcError
-from nlmserve.errors import InputError
+from nlmserve.common.errors import InputError
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
 from nlmserve.server.app import RunningServer, create_server
 from nlmserve.server.auth import TokenStore

@@ -13,8 +13,7 @@ import pytest
 
 from support import REPO, golden_model
 
-sys.path.insert(0, str(REPO / "bench"))
-import decoder  # noqa: E402
+from bench import decoder  # noqa: E402
 
 SHARED_INI = REPO.parent / "shared" / "data" / "moses-fr-en" / "moses.ini"
 
@@ -246,13 +245,13 @@ def test_summary_ratios_and_rendered_section(tmp_path: Path) -> None:
     saved.write_text(json.dumps({**result, "section": None, "command": "bench/decoder.py --lines 20"}))
     assert decoder.main(["--render", str(saved), "--doc", str(doc), "--section", "features"]) == 0
     three = doc.read_text()
-    assert three.startswith(text) and "    bench/decoder.py --lines 20\n\n" + end in three
+    assert three.startswith(text) and "    python -m bench.decoder --lines 20\n\n" + end in three
     assert "≤ 2.0×: **not met**" in text and "no for exact." in text
     assert "exact: identical output" in text and "largest difference 0.0005" in text
     assert "NLM0 in Moses' 10-best lists of the first 3 sentences" in text
     result["nbest_check"]["model"] = "/m/ep10f.nlm"  # the model the check scored with is named
     assert "NLM0 (`ep10f.nlm`) in Moses' 10-best lists" in decoder.render(result)
-    assert "    bench/decoder.py --lines 10" in text
+    assert "    python -m bench.decoder --lines 10" in text
 
 
 def test_local_scoring_of_a_model_without_tables_is_refused_before_any_round(tmp_path: Path) -> None:
@@ -318,11 +317,11 @@ def test_a_failed_check_keeps_the_rounds(tmp_path: Path) -> None:
 
 
 def test_a_recorded_command_names_no_scratch_folder() -> None:
-    import _common
+    from bench import _common
 
     ran = (f"bench/decoder.py --moses /tmp/moses/moses-cmd/bin/gcc-12/moses --ini {REPO.parent}/shared/data/moses-fr-en/moses.ini "
            f"--configs local:scoring=local,model=/tmp/ep5x/ep5x.nlm --doc {REPO}/docs/performance.md --json /tmp/b/d.json")
     shown = _common.shown_command(ran)
     assert "/tmp" not in shown and shown == (
-        "bench/decoder.py --moses moses --ini ../shared/data/moses-fr-en/moses.ini "
+        "python -m bench.decoder --moses moses --ini ../shared/data/moses-fr-en/moses.ini "
         "--configs local:scoring=local,model=ep5x.nlm --doc docs/performance.md --json d.json")

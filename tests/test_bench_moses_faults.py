@@ -12,8 +12,7 @@ import pytest
 
 from support import REPO
 
-sys.path.insert(0, str(REPO / "bench"))
-import moses_faults  # noqa: E402
+from bench import moses_faults  # noqa: E402
 
 # Lines of a real decoder's stderr (the shipped French-English system, the server killed under
 # it), long addresses kept as they were.
@@ -106,7 +105,7 @@ def test_the_rendered_section_and_render_only(tmp_path: Path) -> None:
     assert "| `scoring=local` | 0 | 40 of 40 | 0 / 0 | 10.6 | identical to the undisturbed run | " \
            "**no**: the output differs |" in lines
     assert f"The feature's message: `{MESSAGE}`" in lines
-    assert "    bench/moses_faults.py --lines 40" in lines
+    assert "    python -m bench.moses_faults --lines 40" in lines
 
     doc = tmp_path / "page.md"
     doc.write_text("before\n<!-- bench/moses_faults.py: begin -->\nold\n<!-- bench/moses_faults.py: end -->\nafter\n")

@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 from support import REPO
 
-sys.path.insert(0, str(REPO / "bench"))
-import revisions  # noqa: E402
-from _common import random_class_model  # noqa: E402
+from bench import revisions  # noqa: E402
+from bench._common import random_class_model  # noqa: E402
 
 
 def test_same_when_the_means_differ_by_less_than_the_larger_range() -> None:
@@ -69,7 +68,7 @@ def test_render_writes_the_table_into_the_page(tmp_path: Path) -> None:
     assert "old table" not in text and text.endswith("\n\nafter\n")
     assert "| training, NCE, 1 thread (tokens/s) | 100, 110 | 104, 108 | 1.01 | same |" in text
     assert "`19f2784` (19f2784) against `HEAD` (abcdef1), 2 rounds" in text
-    assert "Command: `bench/revisions.py --old 19f2784`" in text
+    assert "Command: `python -m bench.revisions --old 19f2784`" in text
     # a named section is written between its own markers; the unnamed one stays
     begin, end = revisions.markers("training")
     doc.write_text(text + f"\n{begin}\nold\n{end}\n")

@@ -11,8 +11,7 @@ from pathlib import Path
 
 from support import REPO
 
-sys.path.insert(0, str(REPO / "bench"))
-import soak  # noqa: E402
+from bench import soak  # noqa: E402
 
 
 def test_the_faults_files(tmp_path: Path) -> None:

@@ -11,8 +11,7 @@ from pathlib import Path
 
 from support import REPO
 
-sys.path.insert(0, str(REPO / "bench"))
-import targets  # noqa: E402
+from bench import targets  # noqa: E402
 
 FULL, OXLM = targets.TARGETS[1], targets.TARGETS[2]
 
@@ -25,7 +24,7 @@ def _command(target: targets.Target, *flags: str, scale: float = 1.0) -> list[st
 
 def test_no_model_flag_leaves_every_choice_to_the_recipe() -> None:
     cmd = _command(FULL)
-    assert cmd[:3] == [sys.executable, "-m", "nlmserve.cli"]
+    assert cmd[:3] == [sys.executable, "-m", "nlmserve"]
     assert cmd[3:] == ["train", "--train", "w/train.full.txt", "--valid", str(targets.DEV), "--out", "w/full.nlm",
                        "--max-minutes", "60.000", "--no-progress"]
 
@@ -70,7 +69,7 @@ def test_the_no_flag_rows_render_with_their_verdict_against_the_goal(tmp_path: P
     assert "| met, −8.29% |" in table[2] and "| not met, −7.47% |" in table[3]
     assert "chose the `small` recipe): at most −8% against `lmplz -o 5` on the same lines (61.06)" in table[2]
     assert "56.00 (excl. OOVs 54.00); 1,000 steps, 6.0M tokens, 5,000 tokens/s, 1,200 s" in table[2]
-    assert "`bench/targets.py --only 200k --lmplz lmplz --json 200k.json` (2026-12-02, CPU X, load average 0.5" \
+    assert "`python -m bench.targets --only 200k --lmplz lmplz --json 200k.json` (2026-12-02, CPU X, load average 0.5" \
         in table[2]
     doc = tmp_path / "page.md"
     begin, end = targets.markers("targets.py")

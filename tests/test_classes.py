@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nlmserve.errors import InputError, ModelFileError
+from nlmserve.common.errors import InputError, ModelFileError
 from nlmserve.lm.classes import (
     ExchangeConfig,
     WordClasses,

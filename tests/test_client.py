@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from nlmserve.client import AsyncLMClient, LMClient, RetryPolicy
-from nlmserve.errors import InvalidRequestError, ServerUnavailableError
+from nlmserve.common.errors import InvalidRequestError, ServerUnavailableError
 from nlmserve.server.app import RunningServer
 
 from support import dev_ngrams, dev_sentences, start_server
@@ -203,7 +203,7 @@ def test_retry_reaches_a_server_that_starts_late(tiny_lm: Any) -> None:
 def test_score_cli_output(server: RunningServer, tiny_lm: Any) -> None:
     sentences = dev_sentences(800, 4) + ["qqqunknownqqq europe"]
     text = "\n".join(sentences) + "\n"
-    cmd = [sys.executable, "-m", "nlmserve.cli", "score", "--server", server.target]
+    cmd = [sys.executable, "-m", "nlmserve", "score", "--server", server.target]
     plain = subprocess.run(cmd, input=text, capture_output=True, text=True, timeout=60)
     assert plain.returncode == 0, plain.stderr
     js = subprocess.run(cmd + ["--json"], input=text, capture_output=True, text=True, timeout=60)

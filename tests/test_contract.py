@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from contract import CONTRACT, cases, unescape
-from nlmserve.errors import InputError
-from nlmserve.tokens import parse_tokens
+from nlmserve.common.errors import InputError
+from nlmserve.common.tokens import parse_tokens
 
 TOKEN_CASES = cases("token_files.tsv", 2)
 
@@ -96,7 +96,7 @@ def test_status_cases_cover_every_exception_and_call_status() -> None:
 
 @pytest.mark.parametrize("condition,name,number", STATUS_CASES)
 def test_status_codes(condition: str, name: str, number: str) -> None:
-    from nlmserve import errors
+    from nlmserve.common import errors
     from nlmserve.server.requests import CallStatus, status_of
 
     code = grpc.StatusCode[name]

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nlmserve.errors import CorpusError
+from nlmserve.common.errors import CorpusError
 from nlmserve.lm.corpus import CorpusIds, count_words, read_sentences
 from nlmserve.lm.vocab import BOS_ID, EOS_ID, UNK_ID, Vocabulary
 

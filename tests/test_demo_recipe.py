@@ -13,14 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nlmserve.cli import main
+from nlmserve.common.cli import main
 from nlmserve.lm.cli import apply_recipe, register
 from nlmserve.lm.model_file import read_model_file
 from nlmserve.moses_plugin.experiment import ExperimentConfig, training_command, training_text
 
 
 def _train_args(cmd: list[str]) -> argparse.Namespace:
-    """``cmd`` (``python -m nlmserve.cli train …``) as ``nlmserve train`` parses it."""
+    """``cmd`` (``python -m nlmserve train …``) as ``nlmserve train`` parses it."""
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
     return parser.parse_args(cmd[3:])

@@ -14,7 +14,7 @@ from pathlib import Path
 import kenlm
 import pytest
 
-from nlmserve.cli import main
+from nlmserve.common.cli import main
 from nlmserve.moses_plugin import bleu, experiment
 from nlmserve.moses_plugin.experiment import ExperimentConfig, run
 from nlmserve.moses_plugin.nbest import iter_entries, iter_sentences, read_lines
@@ -255,7 +255,7 @@ def test_moses_nlm0_is_the_exact_line_search_along_nlm0_for_both_tuners(tmp_path
 def test_training_text_joins_files_in_order(tmp_path: Path) -> None:
     import lzma
 
-    from nlmserve.errors import NlmserveError
+    from nlmserve.common.errors import NlmserveError
     from nlmserve.moses_plugin.experiment import training_text
 
     plain = tmp_path / "general.txt"
@@ -301,7 +301,7 @@ def test_the_demo_data_is_shipped_and_consistent() -> None:
 
 
 def test_workdir_records_its_inputs_and_refuses_others(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from nlmserve.errors import NlmserveError
+    from nlmserve.common.errors import NlmserveError
     from nlmserve.moses_plugin.workdir import RECORD, check_workdir
 
     dev, dev_ref = _slice("newstest2012", tmp_path)
@@ -361,7 +361,7 @@ def test_a_served_model_and_a_running_server_are_one_choice(tmp_path: Path, caps
     with pytest.raises(SystemExit) as stop:
         main(["experiment", "--workdir", str(tmp_path / "w"), "--server", "127.0.0.1:1", "--via-server"])
     assert stop.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
-    from nlmserve.errors import NlmserveError
+    from nlmserve.common.errors import NlmserveError
 
     with pytest.raises(NlmserveError, match="give one"):
         run(ExperimentConfig(workdir=str(tmp_path / "w"), server="127.0.0.1:1", via_server=True))

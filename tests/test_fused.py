@@ -183,7 +183,7 @@ def test_short_training_reaches_the_torch_steps_perplexity(train_small_path: Pat
 
 def test_step_fused_where_it_does_not_apply_is_an_error(train_small_path: Path, dev_small_path: Path,
                                                         tmp_path: Path) -> None:
-    from nlmserve.errors import InputError
+    from nlmserve.common.errors import InputError
 
     with pytest.raises(InputError, match="--step fused does not apply: objective mle"):
         _short_run(train_small_path, dev_small_path, tmp_path / "mle.nlm", "fused", objective="mle")

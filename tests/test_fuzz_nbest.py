@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from nlmserve.errors import NbestFormatError
+from nlmserve.common.errors import NbestFormatError
 from nlmserve.moses_plugin.nbest import NbestEntry, ReadStats, iter_entries, iter_sentences
 
 FUZZ = settings(max_examples=300, deadline=None, database=None, derandomize=True,

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from nlmserve.client import LMClient
-from nlmserve.errors import UnsupportedModelError
+from nlmserve.common.errors import UnsupportedModelError
 from nlmserve.lm.scoring import LanguageModel
 from support import golden_model, start_server
 

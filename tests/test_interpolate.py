@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from nlmserve.errors import InputError
+from nlmserve.common.errors import InputError
 from nlmserve.lm.interpolate import interpolate, load_kn, mix_log10, score_text, tune_weight
 
 from support import TINY_ARPA as ARPA
@@ -83,7 +83,7 @@ def test_bad_kn_file_is_an_input_error(tmp_path: Path, text: Path, tiny_lm: Any)
 
 
 def test_eval_cli_with_kn(arpa: Path, text: Path, tiny_model_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from nlmserve.cli import main
+    from nlmserve.common.cli import main
 
     assert main(["eval", "--model", str(tiny_model_path), "--text", str(text), "--kenlm", str(arpa),
                  "--mix-weight", "0.4", "--json", "--device", "cpu"]) == 0

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nlmserve.cli import main
-from nlmserve.errors import InputError
+from nlmserve.common.cli import main
+from nlmserve.common.errors import InputError
 from nlmserve.moses_plugin import extractor, mert
 from nlmserve.moses_plugin.bleu import BleuConfig, SentenceStats, corpus_bleu, read_references
 from nlmserve.moses_plugin.nbest import iter_sentences, read_lines

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from sacrebleu.metrics.bleu import BLEU
 
-from nlmserve.cli import main
-from nlmserve.errors import InputError
+from nlmserve.common.cli import main
+from nlmserve.common.errors import InputError
 from nlmserve.moses_plugin import mert, mira
 from nlmserve.moses_plugin.bleu import BleuConfig, SentenceStats, corpus_bleu, read_references
 from nlmserve.moses_plugin.rerank import first_best, rerank

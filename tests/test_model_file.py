@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nlmserve.errors import ModelFileError
+from nlmserve.common.errors import ModelFileError
 from nlmserve.lm.model_file import FORMAT_VERSION, MAGIC, read_model_file, save_model
 from nlmserve.lm.scoring import LanguageModel
 from nlmserve.lm.vocab import BOS_ID

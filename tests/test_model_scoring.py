@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from nlmserve.errors import InvalidRequestError
+from nlmserve.common.errors import InvalidRequestError
 from nlmserve.lm.scoring import LanguageModel
 from nlmserve.lm.vocab import BOS_ID, EOS_ID, UNK_ID
 

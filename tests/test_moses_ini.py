@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nlmserve.cli import main
+from nlmserve.common.cli import main
 from support import golden_model, start_server
 
 BASELINE_INI = Path(__file__).resolve().parent.parent / "data" / "nbest" / "newstest-fr-en" / "baseline-weights.ini"

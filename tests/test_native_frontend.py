@@ -30,7 +30,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from nlmserve.client import LMClient
 from nlmserve.lm.ngrams import BOS_ID
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
-from nlmserve.serve_process import parse_listening
+from nlmserve.common.serve_process import parse_listening
 from nlmserve.server.app import RunningServer
 from support import GatedScorer, dev_ngrams, dev_sentences, serve_subprocess, start_server
 from test_cpp_client import NATIVE, SERVE, driver  # noqa: F401 - the driver fixture builds build/native

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nlmserve.errors import NbestFormatError
+from nlmserve.common.errors import NbestFormatError
 from nlmserve.moses_plugin.nbest import (
     NbestWriter,
     ReadStats,

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from nlmserve.errors import InvalidRequestError
+from nlmserve.common.errors import InvalidRequestError
 from nlmserve.lm.ngrams import BOS_ID, EOS_ID, UNK_ID, canonical_rows, check_sentences, pack_ngrams, sentence_windows
 
 from contract import CONTRACT

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from nlmserve.cli import main
-from nlmserve.errors import CorpusError
+from nlmserve.common.cli import main
+from nlmserve.common.errors import CorpusError
 from nlmserve.lm.normalize import TextForm, normalize_file, normalize_line
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "lm"

@@ -1,7 +1,7 @@
 """`pip install .` on a fresh clone: the build itself generates nlmserve.proto (setup.py).
 
-A copy of the checkout as git would give it (tracked and new unignored files, no gen/, no
-egg-info) is built into a wheel, and the wheel is installed into a new virtual environment
+A copy of the checkout as git would give it (tracked and new unignored files, no generated
+stubs, no egg-info) is built into a wheel, and the wheel is installed into a new virtual environment
 with ``--no-deps``; the dependencies are reached through a ``.pth`` line to this
 environment's site-packages, so nothing is downloaded (the builds use this environment's
 setuptools and grpcio-tools: ``--no-build-isolation``).
@@ -45,7 +45,7 @@ def clean_copy(dest: Path) -> Path:
         if src.is_file():  # a tracked file deleted in the working tree is not in a clone either
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / name)
-    assert not (dest / "gen").exists() and (dest / "setup.py").is_file()
+    assert not (dest / "proto" / "lm_pb2.py").exists() and (dest / "setup.py").is_file()
     return dest
 
 
@@ -94,6 +94,11 @@ def test_wheel_from_a_fresh_clone_installs_and_runs(tmp_path: Path) -> None:
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
         assert {f"nlmserve/proto/{n}" for n in PROTO_FILES} <= names
+        # the checkout's root is the package: its rooms and nothing of the build, tests or bench
+        assert {"nlmserve/__init__.py", "nlmserve/__main__.py", "nlmserve/common/errors.py",
+                "nlmserve/lm/ngrams.py", "nlmserve/server/engine.py"} <= names
+        assert not [n for n in names if n.startswith(("nlmserve/setup.py", "nlmserve/tests/", "nlmserve/bench/",
+                                                      "nlmserve/experiments/", "nlmserve/proto/contract/"))]
         grpc_py = zf.read("nlmserve/proto/lm_pb2_grpc.py").decode()
         pb2_py = zf.read("nlmserve/proto/lm_pb2.py").decode()
         metadata = zf.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
@@ -119,14 +124,14 @@ def test_wheel_from_a_fresh_clone_installs_and_runs(tmp_path: Path) -> None:
 
 
 def test_strict_editable_install_of_a_fresh_clone_sees_the_generated_stubs(tmp_path: Path) -> None:
-    """``make install``'s command: the stubs are generated into gen/proto and linked."""
+    """``make install``'s command: the stubs are generated into proto/ and linked."""
     src = clean_copy(tmp_path / "src")
     python = fresh_venv(tmp_path / "venv")
     run([*PIP, "--python", python, "install", "-q", "--no-deps", "--no-build-isolation", "-e", src,
          "--config-settings", "editable_mode=strict"], cwd=src)
-    assert {p.name for p in (src / "gen" / "proto").iterdir()} == set(PROTO_FILES)
+    assert set(PROTO_FILES) <= {p.name for p in (src / "proto").iterdir()}
     outside = tmp_path / "elsewhere"
     outside.mkdir()
     where = run([python, "-c", "import os, nlmserve.proto.lm_pb2 as m; print(os.path.realpath(m.__file__))"],
                 cwd=outside)
-    assert where.strip() == str(src / "gen" / "proto" / "lm_pb2.py")
+    assert where.strip() == str(src / "proto" / "lm_pb2.py")

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from nlmserve.cli import main
+from nlmserve.common.cli import main
 from nlmserve.client import LMClient
 from nlmserve.server.app import RunningServer
 
@@ -256,7 +256,7 @@ def test_info_reads_the_header_only_and_verify_reads_the_rest(tiny_model_path: P
 
 
 def test_old_spellings_are_accepted_with_one_line_each(capsys: pytest.CaptureFixture[str]) -> None:
-    from nlmserve.cli import build_parser
+    from nlmserve.common.cli import build_parser
 
     parser = build_parser()
     args = parser.parse_args(["eval", "--model", "m", "--text", "t", "--kn", "kn.arpa", "--tune-kn-weight", "dev"])

@@ -27,7 +27,7 @@ from nlmserve.proto import lm_pb2, lm_pb2_grpc
 
 from support import nbest_head, serve_subprocess
 
-NLMSERVE = [sys.executable, "-m", "nlmserve.cli"]
+NLMSERVE = [sys.executable, "-m", "nlmserve"]
 N_SENTENCES = 40
 BATCH_NGRAMS = "2000"
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}

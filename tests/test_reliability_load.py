@@ -1,4 +1,4 @@
-"""A shorter run of bench/load.py: 64 concurrent clients against a real ``nlmserve serve``."""
+"""A shorter run of ``python -m bench.load``: 64 concurrent clients against a real ``nlmserve serve``."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-LOAD = Path(__file__).resolve().parent.parent / "bench" / "load.py"
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
 def test_64_clients_mixing_tiny_and_large_requests_lose_nothing(tiny_model_path: Path, tmp_path: Path) -> None:
     out = tmp_path / "load.json"
-    done = subprocess.run([sys.executable, str(LOAD), "--model", str(tiny_model_path), "--seconds", "15",
+    done = subprocess.run([sys.executable, "-m", "bench.load", "--model", str(tiny_model_path), "--seconds", "15",
                            "--warmup", "4", "--clients", "64", "--json", str(out)],
-                          capture_output=True, text=True, timeout=240)
+                          cwd=REPO, capture_output=True, text=True, timeout=240)
     assert out.exists(), done.stderr[-3000:]
     result = json.loads(out.read_text())
     classes = result["classes"]

@@ -31,7 +31,7 @@ from nlmserve.server.engine import Engine
 
 from support import DEV, serve_subprocess
 
-NLMSERVE = [sys.executable, "-m", "nlmserve.cli"]
+NLMSERVE = [sys.executable, "-m", "nlmserve"]
 TOL = 1e-5
 SLICES = 16  # distinct requests the clients cycle through
 THREADS = 4

@@ -20,7 +20,7 @@ import pytest
 
 import nlmserve.server.admin as admin
 from nlmserve.client import LMClient, RpcError
-from nlmserve.errors import ModelFileError, ReloadError
+from nlmserve.common.errors import ModelFileError, ReloadError
 from nlmserve.server.app import RunningServer, create_server
 from nlmserve.server.config import ServerConfig
 from nlmserve.server.engine import Engine

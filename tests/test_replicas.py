@@ -25,7 +25,7 @@ from nlmserve.client.replicas import Endpoint, ModelGuard, endpoint_of
 from support import DEV, REPO, serve_subprocess, start_server
 
 HEALTHCHECK = REPO / "docker" / "healthcheck.py"
-NLMSERVE = [sys.executable, "-m", "nlmserve.cli"]
+NLMSERVE = [sys.executable, "-m", "nlmserve"]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 TOL = 1e-5
 REQUESTS = 300  # in the stream

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from nlmserve.client import LMClient
-from nlmserve.errors import ServerUnavailableError
+from nlmserve.common.errors import ServerUnavailableError
 from nlmserve.server.app import RunningServer, create_server
 from nlmserve.server.config import ServerConfig
 from nlmserve.server.engine import Engine
@@ -22,7 +22,7 @@ from nlmserve.server.engine import Engine
 REPO = Path(__file__).resolve().parent.parent
 HEALTHCHECK = REPO / "docker" / "healthcheck.py"
 NEWS = REPO / "data" / "nbest" / "newstest-fr-en" / "newstest2013.300.nbest.gz"
-NLMSERVE = [sys.executable, "-m", "nlmserve.cli"]
+NLMSERVE = [sys.executable, "-m", "nlmserve"]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 TOKEN = "replica-token-0123"
 

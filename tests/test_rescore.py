@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from nlmserve.client import LMClient
-from nlmserve.errors import InputError, ServerUnavailableError
+from nlmserve.common.errors import InputError, ServerUnavailableError
 from nlmserve.moses_plugin.nbest import iter_entries
 from nlmserve.moses_plugin.rescore import Connection, RescoreConfig, RescoreStats, SentenceLM, rescore
 from nlmserve.server.app import RunningServer
@@ -144,7 +144,7 @@ def test_killed_subprocess_resumes_to_the_same_file(server: RunningServer, small
                                                     reference_output: Path, tmp_path: Path) -> None:
     out = tmp_path / "killed.nbest"
     progress = tmp_path / "killed.nbest.progress.json"
-    cmd = [sys.executable, "-m", "nlmserve.cli", "rescore", "--server", server.target, "--nbest", str(small_list),
+    cmd = [sys.executable, "-m", "nlmserve", "rescore", "--server", server.target, "--nbest", str(small_list),
            "--out", str(out), "--batch-ngrams", "3000", "--no-progress"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)

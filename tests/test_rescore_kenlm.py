@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from nlmserve.cli import main
-from nlmserve.errors import InputError
+from nlmserve.common.cli import main
+from nlmserve.common.errors import InputError
 from nlmserve.moses_plugin.kenlm_source import KenlmScorer
 from nlmserve.moses_plugin.nbest import file_sha256, iter_entries
 from nlmserve.moses_plugin.rescore import RescoreConfig, rescore

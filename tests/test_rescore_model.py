@@ -20,9 +20,9 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 
-from nlmserve.cli import main
+from nlmserve.common.cli import main
 from nlmserve.client import LMClient
-from nlmserve.errors import NlmserveError
+from nlmserve.common.errors import NlmserveError
 from nlmserve.moses_plugin.model_source import PASS_ROWS, ModelScorer
 from nlmserve.moses_plugin.rescore import RescoreConfig, rescore
 from nlmserve.server.app import RunningServer
@@ -185,7 +185,7 @@ def test_rescoring_through_a_server_never_imports_torch(server: RunningServer, s
     """The CLI with ``--server`` (and every rescoring module, the model source's included)
     in a fresh interpreter: torch stays out of ``sys.modules``."""
     out = tmp_path / "out.nbest"
-    script = ("import sys; from nlmserve.cli import main; "
+    script = ("import sys; from nlmserve.common.cli import main; "
               "import nlmserve.moses_plugin.model_source, nlmserve.moses_plugin.experiment, "
               "nlmserve.moses_plugin.pipeline; "
               f"code = main(['rescore', '--server', {server.target!r}, '--nbest', {str(small_list)!r}, "
@@ -199,9 +199,9 @@ def test_rescoring_through_a_server_never_imports_torch(server: RunningServer, s
 
 def test_progress_off_a_terminal_is_log_lines(tiny_model_path: Path, small_list: Path, tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    import nlmserve.progress
+    import nlmserve.common.progress
 
-    monkeypatch.setattr(nlmserve.progress, "LOG_SECONDS", 0.0)  # a line at every batch, not every 30 s
+    monkeypatch.setattr(nlmserve.common.progress, "LOG_SECONDS", 0.0)  # a line at every batch, not every 30 s
     stream = io.StringIO()
     monkeypatch.setattr(sys, "stderr", stream)
     with caplog.at_level(logging.INFO, logger="nlmserve.moses_plugin.rescore"):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nlmserve.errors import ModelFileError
+from nlmserve.common.errors import ModelFileError
 from nlmserve.lm.model_file import FORMAT_VERSION, MAGIC
 from nlmserve.lm.scoring import LanguageModel
 
@@ -81,7 +81,7 @@ def test_serve_refuses_a_malicious_file_without_running_it(tmp_path: Path) -> No
     path = tmp_path / "evil.nlm"
     torch_checkpoint(path, marker)
     proc = subprocess.run(
-        [sys.executable, "-m", "nlmserve.cli", "serve", "--model", str(path), "--port", "0"],
+        [sys.executable, "-m", "nlmserve", "serve", "--model", str(path), "--port", "0"],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode != 0

@@ -19,7 +19,7 @@ import pytest
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
 from support import serve_subprocess
 
-NLMSERVE = [sys.executable, "-m", "nlmserve.cli"]
+NLMSERVE = [sys.executable, "-m", "nlmserve"]
 
 
 def in_flight(metrics_port: int) -> float:

@@ -125,7 +125,7 @@ def test_model_file_round_trip(trained: dict[str, TrainResult], dev_small_path: 
 
 
 def test_tree_file_with_a_broken_tree_is_refused(trained: dict[str, TrainResult], tmp_path: Path) -> None:
-    from nlmserve.errors import ModelFileError
+    from nlmserve.common.errors import ModelFileError
     from nlmserve.lm.model_file import save_model
 
     mf = read_model_file(trained["huffman"].model_path)
@@ -177,7 +177,7 @@ def test_tree_model_served_over_grpc(tree_server: tuple[RunningServer, LanguageM
 
 
 def test_train_help_names_every_strategy(capsys: pytest.CaptureFixture[str]) -> None:
-    from nlmserve.cli import main
+    from nlmserve.common.cli import main
 
     with pytest.raises(SystemExit):
         main(["train", "--help"])

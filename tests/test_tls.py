@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from nlmserve.client import AsyncLMClient, LMClient, RpcError
-from nlmserve.errors import InputError, ServerUnavailableError
+from nlmserve.common.errors import InputError, ServerUnavailableError
 from nlmserve.server.app import RunningServer, create_server
 from nlmserve.server.config import ServerConfig
 from nlmserve.server.engine import Engine
@@ -182,7 +182,7 @@ def test_score_cli_over_tls_with_a_token(tiny_lm: Any, pki: Pki, tmp_path: Path)
     tokens.write_text("# decoder farm\ncli-token\n", encoding="utf-8")
     running = start_server(tiny_lm, tls_cert=pki.server_cert, tls_key=pki.server_key, token_file=str(tokens))
     sentences = dev_sentences(0, 3)
-    cmd = [sys.executable, "-m", "nlmserve.cli", "score", "--server", running.target, "--json", "--tls-ca", pki.ca]
+    cmd = [sys.executable, "-m", "nlmserve", "score", "--server", running.target, "--json", "--tls-ca", pki.ca]
     try:
         ok = subprocess.run(cmd + ["--token-file", str(tokens)], input="\n".join(sentences) + "\n", text=True,
                             capture_output=True, timeout=60)

@@ -252,7 +252,7 @@ def test_a_tree_whose_paths_do_not_fit_float32_has_no_tables() -> None:
     """The paths travel as whole numbers in float32, exact below 2^24: a step beyond that
     (a tree of millions of nodes) is refused with the reason, which the server answers
     GetScoringTables with, instead of sending rounded node ids."""
-    from nlmserve.errors import UnsupportedModelError
+    from nlmserve.common.errors import UnsupportedModelError
     from nlmserve.lm.scoring import ScoringTables
     from nlmserve.lm.trees import TreePaths
 

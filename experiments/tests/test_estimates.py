@@ -12,8 +12,7 @@ import pytest
 
 from support import REPO, TINY_ARPA, golden_model
 
-sys.path.insert(0, str(REPO / "experiments"))
-import estimates  # noqa: E402
+from experiments import estimates  # noqa: E402
 
 
 def test_phrase_rows_by_hand() -> None:

@@ -10,8 +10,7 @@ import pytest
 
 from support import REPO, golden_model
 
-sys.path.insert(0, str(REPO / "experiments"))
-import moses_mert  # noqa: E402
+from experiments import moses_mert  # noqa: E402
 
 TUNED = """[feature]
 PhraseDictionaryMemory name=TranslationModel0 num-features=4 path={system}/phrase-table.gz input-factor=0 output-factor=0

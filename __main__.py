@@ -2,6 +2,6 @@
 
 import sys
 
-from nlmserve.cli import main
+from .common.cli import main
 
 sys.exit(main())

@@ -1,0 +1,1 @@
+"""Research harnesses, run from the checkout as ``python -m experiments.NAME`` (experiments/README.md)."""
