@@ -65,7 +65,7 @@ demo: install
 bench: install
 	$(BIN)/python -m bench.serve
 
-# Debian packages for the C++ client and Moses feature (moses_plugin/cpp; boost headers to
+# Debian packages for the C++ client (client/cpp) and Moses feature (moses_plugin/cpp; boost headers to
 # compile the feature against a Moses tree) and for the
 # real-Prometheus test (tests/test_prometheus.py); run as root.
 SYSTEM_DEPS := cmake g++ make pkg-config libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libboost-dev \
@@ -77,7 +77,7 @@ system-deps:
 # package the native front end builds against (build/cpp-prefix), then the front end
 # (server/native, build/native/nlmserve_frontend). Incremental.
 cpp:
-	cmake -S moses_plugin/cpp -B build/cpp -DCMAKE_BUILD_TYPE=Release
+	cmake -S client/cpp -B build/cpp -DCMAKE_BUILD_TYPE=Release
 	cmake --build build/cpp -j2
 	cmake --install build/cpp --prefix build/cpp-prefix > /dev/null
 	cmake -S server/native -B build/native -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=$(CURDIR)/build/cpp-prefix

@@ -12,7 +12,7 @@ scores the same n-grams as words. Ratios are printed against the targets of the 
 
 The micro-batching measurement sends one n-gram per request from 32 concurrent clients, each
 on its own connection, each sending its next request when its last is answered:
-``nlmserve_load`` (moses_plugin/cpp, built by `make cpp` on first use) when the C++
+``nlmserve_load`` (client/cpp, built by `make cpp` on first use) when the C++
 toolchain is there, Python asyncio clients otherwise. ``--load-mode async`` (the default)
 drives the 32 clients from one thread through a gRPC completion queue, as Triton's
 perf_analyzer does in its async mode; ``threads`` gives each client a thread calling the C++

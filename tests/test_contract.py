@@ -188,7 +188,7 @@ def test_the_cpp_lowercase_tables_are_what_str_lower_gives() -> None:
     import sys
     import unicodedata
 
-    header = (CONTRACT.parents[1] / "moses_plugin" / "cpp" / "nlmserve_lowercase.h").read_text(encoding="utf-8")
+    header = (CONTRACT.parents[1] / "client" / "cpp" / "nlmserve_lowercase.h").read_text(encoding="utf-8")
     if f'kUnicodeVersion[] = "{unicodedata.unidata_version}"' not in header:
         pytest.skip(f"the tables were written from another Unicode version than this Python's "
                     f"{unicodedata.unidata_version}")

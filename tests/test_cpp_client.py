@@ -1,4 +1,4 @@
-"""The C++ client (moses_plugin/cpp) against a real ``nlmserve serve`` on the tiny model.
+"""The C++ client (client/cpp) against a real ``nlmserve serve`` on the tiny model.
 
 Builds the client library and its driver ``nlmserve_client_test`` with cmake into
 build/cpp (incremental: the generated gRPC code compiles once), installs its CMake package
@@ -27,7 +27,7 @@ import pytest
 
 from support import DEV, REPO, serve_subprocess
 
-CPP_SRC = REPO / "moses_plugin" / "cpp"
+CPP_SRC = REPO / "client" / "cpp"
 BUILD = REPO / "build" / "cpp"
 PREFIX = REPO / "build" / "cpp-prefix"  # `make cpp` installs the client's CMake package here ...
 NATIVE_SRC = REPO / "server" / "native"

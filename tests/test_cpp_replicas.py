@@ -1,4 +1,4 @@
-"""The C++ client (moses_plugin/cpp) against replicated and secured servers.
+"""The C++ client (client/cpp) against replicated and secured servers.
 
 Two real ``nlmserve serve`` replicas behind one C++ client (round_robin, health-checked),
 one of them SIGKILLed while the driver's threads stream requests; a NOT_SERVING replica

@@ -5,7 +5,7 @@ unit's syntax and types as Moses' build compiles it, without building Moses. The
 $NLMSERVE_MOSES_SRC when set (read only), else ../shared/moses-src/mosesdecoder-34452895.tar.xz
 (moses-smt/mosesdecoder @ 34452895) extracted once per test session. The feature's two files
 are compiled from a folder of their own next to the client headers that the library installs
-(the install(FILES ...) line of moses_plugin/cpp/CMakeLists.txt), as a Moses build with
+(the install(FILES ...) line of client/cpp/CMakeLists.txt), as a Moses build with
 --with-nlmserve sees them. With -Wall -Wextra, a warning located in the feature or those
 headers fails the test; the warnings of Moses' and boost's own headers are not ours.
 
@@ -27,8 +27,9 @@ from support import MOSES_TARBALL, extract_moses_tree
 
 REPO = Path(__file__).resolve().parent.parent
 CPP = REPO / "moses_plugin" / "cpp"
+CLIENT_CPP = REPO / "client" / "cpp"
 TARBALL = MOSES_TARBALL
-FEATURE = ("NeuralLMServer.h", "NeuralLMServer.cpp")
+FEATURE = ("NeuralLMServer.h", "NeuralLMServer.cpp", "NeuralLMServerSearch.h")  # what add_to_moses.py copies
 # Moses' build passes the first two from its Jamfiles; the unit does not compile without them.
 MOSES_FLAGS = ["-std=c++11", "-DMAX_NUM_FACTORS=4", "-DKENLM_MAX_ORDER=6", "-DWITH_THREADS", "-DTRACE_ENABLE=1"]
 IN_CI = os.environ.get("CI") == "true"
@@ -36,9 +37,9 @@ WARNING = re.compile(r"^(?P<path>[^:\n]+):(?P<line>\d+):(?P<col>\d+): warning: (
 
 
 def installed_headers() -> list[str]:
-    """The headers of moses_plugin/cpp that `cmake --install` puts into PREFIX/include (the
+    """The headers of client/cpp that `cmake --install` puts into PREFIX/include (the
     generated ones go to PREFIX/include/nlmserve/v1)."""
-    text = (CPP / "CMakeLists.txt").read_text(encoding="utf-8")
+    text = (CLIENT_CPP / "CMakeLists.txt").read_text(encoding="utf-8")
     found = re.findall(r"install\s*\(\s*FILES\s+([^)]*?)\s+DESTINATION\s+include\s*\)", text)
     assert len(found) == 1, "CMakeLists.txt: one install(FILES ... DESTINATION include) line expected"
     return found[0].split()
@@ -99,7 +100,7 @@ def test_feature_compiles_against_moses_headers_without_warnings_of_its_own(mose
     headers = installed_headers()
     assert {"nlmserve_client.h", "nlmserve_decoder.h"} <= set(headers)
     for name in headers:
-        shutil.copy2(CPP / name, include / name)
+        shutil.copy2(CLIENT_CPP / name, include / name)
     # -I moses/LM stands for the feature's place in moses/LM/ ("SingleFactor.h"), -I . for Moses' root.
     cmd = ["g++", *MOSES_FLAGS, "-fsyntax-only", "-Wall", "-Wextra", "-I.", "-Imoses/LM", f"-I{include}",
            str(lm / "NeuralLMServer.cpp")]

@@ -188,7 +188,7 @@ def test_default_bands_cover_the_vocabulary_and_the_width() -> None:
 def test_tree_paths_of_the_golden_tree_by_hand() -> None:
     """The scoring tables' layout of ((0, 2), 3) over 4 words (<s> = 1 has no code): word 0
     goes left, left (steps 2·0+1, 2·1+1), word 2 left, right (1, 2), word 3 right (0); the
-    same arrays as the C++ unit test's tree (moses_plugin/cpp/nlmserve_unit_test.cpp)."""
+    same arrays as the C++ unit test's tree (client/cpp/nlmserve_unit_test.cpp)."""
     paths = tree_from_splits(((0, 2), 3), "test").paths(4)
     assert paths.code_start.tolist() == [0, 1, 1, 2, 3]
     assert paths.step_start.tolist() == [0, 2, 4, 5]

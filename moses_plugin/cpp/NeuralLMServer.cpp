@@ -26,6 +26,7 @@
 #include "moses/TranslationTask.h"
 #include "moses/TypeDef.h"
 #include "moses/Util.h"
+#include "NeuralLMServerSearch.h"
 #include "nlmserve_client.h"
 #include "nlmserve_decoder.h"
 #include "util/exception.hh"
@@ -98,11 +99,6 @@ NeuralLMServerThread &Local(const void *feature) {
   return *last;
 }
 
-// Manager keeps its Search protected; a pointer to the member named through a derived
-// class reads it without changing Moses.
-struct ManagerSearch : public Manager {
-  static const Search *Of(const Manager &manager) { return manager.*(&ManagerSearch::m_search); }
-};
 }  // namespace
 
 size_t NeuralLMServerState::hash() const {
@@ -669,7 +665,7 @@ void NeuralLMServer::Prefetch(const Hypothesis &prev, NeuralLMServerThread &loca
   if (m_prefetch == PrefetchStack) {
     // SearchNormal processes stack k (hypotheses covering k source words) after
     // pruning it; expanding it adds hypotheses only to later stacks.
-    const SearchNormal *search = dynamic_cast<const SearchNormal *>(ManagerSearch::Of(manager));
+    const SearchNormal *search = dynamic_cast<const SearchNormal *>(NeuralLMServerSearch::ManagerSearch::Of(manager));
     const size_t covered = prev.GetWordsBitmap().GetNumWordsCovered();
     if (search != NULL && covered < search->GetHypothesisStacks().size()) {
       stack = search->GetHypothesisStacks()[covered];
@@ -702,20 +698,8 @@ void NeuralLMServer::Prefetch(const Hypothesis &prev, NeuralLMServerThread &loca
 }
 
 void NeuralLMServer::ExpansionRows(const Hypothesis &prev, NeuralLMServerThread &local) const {
-  // Mirrors the loops of Moses' SearchNormal::ProcessOneHypothesis for sentence input;
-  // n-grams of expansions that search will not make only cost server time.
-  Manager &manager = prev.GetManager();
-  const InputType &source = manager.GetSource();
-  const TranslationOptionCollection *options = manager.getSntTranslationOptions();
-  if (options == NULL) return;
-  const Bitmap &bitmap = prev.GetWordsBitmap();
-  const size_t sourceSize = source.GetSize();
-  const size_t firstGap = bitmap.GetFirstGapPos();
-  if (firstGap == NOT_FOUND) return;
-  const int maxDistortion = manager.options()->reordering.max_distortion;
-  const ReorderingConstraint &constraint = source.GetReorderingConstraint();
-  const Range &prevRange = prev.GetCurrSourceWordsRange();
-
+  // The expansions search will make (NeuralLMServerSearch.h, a copy of Moses' loops): n-grams
+  // of expansions that search will not make only cost server time.
   // The last order-1 words of prev (fewer at the sentence start), then each option's phrase.
   const size_t order = m_model->order;
   const size_t size = prev.GetSize();
@@ -724,40 +708,19 @@ void NeuralLMServer::ExpansionRows(const Hypothesis &prev, NeuralLMServerThread 
     local.words.push_back(Id(prev.GetWord(pos)));
   }
   const size_t context = local.words.size();
-
-  for (size_t startPos = firstGap; startPos < sourceSize; ++startPos) {
-    if (bitmap.GetValue(startPos)) continue;
-    if (maxDistortion >= 0 &&
-        source.ComputeDistortionDistance(prevRange, Range(startPos, startPos)) > maxDistortion) {
-      continue;
-    }
-    for (size_t endPos = startPos; endPos < sourceSize; ++endPos) {
-      const TranslationOptionList *list = options->GetTranslationOptionList(startPos, endPos);
-      if (list == NULL) break;
-      Range range(startPos, endPos);
-      if (list->size() == 0 || bitmap.Overlap(range) || !constraint.Check(bitmap, startPos, endPos)) {
-        continue;
-      }
-      if (maxDistortion >= 0 && startPos != firstGap &&
-          source.ComputeDistortionDistance(range, Range(firstGap, firstGap)) > maxDistortion) {
-        continue;
-      }
-      const bool completes = bitmap.GetNumWordsCovered() + range.GetNumWordsCovered() == sourceSize;
-      for (TranslationOptionList::const_iterator it = list->begin(); it != list->end(); ++it) {
-        // An empty target phrase has no boundary n-grams, and EvaluateWhenApplied returns
-        // before asking for its score: listing it would only put the cursor out of step.
-        if ((*it)->GetTargetPhrase().GetSize() == 0) continue;
-        local.words.resize(context);
-        AppendIds((*it)->GetTargetPhrase(), &local.words);
-        const nlmserve::NgramError error = nlmserve::BoundaryRows(*m_model, local.words.data(), context,
-                                                                  local.words.size(), completes, &local.rows);
-        UTIL_THROW_IF2(error != nlmserve::NgramError::kNone,
-                       "NeuralLMServer: a boundary n-gram breaks the rule " << nlmserve::NgramErrorKind(error));
-        NeuralLMServerThread::Expansion x = {&prev, *it, local.rows.size() / order};
-        local.expansions.push_back(x);
-      }
-    }
-  }
+  NeuralLMServerSearch::ForEachExpansion(prev, [&](const TranslationOption &option, bool completes) {
+    // An empty target phrase has no boundary n-grams, and EvaluateWhenApplied returns
+    // before asking for its score: listing it would only put the cursor out of step.
+    if (option.GetTargetPhrase().GetSize() == 0) return;
+    local.words.resize(context);
+    AppendIds(option.GetTargetPhrase(), &local.words);
+    const nlmserve::NgramError error = nlmserve::BoundaryRows(*m_model, local.words.data(), context,
+                                                              local.words.size(), completes, &local.rows);
+    UTIL_THROW_IF2(error != nlmserve::NgramError::kNone,
+                   "NeuralLMServer: a boundary n-gram breaks the rule " << nlmserve::NgramErrorKind(error));
+    NeuralLMServerThread::Expansion x = {&prev, &option, local.rows.size() / order};
+    local.expansions.push_back(x);
+  });
 }
 
 void NeuralLMServer::InitializeForInput(ttasksptr const &ttask) {

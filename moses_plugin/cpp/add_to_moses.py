@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+# The client library the feature links (its headers are installed under PREFIX/include).
+CLIENT_CMAKE = HERE.parents[1] / "client" / "cpp" / "CMakeLists.txt"
 FEATURE_FILES = ("NeuralLMServer.h", "NeuralLMServer.cpp")
 JAMFILE = "moses/LM/Jamfile"
 MOSES_JAMFILE = "moses/Jamfile"
@@ -159,7 +161,7 @@ class Change:
     reasons: list[tuple[str, str]] = field(default_factory=list)  # (what, "added ...")
 
 
-def installed_headers(cmake: Path = HERE / "CMakeLists.txt") -> set[str]:
+def installed_headers(cmake: Path = CLIENT_CMAKE) -> set[str]:
     """Headers the client library installs into PREFIX/include (its CMakeLists.txt)."""
     try:
         text = cmake.read_text(encoding="utf-8")
@@ -174,10 +176,10 @@ def installed_headers(cmake: Path = HERE / "CMakeLists.txt") -> set[str]:
     return found
 
 
-def feature_sources(src: Path = HERE) -> list[str]:
+def feature_sources(src: Path = HERE, client_cmake: Path = CLIENT_CMAKE) -> list[str]:
     """The feature's files, then every header of ``src`` they include (quoted, transitively)
-    that the client library does not install."""
-    installed = installed_headers(src / "CMakeLists.txt")
+    that the client library (``client_cmake``) does not install."""
+    installed = installed_headers(client_cmake)
     files = list(FEATURE_FILES)
     i = 0
     while i < len(files):

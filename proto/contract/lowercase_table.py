@@ -1,4 +1,4 @@
-"""Writes the C++ lowercasing tables (moses_plugin/cpp/nlmserve_lowercase.h) from Python's
+"""Writes the C++ lowercasing tables (client/cpp/nlmserve_lowercase.h) from Python's
 ``str.lower``, the rule's owner, so that the C++ client lowercases as Python does with no
 locale: the simple mappings as runs, U+0130 (the one code point that lowercases to two),
 and for the final sigma the code points that are case-ignorable and those that are cased
@@ -18,7 +18,7 @@ import sys
 import unicodedata
 from pathlib import Path
 
-HEADER = Path(__file__).resolve().parents[2] / "moses_plugin" / "cpp" / "nlmserve_lowercase.h"
+HEADER = Path(__file__).resolve().parents[2] / "client" / "cpp" / "nlmserve_lowercase.h"
 SIGMA, FINAL, MEDIAL = 0x3A3, "\u03c2", "\u03c3"
 Run = tuple[int, int, int, int]  # first, last, step, delta
 Range = tuple[int, int]

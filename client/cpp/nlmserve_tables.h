@@ -19,8 +19,25 @@
 //
 //   s = log sum_{codes c of w_n} prod_{(node, bit) on c} sigmoid(+-(r . output[node] + bias[node]))
 //
-// (+ where the code goes left, bit 1), about log2 V dot products per row. No gRPC or
-// protobuf here: a decoder includes this header next to its own.
+// (+ where the code goes left, bit 1), about log2 V dot products per row.
+//
+// The local scorer's contract (the CMake target nlmserve::nlmserve_scorer, header only; the
+// client library builds on it, the Moses feature's scoring=local scores with it):
+//   Returns   ScoringTables::Score writes one float per row, in NATURAL LOG (Moses' own base:
+//             the feature converts nothing): a class output's self-normalised score, which is
+//             not an exact log-probability, or a tree output's exact log-probability;
+//             normalized() says which. A caller that wants log10 multiplies by log10(e).
+//   Rows      canonical rows (CanonicalRow's output: order ids, <s> padding, ids below
+//             vocab_size); Score checks nothing, the caller has (as for Client::ScoreRows).
+//   Errors    Set returns false when the arrays do not hold together (see Set); Score never
+//             fails and never allocates once a Scratch has been sized for the tables.
+//   Threads   a ScoringTables is read-only once Set, shared by any number of threads; each
+//             thread passes its own Scratch (one thread at a time per Scratch).
+//   Memory    bytes(): the tables, one block ((order-1)*V*D + V*(D+1) floats for a class
+//             output, plus the features' tables), on huge pages where the kernel gives them
+//             (AdviseHugePages); each Scratch a few MB more (2^17 remembered rows of a few
+//             dozen bytes, 512 context vectors of D floats).
+// No gRPC or protobuf here: a decoder includes this header next to its own.
 #ifndef NLMSERVE_TABLES_H
 #define NLMSERVE_TABLES_H
 

@@ -270,7 +270,7 @@ class Client {
 std::string Lowercase(const std::string &text);
 
 // The tokens of a token file's bytes `text` (proto/contract/token_files.tsv; the Python
-// owner is nlmserve.tokens): lines split at '\n', each stripped of ASCII white space;
+// owner is nlmserve.common.tokens): lines split at '\n', each stripped of ASCII white space;
 // empty lines and lines starting with '#' skipped; any other line is one token of bytes
 // 0x21-0x7E (printable ASCII without white space). Returns 0 with the tokens in
 // `tokens`; the number (from 1) of the first line that is not a token; or -1 when the
