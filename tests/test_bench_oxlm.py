@@ -199,7 +199,7 @@ def _result(nlm_dev_tokens: int = 189_654) -> dict[str, Any]:
     ]
     return {
         "machine": {"cpu": "AMD EPYC", "cores": 2, "load_average_1m": 0.05},
-        "command": "bench/oxlm.py --oxlm-bin /tmp/oxlm/bin",
+        "command": "bench/oxlm.py --oxlm-bin /scratch/oxlm/bin",
         "settings": {"train": "/x/europarl.train.lc-moses.en.xz", "lines": 200_000, "min_count": 2, "order": 5,
                      "dim": 256, "activation": "relu", "classes": 156, "noise_samples": 10,
                      "oxlm": {"step_size": 0.05, "lambda": 7.0},

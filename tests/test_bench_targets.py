@@ -56,7 +56,7 @@ def test_a_typed_in_kneser_ney_value_says_so_in_the_table() -> None:
 
 def test_the_no_flag_rows_render_with_their_verdict_against_the_goal(tmp_path: Path) -> None:
     run = {"machine": {"cpu": "CPU X", "load_average_1m": 0.5}, "date": "2026-12-02",
-           "command": "bench/targets.py --only 200k --lmplz /tmp/k/bin/lmplz --json /tmp/t/200k.json",
+           "command": "bench/targets.py --only 200k --lmplz /scratch/k/bin/lmplz --json /scratch/t/200k.json",
            "rows": [{"target": dataclasses.asdict(targets.TARGETS[0]), "minutes": 20.0, "kn_ppl": 61.06,
                      "kn_source": "lmplz", "ppl": 56.0, "ppl_excl_oov": 54.0, "oov": 527, "steps": 1000,
                      "tokens_seen": 6_000_000, "train_seconds": 1200.0, "dim": 768,
