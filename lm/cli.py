@@ -1,4 +1,4 @@
-"""``nlmserve train``, ``eval``, ``query``, ``info`` and ``normalize`` (torch is imported inside the handlers)."""
+"""``nlmserve train``, ``eval``, ``query``, ``info``, ``tables`` and ``normalize`` (torch is imported inside the handlers)."""
 
 from __future__ import annotations
 
@@ -158,6 +158,17 @@ def register(subparsers: Any) -> None:
     i.add_argument("--verify", action="store_true",
                    help="also read the whole file and check its content against the hash")
     i.set_defaults(func=_info)
+
+    t = subparsers.add_parser(
+        "tables", help="write a model's scoring tables to a file every decoder on a host maps once",
+        description="Write the tables the Moses feature's scoring=local scores with (what GetScoringTables "
+                    "streams) to a file that each decoder maps read-only (the feature's tables=FILE), so that "
+                    "the host holds one copy, as with a KenLM binary file. Models with scoring tables: "
+                    "self-normalised class outputs and tree outputs with the diagonal context.",
+    )
+    t.add_argument("--model", required=True, help="model file written by `nlmserve train`")
+    t.add_argument("--out", required=True, help="tables file to write (atomically), e.g. model.nlt")
+    t.set_defaults(func=_tables)
 
     n = subparsers.add_parser(
         "normalize", formatter_class=DefaultsFormatter,
@@ -350,6 +361,19 @@ def _query(args: argparse.Namespace) -> int:
 
     write_scores(sys.stdin.buffer, sys.stdout, score, lm.vocab.index, model_lowercase=lm.lowercase,
                  lowercase=args.lowercase, eos=eos, as_json=args.json)
+    return 0
+
+
+def _tables(args: argparse.Namespace) -> int:
+    from .scoring import LanguageModel
+    from .tables_file import FlatTables, write_tables_file
+
+    lm = LanguageModel.load(args.model, device="cpu")
+    tables = FlatTables.of(lm.scoring_tables())  # UnsupportedModelError says why there are none
+    size = write_tables_file(args.out, tables, order=lm.order, vocab_size=len(lm.vocab),
+                             model_hash=lm.model_hash)
+    print(f"{args.out}: {size:,} bytes, {tables.output} output, order {lm.order}, {len(lm.vocab):,} words, "
+          f"width {tables.dim}, model {lm.model_hash}")
     return 0
 
 

@@ -29,7 +29,7 @@ import time
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence, TypeVar
+from typing import Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -38,14 +38,12 @@ from ..common.errors import (EngineStoppedError, ModelFileError, OverloadedError
                              UnsupportedModelError)
 from ..lm.ngrams import BOS_ID, EOS_ID, canonical_rows, check_sentences, sentence_windows
 from ..lm.protocol import ScoringModel
+from ..lm.tables_file import FlatTables
 from ..common.logbase import ln_to_log10
 from .cache import Scorer
 from .config import ServerConfig
 from .files import check_model_file
 from .metrics import ServerMetrics
-
-if TYPE_CHECKING:
-    from ..lm.scoring import ScoringTables
 
 log = logging.getLogger(__name__)
 
@@ -96,34 +94,6 @@ def load_model(config: ServerConfig, path: str | None = None) -> ScoringModel:
     log.info("loaded %s: order %s, %s words, device %s, hash %s",
              path, lm.order, len(lm.vocab), lm.device, lm.model_hash)
     return lm
-
-
-@dataclass(frozen=True)
-class FlatTables:
-    """``ScoringTables`` as the wire streams them: one little-endian float32 array
-    (``ScoringTables.flat``), the context width, the activation, the direct n-gram
-    features' order and table sizes (0 without), the output ("class" or "tree") and a
-    tree's nodes, codes and steps (0 without)."""
-
-    data: np.ndarray
-    dim: int
-    activation: str
-    feature_order: int = 0
-    ngram_class_table: int = 0
-    ngram_word_table: int = 0
-    output: str = "class"
-    tree_nodes: int = 0
-    tree_codes: int = 0
-    tree_steps: int = 0
-
-    @classmethod
-    def of(cls, tables: ScoringTables) -> "FlatTables":
-        """The wire's form of ``tables`` (UnsupportedModelError when they do not fit it)."""
-        codes, steps = tables.tree.sizes if tables.tree is not None else (0, 0)
-        return cls(tables.flat().astype("<f4", copy=False), tables.output.shape[1], tables.activation,
-                   tables.feature_order, *tables.feature_tables, output=tables.kind,
-                   tree_nodes=tables.output.shape[0] if tables.tree is not None else 0,
-                   tree_codes=codes, tree_steps=steps)
 
 
 class ModelState:

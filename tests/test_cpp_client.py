@@ -238,12 +238,13 @@ def test_every_contract_file_through_the_cpp_owners(driver: Path) -> None:
     """nlmserve_contract_test reads every golden file of proto/contract (tests/test_contract.py
     runs the Python owners on the same files) and passes each case: canonical rows, token
     files, server targets, lowercasing, feature hashes, retry and status codes, and the
-    scoring tables of a tiny model scored with no server as nlmserve.lm scores them."""
+    scoring tables of a tiny model scored with no server as nlmserve.lm scores them, as text and
+    mapped from the tables file."""
     done = subprocess.run([str(CONTRACT_TEST), str(CONTRACT)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     *files, total = done.stdout.splitlines()
     counts = {line.split(": ")[0]: int(line.split(": ")[1].split()[0]) for line in files}
-    golden = {p.name for p in CONTRACT.iterdir() if p.suffix in (".tsv", ".txt")}
+    golden = {p.name for p in CONTRACT.iterdir() if p.suffix in (".tsv", ".txt", ".nlt")}
     assert set(counts) == golden and all(n > 0 for n in counts.values()), counts
     assert total == f"contract: {sum(counts.values())} passed, 0 failed"
 
@@ -277,16 +278,17 @@ def test_scores_equal_python_client(driver: Path, server: Server, ngram_file: tu
     assert got[ngrams.index(["of", "<s>", "the"])] == got[ngrams.index(["the"])]
 
 
-def _local_scores_are_the_servers(driver: Path, target: str, path: Path, ngrams: list[list[str]]) -> dict[str, str]:
-    """Asks the C++ process (``tables PATH``) for the scores it computes from
-    GetScoringTables (self-normalised, or a tree's exact ones) and checks them against the
-    server's of the same kind (natural log, within float rounding), the model hash and the
-    scratch's reuse → the answer's fields."""
+def _local_scores_are_the_servers(driver: Path, target: str, path: Path, ngrams: list[list[str]],
+                                  tables_file: Path | None = None) -> dict[str, str]:
+    """Asks the C++ process (``tables PATH [FILE]``) for the scores it computes from
+    GetScoringTables, or from the tables file it maps (self-normalised, or a tree's exact
+    ones), and checks them against the server's of the same kind (natural log, within float
+    rounding), the model hash and the scratch's reuse → the answer's fields."""
     from nlmserve.client import LMClient
 
     cpp = Driver(driver, target)
     try:
-        head = cpp.ask(f"tables {path}")
+        head = cpp.ask(f"tables {path}" + (f" {tables_file}" if tables_file else ""))
         assert head.startswith("ok "), head
         got = np.array([float(cpp.read()) for _ in range(int(head.split()[1]))])
     finally:
@@ -295,7 +297,7 @@ def _local_scores_are_the_servers(driver: Path, target: str, path: Path, ngrams:
     with LMClient(target) as py:
         want = py.score_ngrams(ngrams, log_base="ln", normalized=fields["normalized"] == "1").log_probs
         assert fields["hash"] == py.info.model_hash
-    assert fields["differ"] == "0"
+    assert fields["differ"] == "0" and fields["mapped"] == ("1" if tables_file else "0")
     assert got.shape == (len(ngrams),)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
     return fields
@@ -310,21 +312,45 @@ def test_scoring_tables_give_the_servers_self_normalised_scores(driver: Path, se
     _local_scores_are_the_servers(driver, server.target, path, ngrams)
 
 
-def _served_tables_agree(driver: Path, model_path: Path, tmp_path: Path) -> tuple[dict[str, str], Any]:
+def _served_tables_agree(driver: Path, model_path: Path, tmp_path: Path,
+                         mapped: bool = False) -> tuple[dict[str, str], Any]:
     """``model_path`` served for real, its n-grams of the test set up to its order scored
-    by the C++ process from the tables and checked against the server
-    (:func:`_local_scores_are_the_servers`) → the answer's fields and the model."""
+    by the C++ process from the tables (with ``mapped``, from the file ``nlmserve tables``
+    writes) and checked against the server (:func:`_local_scores_are_the_servers`) → the
+    answer's fields and the model."""
     from nlmserve.lm.scoring import LanguageModel
 
     lm = LanguageModel.load(model_path, device="cpu")
     ngrams = [g for g in _ngrams(order=lm.order) if len(g) <= lm.order]
     path = tmp_path / "ngrams.txt"
     path.write_text("".join(" ".join(g) + "\n" for g in ngrams), encoding="utf-8")
+    tables_file = None
+    if mapped:
+        tables_file = tmp_path / "model.nlt"
+        done = subprocess.run([sys.executable, "-m", "nlmserve", "tables", "--model", str(model_path),
+                               "--out", str(tables_file)], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and f"model {lm.model_hash}" in done.stdout, done.stderr
     server = Server(model_path, tmp_path / "server.log")
     try:
-        return _local_scores_are_the_servers(driver, server.target, path, ngrams), lm
+        return _local_scores_are_the_servers(driver, server.target, path, ngrams, tables_file), lm
     finally:
         server.kill()
+
+
+@pytest.mark.parametrize("kind", ["features", "tree"])
+def test_a_mapped_tables_file_gives_the_fetched_tables_scores(driver: Path, feature_model_path: Path,
+                                                              tree_model_path: Path, tmp_path: Path,
+                                                              kind: str) -> None:
+    """``nlmserve tables`` writes the file the Moses feature maps (tables=FILE): mapped in
+    the C++ process (MapTablesFile), it gives the server's scores, the model's hash and the
+    size of the fetched tables, for a class output with direct features and for a tree."""
+    model_path = feature_model_path if kind == "features" else tree_model_path
+    (tmp_path / "fetched").mkdir()
+    (tmp_path / "mapped").mkdir()
+    fetched, lm = _served_tables_agree(driver, model_path, tmp_path / "fetched")
+    mapped, _ = _served_tables_agree(driver, model_path, tmp_path / "mapped", mapped=True)
+    assert mapped["hash"] == fetched["hash"] == lm.model_hash
+    assert mapped["bytes"] == fetched["bytes"] and mapped["normalized"] == fetched["normalized"]
 
 
 def test_scoring_tables_with_direct_ngram_features(driver: Path, feature_model_path: Path, tmp_path: Path) -> None:

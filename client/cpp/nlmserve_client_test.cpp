@@ -20,7 +20,8 @@
 //         rows PATH                 -> ok N hits=.. misses=.. sent=.. round_trips=.., then N lines of
 //                                      scores: the same n-grams as canonical rows in one flat
 //                                      ScoreRows call, with the BatchCounts it returned
-//         tables PATH               -> ok N dim=.. bytes=.. hash=.. differ=.. normalized=0|1, then N lines
+//         tables PATH [FILE]        -> ok N dim=.. bytes=.. hash=.. differ=.. normalized=0|1 mapped=0|1,
+//                                      then N lines (FILE: a tables file mapped, not fetched tables)
 //                                      of natural-log scores computed from GetScoringTables in this
 //                                      process, self-normalised (0) or a tree's exact ones (1)
 //                                      (differ: scores that change when asked one by one in reverse
@@ -191,12 +192,18 @@ void Run(nlmserve::Client &client) {
         for (float s : scores) out << Fmt(s) << "\n";
         std::cout << out.str();
       } else if (cmd == "tables") {
-        std::string path;
-        in >> path;
+        std::string path, file;
+        in >> path >> file;  // FILE: a tables file to map instead of fetching the tables
         const std::size_t width = client.info().order;
         StringNgrams ngrams;
         const std::vector<uint32_t> rows = FileRows(client, path, &ngrams);
-        std::shared_ptr<const nlmserve::ScoringTables> tables = client.GetScoringTables();
+        std::shared_ptr<const nlmserve::ScoringTables> tables;
+        std::string error;
+        if (file.empty()) {
+          tables = client.GetScoringTables();
+        } else if (!nlmserve::MapTablesFile(file, &tables, &error)) {
+          throw nlmserve::ClientError(-1, error);
+        }
         // Twice, in two orders: the context vectors the scratch keeps must not change a score.
         std::vector<float> scores(ngrams.size()), again(ngrams.size());
         nlmserve::ScoringTables::Scratch scratch;
@@ -207,7 +214,7 @@ void Run(nlmserve::Client &client) {
         std::ostringstream out;
         out << "ok " << scores.size() << " dim=" << tables->dim() << " bytes=" << tables->bytes()
             << " hash=" << tables->model_hash() << " differ=" << differ
-            << " normalized=" << tables->normalized() << "\n";
+            << " normalized=" << tables->normalized() << " mapped=" << tables->mapped() << "\n";
         for (float s : scores) out << Fmt(s) << "\n";
         std::cout << out.str();
       } else if (cmd == "rows") {

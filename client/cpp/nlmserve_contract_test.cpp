@@ -351,6 +351,39 @@ void ScoringFixture() {
     Check(std::fabs(batch[r] / std::log(10.0) - want_log10[r]) <= 1e-5, file, what.str() + " in log10");
   }
   End(file);
+
+  // The same tables as a tables file (scoring_tables.nlt, nlmserve.lm.tables_file), mapped:
+  // its header gives the text's shape, its array the same floats, and its scores are these.
+  const std::string mapped_file = "scoring_tables.nlt";
+  Begin();
+  std::shared_ptr<const nlmserve::ScoringTables> mapped;
+  std::string error;
+  const bool ok = nlmserve::MapTablesFile(g_dir + "/" + mapped_file, &mapped, &error);
+  Check(ok, mapped_file, "maps: " + error);
+  if (ok) {
+    Check(mapped->mapped() && mapped->order() == order && mapped->vocab_size() == tables.vocab_size() &&
+              mapped->dim() == tables.dim() && mapped->activation() == activation &&
+              mapped->features().order == features.order && mapped->features().class_table == features.class_table &&
+              mapped->features().word_table == features.word_table && !mapped->normalized(),
+          mapped_file, "its header is the text fixture's shape");
+    Check(mapped->bytes() == tables.bytes(), mapped_file, "as many floats as the text fixture");
+    std::vector<float> again(rows);
+    nlmserve::ScoringTables::Scratch scratch2;
+    mapped->Score(ids.data(), rows, again.data(), &scratch2);
+    for (std::size_t r = 0; r < rows; ++r) {
+      std::ostringstream what;
+      what << "row " << r << ": " << again[r] << " mapped, " << batch[r] << " from the text";
+      Check(again[r] == batch[r], mapped_file, what.str());
+    }
+  }
+  // What is not a tables file is refused with a reason, never mapped.
+  std::shared_ptr<const nlmserve::ScoringTables> none;
+  Check(!nlmserve::MapTablesFile(g_dir + "/" + file, &none, &error) && !none &&
+            error.find("not an nlmserve tables file") != std::string::npos,
+        mapped_file, "the text fixture is refused: " + error);
+  Check(!nlmserve::MapTablesFile(g_dir + "/no-such-file.nlt", &none, &error) && !none, mapped_file,
+        "a missing file is refused: " + error);
+  End(mapped_file);
 }
 
 }  // namespace

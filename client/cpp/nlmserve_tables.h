@@ -34,23 +34,30 @@
 //   Threads   a ScoringTables is read-only once Set, shared by any number of threads; each
 //             thread passes its own Scratch (one thread at a time per Scratch).
 //   Memory    bytes(): the tables, one block ((order-1)*V*D + V*(D+1) floats for a class
-//             output, plus the features' tables), on huge pages where the kernel gives them
-//             (AdviseHugePages); each Scratch a few MB more (2^17 remembered rows of a few
-//             dozen bytes, 512 context vectors of D floats).
+//             output, plus the features' tables): fetched (Client::GetScoringTables), a copy
+//             of the process's own on huge pages where the kernel gives them
+//             (AdviseHugePages); mapped from a tables file (MapTablesFile), the page cache's
+//             pages, one copy for every process of the host. Each Scratch is a few MB more
+//             (2^17 remembered rows of a few dozen bytes, 512 context vectors of D floats).
 // No gRPC or protobuf here: a decoder includes this header next to its own.
 #ifndef NLMSERVE_TABLES_H
 #define NLMSERVE_TABLES_H
 
 #include <atomic>
+#include <cerrno>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
-#if defined(__linux__)
+#if defined(__unix__)
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #endif
 
 namespace nlmserve {
@@ -202,55 +209,26 @@ class ScoringTables {
   // tree.nodes, at most 2^24 of anything).
   bool Set(uint32_t order, uint32_t vocab_size, uint32_t dim, Activation activation, std::string model_hash,
            std::vector<float> data, Features features = Features(), Tree tree = Tree()) {
-    if (order < 2 || vocab_size == 0 || dim == 0) return false;
-    const bool featured = features.order > 0, treed = tree.nodes > 0;
-    if (featured && (treed || features.order > order || vocab_size >= (1u << 24) ||
-                     (features.class_table == 0 && features.word_table == 0))) {
+    std::size_t kept = 0;
+    if (!Adopt(order, vocab_size, dim, activation, model_hash, data.data(), data.size(), features, tree, &kept)) {
       return false;
     }
-    if (!featured) features = Features();
-    if (!treed) tree = Tree();
-    const std::size_t outputs = treed ? tree.nodes : vocab_size;
-    const std::size_t lbl = static_cast<std::size_t>(order - 1) * vocab_size * dim + outputs * (dim + 1);
-    const std::size_t want =
-        lbl + (featured ? static_cast<std::size_t>(vocab_size) + features.class_table + features.word_table : 0) +
-        (treed ? static_cast<std::size_t>(vocab_size) + 1 + tree.codes + 1 + tree.steps : 0);
-    if (data.size() != want) return false;
-    std::vector<uint32_t> word_class, paths;
-    if (featured) {
-      word_class.resize(vocab_size);
-      for (std::size_t w = 0; w < vocab_size; ++w) {
-        if (!WholeNumber(data[lbl + w], &word_class[w])) return false;
-      }
-    }
-    if (treed) {
-      paths.resize(want - lbl);
-      for (std::size_t i = 0; i < paths.size(); ++i) {
-        if (!WholeNumber(data[lbl + i], &paths[i])) return false;
-      }
-      if (!PathsHold(paths, vocab_size, tree)) return false;
-      data.resize(lbl);
-    }
-    order_ = order;
-    vocab_size_ = vocab_size;
-    dim_ = dim;
-    activation_ = activation;
-    model_hash_ = model_hash;
-    features_ = features;
-    class_mask_ = PowerOfTwoMask(features.class_table);
-    word_mask_ = PowerOfTwoMask(features.word_table);
-    tree_ = tree;
-    word_class_.swap(word_class);
-    paths_.swap(paths);
-    code_start_ = paths_.data();
-    step_start_ = code_start_ + (treed ? vocab_size + 1 : 0);
-    steps_ = step_start_ + (treed ? tree.codes + 1 : 0);
-    data_.swap(data);
-    output_ = data_.data() + static_cast<std::size_t>(order - 1) * vocab_size * dim;
-    bias_ = output_ + outputs * dim;
-    ngram_class_ = bias_ + 2 * static_cast<std::size_t>(vocab_size);
-    ngram_word_ = ngram_class_ + features.class_table;
-    serial_ = NextSerial();
+    data.resize(kept);  // a tree's paths are kept as integers; shrinking keeps the buffer
+    data_.swap(data);   // and so does swapping: the pointers Adopt took stay valid
+    mapping_.reset();
+    return true;
+  }
+
+  // The same from n floats that stay where they are, kept alive by `mapping` (a tables
+  // file mapped read-only, MapTablesFile): nothing is copied but the word classes and a
+  // tree's paths.
+  bool SetMapped(uint32_t order, uint32_t vocab_size, uint32_t dim, Activation activation, std::string model_hash,
+                 const float *data, std::size_t n, std::shared_ptr<const void> mapping, Features features = Features(),
+                 Tree tree = Tree()) {
+    std::size_t kept = 0;
+    if (!Adopt(order, vocab_size, dim, activation, model_hash, data, n, features, tree, &kept)) return false;
+    std::vector<float>().swap(data_);
+    mapping_ = mapping;
     return true;
   }
 
@@ -264,9 +242,12 @@ class ScoringTables {
   // True for a tree output's tables: Score gives log-probabilities, normalised exactly;
   // false for a class output's self-normalised scores.
   bool normalized() const { return tree_.nodes > 0; }
+  // The tables' size; for mapped tables (mapped()) most of it is the file's pages, which
+  // every process that maps the file shares.
   std::size_t bytes() const {
-    return data_.size() * sizeof(float) + (word_class_.size() + paths_.size()) * sizeof(uint32_t);
+    return floats_ * sizeof(float) + (word_class_.size() + paths_.size()) * sizeof(uint32_t);
   }
+  bool mapped() const { return mapping_ != nullptr; }
 
   // The entry of Scratch::rows that keeps a row's score (rows that share one take it from
   // each other).
@@ -353,6 +334,63 @@ class ScoringTables {
   }
 
  private:
+  // Set's checks and pointers over data[0, n): false, changing nothing, when they fail; else
+  // *kept is how many of the floats the tables read (a tree's paths, after them, are copied).
+  bool Adopt(uint32_t order, uint32_t vocab_size, uint32_t dim, Activation activation, const std::string &model_hash,
+             const float *data, std::size_t n, Features features, Tree tree, std::size_t *kept) {
+    if (order < 2 || vocab_size == 0 || dim == 0) return false;
+    const bool featured = features.order > 0, treed = tree.nodes > 0;
+    if (featured && (treed || features.order > order || vocab_size >= (1u << 24) ||
+                     (features.class_table == 0 && features.word_table == 0))) {
+      return false;
+    }
+    if (!featured) features = Features();
+    if (!treed) tree = Tree();
+    const std::size_t outputs = treed ? tree.nodes : vocab_size;
+    const std::size_t lbl = static_cast<std::size_t>(order - 1) * vocab_size * dim + outputs * (dim + 1);
+    const std::size_t want =
+        lbl + (featured ? static_cast<std::size_t>(vocab_size) + features.class_table + features.word_table : 0) +
+        (treed ? static_cast<std::size_t>(vocab_size) + 1 + tree.codes + 1 + tree.steps : 0);
+    if (n != want) return false;
+    std::vector<uint32_t> word_class, paths;
+    if (featured) {
+      word_class.resize(vocab_size);
+      for (std::size_t w = 0; w < vocab_size; ++w) {
+        if (!WholeNumber(data[lbl + w], &word_class[w])) return false;
+      }
+    }
+    if (treed) {
+      paths.resize(want - lbl);
+      for (std::size_t i = 0; i < paths.size(); ++i) {
+        if (!WholeNumber(data[lbl + i], &paths[i])) return false;
+      }
+      if (!PathsHold(paths, vocab_size, tree)) return false;
+    }
+    order_ = order;
+    vocab_size_ = vocab_size;
+    dim_ = dim;
+    activation_ = activation;
+    model_hash_ = model_hash;
+    features_ = features;
+    class_mask_ = PowerOfTwoMask(features.class_table);
+    word_mask_ = PowerOfTwoMask(features.word_table);
+    tree_ = tree;
+    word_class_.swap(word_class);
+    paths_.swap(paths);
+    code_start_ = paths_.data();
+    step_start_ = code_start_ + (treed ? vocab_size + 1 : 0);
+    steps_ = step_start_ + (treed ? tree.codes + 1 : 0);
+    base_ = data;
+    floats_ = treed ? lbl : n;
+    *kept = floats_;
+    output_ = base_ + static_cast<std::size_t>(order - 1) * vocab_size * dim;
+    bias_ = output_ + outputs * dim;
+    ngram_class_ = bias_ + 2 * static_cast<std::size_t>(vocab_size);
+    ngram_word_ = ngram_class_ + features.class_table;
+    serial_ = NextSerial();
+    return true;
+  }
+
   static uint64_t NextSerial() {
     static std::atomic<uint64_t> next(0);
     return ++next;
@@ -441,7 +479,7 @@ class ScoringTables {
           for (std::size_t d = 0; d < dim; ++d) to[d] = sum[d];
         }
       } else {
-        const float *p = data_.data() + (j * vocab_size_ + row[j]) * dim;
+        const float *p = base_ + (j * vocab_size_ + row[j]) * dim;
         if (sum == nullptr) {
           for (std::size_t d = 0; d < dim; ++d) to[d] = p[d];
         } else {
@@ -625,13 +663,107 @@ class ScoringTables {
   const uint32_t *code_start_ = nullptr;
   const uint32_t *step_start_ = nullptr;
   const uint32_t *steps_ = nullptr;
-  std::vector<float> data_;
+  std::vector<float> data_;                // the floats when they were given (Set)
+  std::shared_ptr<const void> mapping_;    // or what keeps them mapped (SetMapped)
+  const float *base_ = nullptr;            // the floats the tables read: position first
+  std::size_t floats_ = 0;
   const float *output_ = nullptr;
   const float *bias_ = nullptr;
-  const float *ngram_class_ = nullptr;  // with features: the hashed tables in data_
+  const float *ngram_class_ = nullptr;  // with features: the hashed tables after base_'s bias
   const float *ngram_word_ = nullptr;
   uint64_t serial_ = 0;  // NextSerial() of the last Set: which scratch entries are this table's
 };
+
+// A tables file, as `nlmserve tables --model M --out FILE` writes it (its Python owner is
+// nlmserve.lm.tables_file; proto/contract/scoring_tables.nlt is one): a 4096-byte header of
+// little-endian fields, then the array GetScoringTables streams, from byte 4096.
+//   0 "NLMTABLE"  8 u32 version (1)  12 u32 order  16 u32 vocab_size  20 u32 dim
+//   24 u32 feature_order  28 u32 ngram_class_table  32 u32 ngram_word_table
+//   36 u32 tree_nodes  40 u32 tree_codes  44 u32 0  48 u64 tree_steps  56 u64 total_floats
+//   64 char[16] activation  80 char[64] model_hash (both NUL-padded)
+// MapTablesFile maps it read-only and shared (MAP_SHARED): every process that maps the same
+// file reads the same pages of the page cache, so a host running N decoders holds the tables
+// once, where fetched tables (Client::GetScoringTables) are a private copy per process. The
+// mapping lives as long as the tables (or a copy of their shared_ptr). False, with *error
+// saying why, when the file cannot be read or is not a tables file its header describes.
+inline bool MapTablesFile(const std::string &path, std::shared_ptr<const ScoringTables> *out, std::string *error) {
+#if defined(__unix__)
+  static const std::size_t kDataOffset = 4096;
+  struct Mapping {
+    void *addr;
+    std::size_t bytes;
+    ~Mapping() { munmap(addr, bytes); }
+  };
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    *error = path + ": " + std::strerror(errno);
+    return false;
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0 || st.st_size < static_cast<off_t>(kDataOffset)) {
+    *error = path + ": not an nlmserve tables file (write one with `nlmserve tables`)";
+    close(fd);
+    return false;
+  }
+  const std::size_t bytes = static_cast<std::size_t>(st.st_size);
+  void *addr = mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0);
+  close(fd);
+  if (addr == MAP_FAILED) {
+    *error = path + ": mmap: " + std::strerror(errno);
+    return false;
+  }
+  std::shared_ptr<Mapping> mapping(new Mapping());
+  mapping->addr = addr;
+  mapping->bytes = bytes;
+  const char *head = static_cast<const char *>(addr);
+  uint32_t u[10];
+  uint64_t tree_steps, total;
+  std::memcpy(u, head + 8, sizeof(u));
+  std::memcpy(&tree_steps, head + 48, 8);
+  std::memcpy(&total, head + 56, 8);
+  if (std::memcmp(head, "NLMTABLE", 8) != 0) {
+    *error = path + ": not an nlmserve tables file (write one with `nlmserve tables`)";
+    return false;
+  }
+  if (u[0] != 1) {
+    *error = path + ": tables file version " + std::to_string(u[0]) + "; this client reads version 1";
+    return false;
+  }
+  if (total > (bytes - kDataOffset) / sizeof(float)) {
+    *error = path + ": cut short (" + std::to_string(bytes) + " bytes; its header says " +
+             std::to_string(kDataOffset + total * sizeof(float)) + ")";
+    return false;
+  }
+  const std::string activation(head + 64, strnlen(head + 64, 16));
+  const std::string model_hash(head + 80, strnlen(head + 80, 64));
+  Activation act;
+  if (!ParseActivation(activation, &act)) {
+    *error = path + ": unknown activation '" + activation + "'";
+    return false;
+  }
+  ScoringTables::Features features;
+  features.order = u[4];
+  features.class_table = u[5];
+  features.word_table = u[6];
+  ScoringTables::Tree tree;
+  tree.nodes = u[7];
+  tree.codes = u[8];
+  tree.steps = tree_steps;
+  std::shared_ptr<ScoringTables> tables(new ScoringTables());
+  const float *data = reinterpret_cast<const float *>(head + kDataOffset);
+  if (!tables->SetMapped(u[1], u[2], u[3], act, model_hash, data, static_cast<std::size_t>(total), mapping, features,
+                         tree)) {
+    *error = path + ": its tables do not hold together with its header (order, vocabulary, width, features or tree)";
+    return false;
+  }
+  *out = tables;
+  return true;
+#else
+  *error = path + ": mapping a tables file needs a POSIX system";
+  (void)out;
+  return false;
+#endif
+}
 
 }  // namespace nlmserve
 

@@ -123,6 +123,7 @@ NeuralLMServer::NeuralLMServer(const std::string &line)
       m_sentencePhrases(false),
       m_tablePrefetch(true),
       m_localScoring(false),
+      m_serverScoringGiven(false),
       m_model(new nlmserve::ModelInfo()),
       m_ids(new nlmserve::DenseIdMap()),
       m_nullState(NULL),
@@ -203,6 +204,9 @@ void NeuralLMServer::SetParameter(const std::string &key, const std::string &val
     UTIL_THROW_IF2(value != "server" && value != "local",
                    "NeuralLMServer: scoring must be server or local, got " << value);
     m_localScoring = (value == "local");
+    m_serverScoringGiven = (value == "server");
+  } else if (key == "tables") {
+    m_tablesFile = value;
   } else if (key == "prefetch") {
     if (value == "stack" || value == "true") {
       m_prefetch = PrefetchStack;
@@ -235,6 +239,11 @@ void NeuralLMServer::Load(AllOptions::ptr const &opts) {
   // Per-sentence phrase scoring needs phrase-based search (chart decoding subtracts the
   // scores given in isolation).
   if (opts && opts->search.algo != Normal && opts->search.algo != CubePruning) m_sentencePhrases = false;
+  if (!m_tablesFile.empty()) {
+    UTIL_THROW_IF2(m_serverScoringGiven, "NeuralLMServer " << GetScoreProducerDescription()
+                                                           << ": tables=FILE scores in the decoder: drop scoring=server");
+    m_localScoring = true;
+  }
   nlmserve::ClientOptions options;
   options.deadline_ms = m_deadlineMs;
   options.connect_timeout_ms = m_connectTimeoutMs;
@@ -265,10 +274,23 @@ void NeuralLMServer::Load(AllOptions::ptr const &opts) {
   m_beginState = new NeuralLMServerState(m_nGramOrder - 1, m_sentenceStart);
   m_nullState = new NeuralLMServerState(m_nGramOrder - 1, m_sentenceStart);
   if (m_localScoring) {
-    try {
-      m_tables = m_client->GetScoringTables();
-    } catch (const nlmserve::ClientError &e) {
-      UTIL_THROW2("NeuralLMServer " << GetScoreProducerDescription() << ": scoring=local: " << e.what());
+    if (m_tablesFile.empty()) {
+      try {
+        m_tables = m_client->GetScoringTables();
+      } catch (const nlmserve::ClientError &e) {
+        UTIL_THROW2("NeuralLMServer " << GetScoreProducerDescription() << ": scoring=local: " << e.what());
+      }
+    } else {
+      std::string error;
+      UTIL_THROW_IF2(!nlmserve::MapTablesFile(m_tablesFile, &m_tables, &error),
+                     "NeuralLMServer " << GetScoreProducerDescription() << ": tables=" << error);
+      // The server still maps the decoder's words to ids: the file must be of its model.
+      UTIL_THROW_IF2(m_tables->model_hash() != info.model_hash || m_tables->order() != info.order ||
+                         m_tables->vocab_size() != info.vocab_size,
+                     "NeuralLMServer " << GetScoreProducerDescription() << ": tables=" << m_tablesFile
+                                       << " holds the tables of model " << m_tables->model_hash() << ", but "
+                                       << m_target << " serves model " << info.model_hash
+                                       << ": write it again with `nlmserve tables --model` of the served model");
     }
     // A tree output's tables give exact log-probabilities; a class output's give the
     // self-normalised score, not what normalized=true (the default) asks for.
@@ -278,7 +300,9 @@ void NeuralLMServer::Load(AllOptions::ptr const &opts) {
                                         "model: add normalized=false, use scoring=server, or serve a tree-output "
                                         "model (exact scores)");
     VERBOSE(1, "NeuralLMServer " << GetScoreProducerDescription() << ": scoring locally with "
-                                 << m_tables->bytes() / 1048576 << " MB of tables (width " << m_tables->dim()
+                                 << m_tables->bytes() / 1048576 << " MB of tables"
+                                 << (m_tables->mapped() ? " mapped from " + m_tablesFile : std::string(" fetched"))
+                                 << " (width " << m_tables->dim()
                                  << (m_tables->normalized() ? ", a tree: exact log-probabilities" : ", self-normalised")
                                  << ")" << std::endl);
   }

@@ -52,6 +52,13 @@
 //                           model's give exact log-probabilities, with normalized=true (the
 //                           default) or false. The server then answers nothing per n-gram, and
 //                           a reload of the server does not reach a running decoder
+//   tables=FILE             scoring=local from a tables file (`nlmserve tables --model M --out
+//                           FILE`) mapped read-only instead of fetched: every decoder of a host
+//                           that maps the same file shares one copy of the tables (the page
+//                           cache's), where fetched tables are a copy per process. Implies
+//                           scoring=local (scoring=server beside it is refused); the file must
+//                           be of the model the server serves (same hash), which still maps
+//                           the decoder's words to ids
 //   prefetch=stack|hypothesis|false
 //                           stack (default; also true): when Moses' normal stack search starts
 //                           expanding a stack, score the boundary n-grams of every possible
@@ -200,6 +207,8 @@ class NeuralLMServer : public LanguageModelSingleFactor {
   bool m_sentencePhrases;
   bool m_tablePrefetch;
   bool m_localScoring;
+  bool m_serverScoringGiven;  // scoring=server was written (refused beside tables=FILE)
+  std::string m_tablesFile;   // tables=FILE: mapped, not fetched
 
   std::unique_ptr<nlmserve::Client> m_client;
   // The client library's types are held by pointer, so that this header (included by

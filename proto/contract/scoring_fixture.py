@@ -1,9 +1,11 @@
 """Writes scoring_tables.txt: a tiny model's scoring tables (the floats GetScoringTables
 streams) and the scores nlmserve.lm gives a handful of its n-grams, so that the C++ local
-scorer (nlmserve_tables.h) is checked against lm/'s arithmetic with no server.
+scorer (nlmserve_tables.h) is checked against lm/'s arithmetic with no server; and
+scoring_tables.nlt, the same tables as the tables file `nlmserve tables` writes
+(nlmserve.lm.tables_file), which the C++ test maps (MapTablesFile) and scores.
 
-    python proto/contract/scoring_fixture.py           # rewrite scoring_tables.txt
-    python proto/contract/scoring_fixture.py --check   # exit 1 when lm/ gives other tables or scores now
+    python proto/contract/scoring_fixture.py           # rewrite both
+    python proto/contract/scoring_fixture.py --check   # exit 1 when lm/ gives other tables, scores or file bytes now
 
 (tests/test_contract.py runs the check.)
 
@@ -24,6 +26,8 @@ from pathlib import Path
 import numpy as np
 
 FIXTURE = Path(__file__).resolve().parent / "scoring_tables.txt"
+TABLES_FILE = FIXTURE.with_suffix(".nlt")
+MODEL_HASH = "scoring_fixture"  # the tables file's model hash: a name, the model is not kept
 WORDS = ("a", "b", "c", "d", "e")
 WORD_CLASS = (0, 0, 0, 1, 1, 2, 2, 2)
 V, ORDER, DIM, CLASS_TABLE, WORD_TABLE = 8, 3, 3, 7, 16
@@ -111,6 +115,16 @@ def read_fixture(path: Path = FIXTURE) -> tuple[dict[str, str], list[float], lis
     return head, floats, rows
 
 
+def write_tables_file(path: Path) -> None:
+    """The fixture's tables (as scoring_tables.txt holds them) as a tables file."""
+    from nlmserve.lm.tables_file import FlatTables, write_tables_file as write
+
+    head, floats, _ = read_fixture()
+    tables = FlatTables(np.array(floats, dtype="<f4"), int(head["dim"]), head["activation"],
+                        int(head["feature_order"]), int(head["class_table"]), int(head["word_table"]))
+    write(path, tables, order=int(head["order"]), vocab_size=int(head["vocab_size"]), model_hash=MODEL_HASH)
+
+
 def differences() -> list[str]:
     """How the fixture differs from what nlmserve.lm gives now (tables exactly, scores
     within 1e-6: float sums may round differently elsewhere)."""
@@ -124,12 +138,17 @@ def differences() -> list[str]:
             out.append(f"row {row}: {ln} in the fixture, {want} from nlmserve.lm")
     if [tuple(r) for r, _, _ in rows] != list(ROWS):
         out.append("the rows differ")
+    with tempfile.TemporaryDirectory() as tmp:
+        fresh = Path(tmp) / TABLES_FILE.name
+        write_tables_file(fresh)
+        if not TABLES_FILE.is_file() or fresh.read_bytes() != TABLES_FILE.read_bytes():
+            out.append(f"{TABLES_FILE.name} is not the tables file of these tables")
     return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="compare with scoring_tables.txt instead of writing it")
+    parser.add_argument("--check", action="store_true", help="compare with scoring_tables.txt and .nlt instead of writing them")
     args = parser.parse_args()
     if args.check:
         wrong = differences()
@@ -137,6 +156,7 @@ def main() -> int:
             print(f"{FIXTURE.name}: {line}", file=sys.stderr)
         return 1 if wrong else 0
     FIXTURE.write_text(render(), encoding="utf-8")
+    write_tables_file(TABLES_FILE)
     return 0
 
 
