@@ -143,6 +143,9 @@ def _register_moses_ini(subparsers: Any) -> None:
     p.add_argument("--ini", metavar="FILE",
                    help="the system's moses.ini: the starting weight is a share of the L1 norm of its tuneable "
                         "weights (default: of weights of L1 norm 1, as mert-moses.pl writes them)")
+    p.add_argument("--tables", metavar="FILE",
+                   help="a tables file of the model (`nlmserve tables`): the line maps it (tables=FILE), one "
+                        "copy of the tables for every decoder of the host")
     p.add_argument("--timeout", type=float, default=30.0, help="per-request timeout in seconds (default 30)")
     add_security_flags(p)
     p.set_defaults(func=_moses_ini)
@@ -169,6 +172,14 @@ def _moses_ini(args: argparse.Namespace) -> int:
 
         facts = moses_ini.facts_of_server(args.server, args.timeout, security_kwargs(args))
         path = args.server
+    if args.tables:
+        from ..lm.tables_file import read_tables_file
+
+        head = read_tables_file(args.tables)  # ModelFileError names a file that is not one
+        if head.model_hash != facts.model_hash:
+            raise InputError(f"holds the tables of model {head.model_hash[:12]}, not of {facts.model_hash[:12]}: "
+                             "write it with `nlmserve tables --model` of this model", args.tables)
+        extra["tables"] = os.path.abspath(args.tables)
     share = f"{moses_ini.START_SHARE:g} of the L1 norm of"
     if args.ini:
         try:

@@ -10,6 +10,7 @@ tree. ``--server`` asks a real server on 127.0.0.1 (port 0).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -73,6 +74,25 @@ def test_a_5_gram_a_10_gram_and_a_tree_give_three_lines(tiny_model_path: Path, t
     assert tree == "NeuralLMServer name=NLM0 factor=0 order=4 path=127.0.0.1:50051 normalized=true scoring=local"
     assert weight5 == weight10 == weight_tree == "NLM0= 0.1"
     assert "tree output: exact log-probabilities" in notes[0]
+
+
+def test_a_tables_file_of_the_model_goes_into_the_line(tiny_model_path: Path, tree_model_path: Path,
+                                                        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--tables FILE``: the line maps the file (its absolute path); a file of another model
+    or one that is not a tables file is refused, naming it."""
+    tables = tmp_path / "tiny.nlt"
+    assert main(["tables", "--model", str(tiny_model_path), "--out", str(tables)]) == 0
+    capsys.readouterr()
+    line, _, _ = _lines(capsys, "--model", str(tiny_model_path), "--tables", str(tables))
+    assert line == ("NeuralLMServer name=NLM0 factor=0 order=5 path=127.0.0.1:50051 normalized=false scoring=local "
+                    f"tables={tables}")
+    assert main(["moses-ini", "--model", str(tree_model_path), "--tables", str(tables)]) != 0
+    captured = capsys.readouterr()
+    assert not captured.out and re.search(rf"error: {re.escape(str(tables))}: holds the tables of model \w{{12}}, "
+                                          r"not of \w{12}: write it", captured.err), captured.err
+    assert main(["moses-ini", "--model", str(tiny_model_path), "--tables", str(tiny_model_path)]) != 0
+    captured = capsys.readouterr()
+    assert not captured.out and f"{tiny_model_path}: not an nlmserve tables file" in captured.err
 
 
 def test_models_without_tables_are_scored_by_the_server(tmp_path: Path, hidden_model_path: Path,

@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "nlmserve_client.h"
@@ -99,6 +100,17 @@ inline float SumScores(const float *scores, std::size_t n) {
   float sum = 0;
   for (std::size_t i = 0; i < n; ++i) sum += scores[i];
   return sum;
+}
+
+// The feature's order= against the served model's order: "" when they agree, else why the
+// decoder must stop. A shorter order would send short n-grams, which the server reads as
+// sentence starts (left-padded with <s>), and a longer one n-grams the model refuses, so the
+// orders must be equal; `nlmserve moses-ini` prints the line with the model's order.
+inline std::string OrderMismatch(std::size_t feature_order, uint32_t model_order, const std::string &where) {
+  if (feature_order == model_order) return std::string();
+  return "order=" + std::to_string(feature_order) + " but the model at " + where + " has order " +
+         std::to_string(model_order) + ": write order=" + std::to_string(model_order) +
+         " (`nlmserve moses-ini --model MODEL` prints the whole line)";
 }
 
 // Vocabulary ids of a decoder's dense word keys (Moses' Factor::GetId()), each computed

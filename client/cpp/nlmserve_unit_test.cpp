@@ -527,6 +527,15 @@ void TestErrorPause() {
         "a prefetch is renewed for a new key or a new sentence");
 }
 
+void TestOrderMismatch() {
+  Check(nlmserve::OrderMismatch(5, 5, "127.0.0.1:50051").empty(), "equal orders are accepted");
+  Check(nlmserve::OrderMismatch(5, 10, "127.0.0.1:50051") ==
+            "order=5 but the model at 127.0.0.1:50051 has order 10: write order=10 "
+            "(`nlmserve moses-ini --model MODEL` prints the whole line)",
+        "a shorter order is refused, saying the model's");
+  Check(!nlmserve::OrderMismatch(6, 5, "h:1").empty(), "a longer order is refused");
+}
+
 void TestTextAndTargets() {
   Check(nlmserve::Lowercase("The CAT") == "the cat", "ASCII lowercase");
   Check(nlmserve::Lowercase("\xc3\x89T\xc3\x89") == "\xc3\xa9t\xc3\xa9", "Latin-1 lowercase (ETE)");
@@ -1011,6 +1020,7 @@ int main(int argc, char **argv) {
   TestPairScores();
   TestExpansionScores();
   TestErrorPause();
+  TestOrderMismatch();
   TestTextAndTargets();
   TestScoringTables();
   TestScoringTablesTree();

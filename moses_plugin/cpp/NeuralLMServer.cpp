@@ -266,11 +266,8 @@ void NeuralLMServer::Load(AllOptions::ptr const &opts) {
   // The decoder's own sentence boundaries are the model's special ids.
   m_ids->Set(m_sentenceStart->GetId(), info.bos_id);
   m_ids->Set(m_sentenceEnd->GetId(), info.eos_id);
-  // A shorter order would send short n-grams, which the server reads as sentence
-  // starts (left-padded with <s>): the orders must agree.
-  UTIL_THROW_IF2(m_nGramOrder != info.order,
-                 "NeuralLMServer " << GetScoreProducerDescription() << ": order=" << m_nGramOrder
-                                   << " but the model at " << m_target << " has order " << info.order);
+  const std::string wrongOrder = nlmserve::OrderMismatch(m_nGramOrder, info.order, m_target);
+  UTIL_THROW_IF2(!wrongOrder.empty(), "NeuralLMServer " << GetScoreProducerDescription() << ": " << wrongOrder);
   m_beginState = new NeuralLMServerState(m_nGramOrder - 1, m_sentenceStart);
   m_nullState = new NeuralLMServerState(m_nGramOrder - 1, m_sentenceStart);
   if (m_localScoring) {
