@@ -1,6 +1,6 @@
 """The memory of N Moses decoders on one host with ``scoring=local``: the tables fetched into
 each decoder (a copy per process) against one tables file that every decoder maps
-(``tables=FILE``, written by ``nlmserve tables``). Memory, not time: a busy machine moves no
+(``tables=FILE``, written by ``nlmserve export-tables``). Memory, not time: a busy machine moves no
 number here.
 
     python -m bench.tables_memory --moses MOSES --ini ../shared/data/moses-fr-en/moses.ini \\
@@ -11,6 +11,8 @@ decodes the same LINES source sentences (so the tables' rows it reads are in mem
 still running, has its proportional set size read (PSS: a page shared by k processes counts
 1/k in each; /proc/PID/smaps_rollup), the tables' own share among it (the mapping of the
 file, or the difference from the mapped run), and its resident size; then the decoders end.
+Then one decoder at a time, the two ways in turn (``--rounds``): the seconds until its tables
+are ready.
 ``--render DOC JSON`` writes a saved run's table into DOC.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -86,16 +89,35 @@ def run_decoders(moses: str, ini: Path, source: list[str], n: int, work: Path,
                 p.kill()
 
 
+def load_seconds(moses: str, ini: Path, work: Path) -> float:
+    """Seconds from starting one decoder of ``ini`` until the feature says it scores locally
+    (the tables fetched or mapped; the phrase tables load after it), read from its log."""
+    log = work / "load.log"
+    with open(log, "wb") as ferr:
+        start = time.perf_counter()
+        proc = subprocess.Popen([moses, "-f", str(ini), "-threads", "1", "-v", "1"], stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, stderr=ferr, cwd=work)
+        try:
+            while b"scoring locally with" not in log.read_bytes():
+                if proc.poll() is not None:
+                    raise SystemExit(f"the decoder ended before its tables were ready: see {log}")
+                time.sleep(0.01)
+            return time.perf_counter() - start
+        finally:
+            proc.kill()
+            proc.wait()
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     from nlmserve.common.serve_process import start_server
     from nlmserve.lm.model_file import read_model_header
 
     work = Path(tempfile.mkdtemp(prefix="tables-memory-", dir=args.work))
     tables_file = work / "model.nlt"
-    done = subprocess.run([sys.executable, "-m", "nlmserve", "tables", "--model", str(args.model),
+    done = subprocess.run([sys.executable, "-m", "nlmserve", "export-tables", "--model", str(args.model),
                            "--out", str(tables_file)], capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise SystemExit(f"nlmserve tables: {done.stderr.strip()}")
+        raise SystemExit(f"nlmserve export-tables: {done.stderr.strip()}")
     order = read_model_header(args.model).config.order
     source = write_head(args.source, args.lines, work / "source.txt")
     result: dict[str, Any] = {"machine": machine(), "command": " ".join(["bench/tables_memory.py", *sys.argv[1:]]),
@@ -111,9 +133,26 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             print(f"# {args.decoders} decoders, tables {way} ({option})", file=sys.stderr, flush=True)
             result["runs"][way] = run_decoders(args.moses, ini, source, args.decoders, work,
                                                tables_file if way == "mapped" else None)
+        # One decoder at a time, the two ways in turn: how long the tables take to be ready.
+        result["load_seconds"] = {"fetched": [], "mapped": []}
+        for _ in range(args.rounds):
+            for way in ("fetched", "mapped"):
+                result["load_seconds"][way].append(round(load_seconds(args.moses, work / f"{way}.ini", work), 2))
     finally:
         server.stop()
     return result
+
+
+def _load_lines(result: dict[str, Any]) -> list[str]:
+    """The single-decoder load times, when the run measured them (median of the rounds)."""
+    loads = result.get("load_seconds")
+    if not loads:
+        return []
+    med = {way: statistics.median(v) for way, v in loads.items()}
+    return ["", f"One decoder alone, from its start until the tables are ready (the feature's log line), "
+                f"{len(loads['fetched'])} rounds in turn: fetched {', '.join(f'{x:.2f}' for x in loads['fetched'])} s "
+                f"(median {med['fetched']:.2f}), mapped {', '.join(f'{x:.2f}' for x in loads['mapped'])} s "
+                f"(median {med['mapped']:.2f})."]
 
 
 def verdict(result: dict[str, Any]) -> str:
@@ -144,6 +183,7 @@ def render(result: dict[str, Any]) -> str:
              f"{total('fetched', 'rss') / n:,.0f} MiB |",
              f"| mapped (`tables=FILE`) | {mapped:,.0f} MiB | {mapped / n:,.0f} MiB | {file_pss:,.0f} MiB "
              f"(the file's mappings) | {total('mapped', 'rss') / n:,.0f} MiB |",
+             *_load_lines(result),
              "", f"Saved: {fetched - mapped:,.0f} MiB for {n} decoders ({(fetched - mapped) / n:,.0f} MiB each). "
              f"Verdict: {verdict(result)}. "
              f"Command: `{shown_command(result['command'])}` ({m['cpu']}).", "", END]
@@ -159,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--source", type=Path, default=SOURCE, help="source sentences (default: newstest2013.src)")
     p.add_argument("--decoders", type=int, default=4)
     p.add_argument("--lines", type=int, default=20, help="sentences each decoder decodes before it is measured")
+    p.add_argument("--rounds", type=int, default=3, help="single-decoder loads of each way, in turn")
     p.add_argument("--work", type=Path, default=None, help="scratch folder's parent (default: the system's)")
     p.add_argument("--json", type=Path, help="write the result here")
     p.add_argument("--doc", type=Path, help="render the table into this page's bench/tables_memory.py section")

@@ -1,4 +1,4 @@
-"""``nlmserve train``, ``eval``, ``query``, ``info``, ``tables`` and ``normalize`` (torch is imported inside the handlers)."""
+"""``nlmserve train``, ``eval``, ``query``, ``info``, ``export-tables`` and ``normalize`` (torch is imported inside the handlers)."""
 
 from __future__ import annotations
 
@@ -153,14 +153,16 @@ def register(subparsers: Any) -> None:
                     "was trained with, tokens seen, validation perplexity, its hash (the one a server of "
                     "it reports).",
     )
-    i.add_argument("model", metavar="MODEL", help="model file written by `nlmserve train`")
+    i.add_argument("model", metavar="MODEL", help="model file written by `nlmserve train`, or a tables file written "
+                                                  "by `nlmserve export-tables`")
     i.add_argument("--json", action="store_true", help="one JSON object (with the header's config and training record)")
     i.add_argument("--verify", action="store_true",
-                   help="also read the whole file and check its content against the hash")
+                   help="also read the whole file and check its content against the hash (a tables file: "
+                        "against its checksum)")
     i.set_defaults(func=_info)
 
     t = subparsers.add_parser(
-        "tables", help="write a model's scoring tables to a file every decoder on a host maps once",
+        "export-tables", help="write a model's scoring tables to a file every decoder on a host maps once",
         description="Write the tables the Moses feature's scoring=local scores with (what GetScoringTables "
                     "streams) to a file that each decoder maps read-only (the feature's tables=FILE), so that "
                     "the host holds one copy, as with a KenLM binary file. Models with scoring tables: "
@@ -380,6 +382,14 @@ def _tables(args: argparse.Namespace) -> int:
 def _info(args: argparse.Namespace) -> int:
     from .info import describe, format_info
     from .model_file import read_model_file, read_model_header
+    from .tables_file import MAGIC, describe_tables_file
+
+    with open(args.model, "rb") as f:
+        is_tables = f.read(len(MAGIC)) == MAGIC
+    if is_tables:
+        tables = describe_tables_file(args.model, verify=args.verify)
+        print(json.dumps(tables, sort_keys=True) if args.json else "\n".join(f"{k}\t{v}" for k, v in tables.items()))
+        return 0
 
     info = describe(read_model_file(args.model) if args.verify else read_model_header(args.model))
     print(json.dumps(info, sort_keys=True) if args.json else format_info(info))

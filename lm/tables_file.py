@@ -1,4 +1,4 @@
-"""A model's scoring tables as a file every decoder on a host maps once (``nlmserve tables``).
+"""A model's scoring tables as a file every decoder on a host maps once (``nlmserve export-tables``).
 
 ``scoring=local`` scores in the decoder from the tables ``GetScoringTables`` streams
 (``ScoringTables``); fetched, each decoder process holds a copy of its own. Written here
@@ -17,12 +17,15 @@ proto/contract/scoring_tables.nlt is a file of it)::
     48  u64      tree_steps       56  u64  total_floats
     64  16 bytes activation (none, tanh or relu; NUL-padded)
     80  64 bytes model_hash (the model file's, NUL-padded)
+    144 64 bytes sha256 of the array (hex): ``nlmserve info FILE --verify`` checks it; mapping
+                 does not (it would read the whole file)
     then zeros to byte 4096, where total_floats float32 follow: GetScoringTables' array
     (proto/nlmserve/v1/lm.proto, ScoringTablesChunk)
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import struct
@@ -42,7 +45,7 @@ log = logging.getLogger(__name__)
 MAGIC = b"NLMTABLE"
 VERSION = 1
 DATA_OFFSET = 4096  # a page: the array starts page-aligned in the mapping
-_HEADER = struct.Struct("<8sIIIIIIIIIIQQ16s64s")
+_HEADER = struct.Struct("<8sIIIIIIIIIIQQ16s64s64s")
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class TablesFileHeader:
     order: int
     vocab_size: int
     model_hash: str
+    sha256: str  # of the array, as the header records it
     tables: FlatTables
 
 
@@ -91,7 +95,7 @@ def write_tables_file(path: str | Path, tables: FlatTables, *, order: int, vocab
     head = _HEADER.pack(MAGIC, VERSION, order, vocab_size, tables.dim, tables.feature_order,
                         tables.ngram_class_table, tables.ngram_word_table, tables.tree_nodes, tables.tree_codes, 0,
                         tables.tree_steps, data.size, tables.activation.encode("ascii"),
-                        model_hash.encode("ascii"))
+                        model_hash.encode("ascii"), _sha256(data).encode("ascii"))
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
@@ -106,9 +110,18 @@ def write_tables_file(path: str | Path, tables: FlatTables, *, order: int, vocab
     return size
 
 
-def read_tables_file(path: str | Path) -> TablesFileHeader:
+def _sha256(data: np.ndarray, chunk: int = 1 << 22) -> str:
+    """The sha256 of an array's bytes, read a few MB at a time (a mapped file stays mapped)."""
+    digest = hashlib.sha256()
+    for start in range(0, data.size, chunk):
+        digest.update(np.ascontiguousarray(data[start:start + chunk]).tobytes())
+    return digest.hexdigest()
+
+
+def read_tables_file(path: str | Path, verify: bool = False) -> TablesFileHeader:
     """A tables file's header and its array (mapped read-only, not read into memory);
-    ModelFileError naming the file when it is not one or is cut short."""
+    ModelFileError naming the file when it is not one or is cut short, and with ``verify``
+    when the array does not match the checksum its header records."""
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -117,14 +130,33 @@ def read_tables_file(path: str | Path) -> TablesFileHeader:
     except OSError as e:
         raise ModelFileError(f"{path}: {e.strerror}") from None
     if len(raw) < _HEADER.size or raw[:8] != MAGIC:
-        raise ModelFileError(f"{path}: not an nlmserve tables file (write one with `nlmserve tables`)")
+        raise ModelFileError(f"{path}: not an nlmserve export-tables file (write one with `nlmserve export-tables`)")
     (_, version, order, vocab_size, dim, feature_order, class_table, word_table, tree_nodes, tree_codes, _,
-     tree_steps, total, activation, model_hash) = _HEADER.unpack(raw)
+     tree_steps, total, activation, model_hash, sha256) = _HEADER.unpack(raw)
     if version != VERSION:
         raise ModelFileError(f"{path}: tables file version {version}; this nlmserve reads version {VERSION}")
     if size < DATA_OFFSET + 4 * total:
         raise ModelFileError(f"{path}: cut short ({size} bytes; its header says {DATA_OFFSET + 4 * total})")
     data = np.memmap(path, dtype="<f4", mode="r", offset=DATA_OFFSET, shape=(total,))
+    recorded = sha256.rstrip(b"\0").decode("ascii")
+    if verify and _sha256(data) != recorded:
+        raise ModelFileError(f"{path}: its tables do not match the checksum its header records (damaged: "
+                             "write it again with `nlmserve export-tables`)")
     flat = FlatTables(data, dim, activation.rstrip(b"\0").decode("ascii"), feature_order, class_table, word_table,
                       "tree" if tree_nodes else "class", tree_nodes, tree_codes, tree_steps)
-    return TablesFileHeader(order, vocab_size, model_hash.rstrip(b"\0").decode("ascii"), flat)
+    return TablesFileHeader(order, vocab_size, model_hash.rstrip(b"\0").decode("ascii"), recorded, flat)
+
+
+def describe_tables_file(path: str | Path, verify: bool = False) -> dict[str, object]:
+    """What ``nlmserve info`` prints of a tables file (``verify``: the array checked first)."""
+    head = read_tables_file(path, verify=verify)
+    t = head.tables
+    info: dict[str, object] = {"path": str(path), "kind": "tables file", "file_bytes": Path(path).stat().st_size,
+                               "model_hash": head.model_hash, "order": head.order, "vocab_size": head.vocab_size,
+                               "dim": t.dim, "activation": t.activation, "output": t.output,
+                               "feature_order": t.feature_order, "ngram_tables": f"{t.ngram_class_table} {t.ngram_word_table}",
+                               "tree": f"{t.tree_nodes} nodes, {t.tree_codes} codes, {t.tree_steps} steps",
+                               "sha256": head.sha256}
+    if verify:
+        info["verified"] = True
+    return info

@@ -52,3 +52,13 @@ def test_the_page_holds_the_rendered_run() -> None:
 
     result = json.loads((REPO / "bench" / "results" / "tables-memory.json").read_text(encoding="utf-8"))
     assert tables_memory.render(result) in (REPO / "docs" / "performance.md").read_text(encoding="utf-8")
+
+
+def test_the_load_times_line() -> None:
+    """With single-decoder loads recorded, their line: each round and the median of each way."""
+    result = {**_run([50 * 1024, 50 * 1024]), "load_seconds": {"fetched": [1.5, 1.25, 1.75], "mapped": [0.25, 0.5, 0.3]}}
+    assert ("One decoder alone, from its start until the tables are ready (the feature's log line), 3 rounds in "
+            "turn: fetched 1.50, 1.25, 1.75 s (median 1.50), mapped 0.25, 0.50, 0.30 s (median 0.30).") \
+        in tables_memory.render(result)
+    assert "One decoder alone" not in tables_memory.render(_run([1, 1]))
+

@@ -315,7 +315,7 @@ def test_scoring_tables_give_the_servers_self_normalised_scores(driver: Path, se
 def _served_tables_agree(driver: Path, model_path: Path, tmp_path: Path,
                          mapped: bool = False) -> tuple[dict[str, str], Any]:
     """``model_path`` served for real, its n-grams of the test set up to its order scored
-    by the C++ process from the tables (with ``mapped``, from the file ``nlmserve tables``
+    by the C++ process from the tables (with ``mapped``, from the file ``nlmserve export-tables``
     writes) and checked against the server (:func:`_local_scores_are_the_servers`) → the
     answer's fields and the model."""
     from nlmserve.lm.scoring import LanguageModel
@@ -327,7 +327,7 @@ def _served_tables_agree(driver: Path, model_path: Path, tmp_path: Path,
     tables_file = None
     if mapped:
         tables_file = tmp_path / "model.nlt"
-        done = subprocess.run([sys.executable, "-m", "nlmserve", "tables", "--model", str(model_path),
+        done = subprocess.run([sys.executable, "-m", "nlmserve", "export-tables", "--model", str(model_path),
                                "--out", str(tables_file)], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0 and f"model {lm.model_hash}" in done.stdout, done.stderr
     server = Server(model_path, tmp_path / "server.log")
@@ -341,7 +341,7 @@ def _served_tables_agree(driver: Path, model_path: Path, tmp_path: Path,
 def test_a_mapped_tables_file_gives_the_fetched_tables_scores(driver: Path, feature_model_path: Path,
                                                               tree_model_path: Path, tmp_path: Path,
                                                               kind: str) -> None:
-    """``nlmserve tables`` writes the file the Moses feature maps (tables=FILE): mapped in
+    """``nlmserve export-tables`` writes the file the Moses feature maps (tables=FILE): mapped in
     the C++ process (MapTablesFile), it gives the server's scores, the model's hash and the
     size of the fetched tables, for a class output with direct features and for a tree."""
     model_path = feature_model_path if kind == "features" else tree_model_path

@@ -81,7 +81,7 @@ def test_a_tables_file_of_the_model_goes_into_the_line(tiny_model_path: Path, tr
     """``--tables FILE``: the line maps the file (its absolute path); a file of another model
     or one that is not a tables file is refused, naming it."""
     tables = tmp_path / "tiny.nlt"
-    assert main(["tables", "--model", str(tiny_model_path), "--out", str(tables)]) == 0
+    assert main(["export-tables", "--model", str(tiny_model_path), "--out", str(tables)]) == 0
     capsys.readouterr()
     line, _, _ = _lines(capsys, "--model", str(tiny_model_path), "--tables", str(tables))
     assert line == ("NeuralLMServer name=NLM0 factor=0 order=5 path=127.0.0.1:50051 normalized=false scoring=local "
@@ -92,7 +92,7 @@ def test_a_tables_file_of_the_model_goes_into_the_line(tiny_model_path: Path, tr
                                           r"not of \w{12}: write it", captured.err), captured.err
     assert main(["moses-ini", "--model", str(tiny_model_path), "--tables", str(tiny_model_path)]) != 0
     captured = capsys.readouterr()
-    assert not captured.out and f"{tiny_model_path}: not an nlmserve tables file" in captured.err
+    assert not captured.out and f"{tiny_model_path}: not an nlmserve export-tables file" in captured.err
 
 
 def test_models_without_tables_are_scored_by_the_server(tmp_path: Path, hidden_model_path: Path,

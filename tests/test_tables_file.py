@@ -1,4 +1,4 @@
-"""``nlmserve tables``: a model's scoring tables as the file every decoder on a host maps
+"""``nlmserve export-tables``: a model's scoring tables as the file every decoder on a host maps
 (nlmserve.lm.tables_file; the C++ reader, MapTablesFile, is tested in test_cpp_client.py and
 against proto/contract/scoring_tables.nlt)."""
 
@@ -16,7 +16,7 @@ from contract import CONTRACT
 
 
 def _tables(model: Path, out: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "nlmserve", "tables", "--model", str(model), "--out", str(out)],
+    return subprocess.run([sys.executable, "-m", "nlmserve", "export-tables", "--model", str(model), "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
 
 
@@ -71,7 +71,7 @@ def test_what_is_not_a_tables_file_is_refused_by_name(tiny_model_path: Path, tmp
     from nlmserve.common.errors import ModelFileError
     from nlmserve.lm.tables_file import read_tables_file
 
-    with pytest.raises(ModelFileError, match="not an nlmserve tables file"):
+    with pytest.raises(ModelFileError, match="not an nlmserve export-tables file"):
         read_tables_file(tiny_model_path)
     out = tmp_path / "model.nlt"
     assert _tables(tiny_model_path, out).returncode == 0
@@ -97,3 +97,32 @@ def test_a_model_without_tables_is_refused_with_the_reason(train_small_path: Pat
     done = _tables(model, out)
     assert done.returncode != 0 and "not self-normalised" in done.stderr, done.stderr
     assert not out.exists() and not (tmp_path / "mle.nlt.tmp").exists()
+
+
+def test_info_describes_a_tables_file_and_verify_finds_a_damaged_one(tiny_model_path: Path, tmp_path: Path) -> None:
+    """``nlmserve info FILE.nlt`` reads the header; ``--verify`` checks the array against the
+    sha256 the header records, and a flipped byte in the array is found and named."""
+    import hashlib
+    import json
+
+    from nlmserve.lm.tables_file import DATA_OFFSET
+
+    out = tmp_path / "model.nlt"
+    assert _tables(tiny_model_path, out).returncode == 0
+    raw = out.read_bytes()
+    info = subprocess.run([sys.executable, "-m", "nlmserve", "info", str(out), "--json", "--verify"],
+                          capture_output=True, text=True, timeout=120)
+    assert info.returncode == 0, info.stderr
+    got = json.loads(info.stdout)
+    assert got["kind"] == "tables file" and got["verified"] is True and got["order"] == 5
+    assert got["sha256"] == hashlib.sha256(raw[DATA_OFFSET:]).hexdigest() and got["file_bytes"] == len(raw)
+    damaged = bytearray(raw)
+    damaged[DATA_OFFSET + 1000] ^= 0x40
+    out.write_bytes(bytes(damaged))
+    plain = subprocess.run([sys.executable, "-m", "nlmserve", "info", str(out)], capture_output=True, text=True,
+                           timeout=120)
+    assert plain.returncode == 0 and "kind\ttables file" in plain.stdout  # the header alone is intact
+    checked = subprocess.run([sys.executable, "-m", "nlmserve", "info", str(out), "--verify"],
+                             capture_output=True, text=True, timeout=120)
+    assert checked.returncode != 0 and "do not match the checksum" in checked.stderr, checked.stderr
+

@@ -379,7 +379,7 @@ void ScoringFixture() {
   // What is not a tables file is refused with a reason, never mapped.
   std::shared_ptr<const nlmserve::ScoringTables> none;
   Check(!nlmserve::MapTablesFile(g_dir + "/" + file, &none, &error) && !none &&
-            error.find("not an nlmserve tables file") != std::string::npos,
+            error.find("not an nlmserve export-tables file") != std::string::npos,
         mapped_file, "the text fixture is refused: " + error);
   Check(!nlmserve::MapTablesFile(g_dir + "/no-such-file.nlt", &none, &error) && !none, mapped_file,
         "a missing file is refused: " + error);

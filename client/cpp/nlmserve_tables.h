@@ -674,13 +674,14 @@ class ScoringTables {
   uint64_t serial_ = 0;  // NextSerial() of the last Set: which scratch entries are this table's
 };
 
-// A tables file, as `nlmserve tables --model M --out FILE` writes it (its Python owner is
+// A tables file, as `nlmserve export-tables --model M --out FILE` writes it (its Python owner is
 // nlmserve.lm.tables_file; proto/contract/scoring_tables.nlt is one): a 4096-byte header of
 // little-endian fields, then the array GetScoringTables streams, from byte 4096.
 //   0 "NLMTABLE"  8 u32 version (1)  12 u32 order  16 u32 vocab_size  20 u32 dim
 //   24 u32 feature_order  28 u32 ngram_class_table  32 u32 ngram_word_table
 //   36 u32 tree_nodes  40 u32 tree_codes  44 u32 0  48 u64 tree_steps  56 u64 total_floats
-//   64 char[16] activation  80 char[64] model_hash (both NUL-padded)
+//   64 char[16] activation  80 char[64] model_hash (both NUL-padded)  144 char[64] the array's
+//   sha256 (hex; `nlmserve info FILE --verify` checks it, mapping does not: it would read it all)
 // MapTablesFile maps it read-only and shared (MAP_SHARED): every process that maps the same
 // file reads the same pages of the page cache, so a host running N decoders holds the tables
 // once, where fetched tables (Client::GetScoringTables) are a private copy per process. The
@@ -701,7 +702,7 @@ inline bool MapTablesFile(const std::string &path, std::shared_ptr<const Scoring
   }
   struct stat st;
   if (fstat(fd, &st) != 0 || st.st_size < static_cast<off_t>(kDataOffset)) {
-    *error = path + ": not an nlmserve tables file (write one with `nlmserve tables`)";
+    *error = path + ": not an nlmserve export-tables file (write one with `nlmserve export-tables`)";
     close(fd);
     return false;
   }
@@ -722,7 +723,7 @@ inline bool MapTablesFile(const std::string &path, std::shared_ptr<const Scoring
   std::memcpy(&tree_steps, head + 48, 8);
   std::memcpy(&total, head + 56, 8);
   if (std::memcmp(head, "NLMTABLE", 8) != 0) {
-    *error = path + ": not an nlmserve tables file (write one with `nlmserve tables`)";
+    *error = path + ": not an nlmserve export-tables file (write one with `nlmserve export-tables`)";
     return false;
   }
   if (u[0] != 1) {

@@ -287,7 +287,7 @@ void NeuralLMServer::Load(AllOptions::ptr const &opts) {
                      "NeuralLMServer " << GetScoreProducerDescription() << ": tables=" << m_tablesFile
                                        << " holds the tables of model " << m_tables->model_hash() << ", but "
                                        << m_target << " serves model " << info.model_hash
-                                       << ": write it again with `nlmserve tables --model` of the served model");
+                                       << ": write it again with `nlmserve export-tables --model` of the served model");
     }
     // A tree output's tables give exact log-probabilities; a class output's give the
     // self-normalised score, not what normalized=true (the default) asks for.

@@ -52,7 +52,7 @@
 //                           model's give exact log-probabilities, with normalized=true (the
 //                           default) or false. The server then answers nothing per n-gram, and
 //                           a reload of the server does not reach a running decoder
-//   tables=FILE             scoring=local from a tables file (`nlmserve tables --model M --out
+//   tables=FILE             scoring=local from a tables file (`nlmserve export-tables --model M --out
 //                           FILE`) mapped read-only instead of fetched: every decoder of a host
 //                           that maps the same file shares one copy of the tables (the page
 //                           cache's), where fetched tables are a copy per process. Implies

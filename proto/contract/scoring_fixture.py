@@ -1,7 +1,7 @@
 """Writes scoring_tables.txt: a tiny model's scoring tables (the floats GetScoringTables
 streams) and the scores nlmserve.lm gives a handful of its n-grams, so that the C++ local
 scorer (nlmserve_tables.h) is checked against lm/'s arithmetic with no server; and
-scoring_tables.nlt, the same tables as the tables file `nlmserve tables` writes
+scoring_tables.nlt, the same tables as the tables file `nlmserve export-tables` writes
 (nlmserve.lm.tables_file), which the C++ test maps (MapTablesFile) and scores.
 
     python proto/contract/scoring_fixture.py           # rewrite both
