@@ -60,6 +60,7 @@ from bench import _common  # noqa: E402
 from bench._common import machine, tree_cpu_seconds, write_json  # noqa: E402
 
 from nlmserve.common.serve_process import ServerProcess, start_server  # noqa: E402
+from nlmserve.moses_plugin.moses_ini import rewrite_ini, weight_line  # noqa: F401  (the ini rules' owner)
 
 #: Configurations measured by default: name, then the feature's options (None: KENLM alone).
 DEFAULT_CONFIGS = ["kenlm", "exact:normalized=true", "selfnorm:normalized=false",
@@ -153,45 +154,6 @@ def feature_line(options: dict[str, str], target: str, order: int) -> str:
     address; an ``order=`` among them replaces ``order``."""
     opts = " ".join(f"{k}={v}" for k, v in options.items() if k != "order")
     return f"NeuralLMServer name=NLM0 factor=0 order={options.get('order', order)} path={target} {opts}".rstrip()
-
-
-def weight_line(feature: str, weight: float) -> str:
-    """The ``[weight]`` line of the feature: ``weight`` for its score, and 0 for the count of
-    words outside the model's vocabulary when the line asks for ``oov-feature`` (Moses then
-    expects two weights). True as Moses' ``Scan<bool>`` reads it: yes, y, true or 1, any case."""
-    oov = re.search(r"(?:^|\s)oov-feature=(\S+)", feature)
-    return f"NLM0= {weight}" + (" 0" if oov and oov.group(1).lower() in ("1", "true", "yes", "y") else "")
-
-
-def rewrite_ini(ini: Path, kenlm: str | None, out: Path, feature: str | None, weight: float) -> None:
-    """The ini with absolute table paths, LM_PATH replaced, and the feature line and its
-    weights (:func:`weight_line`) added when ``feature`` is given."""
-    base = ini.resolve().parent
-    lines: list[str] = []
-    section = ""
-    for raw in ini.read_text().splitlines():
-        line = raw
-        if kenlm is not None:
-            line = line.replace("LM_PATH", str(Path(kenlm).resolve()))
-
-        def absolute(m: re.Match[str]) -> str:
-            value = m.group(2)
-            return m.group(1) + (value if os.path.isabs(value) else str(base / value))
-
-        if not line.lstrip().startswith("#"):
-            line = re.sub(r"(\bpath=)(\S+)", absolute, line)
-        if line.startswith("["):
-            if section == "[weight]" and feature is not None:
-                lines.append(weight_line(feature, weight))
-            section = line.strip()
-        lines.append(line)
-        if section == "[feature]" and line.startswith("KENLM") and feature is not None:
-            lines.append(feature)
-    if section == "[weight]" and feature is not None:
-        lines.append(weight_line(feature, weight))
-    if feature is not None and not any(x == feature for x in lines):
-        raise SystemExit(f"{ini}: no KENLM line in its [feature] section to add the feature after")
-    out.write_text("\n".join(lines) + "\n")
 
 
 def write_head(source: Path, n: int, out: Path) -> list[str]:

@@ -40,26 +40,23 @@ import argparse
 import json
 import os
 import re
-import shutil
 import statistics
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bench import _common  # noqa: E402
 from bench._common import machine, write_json  # noqa: E402
-from bench.decoder import feature_line, rewrite_ini  # noqa: E402
+from bench.decoder import feature_line  # noqa: E402
 
+from nlmserve.moses_plugin import moses_experiment  # noqa: E402
+from nlmserve.moses_plugin.moses_experiment import count_lines, find_mertdir, subset  # noqa: E402
 from nlmserve.moses_plugin.bleu import BleuConfig, corpus_bleu, paired_bootstrap, read_references  # noqa: E402
 from nlmserve.common.serve_process import ServerProcess, start_server  # noqa: E402
 from nlmserve.moses_plugin.rerank import search_check  # noqa: E402
+from nlmserve.moses_plugin.moses_ini import with_server  # noqa: E402
 from nlmserve.moses_plugin.weights import load_weights  # noqa: E402
-
-MERT_TOOLS = ("extractor", "mert", "kbmira", "pro", "evaluator")
-
 
 @dataclass
 class System:
@@ -91,112 +88,21 @@ def check_local_scoring(systems: list[System]) -> None:
             _common.require_scoring_tables(system.model, f"--system {system.name}")
 
 
-def tuned_with(work: Path) -> str | None:
-    """The tuner of mert-moses.pl's finished first iteration in ``work`` (batch MIRA leaves
-    ``run1.mira.out`` beside ``run1.mert.out``), None before it: the working folder's layout
-    does not name the tuner, so a workdir of MERT runs must not be continued or reported as
-    MIRA's."""
-    if (work / "run1.mira.out").exists():
-        return "mira"
-    return "mert" if (work / "run1.mert.out").exists() else None
-
-
-def can_continue(work: Path) -> bool:
-    """Whether mert-moses.pl's ``--continue`` can resume the tuning in ``work``: it needs the
-    ``finished_step.txt`` written after each finished iteration."""
-    return (work / "finished_step.txt").exists()
-
-
-def find_mertdir(root: Path, work: Path) -> Path:
-    """A folder of links to the mert tools found under ``root`` (bjam leaves each in its bin/)."""
-    out = work / "mertdir"
-    out.mkdir(parents=True, exist_ok=True)
-    for tool in MERT_TOOLS:
-        link = out / tool
-        if link.exists():
-            continue
-        found = sorted(p for p in (root / "mert" / "bin").rglob(tool) if p.is_file() and os.access(p, os.X_OK))
-        if not found:
-            raise SystemExit(f"{tool} not found under {root / 'mert' / 'bin'}: build it with "
-                             f"./bjam mert//{tool} (or give --mertdir)")
-        link.symlink_to(found[0])
-    return out
-
-
-def subset(src: Path, every: int, limit: int | None, out: Path) -> int:
-    with open(src, encoding="utf-8") as f:
-        lines = [line for i, line in enumerate(f) if i % every == 0]
-    if limit is not None:
-        lines = lines[:limit]
-    if not out.exists() or out.read_text(encoding="utf-8") != "".join(lines):
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text("".join(lines), encoding="utf-8")
-        tmp.replace(out)
-    return len(lines)
-
-
-def count_lines(path: Path) -> int:
-    if not path.exists():
-        return -1
-    with open(path, "rb") as f:
-        return sum(1 for _ in f)
-
-
 def tune(args: argparse.Namespace, system: System, seed: int, target: str | None, mertdir: Path,
          dev_src: Path, dev_ref: Path, base: Path) -> dict[str, Any]:
-    work = base / "tune"
-    done_with = tuned_with(work)
-    if done_with not in (None, args.tuner):
-        raise SystemExit(f"{work} was tuned with {done_with}, not {args.tuner}: "
-                         f"give --tuner {done_with}, or another --workdir for {args.tuner}")
-    tuned = work / "moses.ini"
-    ini = base / "start.ini"
+    """One tuning (nlmserve.moses_plugin.moses_experiment.tune) of ``system``, and the search
+    errors of its last iteration."""
     feature = None if system.model is None else feature_line(system.options, str(target), args.order)
-    # When the tuning first started (the ini is rewritten by every invocation: a restarted
-    # server has another port, and mert-moses.pl --continue builds each run's ini from it).
-    first = base / "tune.started"
-    if work.exists() and not tuned.exists() and not can_continue(work):
-        # Stopped inside its first iteration: mert-moses.pl --continue would die on the
-        # missing finished_step.txt, so the tuning starts again, its clock too.
-        shutil.rmtree(work)
-        first.unlink(missing_ok=True)
-    if not first.exists():
-        first.write_text(f"{ini.stat().st_mtime if ini.exists() else time.time():.3f}\n")
-    first_start = float(first.read_text())
-    rewrite_ini(args.ini, args.kenlm, ini, feature, args.nlm_weight)
-    started = time.monotonic()
-    if not tuned.exists():
-        cmd = ["perl", str(args.moses_root / "scripts" / "training" / "mert-moses.pl"),
-               str(dev_src.resolve()), str(dev_ref.resolve()), str(Path(system.moses or args.moses).resolve()),
-               str(ini.resolve()),
-               "--mertdir", str(mertdir.resolve()), "--working-dir", str(work.resolve()),
-               "--no-filter-phrase-table", "--nbest", str(args.nbest),
-               "--decoder-flags", f"-threads {args.threads}",
-               "--maximum-iterations", str(args.max_iterations)]
-        if args.tuner == "mira":
-            cmd += ["--batch-mira", "--batch-mira-args", f"--random-seed {seed}"]
-        else:
-            cmd += ["--mertargs", f"-r {seed}"]
-        if can_continue(work):
-            cmd.append("--continue")
-        log = base / "mert.log"
-        print(f"{system.name} seed {seed}: tuning ({' '.join(cmd)})", flush=True)
-        with open(log, "ab") as f:
-            r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=base)
-        if r.returncode != 0 or not tuned.exists():
-            raise SystemExit(f"mert-moses.pl failed ({r.returncode}) for {system.name} seed {seed}: see {log}")
+    record = moses_experiment.tune(args, feature, system.moses or args.moses, seed, mertdir, dev_src, dev_ref, base,
+                                   system.name)
+    work = base / "tune"
     nbests = sorted(work.glob("run*.best*.out.gz"), key=lambda p: p.stat().st_mtime)
-    times = [p.stat().st_mtime for p in nbests]
-    steps = [b - a for a, b in zip([first_start, *times[:-1]], times)]
     # The last iteration's 1-best against every hypothesis of the tuning's lists, under the
     # weights that iteration decoded with (runK.moses.ini beside runK.best*.out.gz).
     last = nbests[-1]
     check = search_check(str(last), [str(p) for p in nbests[:-1]],
                          load_weights(work / f"{last.name.split('.')[0]}.moses.ini"))
-    return {"iterations": len(nbests), "tuning_wall_s": round(tuned.stat().st_mtime - first_start, 1),
-            "seconds_per_iteration": round(statistics.mean(steps), 1) if steps else None,
-            "this_invocation_s": round(time.monotonic() - started, 1), "ini": str(tuned),
-            "search_errors": round(check.share, 4), "search_error_gap": round(check.mean_gap, 3)}
+    return {**record, "search_errors": round(check.share, 4), "search_error_gap": round(check.mean_gap, 3)}
 
 
 def finished(base: Path, n_test: int) -> bool:
@@ -209,25 +115,6 @@ def same_seeds(baseline: list[dict[str, Any]], runs: list[dict[str, Any]]) -> li
     paired bootstrap joins."""
     by_seed = {b["seed"]: b for b in baseline}
     return [(by_seed[r["seed"]], r) for r in runs if r["seed"] in by_seed]
-
-
-def decode_test(args: argparse.Namespace, moses: str, tuned_ini: Path, test_src: Path, out: Path, n: int) -> float:
-    """Decode ``test_src`` into ``out`` → seconds it took (a finished decoding is kept, and its
-    time read back from ``out``.seconds)."""
-    seconds = out.with_suffix(".seconds")
-    if count_lines(out) == n:
-        return float(seconds.read_text()) if seconds.exists() else 0.0
-    tmp = out.with_name(out.name + ".tmp")
-    start = time.monotonic()
-    with open(test_src, "rb") as fin, open(tmp, "wb") as fout, open(out.with_suffix(".log"), "wb") as ferr:
-        r = subprocess.run([moses, "-f", str(tuned_ini), "-threads", str(args.threads)],
-                           stdin=fin, stdout=fout, stderr=ferr)
-    if r.returncode != 0 or count_lines(tmp) != n:
-        raise SystemExit(f"decoding {test_src} with {tuned_ini} failed: see {out.with_suffix('.log')}")
-    took = time.monotonic() - start
-    seconds.write_text(f"{took:.1f}\n")
-    tmp.replace(out)
-    return took
 
 
 def export_ini(tuned: Path, out: Path, system_dir: Path, kenlm: str | None) -> None:
@@ -395,10 +282,10 @@ def main() -> int:
                 if system.model is not None:  # the server's port may differ from the tuning's
                     text = tuned.read_text()
                     tuned_now = base / "tuned.ini"
-                    tuned_now.write_text(re.sub(r"(NeuralLMServer [^\n]*path=)\S+", rf"\g<1>{target}", text))
+                    tuned_now.write_text(with_server(text, str(target)))
                     tuned = tuned_now
-                record["test_decode_s"] = round(decode_test(args, system.moses or args.moses, tuned, test_src,
-                                                                  base / "test.out", n_test), 1)
+                record["test_decode_s"] = round(moses_experiment.decode_test(system.moses or args.moses, args.threads, tuned,
+                                                                             test_src, base / "test.out", n_test), 1)
                 if args.export_inis is not None:
                     exported = args.export_inis / f"{system.name}.seed{seed}.ini"
                     export_ini(Path(record["ini"]), exported, args.ini.parent, args.kenlm)

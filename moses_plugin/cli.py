@@ -1,4 +1,4 @@
-"""``nlmserve rescore | tune | rerank | search-errors | bleu | experiment | moses-ini``: parse and dispatch.
+"""``nlmserve rescore | tune | rerank | search-errors | bleu | experiment | moses-ini | moses-experiment``: parse and dispatch.
 
 Heavy work lives in the modules; each handler imports what it needs when it runs.
 """
@@ -26,6 +26,7 @@ def register(subparsers: Any) -> None:
     _register_bleu(subparsers)
     _register_experiment(subparsers)
     _register_moses_ini(subparsers)
+    _register_moses_experiment(subparsers)
 
 
 def _register_rescore(subparsers: Any) -> None:
@@ -130,6 +131,24 @@ def _register_experiment(subparsers: Any) -> None:
     p.set_defaults(func=_experiment)
 
 
+def _register_moses_experiment(subparsers: Any) -> None:
+    from .moses_experiment import add_arguments
+
+    p = subparsers.add_parser(
+        "moses-experiment", help="the NLM inside Moses: tune with mert-moses.pl with and without NLM0, decode, BLEU",
+        description="Serve the model(s) (or train one first), tune KENLM alone and KENLM + NLM0 with Moses' own "
+                    "mert-moses.pl on the dev set, decode the test set with each tuned moses.ini, and report "
+                    "BLEU with a paired bootstrap p-value; resumable (docs/moses.md).")
+    add_arguments(p)
+    p.set_defaults(func=_moses_experiment)
+
+
+def _moses_experiment(args: argparse.Namespace) -> int:
+    from .moses_experiment import run_from_args
+
+    return run_from_args(args)
+
+
 def _register_moses_ini(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "moses-ini", help="the NeuralLMServer feature line and starting weight that fit a model, for moses.ini")
@@ -144,7 +163,7 @@ def _register_moses_ini(subparsers: Any) -> None:
                    help="the system's moses.ini: the starting weight is a share of the L1 norm of its tuneable "
                         "weights (default: of weights of L1 norm 1, as mert-moses.pl writes them)")
     p.add_argument("--tables", metavar="FILE",
-                   help="a tables file of the model (`nlmserve tables`): the line maps it (tables=FILE), one "
+                   help="a tables file of the model (`nlmserve export-tables`): the line maps it (tables=FILE), one "
                         "copy of the tables for every decoder of the host")
     p.add_argument("--timeout", type=float, default=30.0, help="per-request timeout in seconds (default 30)")
     add_security_flags(p)
@@ -178,7 +197,7 @@ def _moses_ini(args: argparse.Namespace) -> int:
         head = read_tables_file(args.tables)  # ModelFileError names a file that is not one
         if head.model_hash != facts.model_hash:
             raise InputError(f"holds the tables of model {head.model_hash[:12]}, not of {facts.model_hash[:12]}: "
-                             "write it with `nlmserve tables --model` of this model", args.tables)
+                             "write it with `nlmserve export-tables --model` of this model", args.tables)
         extra["tables"] = os.path.abspath(args.tables)
     share = f"{moses_ini.START_SHARE:g} of the L1 norm of"
     if args.ini:

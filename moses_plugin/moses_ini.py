@@ -27,7 +27,10 @@ needs no knowledge of any one weight.
 from __future__ import annotations
 
 import logging
+import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..common.errors import InputError, NlmserveError
@@ -192,3 +195,50 @@ def render(facts: ModelFacts, path: str, weight: float, weight_reason: str, name
             f"# {weight_reason}\n"
             "[weight]\n"
             f"{name}= {weight:.6g}\n")
+
+
+def weight_line(feature: str, weight: float) -> str:
+    """The ``[weight]`` line of the feature: ``weight`` for its score, and 0 for the count of
+    words outside the model's vocabulary when the line asks for ``oov-feature`` (Moses then
+    expects two weights). True as Moses' ``Scan<bool>`` reads it: yes, y, true or 1, any case."""
+    oov = re.search(r"(?:^|\s)oov-feature=(\S+)", feature)
+    return f"NLM0= {weight}" + (" 0" if oov and oov.group(1).lower() in ("1", "true", "yes", "y") else "")
+
+
+def rewrite_ini(ini: Path, kenlm: str | None, out: Path, feature: str | None, weight: float) -> None:
+    """The ini with absolute table paths, LM_PATH replaced, and the feature line and its
+    weights (:func:`weight_line`) added when ``feature`` is given."""
+    base = ini.resolve().parent
+    lines: list[str] = []
+    section = ""
+    for raw in ini.read_text().splitlines():
+        line = raw
+        if kenlm is not None:
+            line = line.replace("LM_PATH", str(Path(kenlm).resolve()))
+
+        def absolute(m: re.Match[str]) -> str:
+            value = m.group(2)
+            return m.group(1) + (value if os.path.isabs(value) else str(base / value))
+
+        if not line.lstrip().startswith("#"):
+            line = re.sub(r"(\bpath=)(\S+)", absolute, line)
+        if line.startswith("["):
+            if section == "[weight]" and feature is not None:
+                lines.append(weight_line(feature, weight))
+            section = line.strip()
+        lines.append(line)
+        if section == "[feature]" and line.startswith("KENLM") and feature is not None:
+            lines.append(feature)
+    if section == "[weight]" and feature is not None:
+        lines.append(weight_line(feature, weight))
+    if feature is not None and not any(x == feature for x in lines):
+        raise InputError("no KENLM line in its [feature] section to add the feature after", str(ini))
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(out)
+
+
+def with_server(text: str, target: str) -> str:
+    """A moses.ini's text with the NeuralLMServer lines' ``path=`` set to ``target`` (a tuned
+    ini names the server of its tuning, whose port a later server does not have)."""
+    return re.sub(r"(NeuralLMServer [^\n]*path=)\S+", rf"\g<1>{target}", text)

@@ -89,7 +89,9 @@ def test_a_configuration_names_its_model_binary_and_order() -> None:
 def test_an_ini_without_kenlm_is_refused(tmp_path: Path) -> None:
     ini = tmp_path / "moses.ini"
     ini.write_text(INI.replace("KENLM", "SRILM"))
-    with pytest.raises(SystemExit, match="no KENLM line"):
+    from nlmserve.common.errors import InputError
+
+    with pytest.raises(InputError, match="no KENLM line"):
         decoder.rewrite_ini(ini, None, tmp_path / "out.ini", "NeuralLMServer name=NLM0", 0.1)
 
 

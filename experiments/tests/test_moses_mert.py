@@ -158,23 +158,6 @@ def test_a_systems_own_decoder_binary_is_not_a_feature_option() -> None:
     assert "| new | `ep10.nlm` `normalized=false` `order=10` (decoder `/tmp/moses-new`) | 20.00 |" in moses_mert.render(result)
 
 
-def test_a_workdir_tuned_with_one_tuner_is_refused_for_the_other(tmp_path: Path) -> None:
-    # mert-moses.pl's file names after a first iteration: MERT's, then batch MIRA's
-    work = tmp_path / "seed1" / "tune"
-    assert moses_mert.tuned_with(work) is None
-    work.mkdir(parents=True)
-    (work / "run1.mert.out").write_text("0.1 0.2\n")
-    assert moses_mert.tuned_with(work) == "mert"
-    (work / "run1.mira.out").write_text("")
-    assert moses_mert.tuned_with(work) == "mira"
-    args = moses_mert.parser().parse_args(
-        ["--moses-root", "m", "--moses", "moses", "--ini", "i", "--dev-src", "s", "--dev-ref", "r",
-         "--test-src", "t", "--test-ref", "u", "--system", "kenlm", "--workdir", str(tmp_path), "--tuner", "mert"])
-    with pytest.raises(SystemExit, match="tuned with mira, not mert: give --tuner mira, or another --workdir"):
-        moses_mert.tune(args, moses_mert.System.parse("kenlm"), 1, None, tmp_path, tmp_path / "s", tmp_path / "r",
-                        tmp_path / "seed1")
-
-
 def test_a_model_without_scoring_tables_is_refused_before_any_tuning(tmp_path: Path) -> None:
     nce, mle = golden_model(tmp_path / "nce.nlm"), golden_model(tmp_path / "mle.nlm", objective="mle")
     ok = [moses_mert.System.parse("kenlm"), moses_mert.System.parse(f"nce={nce},normalized=false,scoring=local"),
@@ -183,39 +166,3 @@ def test_a_model_without_scoring_tables_is_refused_before_any_tuning(tmp_path: P
     refused = [*ok, moses_mert.System.parse(f"late={mle},normalized=false,scoring=local")]
     with pytest.raises(SystemExit, match=r"--system late: scoring=local needs .* not self-normalised"):
         moses_mert.check_local_scoring(refused)
-
-
-def test_a_tuning_stopped_inside_its_first_iteration_starts_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # mert-moses.pl --continue dies without finished_step.txt (written after each finished
-    # iteration): a working folder without it is started afresh, one with it is continued.
-    root = tmp_path / "moses"
-    script = root / "scripts" / "training" / "mert-moses.pl"
-    script.parent.mkdir(parents=True)
-    script.write_text('open(my $f, ">>", "$ENV{CALLS}"); print $f join(" ", @ARGV), "\\n"; exit 3;\n')
-    ini = tmp_path / "moses.ini"
-    ini.write_text("[feature]\nKENLM name=LM0 factor=0 path=LM_PATH order=5\n\n[weight]\nLM0= 0.5\n")
-    args = moses_mert.parser().parse_args(
-        ["--moses-root", str(root), "--moses", "moses", "--ini", str(ini), "--kenlm", "lm.bin",
-         "--dev-src", "s", "--dev-ref", "r", "--test-src", "t", "--test-ref", "u", "--system", "kenlm",
-         "--workdir", str(tmp_path)])
-    base = tmp_path / "kenlm" / "seed1"
-    work = base / "tune"
-    work.mkdir(parents=True)
-    (work / "run1.out").write_text("half an iteration\n")
-    (base / "tune.started").write_text("12.000\n")
-    calls = tmp_path / "calls"
-    monkeypatch.setenv("CALLS", str(calls))
-
-    def tune() -> None:
-        with pytest.raises(SystemExit, match=r"mert-moses.pl failed \(3\) for kenlm seed 1"):
-            moses_mert.tune(args, moses_mert.System.parse("kenlm"), 1, None, tmp_path, tmp_path / "s",
-                            tmp_path / "r", base)
-
-    tune()
-    assert "--continue" not in calls.read_text().split() and not work.exists()
-    assert float((base / "tune.started").read_text()) != 12.0  # the clock starts again
-    work.mkdir()
-    (work / "finished_step.txt").write_text("1\n")
-    tune()
-    assert calls.read_text().splitlines()[1].split()[-1] == "--continue"
-    assert (work / "finished_step.txt").exists()

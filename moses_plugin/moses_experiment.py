@@ -1,0 +1,371 @@
+"""``nlmserve moses-experiment``: the neural LM inside Moses, end to end, as Moses' EMS runs
+a baseline: (train a model →) serve it → tune each system with Moses' own ``mert-moses.pl``
+(MERT or batch MIRA) on a dev set → decode the test set with each tuned moses.ini → BLEU of
+each, with a paired bootstrap p-value against KENLM alone.
+
+The systems: ``moses``, the given moses.ini as it is (KENLM alone), and one more per model,
+the same ini plus the ``NeuralLMServer`` line ``nlmserve moses-ini`` derives from the model
+(its order; ``scoring=local`` where it has scoring tables) and NLM0's starting weight. Each is
+tuned once per seed. Resumable: a tuning with a finished iteration continues (mert-moses.pl
+``--continue``), a finished tuning and a finished test decoding are kept; the workdir holds
+one tuner's runs. Results: ``results.json`` and ``results.md`` in the workdir, and the table
+on stdout.
+
+The steps that the research harness (experiments/moses_mert.py) shares are owned here:
+subsets of the dev and test sets, the mert tools, one tuning, one test decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..common.errors import InputError
+
+MERT_TOOLS = ("extractor", "mert", "kbmira", "pro", "evaluator")
+
+
+class TuneSettings(Protocol):
+    """What a tuning reads of the command line (argparse's namespace has these)."""
+
+    moses_root: Path
+    ini: Path
+    kenlm: str | None
+    tuner: str
+    nbest: int
+    threads: int
+    max_iterations: int
+    nlm_weight: float
+
+
+def tuned_with(work: Path) -> str | None:
+    """The tuner of mert-moses.pl's finished first iteration in ``work`` (batch MIRA leaves
+    ``run1.mira.out`` beside ``run1.mert.out``), None before it: the working folder's layout
+    does not name the tuner, so a workdir of MERT runs must not be continued or reported as
+    MIRA's."""
+    if (work / "run1.mira.out").exists():
+        return "mira"
+    return "mert" if (work / "run1.mert.out").exists() else None
+
+
+def can_continue(work: Path) -> bool:
+    """Whether mert-moses.pl's ``--continue`` can resume the tuning in ``work``: it needs the
+    ``finished_step.txt`` written after each finished iteration."""
+    return (work / "finished_step.txt").exists()
+
+
+def find_mertdir(root: Path, work: Path) -> Path:
+    """A folder of links to the mert tools found under ``root`` (bjam leaves each in its bin/)."""
+    out = work / "mertdir"
+    out.mkdir(parents=True, exist_ok=True)
+    for tool in MERT_TOOLS:
+        link = out / tool
+        if link.exists():
+            continue
+        found = sorted(p for p in (root / "mert" / "bin").rglob(tool) if p.is_file() and os.access(p, os.X_OK))
+        if not found:
+            raise InputError(f"{tool} not found under {root / 'mert' / 'bin'}: build it with "
+                             f"./bjam mert//{tool} (or give --mertdir)")
+        link.symlink_to(found[0])
+    return out
+
+
+def find_moses(root: Path) -> Path:
+    """The moses binary of a Moses checkout: bin/moses after a full build, else the one bjam
+    left under moses-cmd/bin."""
+    if (root / "bin" / "moses").is_file():
+        return root / "bin" / "moses"
+    found = sorted(p for p in (root / "moses-cmd" / "bin").rglob("moses") if p.is_file() and os.access(p, os.X_OK))
+    if not found:
+        raise InputError(f"no moses binary under {root} (bin/ or moses-cmd/bin/): build it as docs/moses.md "
+                         "says, or give --moses")
+    return found[0]
+
+
+def subset(src: Path, every: int, limit: int | None, out: Path) -> int:
+    """Every ``every``-th line of ``src`` (at most ``limit``) into ``out`` (rewritten only
+    when it changes) → how many."""
+    with open(src, encoding="utf-8") as f:
+        lines = [line for i, line in enumerate(f) if i % every == 0]
+    if limit is not None:
+        lines = lines[:limit]
+    if not out.exists() or out.read_text(encoding="utf-8") != "".join(lines):
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text("".join(lines), encoding="utf-8")
+        tmp.replace(out)
+    return len(lines)
+
+
+def count_lines(path: Path) -> int:
+    """Lines of ``path``, -1 when it does not exist."""
+    if not path.exists():
+        return -1
+    with open(path, "rb") as f:
+        return sum(1 for _ in f)
+
+
+def tune(settings: TuneSettings, feature: str | None, moses: str, seed: int, mertdir: Path, dev_src: Path,
+         dev_ref: Path, base: Path, label: str) -> dict[str, Any]:
+    """One tuning of the system ``settings.ini`` (+ the ``feature`` line of NLM0 when given)
+    with mert-moses.pl in ``base/tune``, continued where a finished iteration allows →
+    iterations, wall time and the tuned ini."""
+    from .moses_ini import rewrite_ini
+
+    work = base / "tune"
+    done_with = tuned_with(work)
+    if done_with not in (None, settings.tuner):
+        raise InputError(f"{work} was tuned with {done_with}, not {settings.tuner}: "
+                         f"give --tuner {done_with}, or another --workdir for {settings.tuner}")
+    tuned = work / "moses.ini"
+    ini = base / "start.ini"
+    # When the tuning first started (the ini is rewritten by every invocation: a restarted
+    # server has another port, and mert-moses.pl --continue builds each run's ini from it).
+    first = base / "tune.started"
+    if work.exists() and not tuned.exists() and not can_continue(work):
+        # Stopped inside its first iteration: mert-moses.pl --continue would die on the
+        # missing finished_step.txt, so the tuning starts again, its clock too.
+        shutil.rmtree(work)
+        first.unlink(missing_ok=True)
+    if not first.exists():
+        first.write_text(f"{ini.stat().st_mtime if ini.exists() else time.time():.3f}\n")
+    first_start = float(first.read_text())
+    rewrite_ini(settings.ini, settings.kenlm, ini, feature, settings.nlm_weight)
+    started = time.monotonic()
+    if not tuned.exists():
+        cmd = ["perl", str(settings.moses_root / "scripts" / "training" / "mert-moses.pl"),
+               str(dev_src.resolve()), str(dev_ref.resolve()), str(Path(moses).resolve()), str(ini.resolve()),
+               "--mertdir", str(mertdir.resolve()), "--working-dir", str(work.resolve()),
+               "--no-filter-phrase-table", "--nbest", str(settings.nbest),
+               "--decoder-flags", f"-threads {settings.threads}",
+               "--maximum-iterations", str(settings.max_iterations)]
+        if settings.tuner == "mira":
+            cmd += ["--batch-mira", "--batch-mira-args", f"--random-seed {seed}"]
+        else:
+            cmd += ["--mertargs", f"-r {seed}"]
+        if can_continue(work):
+            cmd.append("--continue")
+        log = base / "mert.log"
+        print(f"{label} seed {seed}: tuning (log: {log})", flush=True)
+        with open(log, "ab") as f:
+            r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=base)
+        if r.returncode != 0 or not tuned.exists():
+            raise InputError(f"mert-moses.pl failed ({r.returncode}) for {label} seed {seed}: see {log}")
+    nbests = sorted(work.glob("run*.best*.out.gz"), key=lambda p: p.stat().st_mtime)
+    times = [p.stat().st_mtime for p in nbests]
+    steps = [b - a for a, b in zip([first_start, *times[:-1]], times)]
+    return {"iterations": len(nbests), "tuning_wall_s": round(tuned.stat().st_mtime - first_start, 1),
+            "seconds_per_iteration": round(statistics.mean(steps), 1) if steps else None,
+            "this_invocation_s": round(time.monotonic() - started, 1), "ini": str(tuned)}
+
+
+def decode_test(moses: str, threads: int, tuned_ini: Path, test_src: Path, out: Path, n: int) -> float:
+    """Decode ``test_src`` into ``out`` → seconds it took (a finished decoding is kept, and its
+    time read back from ``out``.seconds)."""
+    seconds = out.with_suffix(".seconds")
+    if count_lines(out) == n:
+        return float(seconds.read_text()) if seconds.exists() else 0.0
+    tmp = out.with_name(out.name + ".tmp")
+    start = time.monotonic()
+    with open(test_src, "rb") as fin, open(tmp, "wb") as fout, open(out.with_suffix(".log"), "wb") as ferr:
+        r = subprocess.run([moses, "-f", str(tuned_ini), "-threads", str(threads)], stdin=fin, stdout=fout, stderr=ferr)
+    if r.returncode != 0 or count_lines(tmp) != n:
+        raise InputError(f"decoding {test_src} with {tuned_ini} failed: see {out.with_suffix('.log')}")
+    took = time.monotonic() - start
+    seconds.write_text(f"{took:.1f}\n")
+    tmp.replace(out)
+    return took
+
+
+@dataclass
+class System:
+    """A system of the experiment: its name, and the model of NLM0 (None: KENLM alone)."""
+
+    name: str
+    model: str | None
+
+
+def parse_models(values: list[str]) -> list[System]:
+    """``--model [NAME=]FILE`` → the systems: ``moses`` first, then one per model (named by
+    NAME or the file's stem); a name used twice, or ``moses``, is refused."""
+    systems = [System("moses", None)]
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep:
+            name, path = Path(value).stem, value
+        if not name or name in {s.name for s in systems} or "/" in name:
+            raise InputError(f"--model {value}: give each model a name of its own (NAME=FILE), not {name!r}")
+        if not Path(path).is_file():
+            raise InputError(f"--model {value}: no such file")
+        systems.append(System(name, path))
+    return systems
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--moses-root", required=True, type=Path,
+                   help="the Moses checkout the feature was built into (scripts/training/mert-moses.pl, mert/)")
+    p.add_argument("--moses", help="the moses binary (default: the one under --moses-root)")
+    p.add_argument("--mertdir", type=Path, help="extractor, mert, kbmira, pro, evaluator (default: found under "
+                                                "--moses-root's mert/bin)")
+    p.add_argument("--ini", required=True, type=Path, help="the system's moses.ini (KENLM alone; relative table "
+                                                           "paths are taken from its folder)")
+    p.add_argument("--kenlm", help="KenLM file put in place of LM_PATH in the ini, when it has one")
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", action="append", metavar="[NAME=]FILE",
+                       help="a model file: the system KENLM + NLM0 of it (repeat for more systems)")
+    model.add_argument("--train-text", nargs="+", metavar="TEXT",
+                       help="train the model first (`nlmserve train`, its recipe) on these texts")
+    p.add_argument("--valid-text", help="with --train-text: its validation text")
+    p.add_argument("--minutes", type=float, default=20.0, help="with --train-text: the training budget")
+    p.add_argument("--dev-src", required=True, type=Path)
+    p.add_argument("--dev-ref", required=True, type=Path)
+    p.add_argument("--dev-every", type=int, default=1, help="tune on every k-th dev sentence")
+    p.add_argument("--dev-lines", type=int, help="at most this many dev sentences")
+    p.add_argument("--test-src", required=True, type=Path)
+    p.add_argument("--test-ref", required=True, type=Path)
+    p.add_argument("--test-lines", type=int, help="only the first N test sentences")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1], help="one tuning of each system per seed")
+    p.add_argument("--tuner", choices=["mert", "mira"], default="mert")
+    p.add_argument("--max-iterations", type=int, default=25)
+    p.add_argument("--nbest", type=int, default=100)
+    p.add_argument("--threads", type=int, default=2, help="decoder threads")
+    p.add_argument("--nlm-weight", type=float, default=None,
+                   help="NLM0's starting weight (default: moses-ini's, a tenth of the ini's weights' L1 norm)")
+    p.add_argument("--serve-args", default="", help="extra arguments of nlmserve serve")
+    p.add_argument("--workdir", default="runs/moses-experiment", type=Path,
+                   help="outputs, reused on a rerun (default runs/moses-experiment)")
+
+
+def _train(args: argparse.Namespace, work: Path) -> str:
+    from ..common.serve_process import nlmserve_command
+
+    out = work / "nlm.model"
+    if out.exists():
+        return str(out)
+    cmd = [*nlmserve_command(), "train", "--train", *args.train_text, "--out", str(out),
+           "--max-minutes", str(args.minutes)]
+    if args.valid_text:
+        cmd += ["--valid", args.valid_text]
+    print(f"training: {' '.join(cmd)}", flush=True)
+    if subprocess.run(cmd).returncode != 0 or not out.exists():
+        raise InputError("nlmserve train failed (its messages are above)")
+    return str(out)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """The whole experiment → the result (also written to the workdir)."""
+    from ..common.serve_process import ServerProcess, start_server
+    from . import moses_ini
+    from .bleu import BleuConfig, corpus_bleu, paired_bootstrap, read_references
+
+    work: Path = args.workdir
+    work.mkdir(parents=True, exist_ok=True)
+    moses = args.moses or str(find_moses(args.moses_root))
+    systems = parse_models(args.model) if args.model else [System("moses", None), System("nlm", _train(args, work))]
+    facts = {s.name: moses_ini.facts_of_file(s.model) for s in systems if s.model is not None}
+    if args.nlm_weight is None:
+        args.nlm_weight = moses_ini.start_weight(moses_ini.tuneable_l1_norm(args.ini.read_text(encoding="utf-8"),
+                                                                            str(args.ini)))
+    mertdir = args.mertdir or find_mertdir(args.moses_root, work)
+    dev_src, dev_ref = work / "dev.src", work / "dev.ref"
+    n_dev = subset(args.dev_src, args.dev_every, args.dev_lines, dev_src)
+    if subset(args.dev_ref, args.dev_every, args.dev_lines, dev_ref) != n_dev:
+        raise InputError(f"{args.dev_src} and {args.dev_ref} hold different numbers of sentences")
+    test_src, test_ref = work / "test.src", work / "test.ref"
+    n_test = subset(args.test_src, 1, args.test_lines, test_src)
+    if subset(args.test_ref, 1, args.test_lines, test_ref) != n_test:
+        raise InputError(f"{args.test_src} and {args.test_ref} hold different numbers of sentences")
+
+    runs: dict[str, list[dict[str, Any]]] = {s.name: [] for s in systems}
+    lines: dict[str, str] = {}
+    for system in systems:
+        server: ServerProcess | None = None
+        try:
+            feature = None
+            if system.model is not None:
+                server = start_server(Path(system.model), args.serve_args.split())
+                feature = moses_ini.feature_line(facts[system.name], server.target)
+                lines[system.name] = moses_ini.feature_line(facts[system.name], moses_ini.DEFAULT_PATH)
+            for seed in args.seeds:
+                base = work / system.name / f"seed{seed}"
+                base.mkdir(parents=True, exist_ok=True)
+                record = tune(args, feature, moses, seed, mertdir, dev_src, dev_ref, base, system.name)
+                tuned = Path(record["ini"])
+                if feature is not None:  # the server's port may differ from the tuning's
+                    tuned_now = base / "tuned.ini"
+                    tuned_now.write_text(moses_ini.with_server(tuned.read_text(encoding="utf-8"), server.target
+                                                               if server else moses_ini.DEFAULT_PATH))
+                    tuned = tuned_now
+                record["test_decode_s"] = round(decode_test(moses, args.threads, tuned, test_src, base / "test.out",
+                                                            n_test), 1)
+                record["seed"] = seed
+                record["output"] = str(base / "test.out")
+                runs[system.name].append(record)
+        finally:
+            if server is not None:
+                server.stop()
+
+    refs = read_references([str(test_ref)])
+    config = BleuConfig()
+    outputs = {r["output"]: Path(r["output"]).read_text(encoding="utf-8").splitlines()
+               for rs in runs.values() for r in rs}
+    rows: list[dict[str, Any]] = []
+    for system in systems:
+        scores, sig = [], ""
+        for r in runs[system.name]:
+            score, sig = corpus_bleu(outputs[r["output"]], refs, config)
+            r["bleu"] = round(score.score, 2)
+            scores.append(score.score)
+        row: dict[str, Any] = {"system": system.name, "model": system.model, "line": lines.get(system.name),
+                               "bleu": [round(x, 2) for x in scores], "mean": round(statistics.mean(scores), 2),
+                               "sd": round(statistics.stdev(scores), 2) if len(scores) > 1 else None,
+                               "signature": sig, "runs": runs[system.name]}
+        if rows:  # against KENLM alone, run r against run r (the same seed)
+            joined = [line for r in runs[system.name] for line in outputs[r["output"]]]
+            baseline = [line for r in runs["moses"] for line in outputs[r["output"]]]
+            paired = paired_bootstrap(baseline, joined, [list(col) * len(args.seeds) for col in refs], config)
+            row["delta"] = round(row["mean"] - rows[0]["mean"], 2)
+            row["p"] = paired.p_value
+        rows.append(row)
+    result = {"dev_lines": n_dev, "test_lines": n_test, "tuner": args.tuner, "seeds": args.seeds,
+              "max_iterations": args.max_iterations, "rows": rows, "command": " ".join(sys.argv)}
+    tmp = work / "results.json.tmp"
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(work / "results.json")
+    (work / "results.md").write_text(render(result) + "\n", encoding="utf-8")
+    return result
+
+
+def render(result: dict[str, Any]) -> str:
+    """The table of a result: one row per system."""
+    out = [f"{result['tuner'].upper()} inside Moses (mert-moses.pl, at most {result['max_iterations']} iterations) on "
+           f"{result['dev_lines']} dev sentences, {result['test_lines']} test sentences decoded with each tuned "
+           f"moses.ini; seeds {', '.join(map(str, result['seeds']))}. Δ and p (paired bootstrap) against `moses`.", "",
+           "| system | test BLEU per seed | mean | Δ, p | iterations | tuning s | test decoding s |",
+           "|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        sd = "" if r["sd"] is None else f" ± {r['sd']:.2f}"
+        delta = f"{r['delta']:+.2f}, p {r['p']:.3f}" if "delta" in r else ""
+        runs = r["runs"]
+        out.append(f"| {r['system']} | {', '.join(f'{b:.2f}' for b in r['bleu'])} | {r['mean']:.2f}{sd} | {delta} | "
+                   f"{', '.join(str(x['iterations']) for x in runs)} | "
+                   f"{', '.join(str(x['tuning_wall_s']) for x in runs)} | "
+                   f"{', '.join(str(x['test_decode_s']) for x in runs)} |")
+    out += ["", f"BLEU: `{result['rows'][0]['signature']}`."]
+    out += [f"`{r['system']}`: `{r['line']}`" for r in result["rows"] if r.get("line")]
+    return "\n".join(out)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    result = run(args)
+    print(render(result))
+    print(f"wrote {args.workdir / 'results.md'} and {args.workdir / 'results.json'}")
+    return 0
