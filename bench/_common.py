@@ -151,16 +151,19 @@ def markers(script: str, section: str | None = None, room: str = "bench") -> tup
 
 def shown_command(command: str) -> str:
     """A recorded command line as a page prints it: a path inside this checkout relative to
-    it, one beside it (``/work/shared/data/...``) as ``../shared/data/...``, any other absolute
+    it, one in a ``shared`` folder (``/work/shared/data/...``, wherever the checkout that ran it
+    stood) as ``../shared/data/...``, any other absolute
     path (a scratch folder, a build elsewhere) by its file name, as the scripts' usage lines
     name them; a script of bench/ or experiments/ as the command that runs it (``python -m
     bench.NAME``). The JSON keeps the command as it ran."""
 
     def short(m: re.Match[str]) -> str:
         path = Path(m.group(0))
-        for base, prefix in ((_REPO, ""), (_REPO.parent, "../")):
-            if path.is_relative_to(base) and path != base:
-                return prefix + path.relative_to(base).as_posix()
+        if path.is_relative_to(_REPO) and path != _REPO:
+            return path.relative_to(_REPO).as_posix()
+        if "shared" in path.parts[:-1]:  # wherever the checkout that ran it stood
+            at = len(path.parts) - 1 - path.parts[::-1].index("shared")
+            return "../" + Path(*path.parts[at:]).as_posix()
         return path.name or m.group(0)
 
     return _SCRIPT.sub(r"python -m \1.\2", _ABSOLUTE.sub(short, command))

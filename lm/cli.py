@@ -384,8 +384,11 @@ def _info(args: argparse.Namespace) -> int:
     from .model_file import read_model_file, read_model_header
     from .tables_file import MAGIC, describe_tables_file
 
-    with open(args.model, "rb") as f:
-        is_tables = f.read(len(MAGIC)) == MAGIC
+    try:
+        with open(args.model, "rb") as f:
+            is_tables = f.read(len(MAGIC)) == MAGIC
+    except OSError:
+        is_tables = False  # the model file reader says what is wrong with it
     if is_tables:
         tables = describe_tables_file(args.model, verify=args.verify)
         print(json.dumps(tables, sort_keys=True) if args.json else "\n".join(f"{k}\t{v}" for k, v in tables.items()))
