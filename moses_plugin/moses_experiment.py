@@ -209,6 +209,17 @@ def parse_models(values: list[str]) -> list[System]:
     return systems
 
 
+def add_set_arguments(p: argparse.ArgumentParser, dev_every: int = 1) -> None:
+    """The tuning and test sets' flags (for :func:`subset`)."""
+    p.add_argument("--dev-src", required=True, type=Path)
+    p.add_argument("--dev-ref", required=True, type=Path)
+    p.add_argument("--dev-every", type=int, default=dev_every, help="tune on every k-th dev sentence")
+    p.add_argument("--dev-lines", type=int, help="at most this many dev sentences")
+    p.add_argument("--test-src", required=True, type=Path)
+    p.add_argument("--test-ref", required=True, type=Path)
+    p.add_argument("--test-lines", type=int, help="only the first N test sentences")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moses-root", required=True, type=Path,
                    help="the Moses checkout the feature was built into (scripts/training/mert-moses.pl, mert/)")
@@ -225,13 +236,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help="train the model first (`nlmserve train`, its recipe) on these texts")
     p.add_argument("--valid-text", help="with --train-text: its validation text")
     p.add_argument("--minutes", type=float, default=20.0, help="with --train-text: the training budget")
-    p.add_argument("--dev-src", required=True, type=Path)
-    p.add_argument("--dev-ref", required=True, type=Path)
-    p.add_argument("--dev-every", type=int, default=1, help="tune on every k-th dev sentence")
-    p.add_argument("--dev-lines", type=int, help="at most this many dev sentences")
-    p.add_argument("--test-src", required=True, type=Path)
-    p.add_argument("--test-ref", required=True, type=Path)
-    p.add_argument("--test-lines", type=int, help="only the first N test sentences")
+    add_set_arguments(p)
     p.add_argument("--seeds", type=int, nargs="+", default=[1], help="one tuning of each system per seed")
     p.add_argument("--tuner", choices=["mert", "mira"], default="mert")
     p.add_argument("--max-iterations", type=int, default=25)
