@@ -1,7 +1,7 @@
 """The seam between lm/ and server/: what the server needs of a loaded model.
 
 ``nlmserve.lm.scoring.LanguageModel`` is the model that satisfies it; the server's engine
-and caches are typed with :class:`ScoringModel` only, so a test can hand them any object
+is typed with :class:`ScoringModel` only, so a test can hand it any object
 with these members. docs/architecture.md describes each piece.
 """
 
@@ -20,9 +20,21 @@ if TYPE_CHECKING:
     from .scoring import ScoringTables
 
 
+class RowScorer(Protocol):
+    """Scores canonical rows with caches of its own (``nlmserve.lm.cache.Scorer``)."""
+
+    def score(self, ids: np.ndarray, normalized: np.ndarray) -> np.ndarray:
+        """ids (N, order) canonical rows, normalized (N,) bool per row → ln scores (N,) float32."""
+        ...
+
+    def stats(self) -> dict[str, tuple[int, int, int]]:
+        """cache name → (hits, misses, entries)."""
+        ...
+
+
 class ScoringModel(Protocol):
-    """A model the server can serve: its description, batch scoring, and the pieces of the
-    per-context normaliser cache (natural log throughout; ids are canonical rows of
+    """A model the server can serve: its description, scoring (batch, and through caches)
+    and its scoring tables (natural log throughout; ids are canonical rows of
     ``nlmserve.lm.ngrams`` where the docstring says so)."""
 
     # ------------------------------------------------------------------ description
@@ -53,35 +65,9 @@ class ScoringModel(Protocol):
         """log P(last | rest) of (N, n) id rows, validated → float32 (N,)."""
         ...
 
-    def score_prepared(self, ctx: np.ndarray, target: np.ndarray, normalized: np.ndarray) -> np.ndarray:
-        """ln scores of canonical rows split as ctx (N, order-1) and target (N,); ``normalized``
-        (N,) bool per row (False: the unnormalised score). No validation."""
-        ...
-
-    # ------------------------------------------------------------------ cache pieces (torch, on device)
-    def prepare_contexts(self, ids: npt.ArrayLike | Tensor) -> tuple[Tensor, Tensor]:
-        """(N, n) ids → (ctx LongTensor (N, order-1), target LongTensor (N,)), canonical."""
-        ...
-
-    def encode_contexts(self, ctx: Tensor) -> Tensor:
-        """ctx (N, order-1) → r (N, E), the context vectors. The pieces below take r and,
-        beside it, the same rows' context ids (read by direct n-gram features only)."""
-        ...
-
-    def class_log_normalizer(self, r: Tensor, ctx: Tensor | None = None) -> Tensor:
-        """(N,) log Σ_c exp s_c(h); zeros without classes."""
-        ...
-
-    def in_class_log_normalizer(self, r: Tensor, cls: Tensor, ctx: Tensor | None = None) -> Tensor:
-        """(N,) log Σ_{w ∈ cls} exp s_w(h); the output's whole normaliser without classes."""
-        ...
-
-    def raw_score(self, r: Tensor, target: Tensor, ctx: Tensor | None = None) -> Tensor:
-        """(N,) unnormalised score: log p = raw - class_lognorm - in_class_lognorm."""
-        ...
-
-    def word_classes(self, target: Tensor) -> Tensor:
-        """(N,) class of each target (zeros without classes)."""
+    def cached_scorer(self, ngram_cache_size: int, context_cache_size: int) -> RowScorer:
+        """A scorer of canonical rows with an n-gram cache and the per-context normaliser
+        cache of these sizes (0: none), for one batching thread (``nlmserve.lm.cache``)."""
         ...
 
     def scoring_tables(self) -> ScoringTables:

@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -35,6 +35,9 @@ from .trees import TreePaths
 from .vocab import Vocabulary
 from ..common.errors import UnsupportedModelError
 from ..common.logbase import ln_to_log10
+
+if TYPE_CHECKING:
+    from .cache import Scorer
 
 log = logging.getLogger(__name__)
 
@@ -254,6 +257,13 @@ class LanguageModel:
         tree. log p = raw - class_log_normalizer - in_class_log_normalizer."""
         with torch.inference_mode():
             return self.net.output.score(r, target, ctx)
+
+    def cached_scorer(self, ngram_cache_size: int, context_cache_size: int) -> "Scorer":
+        """A scorer of canonical rows through an n-gram cache and the per-context normaliser
+        cache of these sizes (0: none), for one thread (``nlmserve.lm.cache``)."""
+        from .cache import Scorer
+
+        return Scorer(self, ngram_cache_size, context_cache_size)
 
     def scoring_tables_missing(self) -> str | None:
         """Why :meth:`scoring_tables` cannot describe this model (None: it can): one that is

@@ -37,10 +37,9 @@ import torch
 from ..common.errors import (EngineStoppedError, ModelFileError, OverloadedError, RequestExpiredError,
                              UnsupportedModelError)
 from ..lm.ngrams import BOS_ID, EOS_ID, canonical_rows, check_sentences, sentence_windows
-from ..lm.protocol import ScoringModel
+from ..lm.protocol import RowScorer, ScoringModel
 from ..lm.tables_file import FlatTables
 from ..common.logbase import ln_to_log10
-from .cache import Scorer
 from .config import ServerConfig
 from .files import check_model_file
 from .metrics import ServerMetrics
@@ -96,12 +95,25 @@ def load_model(config: ServerConfig, path: str | None = None) -> ScoringModel:
     return lm
 
 
+def export_cache_stats(metrics: ServerMetrics, state: "ModelState") -> None:
+    """``state``'s cache counts into ``metrics``: the counters by what is new since the last
+    export (they only go up), the entries as they are."""
+    for name, (hits, misses, entries) in state.scorer.stats().items():
+        last_h, last_m = state.exported.get(name, (0, 0))
+        if hits > last_h:
+            metrics.cache_hits.labels(cache=name).inc(hits - last_h)
+        if misses > last_m:
+            metrics.cache_misses.labels(cache=name).inc(misses - last_m)
+        state.exported[name] = (hits, misses)
+        metrics.cache_entries.labels(cache=name).set(entries)
+
+
 class ModelState:
     """One served model and what serving it needs: a scorer with caches of its own, and its
     word index. Every queued part is pinned to the state it was submitted against, so a
     batch is always scored by one model and a reload never changes a request half-way."""
 
-    def __init__(self, lm: ScoringModel, config: ServerConfig, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, lm: ScoringModel, config: ServerConfig) -> None:
         self.lm = lm
         self.model_hash = lm.model_hash
         self.order = lm.order
@@ -110,7 +122,8 @@ class ModelState:
         self.lowercase = lm.lowercase
         self.words = lm.vocab.words
         self.index: dict[str, int] = {w: i for i, w in enumerate(self.words)}
-        self.scorer = Scorer(lm, config.ngram_cache_size, config.context_cache_size, metrics)
+        self.scorer: RowScorer = lm.cached_scorer(config.ngram_cache_size, config.context_cache_size)
+        self.exported: dict[str, tuple[int, int]] = {}  # the caches' counts last sent to the metrics
         self._tables: FlatTables | str | None = None  # the tables, or why there are none
         self._tables_lock = threading.Lock()
 
@@ -136,7 +149,7 @@ class Engine:
     def __init__(self, lm: ScoringModel, config: ServerConfig, metrics: ServerMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics
-        self._state = ModelState(lm, config, metrics)
+        self._state = ModelState(lm, config)
         self._cond = threading.Condition()
         self._queue: collections.deque[_Part] = collections.deque()  # large requests' parts
         self._small: collections.deque[_Part] = collections.deque()  # requests <= priority_ngrams
@@ -174,16 +187,16 @@ class Engine:
         return self._state.self_normalized
 
     @property
-    def scorer(self) -> Scorer:
+    def scorer(self) -> RowScorer:
         return self._state.scorer
 
     @scorer.setter
-    def scorer(self, scorer: Scorer) -> None:
+    def scorer(self, scorer: RowScorer) -> None:
         self._state.scorer = scorer
 
     def attach_metrics(self, metrics: ServerMetrics) -> None:
         """Report to ``metrics`` from now on (and publish the model-info gauge there)."""
-        self.metrics = self._state.scorer.metrics = metrics
+        self.metrics = metrics
         self._publish_model(metrics, self._state)
 
     def _publish_model(self, metrics: ServerMetrics, state: ModelState) -> None:
@@ -213,7 +226,7 @@ class Engine:
             values = np.asarray(lm.score_ngrams(probe))
         if values.shape != (4,) or not np.isfinite(values).all():
             raise ModelFileError(f"the model scores non-finite values on a probe: {values.tolist()}")
-        return ModelState(lm, self.config, self.metrics)
+        return ModelState(lm, self.config)
 
     def swap(self, state: ModelState) -> None:
         """Serve ``state`` from now on: parts submitted later use it (with its empty caches);
@@ -286,6 +299,7 @@ class Engine:
                 m.inference_time.observe(time.perf_counter() - t0)
                 m.ngrams_scored.inc(n)
                 m.queue_delay.observe(0.0)
+                export_cache_stats(m, state)
             if log10:
                 ln_to_log10(scores)
             return scores
@@ -485,6 +499,7 @@ class Engine:
             m.ngrams_scored.inc(ids.shape[0])
             for part in live:
                 m.queue_delay.observe(now - part.enqueued)
+            export_cache_stats(m, live[0].state)
         start = 0
         for part in live:
             n = part.ids.shape[0]

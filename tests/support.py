@@ -175,6 +175,9 @@ class GatedScorer:
         self.rows_scored += len(ids)
         return self.scorer.score(ids, normalized)  # type: ignore[no-any-return]
 
+    def stats(self) -> dict[str, tuple[int, int, int]]:
+        return self.scorer.stats()  # type: ignore[no-any-return]
+
 
 # A bigram ARPA file small enough to work out by hand (tests of the KenLM paths).
 TINY_ARPA = """\\data\\

@@ -270,7 +270,7 @@ def test_trained_model_file_round_trip_and_normalisation(feature_model_path: Pat
 
 def test_server_pieces_and_cached_scorer_with_features(feature_model_path: Path) -> None:
     from nlmserve.lm.scoring import LanguageModel
-    from nlmserve.server.cache import Scorer
+    from nlmserve.lm.cache import Scorer
 
     lm = LanguageModel.load(feature_model_path, device="cpu")
     rng = np.random.default_rng(1)

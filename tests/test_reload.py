@@ -300,6 +300,9 @@ class GatedScorer:
         assert self.gate.wait(30)
         return self.inner.score(ids, normalized)
 
+    def stats(self) -> dict[str, tuple[int, int, int]]:
+        return self.inner.stats()  # type: ignore[no-any-return]
+
 
 def test_parts_queued_before_a_swap_keep_their_model_and_no_batch_mixes_models(
         tiny_lm: Any, models: dict[str, Any], requests: list[np.ndarray]) -> None:

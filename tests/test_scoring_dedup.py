@@ -26,7 +26,7 @@ from nlmserve.lm.model import ModelConfig, NeuralLM
 from nlmserve.lm.ngrams import BOS_ID, canonical_rows
 from nlmserve.lm.scoring import TINY_ROWS, LanguageModel
 from nlmserve.lm.trees import huffman_tree
-from nlmserve.server.cache import Scorer
+from nlmserve.lm.cache import Scorer
 
 TOL = 1e-5
 

@@ -1,4 +1,6 @@
-"""LRU caches and the scorer that uses them.
+"""The per-context normaliser cache beside the scoring it caches: LRU caches and the scorer
+that uses them (``LanguageModel.cached_scorer``; the server's engine scores every batch
+through one).
 
 Two caches, both touched only by the engine's single batching thread (no locks):
 
@@ -21,14 +23,15 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Generic, Hashable, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Hashable, TypeVar
 
 import numpy as np
 import torch
 
-from ..lm.dedup import plan_batch
-from ..lm.protocol import ScoringModel
-from .metrics import ServerMetrics
+from .dedup import plan_batch
+
+if TYPE_CHECKING:
+    from .scoring import LanguageModel
 
 log = logging.getLogger(__name__)
 
@@ -90,17 +93,14 @@ def row_keys(ids: np.ndarray) -> list[bytes]:
 class Scorer:
     """Scores normalised n-gram rows (N, order) with both caches; natural log, float32."""
 
-    def __init__(self, lm: ScoringModel, ngram_cache_size: int, context_cache_size: int,
-                 metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, lm: LanguageModel, ngram_cache_size: int, context_cache_size: int) -> None:
         self.lm = lm
-        self.metrics = metrics
         self.ngram_cache: dict[bool, LRUCache[bytes, float]] = {
             True: LRUCache(ngram_cache_size), False: LRUCache(ngram_cache_size)
         }
         self.context_cache: LRUCache[bytes, ContextEntry] = LRUCache(context_cache_size)
         self.in_class_hits = 0
         self.in_class_misses = 0
-        self._exported: dict[str, tuple[int, int]] = {}
 
     # -------------------------------------------------------------- public
     def score(self, ids: np.ndarray, normalized: np.ndarray) -> np.ndarray:
@@ -131,7 +131,6 @@ class Scorer:
                 norms = sub_norm.tolist()
                 for j, i in enumerate(todo.tolist()):
                     self.ngram_cache[norms[j]].put(keys[i], float(scores[j]))
-        self._export()
         return out
 
     def stats(self) -> dict[str, tuple[int, int, int]]:
@@ -214,17 +213,3 @@ class Scorer:
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.lm.device)
-
-    def _export(self) -> None:
-        m = self.metrics
-        if m is None:
-            return
-        for name, (hits, misses, entries) in self.stats().items():
-            # Counters only go up: add what is new since the last export.
-            last_h, last_m = self._exported.get(name, (0, 0))
-            if hits > last_h:
-                m.cache_hits.labels(cache=name).inc(hits - last_h)
-            if misses > last_m:
-                m.cache_misses.labels(cache=name).inc(misses - last_m)
-            self._exported[name] = (hits, misses)
-            m.cache_entries.labels(cache=name).set(entries)
