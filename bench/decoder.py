@@ -466,14 +466,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--render", type=Path, metavar="JSON",
                    help="only write the section of --doc from a JSON file of an earlier run")
-    p.add_argument("--doc", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "performance.md",
+    p.add_argument("--doc", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "performance-decoder.md",
                    help="page whose bench/decoder.py section --render replaces")
     p.add_argument("--section", help="name of this run's section in --doc (its markers are "
                                      "'<!-- bench/decoder.py NAME: begin -->' and '... end -->'; default: the main "
                                      "table); with --render, the section to write the JSON's run into")
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--render", type=Path)
-    pre.add_argument("--doc", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "performance.md")
+    pre.add_argument("--doc", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "performance-decoder.md")
     pre.add_argument("--section")
     only, _ = pre.parse_known_args(argv)
     if only.render is not None:  # no decoding: the section of --doc from an earlier run's JSON

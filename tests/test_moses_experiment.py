@@ -1,7 +1,7 @@
 """``nlmserve moses-experiment`` without a Moses build: the systems it makes of ``--model``,
 mert-moses.pl's working folder (which tuner, continue or start again) driven through a
 stand-in script that records how it was called, the moses.ini each system starts from, and
-the table of a hand-made result. The whole path with a real Moses is in docs/performance.md."""
+the table of a hand-made result. The whole path with a real Moses is in docs/performance-decoder.md."""
 
 from __future__ import annotations
 
@@ -119,11 +119,11 @@ def test_the_command_is_installed_and_refuses_a_missing_moses(tmp_path: Path,
 
 
 def test_the_page_holds_the_recorded_run() -> None:
-    """docs/performance.md's table of the run on the shipped system is what render gives of
+    """docs/performance-decoder.md's table of the run on the shipped system is what render gives of
     bench/results/moses-experiment.json."""
     import json
 
     from support import REPO
 
     result = json.loads((REPO / "bench" / "results" / "moses-experiment.json").read_text(encoding="utf-8"))
-    assert moses_experiment.render(result) in (REPO / "docs" / "performance.md").read_text(encoding="utf-8")
+    assert moses_experiment.render(result) in (REPO / "docs" / "performance-decoder.md").read_text(encoding="utf-8")
