@@ -56,10 +56,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import _common  # noqa: E402
-from bench._common import machine, tree_cpu_seconds, write_json  # noqa: E402
+from bench import _common
+from bench._common import machine, tree_cpu_seconds, write_json
 
-from nlmserve.common.serve_process import ServerProcess, start_server  # noqa: E402
+from nlmserve.common.serve_process import ServerProcess, start_server
 from nlmserve.moses_plugin.moses_ini import rewrite_ini, weight_line  # noqa: F401  (the ini rules' owner)
 
 #: Configurations measured by default: name, then the feature's options (None: KENLM alone).

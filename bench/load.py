@@ -40,9 +40,9 @@ from typing import Any
 
 import numpy as np
 
-from bench._common import machine  # noqa: E402
+from bench._common import machine
 
-from nlmserve.common.serve_process import start_server  # noqa: E402
+from nlmserve.common.serve_process import start_server
 
 log = logging.getLogger("bench.load")
 

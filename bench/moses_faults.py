@@ -41,10 +41,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench._common import machine, markers, require_scoring_tables, shown_command, write_json, write_section  # noqa: E402
-from bench.decoder import commit, feature_line, rewrite_ini, write_head  # noqa: E402
+from bench._common import machine, markers, require_scoring_tables, shown_command, write_json, write_section
+from bench.decoder import commit, feature_line, rewrite_ini, write_head
 
-from nlmserve.common.serve_process import ServerProcess, start_server  # noqa: E402
+from nlmserve.common.serve_process import ServerProcess, start_server
 
 #: name -> (the feature's options besides normalized=false, whether the server comes back)
 CASES: dict[str, tuple[dict[str, str], bool]] = {

@@ -46,8 +46,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench._common import machine, markers, shown_command, train_seconds, write_json, write_section  # noqa: E402
-from bench.targets import DEV, TRAIN, head_lines, map_rare  # noqa: E402
+from bench._common import machine, markers, shown_command, train_seconds, write_json, write_section
+from bench.targets import DEV, TRAIN, head_lines, map_rare
 
 log = logging.getLogger("bench.oxlm")
 

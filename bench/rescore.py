@@ -34,7 +34,7 @@ from nlmserve.moses_plugin.nbest import iter_entries
 from nlmserve.moses_plugin.rescore import RescoreConfig, rescore
 from nlmserve.common.serve_process import start_server
 
-from bench._common import machine  # noqa: E402
+from bench._common import machine
 
 REPO = Path(__file__).resolve().parent.parent
 NEWS = REPO / "data" / "nbest" / "newstest-fr-en"

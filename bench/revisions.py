@@ -47,13 +47,12 @@ import statistics
 import subprocess
 import sys
 import tarfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import _common  # noqa: E402
-from bench._common import machine, random_class_model, tree_cpu_seconds, write_json, write_section  # noqa: E402
+from bench import _common
+from bench._common import machine, random_class_model, tree_cpu_seconds, write_json, write_section
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "data" / "lm"

@@ -50,7 +50,7 @@ import torch
 
 from nlmserve.lm.scoring import LanguageModel
 
-from bench._common import machine, random_class_model, tree_cpu_seconds  # noqa: E402
+from bench._common import machine, random_class_model, tree_cpu_seconds
 
 log = logging.getLogger("bench.serve")
 

@@ -56,8 +56,8 @@ from typing import Any, AsyncIterator
 
 import numpy as np
 
-from bench._common import machine, shown_command, write_json, write_section  # noqa: E402
-from bench.load import DEV_TXT, train_small_model  # noqa: E402
+from bench._common import machine, shown_command, write_json, write_section
+from bench.load import DEV_TXT, train_small_model
 
 log = logging.getLogger("bench.soak")
 

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench._common import machine, markers, shown_command, write_json, write_section  # noqa: E402
+from bench._common import machine, markers, shown_command, write_json, write_section
 
 log = logging.getLogger("bench.targets")
 

@@ -31,11 +31,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench._common import train_seconds  # noqa: E402
+from bench._common import train_seconds
 
-from nlmserve.lm.evaluate import evaluate  # noqa: E402
-from nlmserve.lm.scoring import LanguageModel  # noqa: E402
-from nlmserve.lm.train import TrainConfig, model_config, prepare_data, train  # noqa: E402
+from nlmserve.lm.evaluate import evaluate
+from nlmserve.lm.scoring import LanguageModel
+from nlmserve.lm.train import TrainConfig, model_config, prepare_data, train
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "data" / "lm" / "europarl.train.50k.lc-moses.en.xz"

@@ -35,9 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from bench import _common  # noqa: E402
+from bench import _common
 
-from nlmserve.lm.ngrams import BOS_ID, no_word_id  # noqa: E402
+from nlmserve.lm.ngrams import BOS_ID, no_word_id
 
 REPO = Path(__file__).resolve().parent.parent
 RULES = ("<s>", "no-word")

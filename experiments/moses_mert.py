@@ -46,17 +46,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import _common  # noqa: E402
-from bench._common import machine, write_json  # noqa: E402
-from bench.decoder import feature_line  # noqa: E402
+from bench import _common
+from bench._common import machine, write_json
+from bench.decoder import feature_line
 
-from nlmserve.moses_plugin import moses_experiment  # noqa: E402
-from nlmserve.moses_plugin.moses_experiment import count_lines, find_mertdir, subset  # noqa: E402
-from nlmserve.moses_plugin.bleu import BleuConfig, corpus_bleu, paired_bootstrap, read_references  # noqa: E402
-from nlmserve.common.serve_process import ServerProcess, start_server  # noqa: E402
-from nlmserve.moses_plugin.rerank import search_check  # noqa: E402
-from nlmserve.moses_plugin.moses_ini import with_server  # noqa: E402
-from nlmserve.moses_plugin.weights import load_weights  # noqa: E402
+from nlmserve.moses_plugin import moses_experiment
+from nlmserve.moses_plugin.moses_experiment import count_lines, find_mertdir, subset
+from nlmserve.moses_plugin.bleu import BleuConfig, corpus_bleu, paired_bootstrap, read_references
+from nlmserve.common.serve_process import ServerProcess, start_server
+from nlmserve.moses_plugin.rerank import search_check
+from nlmserve.moses_plugin.moses_ini import with_server
+from nlmserve.moses_plugin.weights import load_weights
 
 @dataclass
 class System:

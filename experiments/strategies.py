@@ -43,7 +43,7 @@ from nlmserve.lm.scoring import LanguageModel
 from nlmserve.lm.train import TrainConfig, train
 from nlmserve.common.perplexity import from_log10
 
-from bench._common import machine, train_seconds  # noqa: E402
+from bench._common import machine, train_seconds
 
 log = logging.getLogger("experiments.strategies")
 REPO = Path(__file__).resolve().parent.parent

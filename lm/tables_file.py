@@ -101,7 +101,7 @@ def write_tables_file(path: str | Path, tables: FlatTables, *, order: int, vocab
     with open(tmp, "wb") as f:
         f.write(head)
         f.write(b"\0" * (DATA_OFFSET - len(head)))
-        f.write(data.tobytes())
+        data.tofile(f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

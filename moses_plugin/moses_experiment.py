@@ -304,10 +304,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 base.mkdir(parents=True, exist_ok=True)
                 record = tune(args, feature, moses, seed, mertdir, dev_src, dev_ref, base, system.name)
                 tuned = Path(record["ini"])
-                if feature is not None:  # the server's port may differ from the tuning's
+                if server is not None:  # the server's port may differ from the tuning's
                     tuned_now = base / "tuned.ini"
-                    tuned_now.write_text(moses_ini.with_server(tuned.read_text(encoding="utf-8"), server.target
-                                                               if server else moses_ini.DEFAULT_PATH))
+                    tuned_now.write_text(moses_ini.with_server(tuned.read_text(encoding="utf-8"), server.target))
                     tuned = tuned_now
                 record["test_decode_s"] = round(decode_test(moses, args.threads, tuned, test_src, base / "test.out",
                                                             n_test), 1)

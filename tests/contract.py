@@ -4,7 +4,6 @@ with ``#`` are comments (proto/contract/README.md)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from support import REPO
 

@@ -13,7 +13,7 @@ import pytest
 
 from support import REPO, golden_model
 
-from bench import decoder  # noqa: E402
+from bench import decoder
 
 SHARED_INI = REPO.parent / "shared" / "data" / "moses-fr-en" / "moses.ini"
 

@@ -5,14 +5,12 @@ renders. (Killing a server under a real decoder needs a Moses build: experiments
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from support import REPO
 
-from bench import moses_faults  # noqa: E402
+from bench import moses_faults
 
 # Lines of a real decoder's stderr (the shipped French-English system, the server killed under
 # it), long addresses kept as they were.

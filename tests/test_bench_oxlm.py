@@ -13,9 +13,8 @@ from typing import Any
 
 import pytest
 
-from support import REPO
 
-from bench import oxlm  # noqa: E402
+from bench import oxlm
 
 # train_factored_sgd's stdout, 5 minibatches at the default settings (first 200,000 Europarl
 # lines, singletons as <unk>).

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 from support import REPO
 
-from bench import revisions  # noqa: E402
-from bench._common import random_class_model  # noqa: E402
+from bench import revisions
+from bench._common import random_class_model
 
 
 def test_same_when_the_means_differ_by_less_than_the_larger_range() -> None:

@@ -6,12 +6,11 @@ from __future__ import annotations
 import copy
 import json
 import stat
-import sys
 from pathlib import Path
 
 from support import REPO
 
-from bench import soak  # noqa: E402
+from bench import soak
 
 
 def test_the_faults_files(tmp_path: Path) -> None:

@@ -9,9 +9,8 @@ import json
 import sys
 from pathlib import Path
 
-from support import REPO
 
-from bench import targets  # noqa: E402
+from bench import targets
 
 FULL, OXLM = targets.TARGETS[1], targets.TARGETS[2]
 

@@ -5,7 +5,6 @@ server exports."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import shutil

@@ -20,7 +20,6 @@ import zipfile
 from pathlib import Path
 from types import ModuleType
 
-import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 

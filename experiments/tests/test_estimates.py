@@ -4,15 +4,14 @@ on the fixed-weight golden model (tests/test_golden_model.py), by hand."""
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from support import REPO, TINY_ARPA, golden_model
+from support import TINY_ARPA, golden_model
 
-from experiments import estimates  # noqa: E402
+from experiments import estimates
 
 
 def test_phrase_rows_by_hand() -> None:

@@ -3,14 +3,13 @@ as placeholders, weights as tuned) and the results section it renders."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-from support import REPO, golden_model
+from support import golden_model
 
-from experiments import moses_mert  # noqa: E402
+from experiments import moses_mert
 
 TUNED = """[feature]
 PhraseDictionaryMemory name=TranslationModel0 num-features=4 path={system}/phrase-table.gz input-factor=0 output-factor=0
