@@ -222,9 +222,18 @@ class Distributed:
         if self.enabled:
             torch.distributed.barrier()
 
-    def close(self) -> None:
-        if self.enabled and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    def close(self, *, together: bool = True) -> None:
+        """Leave the process group. ``together`` (a run that ended normally): every rank
+        first waits for the others at a barrier, so that no rank tears down its side of
+        the group (gloo's connections, DDP's reducer) while another still writes or
+        gathers; a rank leaving early could abort at exit. After an error the rank leaves
+        at once (the others fail on their next collective)."""
+        if not (self.enabled and torch.distributed.is_initialized()):
+            return
+        if together:
+            torch.distributed.barrier()
+        self.ddp = None  # DDP's reducer goes before the group it uses
+        torch.distributed.destroy_process_group()
 
 
 def state_digest(state: dict[str, Tensor]) -> str:

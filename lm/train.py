@@ -815,12 +815,15 @@ def train(cfg: TrainConfig, *, _interrupt_after_step: int | None = None) -> Trai
     checkpoint).
     """
     trainer = _Trainer(cfg, _interrupt_after_step)
+    ended = False
     try:
-        return _run(trainer)
+        result = _run(trainer)
+        ended = True
+        return result
     finally:
         if trainer.pool is not None:
             trainer.pool.close()
-        trainer.dist.close()
+        trainer.dist.close(together=ended)
 
 
 def _run(trainer: _Trainer) -> TrainResult:
