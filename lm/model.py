@@ -148,6 +148,17 @@ _LATER_FIELDS = ("tree_nodes", "tree_method", "band_sizes", "band_dims", "ngram_
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 
 
+def activate(r: Tensor, activation: str) -> Tensor:
+    """The context vector's nonlinearity (``ModelConfig.activation``: tanh, relu or
+    none), the one every encoder applies (the network, the CPU inference tables, the
+    scoring tables' reference)."""
+    if activation == "tanh":
+        return torch.tanh(r)
+    if activation == "relu":
+        return torch.relu(r)
+    return r
+
+
 def make_output(config: ModelConfig, word_class: np.ndarray | None = None, tree: Tree | None = None) -> OutputLayer:
     """The output layer of ``config`` (``word_class`` (V,) for the class output, ``tree`` for the tree)."""
     V, E = config.vocab_size, config.out_dim
@@ -229,8 +240,15 @@ class NeuralLM(nn.Module):
 
     # ------------------------------------------------------------------ context
     def encode(self, ctx: Tensor) -> Tensor:
-        """ctx (N, order-1) word ids, oldest first → r (N, E). The id vocab_size (a word
-        that is not known, ``nlmserve.lm.ngrams``) adds nothing; training data never has it."""
+        """ctx (N, order-1) word ids, oldest first → r (N, E): ``finish(context_sum(ctx))``.
+        The id vocab_size (a word that is not known, ``nlmserve.lm.ngrams``) adds nothing;
+        training data never has it."""
+        return self.finish(self.context_sum(ctx))
+
+    def context_sum(self, ctx: Tensor) -> Tensor:
+        """Σ_j C_j q(w_j) → (N, D): the context words' vectors through their positions'
+        weights (``diagonal``: C_j ⊙ q(w_j)). Inference computes the diagonal sum from
+        per-position tables instead (``nlmserve.lm.scoring.position_sum``), the same sum."""
         no_word = no_word_id(self.embed.num_embeddings)
         if checks_no_word(ctx, self.training) and bool((ctx >= no_word).any()):
             known = ctx < no_word
@@ -238,15 +256,14 @@ class NeuralLM(nn.Module):
         else:
             q = self.embed(ctx)  # (N, n-1, D)
         if self.config.context == "diagonal":
-            r = (q * self.ctx_weight).sum(dim=1)  # (N, n-1, D) * (n-1, D) → sum over j → (N, D)
-        else:
-            r = torch.einsum("njd,jed->ne", q, self.ctx_weight)  # Σ_j C_j q_j → (N, D)
-        if self.hidden is not None:
-            r = self.hidden(r)  # (N, H)
-        if self.config.activation == "tanh":
-            r = torch.tanh(r)
-        elif self.config.activation == "relu":
-            r = torch.relu(r)
+            return (q * self.ctx_weight).sum(dim=1)  # (N, n-1, D) * (n-1, D) → sum over j → (N, D)
+        return torch.einsum("njd,jed->ne", q, self.ctx_weight)  # Σ_j C_j q_j → (N, D)
+
+    def finish(self, s: Tensor) -> Tensor:
+        """The context sum (N, D) → r (N, E): the hidden layer if any, the activation, and
+        while training the dropout mask."""
+        r = s if self.hidden is None else self.hidden(s)  # (N, H)
+        r = activate(r, self.config.activation)
         if self.training and self.dropout > 0.0:
             keep = torch.rand(r.shape, generator=self.dropout_gen, device=r.device) >= self.dropout
             r = r * keep / (1.0 - self.dropout)

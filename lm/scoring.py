@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
@@ -24,9 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .dedup import BatchPlan, distinct_rows, plan_batch
-from . import cpu
 from .cpu import to_numpy
-from .model import ModelConfig, NeuralLM
+from .model import ModelConfig, NeuralLM, activate
 from .model_file import FORMAT_VERSION, ModelFile, read_model_file
 from .ngrams import (BOS_ID, EOS_ID, UNK_ID, canonical_rows, check_sentences, no_word_id, sentence_windows,
                                 word_ids)
@@ -400,6 +400,18 @@ def _position_tables(net: NeuralLM, no_word_rows: bool = False) -> Tensor:
     return torch.cat([emb * cw[j] for j in range(net.config.order - 1)])
 
 
+def position_sum(tables: Tensor, ctx: Tensor, shift: Tensor, known: Tensor | None = None) -> Tensor:
+    """``NeuralLM.context_sum`` of a diagonal context from its per-position tables
+    (``_position_tables``: position j's rows start at ``shift[j]``): Σ_j tables[shift[j] +
+    w_j] → (N, D), one fused gather-and-sum with no (N, n-1, D) intermediate. ``known`` (N,
+    n-1) bool, where the tables hold no row for a word that is not known: only those
+    positions add."""
+    if known is None:
+        return F.embedding_bag(ctx + shift, tables, mode="sum")
+    return F.embedding_bag(ctx.masked_fill(~known, 0) + shift, tables, mode="sum",
+                           per_sample_weights=known.to(tables.dtype))
+
+
 #: Whole numbers up to 2^24 are exact in float32 (the tables' integer fields).
 FLOAT_EXACT = 1 << 24
 
@@ -476,13 +488,14 @@ class ScoringTables:
         """The formula above for canonical rows (N, n) → float32 (N,) (the reference the
         C++ evaluation is tested against)."""
         rows = np.asarray(rows, dtype=np.int64)
-        n1, V = self.position.shape[0], self.position.shape[1]
-        known = rows[:, :n1] < no_word_id(V)  # a word that is not known adds nothing
-        r = (self.position[np.arange(n1), np.where(known, rows[:, :n1], 0)] * known[..., None]).sum(axis=1)  # (N, D)
-        if self.activation == "tanh":
-            r = np.tanh(r)
-        elif self.activation == "relu":
-            r = np.maximum(r, 0)
+        n1, V, D = self.position.shape
+        with torch.inference_mode():
+            with warnings.catch_warnings():  # a mapped tables file is read-only; nothing writes here
+                warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+                tables = torch.from_numpy(self.position.reshape(n1 * V, D))
+            ctx = torch.from_numpy(rows[:, :n1])
+            summed = position_sum(tables, ctx, torch.arange(n1) * V, known=ctx < no_word_id(V))  # (N, D)
+            r = activate(summed, self.activation).numpy()
         t = rows[:, n1]
         if self.tree is not None:
             return self._tree_score(r, t)
@@ -513,9 +526,8 @@ class ScoringTables:
 
 class _InferenceTables:
     """Read-only copies for CPU inference of a class-output model, rebuilt whenever a
-    parameter changes in place: the context side here (numpy views of its weights for the
-    tiny-batch path, per-position tables of the diagonal context), the output side in
-    ``out`` (``nlmserve.lm.outputs.ClassTables``)."""
+    parameter changes in place: the context side here (per-position tables of the diagonal
+    context), the output side in ``out`` (``nlmserve.lm.outputs.ClassTables``)."""
 
     def __init__(self, net: NeuralLM) -> None:
         # The network's parameters, listed once (a walk over its modules costs more than a
@@ -525,21 +537,9 @@ class _InferenceTables:
         cfg = net.config
         assert isinstance(net.output, ClassOutput)
         self.out = net.output.inference_tables()
-        with torch.no_grad():
-            self.np_embed = net.embed.weight.detach().numpy()
-            w = net.ctx_weight.detach().numpy()
-            n1, d = cfg.order - 1, cfg.dim
-            # full context: r_e = Σ_j Σ_d W[j, e, d] q[j, d] = q.reshape(n1*D) @ Wf
-            self.np_ctx = w if cfg.context == "diagonal" else np.ascontiguousarray(
-                w.transpose(0, 2, 1).reshape(n1 * d, d))
-            self.np_hidden_w = None if net.hidden is None else np.ascontiguousarray(net.hidden.weight.detach().numpy().T)
-            self.np_hidden_b = None if net.hidden is None else net.hidden.bias.detach().numpy()
-        self.context = cfg.context
-        self.activation = cfg.activation
-        self.hidden = net.hidden
-        # Diagonal context: one table per position, q(w) * c_j, stacked (n-1 x V, D), so that
-        # r = Σ_j c_j ⊙ q(w_j) is one fused gather-and-sum (embedding_bag) with no (N, n-1, D)
-        # intermediate; kept when it fits in ENCODE_TABLE_BYTES.
+        # Diagonal context: one table per position, q(w) * c_j, stacked ((n-1)·(V+1), D, a
+        # zero row for a word that is not known ending each), for ``position_sum``; kept
+        # when it fits in ENCODE_TABLE_BYTES.
         self.position_tables: Tensor | None = None
         if cfg.context == "diagonal" and (cfg.order - 1) * cfg.vocab_size * cfg.dim * 4 <= ENCODE_TABLE_BYTES:
             with torch.no_grad():
@@ -553,43 +553,17 @@ class _InferenceTables:
         return tuple(p._version for p in self.params) != self.versions
 
     def encode(self, ctx: Tensor) -> Tensor:
-        """ctx (N, order-1) → r (N, E), as ``NeuralLM.encode``."""
+        """ctx (N, order-1) → r (N, E): ``NeuralLM.encode`` with the context sum from the
+        position tables where there are some."""
         if self.position_tables is None:
             return self.net.encode(ctx)
-        # A word that is not known (id vocab_size) is each position's zero row.
-        r = F.embedding_bag(ctx + self.position_shift, self.position_tables, mode="sum")
-        if self.hidden is not None:
-            r = self.hidden(r)
-        if self.activation == "tanh":
-            r = torch.tanh(r)
-        elif self.activation == "relu":
-            r = torch.relu(r)
-        return r
+        return self.net.finish(position_sum(self.position_tables, ctx, self.position_shift))
 
     def log_prob_numpy(self, plan: BatchPlan, ctx: np.ndarray, target: np.ndarray) -> np.ndarray:
         """The rows of ``plan`` (``plan_batch`` of ``ctx``, ``target``) as
-        ``LanguageModel._score_plan`` scores them, in numpy → float32 (N,)."""
-        return self.out.log_prob_numpy(plan, self._encode_numpy(ctx[plan.contexts]), target)
-
-    def _encode_numpy(self, ctx: np.ndarray) -> np.ndarray:
-        """ctx (U, order-1) → r (U, E), as ``NeuralLM.encode``."""
-        no_word = no_word_id(self.np_embed.shape[0])
-        if ctx.size and ctx.max() >= no_word:  # words that are not known add nothing
-            known = ctx < no_word
-            q = self.np_embed[np.where(known, ctx, 0)] * known[..., None]
-        else:
-            q = self.np_embed[ctx]  # (U, n-1, D)
-        if self.context == "diagonal":
-            r: np.ndarray = (q * self.np_ctx).sum(axis=1)
-        else:
-            r = cpu.mm(q.reshape(q.shape[0], -1), self.np_ctx)
-        if self.np_hidden_w is not None:
-            r = cpu.mm(r, self.np_hidden_w) + self.np_hidden_b
-        if self.activation == "tanh":
-            r = np.tanh(r)
-        elif self.activation == "relu":
-            r = np.maximum(r, 0)
-        return r
+        ``LanguageModel._score_plan`` scores them, the output side in numpy → float32 (N,)."""
+        r = self.encode(torch.from_numpy(np.ascontiguousarray(ctx[plan.contexts])))
+        return self.out.log_prob_numpy(plan, r.numpy(), target)
 
 
 __all__ = ["LanguageModel", "ScoringTables", "SentenceScores", "FORMAT_VERSION", "UNK_ID", "BOS_ID", "EOS_ID"]
