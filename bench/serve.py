@@ -170,8 +170,9 @@ class ServerProcess(_Process):
             self.proc, self.target = server.process, server.target
             self.metrics_url = f"http://127.0.0.1:{server.metrics_port}/metrics"
         else:
-            self.proc = subprocess.Popen([sys.executable, __file__, "--noop-server", str(model)],
-                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+            self.proc = subprocess.Popen([sys.executable, "-m", "bench.serve", "--noop-server", str(model)],
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+                                         cwd=DATA.parent.parent)  # the checkout holding this bench/
             assert self.proc.stdout is not None
             line = self.proc.stdout.readline()
             target = parse_listening(line)
