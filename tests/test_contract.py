@@ -108,7 +108,7 @@ def test_status_codes(condition: str, name: str, number: str) -> None:
     elif kind == "call":
         assert getattr(CallStatus, what) == code
     else:
-        assert kind == "frontend"  # the C++ front end's own (nlmserve_contract_test reads the numbers)
+        assert kind == "frontend"  # the C++ front end's own: test_native_frontend.py checks them
 
 
 # ---------------------------------------------------------------------- server targets
@@ -199,8 +199,9 @@ def test_the_cpp_lowercase_tables_are_what_str_lower_gives() -> None:
 
 # ---------------------------------------------------------------------- scoring tables
 def test_the_scoring_fixture_is_what_lm_gives() -> None:
-    """scoring_tables.txt (read by the C++ nlmserve_contract_test) holds the tables and the
-    scores nlmserve.lm gives its tiny model now."""
+    """scoring_tables.txt and scoring_tables_tree.txt (read by the C++ nlmserve_contract_test)
+    hold the tables and the scores nlmserve.lm gives their tiny class and tree models now,
+    and their .nlt files those tables."""
     import subprocess
     import sys
 

@@ -192,7 +192,7 @@ def test_unit_checks_of_cache_rules_and_decoder_parts(driver: Path) -> None:
     """nlmserve_unit_test, no server: the id-keyed cache (LRU eviction in a window, rows
     sharing a home slot, 0.0 as a hit, clear, the capacity in entries, eight threads, batched
     lookups and inserts equal to row-by-row ones), the
-    rules on other ids and types, nlmserve_decoder.h's phrase and boundary rows (hand-computed),
+    rules on other ids and types, rows widened to a batch's order (WidenRows), nlmserve_decoder.h's phrase and boundary rows (hand-computed),
     word-id table, expansion scores (in order at the cursor, or looked up), error pause, the order= rule,
     lowercasing and target parsing, and the scoring tables' arithmetic (hand-computed, each
     activation, the kept context prefix sums, the direct n-gram features' hashes and slots,
@@ -200,7 +200,7 @@ def test_unit_checks_of_cache_rules_and_decoder_parts(driver: Path) -> None:
     row alone)."""
     done = subprocess.run([str(UNIT)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "unit: 170 passed, 0 failed", done.stderr
+    assert done.stdout.strip() == "unit: 172 passed, 0 failed", done.stderr
 
 
 def test_scoring_tables_are_filled_into_huge_pages(driver: Path) -> None:

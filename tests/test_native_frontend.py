@@ -33,7 +33,7 @@ from nlmserve.proto import lm_pb2, lm_pb2_grpc
 from nlmserve.common.serve_process import parse_listening
 from nlmserve.server.app import RunningServer
 from support import GatedScorer, dev_ngrams, dev_sentences, serve_subprocess, start_server
-from test_cpp_client import NATIVE, SERVE, driver  # noqa: F401 - the driver fixture builds build/native
+from test_cpp_client import CONTRACT, NATIVE, SERVE, driver  # noqa: F401 - the driver fixture builds build/native
 
 FRONTEND = NATIVE / "nlmserve_frontend"
 SERVICE = "nlmserve.v1.LanguageModel"
@@ -82,6 +82,24 @@ def backend_batches(running: RunningServer) -> int:
     """Merged batches the backend's socket answered."""
     assert running.local is not None
     return running.local.batches
+
+
+def test_the_front_ends_own_status_codes_are_the_contracts(driver: Path, tmp_path: Path) -> None:  # noqa: F811
+    """The front end's table of the calls it ends itself is the "frontend:" rows of
+    proto/contract/status_codes.tsv, and a file that differs by one code is refused."""
+    golden = CONTRACT / "status_codes.tsv"
+    done = subprocess.run([str(FRONTEND), "--check-status-codes", str(golden)], capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in golden.read_text().splitlines() if line.startswith("frontend:")]
+    assert done.stdout == f"status codes: {len(rows)} front-end endings, 0 differ\n"
+    changed = tmp_path / "status_codes.tsv"
+    changed.write_text(golden.read_text().replace("frontend:queue_full\tRESOURCE_EXHAUSTED\t8",
+                                                  "frontend:queue_full\tUNAVAILABLE\t14"))
+    done = subprocess.run([str(FRONTEND), "--check-status-codes", str(changed)], capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode == 1
+    assert "frontend:queue_full ends with code 8, the file says 14" in done.stderr
 
 
 @pytest.fixture(scope="module")

@@ -105,6 +105,18 @@ inline void CanonicalContext(const T *words, std::size_t n, std::size_t width, c
   }
 }
 
+// Rows of k ids (a context of k-1, then the predicted word) made `width` (>= k) wide: each
+// context as CanonicalContext makes it width-1 wide, the predicted word last. The native
+// front end merges packed requests of different orders into one batch with it. `out` holds
+// n * width ids and does not overlap `rows`.
+inline void WidenRows(const uint32_t *rows, std::size_t n, std::size_t k, std::size_t width, uint32_t bos,
+                      uint32_t *out) {
+  for (std::size_t r = 0; r < n; ++r, rows += k, out += width) {
+    CanonicalContext(rows, k - 1, width - 1, bos, out);
+    out[width - 1] = rows[k - 1];
+  }
+}
+
 // The id that stands, in a context, for a word that is not known (the words before a phrase
 // scored on its own): model.vocab_size. It adds nothing to the score (no position row, no
 // feature of a suffix that holds it), and everything left of it is the no-word too, as for

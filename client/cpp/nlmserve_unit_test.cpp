@@ -348,6 +348,14 @@ void TestRules() {
   Check(ctx[0] == bos && ctx[1] == bos && ctx[2] == w[0], "CanonicalContext pads");
   nlmserve::CanonicalContext(w + 2, 1, 0, bos, ctx);  // width 0 writes nothing
   Check(ctx[2] == w[0], "width 0");
+  // Rows of a 3-gram request merged into a 5-gram batch: contexts padded with <s> (1); a
+  // sentence start inside a context clears what is left of it.
+  const Row narrow = {7, 8, 9, 1, 8, 9};
+  Row wide(10, 0);
+  nlmserve::WidenRows(narrow.data(), 2, 3, 5, 1, wide.data());
+  Check(wide == Row({1, 1, 7, 8, 9, 1, 1, 1, 8, 9}), "WidenRows pads each context with <s>");
+  nlmserve::WidenRows(narrow.data(), 2, 3, 3, 1, wide.data());
+  Check(Row(wide.begin(), wide.begin() + 6) == narrow, "WidenRows to the same width copies");
 }
 
 void TestPhraseRows() {

@@ -31,7 +31,8 @@
 //
 // Exactness: requests are merged only when they agree on log base, normalisation and the
 // caller's `authorization` metadata; packed rows shorter than the batch's widest are
-// left-padded with <s>, which the contract makes equivalent. A request that fails a cheap
+// widened by the client library's WidenRows (their contexts left-padded with <s>), which
+// the contract makes equivalent. A request that fails a cheap
 // shape check, or is larger than a batch, goes to the backend alone. A merged packed batch
 // tells the model server which rows are whose, and its answer gives each client request
 // its own status: an invalid n-gram fails its own request only, with the status and
@@ -55,6 +56,7 @@
 #include <deque>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <sstream>
@@ -113,6 +115,64 @@ struct Options {
   // The model server's private Unix socket for merged packed batches.
   std::string backend_socket;
 };
+
+// The ways a call ends in the front end itself, and their codes: the rows "frontend:" of
+// proto/contract/status_codes.tsv, which `nlmserve_frontend --check-status-codes FILE`
+// checks this table against (tests/test_native_frontend.py runs it). Every other status a
+// client sees is the backend's own.
+enum Ending { kBackendUnreachable, kBackendTimeout, kBackendBadAnswer, kQueueFull, kStopping, kEndings };
+struct EndingCode {
+  const char *condition;
+  grpc::StatusCode code;
+};
+const EndingCode kEndingCodes[kEndings] = {
+    {"backend_unreachable", grpc::StatusCode::UNAVAILABLE},
+    {"backend_timeout", grpc::StatusCode::DEADLINE_EXCEEDED},
+    {"backend_bad_answer", grpc::StatusCode::INTERNAL},
+    {"queue_full", grpc::StatusCode::RESOURCE_EXHAUSTED},
+    {"stopping", grpc::StatusCode::UNAVAILABLE},
+};
+
+grpc::Status End(Ending ending, const std::string &message) {
+  return grpc::Status(kEndingCodes[ending].code, message);
+}
+
+// 0 when the file's "frontend:" rows are exactly kEndingCodes (condition and number); else
+// each difference on stderr and 1.
+int CheckStatusCodes(const std::string &path) {
+  std::ifstream in(path);
+  if (!in) {
+    std::cerr << "nlmserve_frontend: cannot read " << path << "\n";
+    return 2;
+  }
+  std::map<std::string, int> file;
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("frontend:", 0) != 0) continue;
+    std::istringstream fields(line);
+    std::string condition, name, number;
+    std::getline(fields, condition, '\t');
+    std::getline(fields, name, '\t');
+    std::getline(fields, number, '\t');
+    file[condition.substr(9)] = std::atoi(number.c_str());
+  }
+  int bad = 0;
+  for (const EndingCode &e : kEndingCodes) {
+    auto it = file.find(e.condition);
+    if (it == file.end() || it->second != static_cast<int>(e.code)) {
+      std::cerr << "frontend:" << e.condition << " ends with code " << static_cast<int>(e.code) << ", the file says "
+                << (it == file.end() ? std::string("nothing") : std::to_string(it->second)) << "\n";
+      ++bad;
+    }
+    if (it != file.end()) file.erase(it);
+  }
+  for (const auto &rest : file) {
+    std::cerr << "frontend:" << rest.first << " is in the file, not in the front end\n";
+    ++bad;
+  }
+  std::cout << "status codes: " << kEndings << " front-end endings, " << bad << " differ\n";
+  return bad ? 1 : 0;
+}
 
 void Log(const std::string &message) {
   std::ostringstream line;
@@ -217,7 +277,7 @@ class LocalChannel {
                     const std::string &authorization, uint32_t unk_id, ScoreNgramsResponse *res,
                     std::vector<grpc::Status> *part_status) {
     std::string error;
-    if (fd_ < 0 && !Connect(&error)) return grpc::Status(grpc::StatusCode::UNAVAILABLE, error);
+    if (fd_ < 0 && !Connect(&error)) return End(kBackendUnreachable, error);
     const std::string &ids = req.packed_ids();
     const uint32_t width = req.packed_order();
     const uint32_t rows = width ? static_cast<uint32_t>(ids.size() / (4u * width)) : 0;
@@ -314,8 +374,8 @@ class LocalChannel {
   grpc::Status Broken(const std::string &what) {
     bool timed_out = errno == EAGAIN || errno == EWOULDBLOCK;
     Close();
-    if (timed_out) return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "the backend socket did not answer in time");
-    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "cannot " + what + " the backend socket " + path_);
+    if (timed_out) return End(kBackendTimeout, "the backend socket did not answer in time");
+    return End(kBackendUnreachable, "cannot " + what + " the backend socket " + path_);
   }
 
   bool WriteAll(const char *p, std::size_t n) {
@@ -451,11 +511,10 @@ class Frontend {
       ngrams_ += p.ngrams;
       if (stopping_ || queued_ngrams_ + p.ngrams > options_.max_queue_ngrams) {
         ++rejected_;
-        reactor->Finish(stopping_ ? grpc::Status(grpc::StatusCode::UNAVAILABLE, "the front end is shutting down")
-                                  : grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                                                 "the front end's queue is full (" +
-                                                     std::to_string(options_.max_queue_ngrams) +
-                                                     " n-grams); retry later"));
+        reactor->Finish(stopping_ ? End(kStopping, "the front end is shutting down")
+                                  : End(kQueueFull, "the front end's queue is full (" +
+                                                        std::to_string(options_.max_queue_ngrams) +
+                                                        " n-grams); retry later"));
         return;
       }
       const bool was_empty = queue_.empty();
@@ -562,11 +621,8 @@ class Frontend {
       for (const auto &p : batch->items) width = std::max(width, p.request->packed_order());
       std::string *out = req.mutable_packed_ids();
       out->reserve(static_cast<std::size_t>(batch->ngrams) * width * 4);
-      unsigned char bos[4] = {static_cast<unsigned char>(bos_id_ & 0xff),
-                              static_cast<unsigned char>((bos_id_ >> 8) & 0xff),
-                              static_cast<unsigned char>((bos_id_ >> 16) & 0xff),
-                              static_cast<unsigned char>((bos_id_ >> 24) & 0xff)};
       batch->parts.reserve(batch->items.size());
+      std::vector<uint32_t> narrow, wide;
       for (const auto &p : batch->items) {
         const std::string &in = p.request->packed_ids();
         uint32_t k = p.request->packed_order();
@@ -575,10 +631,14 @@ class Frontend {
           out->append(in);
           continue;
         }
-        for (std::size_t row = 0; row < in.size(); row += 4u * k) {
-          for (uint32_t pad = k; pad < width; ++pad) out->append(reinterpret_cast<const char *>(bos), 4);
-          out->append(in, row, 4u * k);
-        }
+        // Shorter rows are widened as the client library's owner of the canonical context
+        // does it (little-endian ids on the wire and on the hosts this builds for).
+        const std::size_t rows = in.size() / (4u * k);
+        narrow.resize(rows * k);
+        wide.resize(rows * width);
+        std::memcpy(narrow.data(), in.data(), rows * k * 4u);
+        nlmserve::WidenRows(narrow.data(), rows, k, width, bos_id_, wide.data());
+        out->append(reinterpret_cast<const char *>(wide.data()), wide.size() * 4u);
       }
       req.set_packed_order(width);
     } else {
@@ -651,9 +711,9 @@ class Frontend {
       // Some request of a string batch is invalid: each one alone gets its own exact answer.
       for (auto &p : batch->items) SendAlone(p, true);
     } else {
-      grpc::Status err = status.ok() ? grpc::Status(grpc::StatusCode::INTERNAL,
-                                                    "the backend answered " + std::to_string(res.log_probs_size()) +
-                                                        " scores for " + std::to_string(batch->ngrams) + " n-grams")
+      grpc::Status err = status.ok() ? End(kBackendBadAnswer, "the backend answered " +
+                                                                  std::to_string(res.log_probs_size()) + " scores for " +
+                                                                  std::to_string(batch->ngrams) + " n-grams")
                                      : status;
       for (auto &p : batch->items) p.reactor->Finish(err);
     }
@@ -780,6 +840,7 @@ bool FetchInfo(LanguageModel::Stub *stub, long timeout_s, const std::string &tok
 }  // namespace
 
 int main(int argc, char **argv) {
+  if (argc == 3 && std::string(argv[1]) == "--check-status-codes") return CheckStatusCodes(argv[2]);
   Options options = ParseArgs(argc, argv);
 #ifdef NLMSERVE_ABSL_SYNC
   // Debian's absl tracks the order of every mutex gRPC takes to report deadlock cycles:
