@@ -294,8 +294,9 @@ void StatusCodes() {
   End(file);
 }
 
-void ScoringFixture() {
-  const std::string file = "scoring_tables.txt";
+// A tiny model's tables as text (`file`) and as a tables file (`mapped_file`): the class
+// model's self-normalised scores, or the tree model's exact ones, as nlmserve.lm gives them.
+void ScoringFixture(const std::string &file, const std::string &mapped_file) {
   Begin();
   std::istringstream lines(ReadAll(file));
   std::string line, body;
@@ -333,10 +334,17 @@ void ScoringFixture() {
   features.order = static_cast<uint32_t>(std::stoul(head["feature_order"]));
   features.class_table = static_cast<uint32_t>(std::stoul(head["class_table"]));
   features.word_table = static_cast<uint32_t>(std::stoul(head["word_table"]));
+  nlmserve::ScoringTables::Tree tree;
+  tree.nodes = static_cast<uint32_t>(std::stoul(head["tree_nodes"]));
+  tree.codes = static_cast<uint32_t>(std::stoul(head["tree_codes"]));
+  tree.steps = std::stoull(head["tree_steps"]);
+  const bool treed = head["output"] == "tree";
+  Check(treed == (tree.nodes > 0) && (treed || head["output"] == "class"), file, "output " + head["output"]);
   nlmserve::ScoringTables tables;
   Check(tables.Set(order, static_cast<uint32_t>(std::stoul(head["vocab_size"])),
-                   static_cast<uint32_t>(std::stoul(head["dim"])), activation, "fixture", data, features),
+                   static_cast<uint32_t>(std::stoul(head["dim"])), activation, "fixture", data, features, tree),
         file, "the tables are taken");
+  Check(tables.normalized() == treed, file, treed ? "a tree's scores are exact" : "a class output's are not");
   // All rows in one batch, then each alone: the same scores, those of nlmserve.lm.
   std::vector<float> batch(rows);
   nlmserve::ScoringTables::Scratch scratch;
@@ -352,9 +360,8 @@ void ScoringFixture() {
   }
   End(file);
 
-  // The same tables as a tables file (scoring_tables.nlt, nlmserve.lm.tables_file), mapped:
-  // its header gives the text's shape, its array the same floats, and its scores are these.
-  const std::string mapped_file = "scoring_tables.nlt";
+  // The same tables as a tables file (nlmserve.lm.tables_file), mapped: its header gives
+  // the text's shape, its array the same floats, and its scores are these.
   Begin();
   std::shared_ptr<const nlmserve::ScoringTables> mapped;
   std::string error;
@@ -364,7 +371,9 @@ void ScoringFixture() {
     Check(mapped->mapped() && mapped->order() == order && mapped->vocab_size() == tables.vocab_size() &&
               mapped->dim() == tables.dim() && mapped->activation() == activation &&
               mapped->features().order == features.order && mapped->features().class_table == features.class_table &&
-              mapped->features().word_table == features.word_table && !mapped->normalized(),
+              mapped->features().word_table == features.word_table && mapped->normalized() == treed &&
+              mapped->tree().nodes == tree.nodes && mapped->tree().codes == tree.codes &&
+              mapped->tree().steps == tree.steps,
           mapped_file, "its header is the text fixture's shape");
     Check(mapped->bytes() == tables.bytes(), mapped_file, "as many floats as the text fixture");
     std::vector<float> again(rows);
@@ -401,7 +410,8 @@ int main(int argc, char **argv) {
   FeatureHashes();
   RetryCodes();
   StatusCodes();
-  ScoringFixture();
+  ScoringFixture("scoring_tables.txt", "scoring_tables.nlt");
+  ScoringFixture("scoring_tables_tree.txt", "scoring_tables_tree.nlt");
   std::printf("contract: %d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }

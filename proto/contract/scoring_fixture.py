@@ -2,17 +2,20 @@
 streams) and the scores nlmserve.lm gives a handful of its n-grams, so that the C++ local
 scorer (nlmserve_tables.h) is checked against lm/'s arithmetic with no server; and
 scoring_tables.nlt, the same tables as the tables file `nlmserve export-tables` writes
-(nlmserve.lm.tables_file), which the C++ test maps (MapTablesFile) and scores.
+(nlmserve.lm.tables_file), which the C++ test maps (MapTablesFile) and scores. The same
+pair for a tree-output model: scoring_tables_tree.txt and scoring_tables_tree.nlt.
 
-    python proto/contract/scoring_fixture.py           # rewrite both
+    python proto/contract/scoring_fixture.py           # rewrite all four
     python proto/contract/scoring_fixture.py --check   # exit 1 when lm/ gives other tables, scores or file bytes now
 
 (tests/test_contract.py runs the check.)
 
-The model: V = 8 (<unk> <s> </s> a b c d e), order 3, D = 3, tanh, three classes, direct
-n-gram features of order 3 in tables of 7 (class) and 16 (word) slots, NCE (so
-self-normalised); every weight drawn once from numpy's PCG64 with seed 2015 (stable across
-numpy versions) and rounded to 1/64, so that the floats print exactly.
+The class model: V = 8 (<unk> <s> </s> a b c d e), order 3, D = 3, tanh, three classes,
+direct n-gram features of order 3 in tables of 7 (class) and 16 (word) slots, NCE (so
+self-normalised). The tree model: the same words, order 3, D = 3, relu, a Huffman tree of
+fixed counts (codes of two to four steps), whose scores are exact log-probabilities. Every
+weight drawn once from numpy's PCG64 with seed 2015 (stable across numpy versions) and
+rounded to 1/64, so that the floats print exactly.
 """
 
 from __future__ import annotations
@@ -25,11 +28,15 @@ from pathlib import Path
 
 import numpy as np
 
+from nlmserve.lm.tables_file import FlatTables
+
 FIXTURE = Path(__file__).resolve().parent / "scoring_tables.txt"
-TABLES_FILE = FIXTURE.with_suffix(".nlt")
+TREE_FIXTURE = FIXTURE.with_name("scoring_tables_tree.txt")
+FIXTURES = (FIXTURE, TREE_FIXTURE)
 MODEL_HASH = "scoring_fixture"  # the tables file's model hash: a name, the model is not kept
 WORDS = ("a", "b", "c", "d", "e")
 WORD_CLASS = (0, 0, 0, 1, 1, 2, 2, 2)
+TREE_COUNTS = (3, 0, 40, 25, 12, 9, 5, 1)  # <s> is never predicted: no code
 V, ORDER, DIM, CLASS_TABLE, WORD_TABLE = 8, 3, 3, 7, 16
 NO_WORD = V
 # Canonical rows (oldest first): <s>-padded, </s> and <unk> predicted and in contexts, the
@@ -38,20 +45,35 @@ ROWS = ((1, 1, 3), (1, 3, 4), (3, 4, 5), (4, 5, 2), (5, 6, 7), (7, 7, 7), (0, 3,
         (NO_WORD, 3, 4), (NO_WORD, NO_WORD, 5), (NO_WORD, 7, 0), (1, 1, 0), (3, 3, 3))
 
 
-def model_scores() -> tuple[list[float], list[float]]:
-    """(the tables' floats, the unnormalised natural-log scores of ROWS) from nlmserve.lm."""
+def tables_file(fixture: Path) -> Path:
+    """The tables file beside a text fixture."""
+    return fixture.with_suffix(".nlt")
+
+
+def model_scores(fixture: Path) -> tuple[dict[str, str], list[float], list[float]]:
+    """(the fixture's NAME VALUE pairs, the tables' floats, the natural-log scores of ROWS)
+    from nlmserve.lm: the class model's unnormalised (self-normalised) scores, the tree's
+    exact log-probabilities."""
     import torch
 
     from nlmserve.lm.classes import WordClasses
-    from nlmserve.lm.model import ModelConfig, NeuralLM
+    from nlmserve.lm.config import ModelConfig
+    from nlmserve.lm.model import NeuralLM
     from nlmserve.lm.model_file import save_model
     from nlmserve.lm.scoring import LanguageModel
+    from nlmserve.lm.trees import huffman_tree
     from nlmserve.lm.vocab import Vocabulary
 
-    config = ModelConfig(vocab_size=V, order=ORDER, dim=DIM, context="diagonal", activation="tanh", output="class",
-                         num_classes=3, ngram_class_table=CLASS_TABLE, ngram_word_table=WORD_TABLE)
-    word_class = np.array(WORD_CLASS)
-    net = NeuralLM(config, word_class)
+    treed = fixture == TREE_FIXTURE
+    if treed:
+        tree = huffman_tree(np.array(TREE_COUNTS))
+        config = ModelConfig(vocab_size=V, order=ORDER, dim=DIM, context="diagonal", activation="relu", output="tree",
+                             tree_nodes=tree.num_nodes, tree_method="huffman")
+        net = NeuralLM(config, tree=tree)
+    else:
+        config = ModelConfig(vocab_size=V, order=ORDER, dim=DIM, context="diagonal", activation="tanh", output="class",
+                             num_classes=3, ngram_class_table=CLASS_TABLE, ngram_word_table=WORD_TABLE)
+        net = NeuralLM(config, np.array(WORD_CLASS))
     rng = np.random.default_rng(2015)
     state = net.state_dict()
     weights = {name: torch.tensor(np.round(rng.normal(0.0, 0.5, tuple(state[name].shape)) * 64) / 64,
@@ -60,35 +82,38 @@ def model_scores() -> tuple[list[float], list[float]]:
     net.load_state_dict(weights)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "fixture.nlm"
-        save_model(path, net, Vocabulary(WORDS), WordClasses(word_class, "file"), objective="nce",
-                   training={"note": "proto/contract/scoring_fixture.py"})
+        save_model(path, net, Vocabulary(WORDS), None if treed else WordClasses(np.array(WORD_CLASS), "file"),
+                   objective="mle" if treed else "nce", training={"note": "proto/contract/scoring_fixture.py"})
         lm = LanguageModel.load(path, device="cpu")
         tables = lm.scoring_tables()
-        assert tables.feature_order == ORDER and tables.feature_tables == (CLASS_TABLE, WORD_TABLE)
-        scores = lm.score_ngrams(np.array(ROWS), normalized=False)
-    return [float(x) for x in tables.flat()], [float(s) for s in scores]
+        flat = FlatTables.of(tables)
+        scores = lm.score_ngrams(np.array(ROWS), normalized=treed)
+    head = {"order": str(ORDER), "vocab_size": str(V), "dim": str(flat.dim), "activation": flat.activation,
+            "feature_order": str(flat.feature_order), "class_table": str(flat.ngram_class_table),
+            "word_table": str(flat.ngram_word_table), "output": flat.output, "tree_nodes": str(flat.tree_nodes),
+            "tree_codes": str(flat.tree_codes), "tree_steps": str(flat.tree_steps)}
+    if not treed:
+        assert flat.feature_order == ORDER and (flat.ngram_class_table, flat.ngram_word_table) == (CLASS_TABLE,
+                                                                                                   WORD_TABLE)
+    return head, [float(x) for x in flat.data], [float(s) for s in scores]
 
 
-def render() -> str:
-    floats, scores = model_scores()
+def render(fixture: Path) -> str:
+    head, floats, scores = model_scores(fixture)
     lines = [
         "# Scoring tables of a tiny model and the scores nlmserve.lm gives some of its n-grams",
         "# (written by scoring_fixture.py in this folder; do not edit). Owners: Python",
         "# nlmserve.lm.scoring.ScoringTables (and the model it describes), C++ nlmserve_tables.h.",
-        "# The tables are the float32 array GetScoringTables streams (position, output, bias, the",
-        "# word classes, the class and word feature tables), 8 floats a line; each row below them",
-        "# holds a canonical n-gram (the no-word is id vocab_size), its unnormalised score in",
-        "# natural log (the self-normalised log-probability) and the same in log10. Lines starting",
-        "# with # are comments; the rest is white-space-separated NAME VALUE pairs, then the data.",
-        f"order {ORDER}",
-        f"vocab_size {V}",
-        f"dim {DIM}",
-        "activation tanh",
-        f"feature_order {ORDER}",
-        f"class_table {CLASS_TABLE}",
-        f"word_table {WORD_TABLE}",
-        f"floats {len(floats)}",
+        "# The tables are the float32 array GetScoringTables streams (position, output, bias; with",
+        "# features the word classes and the class and word feature tables; with a tree its",
+        "# code_start, step_start and steps), 8 floats a line; each row below them holds a",
+        "# canonical n-gram (the no-word is id vocab_size), its score in natural log (a class",
+        "# output's unnormalised, self-normalised log-probability; a tree's exact one) and the",
+        "# same in log10. Lines starting with # are comments; the rest is white-space-separated",
+        "# NAME VALUE pairs, then the data.",
     ]
+    lines += [f"{name} {value}" for name, value in head.items()]
+    lines.append(f"floats {len(floats)}")
     lines += [" ".join(f"{x:.9g}" for x in floats[i:i + 8]) for i in range(0, len(floats), 8)]
     lines.append(f"rows {len(ROWS)}")
     lines += [" ".join(map(str, row)) + f" {s:.9g} {s / math.log(10.0):.9g}" for row, s in zip(ROWS, scores)]
@@ -115,22 +140,26 @@ def read_fixture(path: Path = FIXTURE) -> tuple[dict[str, str], list[float], lis
     return head, floats, rows
 
 
-def write_tables_file(path: Path) -> None:
-    """The fixture's tables (as scoring_tables.txt holds them) as a tables file."""
-    from nlmserve.lm.tables_file import FlatTables, write_tables_file as write
+def write_tables_file(fixture: Path, path: Path) -> None:
+    """A text fixture's tables (as it holds them) as a tables file."""
+    from nlmserve.lm.tables_file import write_tables_file as write
 
-    head, floats, _ = read_fixture()
+    head, floats, _ = read_fixture(fixture)
     tables = FlatTables(np.array(floats, dtype="<f4"), int(head["dim"]), head["activation"],
-                        int(head["feature_order"]), int(head["class_table"]), int(head["word_table"]))
+                        int(head["feature_order"]), int(head["class_table"]), int(head["word_table"]),
+                        output=head["output"], tree_nodes=int(head["tree_nodes"]),
+                        tree_codes=int(head["tree_codes"]), tree_steps=int(head["tree_steps"]))
     write(path, tables, order=int(head["order"]), vocab_size=int(head["vocab_size"]), model_hash=MODEL_HASH)
 
 
-def differences() -> list[str]:
-    """How the fixture differs from what nlmserve.lm gives now (tables exactly, scores
+def differences(fixture: Path) -> list[str]:
+    """How a fixture differs from what nlmserve.lm gives now (tables exactly, scores
     within 1e-6: float sums may round differently elsewhere)."""
-    floats, scores = model_scores()
-    _, written, rows = read_fixture()
+    want_head, floats, scores = model_scores(fixture)
+    head, written, rows = read_fixture(fixture)
     out = []
+    if head != want_head:
+        out.append(f"the header differs: {head} in the fixture, {want_head} from nlmserve.lm")
     if len(written) != len(floats) or any(np.float32(a) != np.float32(b) for a, b in zip(written, floats)):
         out.append("the tables differ")
     for (row, ln, log10), want in zip(rows, scores):
@@ -139,24 +168,27 @@ def differences() -> list[str]:
     if [tuple(r) for r, _, _ in rows] != list(ROWS):
         out.append("the rows differ")
     with tempfile.TemporaryDirectory() as tmp:
-        fresh = Path(tmp) / TABLES_FILE.name
-        write_tables_file(fresh)
-        if not TABLES_FILE.is_file() or fresh.read_bytes() != TABLES_FILE.read_bytes():
-            out.append(f"{TABLES_FILE.name} is not the tables file of these tables")
-    return out
+        mapped = tables_file(fixture)
+        fresh = Path(tmp) / mapped.name
+        write_tables_file(fixture, fresh)
+        if not mapped.is_file() or fresh.read_bytes() != mapped.read_bytes():
+            out.append(f"{mapped.name} is not the tables file of these tables")
+    return [f"{fixture.name}: {line}" for line in out]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="compare with scoring_tables.txt and .nlt instead of writing them")
+    parser.add_argument("--check", action="store_true",
+                        help="compare with the text fixtures and their tables files instead of writing them")
     args = parser.parse_args()
     if args.check:
-        wrong = differences()
+        wrong = [line for fixture in FIXTURES for line in differences(fixture)]
         for line in wrong:
-            print(f"{FIXTURE.name}: {line}", file=sys.stderr)
+            print(line, file=sys.stderr)
         return 1 if wrong else 0
-    FIXTURE.write_text(render(), encoding="utf-8")
-    write_tables_file(TABLES_FILE)
+    for fixture in FIXTURES:
+        fixture.write_text(render(fixture), encoding="utf-8")
+        write_tables_file(fixture, tables_file(fixture))
     return 0
 
 
