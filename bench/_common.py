@@ -109,7 +109,8 @@ def random_class_model(texts: list[Path], vocab_size: int, order: int, dim: int,
     import torch
 
     from nlmserve.lm.classes import default_num_classes, frequency_binning
-    from nlmserve.lm.model import ModelConfig, NeuralLM
+    from nlmserve.lm.config import ModelConfig
+    from nlmserve.lm.model import NeuralLM
     from nlmserve.lm.model_file import save_model
     from nlmserve.lm.vocab import Vocabulary
 

@@ -38,16 +38,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-import torch
 
 from ..common.errors import ModelFileError
-from .model import ModelConfig, NeuralLM
-from .objectives import SELF_NORMALIZING
-from .outputs import TreeOutput
+from .config import SELF_NORMALIZING, ModelConfig
 from .vocab import Vocabulary
 
 if TYPE_CHECKING:
     from .classes import WordClasses
+    from .model import NeuralLM
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +110,10 @@ class ModelFile:
 
     def build_model(self) -> NeuralLM:
         """The network with the stored weights (float32, on the CPU)."""
+        import torch  # here, not above: reading a header (nlmserve info) needs no torch
+
+        from .model import NeuralLM
+
         word_class = self.classes.word_class if self.classes is not None else None
         tree = None
         if self.config.output == "tree":
@@ -149,6 +151,10 @@ def save_model(
     unigram_counts: np.ndarray | None = None,
 ) -> str:
     """Write ``model`` atomically (temporary file + rename); returns the sha256 hex digest."""
+    import torch
+
+    from .outputs import TreeOutput
+
     if len(vocab) != model.config.vocab_size:
         raise ValueError(f"vocabulary has {len(vocab)} words, the model {model.config.vocab_size}")
     arrays: dict[str, np.ndarray] = {

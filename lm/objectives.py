@@ -43,8 +43,6 @@ from .outputs import ClassOutput, SoftmaxFamily
 from .vocab import BOS_ID
 
 OBJECTIVES = ("nce", "mle", "softmax", "sampling", "weaknorm", "weaknormsq")
-#: Objectives whose unnormalised scores approximate log-probabilities (the fast path).
-SELF_NORMALIZING = ("nce", "weaknorm", "weaknormsq")
 
 
 class NoiseDistribution:

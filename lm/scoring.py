@@ -26,7 +26,8 @@ from torch import Tensor
 
 from .dedup import BatchPlan, distinct_rows, plan_batch
 from .cpu import to_numpy
-from .model import ModelConfig, NeuralLM, activate
+from .config import ModelConfig
+from .model import NeuralLM, activate
 from .model_file import FORMAT_VERSION, ModelFile, read_model_file
 from .ngrams import (BOS_ID, EOS_ID, UNK_ID, canonical_rows, check_sentences, no_word_id, sentence_windows,
                                 word_ids)

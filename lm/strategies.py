@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .model import ModelConfig, NeuralLM
+from .config import ModelConfig
+from .model import NeuralLM
 from .outputs import default_bands
 from .tree_clustering import cluster_tree, mean_context_vectors
 from .trees import TREE_METHODS, Tree, huffman_tree, random_tree, tree_words

@@ -35,7 +35,8 @@ from .corpus import CorpusIds, count_words
 from .distributed import array_digest, init_distributed
 from .fused import FusedNCE, unavailable_reason
 from .hogwild import HogwildPool
-from .model import ModelConfig, NeuralLM
+from .config import ModelConfig
+from .model import NeuralLM
 from .outputs import ClassOutput
 from .model_file import save_model
 from .objectives import OBJECTIVES, NoiseDistribution, batch_loss

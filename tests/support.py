@@ -118,7 +118,8 @@ def golden_model(path: str | Path, objective: str = "nce") -> Path:
     import torch
 
     from nlmserve.lm.classes import WordClasses
-    from nlmserve.lm.model import ModelConfig, NeuralLM
+    from nlmserve.lm.config import ModelConfig
+    from nlmserve.lm.model import NeuralLM
     from nlmserve.lm.model_file import save_model
     from nlmserve.lm.vocab import Vocabulary
 

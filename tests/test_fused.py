@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from nlmserve.lm.fused import FusedNCE, unavailable_reason
-from nlmserve.lm.model import ModelConfig, NeuralLM
+from nlmserve.lm.config import ModelConfig
+from nlmserve.lm.model import NeuralLM
 from nlmserve.lm.objectives import NoiseDistribution, nce_loss
 from nlmserve.lm.train import HashedAdagrad, HogwildAdagrad, TrainConfig, train
 

@@ -12,7 +12,8 @@ import torch
 from torch.func import functional_call
 
 from nlmserve.lm.classes import frequency_binning
-from nlmserve.lm.model import ModelConfig, NeuralLM
+from nlmserve.lm.config import ModelConfig
+from nlmserve.lm.model import NeuralLM
 from nlmserve.lm.objectives import NoiseDistribution, batch_loss, mle_loss, nce_loss
 from nlmserve.lm.vocab import BOS_ID
 

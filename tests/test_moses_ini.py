@@ -50,7 +50,8 @@ def hidden_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch
 
     from nlmserve.lm.classes import WordClasses
-    from nlmserve.lm.model import ModelConfig, NeuralLM
+    from nlmserve.lm.config import ModelConfig
+    from nlmserve.lm.model import NeuralLM
     from nlmserve.lm.model_file import save_model
     from nlmserve.lm.vocab import Vocabulary
 

@@ -255,6 +255,19 @@ def test_info_reads_the_header_only_and_verify_reads_the_rest(tiny_model_path: P
     assert code == 0 and "model_hash\t" in out, err
 
 
+def test_info_imports_no_torch(tiny_model_path: Path) -> None:
+    """A header is read as KenLM's tools read theirs, without loading the training stack:
+    info of a model file (not --verify) imports no torch, so it answers at once."""
+    import subprocess
+
+    code = ("import sys\nfrom nlmserve.common.cli import main\nrc = main(['info', '--json', sys.argv[1]])\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\nsys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", code, str(tiny_model_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["order"] == TINY_ORDER
+
+
 def test_old_spellings_are_accepted_with_one_line_each(capsys: pytest.CaptureFixture[str]) -> None:
     from nlmserve.common.cli import build_parser
 

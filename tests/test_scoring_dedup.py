@@ -22,7 +22,8 @@ import nlmserve.lm.cpu as cpu
 import nlmserve.lm.scoring as scoring
 from nlmserve.lm import dedup
 from nlmserve.lm.dedup import distinct_rows, plan_batch
-from nlmserve.lm.model import ModelConfig, NeuralLM
+from nlmserve.lm.config import ModelConfig
+from nlmserve.lm.model import NeuralLM
 from nlmserve.lm.ngrams import BOS_ID, canonical_rows
 from nlmserve.lm.scoring import TINY_ROWS
 from nlmserve.lm.trees import huffman_tree

@@ -584,7 +584,8 @@ def softmax_mle_model(tmp_path_factory: pytest.TempPathFactory, tiny_lm: Any) ->
     """A full-softmax, MLE-objective (not self-normalised) model over the tiny vocabulary, random weights."""
     import torch
 
-    from nlmserve.lm.model import ModelConfig, NeuralLM
+    from nlmserve.lm.config import ModelConfig
+    from nlmserve.lm.model import NeuralLM
     from nlmserve.lm.model_file import save_model
 
     torch.manual_seed(11)

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from nlmserve.lm.model import ModelConfig, NeuralLM
+from nlmserve.lm.config import ModelConfig
+from nlmserve.lm.model import NeuralLM
 from nlmserve.lm.scoring import TINY_ROWS
 from nlmserve.lm.ngrams import canonical_rows
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from nlmserve.lm.model import ModelConfig, NeuralLM
+from nlmserve.lm.config import ModelConfig
+from nlmserve.lm.model import NeuralLM
 from nlmserve.lm.outputs import TreeOutput, default_bands
 from nlmserve.lm.tree_clustering import cluster_tree
 from nlmserve.lm.trees import Tree, huffman_tree, node_log_odds, random_tree, tree_from_splits, tree_words
