@@ -516,9 +516,23 @@ def weights_from_totals(paths: Sequence[str], layout: Layout, *, skip_bad: bool 
         raise InputError("no hypotheses with the expected features to fit weights to")
     full = layout if layout in found else next(iter(found))
     x, y = np.vstack(found[full][0]), np.concatenate(found[full][1])
+    w, residual = _fit_totals(x, y)
+    return Weights.from_flat(full, w.tolist()).for_layout(layout), residual
+
+
+def _fit_totals(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
+    """Least squares of the totals ``y`` on the features ``x``, and its largest residual. A
+    weight whose largest share of any total is within that residual (the totals' printed
+    digits) cannot be told from 0 and is 0, the rest fitted again without it: a column the
+    decoder did not weigh, such as NLM0 added by ``rescore``, starts at 0, not at -4e-08."""
     w, *_ = np.linalg.lstsq(x, y, rcond=None)
     residual = float(np.abs(x @ w - y).max()) if len(y) else 0.0
-    return Weights.from_flat(full, w.tolist()).for_layout(layout), residual
+    unseen = np.abs(w) * np.abs(x).max(axis=0, initial=0.0) <= residual
+    if unseen.any() and not unseen.all():
+        w = np.zeros_like(w)
+        w[~unseen] = np.linalg.lstsq(x[:, ~unseen], y, rcond=None)[0]
+        residual = float(np.abs(x @ w - y).max())
+    return w, residual
 
 
 def merge(into: MertData, other: MertData) -> int:

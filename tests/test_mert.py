@@ -109,6 +109,27 @@ def test_moses_weights_are_recovered_from_the_totals() -> None:
         assert rerank(path, weights).hyps == first_best(path)
 
 
+def test_a_column_the_totals_do_not_count_starts_at_exactly_zero(tmp_path: Path) -> None:
+    # rescore appends NLM0 to every hypothesis and leaves the decoder's total as it was:
+    # the fit cannot tell its weight from 0, so it is 0 (not a least-squares -4e-08), and
+    # the decoder's own weights are those fitted without the column.
+    rng = np.random.default_rng(7)
+    lines = []
+    for line in read_lines(LISTS[0]):
+        fields = line.split("|||")
+        fields[2] = f"{fields[2].rstrip()} NLM0= {rng.uniform(-60.0, -5.0):.4f} "
+        lines.append("|||".join(fields))
+    path = tmp_path / "with-nlm.nbest"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    scorer = SentenceStats(BleuConfig(), read_references([REF]))
+    layout = mert.load_nbest_data([str(path)], scorer).layout
+    assert layout[-1] == ("NLM0", 1)
+    weights, residual = mert.weights_from_totals([str(path)], layout)
+    own, own_residual = mert.weights_from_totals(LISTS[:1], layout[:-1])
+    assert weights.get("NLM0") == (0.0,)
+    assert weights.for_layout(layout[:-1]) == own and residual == own_residual < 1e-3
+
+
 def test_a_selection_of_features_starts_from_the_full_totals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # tune --features drops the other columns; the start is still the decoder's weights,
     # fitted with every column its totals count, and kept for the selected ones.
