@@ -109,6 +109,60 @@ def python_minimum() -> str:
     return found.group(1)
 
 
+def build_args(name: str) -> tuple[dict[str, str], dict[str, str]]:
+    """The ARGs of a Dockerfile with their defaults: (before its FROM, after it)."""
+    ops = instructions(name)
+    first = next(i for i, (op, _) in enumerate(ops) if op == "FROM")
+    found: tuple[dict[str, str], dict[str, str]] = ({}, {})
+    for i, (op, args) in enumerate(ops):
+        if op == "ARG":
+            key, _, value = args.partition("=")
+            found[i > first][key] = value
+    return found
+
+
+def base_image(name: str) -> str:
+    """The image a Dockerfile builds on by default: its FROM with the ARGs before it filled in."""
+    (image,) = [args for op, args in instructions(name) if op == "FROM"]
+    return re.sub(r"\$\{(\w+)\}", lambda m: build_args(name)[0][m.group(1)], image)
+
+
+BUILD_DEFAULTS = {
+    "Dockerfile.cpu": {"BASE": "python:3.11-slim", "TORCH_INDEX": "https://download.pytorch.org/whl/cpu"},
+    "Dockerfile.cuda": {"BASE": "nvidia/cuda:12.4.1-cudnn-runtime-ubuntu22.04", "TORCH_INDEX": ""},
+}
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_the_base_image_and_torch_index_are_build_arguments(name: str, tmp_path: Path) -> None:
+    """``FROM ${BASE}`` and TORCH_INDEX, whose defaults build what the images always built; the
+    torch install line, run by sh with TORCH_INDEX set (an index) or empty (pip's own
+    settings: its index, find-links), hands pip the arguments it should."""
+    before, after = build_args(name)
+    assert [args for op, args in instructions(name) if op == "FROM"] == ["${BASE}"]
+    assert before == {"BASE": BUILD_DEFAULTS[name]["BASE"]} and base_image(name) == before["BASE"]
+    assert after == {"TORCH_INDEX": BUILD_DEFAULTS[name]["TORCH_INDEX"]}
+    (install,) = [part.strip() for op, args in instructions(name) if op == "RUN" for part in args.split("&&")
+                  if "torch==" in part]
+    (tmp_path / "pip").write_text('#!/bin/sh\nprintf \'%s\\n\' "$@"\n')
+    (tmp_path / "pip").chmod(0o755)
+    shown = install.replace("/opt/venv/bin/python3.11 -m pip", str(tmp_path / "pip"), 1)
+    assert shown != install, install
+    for index in (after["TORCH_INDEX"], "", "https://mirror.example/torch cpu/"):
+        done = subprocess.run(["sh", "-c", shown], env={"PATH": "/usr/bin:/bin", "TORCH_INDEX": index},
+                              capture_output=True, text=True, check=True)
+        assert done.stdout.splitlines() == ["install", "torch==2.13.0", *(["--index-url", index] if index else [])]
+
+
+def test_the_debian_base_script_makes_what_the_images_need() -> None:
+    """docker/debian-base.sh (run by tests/test_image.py): Debian's minbase with python3 (3.11
+    on bookworm) and its venv module, ca-certificates for pip, and a PATH for ENV PATH to extend."""
+    script = (DOCKER / "debian-base.sh").read_text()
+    assert re.search(r"^debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates ", script, re.M)
+    assert "${SUITE:-bookworm}" in script and "--env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin" in script
+    assert subprocess.run(["sh", "-n", str(DOCKER / "debian-base.sh")]).returncode == 0
+
+
 @pytest.mark.parametrize("name", DOCKERFILES)
 def test_everything_the_images_copy_is_in_the_repository(name: str) -> None:
     assert copies(name)
@@ -123,10 +177,9 @@ def test_the_images_run_pyprojects_python(name: str) -> None:
     is python3.X of requires-python; pip only as ``python3.X -m pip``."""
     version = python_minimum()
     commands = [args for op, args in instructions(name) if op in ("RUN", "CMD", "HEALTHCHECK", "ENTRYPOINT")]
-    for op, args in instructions(name):
-        image = re.match(r"python:([\d.]+)", args)
-        if op == "FROM" and image:
-            assert image.group(1) == version, f"{name}: FROM {args}"
+    image = re.match(r"python:([\d.]+)", base_image(name))
+    if image:
+        assert image.group(1) == version, f"{name}: FROM {base_image(name)}"
     pythons = [m.group(0) for text in commands for m in re.finditer(r"[\w./-]*python[\w.-]*", text)]
     assert pythons, name
     for word in pythons:

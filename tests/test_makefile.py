@@ -43,7 +43,8 @@ def test_the_default_is_the_cpu_wheel() -> None:
     line = _torch_line(_torch_install())
     assert line.endswith(f"torch==2.13.0 {CPU_INDEX}")
     dockerfile = (REPO / "docker" / "Dockerfile.cpu").read_text()
-    assert f"torch==2.13.0 {CPU_INDEX}" in dockerfile  # the image installs the same wheel
+    # the image installs the same wheel by default (its TORCH_INDEX, tests/test_docker_files.py)
+    assert "torch==2.13.0 " in dockerfile and f"ARG TORCH_INDEX={CPU_INDEX.split()[-1]}\n" in dockerfile
 
 
 @pytest.mark.parametrize("choice", ["cuda", "pypi"])
