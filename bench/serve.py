@@ -54,7 +54,8 @@ from bench._common import machine, random_class_model, tree_cpu_seconds
 
 log = logging.getLogger("bench.serve")
 
-DATA = Path(__file__).resolve().parent.parent / "data" / "lm"
+REPO = Path(__file__).resolve().parent.parent  # the checkout holding this bench/
+DATA = REPO / "data" / "lm"
 TRAIN_XZ = DATA / "europarl.train.50k.lc-moses.en.xz"
 DEV_TXT = DATA / "europarl.dev.1k.lc-moses.en"
 
@@ -172,7 +173,7 @@ class ServerProcess(_Process):
         else:
             self.proc = subprocess.Popen([sys.executable, "-m", "bench.serve", "--noop-server", str(model)],
                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-                                         cwd=DATA.parent.parent)  # the checkout holding this bench/
+                                         cwd=REPO)
             assert self.proc.stdout is not None
             line = self.proc.stdout.readline()
             target = parse_listening(line)
@@ -312,8 +313,6 @@ def concurrent_single(target: str, ids: np.ndarray, clients: int, seconds: float
     done, lat, elapsed = asyncio.run(run())
     return {"ngrams_per_s": done / elapsed, "p50_ms": percentile_ms(lat, 50), "p99_ms": percentile_ms(lat, 99)}
 
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def cpp_tool(name: str) -> Path | None:
