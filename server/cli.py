@@ -21,6 +21,11 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--max-queue-ngrams", int, "most n-grams queued before RESOURCE_EXHAUSTED (default 1000000)"),
     ("--max-concurrent-rpcs", int, "most authorised RPCs served at once (default 256)"),
     ("--max-rpcs-per-connection", int, "most RPCs one connection may have served at once (default 128)"),
+    ("--max-rpcs-per-client", int, "most RPCs one client (its token when there are several, else its address) "
+                                   "may have served at once (default 128)"),
+    ("--stream-write-timeout-seconds", float, "a streaming call whose client does not read for this long is "
+                                              "ended (default 30)"),
+    ("--max-connections", int, "most client connections open at once (default 4096)"),
     ("--max-health-watches", int, "most open health Watch streams (default 1024)"),
     ("--max-health-watches-per-connection", int, "most health Watch streams on one connection (default 8)"),
     ("--first-message-seconds", float, "longest wait for a call's request message after its headers (default 60)"),

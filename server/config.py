@@ -53,6 +53,19 @@ class ServerConfig:
     #: Most RPCs one connection may have served at once (at most ``max_concurrent_rpcs``),
     #: so that no single client can take every slot; RESOURCE_EXHAUSTED beyond it.
     max_rpcs_per_connection: int = 128
+    #: Most RPCs one client may have served at once (at most ``max_concurrent_rpcs``), over
+    #: all its connections, so that no single caller can take every slot; RESOURCE_EXHAUSTED
+    #: beyond it. A client is its bearer token when the token file holds more than one token
+    #: (tokens then tell callers apart), else its peer address without the port.
+    max_rpcs_per_client: int = 128
+    #: Seconds a server-streaming call (GetVocabulary, GetScoringTables) may wait for its
+    #: client to read the next message; a client that does not read within it loses the
+    #: call (DEADLINE_EXCEEDED) and its slot.
+    stream_write_timeout_seconds: float = 30.0
+    #: Most client connections open at once; a connection beyond it is closed as soon as it
+    #: is accepted (the client sees UNAVAILABLE). The open-files soft limit is raised to the
+    #: hard one at start, so that the cap, not the file limit, is what a flood meets.
+    max_connections: int = 4096
     #: Most grpc.health.v1 ``Watch`` streams open at once (replicated clients hold one per
     #: replica connection; open without a token, so bounded on its own). Health ``Check``
     #: is never limited.
@@ -129,6 +142,9 @@ class ServerConfig:
             ),
             (self.max_concurrent_rpcs >= 1, "max_concurrent_rpcs must be >= 1"),
             (self.max_rpcs_per_connection >= 1, "max_rpcs_per_connection must be >= 1"),
+            (self.max_rpcs_per_client >= 1, "max_rpcs_per_client must be >= 1"),
+            (self.stream_write_timeout_seconds > 0, "stream_write_timeout_seconds must be > 0"),
+            (self.max_connections >= 1, "max_connections must be >= 1"),
             (self.max_health_watches >= 0, "max_health_watches must be >= 0"),
             (self.max_health_watches_per_connection >= 0, "max_health_watches_per_connection must be >= 0"),
             (self.first_message_seconds > 0, "first_message_seconds must be > 0"),
