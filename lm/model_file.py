@@ -31,11 +31,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -55,30 +57,13 @@ FORMAT_VERSION = 2
 _V1_OUTPUTS = ("class", "softmax")
 _PREFIX = struct.Struct("<8sIQ")  # magic, version, header length
 _ALIGN = 64
+#: Bytes read (and hashed) at a time.
+READ_CHUNK_BYTES = 16 * 1024 * 1024
 _DTYPES = {"float32": np.float32, "float64": np.float64, "int64": np.int64, "int32": np.int32, "uint32": np.uint32}
 
 
 def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def declared_size(read: Callable[[int, int], bytes], size: int) -> int | None:
-    """The file size a model file's header declares (the aligned prefix and header, then the
-    data), from ``read(n, offset)`` of a file of ``size`` bytes; None when the bytes hold no
-    readable header (``read_model_file`` says then what is wrong). For a size check before the
-    whole file is read (the server's reloads)."""
-    prefix = read(_PREFIX.size, 0)
-    if len(prefix) < _PREFIX.size:
-        return None
-    magic, _, header_len = _PREFIX.unpack(prefix)
-    header_end = _PREFIX.size + header_len
-    if magic != MAGIC or header_end > size:
-        return None
-    try:
-        header = json.loads(read(header_len, _PREFIX.size))
-        return _align(header_end) + int(header["data_size"])
-    except (ValueError, TypeError, KeyError):
-        return None
 
 
 def _canonical(header: dict[str, Any]) -> bytes:
@@ -207,29 +192,107 @@ def save_model(
     return str(header["sha256"])
 
 
-def read_model_file(path: str | os.PathLike[str]) -> ModelFile:
-    """Read and verify a model file; every problem is a :class:`ModelFileError`."""
+def read_model_file(path: str | os.PathLike[str], *, max_bytes: int | None = None) -> ModelFile:
+    """Read and verify a model file; every problem is a :class:`ModelFileError`. The path is
+    opened once (without blocking, so that a FIFO is refused rather than waited on) and read
+    by :func:`read_model_descriptor`, at most ``max_bytes`` of it when given."""
     name = str(path)
     try:
-        with open(path, "rb") as f:
-            blob = f.read()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
         raise ModelFileError(f"{name}: cannot read model file: {exc.strerror or exc}") from exc
-    version, header, expected, data_start, data_size = _parse_header(name, blob, len(blob))
-    data = memoryview(blob)[data_start : data_start + data_size]
+    try:
+        return read_model_descriptor(fd, name, max_bytes=max_bytes)
+    finally:
+        os.close(fd)
+
+
+def read_model_descriptor(fd: int, name: str, *, max_bytes: int | None = None,
+                          exact_size: bool = False) -> ModelFile:
+    """Read and verify the model file open as ``fd`` (``name`` in every message), from that
+    descriptor alone: its size by ``fstat``, then its prefix and header, then its data in
+    chunks of :data:`READ_CHUNK_BYTES` into memory of its own, hashed on the way. Nothing
+    past the data its header declares is read, so a file that grows meanwhile changes
+    nothing. ModelFileError when it is not a regular file, when it has more than
+    ``max_bytes`` bytes (before anything is read), with ``exact_size`` when it does not end
+    where its data ends, and on every check :func:`read_model_file` makes. The data's memory
+    is an anonymous mapping: a refused file's is unmapped before the error is raised, and
+    an accepted file's when its last tensor is dropped. The descriptor stays open.
+
+    Until the magic bytes have matched, no byte of the file appears in a message: a path
+    that names some other file (``/proc/self/environ``, a key) is refused without showing
+    what it holds."""
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ModelFileError(f"{name}: model file is not a regular file")
+        size = info.st_size
+        if max_bytes is not None and size > max_bytes:
+            raise ModelFileError(f"{name}: model file has {size} bytes, more than the {max_bytes} allowed")
+        blob = _read_at(fd, min(size, _PREFIX.size), 0)
+        if len(blob) == _PREFIX.size and blob[:8] == MAGIC:
+            header_end = _PREFIX.size + _PREFIX.unpack(blob)[2]
+            if header_end <= size:
+                blob += _read_at(fd, header_end - _PREFIX.size, _PREFIX.size)
+    except OSError as exc:
+        raise ModelFileError(f"{name}: cannot read model file: {exc.strerror or exc}") from exc
+    version, header, expected, data_start, data_size = _parse_header(name, blob, size, exact_size)
     digest = hashlib.sha256(_canonical(header))
-    digest.update(data)
-    if digest.hexdigest() != expected:
-        raise ModelFileError(
-            f"{name}: content hash mismatch (header says {expected[:16]}…, content is "
-            f"{digest.hexdigest()[:16]}…): the file is corrupt or was modified"
-        )
+    buffer = _read_data(fd, name, data_start, data_size, digest)
+    try:
+        if digest.hexdigest() != expected:
+            raise ModelFileError(
+                f"{name}: content hash mismatch (header says {expected[:16]}…, content is "
+                f"{digest.hexdigest()[:16]}…): the file is corrupt or was modified"
+            )
+    except BaseException:
+        buffer.close()
+        raise
+    data = memoryview(buffer)[:data_size].toreadonly()  # the tensors view it; the mapping lives as long as they do
     try:
         return _decode(name, header, data, expected, version)
     except ModelFileError:
         raise
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelFileError(f"{name}: invalid model file contents: {exc}") from exc
+
+
+def _read_at(fd: int, n: int, offset: int) -> bytes:
+    """Up to ``n`` bytes of ``fd`` from ``offset`` (fewer only at the end of the file)."""
+    parts: list[bytes] = []
+    while n > 0:
+        part = os.pread(fd, min(n, READ_CHUNK_BYTES), offset)
+        if not part:
+            break
+        parts.append(part)
+        n -= len(part)
+        offset += len(part)
+    return b"".join(parts)
+
+
+def _read_data(fd: int, name: str, start: int, size: int, digest: Any) -> mmap.mmap:
+    """The ``size`` data bytes of ``fd`` from ``start``, read in chunks into an anonymous
+    mapping and added to ``digest`` on the way; ModelFileError (the mapping unmapped) when
+    the file ends before them."""
+    buffer = mmap.mmap(-1, max(size, 1))  # a mapping of no bytes cannot be made
+    try:
+        with memoryview(buffer) as view:
+            done = 0
+            while done < size:
+                with view[done : min(size, done + READ_CHUNK_BYTES)] as chunk:
+                    got = os.preadv(fd, [chunk], start + done)
+                    if got == 0:
+                        raise ModelFileError(f"{name}: truncated model file (it ended after {start + done} "
+                                             f"bytes while its data was read; needs {start + size})")
+                    digest.update(chunk[:got])
+                done += got
+    except OSError as exc:
+        buffer.close()
+        raise ModelFileError(f"{name}: cannot read model file: {exc.strerror or exc}") from exc
+    except BaseException:
+        buffer.close()
+        raise
+    return buffer
 
 
 def read_model_header(path: str | os.PathLike[str]) -> ModelFile:
@@ -256,17 +319,19 @@ def read_model_header(path: str | os.PathLike[str]) -> ModelFile:
         raise ModelFileError(f"{name}: invalid model file contents: {exc}") from exc
 
 
-def _parse_header(name: str, blob: bytes, size: int) -> tuple[int, dict[str, Any], str, int, int]:
+def _parse_header(name: str, blob: bytes, size: int,
+                  exact_size: bool = False) -> tuple[int, dict[str, Any], str, int, int]:
     """Check the prefix and header of a model file of ``size`` bytes whose first bytes
     (at least the prefix and the header, when the file holds them) are ``blob`` → (format
-    version, header without ``sha256``, the ``sha256`` it records, data offset, data size)."""
+    version, header without ``sha256``, the ``sha256`` it records, data offset, data size).
+    ``exact_size``: the file must end where its data ends (no bytes after it)."""
     if len(blob) < _PREFIX.size:
         if MAGIC.startswith(blob[:8]) and blob:
             raise ModelFileError(f"{name}: truncated model file ({len(blob)} bytes)")
         raise ModelFileError(f"{name}: not an nlmserve model file (too short, no magic bytes)")
     magic, version, header_len = _PREFIX.unpack_from(blob)
     if magic != MAGIC:
-        raise ModelFileError(f"{name}: not an nlmserve model file (magic bytes {magic!r}, expected {MAGIC!r})")
+        raise ModelFileError(f"{name}: not an nlmserve model file (bad magic bytes)")
     header_end = _PREFIX.size + header_len
     if version > FORMAT_VERSION and (header_end > len(blob) or blob[_PREFIX.size : _PREFIX.size + 1] != b"{"):
         # A newer file still opens with magic, version, header length and a JSON header;
@@ -296,6 +361,9 @@ def _parse_header(name: str, blob: bytes, size: int) -> tuple[int, dict[str, Any
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelFileError(f"{name}: corrupt model file header (missing {exc})") from exc
     data_start = _align(header_end)
+    if exact_size and data_start + data_size != size:
+        raise ModelFileError(f"{name}: model file has {size} bytes, its header says {data_start + data_size} "
+                             f"({'truncated' if size < data_start + data_size else 'bytes after the data'})")
     if data_start + data_size > size:
         raise ModelFileError(f"{name}: truncated model file (needs {data_start + data_size} bytes, file has {size})")
     return version, header, expected, data_start, data_size

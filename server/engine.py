@@ -41,7 +41,7 @@ from ..lm.protocol import RowScorer, ScoringModel
 from ..lm.tables_file import FlatTables
 from ..common.logbase import ln_to_log10
 from .config import ServerConfig
-from .files import check_model_file
+from .files import read_model, shown_path
 from .metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -81,17 +81,19 @@ class _Part:
     state: "ModelState"  # the model that scores this part
 
 
-def load_model(config: ServerConfig, path: str | None = None) -> ScoringModel:
-    """The model file ``path`` (default ``config.model``) loaded on the configured device
-    (ModelFileError naming the file when it is not a regular file of at most
-    ``max_model_bytes`` and of the size its header gives, or does not load)."""
+def load_model(config: ServerConfig, path: str | None = None, reload_dir: str | None = None) -> ScoringModel:
+    """The model file ``path`` (default ``config.model``) loaded on the configured device,
+    read through one open of the path (server/files.py ``read_model``; ``reload_dir``: a
+    caller's path, which must lie in that folder, no symlink followed below it).
+    ModelFileError naming the file when it is not a regular file of at most
+    ``max_model_bytes`` and of the size its header gives, or does not load."""
     from ..lm.scoring import LanguageModel
 
     path = config.model if path is None else path
-    check_model_file(path, config.max_model_bytes)  # a regular file of the size its header gives
-    lm = LanguageModel.load(path, device=config.device, cpu_tables=config.cpu_tables)
+    lm = LanguageModel(read_model(path, config.max_model_bytes, reload_dir), device=config.device,
+                       cpu_tables=config.cpu_tables)
     log.info("loaded %s: order %s, %s words, device %s, hash %s",
-             path, lm.order, len(lm.vocab), lm.device, lm.model_hash)
+             shown_path(path), lm.order, len(lm.vocab), lm.device, lm.model_hash)
     return lm
 
 
