@@ -229,11 +229,14 @@ def read_model_descriptor(fd: int, name: str, *, max_bytes: int | None = None,
         size = info.st_size
         if max_bytes is not None and size > max_bytes:
             raise ModelFileError(f"{name}: model file has {size} bytes, more than the {max_bytes} allowed")
-        blob = _read_at(fd, min(size, _PREFIX.size), 0)
+        blob = bytearray(min(size, _PREFIX.size))
+        del blob[_read_into(fd, memoryview(blob), 0):]
         if len(blob) == _PREFIX.size and blob[:8] == MAGIC:
             header_end = _PREFIX.size + _PREFIX.unpack(blob)[2]
-            if header_end <= size:
-                blob += _read_at(fd, header_end - _PREFIX.size, _PREFIX.size)
+            if header_end <= size:  # the header read in place: no copy of it beside it
+                blob, prefix = bytearray(header_end), blob
+                blob[: _PREFIX.size] = prefix
+                del blob[_PREFIX.size + _read_into(fd, memoryview(blob)[_PREFIX.size :], _PREFIX.size):]
     except OSError as exc:
         raise ModelFileError(f"{name}: cannot read model file: {exc.strerror or exc}") from exc
     version, header, expected, data_start, data_size = _parse_header(name, blob, size, exact_size)
@@ -257,17 +260,20 @@ def read_model_descriptor(fd: int, name: str, *, max_bytes: int | None = None,
         raise ModelFileError(f"{name}: invalid model file contents: {exc}") from exc
 
 
-def _read_at(fd: int, n: int, offset: int) -> bytes:
-    """Up to ``n`` bytes of ``fd`` from ``offset`` (fewer only at the end of the file)."""
-    parts: list[bytes] = []
-    while n > 0:
-        part = os.pread(fd, min(n, READ_CHUNK_BYTES), offset)
-        if not part:
-            break
-        parts.append(part)
-        n -= len(part)
-        offset += len(part)
-    return b"".join(parts)
+def _read_into(fd: int, view: memoryview, offset: int, digest: Any = None) -> int:
+    """Fill ``view`` from ``fd`` at ``offset``, :data:`READ_CHUNK_BYTES` at a time, each
+    chunk added to ``digest`` when given → the bytes read (fewer only at the end of the file)."""
+    done = 0
+    with view:
+        while done < len(view):
+            with view[done : done + READ_CHUNK_BYTES] as chunk:
+                got = os.preadv(fd, [chunk], offset + done)
+                if got and digest is not None:
+                    digest.update(chunk[:got])
+            if got == 0:
+                break
+            done += got
+    return done
 
 
 def _read_data(fd: int, name: str, start: int, size: int, digest: Any) -> mmap.mmap:
@@ -276,16 +282,10 @@ def _read_data(fd: int, name: str, start: int, size: int, digest: Any) -> mmap.m
     the file ends before them."""
     buffer = mmap.mmap(-1, max(size, 1))  # a mapping of no bytes cannot be made
     try:
-        with memoryview(buffer) as view:
-            done = 0
-            while done < size:
-                with view[done : min(size, done + READ_CHUNK_BYTES)] as chunk:
-                    got = os.preadv(fd, [chunk], start + done)
-                    if got == 0:
-                        raise ModelFileError(f"{name}: truncated model file (it ended after {start + done} "
-                                             f"bytes while its data was read; needs {start + size})")
-                    digest.update(chunk[:got])
-                done += got
+        got = _read_into(fd, memoryview(buffer)[:size], start, digest)
+        if got < size:
+            raise ModelFileError(f"{name}: truncated model file (it ended after {start + got} bytes while its "
+                                 f"data was read; needs {start + size})")
     except OSError as exc:
         buffer.close()
         raise ModelFileError(f"{name}: cannot read model file: {exc.strerror or exc}") from exc
@@ -295,31 +295,7 @@ def _read_data(fd: int, name: str, start: int, size: int, digest: Any) -> mmap.m
     return buffer
 
 
-def read_model_header(path: str | os.PathLike[str]) -> ModelFile:
-    """A model file's header, decoded and checked as :func:`read_model_file` does, without
-    reading its data: ``tensors`` is empty and ``sha256`` is the digest the header records
-    (``read_model_file`` checks it against the content). For describing a model
-    (``nlmserve info``) in the time its header takes to read. ModelFileError as
-    ``read_model_file``, a file shorter than its header declares included."""
-    name = str(path)
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            blob = f.read(_PREFIX.size)
-            if len(blob) == _PREFIX.size and blob[:8] == MAGIC:
-                blob += f.read(_PREFIX.unpack(blob)[2])
-    except OSError as exc:
-        raise ModelFileError(f"{name}: cannot read model file: {exc.strerror or exc}") from exc
-    version, header, expected, _, _ = _parse_header(name, blob, size)
-    try:
-        return _decode(name, header, None, expected, version)
-    except ModelFileError:
-        raise
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ModelFileError(f"{name}: invalid model file contents: {exc}") from exc
-
-
-def _parse_header(name: str, blob: bytes, size: int,
+def _parse_header(name: str, blob: bytes | bytearray, size: int,
                   exact_size: bool = False) -> tuple[int, dict[str, Any], str, int, int]:
     """Check the prefix and header of a model file of ``size`` bytes whose first bytes
     (at least the prefix and the header, when the file holds them) are ``blob`` → (format
@@ -350,7 +326,7 @@ def _parse_header(name: str, blob: bytes, size: int,
     if header_end > len(blob):
         raise ModelFileError(f"{name}: truncated model file (header needs {header_end} bytes, file has {size})")
     try:
-        header = json.loads(blob[_PREFIX.size : header_end].decode("utf-8"))
+        header = json.loads(str(memoryview(blob)[_PREFIX.size : header_end], "utf-8"))  # no copy of the bytes
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ModelFileError(f"{name}: corrupt model file header: {exc}") from exc
     if not isinstance(header, dict) or header.get("format") != "nlmserve-model":
