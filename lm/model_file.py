@@ -295,6 +295,30 @@ def _read_data(fd: int, name: str, start: int, size: int, digest: Any) -> mmap.m
     return buffer
 
 
+def read_model_header(path: str | os.PathLike[str]) -> ModelFile:
+    """A model file's header, decoded and checked as :func:`read_model_file` does, without
+    reading its data: ``tensors`` is empty and ``sha256`` is the digest the header records
+    (``read_model_file`` checks it against the content). For describing a model
+    (``nlmserve info``) in the time its header takes to read. ModelFileError as
+    ``read_model_file``, a file shorter than its header declares included."""
+    name = str(path)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            blob = f.read(_PREFIX.size)
+            if len(blob) == _PREFIX.size and blob[:8] == MAGIC:
+                blob += f.read(_PREFIX.unpack(blob)[2])
+    except OSError as exc:
+        raise ModelFileError(f"{name}: cannot read model file: {exc.strerror or exc}") from exc
+    version, header, expected, _, _ = _parse_header(name, blob, size)
+    try:
+        return _decode(name, header, None, expected, version)
+    except ModelFileError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelFileError(f"{name}: invalid model file contents: {exc}") from exc
+
+
 def _parse_header(name: str, blob: bytes | bytearray, size: int,
                   exact_size: bool = False) -> tuple[int, dict[str, Any], str, int, int]:
     """Check the prefix and header of a model file of ``size`` bytes whose first bytes
