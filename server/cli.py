@@ -34,7 +34,7 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--max-connection-idle-seconds", float, "close connections idle this long (default 300; 0: never)"),
     ("--max-connection-age-seconds", float, "make clients reconnect after this long (default 0: never)"),
     ("--max-connection-age-grace-seconds", float, "time calls get after an age limit's GOAWAY (default 60)"),
-    ("--max-model-bytes", int, "largest model file loaded, at start or on reload (default 8 GiB)"),
+    ("--max-model-bytes", int, "largest model file loaded, at start or on reload (default 2 GiB)"),
     ("--reload-timeout-seconds", float, "longest a reload may read and check its file (default 300)"),
     ("--max-ngrams-per-request", int, "most n-grams or tokens per request (default 200000)"),
     ("--max-message-bytes", int, "largest gRPC message (default 64 MiB)"),
@@ -48,6 +48,8 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--token-file", str, "file of bearer tokens, one per line (re-read on SIGHUP); health stays open"),
     ("--frontend", str, "python (default) or native: the C++ front end (server/native) takes the public port "
                         "and micro-batches small requests before this process"),
+    ("--admin-token-file", str, "file of admin tokens: only they may call Admin/ReloadModel (re-read on SIGHUP)"),
+    ("--reload-dir", str, "folder a ReloadModel path must lie in, no symlink followed (default: the folder of --model)"),
     ("--frontend-binary", str, "path of nlmserve_frontend (default: on PATH, else build/native of the checkout)"),
     ("--frontend-max-delay-us", int, "native front end: longest wait for a batch to fill (default 500)"),
     ("--frontend-max-inflight", int, "native front end: merged requests at the model server at once (default 1)"),

@@ -88,8 +88,14 @@ class ServerConfig:
     max_connection_age_seconds: float = 0.0
     #: Seconds calls in flight get after a ``max_connection_age`` GOAWAY.
     max_connection_age_grace_seconds: float = 60.0
-    #: Largest model file the server loads (at start and on reload), in bytes.
-    max_model_bytes: int = 8 * 1024**3
+    #: Largest model file the server loads (at start and on reload), in bytes; a reload reads
+    #: at most this much before its digest is checked, so it is also the most memory a
+    #: refused reload can take for a while. Sized to the models ``nlmserve train`` makes: its
+    #: recipes (lm/recipe.py: order 10, width 768, class output, 2^22 + 2^24 feature slots)
+    #: at a WMT vocabulary of 200,000 words give 1.23 GiB of tensors (two V×768 float32
+    #: tables, 1.14 GiB, and the feature tables, 80 MiB); 2 GiB leaves 60 % of headroom
+    #: (about 330,000 words at that width). Raise it for larger models.
+    max_model_bytes: int = 2 * 1024**3
     #: Longest a reload may take to read and check its file, in seconds; a read that takes
     #: longer is abandoned (the served model stays) and reloads stay refused until it ends.
     reload_timeout_seconds: float = 300.0
@@ -119,6 +125,18 @@ class ServerConfig:
     #: Serve the Admin service (ReloadModel) on a server without tokens. Off by default:
     #: without tokens anyone who reaches the port could make the server load a file.
     allow_unauthenticated_admin: bool = False
+    #: File of admin bearer tokens (the token file's format, re-read on reload). When set,
+    #: only its tokens may call the Admin service (ReloadModel): a call with a scoring token
+    #: gets PERMISSION_DENIED, one with no or an unknown token UNAUTHENTICATED, whatever
+    #: ``allow_unauthenticated_admin`` says. An admin token is accepted by every other
+    #: service too. None: Admin takes the scoring tokens (``token_file``), as before.
+    admin_token_file: str | None = None
+    #: Folder a ReloadModel call's path must lie in: the path is taken by its name (``..``
+    #: resolved as text) and opened with no symlink followed below the folder, so no caller
+    #: can make the server read a file elsewhere (FAILED_PRECONDITION naming the folder).
+    #: A call without a path, and SIGHUP, reload ``model`` itself, which may be a symlink.
+    #: None: the folder that holds ``model``.
+    reload_dir: str | None = None
     #: ``python``: this process serves the public port. ``native``: the C++ front end
     #: (server/native, ``nlmserve_frontend``) serves it and micro-batches small ScoreNgrams
     #: requests before this process, which binds a private loopback port (plaintext only).
@@ -155,6 +173,8 @@ class ServerConfig:
             (self.max_connection_age_grace_seconds >= 0, "max_connection_age_grace_seconds must be >= 0"),
             (self.max_model_bytes >= 1024, "max_model_bytes must be >= 1024"),
             (self.reload_timeout_seconds > 0, "reload_timeout_seconds must be > 0"),
+            (self.admin_token_file != "", "admin_token_file must name a file"),
+            (self.reload_dir != "", "reload_dir must name a folder"),
             (self.max_message_bytes >= 1024, "max_message_bytes must be >= 1024"),
             (self.ngram_cache_size >= 0, "ngram_cache_size must be >= 0"),
             (self.context_cache_size >= 0, "context_cache_size must be >= 0"),

@@ -166,7 +166,8 @@ def test_admin_reloads_under_load_lose_nothing(tiny_lm: Any, tiny_model_path: Pa
     tokens = tmp_path / "tokens"
     tokens.write_text("admin-token\n", encoding="utf-8")
     config = ServerConfig(model=str(tiny_model_path), port=0, metrics_port=0, max_batch_ngrams=256,
-                          ngram_cache_size=50_000, context_cache_size=5_000, token_file=str(tokens))
+                          ngram_cache_size=50_000, context_cache_size=5_000, token_file=str(tokens),
+                          reload_dir=str(tmp_path.parent))  # the folder of every test's files
     running = create_server(config, engine=Engine(tiny_lm, config))
     a, b = tiny_lm.model_hash, next(h for h in expected if h != tiny_lm.model_hash)
     broken = tmp_path / "broken.nlm"
@@ -198,7 +199,8 @@ def test_admin_reloads_under_load_lose_nothing(tiny_lm: Any, tiny_model_path: Pa
 def test_a_model_with_another_vocabulary_is_refused(tiny_lm: Any, tiny_model_path: Path, train_small_path: Path,
                                                     dev_small_path: Path, tmp_path: Path) -> None:
     smaller = _train(tmp_path / "min3.nlm", train_small_path, dev_small_path, seed=3, steps=5, min_count=3)
-    config = ServerConfig(model=str(tiny_model_path), port=0, allow_unauthenticated_admin=True)
+    config = ServerConfig(model=str(tiny_model_path), port=0, allow_unauthenticated_admin=True,
+                          reload_dir=str(tmp_path))
     running = create_server(config, engine=Engine(tiny_lm, config))
     try:
         with LMClient(running.target) as client:
@@ -213,7 +215,8 @@ def test_a_model_with_another_vocabulary_is_refused(tiny_lm: Any, tiny_model_pat
 def test_reload_cli(tiny_lm: Any, tiny_model_path: Path, other_model_path: Path, tmp_path: Path) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text("cli-admin-token\n", encoding="utf-8")
-    config = ServerConfig(model=str(tiny_model_path), port=0, token_file=str(tokens))
+    config = ServerConfig(model=str(tiny_model_path), port=0, token_file=str(tokens),
+                          reload_dir=str(other_model_path.parent))
     running = create_server(config, engine=Engine(tiny_lm, config))
     cmd = NLMSERVE + ["reload", "--server", running.target, "--model", str(other_model_path)]
     old = NLMSERVE + ["reload", "--server", running.target, "--path", str(other_model_path)]  # the old spelling
