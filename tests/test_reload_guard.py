@@ -6,9 +6,13 @@ that takes too long is abandoned; the served model serves on throughout. Real se
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import os
 import shutil
 import signal
+import struct
 import threading
 import time
 from pathlib import Path
@@ -21,6 +25,7 @@ import pytest
 import nlmserve.server.admin as admin
 from nlmserve.client import LMClient, RpcError
 from nlmserve.common.errors import ModelFileError, ReloadError
+from nlmserve.lm.model_file import MAGIC
 from nlmserve.server.app import RunningServer, create_server
 from nlmserve.server.config import ServerConfig
 
@@ -199,3 +204,140 @@ def test_sighup_with_a_fifo_as_model_file_does_not_wedge(tiny_model_path: Path, 
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
     assert proc.returncode == 0
+
+
+# ---------------------------------------------------------------------- one open, bounded reads
+def test_a_symlink_flipped_to_a_fifo_after_the_check_is_never_read(tiny_lm: Any, tiny_model_path: Path,
+                                                                   tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The operator's model path is a symlink, flipped to a FIFO right after the server
+    looked at the file it named (its fstat). What is read is what was looked at (one open of
+    the path): the reload serves the model; the next one, of the FIFO, is refused at once. A
+    second open of the path read the FIFO: the reload was abandoned after
+    reload_timeout_seconds and every later one refused as "in progress"."""
+    target = tmp_path / "v1.nlm"
+    shutil.copyfile(tiny_model_path, target)
+    fifo = tmp_path / "model.fifo"
+    os.mkfifo(fifo)
+    link = tmp_path / "current.nlm"
+    link.symlink_to(target)
+    config = ServerConfig(model=str(link), port=0, reload_timeout_seconds=2.0)
+    running = create_server(config, engine=Engine(tiny_lm, config))
+    real_fstat = os.fstat
+    model_inode = os.stat(target).st_ino
+    flipped: list[bool] = []
+
+    def fstat_then_flip(fd: int) -> os.stat_result:
+        info = real_fstat(fd)
+        if not flipped and info.st_ino == model_inode:
+            (tmp_path / "flip").symlink_to(fifo)
+            os.replace(tmp_path / "flip", link)
+            flipped.append(True)
+        return info
+
+    monkeypatch.setattr(os, "fstat", fstat_then_flip)
+    try:
+        assert running.reload().model_hash == tiny_lm.model_hash  # as SIGHUP does
+        assert flipped and os.path.realpath(link) == str(fifo)
+        with pytest.raises(ReloadError, match="model file is a FIFO, not a regular file"):
+            running.reload()
+        serves(running, tiny_lm)
+    finally:
+        with contextlib.suppress(OSError):  # a read blocked on the FIFO (a second open) gets its end
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        running.stop(0.5)
+
+
+def sparse_model(path: Path, size: int) -> Path:
+    """A file of ``size`` bytes, holes after a valid prefix and header that declare that size
+    (and a digest its zeros do not have)."""
+    data_start = 0
+    header = {"format": "nlmserve-model", "data_size": 0, "sha256": "0" * 64}
+    for _ in range(2):  # the data size depends on the header's length, which depends on it
+        header["data_size"] = size - data_start
+        body = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+        data_start = (20 + len(body) + 63) // 64 * 64
+    with open(path, "wb") as f:
+        f.write(struct.pack("<8sIQ", MAGIC, 1, len(body)) + body)
+        f.truncate(size)
+    return path
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (VmRSS), bytes."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc (Linux)")
+def test_a_refused_read_gives_its_memory_back(tiny_lm: Any, tiny_model_path: Path, tmp_path: Path) -> None:
+    """A 256 MiB sparse file whose header declares its size, with max_model_bytes above it:
+    read in chunks, refused on its digest, and the server's resident memory is back within
+    16 MiB of where it was once the refusal is answered (the old read kept the whole file
+    alive in the refused reload's error)."""
+    size = 256 * 1024 * 1024
+    sparse = sparse_model(tmp_path / "sparse.nlm", size)
+    model = tmp_path / "served.nlm"
+    shutil.copyfile(tiny_model_path, model)
+    config = ServerConfig(model=str(model), port=0, allow_unauthenticated_admin=True, max_model_bytes=size + 4096,
+                          reload_timeout_seconds=60.0)
+    running = create_server(config, engine=Engine(tiny_lm, config))
+    try:
+        serves(running, tiny_lm)
+        with LMClient(running.target, retries=0, timeout=30) as client:  # what a first reload sets up is there
+            assert client.reload_model(str(model)).model_hash == tiny_lm.model_hash
+        before = resident_bytes()
+        message = refused(running, str(sparse))
+        after = resident_bytes()
+        assert f"{sparse}: content hash mismatch" in message  # read to its end
+        assert after - before < 16 * 1024 * 1024, (before, after)
+        serves(running, tiny_lm)
+    finally:
+        running.stop(0.5)
+
+
+def test_a_sparse_file_larger_than_the_default_limit_is_refused_before_a_read(running: RunningServer,
+                                                                             tmp_path: Path) -> None:
+    """3 GiB of holes whose header declares that size: refused by its size at once, by the
+    default max_model_bytes (2 GiB, the product's largest models with headroom); before, the
+    8 GiB default let it be read whole (0.3 → 3.5 GB) and refused only on the digest."""
+    sparse = sparse_model(tmp_path / "three.nlm", 3 * 1024**3)
+    message = refused(running, str(sparse))
+    assert f"{sparse}: model file has {3 * 1024**3} bytes, more than max_model_bytes = {MAX_MODEL_BYTES}" in message
+
+
+# ---------------------------------------------------------------------- what a refusal shows
+def test_a_refusal_never_shows_the_bytes_of_the_file(running: RunningServer, tmp_path: Path) -> None:
+    """A file that is no model file is refused without a byte of it in the message or the
+    log: one of secrets in the reload folder (by the RPC), and /proc/self/environ (the
+    operator's path; fstat gives it 0 bytes, reading it gives the environment)."""
+    secret = tmp_path / "secret.nlm"
+    secret.write_bytes(b"PASSWORD=hunter2-and-more-secret-bytes\n" * 4)
+    message = refused(running, str(secret))
+    assert f"{secret}: not an nlmserve model file" in message
+    assert "PASSWORD" not in message and "hunter" not in message
+    with pytest.raises(ReloadError) as err:
+        running.reload("/proc/self/environ")
+    environ = open("/proc/self/environ", "rb").read()[:8].decode("ascii", "replace")
+    assert "/proc/self/environ: not an nlmserve model file" in str(err.value)
+    assert environ not in str(err.value)
+
+
+def test_a_path_with_a_newline_cannot_forge_a_log_line(running: RunningServer, tmp_path: Path,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """A ReloadModel path holding a newline (and other control characters) is shown with
+    them escaped, in the refusal and in every log line: no line of its own for the
+    characters after the newline."""
+    forged = "x.nlm\n2030-01-01 00:00:00 INFO nlmserve.server.admin: reloaded\r\x1b[2K"
+    evil = tmp_path / forged
+    evil.write_bytes(b"not a model")
+    with caplog.at_level(logging.INFO, logger="nlmserve"):
+        message = refused(running, str(evil))
+    shown = f"{tmp_path}/x.nlm\\n2030-01-01 00:00:00 INFO nlmserve.server.admin: reloaded\\r\\x1b[2K"
+    assert f"{shown}: not an nlmserve model file" in message
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("nlmserve.server")]
+    assert any(shown in line for line in lines), lines
+    assert not any(c in line for line in lines for c in "\n\r\x1b"), lines
