@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 from pathlib import Path
@@ -11,7 +12,8 @@ import numpy as np
 import pytest
 
 from nlmserve.common.errors import ModelFileError
-from nlmserve.lm.model_file import FORMAT_VERSION, MAGIC, read_model_file, save_model
+from nlmserve.lm import model_file
+from nlmserve.lm.model_file import FORMAT_VERSION, MAGIC, read_model_descriptor, read_model_file, save_model
 from nlmserve.lm.scoring import LanguageModel
 from nlmserve.lm.vocab import BOS_ID
 
@@ -106,3 +108,40 @@ def test_read_model_file_exposes_metadata(tiny_model_path: Path, tmp_path: Path)
     copy = tmp_path / "same.nlm"
     shutil.copy(tiny_model_path, copy)
     assert read_model_file(copy).sha256 == mf.sha256
+
+
+def test_a_foreign_file_is_refused_without_its_bytes(tmp_path: Path) -> None:
+    """The refusal names the file and says why, never what the file holds (it may be any
+    file the reader can open: a key, /proc/self/environ)."""
+    bad = tmp_path / "secret.nlm"
+    bad.write_bytes(b"SHELL=/bin/bash\nTOKEN=abc123\n")
+    with pytest.raises(ModelFileError) as exc:
+        read_model_file(bad)
+    assert str(exc.value) == f"{bad}: not an nlmserve model file (bad magic bytes)"
+
+
+def test_a_read_stops_at_max_bytes_and_at_the_declared_data(tiny_model_path: Path, tmp_path: Path) -> None:
+    """A file larger than ``max_bytes`` is refused before it is read; a file longer than its
+    header says is refused with ``exact_size`` and otherwise read up to its declared data
+    only; read in chunks (here of 4 KiB), the data gives the same digest."""
+    size = tiny_model_path.stat().st_size
+    with pytest.raises(ModelFileError, match=f"has {size} bytes, more than the {size - 1} allowed"):
+        read_model_file(tiny_model_path, max_bytes=size - 1)
+    longer = tmp_path / "longer.nlm"
+    longer.write_bytes(tiny_model_path.read_bytes() + b"\xff" * 100_000)
+    fd = os.open(longer, os.O_RDONLY)
+    try:
+        with pytest.raises(ModelFileError, match="its header says"):
+            read_model_descriptor(fd, str(longer), exact_size=True)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(model_file, "READ_CHUNK_BYTES", 4096)
+            assert read_model_descriptor(fd, str(longer)).sha256 == read_model_file(tiny_model_path).sha256
+    finally:
+        os.close(fd)
+
+
+def test_a_fifo_is_refused_not_waited_on(tmp_path: Path) -> None:
+    fifo = tmp_path / "model.fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ModelFileError, match="not a regular file"):
+        read_model_file(fifo)
