@@ -2,8 +2,9 @@
 
 Each server-side class maps to one gRPC status code in the servicer (``server.servicer``);
 the client maps status codes back (``client.core.map_error``); the CLI prints the message
-and exits non-zero. Wrap foreign errors with context (``raise CorpusError(...) from exc``);
-never ``assert`` on user input. Nothing is imported here (grpc only for type checking).
+as one line and exits 1 (2 for a :class:`UsageError`). Wrap foreign errors with context
+(``raise CorpusError(...) from exc``); never ``assert`` on user input. Nothing is imported
+here (grpc only for type checking).
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ if TYPE_CHECKING:
 
 class NlmserveError(Exception):
     """Base of every error nlmserve raises on purpose."""
+
+
+class UsageError(NlmserveError):
+    """A flag's value, or a combination of flags, that cannot work: the command line prints
+    the message and exits 2 (as for argparse's own errors), before any work."""
 
 
 class InputError(NlmserveError):

@@ -12,7 +12,9 @@ Plain output, one line per sentence, then a summary::
 ``id`` is the word's id in the model's vocabulary (0, ``<unk>``, for an unknown word, which is
 scored as ``<unk>``), ``ngram_length`` the words of history used, ``<s>`` included, capped at
 the order. ``--json``: one object per sentence (``tokens`` with word, id, ngram_length,
-log_prob (log10), oov; ``total``; ``oov``), then one ``{"summary": {...}}`` object.
+log_prob (log10), oov; ``total``; ``oov``), then one ``{"summary": {...}}`` object
+(``perplexity``, ``perplexity_excl_oov``, ``oov``, ``tokens``: the keys of ``nlmserve eval
+--json``, OOVs under ``oov`` everywhere).
 
 Input: UTF-8, one whitespace-tokenised sentence per line (an empty line scores ``</s>``
 alone). No input at all, a line that is not UTF-8 or one the model refuses (``<s>`` inside a
@@ -68,7 +70,7 @@ class Totals:
     def summary(self) -> dict[str, float | int]:
         ppl = from_log10(self.log10, self.tokens)
         ppl_excl = from_log10(self.log10 - self.oov_log10, self.tokens - self.oovs)
-        return {"perplexity": ppl, "perplexity_excl_oov": ppl_excl, "oovs": self.oovs, "tokens": self.tokens}
+        return {"perplexity": ppl, "perplexity_excl_oov": ppl_excl, "oov": self.oovs, "tokens": self.tokens}
 
 
 def add_input_flags(p: argparse.ArgumentParser) -> None:
@@ -154,5 +156,5 @@ def summary_lines(totals: Totals, as_json: bool) -> str:
         return json.dumps({"summary": summary}) + "\n"
     return (f"Perplexity including OOVs:\t{summary['perplexity']:.6g}\n"
             f"Perplexity excluding OOVs:\t{summary['perplexity_excl_oov']:.6g}\n"
-            f"OOVs:\t{summary['oovs']}\n"
+            f"OOVs:\t{summary['oov']}\n"
             f"Tokens:\t{summary['tokens']}\n")
