@@ -9,7 +9,9 @@ import signal
 import sys
 from typing import Any
 
-from ..common.flags import deprecated_spelling
+from ..common.errors import UsageError
+from ..common.flags import deprecated_spelling, float_in, int_at_least, int_between, positive_float
+from ..common.paths import MODEL, MODEL_OR_TABLES, TEXT, check_input, check_output, check_output_dir
 from ..common.kenlm_query import add_input_flags
 from .recipe import RECIPE_FLAGS
 
@@ -38,15 +40,15 @@ def register(subparsers: Any) -> None:
                    help="auto: the flags shown with 'default: recipe' are chosen from the corpus size, "
                         "--max-minutes and the cores (nlmserve.lm.recipe); none: their plain values, "
                         "the same on every machine")
-    p.add_argument("--order", type=int, help="n-gram order: the predicted word and order-1 before it")
-    p.add_argument("--dim", type=int, help="embedding width D")
+    p.add_argument("--order", type=int_at_least(2), help="n-gram order: the predicted word and order-1 before it")
+    p.add_argument("--dim", type=int_at_least(1), help="embedding width D")
     p.add_argument("--context", choices=("diagonal", "full"), default="diagonal", help="context weights")
-    p.add_argument("--hidden", type=int, default=0, help="hidden layer width (0: none)")
+    p.add_argument("--hidden", type=int_at_least(0), default=0, help="hidden layer width (0: none)")
     p.add_argument("--activation", choices=("none", "tanh", "relu"), default="none",
                    help="applied to the context vector")
-    p.add_argument("--dropout", type=float, help="dropout on the context vector while training (0: none)")
+    p.add_argument("--dropout", type=float_in(0.0, 1.0, high_open=True), help="dropout on the context vector while training (0: none)")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--classes", type=int, help="number of word classes (default: the documented default for V)")
+    g.add_argument("--classes", type=int_at_least(1), help="number of word classes (default: the documented default for V)")
     g.add_argument("--class-file", help="word classes from a wcluster paths file (bits<TAB>word<TAB>count)")
     p.add_argument("--class-method", choices=("frequency", "frequency-sqrt", "brown"),
                    help="frequency-sqrt: bins on square roots of counts (narrow classes for V >= 100k)")
@@ -57,26 +59,26 @@ def register(subparsers: Any) -> None:
     p.add_argument("--objective", choices=OBJECTIVE_CHOICES, default="nce",
                    help="nce, mle (exact likelihood of the output), softmax (full softmax, as --output softmax "
                         "--objective mle), sampling (target sampling), weaknorm, weaknormsq (self-normalising)")
-    p.add_argument("--noise-samples", type=int, default=10,
+    p.add_argument("--noise-samples", type=int_at_least(1), default=10,
                    help="k noise samples per example (nce); shared sample size per batch (sampling)")
-    p.add_argument("--tree-eps", type=float, default=0.25, help="ε of the adaptive-eps tree")
-    p.add_argument("--tree-pretrain-steps", type=int, default=2000,
+    p.add_argument("--tree-eps", type=float_in(0.0, 0.5, high_open=True), default=0.25, help="ε of the adaptive-eps tree")
+    p.add_argument("--tree-pretrain-steps", type=int_at_least(1), default=2000,
                    help="steps of the random-tree model behind the balanced/adaptive trees")
-    p.add_argument("--norm-fraction", type=float, default=0.1,
+    p.add_argument("--norm-fraction", type=float_in(0.0, 1.0, low_open=True), default=0.1,
                    help="γ: fraction of examples whose normaliser weaknorm(sq) computes")
-    p.add_argument("--norm-weight", type=float, help="α of the log Z penalty (weaknorm 0.1, weaknormsq 1.0)")
-    p.add_argument("--epochs", type=int, help="passes over the training text at most")
-    p.add_argument("--max-minutes", type=float, help="wall-time budget; stops cleanly and writes the best model")
-    p.add_argument("--max-steps", type=int, help="stop after this many optimiser steps")
+    p.add_argument("--norm-weight", type=float_in(0.0), help="α of the log Z penalty (weaknorm 0.1, weaknormsq 1.0)")
+    p.add_argument("--epochs", type=int_at_least(1), help="passes over the training text at most")
+    p.add_argument("--max-minutes", type=positive_float, help="wall-time budget; stops cleanly and writes the best model")
+    p.add_argument("--max-steps", type=int_at_least(1), help="stop after this many optimiser steps")
     p.add_argument("--lowercase", action="store_true")
-    p.add_argument("--min-count", type=int, default=1, help="words seen fewer times become <unk>")
-    p.add_argument("--max-vocab", type=int, help="keep at most this many words (with <unk>, <s>, </s>)")
-    p.add_argument("--max-train-lines", type=int, help="train on the first N lines only")
-    p.add_argument("--threads", type=int, help="torch threads per process")
+    p.add_argument("--min-count", type=int_at_least(1), default=1, help="words seen fewer times become <unk>")
+    p.add_argument("--max-vocab", type=int_at_least(4), help="keep at most this many words (with <unk>, <s>, </s>)")
+    p.add_argument("--max-train-lines", type=int_at_least(1), help="train on the first N lines only")
+    p.add_argument("--threads", type=int_at_least(1), help="torch threads per process")
     p.add_argument("--distributed", action="store_true",
                    help="data-parallel training under torchrun (gloo on CPU, NCCL on GPU); "
                         "--batch-size is then the global batch, split across the processes")
-    p.add_argument("--workers", type=int,
+    p.add_argument("--workers", type=int_at_least(1),
                    help="processes training one model together on the CPU, lock-free (Hogwild); "
                         "each takes its own minibatch of --batch-size")
     p.add_argument("--dense-grads", action="store_true", help="dense embedding gradients even with AdaGrad")
@@ -85,28 +87,28 @@ def register(subparsers: Any) -> None:
                         "step otherwise; torch: always the torch step (the reference)")
     p.add_argument("--seed", type=int, default=1, help="every random choice derives from it")
     p.add_argument("--resume", action="store_true", help="continue from OUT.ckpt when it exists")
-    p.add_argument("--batch-size", type=int, default=512, help="n-grams per minibatch (per worker)")
-    p.add_argument("--lr", type=float, help="learning rate")
+    p.add_argument("--batch-size", type=int_at_least(1), default=512, help="n-grams per minibatch (per worker)")
+    p.add_argument("--lr", type=positive_float, help="learning rate")
     p.add_argument("--optimizer", choices=("adagrad", "adam"), default="adagrad", help="the optimiser")
-    p.add_argument("--min-improvement", type=float,
+    p.add_argument("--min-improvement", type=float_in(0.0, 1.0, high_open=True),
                    help="halve the learning rate when validation improves by less than this fraction "
                         "(e.g. 0.005); 0: only when it does not improve")
     p.add_argument("--lr-schedule", choices=("plateau", "linear"),
                    help="plateau: change the rate on validation plateaus only; linear: also let it fall "
                         "linearly to 0 over the budget (--max-minutes, --max-steps or --epochs)")
-    p.add_argument("--patience", type=int, help="validations without improvement before stopping")
-    p.add_argument("--valid-every", type=int, help="validate every N steps (0: each epoch)")
-    p.add_argument("--checkpoint-every", type=int, default=1000,
+    p.add_argument("--patience", type=int_at_least(1), help="validations without improvement before stopping")
+    p.add_argument("--valid-every", type=int_at_least(0), help="validate every N steps (0: each epoch)")
+    p.add_argument("--checkpoint-every", type=int_at_least(0), default=1000,
                    help="write OUT.ckpt every N steps, fewer when writing would take over 2%% of the time, "
                    "always where training stops (0: never)")
-    p.add_argument("--log-every", type=int, default=100, help="append a record to OUT.log.jsonl every N steps")
+    p.add_argument("--log-every", type=int_at_least(1), default=100, help="append a record to OUT.log.jsonl every N steps")
     p.add_argument("--ngram-features", action=argparse.BooleanOptionalAction,
                    help="direct hashed n-gram features on the class and word scores (OxLM)")
-    p.add_argument("--ngram-class-bits", type=int,
+    p.add_argument("--ngram-class-bits", type=int_between(0, 30),
                    help="log2 of the class feature table size (with --ngram-features)")
-    p.add_argument("--ngram-word-bits", type=int,
+    p.add_argument("--ngram-word-bits", type=int_between(0, 30),
                    help="log2 of the word feature table size (with --ngram-features)")
-    p.add_argument("--ngram-order", type=int,
+    p.add_argument("--ngram-order", type=int_at_least(0),
                    help="longest n-gram with a direct feature (with --ngram-features; 0: the order)")
     p.add_argument("--workdir", help="where the id files go (default OUT.work)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -122,12 +124,12 @@ def register(subparsers: Any) -> None:
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.add_argument("--lowercase", action="store_true", help="lowercase the text (also done when the model was trained so)")
     e.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda if available)")
-    e.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    e.add_argument("--threads", type=int_at_least(0), default=0, help="torch threads (0: torch's default)")
     deprecated_spelling(e, "--kn", e.add_argument(
         "--kenlm", metavar="FILE", help="a Kneser-Ney model (ARPA or KenLM binary) to interpolate with"))
     w = e.add_mutually_exclusive_group()
     deprecated_spelling(w, "--kn-weight", w.add_argument(
-        "--mix-weight", type=float, metavar="λ", help="weight λ of the neural model in the mix with --kenlm"))
+        "--mix-weight", type=float_in(0.0, 1.0), metavar="λ", help="weight λ of the neural model in the mix with --kenlm"))
     deprecated_spelling(w, "--tune-kn-weight", w.add_argument(
         "--tune-mix-weight", metavar="DEV", help="tune λ on this text (maximum likelihood)"))
     e.set_defaults(func=_eval)
@@ -143,7 +145,7 @@ def register(subparsers: Any) -> None:
     q.add_argument("--model", required=True, metavar="FILE", help="model file written by `nlmserve train`")
     add_input_flags(q)
     q.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda if available)")
-    q.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    q.add_argument("--threads", type=int_at_least(0), default=0, help="torch threads (0: torch's default)")
     q.set_defaults(func=_query)
 
     i = subparsers.add_parser(
@@ -228,10 +230,24 @@ def apply_recipe(args: argparse.Namespace) -> str:
     return describe(recipe, fill(args, recipe), tokens, args.max_minutes, ncores)
 
 
+def check_train_files(args: argparse.Namespace) -> None:
+    """What ``nlmserve train`` writes, then what it reads, checked before the work (a
+    60-minute run must not learn at its end that ``--out`` is a directory)."""
+    for path in (args.out, args.out + ".ckpt", args.out + ".log.jsonl", args.out + ".curve.png"):
+        check_output(path)
+    check_output_dir(args.workdir or args.out + ".work")
+    check_input(args.train, TEXT, empty_ok=False)
+    if args.valid is not None:
+        check_input(args.valid, TEXT, empty_ok=False)
+    if args.class_file is not None:
+        check_input(args.class_file, TEXT, empty_ok=False)
+
+
 def _train(args: argparse.Namespace) -> int:
     from .train import TrainConfig, train
     from ..common.memory import keep_freed_memory
 
+    check_train_files(args)
     recipe = apply_recipe(args)
     if recipe:
         log.info("recipe: %s", recipe)
@@ -256,8 +272,7 @@ def _train(args: argparse.Namespace) -> int:
             recipe=recipe,
         )
     except ValueError as exc:
-        print(f"nlmserve train: error: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(str(exc)) from exc
     keep_freed_memory()  # the steps' large tensors reuse the heap instead of fresh pages
     # SIGTERM (kill, systemd, a batch scheduler) stops the run as Ctrl-C does: the best model
     # so far is written, the last checkpoint stays for --resume
@@ -295,7 +310,7 @@ def _table_size(enabled: bool, bits: int, flag: str) -> int:
     if not enabled:
         return 0
     if not 0 <= bits <= 30:
-        raise ValueError(f"{flag} must be between 0 and 30, got {bits}")
+        raise UsageError(f"{flag} must be between 0 and 30, got {bits}")
     return 1 << bits if bits else 0
 
 
@@ -307,9 +322,11 @@ def _normalize(args: argparse.Namespace) -> int:
     else:
         form = TextForm(lowercase=args.lowercase, apostrophes=args.apostrophes, split_hyphens=args.split_hyphens)
     if form == TextForm():
-        print("nlmserve normalize: error: choose --lc-moses or at least one of --lowercase, --apostrophes, "
-              "--split-hyphens", file=sys.stderr)
-        return 2
+        raise UsageError("choose --lc-moses or at least one of --lowercase, --apostrophes, --split-hyphens")
+    if args.out != "-":
+        check_output(args.out)
+    if args.src != "-":
+        check_input(args.src, TEXT)
     lines = normalize_file(args.src, args.out, form)
     if args.out != "-":
         print(f"wrote {lines} lines to {args.out}", file=sys.stderr)
@@ -322,6 +339,14 @@ def _eval(args: argparse.Namespace) -> int:
     from .evaluate import evaluate, format_report
     from .scoring import LanguageModel
 
+    if args.kenlm and args.mix_weight is None and args.tune_mix_weight is None:
+        raise UsageError("--kenlm needs --mix-weight or --tune-mix-weight")
+    check_input(args.model, MODEL)
+    check_input(args.text, TEXT, empty_ok=False)
+    if args.kenlm:
+        check_input(args.kenlm)
+    if args.tune_mix_weight:
+        check_input(args.tune_mix_weight, TEXT, empty_ok=False)
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = LanguageModel.load(args.model, device=args.device)
@@ -331,9 +356,6 @@ def _eval(args: argparse.Namespace) -> int:
     if args.kenlm:
         from .interpolate import format_interpolation, interpolate
 
-        if args.mix_weight is None and args.tune_mix_weight is None:
-            print("nlmserve eval: error: --kenlm needs --mix-weight or --tune-mix-weight", file=sys.stderr)
-            return 2
         mix = interpolate(lm, args.kenlm, args.text, weight=args.mix_weight, tune_text=args.tune_mix_weight,
                           lowercase=args.lowercase)
         out["interpolation"] = mix.to_json()
@@ -352,6 +374,7 @@ def _query(args: argparse.Namespace) -> int:
     from ..common.kenlm_query import write_scores
     from .scoring import LanguageModel, SentenceScores
 
+    check_input(args.model, MODEL)
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = LanguageModel.load(args.model, device=args.device)
@@ -368,10 +391,13 @@ def _query(args: argparse.Namespace) -> int:
 
 def _tables(args: argparse.Namespace) -> int:
     from .scoring import LanguageModel
-    from .tables_file import FlatTables, write_tables_file
+    from .tables_file import FlatTables, tables_file_size, write_tables_file
 
+    check_output(args.out)
+    check_input(args.model, MODEL)
     lm = LanguageModel.load(args.model, device="cpu")
     tables = FlatTables.of(lm.scoring_tables())  # UnsupportedModelError says why there are none
+    check_output(args.out, size=tables_file_size(tables))
     size = write_tables_file(args.out, tables, order=lm.order, vocab_size=len(lm.vocab),
                              model_hash=lm.model_hash)
     print(f"{args.out}: {size:,} bytes, {tables.output} output, order {lm.order}, {len(lm.vocab):,} words, "
@@ -384,11 +410,9 @@ def _info(args: argparse.Namespace) -> int:
     from .model_file import read_model_file, read_model_header
     from .tables_file import MAGIC, describe_tables_file
 
-    try:
-        with open(args.model, "rb") as f:
-            is_tables = f.read(len(MAGIC)) == MAGIC
-    except OSError:
-        is_tables = False  # the model file reader says what is wrong with it
+    check_input(args.model, MODEL_OR_TABLES)
+    with open(args.model, "rb") as f:
+        is_tables = f.read(len(MAGIC)) == MAGIC
     if is_tables:
         tables = describe_tables_file(args.model, verify=args.verify)
         print(json.dumps(tables, sort_keys=True) if args.json else "\n".join(f"{k}\t{v}" for k, v in tables.items()))

@@ -20,6 +20,7 @@ import numpy as np
 from .corpus import read_sentences
 from .scoring import LanguageModel
 from .vocab import EOS_ID
+from ..common.errors import CorpusError
 from ..common.perplexity import from_log10
 
 # Training-frequency bands: (label, lowest count, highest count); OOV tokens form their own band.
@@ -106,7 +107,7 @@ def evaluate(lm: LanguageModel, text: str | os.PathLike[str], *, lowercase: bool
     oov = np.concatenate(oov_all) if oov_all else np.empty(0, dtype=bool)
     tokens = int(lp.size)
     if tokens == 0:
-        raise ValueError(f"{text}: nothing to score")
+        raise CorpusError("empty: no tokens", os.fspath(text))  # as nlmserve train says it
     total = float(lp.sum())
     n_oov = int(oov.sum())
     in_vocab = ~oov

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..common.errors import ModelFileError
+from ..common.paths import atomic_output
 
 if TYPE_CHECKING:
     from .scoring import ScoringTables
@@ -87,24 +87,25 @@ class TablesFileHeader:
     tables: FlatTables
 
 
+def tables_file_size(tables: FlatTables) -> int:
+    """The bytes of the tables file of ``tables`` (for a free-space check before writing)."""
+    return DATA_OFFSET + 4 * int(tables.data.size)
+
+
 def write_tables_file(path: str | Path, tables: FlatTables, *, order: int, vocab_size: int,
                       model_hash: str) -> int:
     """Write ``tables`` of a model of ``order`` and ``vocab_size`` words to ``path``
-    atomically (a temporary file renamed over it); returns the bytes written."""
+    atomically (a temporary file renamed over it, removed when writing fails); returns the
+    bytes written."""
     data = np.ascontiguousarray(tables.data, dtype="<f4")
     head = _HEADER.pack(MAGIC, VERSION, order, vocab_size, tables.dim, tables.feature_order,
                         tables.ngram_class_table, tables.ngram_word_table, tables.tree_nodes, tables.tree_codes, 0,
                         tables.tree_steps, data.size, tables.activation.encode("ascii"),
                         model_hash.encode("ascii"), _sha256(data).encode("ascii"))
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with atomic_output(path) as f:
         f.write(head)
         f.write(b"\0" * (DATA_OFFSET - len(head)))
         data.tofile(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
     size = DATA_OFFSET + data.nbytes
     log.info("wrote %s (%d bytes, model %s)", path, size, model_hash[:12])
     return size

@@ -230,7 +230,7 @@ def test_score_cli_output(server: RunningServer, tiny_lm: Any) -> None:
         assert [t["log_prob"] for t in o["tokens"]] == pytest.approx(w.token_log_probs.tolist(), abs=1e-5)
         assert [t["oov"] for t in o["tokens"]] == w.oov.tolist()
     summary = objs[-1]["summary"]
-    assert summary["tokens"] == tokens and summary["oovs"] == oovs
+    assert summary["tokens"] == tokens and summary["oov"] == oovs
     assert summary["perplexity"] == pytest.approx(10 ** (-total / tokens), rel=1e-5)
     assert summary["perplexity_excl_oov"] == pytest.approx(10 ** (-(total - oov_lp) / (tokens - oovs)), rel=1e-5)
     assert lines[-4] == f"Perplexity including OOVs:\t{summary['perplexity']:.6g}"

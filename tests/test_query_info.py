@@ -158,7 +158,7 @@ def test_a_wrong_model_file_is_a_clear_error(tiny_model_path: Path, tmp_path: Pa
     truncated = tmp_path / "truncated.nlm"
     truncated.write_bytes(tiny_model_path.read_bytes()[:100_000])
     cases = [(text, f"{text}: not an nlmserve model file"), (truncated, f"{truncated}: truncated model file"),
-             (tmp_path / "missing.nlm", f"{tmp_path / 'missing.nlm'}: cannot read model file")]
+             (tmp_path / "missing.nlm", f"{tmp_path / 'missing.nlm'}: no such file")]
     for path, message in cases:
         for argv in (["query", "--model", str(path)], ["info", str(path)]):
             code, out, err = run(argv, b"the house\n", monkeypatch, capsys)

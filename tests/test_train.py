@@ -336,7 +336,10 @@ def test_max_minutes_stops_cleanly_with_the_best_model(small_train: Path, dev_sm
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
-    rc = main(["train", "--recipe", "none", *args, "--no-progress", "--max-steps", "2"])
+    try:
+        rc = main(["train", "--recipe", "none", *args, "--no-progress", "--max-steps", "2"])
+    except SystemExit as stop:  # argparse's usage errors
+        rc = int(stop.code or 0)
     return rc, capsys.readouterr().err
 
 
