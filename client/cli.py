@@ -22,7 +22,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from ..common.errors import InputError
-from ..common.flags import deprecated_spelling
+from ..common.flags import deprecated_spelling, positive_float
 from ..common.kenlm_query import add_input_flags, write_scores
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
                               description="Score whitespace-tokenised sentences (one per line) from stdin.")
     p.add_argument("--server", required=True, help=SERVER_HELP)
     add_input_flags(p)
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds per request (default 60)")
+    p.add_argument("--timeout", type=positive_float, default=60.0, help="seconds per request (default 60)")
     add_security_flags(p)
     p.set_defaults(func=run_score)
 
@@ -49,7 +49,7 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
                    help="HOST:PORT of `nlmserve serve`; HOST:PORT,HOST:PORT reloads replicas one by one")
     deprecated_spelling(r, "--path", r.add_argument(
         "--model", metavar="FILE", default="", help="model file on the server (default: its serve --model)"))
-    r.add_argument("--timeout", type=float, default=300.0, help="seconds to wait (default 300)")
+    r.add_argument("--timeout", type=positive_float, default=300.0, help="seconds to wait (default 300)")
     add_security_flags(r)
     r.set_defaults(func=run_reload)
 

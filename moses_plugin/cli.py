@@ -12,8 +12,9 @@ import os
 from typing import Any
 
 from ..client.cli import SERVER_HELP, add_security_flags
-from ..common.errors import InputError
-from ..common.flags import deprecated_spelling
+from ..common.errors import InputError, UsageError
+from ..common.flags import deprecated_spelling, float_in, int_at_least, positive_float
+from ..common.paths import LIST, MODEL, PLAIN, TABLES, check_input, check_output
 
 log = logging.getLogger(__name__)
 
@@ -41,15 +42,16 @@ def _register_rescore(subparsers: Any) -> None:
                              "by the kenlm module, e.g. an in-domain LM as --feature-name KN1")
     p.add_argument("--nbest", required=True, help="Moses n-best list (plain or gzip)")
     p.add_argument("--out", required=True, help="output n-best list (gzip when it ends in .gz)")
-    p.add_argument("--feature-name", default="NLM0", help="name of the new dense feature (no '_'; default NLM0)")
+    p.add_argument("--feature-name", type=feature_name, default="NLM0",
+                   help="name of the new dense feature (no '_'; default NLM0)")
     p.add_argument("--lowercase", action="store_true", help="lowercase hypotheses before scoring")
     p.add_argument("--unnormalized", action="store_true",
                    help="the self-normalised score of an NCE model, as the decoder's normalized=false "
                         "(a model that is not self-normalised gives its normalised scores)")
     p.add_argument("--skip-bad", action="store_true", help="count and drop malformed lines instead of failing")
-    p.add_argument("--batch-ngrams", type=int, default=50_000, help="n-grams per batch and checkpoint (default 50000)")
-    p.add_argument("--wait-server", type=float, default=60.0, help="seconds to wait for a lost server (default 60)")
-    p.add_argument("--timeout", type=float, default=60.0, help="per-request timeout in seconds (default 60)")
+    p.add_argument("--batch-ngrams", type=int_at_least(1), default=50_000, help="n-grams per batch and checkpoint (default 50000)")
+    p.add_argument("--wait-server", type=float_in(0.0), default=60.0, help="seconds to wait for a lost server (default 60)")
+    p.add_argument("--timeout", type=positive_float, default=60.0, help="per-request timeout in seconds (default 60)")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress on stderr (a bar on a terminal, a log line every 30 s otherwise)")
     add_security_flags(p)
@@ -66,11 +68,11 @@ def _register_tune(subparsers: Any) -> None:
                            help="mert: Och's exact line search; mira: batch k-best MIRA as Moses' kbmira "
                                 "(mert-moses.pl --batch-mira) (default mert)")
     deprecated_spelling(p, "--algorithm", tuner)
-    p.add_argument("--restarts", type=int, default=5, help="MERT: random restarts (default 5)")
-    p.add_argument("--random-directions", type=int, default=3, help="MERT: random directions per sweep (default 3)")
-    p.add_argument("--iterations", type=int, default=60, help="MIRA: epochs over the sentences (kbmira --iters, default 60)")
-    p.add_argument("--mira-c", type=float, default=0.01, help="MIRA: step cap C, lower regularises more (default 0.01)")
-    p.add_argument("--decay", type=float, default=0.999, help="MIRA: background BLEU decay (default 0.999)")
+    p.add_argument("--restarts", type=int_at_least(0), default=5, help="MERT: random restarts (default 5)")
+    p.add_argument("--random-directions", type=int_at_least(0), default=3, help="MERT: random directions per sweep (default 3)")
+    p.add_argument("--iterations", type=int_at_least(1), default=60, help="MIRA: epochs over the sentences (kbmira --iters, default 60)")
+    p.add_argument("--mira-c", type=positive_float, default=0.01, help="MIRA: step cap C, lower regularises more (default 0.01)")
+    p.add_argument("--decay", type=float_in(0.0, 1.0, low_open=True), default=0.999, help="MIRA: background BLEU decay (default 0.999)")
     p.add_argument("--model-bg", action="store_true", help="MIRA: background BLEU from the model's 1-best, not the hope")
     p.add_argument("--seed", type=int, default=0, help="random seed: MERT's restarts and directions, MIRA's order (default 0)")
     p.add_argument("--lowercase", action="store_true", help="lowercased BLEU")
@@ -106,7 +108,7 @@ def _register_search_errors(subparsers: Any) -> None:
     p.add_argument("--earlier", nargs="*", default=[],
                    help="n-best lists of the same sentences from the same system, e.g. a tuning's earlier "
                         "runN.best100.out.gz")
-    p.add_argument("--margin", type=float, default=1e-3, help="model-score difference that counts (default 0.001)")
+    p.add_argument("--margin", type=float_in(0.0), default=1e-3, help="model-score difference that counts (default 0.001)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_search_errors)
 
@@ -116,7 +118,7 @@ def _register_bleu(subparsers: Any) -> None:
     p.add_argument("--hyp", required=True, help="system output, one sentence per line")
     p.add_argument("--ref", nargs="+", required=True, help="reference files")
     p.add_argument("--baseline", help="baseline output: adds sacrebleu's paired bootstrap p-value")
-    p.add_argument("--samples", type=int, default=1000, help="bootstrap resamples (default 1000)")
+    p.add_argument("--samples", type=int_at_least(1), default=1000, help="bootstrap resamples (default 1000)")
     p.add_argument("--lowercase", action="store_true", help="lowercased BLEU")
     p.add_argument("--tokenize", default="none", help="sacrebleu tokenizer (default none: tokenised text)")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -158,35 +160,36 @@ def _register_moses_ini(subparsers: Any) -> None:
     p.add_argument("--path", default=None,
                    help="with --model: the path= the decoder will use, where the model is served "
                         "(default 127.0.0.1:50051, nlmserve serve's default port)")
-    p.add_argument("--name", default="NLM0", help="the feature's name (no '_'; default NLM0)")
+    p.add_argument("--name", type=feature_name, default="NLM0", help="the feature's name (no '_'; default NLM0)")
     p.add_argument("--ini", metavar="FILE",
                    help="the system's moses.ini: the starting weight is a share of the L1 norm of its tuneable "
                         "weights (default: of weights of L1 norm 1, as mert-moses.pl writes them)")
     p.add_argument("--tables", metavar="FILE",
                    help="a tables file of the model (`nlmserve export-tables`): the line maps it (tables=FILE), one "
                         "copy of the tables for every decoder of the host")
-    p.add_argument("--timeout", type=float, default=30.0, help="per-request timeout in seconds (default 30)")
+    p.add_argument("--timeout", type=positive_float, default=30.0, help="per-request timeout in seconds (default 30)")
     add_security_flags(p)
     p.set_defaults(func=_moses_ini)
 
 
 def _moses_ini(args: argparse.Namespace) -> int:
     from . import moses_ini
-    from .nbest import check_feature_name
 
-    try:
-        check_feature_name(args.name)
-    except ValueError as e:
-        raise InputError(f"--name: {e}") from e
     extra = _feature_security(args)
+    if args.model and extra:
+        raise UsageError("--tls* and --token-file go with --server (the feature's own options are set for it)")
+    if args.server and args.path:
+        raise UsageError("--path goes with --model: with --server the path is the server's address")
     if args.model:
-        if extra:
-            raise InputError("--tls* and --token-file go with --server (the feature's own options are set for it)")
+        check_input(args.model, MODEL)
+    if args.ini:
+        check_input(args.ini, PLAIN)
+    if args.tables:
+        check_input(args.tables, TABLES)
+    if args.model:
         facts = moses_ini.facts_of_file(args.model)
         path = args.path or moses_ini.DEFAULT_PATH
     else:
-        if args.path:
-            raise InputError("--path goes with --model: with --server the path is the server's address")
         from ..client.cli import security_kwargs
 
         facts = moses_ini.facts_of_server(args.server, args.timeout, security_kwargs(args))
@@ -206,6 +209,8 @@ def _moses_ini(args: argparse.Namespace) -> int:
                 text = handle.read()
         except OSError as e:
             raise InputError(f"cannot read: {e.strerror}", args.ini) from e
+        except UnicodeDecodeError as e:
+            raise InputError(f"not a UTF-8 text file ({e.reason})", args.ini) from e
         norm = moses_ini.tuneable_l1_norm(text, args.ini)
         reason = f"starting weight: {share} the tuneable weights of {args.ini} ({norm:.6g})"
     else:
@@ -215,11 +220,22 @@ def _moses_ini(args: argparse.Namespace) -> int:
     return 0
 
 
+def feature_name(text: str) -> str:
+    """argparse type of a dense feature's name (the rule: ``nbest.check_feature_name``)."""
+    from .nbest import check_feature_name
+
+    try:
+        check_feature_name(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _feature_security(args: argparse.Namespace) -> dict[str, str]:
     """The feature's TLS and token options for the client flags given (the feature speaks TLS
     only with a CA file)."""
     if args.tls and not args.tls_ca:
-        raise InputError("the NeuralLMServer feature's TLS needs the CA file: give --tls-ca")
+        raise UsageError("the NeuralLMServer feature's TLS needs the CA file: give --tls-ca")
     names = {"tls_ca": "tls-ca", "tls_cert": "tls-cert", "tls_key": "tls-key",
              "tls_server_name": "tls-server-name", "token_file": "token-file"}
     return {option: os.path.abspath(getattr(args, field)) if field != "tls_server_name" else getattr(args, field)
@@ -229,6 +245,12 @@ def _feature_security(args: argparse.Namespace) -> dict[str, str]:
 def _rescore(args: argparse.Namespace) -> int:
     from .rescore import RescoreConfig, rescore
 
+    check_output(args.out)
+    check_input(args.nbest, LIST)
+    if args.model:
+        check_input(args.model, MODEL)
+    if args.kenlm:
+        check_input(args.kenlm)
     config = RescoreConfig(
         feature_name=args.feature_name,
         lowercase=args.lowercase,
@@ -256,7 +278,7 @@ def _rescore(args: argparse.Namespace) -> int:
     rate = stats.seconds or float("nan")
     print(f"rescored {stats.sentences} sentences, {stats.hypotheses} hypotheses into {args.out}"
           f" ({stats.resumed_sentences} sentences resumed from a checkpoint)")
-    print(f"n-grams {stats.ngrams}, distinct {stats.distinct_ngrams} (dedup rate {stats.dedup_rate:.3f}),"
+    print(f"n-grams {stats.ngrams}, distinct {stats.distinct_ngrams} (distinct share {stats.distinct_share:.3f}),"
           f" {stats.hypotheses / rate:.1f} hyp/s, {stats.ngrams / rate:.1f} n-grams/s, model {stats.model_hash}")
     if stats.bad_lines:
         print(f"skipped {stats.bad_lines} malformed lines, e.g. {stats.bad_examples[0]}")
@@ -269,13 +291,24 @@ def _tune(args: argparse.Namespace) -> int:
     from .nbest import write_text_atomic
     from .weights import load_weights, to_moses_ini, to_weights_txt
 
+    if bool(args.prev_ffile) != bool(args.prev_scfile):
+        raise UsageError("--prev-ffile and --prev-scfile go together")
+    stem = _strip_suffix(args.out)
+    outputs = [stem + ".ini", stem + ".txt"]
+    if args.ffile or args.scfile:
+        outputs += [args.ffile or stem + ".features.dat", args.scfile or stem + ".scores.dat"]
+    for path in outputs:
+        check_output(path)
+    for path in [*args.nbest, *args.ref]:
+        check_input(path, LIST)
+    for path in (args.init, args.prev_ffile, args.prev_scfile):
+        if path:
+            check_input(path, PLAIN)
     mira_config = mira.MiraConfig(iterations=args.iterations, c=args.mira_c, decay=args.decay, model_bg=args.model_bg,
                                   seed=args.seed, normalize=not args.no_normalize)  # checked before any work
     bleu_config = BleuConfig(lowercase=args.lowercase, tokenize=args.tokenize)
     scorer = SentenceStats(bleu_config, read_references(args.ref))
     data = mert.load_nbest_data(args.nbest, scorer, features=args.features, skip_bad=args.skip_bad)
-    if bool(args.prev_ffile) != bool(args.prev_scfile):
-        raise InputError("--prev-ffile and --prev-scfile go together")
     if args.prev_ffile:
         added = mert.merge(data, extractor.load(args.prev_ffile, args.prev_scfile))
         log.info("merged %d hypotheses from %s", added, args.prev_ffile)
@@ -295,7 +328,6 @@ def _tune(args: argparse.Namespace) -> int:
             normalize=not args.no_normalize))
         weights, tuned_bleu, start_bleu = result.weights, result.bleu, result.start_bleu
         work = f"{result.line_searches} line searches"
-    stem = _strip_suffix(args.out)
     write_text_atomic(stem + ".ini", to_moses_ini(weights))
     write_text_atomic(stem + ".txt", to_weights_txt(weights))
     if args.ffile or args.scfile:
@@ -319,6 +351,9 @@ def _rerank(args: argparse.Namespace) -> int:
     from .rerank import rerank
     from .weights import load_weights
 
+    check_output(args.out)
+    check_input(args.nbest, LIST)
+    check_input(args.weights, PLAIN)
     weights = load_weights(args.weights, _layout_of(args.nbest))
     result = rerank(args.nbest, weights, skip_bad=args.skip_bad)
     write_text_atomic(args.out, "".join(h + "\n" for h in result.hyps))
@@ -330,6 +365,10 @@ def _search_errors(args: argparse.Namespace) -> int:
     from .rerank import search_check
     from .weights import load_weights
 
+    check_input(args.nbest, LIST)
+    check_input(args.weights, PLAIN)
+    for path in args.earlier:
+        check_input(path, LIST)
     weights = load_weights(args.weights, _layout_of(args.nbest))
     check = search_check(args.nbest, list(args.earlier), weights, margin=args.margin)
     share = check.share
@@ -354,6 +393,11 @@ def _bleu(args: argparse.Namespace) -> int:
     from .bleu import BleuConfig, corpus_bleu, paired_bootstrap, read_references
     from .nbest import read_lines
 
+    check_input(args.hyp, LIST)
+    for path in args.ref:
+        check_input(path, LIST)
+    if args.baseline:
+        check_input(args.baseline, LIST)
     config = BleuConfig(lowercase=args.lowercase, tokenize=args.tokenize)
     hyps = read_lines(args.hyp)
     refs = read_references(args.ref)

@@ -119,6 +119,9 @@ class ExperimentConfig:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..common.flags import int_at_least, positive_float
+    from .cli import feature_name
+
     d = ExperimentConfig()
     p.add_argument("--workdir", default=d.workdir, help=f"outputs, reused on a rerun (default {d.workdir})")
     p.add_argument("--train-text", nargs="+", default=list(d.train_text),
@@ -128,10 +131,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dev-ref", nargs="+", default=list(d.dev_ref), help="tuning references")
     p.add_argument("--test-nbest", default=d.test_nbest, help="test n-best list")
     p.add_argument("--test-ref", nargs="+", default=list(d.test_ref), help="test references")
-    p.add_argument("--steps", type=int, default=d.steps,
+    p.add_argument("--steps", type=int_at_least(0), default=d.steps,
                    help=f"training budget in optimiser steps: the same steps train the same model on any machine "
                         f"(default {d.steps}; 0: none, --minutes bounds the training)")
-    p.add_argument("--minutes", type=float, default=d.minutes,
+    p.add_argument("--minutes", type=positive_float, default=d.minutes,
                    help=f"wall-time safety limit on training (default {d.minutes}); a run it stops is not reproducible")
     p.add_argument("--train-args", default=" ".join(d.train_args), help="extra `nlmserve train` flags (one string)")
     p.add_argument("--model", help="use this model file (no training)")
@@ -145,16 +148,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="mert (Och's line search) or mira (batch k-best MIRA, as Moses' kbmira) (default mert)")
     p.add_argument("--kenlm", help="a Kneser-Ney model (ARPA or KenLM binary) added as a second LM feature "
                                    "before NLM0: the table compares TUNER, TUNER+KN1 and TUNER+KN1+NLM0")
-    p.add_argument("--kenlm-name", default=d.kenlm_name, help=f"its feature name (default {d.kenlm_name})")
-    p.add_argument("--restarts", type=int, default=d.restarts, help="MERT random restarts")
+    p.add_argument("--kenlm-name", type=feature_name, default=d.kenlm_name, help=f"its feature name (default {d.kenlm_name})")
+    p.add_argument("--restarts", type=int_at_least(0), default=d.restarts, help="MERT random restarts")
     p.add_argument("--seed", type=int, default=d.seed, help="tuning seed")
-    runs = p.add_argument("--runs", dest="mert_runs", type=int, default=d.mert_runs,
+    runs = p.add_argument("--runs", dest="mert_runs", type=int_at_least(1), default=d.mert_runs,
                           help="tune each system N times (seeds SEED..SEED+N-1); the table gives mean ± sd and "
                                "a p-value over the runs (default 1)")
     from ..common.flags import deprecated_spelling
 
     deprecated_spelling(p, "--mert-runs", runs)
-    p.add_argument("--samples", type=int, default=d.samples, help="paired bootstrap resamples")
+    p.add_argument("--samples", type=int_at_least(1), default=d.samples, help="paired bootstrap resamples")
     p.add_argument("--lowercase", action="store_true", help="lowercase hypotheses (LM and BLEU)")
     from ..client.cli import add_security_flags
 
@@ -267,6 +270,25 @@ def train_model(config: ExperimentConfig, out: Path) -> Path:
     return out
 
 
+def check_files(config: ExperimentConfig) -> None:
+    """The work directory, then every input the experiment will read, checked before any
+    work (``nlmserve.common.paths``): InputError naming the first that cannot be used."""
+    from ..common.paths import ANY, LIST, MODEL, TEXT, check_input, check_output_dir
+
+    check_output_dir(config.workdir)
+    trains = config.model is None and config.server is None
+    for path in config.train_text if trains else ():
+        check_input(path, TEXT, empty_ok=False)
+    if trains:
+        check_input(config.valid_text, TEXT, empty_ok=False)
+    if config.model is not None:
+        check_input(config.model, MODEL)
+    for path in (config.dev_nbest, *config.dev_ref, config.test_nbest, *config.test_ref):
+        check_input(path, LIST, empty_ok=False)
+    if config.kenlm:
+        check_input(config.kenlm, ANY)
+
+
 def run(config: ExperimentConfig, client_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run (or resume) the experiment; returns the report also saved as JSON.
 
@@ -288,6 +310,7 @@ def run(config: ExperimentConfig, client_kwargs: dict[str, Any] | None = None) -
             raise NlmserveError(f"--kenlm-name: {e}") from e
         if config.kenlm_name == FEATURE:
             raise NlmserveError(f"--kenlm-name {FEATURE} is the neural model's feature: choose another name")
+    check_files(config)
     work = Path(config.workdir)
     work.mkdir(parents=True, exist_ok=True)
     from .workdir import check_workdir

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..common.errors import InputError
+from ..common.flags import int_at_least, positive_float
 
 MERT_TOOLS = ("extractor", "mert", "kbmira", "pro", "evaluator")
 
@@ -213,11 +214,11 @@ def add_set_arguments(p: argparse.ArgumentParser, dev_every: int = 1) -> None:
     """The tuning and test sets' flags (for :func:`subset`)."""
     p.add_argument("--dev-src", required=True, type=Path)
     p.add_argument("--dev-ref", required=True, type=Path)
-    p.add_argument("--dev-every", type=int, default=dev_every, help="tune on every k-th dev sentence")
-    p.add_argument("--dev-lines", type=int, help="at most this many dev sentences")
+    p.add_argument("--dev-every", type=int_at_least(1), default=dev_every, help="tune on every k-th dev sentence")
+    p.add_argument("--dev-lines", type=int_at_least(1), help="at most this many dev sentences")
     p.add_argument("--test-src", required=True, type=Path)
     p.add_argument("--test-ref", required=True, type=Path)
-    p.add_argument("--test-lines", type=int, help="only the first N test sentences")
+    p.add_argument("--test-lines", type=int_at_least(1), help="only the first N test sentences")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -235,13 +236,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     model.add_argument("--train-text", nargs="+", metavar="TEXT",
                        help="train the model first (`nlmserve train`, its recipe) on these texts")
     p.add_argument("--valid-text", help="with --train-text: its validation text")
-    p.add_argument("--minutes", type=float, default=20.0, help="with --train-text: the training budget")
+    p.add_argument("--minutes", type=positive_float, default=20.0, help="with --train-text: the training budget")
     add_set_arguments(p)
     p.add_argument("--seeds", type=int, nargs="+", default=[1], help="one tuning of each system per seed")
     p.add_argument("--tuner", choices=["mert", "mira"], default="mert")
-    p.add_argument("--max-iterations", type=int, default=25)
-    p.add_argument("--nbest", type=int, default=100)
-    p.add_argument("--threads", type=int, default=2, help="decoder threads")
+    p.add_argument("--max-iterations", type=int_at_least(1), default=25)
+    p.add_argument("--nbest", type=int_at_least(1), default=100)
+    p.add_argument("--threads", type=int_at_least(1), default=2, help="decoder threads")
     p.add_argument("--nlm-weight", type=float, default=None,
                    help="NLM0's starting weight (default: moses-ini's, a tenth of the ini's weights' L1 norm)")
     p.add_argument("--serve-args", default="", help="extra arguments of nlmserve serve")
@@ -251,18 +252,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _train(args: argparse.Namespace, work: Path) -> str:
     from ..common.serve_process import nlmserve_command
+    from .experiment import training_text
 
     out = work / "nlm.model"
     if out.exists():
         return str(out)
-    cmd = [*nlmserve_command(), "train", "--train", *args.train_text, "--out", str(out),
-           "--max-minutes", str(args.minutes)]
+    train = training_text(tuple(args.train_text), work)  # several texts: joined, one after the other
+    cmd = [*nlmserve_command(), "train", "--train", train, "--out", str(out), "--max-minutes", str(args.minutes)]
     if args.valid_text:
         cmd += ["--valid", args.valid_text]
     print(f"training: {' '.join(cmd)}", flush=True)
     if subprocess.run(cmd).returncode != 0 or not out.exists():
         raise InputError("nlmserve train failed (its messages are above)")
     return str(out)
+
+
+def check_files(args: argparse.Namespace) -> None:
+    """The work directory, then every input, checked before any work (``nlmserve.common.paths``):
+    InputError naming the first that cannot be used."""
+    from ..common.paths import ANY, MODEL, PLAIN, TEXT, check_input, check_output_dir
+
+    check_output_dir(args.workdir)
+    if not args.moses_root.is_dir():
+        raise InputError("not a directory: --moses-root is the Moses checkout", str(args.moses_root))
+    if args.moses:
+        check_input(args.moses)
+    else:
+        find_moses(args.moses_root)
+    for path in (args.ini, args.dev_src, args.dev_ref, args.test_src, args.test_ref):
+        check_input(path, PLAIN, empty_ok=False)
+    for value in args.model or ():
+        check_input(value.partition("=")[2] or value, MODEL)
+    for path in args.train_text or ():
+        check_input(path, TEXT, empty_ok=False)
+    if args.valid_text:
+        check_input(args.valid_text, TEXT, empty_ok=False)
+    if args.kenlm:
+        check_input(args.kenlm, ANY)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -272,6 +298,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from .bleu import BleuConfig, corpus_bleu, paired_bootstrap, read_references
 
     work: Path = args.workdir
+    check_files(args)
     work.mkdir(parents=True, exist_ok=True)
     moses = args.moses or str(find_moses(args.moses_root))
     systems = parse_models(args.model) if args.model else [System("moses", None), System("nlm", _train(args, work))]

@@ -28,7 +28,8 @@ import zlib
 from dataclasses import dataclass, field
 from typing import IO, Iterator, Sequence, cast
 
-from ..common.errors import NbestFormatError
+from ..common.errors import InputError, NbestFormatError
+from ..common.paths import atomic_output, fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +90,16 @@ def is_gzip(path: str | os.PathLike[str]) -> bool:
 
 
 def open_binary(path: str | os.PathLike[str]) -> IO[bytes]:
-    """Open a plain or gzip file for binary reading (gzip detected by its magic bytes)."""
-    if is_gzip(path):
-        return cast(IO[bytes], gzip.open(path, "rb"))
-    return open(path, "rb")
+    """Open a plain or gzip file for binary reading (gzip detected by its magic bytes);
+    InputError naming the file when it cannot be opened."""
+    try:
+        if is_gzip(path):
+            return cast(IO[bytes], gzip.open(path, "rb"))
+        return open(path, "rb")
+    except FileNotFoundError as exc:
+        raise InputError("no such file", os.fspath(path)) from exc
+    except OSError as exc:
+        raise InputError(f"cannot read: {exc.strerror or exc}", os.fspath(path)) from exc
 
 
 _FLOAT_WORDS = frozenset({"inf", "infinity", "nan"})
@@ -348,31 +355,11 @@ class NbestWriter:
             self.abort()
 
 
-def fsync_dir(path: str) -> None:
-    """fsync the directory holding ``path`` so a rename survives a crash."""
-    directory = os.path.dirname(os.path.abspath(path))
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` atomically (temporary file, fsync, rename)."""
-    name = os.fspath(path)
-    tmp = name + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as handle:
+    """Write ``text`` to ``path`` atomically (temporary file, fsync, rename; nothing is left
+    when writing fails)."""
+    with atomic_output(path, "w", encoding="utf-8") as handle:
         handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, name)
-    fsync_dir(name)
 
 
 def read_lines(path: str | os.PathLike[str]) -> list[str]:
@@ -381,8 +368,6 @@ def read_lines(path: str | os.PathLike[str]) -> list[str]:
     try:
         with open_binary(path) as handle:
             text = io.TextIOWrapper(handle, encoding="utf-8", newline=None).read()
-    except FileNotFoundError as exc:
-        raise NbestFormatError("no such file", name) from exc
     except UnicodeDecodeError as exc:
         raise NbestFormatError(f"not UTF-8 ({exc.reason})", name) from exc
     except (EOFError, zlib.error, OSError) as exc:

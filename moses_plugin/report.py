@@ -64,7 +64,7 @@ def to_markdown(report: dict[str, Any]) -> str:
             out.append(f"- {row['system']} runs: {each}")
     for name, stats in report.get("rescore", {}).items():
         out.append(f"- rescoring {name}: {stats.get('hypotheses', 0)} hypotheses, {stats.get('ngrams', 0)} n-grams,"
-                   f" distinct/total {stats.get('dedup_rate', 0):.3f}, {stats.get('seconds', 0):.1f} s")
+                   f" distinct/total {stats.get('distinct_share', stats.get('dedup_rate', 0)):.3f}, {stats.get('seconds', 0):.1f} s")
     if "seconds" in report:
         out.append(f"- whole run: {report['seconds']:.0f} s")
     return "\n".join(out) + "\n"

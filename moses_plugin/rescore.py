@@ -43,12 +43,12 @@ import numpy as np
 from ..common.errors import InputError, NbestFormatError, NlmserveError, OverloadedError, ServerUnavailableError
 from ..lm.ngrams import sentence_windows, word_ids
 from ..common.logbase import is_log10
+from ..common.paths import LIST, atomic_output, check_input, check_output, fsync_dir
 from .nbest import (
     NbestEntry,
     ReadStats,
     add_feature,
     check_feature_name,
-    fsync_dir,
     iter_sentences,
 )
 from ..common.progress import progress
@@ -152,13 +152,14 @@ class RescoreStats:
     bad_examples: list[str] = field(default_factory=list)
 
     @property
-    def dedup_rate(self) -> float:
-        """Distinct / total n-grams scored in this invocation (lower means more reuse)."""
+    def distinct_share(self) -> float:
+        """The share of this invocation's n-grams that were distinct, hence sent to be scored:
+        distinct / total (lower means more reuse; 1.0 when there were none)."""
         return self.distinct_ngrams / self.ngrams if self.ngrams else 1.0
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        out["dedup_rate"] = self.dedup_rate
+        out["distinct_share"] = self.distinct_share
         return out
 
 
@@ -389,14 +390,15 @@ def rescore(
     ``on_checkpoint(sentences_done)`` is called after each checkpoint is durable.
     """
     check_feature_name(config.feature_name)
-    if not os.path.exists(nbest_path):
-        raise InputError("no such n-best list", nbest_path)
+    check_output(out_path)
+    check_input(nbest_path, LIST)
+    if next(iter_sentences(nbest_path, skip_bad=config.skip_bad), None) is None:
+        raise InputError("holds no hypotheses" + (" that can be read" if config.skip_bad else "")
+                         + ": nothing to rescore", nbest_path)
     stat = os.stat(nbest_path)
     identity = {"input": os.path.abspath(nbest_path), "input_size": stat.st_size, "input_mtime_ns": stat.st_mtime_ns,
                 "feature_name": config.feature_name, "lowercase": config.lowercase, "skip_bad": config.skip_bad,
                 "batch_ngrams": config.batch_ngrams, **({} if config.normalized else {"normalized": False})}
-    if os.path.isdir(out_path):
-        raise InputError("the output is a directory", out_path)
     checkpoint = Checkpoint(out_path, identity)
     done, size, model_hash = checkpoint.load()
     stats = RescoreStats(resumed_sentences=done)
@@ -472,16 +474,12 @@ def _writing(path: str) -> Iterator[None]:
 def _finish(partial: str, out_path: str) -> None:
     """Move the complete partial output to ``out_path`` (gzip when it ends in .gz), atomically."""
     if out_path.endswith(".gz"):
-        tmp = out_path + ".tmp"
-        with open(partial, "rb") as src, open(tmp, "wb") as raw:
+        with open(partial, "rb") as src, atomic_output(out_path) as raw:
             with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as dst:
                 shutil.copyfileobj(src, dst, 1 << 20)
-            raw.flush()
-            os.fsync(raw.fileno())
-        os.replace(tmp, out_path)
     else:
         os.replace(partial, out_path)
-    fsync_dir(out_path)
+        fsync_dir(out_path)
 
 
 def _progress_bar(enabled: bool, initial: int) -> Any:
@@ -492,5 +490,5 @@ def _advance(bar: Any, n: int, stats: RescoreStats, elapsed: float) -> None:
     """Count ``n`` more sentences, with the speed so far (set first: a log line is written
     by ``update``)."""
     if elapsed > 0:
-        bar.set_postfix(ngrams_s=f"{stats.ngrams / elapsed:,.0f}", distinct=f"{stats.dedup_rate:.1%}", refresh=False)
+        bar.set_postfix(ngrams_s=f"{stats.ngrams / elapsed:,.0f}", distinct=f"{stats.distinct_share:.1%}", refresh=False)
     bar.update(n)

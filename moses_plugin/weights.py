@@ -145,6 +145,8 @@ def load_weights(path: str | os.PathLike[str], layout: Layout | None = None) -> 
             text = handle.read()
     except OSError as exc:
         raise InputError(f"cannot read weights: {exc.strerror}", name) from exc
+    except UnicodeDecodeError as exc:
+        raise InputError(f"not a weights file: not UTF-8 text ({exc.reason} at byte {exc.start})", name) from exc
     if "[weight]" in text or "=" in text:
         return parse_moses_ini(text, name)
     if layout is None:

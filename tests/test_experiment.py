@@ -193,8 +193,10 @@ def test_experiment_runs_and_resumes(tiny_model_path: Path, tmp_path: Path, caps
     assert "use another workdir" in capsys.readouterr().err
     assert main([*args, "--kenlm", str(arpa), "--kenlm-name", "NLM0"]) == 1
     assert "is the neural model's feature" in capsys.readouterr().err
-    assert main(["experiment", "--workdir", str(tmp_path / "none"), "--model", str(tiny_model_path), "--runs", "0"]) == 1
-    assert "--runs must be at least 1, not 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:  # a usage error, found by argparse
+        main(["experiment", "--workdir", str(tmp_path / "none"), "--model", str(tiny_model_path), "--runs", "0"])
+    assert stop.value.code == 2
+    assert "argument --runs: must be 1 or more, not 0" in capsys.readouterr().err
     assert not (tmp_path / "none").exists()
 
 
@@ -368,10 +370,11 @@ def test_a_served_model_and_a_running_server_are_one_choice(tmp_path: Path, caps
     assert not (tmp_path / "w").exists()
 
 
-def test_the_old_spelling_of_runs_still_works(tmp_path: Path, tiny_model_path: Path,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["experiment", "--workdir", str(tmp_path / "w"), "--model", str(tiny_model_path),
-                 "--mert-runs", "0"]) == 1
-    err = capsys.readouterr().err.splitlines()
-    assert err[0] == "nlmserve experiment: warning: --mert-runs is deprecated; use --runs"
-    assert "--runs must be at least 1, not 0" in err[-1]  # the value reached the new spelling's field
+def test_the_old_spelling_of_runs_still_works(capsys: pytest.CaptureFixture[str]) -> None:
+    from nlmserve.common.cli import build_parser
+
+    assert build_parser().parse_args(["experiment", "--mert-runs", "3"]).mert_runs == 3  # the new spelling's field
+    assert capsys.readouterr().err.splitlines() == ["nlmserve experiment: warning: --mert-runs is deprecated; use --runs"]
+    with pytest.raises(SystemExit) as stop:  # and its check of the value
+        build_parser().parse_args(["experiment", "--mert-runs", "0"])
+    assert stop.value.code == 2 and "argument --mert-runs: must be 1 or more, not 0" in capsys.readouterr().err

@@ -112,6 +112,7 @@ def test_the_command_is_installed_and_refuses_a_missing_moses(tmp_path: Path,
     ini = tmp_path / "moses.ini"
     ini.write_text(INI)
     model = golden_model(tmp_path / "nce.nlm")
+    (tmp_path / "no-moses").mkdir()  # a folder without a Moses build: refused before any input is read
     code = main(["moses-experiment", "--moses-root", str(tmp_path / "no-moses"), "--ini", str(ini),
                  "--model", str(model), "--dev-src", "s", "--dev-ref", "r", "--test-src", "t", "--test-ref", "u",
                  "--workdir", str(tmp_path / "work")])

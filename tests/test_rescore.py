@@ -51,7 +51,7 @@ def reference_output(server: RunningServer, small_list: Path, tmp_path_factory: 
     out = tmp_path_factory.mktemp("ref") / "rescored.nbest"
     stats = rescore(str(small_list), str(out), lambda: LMClient(server.target), _config())
     assert stats.sentences == N_SENTENCES and stats.resumed_sentences == 0
-    assert 0 < stats.dedup_rate < 0.5  # hypotheses of a sentence share most n-grams
+    assert 0 < stats.distinct_share < 0.5  # hypotheses of a sentence share most n-grams
     return out
 
 
@@ -198,7 +198,7 @@ def test_server_restart_is_waited_for(tiny_lm: Any, small_list: Path, reference_
 def test_bad_feature_name_and_missing_input(server: RunningServer, small_list: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="sparse"):
         rescore(str(small_list), str(tmp_path / "o"), lambda: LMClient(server.target), _config(feature_name="NLM_0"))
-    with pytest.raises(InputError, match="no such n-best list"):
+    with pytest.raises(InputError, match="missing: no such file"):
         rescore(str(tmp_path / "missing"), str(tmp_path / "o"), lambda: LMClient(server.target), _config())
 
 
@@ -220,7 +220,7 @@ def test_unwritable_output_is_one_clear_error(server: RunningServer, small_list:
     with pytest.raises(InputError, match=f"{folder}: the output is a directory"):
         rescore(str(small_list), str(folder), lambda: LMClient(server.target), _config())
     blocked = tmp_path / "missing-folder" / "out.nbest"
-    with pytest.raises(InputError, match=f"{blocked}.partial: cannot write the output"):
+    with pytest.raises(InputError, match=f"{blocked}: cannot write the output: no such directory"):
         rescore(str(small_list), str(blocked), lambda: LMClient(server.target), _config())
 
 
