@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import socket
 
 from ..common.errors import InputError, ModelFileError
 
@@ -73,6 +75,28 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     p.set_defaults(func=run_serve)
 
 
+def check_ports_free(host: str, ports: tuple[int | None, ...]) -> None:
+    """Refuse, before the model is loaded, a port (not 0 or None) that another process holds
+    on ``host``: InputError "port P is in use", one line. A trial bind with SO_REUSEADDR and
+    without SO_REUSEPORT, as the server binds (server_options sets grpc.so_reuseport 0)."""
+    for port in ports:
+        if not port:
+            continue
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        except (socket.gaierror, UnicodeError):
+            continue  # the server says what is wrong with the host
+        for family, kind, proto, _, address in infos:
+            try:
+                with socket.socket(family, kind, proto) as trial:
+                    trial.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    trial.bind(address)
+            except OSError as e:  # other errors (an address family the host lacks) are the server's to report
+                if e.errno == errno.EADDRINUSE:
+                    raise InputError(f"port {port} is in use on {host}: stop what holds it, or choose "
+                                     "another port (0 picks a free one)") from e
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from .app import serve
     from .config import build_config
@@ -84,6 +108,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.threads is not None:
         log.warning("--threads is ignored (the asyncio server has no handler threads)")
     config = build_config(overrides, args.config)
+    check_ports_free(config.host, (config.port, config.metrics_port))
     try:
         return serve(config)
     except ModelFileError:
