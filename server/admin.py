@@ -32,7 +32,7 @@ import os
 import threading
 import time
 import traceback
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 
@@ -125,14 +125,25 @@ def _give_back_memory() -> None:
 class GateTokens(TokenStore):
     """The tokens the call gate accepts when both a token file and an admin token file are
     set: the token file's and the admin file's (an admin token may call every service; the
-    Admin service itself takes only the admin ones)."""
+    Admin service itself takes only the admin ones). It holds no tokens of its own: it asks
+    the two stores, which the reloads re-read, and lends the scoring store's state to any
+    other ``TokenStore`` method."""
 
-    def __init__(self, path: str, admin: TokenStore) -> None:
-        super().__init__(path)
-        self.admin = admin
+    def __init__(self, scoring: TokenStore, admin: TokenStore) -> None:  # no file of its own to read
+        self.scoring, self.admin = scoring, admin
+
+    def __getattr__(self, name: str) -> Any:  # the scoring store's attributes (path, _tokens, ...)
+        return getattr(self.scoring, name)
+
+    def __len__(self) -> int:
+        return len(self.scoring) + len(self.admin)
+
+    def reload(self) -> None:
+        self.scoring.reload()
+        self.admin.reload()
 
     def check(self, header: str | bytes | None) -> bool:
-        scoring = super().check(header)
+        scoring = self.scoring.check(header)
         admin = self.admin.check(header)  # both compared, so the time does not say which
         return scoring or admin
 
@@ -156,7 +167,7 @@ class Reloader:
         self.admin_tokens = TokenStore(config.admin_token_file) if config.admin_token_file is not None else None
         self.tokens: TokenStore | None = tokens
         if tokens is not None and self.admin_tokens is not None:
-            self.tokens = GateTokens(tokens.path, self.admin_tokens)
+            self.tokens = GateTokens(tokens, self.admin_tokens)
         self.tls = tls
         self.metrics = metrics
         #: The folder a ReloadModel path must lie in.

@@ -91,12 +91,19 @@ def test_an_admin_token_file_alone_guards_admin_only(tiny_lm: Any, folder: Path,
         running.stop(0.5)
 
 
-def test_the_admin_token_file_is_re_read_on_reload(both: RunningServer, tmp_path: Path) -> None:
-    """A new admin token takes effect with the next reload (SIGHUP's), the old one stops."""
+def test_both_token_files_are_re_read_on_reload(both: RunningServer, tiny_lm: Any, tmp_path: Path) -> None:
+    """New tokens in either file take effect with the next reload (SIGHUP's), for the call
+    gate and for Admin alike; the old ones stop."""
     token_file(tmp_path / "admin-tokens", "rotated-admin-token-89")
+    token_file(tmp_path / "tokens", "rotated-scoring-token-67")
     both.reload()  # as SIGHUP does
     assert reload_code(both.target, ADMIN) == "UNAUTHENTICATED"
     assert reload_code(both.target, "rotated-admin-token-89") == "OK"
+    assert reload_code(both.target, "rotated-scoring-token-67") == "PERMISSION_DENIED"
+    assert scores(both.target, "rotated-scoring-token-67", tiny_lm)
+    with pytest.raises(RpcError) as err:
+        scores(both.target, SCORING, tiny_lm)
+    assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_a_reload_path_outside_the_reload_folder_is_refused(tiny_lm: Any, folder: Path, tmp_path: Path,
