@@ -7,21 +7,34 @@
 // up to --max-batch-ngrams n-grams, waiting at most --max-delay-us for company, sends it
 // to the Python server (the backend), and scatters the scores back in request order.
 // Every other RPC (ScoreSentences, GetModelInfo, GetVocabulary, GetScoringTables,
-// Admin.ReloadModel) is forwarded unchanged. It serves grpc.health.v1 (SERVING while the backend answers) and
-// server reflection.
+// Admin.ReloadModel, server reflection) is forwarded to the backend as it is. It serves
+// grpc.health.v1 itself (SERVING while the backend's own health service says so).
 //
 //   nlmserve_frontend --backend HOST:PORT --backend-socket PATH [--listen 127.0.0.1:0]
 //       [--max-batch-ngrams 4096] [--max-delay-us 500] [--delay-policy adaptive] [--max-inflight 1]
 //       [--max-queue-ngrams 1000000] [--backend-timeout-ms 30000] [--max-message-mb 64] [--grace-s 30]
-//       [--connect-timeout-s 30] [--token-file F]
+//       [--connect-timeout-s 30] [--token-file F] [guard flags: Usage() lists them]
 //
 // Prints `listening on HOST:PORT` on stdout once bound (port 0 picks a free port) and logs
 // to stderr. SIGTERM or SIGINT: health NOT_SERVING, stop accepting, finish in-flight
-// requests within --grace-s, exit 0.
+// requests within --grace-s, exit 0; a line of counts on the way out. SIGHUP: the token
+// file is read again (an unusable file is logged and the tokens in force stay).
+//
+// Guards (calls.h, guards.h), the Python server's (server/gate.py) with the same flags as
+// `nlmserve serve`, which passes them: every call but health's needs a bearer token of
+// --token-file (all of its tokens are accepted), checked from the call's metadata before
+// its message is read; a call's request message must come within --first-message-ms;
+// calls held are limited in all, per connection and per client; a client that does not
+// read an answer within --stream-write-timeout-ms loses the call; ScoreNgrams requests
+// whose deadline passed or whose client left are dropped before they are batched or sent;
+// connections are capped (--max-connections), kept alive or closed by the keepalive, idle
+// and age flags, and must finish their HTTP/2 handshake within --handshake-timeout-ms;
+// compressed requests are refused (identity only: nothing is inflated), and gRPC's memory
+// for connections and calls is bounded (--max-memory-mb, a resource quota).
 //
 // Bearer tokens: each caller's `authorization` metadata is forwarded with its requests, so
-// the backend checks it; --token-file gives the token of the front end's own calls (the
-// model info at start and the health probe) when the backend requires one.
+// the backend checks it too; the first token of --token-file is the front end's own (the
+// model info at start) when the backend requires one.
 //
 // It is part of the server, not a second one: `nlmserve serve --frontend native` starts it
 // with --backend-socket PATH, the model server's private Unix socket (server/local.py),
@@ -39,6 +52,7 @@
 // message the backend gives that request alone. When the backend rejects a merged string
 // batch as INVALID_ARGUMENT, each request of it is sent again alone, to the same end.
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <sys/un.h>
@@ -55,6 +69,7 @@
 #include <cstring>
 #include <deque>
 #include <fstream>
+#include <future>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -68,33 +83,29 @@
 #ifdef NLMSERVE_ABSL_SYNC
 #include <absl/synchronization/mutex.h>
 #endif
+#include <grpc/compression.h>
 #include <grpcpp/grpcpp.h>
-#ifdef NLMSERVE_REFLECTION
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
-#endif
-#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/resource_quota.h>
 
+#include "calls.h"
+#include "guards.h"
 #include "nlmserve/v1/lm.grpc.pb.h"
 #include "nlmserve_client.h"
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-using nlmserve::v1::Admin;
 using nlmserve::v1::GetModelInfoRequest;
-using nlmserve::v1::GetScoringTablesRequest;
-using nlmserve::v1::GetVocabularyRequest;
 using nlmserve::v1::LanguageModel;
 using nlmserve::v1::ModelInfo;
-using nlmserve::v1::ReloadModelRequest;
 using nlmserve::v1::ScoreNgramsRequest;
 using nlmserve::v1::ScoreNgramsResponse;
-using nlmserve::v1::ScoreSentencesRequest;
-using nlmserve::v1::ScoreSentencesResponse;
-using nlmserve::v1::ScoringTablesChunk;
-using nlmserve::v1::VocabularyChunk;
+// The guards and calls (guards.h, calls.h), and the Ending values of the status table.
+using namespace nlmserve_frontend;
 
 const char kServiceName[] = "nlmserve.v1.LanguageModel";
+// Clients ping every 30 s while they have calls: pings at most this often are answered, not
+// refused with GOAWAY (the Python server's CLIENT_PING_FLOOR_MS, server/app.py).
+const int kClientPingFloorMs = 10000;
 
 struct Options {
   std::string listen = "127.0.0.1:0";
@@ -110,32 +121,29 @@ struct Options {
   long max_message_mb = 64;
   long grace_s = 30;
   long connect_timeout_s = 30;
-  // Bearer token for the front end's own calls to the backend (model info, health).
-  std::string token;
+  // Bearer tokens: every one is accepted from callers; the first is sent on the front
+  // end's own calls to the backend (the model info at start).
+  std::string token_file;
   // The model server's private Unix socket for merged packed batches.
   std::string backend_socket;
+  // Guards (the flags of `nlmserve serve` of the same names, in milliseconds).
+  long first_message_ms = 60000;
+  long keepalive_ms = 60000;
+  long keepalive_timeout_ms = 20000;
+  long max_connection_idle_ms = 300000;  // 0: never
+  long max_connection_age_ms = 0;        // 0: never
+  long max_connection_age_grace_ms = 60000;
+  long handshake_timeout_ms = 10000;
+  long max_concurrent_rpcs = 256;
+  long max_rpcs_per_connection = 128;
+  long max_rpcs_per_client = 128;
+  long max_health_watches = 1024;
+  long max_health_watches_per_connection = 8;
+  long stream_write_timeout_ms = 30000;
+  long max_connections = 4096;
+  long max_metadata_kb = 8;
+  long max_memory_mb = 0;  // 0: derived from --max-message-mb (MemoryQuotaBytes)
 };
-
-// The ways a call ends in the front end itself, and their codes: the rows "frontend:" of
-// proto/contract/status_codes.tsv, which `nlmserve_frontend --check-status-codes FILE`
-// checks this table against (tests/test_native_frontend.py runs it). Every other status a
-// client sees is the backend's own.
-enum Ending { kBackendUnreachable, kBackendTimeout, kBackendBadAnswer, kQueueFull, kStopping, kEndings };
-struct EndingCode {
-  const char *condition;
-  grpc::StatusCode code;
-};
-const EndingCode kEndingCodes[kEndings] = {
-    {"backend_unreachable", grpc::StatusCode::UNAVAILABLE},
-    {"backend_timeout", grpc::StatusCode::DEADLINE_EXCEEDED},
-    {"backend_bad_answer", grpc::StatusCode::INTERNAL},
-    {"queue_full", grpc::StatusCode::RESOURCE_EXHAUSTED},
-    {"stopping", grpc::StatusCode::UNAVAILABLE},
-};
-
-grpc::Status End(Ending ending, const std::string &message) {
-  return grpc::Status(kEndingCodes[ending].code, message);
-}
 
 // 0 when the file's "frontend:" rows are exactly kEndingCodes (condition and number); else
 // each difference on stderr and 1.
@@ -174,18 +182,20 @@ int CheckStatusCodes(const std::string &path) {
   return bad ? 1 : 0;
 }
 
-void Log(const std::string &message) {
-  std::ostringstream line;
-  line << "nlmserve_frontend: " << message << "\n";
-  std::cerr << line.str() << std::flush;
-}
-
 [[noreturn]] void Usage(const std::string &error) {
   std::cerr << "nlmserve_frontend: " << error << "\n"
             << "usage: nlmserve_frontend --backend HOST:PORT --backend-socket PATH [--listen HOST:PORT]\n"
             << "         [--max-batch-ngrams N] [--max-delay-us US] [--delay-policy adaptive|fixed] [--max-inflight N]\n"
             << "         [--max-queue-ngrams N] [--backend-timeout-ms MS] [--max-message-mb MB] [--grace-s S]\n"
-            << "         [--connect-timeout-s S] [--token-file F]\n";
+            << "         [--connect-timeout-s S] [--token-file F]\n"
+            << "       guards (defaults as `nlmserve serve`'s):\n"
+            << "         [--first-message-ms 60000] [--keepalive-ms 60000] [--keepalive-timeout-ms 20000]\n"
+            << "         [--max-connection-idle-ms 300000 (0: never)] [--max-connection-age-ms 0 (0: never)]\n"
+            << "         [--max-connection-age-grace-ms 60000] [--handshake-timeout-ms 10000]\n"
+            << "         [--max-concurrent-rpcs 256] [--max-rpcs-per-connection 128] [--max-rpcs-per-client 128]\n"
+            << "         [--max-health-watches 1024] [--max-health-watches-per-connection 8]\n"
+            << "         [--stream-write-timeout-ms 30000] [--max-connections 4096] [--max-metadata-kb 8]\n"
+            << "         [--max-memory-mb MB (default: 4 x --max-message-mb, at least 256)]\n";
   std::exit(2);
 }
 
@@ -199,39 +209,56 @@ long ParsePositive(const std::string &flag, const char *text, long minimum) {
   return v;
 }
 
-// The first token of a token file (nlmserve::ReadTokenFile, the client library's reader:
-// the rule of proto/contract/token_files.tsv).
-std::string ReadToken(const std::string &path) {
-  try {
-    return nlmserve::ReadTokenFile(path);
-  } catch (const nlmserve::ClientError &e) {
-    Usage(std::string("--token-file: ") + e.what());
-  }
-}
-
 Options ParseArgs(int argc, char **argv) {
   Options o;
+  // Flags whose value is an integer, and the least each takes.
+  const std::pair<const char *, std::pair<long Options::*, long> > kNumbers[] = {
+      {"--max-batch-ngrams", {&Options::max_batch_ngrams, 1}},
+      {"--max-delay-us", {&Options::max_delay_us, 0}},
+      {"--max-inflight", {&Options::max_inflight, 1}},
+      {"--max-queue-ngrams", {&Options::max_queue_ngrams, 1}},
+      {"--backend-timeout-ms", {&Options::backend_timeout_ms, 1}},
+      {"--max-message-mb", {&Options::max_message_mb, 1}},
+      {"--grace-s", {&Options::grace_s, 0}},
+      {"--connect-timeout-s", {&Options::connect_timeout_s, 1}},
+      {"--first-message-ms", {&Options::first_message_ms, 1}},
+      {"--keepalive-ms", {&Options::keepalive_ms, 1000}},
+      {"--keepalive-timeout-ms", {&Options::keepalive_timeout_ms, 1}},
+      {"--max-connection-idle-ms", {&Options::max_connection_idle_ms, 0}},
+      {"--max-connection-age-ms", {&Options::max_connection_age_ms, 0}},
+      {"--max-connection-age-grace-ms", {&Options::max_connection_age_grace_ms, 0}},
+      {"--handshake-timeout-ms", {&Options::handshake_timeout_ms, 1}},
+      {"--max-concurrent-rpcs", {&Options::max_concurrent_rpcs, 1}},
+      {"--max-rpcs-per-connection", {&Options::max_rpcs_per_connection, 1}},
+      {"--max-rpcs-per-client", {&Options::max_rpcs_per_client, 1}},
+      {"--max-health-watches", {&Options::max_health_watches, 0}},
+      {"--max-health-watches-per-connection", {&Options::max_health_watches_per_connection, 0}},
+      {"--stream-write-timeout-ms", {&Options::stream_write_timeout_ms, 1}},
+      {"--max-connections", {&Options::max_connections, 1}},
+      {"--max-metadata-kb", {&Options::max_metadata_kb, 1}},
+      {"--max-memory-mb", {&Options::max_memory_mb, 1}},
+  };
   for (int i = 1; i < argc; ++i) {
     std::string flag = argv[i];
     if (flag == "-h" || flag == "--help") Usage("a micro-batching front end for `nlmserve serve`");
     if (i + 1 >= argc) Usage(flag + " needs a value");
     const char *v = argv[++i];
+    bool number = false;
+    for (const auto &n : kNumbers) {
+      if (flag == n.first) {
+        o.*(n.second.first) = ParsePositive(flag, v, n.second.second);
+        number = true;
+      }
+    }
+    if (number) continue;
     if (flag == "--listen") o.listen = v;
     else if (flag == "--backend") o.backend = v;
-    else if (flag == "--max-batch-ngrams") o.max_batch_ngrams = ParsePositive(flag, v, 1);
-    else if (flag == "--max-delay-us") o.max_delay_us = ParsePositive(flag, v, 0);
-    else if (flag == "--max-inflight") o.max_inflight = ParsePositive(flag, v, 1);
     else if (flag == "--delay-policy") {
       std::string policy = v;
       if (policy != "adaptive" && policy != "fixed") Usage("--delay-policy is adaptive or fixed, got '" + policy + "'");
       o.fixed_delay = policy == "fixed";
     }
-    else if (flag == "--max-queue-ngrams") o.max_queue_ngrams = ParsePositive(flag, v, 1);
-    else if (flag == "--backend-timeout-ms") o.backend_timeout_ms = ParsePositive(flag, v, 1);
-    else if (flag == "--max-message-mb") o.max_message_mb = ParsePositive(flag, v, 1);
-    else if (flag == "--grace-s") o.grace_s = ParsePositive(flag, v, 0);
-    else if (flag == "--connect-timeout-s") o.connect_timeout_s = ParsePositive(flag, v, 1);
-    else if (flag == "--token-file") o.token = ReadToken(v);
+    else if (flag == "--token-file") o.token_file = v;
     else if (flag == "--backend-socket") o.backend_socket = v;
     else Usage("unknown flag " + flag);
   }
@@ -239,24 +266,6 @@ Options ParseArgs(int argc, char **argv) {
   if (o.backend_socket.empty()) Usage("--backend-socket PATH is required");
   if (o.max_queue_ngrams < o.max_batch_ngrams) Usage("--max-queue-ngrams must be >= --max-batch-ngrams");
   return o;
-}
-
-// The caller's bearer token, forwarded so the backend checks it (empty: none).
-std::string Authorization(const grpc::ServerContextBase &ctx) {
-  auto range = ctx.client_metadata().equal_range("authorization");
-  if (range.first == range.second) return std::string();
-  return std::string(range.first->second.data(), range.first->second.size());
-}
-
-// A client context for a backend call made on behalf of `ctx`: same deadline (capped by
-// the backend timeout) and the caller's authorization.
-std::unique_ptr<grpc::ClientContext> ForwardContext(const grpc::ServerContextBase &ctx, long timeout_ms) {
-  std::unique_ptr<grpc::ClientContext> out(new grpc::ClientContext());
-  auto cap = std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms);
-  out->set_deadline(std::min(ctx.deadline(), cap));
-  std::string auth = Authorization(ctx);
-  if (!auth.empty()) out->AddMetadata("authorization", auth);
-  return out;
 }
 
 // One connection of the private channel to the model server (server/local.py: the wire
@@ -423,10 +432,7 @@ struct BatchKey {
 
 // One queued ScoreNgrams call.
 struct Pending {
-  grpc::CallbackServerContext *ctx;
-  const ScoreNgramsRequest *request;
-  ScoreNgramsResponse *response;
-  grpc::ServerUnaryReactor *reactor;
+  std::shared_ptr<ScoreCall> call;
   BatchKey key;
   long ngrams;
   Clock::time_point arrival;
@@ -445,12 +451,15 @@ struct Batch {
   std::vector<grpc::Status> part_status;
 };
 
-class Frontend {
+// The batcher: ScoreNgrams calls (ScoreCall, admitted by the guards) merged into backend
+// batches. A call whose deadline has passed or whose client has gone by the time its turn
+// comes is dropped (DEADLINE_EXCEEDED or CANCELLED, counted) rather than batched or sent,
+// so expired and abandoned requests cost the model nothing.
+class Frontend final : public ScoreQueue {
  public:
   Frontend(const Options &options, std::shared_ptr<grpc::Channel> channel, const ModelInfo &info)
       : options_(options),
         stub_(LanguageModel::NewStub(channel)),
-        admin_(Admin::NewStub(channel)),
         order_(info.order()),
         bos_id_(info.bos_id()),
         unk_id_(info.unk_id()),
@@ -462,10 +471,6 @@ class Frontend {
   }
 
   ~Frontend() { Stop(); }
-
-  LanguageModel::Stub *stub() { return stub_.get(); }
-  Admin::Stub *admin() { return admin_.get(); }
-  const Options &options() const { return options_; }
 
   // Drains the queue and the in-flight batches, then ends the batching thread.
   void Stop() {
@@ -489,21 +494,32 @@ class Frontend {
     std::lock_guard<std::mutex> lock(mu_);
     std::ostringstream s;
     s << requests_ << " ScoreNgrams requests (" << ngrams_ << " n-grams merged) in " << batches_
-      << " backend batches, " << alone_ << " sent alone, " << rejected_ << " refused (queue full)";
+      << " backend batches, " << alone_ << " sent alone, " << rejected_ << " refused (queue full), " << dropped_
+      << " dropped unsent (deadline passed or client gone)";
     return s.str();
   }
 
-  // Entry point of the ScoreNgrams callback.
-  void Submit(grpc::CallbackServerContext *ctx, const ScoreNgramsRequest *request, ScoreNgramsResponse *response,
-              grpc::ServerUnaryReactor *reactor) {
-    Pending p{ctx, request, response, reactor, BatchKey(), 0, Clock::now()};
-    if (!Shape(*request, &p.key, &p.ngrams) || p.ngrams > max_batch_) {
+  // A ScoreNgrams call, parsed and holding its slot.
+  void Submit(std::shared_ptr<ScoreCall> call) override {
+    Ending gone;
+    if (call->Gone(&gone)) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++requests_;
+        ++dropped_;
+      }
+      call->Drop(gone);
+      return;
+    }
+    const ScoreNgramsRequest &request = call->request();
+    Pending p{std::move(call), BatchKey(), 0, Clock::now()};
+    if (!Shape(request, &p.key, &p.ngrams) || p.ngrams > max_batch_) {
       SendAlone(p);
       return;
     }
-    p.key.log_base = request->log_base();
-    p.key.allow_unnormalized = request->allow_unnormalized();
-    p.key.authorization = Authorization(*ctx);
+    p.key.log_base = request.log_base();
+    p.key.allow_unnormalized = request.allow_unnormalized();
+    p.key.authorization = p.call->authorization();
     bool wake = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -511,10 +527,10 @@ class Frontend {
       ngrams_ += p.ngrams;
       if (stopping_ || queued_ngrams_ + p.ngrams > options_.max_queue_ngrams) {
         ++rejected_;
-        reactor->Finish(stopping_ ? End(kStopping, "the front end is shutting down")
-                                  : End(kQueueFull, "the front end's queue is full (" +
-                                                        std::to_string(options_.max_queue_ngrams) +
-                                                        " n-grams); retry later"));
+        p.call->Answer(stopping_ ? End(kStopping, "the front end is shutting down")
+                                 : End(kQueueFull, "the front end's queue is full (" +
+                                                       std::to_string(options_.max_queue_ngrams) +
+                                                       " n-grams); retry later"));
         return;
       }
       const bool was_empty = queue_.empty();
@@ -556,19 +572,24 @@ class Frontend {
     return true;
   }
 
-  // Forwards one request unchanged; the caller gets the backend's answer as it is.
+  // Forwards one request unchanged; the caller gets the backend's answer as it is. A call
+  // whose deadline passed or whose client left is dropped instead.
   void SendAlone(const Pending &p, bool resent = false) {
+    Ending gone;
+    const bool drop = p.call->Gone(&gone);
     {
       std::lock_guard<std::mutex> lock(mu_);
-      ++alone_;
       if (!resent) ++requests_;
+      ++(drop ? dropped_ : alone_);
     }
-    auto *ctx = ForwardContext(*p.ctx, options_.backend_timeout_ms).release();
-    grpc::ServerUnaryReactor *reactor = p.reactor;
-    stub_->async()->ScoreNgrams(ctx, p.request, p.response, [ctx, reactor](grpc::Status status) {
-      delete ctx;
-      reactor->Finish(status);
-    });
+    if (drop) {
+      p.call->Drop(gone);
+      return;
+    }
+    std::shared_ptr<ScoreCall> call = p.call;
+    grpc::ClientContext *ctx = call->NewForward(options_.backend_timeout_ms);
+    stub_->async()->ScoreNgrams(ctx, &call->request(), call->response(),
+                                [call](grpc::Status status) { call->Answer(status); });
   }
 
   // The batching thread: waits for company up to the delay, takes one key's requests in
@@ -590,10 +611,25 @@ class Frontend {
         cv_.wait_until(lock, until);
       }
       std::unique_ptr<Batch> batch(new Batch());
-      const BatchKey key = queue_.front().key;
+      std::vector<std::pair<std::shared_ptr<ScoreCall>, Ending> > gone;
+      long left = 0;  // n-grams leaving the queue, taken or dropped
+      bool keyed = false;
+      BatchKey key;
       for (auto it = queue_.begin(); it != queue_.end();) {
+        Ending why;
+        if (it->call->Gone(&why)) {
+          left += it->ngrams;
+          gone.emplace_back(std::move(it->call), why);
+          it = queue_.erase(it);
+          continue;
+        }
+        if (!keyed) {
+          key = it->key;
+          keyed = true;
+        }
         if (it->key == key && batch->ngrams + it->ngrams <= max_batch_) {
           batch->ngrams += it->ngrams;
+          left += it->ngrams;
           batch->items.push_back(std::move(*it));
           it = queue_.erase(it);
           if (batch->ngrams == max_batch_) break;
@@ -601,11 +637,19 @@ class Frontend {
           ++it;
         }
       }
-      queued_ngrams_ -= batch->ngrams;
+      queued_ngrams_ -= left;
+      dropped_ += gone.size();
+      if (batch->items.empty()) {  // every request looked at had gone
+        lock.unlock();
+        for (auto &g : gone) g.first->Drop(g.second);
+        lock.lock();
+        continue;
+      }
       last_batch_requests_ = static_cast<long>(batch->items.size());
       ++inflight_;
       ++batches_;
       lock.unlock();
+      for (auto &g : gone) g.first->Drop(g.second);
       Send(std::move(batch));
       lock.lock();
     }
@@ -618,14 +662,14 @@ class Frontend {
     req.set_allow_unnormalized(key.allow_unnormalized);
     if (key.packed) {
       uint32_t width = 0;
-      for (const auto &p : batch->items) width = std::max(width, p.request->packed_order());
+      for (const auto &p : batch->items) width = std::max(width, p.call->request().packed_order());
       std::string *out = req.mutable_packed_ids();
       out->reserve(static_cast<std::size_t>(batch->ngrams) * width * 4);
       batch->parts.reserve(batch->items.size());
       std::vector<uint32_t> narrow, wide;
       for (const auto &p : batch->items) {
-        const std::string &in = p.request->packed_ids();
-        uint32_t k = p.request->packed_order();
+        const std::string &in = p.call->request().packed_ids();
+        uint32_t k = p.call->request().packed_order();
         batch->parts.emplace_back(static_cast<uint32_t>(p.ngrams), k);
         if (k == width) {
           out->append(in);
@@ -643,7 +687,7 @@ class Frontend {
       req.set_packed_order(width);
     } else {
       for (const auto &p : batch->items) {
-        for (const auto &g : p.request->ngrams()) *req.add_ngrams() = g;
+        for (const auto &g : p.call->request().ngrams()) *req.add_ngrams() = g;
       }
     }
     if (key.packed) {  // to a sender thread of the local channel
@@ -691,10 +735,10 @@ class Frontend {
         Pending &p = batch->items[item];
         if (per_part && !batch->part_status[item].ok()) {
           at += static_cast<int>(p.ngrams);
-          p.reactor->Finish(batch->part_status[item]);
+          p.call->Answer(batch->part_status[item]);
           continue;
         }
-        ScoreNgramsResponse *out = p.response;
+        ScoreNgramsResponse *out = p.call->response();
         out->mutable_log_probs()->Reserve(static_cast<int>(p.ngrams));
         out->mutable_oov()->Reserve(static_cast<int>(p.ngrams));
         for (long i = 0; i < p.ngrams; ++i, ++at) {
@@ -704,7 +748,7 @@ class Frontend {
         out->set_log_base(res.log_base());
         out->set_normalized(res.normalized());
         out->set_model_hash(res.model_hash());
-        p.reactor->Finish(grpc::Status::OK);
+        p.call->Answer(grpc::Status::OK);
       }
     } else if (status.error_code() == grpc::StatusCode::INVALID_ARGUMENT && batch->items.size() > 1 &&
                !batch->items.front().key.packed) {
@@ -715,7 +759,7 @@ class Frontend {
                                                                   std::to_string(res.log_probs_size()) + " scores for " +
                                                                   std::to_string(batch->ngrams) + " n-grams")
                                      : status;
-      for (auto &p : batch->items) p.reactor->Finish(err);
+      for (auto &p : batch->items) p.call->Answer(err);
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -727,7 +771,6 @@ class Frontend {
 
   const Options options_;
   std::unique_ptr<LanguageModel::Stub> stub_;
-  std::unique_ptr<Admin::Stub> admin_;
   const uint32_t order_;
   const uint32_t bos_id_;
   const uint32_t unk_id_;
@@ -740,81 +783,12 @@ class Frontend {
   long inflight_ = 0;
   long last_batch_requests_ = 1;
   bool stopping_ = false;
-  uint64_t requests_ = 0, ngrams_ = 0, batches_ = 0, alone_ = 0, rejected_ = 0;
+  uint64_t requests_ = 0, ngrams_ = 0, batches_ = 0, alone_ = 0, rejected_ = 0, dropped_ = 0;
   std::thread batcher_;
   std::deque<std::unique_ptr<Batch>> outbox_;  // batches for the local channel's senders
   std::condition_variable outbox_cv_;
   bool senders_done_ = false;
   std::vector<std::thread> senders_;
-};
-
-// nlmserve.v1.LanguageModel: ScoreNgrams batched on the callback API; the other methods
-// forwarded synchronously (they are few and large).
-// A server-streaming RPC passed through: the backend's chunks to the caller, as they come.
-template <class Chunk>
-grpc::Status ForwardStream(grpc::ClientContext *fwd, std::unique_ptr<grpc::ClientReader<Chunk> > reader,
-                           grpc::ServerWriter<Chunk> *writer) {
-  Chunk chunk;
-  while (reader->Read(&chunk)) {
-    if (!writer->Write(chunk)) {
-      fwd->TryCancel();
-      break;
-    }
-  }
-  return reader->Finish();
-}
-
-class LanguageModelService final : public LanguageModel::WithCallbackMethod_ScoreNgrams<LanguageModel::Service> {
- public:
-  explicit LanguageModelService(Frontend *frontend) : frontend_(frontend) {}
-
-  grpc::ServerUnaryReactor *ScoreNgrams(grpc::CallbackServerContext *ctx, const ScoreNgramsRequest *request,
-                                        ScoreNgramsResponse *response) override {
-    grpc::ServerUnaryReactor *reactor = ctx->DefaultReactor();
-    frontend_->Submit(ctx, request, response, reactor);
-    return reactor;
-  }
-
-  grpc::Status ScoreSentences(grpc::ServerContext *ctx, const ScoreSentencesRequest *request,
-                              ScoreSentencesResponse *response) override {
-    auto fwd = ForwardContext(*ctx, frontend_->options().backend_timeout_ms);
-    return frontend_->stub()->ScoreSentences(fwd.get(), *request, response);
-  }
-
-  grpc::Status GetModelInfo(grpc::ServerContext *ctx, const GetModelInfoRequest *request,
-                            ModelInfo *response) override {
-    auto fwd = ForwardContext(*ctx, frontend_->options().backend_timeout_ms);
-    return frontend_->stub()->GetModelInfo(fwd.get(), *request, response);
-  }
-
-  grpc::Status GetVocabulary(grpc::ServerContext *ctx, const GetVocabularyRequest *request,
-                             grpc::ServerWriter<VocabularyChunk> *writer) override {
-    auto fwd = ForwardContext(*ctx, frontend_->options().backend_timeout_ms);
-    return ForwardStream(fwd.get(), frontend_->stub()->GetVocabulary(fwd.get(), *request), writer);
-  }
-
-  grpc::Status GetScoringTables(grpc::ServerContext *ctx, const GetScoringTablesRequest *request,
-                                grpc::ServerWriter<ScoringTablesChunk> *writer) override {
-    auto fwd = ForwardContext(*ctx, frontend_->options().backend_timeout_ms);
-    return ForwardStream(fwd.get(), frontend_->stub()->GetScoringTables(fwd.get(), *request), writer);
-  }
-
- private:
-  Frontend *frontend_;
-};
-
-class AdminService final : public Admin::Service {
- public:
-  explicit AdminService(Frontend *frontend) : frontend_(frontend) {}
-
-  grpc::Status ReloadModel(grpc::ServerContext *ctx, const ReloadModelRequest *request, ModelInfo *response) override {
-    // A reload reads and checks a model file: give it the caller's deadline, not ours.
-    auto fwd = ForwardContext(*ctx, 24L * 3600 * 1000);
-    return frontend_->admin()->ReloadModel(fwd.get(), *request, response);
-  }
-
- private:
-  Frontend *frontend_;
 };
 
 // The backend's model info, waiting up to the connect timeout for it to come up.
@@ -837,6 +811,69 @@ bool FetchInfo(LanguageModel::Stub *stub, long timeout_s, const std::string &tok
   return false;
 }
 
+// Whether the backend's own health service reports the LanguageModel service SERVING. The
+// backend never limits its health service (server/gate.py), so no client, however many
+// calls it holds, can make this probe fail.
+bool BackendServing(grpc::GenericStub *stub) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  grpc::ByteBuffer request = HealthRequest(kServiceName), response;
+  std::promise<grpc::Status> done;
+  stub->UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
+                  [&done](grpc::Status status) { done.set_value(status); });
+  return done.get_future().get().ok() && ParseHealthResponse(&response) == kServing;
+}
+
+// The largest memory gRPC may take for the public port's connections and calls (a resource
+// quota: beyond it gRPC refuses new connections and cuts calls before it grows further):
+// --max-memory-mb, else four of the largest messages, at least 256 MiB.
+std::size_t MemoryQuotaBytes(const Options &o) {
+  const long mb = o.max_memory_mb ? o.max_memory_mb : std::max(256L, 4 * o.max_message_mb);
+  return static_cast<std::size_t>(mb) * 1024 * 1024;
+}
+
+// The open-files soft limit raised to the hard one, so that a flood of connections meets
+// --max-connections rather than the file limit; a warning when even that is below the cap.
+void RaiseFileLimit(long max_connections) {
+  rlimit files{};
+  if (getrlimit(RLIMIT_NOFILE, &files) != 0) return;
+  if (files.rlim_cur < files.rlim_max) {
+    files.rlim_cur = files.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &files);
+  }
+  if (files.rlim_cur != RLIM_INFINITY && static_cast<long>(files.rlim_cur) < max_connections + 64) {
+    Log("the open-files limit (" + std::to_string(files.rlim_cur) + ") is below --max-connections " +
+        std::to_string(max_connections) + " and the front end's own files: raise it (ulimit -n)");
+  }
+}
+
+// The public port's limits: messages, compression, keepalive, connection lifetimes,
+// handshake time, metadata, memory and the connection cap.
+void Configure(const Options &o, int max_bytes, ConnectionCap *cap, grpc::ServerBuilder *builder) {
+  builder->SetMaxReceiveMessageSize(max_bytes);
+  builder->SetMaxSendMessageSize(max_bytes);
+  // Identity only: a compressed request is refused before anything is inflated.
+  builder->SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_DEFLATE, false);
+  builder->SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_GZIP, false);
+  builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, static_cast<int>(o.keepalive_ms));
+  builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, static_cast<int>(o.keepalive_timeout_ms));
+  builder->AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, kClientPingFloorMs);
+  if (o.max_connection_idle_ms) {
+    builder->AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, static_cast<int>(o.max_connection_idle_ms));
+  }
+  if (o.max_connection_age_ms) {
+    builder->AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, static_cast<int>(o.max_connection_age_ms));
+    builder->AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS,
+                                static_cast<int>(o.max_connection_age_grace_ms));
+  }
+  builder->AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, static_cast<int>(o.handshake_timeout_ms));
+  builder->AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, static_cast<int>(o.max_metadata_kb * 1024));
+  grpc::ResourceQuota quota("nlmserve_frontend");
+  quota.Resize(MemoryQuotaBytes(o));
+  builder->SetResourceQuota(quota);
+  builder->SetOption(cap->Option());
+}
+
 }  // namespace
 
 int main(int argc, char **argv) {
@@ -847,13 +884,21 @@ int main(int argc, char **argv) {
   // about 3% of the front end's CPU under load, for a debugging aid.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
 #endif
+  Guards guards(options.max_concurrent_rpcs, options.max_rpcs_per_connection, options.max_rpcs_per_client,
+                options.max_health_watches, options.max_health_watches_per_connection);
+  if (!options.token_file.empty()) {
+    const std::string error = guards.tokens.Load(options.token_file);
+    if (!error.empty()) Usage("--token-file: " + error);
+  }
+  RaiseFileLimit(options.max_connections);
 
-  // SIGTERM and SIGINT are taken by sigwait in the main thread: block them before any
-  // thread starts so every thread inherits the mask.
+  // SIGTERM and SIGINT (stop) and SIGHUP (re-read the token file) are taken by sigwait in
+  // the main thread: block them before any thread starts so every thread inherits the mask.
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   const int max_bytes = static_cast<int>(std::min<long>(options.max_message_mb * 1024L * 1024L, INT32_MAX));
@@ -861,10 +906,10 @@ int main(int argc, char **argv) {
   channel_args.SetMaxReceiveMessageSize(max_bytes);
   channel_args.SetMaxSendMessageSize(max_bytes);
   auto channel = grpc::CreateCustomChannel(options.backend, grpc::InsecureChannelCredentials(), channel_args);
-  std::unique_ptr<LanguageModel::Stub> probe(LanguageModel::NewStub(channel));
+  std::unique_ptr<LanguageModel::Stub> info_stub(LanguageModel::NewStub(channel));
   ModelInfo info;
   grpc::Status status;
-  if (!FetchInfo(probe.get(), options.connect_timeout_s, options.token, &info, &status)) {
+  if (!FetchInfo(info_stub.get(), options.connect_timeout_s, guards.tokens.First(), &info, &status)) {
     Log("no answer from the backend " + options.backend + " within " + std::to_string(options.connect_timeout_s) +
         " s: " + status.error_message());
     return 1;
@@ -874,28 +919,24 @@ int main(int argc, char **argv) {
       ", packed batches over " + options.backend_socket);
 
   Frontend frontend(options, channel, info);
-  LanguageModelService lm_service(&frontend);
-  AdminService admin_service(&frontend);
+  HealthState health(kServiceName);
+  CallLimits limits;
+  limits.first_message_ms = options.first_message_ms;
+  limits.stream_write_timeout_ms = options.stream_write_timeout_ms;
+  limits.backend_timeout_ms = options.backend_timeout_ms;
+  CallService service(&guards, &health, &frontend, channel, limits);
+  ConnectionCap cap(options.max_connections, &guards.refusals);
 
-  grpc::EnableDefaultHealthCheckService(true);
-#ifdef NLMSERVE_REFLECTION
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-#endif
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &port);
-  builder.SetMaxReceiveMessageSize(max_bytes);
-  builder.SetMaxSendMessageSize(max_bytes);
-  builder.RegisterService(&lm_service);
-  builder.RegisterService(&admin_service);
+  Configure(options, max_bytes, &cap, &builder);
+  builder.RegisterCallbackGenericService(&service);
   std::unique_ptr<grpc::Server> server(builder.BuildAndStart());
   if (!server || port == 0) {
     Log("cannot listen on " + options.listen);
     return 1;
   }
-  grpc::HealthCheckServiceInterface *health = server->GetHealthCheckService();
-  health->SetServingStatus(true);
-  health->SetServingStatus(kServiceName, true);
 
   std::string host = options.listen.substr(0, options.listen.rfind(':'));
   std::cout << "listening on " << host << ":" << port << std::endl;
@@ -904,38 +945,51 @@ int main(int argc, char **argv) {
                                                                    ? static_cast<long>(info.max_ngrams_per_request())
                                                                    : options.max_batch_ngrams)) +
       " n-grams, delay " + std::to_string(options.max_delay_us) + " us, " + std::to_string(options.max_inflight) +
-      " in flight");
+      " in flight; " + (guards.tokens.required() ? std::to_string(guards.tokens.size()) + " bearer token(s)"
+                                                 : std::string("no token")) +
+      ", at most " + std::to_string(options.max_concurrent_rpcs) + " calls held, " +
+      std::to_string(options.max_connections) + " connections");
 
-  // Health follows the backend: one GetModelInfo a second.
+  // Health follows the backend's own health service: one Check a second.
   std::atomic<bool> stopping(false);
+  grpc::GenericStub probe(channel);
   std::thread monitor([&]() {
     bool serving = true;
     while (!stopping.load()) {
-      grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
-      if (!options.token.empty()) ctx.AddMetadata("authorization", "Bearer " + options.token);
-      ModelInfo now;
-      bool ok = probe->GetModelInfo(&ctx, GetModelInfoRequest(), &now).ok();
+      bool ok = BackendServing(&probe);
       if (stopping.load()) break;
       if (ok != serving) {
         serving = ok;
         Log(ok ? "backend answers again: SERVING" : "backend does not answer: NOT_SERVING");
-        health->SetServingStatus(ok);
-        health->SetServingStatus(kServiceName, ok);
+        health.Set(ok);
       }
       for (int i = 0; i < 10 && !stopping.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
   });
 
   int sig = 0;
-  sigwait(&signals, &sig);
+  for (;;) {
+    sigwait(&signals, &sig);
+    if (sig != SIGHUP) break;
+    if (options.token_file.empty()) {
+      Log("got SIGHUP: no --token-file to read again");
+      continue;
+    }
+    const std::string error = guards.tokens.Load(options.token_file);
+    Log("got SIGHUP: " + (error.empty() ? "token file " + options.token_file + ": " +
+                                              std::to_string(guards.tokens.size()) + " token(s)"
+                                        : error + "; the tokens in force stay"));
+  }
   Log(std::string("got ") + (sig == SIGTERM ? "SIGTERM" : "SIGINT") + ": draining");
   stopping = true;
-  health->SetServingStatus(false);
-  health->SetServingStatus(kServiceName, false);
+  guards.stopping = true;
+  health.CloseAll();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(options.grace_s));
   frontend.Stop();
   monitor.join();
   Log(frontend.Stats());
+  const std::string endings = Endings().Summary(), refusals = guards.refusals.Summary();
+  Log("calls ended by the front end: " + (endings.empty() ? std::string("none") : endings) +
+      "; refused by a guard: " + (refusals.empty() ? std::string("none") : refusals));
   return 0;
 }

@@ -1,0 +1,554 @@
+// The native front end's guards: what a caller or a connection may hold, and how a call the
+// front end ends itself ends. Included by nlmserve_frontend.cpp (one translation unit).
+//
+// - Endings: the status of each way the front end ends a call itself (kEndingCodes, the
+//   "frontend:" rows of proto/contract/status_codes.tsv), counted for the stats line.
+// - TokenSet: the bearer tokens of --token-file, checked from a call's metadata before
+//   anything else is read; re-read on SIGHUP.
+// - Slots: concurrency limits (in all, per connection, per client) on the calls held.
+// - Refusals: refusals by a limit counted by reason and logged at most once per reason
+//   every kRefusalLogSeconds.
+// - ConnectionCap: the most client connections open at once.
+#ifndef NLMSERVE_FRONTEND_GUARDS_H
+#define NLMSERVE_FRONTEND_GUARDS_H
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/stat.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <grpc/support/sync.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/impl/server_builder_option.h>
+#include <grpcpp/support/channel_arguments.h>
+
+#include "nlmserve_client.h"
+
+// gRPC core's socket mutator (src/core/lib/iomgr/socket_mutator.h, not installed with the
+// library): the server calls it with each socket it accepts, which is the only place gRPC
+// 1.51 lets an application see its connections. These definitions are that header's; the
+// structure has kept this layout since gRPC 1.30, and the functions named here are the
+// library's exported symbols (a different signature does not link).
+typedef enum {
+  GRPC_FD_CLIENT_CONNECTION_USAGE,
+  GRPC_FD_SERVER_LISTENER_USAGE,
+  GRPC_FD_SERVER_CONNECTION_USAGE,
+} grpc_fd_usage;
+typedef struct {
+  int fd;
+  grpc_fd_usage usage;
+} grpc_mutate_socket_info;
+struct grpc_socket_mutator_vtable {
+  bool (*mutate_fd)(int fd, grpc_socket_mutator *mutator);
+  int (*compare)(grpc_socket_mutator *a, grpc_socket_mutator *b);
+  void (*destroy)(grpc_socket_mutator *mutator);
+  bool (*mutate_fd_2)(const grpc_mutate_socket_info *info, grpc_socket_mutator *mutator);
+};
+struct grpc_socket_mutator {
+  const grpc_socket_mutator_vtable *vtable;
+  gpr_refcount refcount;
+};
+void grpc_socket_mutator_init(grpc_socket_mutator *mutator, const grpc_socket_mutator_vtable *vtable);
+
+namespace nlmserve_frontend {
+
+using Clock = std::chrono::steady_clock;
+
+inline void Log(const std::string &message) {
+  std::ostringstream line;
+  line << "nlmserve_frontend: " << message << "\n";
+  std::cerr << line.str() << std::flush;
+}
+
+// ------------------------------------------------------------------------------ endings
+
+// The ways a call ends in the front end itself, and their codes: the rows "frontend:" of
+// proto/contract/status_codes.tsv, which `nlmserve_frontend --check-status-codes FILE`
+// checks this table against (tests/test_native_frontend.py runs it). Every other status a
+// client sees is the backend's own.
+enum Ending {
+  kBackendUnreachable,
+  kBackendTimeout,
+  kBackendBadAnswer,
+  kQueueFull,
+  kStopping,
+  kUnauthenticated,      // no or an unknown bearer token (before the message is read)
+  kMalformed,            // a request message that does not parse
+  kNoMessage,            // the call ended without a request message
+  kFirstMessageTimeout,  // no request message within --first-message-ms of the headers
+  kSlotsFull,            // a concurrency limit (Slots)
+  kExpired,              // the call's deadline passed before its request was sent on
+  kCancelled,            // the client cancelled or went away before its request was sent on
+  kStreamWriteTimeout,   // the client did not read an answer within --stream-write-timeout-ms
+  kUnknownMethod,        // a method the front end does not serve
+  kUnknownHealthService, // health Check of a service the front end does not report
+  kEndings
+};
+struct EndingCode {
+  const char *condition;
+  grpc::StatusCode code;
+};
+const EndingCode kEndingCodes[kEndings] = {
+    {"backend_unreachable", grpc::StatusCode::UNAVAILABLE},
+    {"backend_timeout", grpc::StatusCode::DEADLINE_EXCEEDED},
+    {"backend_bad_answer", grpc::StatusCode::INTERNAL},
+    {"queue_full", grpc::StatusCode::RESOURCE_EXHAUSTED},
+    {"stopping", grpc::StatusCode::UNAVAILABLE},
+    {"unauthenticated", grpc::StatusCode::UNAUTHENTICATED},
+    {"malformed", grpc::StatusCode::INVALID_ARGUMENT},
+    {"no_message", grpc::StatusCode::INVALID_ARGUMENT},
+    {"first_message_timeout", grpc::StatusCode::DEADLINE_EXCEEDED},
+    {"slots_full", grpc::StatusCode::RESOURCE_EXHAUSTED},
+    {"expired", grpc::StatusCode::DEADLINE_EXCEEDED},
+    {"cancelled", grpc::StatusCode::CANCELLED},
+    {"stream_write_timeout", grpc::StatusCode::DEADLINE_EXCEEDED},
+    {"unknown_method", grpc::StatusCode::UNIMPLEMENTED},
+    {"unknown_health_service", grpc::StatusCode::NOT_FOUND},
+};
+
+// How many calls ended each way; thread-safe.
+class EndingCounts {
+ public:
+  EndingCounts() {
+    for (auto &n : counts_) n.store(0);
+  }
+  void Add(Ending ending) { counts_[ending].fetch_add(1, std::memory_order_relaxed); }
+  uint64_t Get(Ending ending) const { return counts_[ending].load(std::memory_order_relaxed); }
+
+  // "N condition, ..." for the conditions that happened (empty when none).
+  std::string Summary() const {
+    std::ostringstream s;
+    for (int e = 0; e < kEndings; ++e) {
+      uint64_t n = counts_[e].load(std::memory_order_relaxed);
+      if (n == 0) continue;
+      if (s.tellp() > 0) s << ", ";
+      s << n << " " << kEndingCodes[e].condition;
+    }
+    return s.str();
+  }
+
+ private:
+  std::atomic<uint64_t> counts_[kEndings];
+};
+
+// The process's one tally of endings (the stats line at exit reads it).
+inline EndingCounts &Endings() {
+  static EndingCounts counts;
+  return counts;
+}
+
+// The status of `ending` with `message`, counted.
+inline grpc::Status End(Ending ending, const std::string &message) {
+  Endings().Add(ending);
+  return grpc::Status(kEndingCodes[ending].code, message);
+}
+
+// ------------------------------------------------------------------------------ tokens
+
+// The bearer tokens of a token file: all of them are accepted (the rule of
+// proto/contract/token_files.tsv, nlmserve::ParseTokens of the client library); the first is
+// the one the front end sends on its own calls. Thread-safe; Load replaces them whole.
+class TokenSet {
+ public:
+  // The longest token file read (the Python server's limit, server/files.py).
+  static constexpr std::size_t kMaxFileBytes = 1024 * 1024;
+
+  // Reads `path`: a regular file (opened without following a final symlink's target into a
+  // FIFO or device: O_NONBLOCK, then fstat) of at most kMaxFileBytes. Returns an empty
+  // string when its tokens are in force, else what is wrong (the tokens in force stay).
+  std::string Load(const std::string &path) {
+    int fd = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) return "cannot read token file " + path + ": " + std::strerror(errno);
+    struct stat st {};
+    std::string text;
+    std::string error;
+    if (fstat(fd, &st) != 0) {
+      error = "cannot read token file " + path + ": " + std::strerror(errno);
+    } else if (!S_ISREG(st.st_mode)) {
+      error = "token file " + path + " is not a regular file";
+    } else if (static_cast<std::size_t>(st.st_size) > kMaxFileBytes) {
+      error = "token file " + path + " is larger than " + std::to_string(kMaxFileBytes) + " bytes";
+    } else {
+      char buffer[65536];
+      for (;;) {
+        ssize_t k = read(fd, buffer, sizeof(buffer));
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0) {
+          error = "cannot read token file " + path + ": " + std::strerror(errno);
+          break;
+        }
+        if (k == 0) break;
+        text.append(buffer, static_cast<std::size_t>(k));
+        if (text.size() > kMaxFileBytes) {
+          error = "token file " + path + " is larger than " + std::to_string(kMaxFileBytes) + " bytes";
+          break;
+        }
+      }
+    }
+    close(fd);
+    if (!error.empty()) return error;
+    auto tokens = std::make_shared<std::vector<std::string> >();
+    const int bad = nlmserve::ParseTokens(text, tokens.get());
+    if (bad > 0) return path + ":" + std::to_string(bad) + ": a token is printable ASCII and holds no whitespace";
+    if (bad < 0) return "token file " + path + " holds no token";
+    std::lock_guard<std::mutex> lock(mu_);
+    tokens_ = std::move(tokens);
+    return std::string();
+  }
+
+  // Whether calls need a token (a file was loaded).
+  bool required() const { return Current() != nullptr; }
+
+  // The token of the front end's own calls (empty: none).
+  std::string First() const {
+    auto tokens = Current();
+    return tokens ? tokens->front() : std::string();
+  }
+
+  std::size_t size() const {
+    auto tokens = Current();
+    return tokens ? tokens->size() : 0;
+  }
+
+  // Null when the `authorization` metadata `header` (null: none) may call, else the
+  // UNAUTHENTICATED message; `*client` is then the token when the file holds several (the
+  // caller's identity for its share of the slots), else left empty. "Bearer" in any case,
+  // one space, the token (surrounding white space ignored), compared with every token in
+  // a time that does not depend on which one matches or where a wrong one differs.
+  const char *Refusal(const grpc::string_ref *header, std::string *client) const {
+    auto tokens = Current();
+    if (!tokens) return nullptr;
+    if (header == nullptr) return "missing bearer token";
+    const std::string raw(header->data(), header->size());
+    const std::size_t space = raw.find(' ');
+    std::string scheme = raw.substr(0, space);
+    for (char &c : scheme) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    if (scheme != "bearer" || space == std::string::npos) return "invalid bearer token";
+    std::string given = raw.substr(space + 1);
+    const char *white = " \t\r\n\v\f";
+    const std::size_t a = given.find_first_not_of(white);
+    given = a == std::string::npos ? std::string() : given.substr(a, given.find_last_not_of(white) - a + 1);
+    bool ok = false;
+    for (const std::string &token : *tokens) ok |= SameBytes(given, token);
+    if (!ok) return "invalid bearer token";
+    if (tokens->size() > 1) *client = "token:" + given;
+    return nullptr;
+  }
+
+ private:
+  std::shared_ptr<const std::vector<std::string> > Current() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return tokens_;
+  }
+
+  // Equality in a time that depends on the lengths only.
+  static bool SameBytes(const std::string &a, const std::string &b) {
+    unsigned char diff = a.size() == b.size() ? 0 : 1;
+    const std::size_t n = std::min(a.size(), b.size());
+    for (std::size_t i = 0; i < n; ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+    return diff == 0;
+  }
+
+  mutable std::mutex mu_;
+  std::shared_ptr<const std::vector<std::string> > tokens_;
+};
+
+// ------------------------------------------------------------------------------ refusals
+
+// Why a call or a connection was refused by a guard: the names of the Python server's
+// refusal reasons (nlmserve_refused_total{reason}), so that both front ends' logs read alike.
+enum Reason {
+  kReasonUnauthenticated,
+  kReasonMaxConcurrentRpcs,
+  kReasonMaxRpcsPerConnection,
+  kReasonMaxRpcsPerClient,
+  kReasonMaxHealthWatches,
+  kReasonMaxHealthWatchesPerConnection,
+  kReasonFirstMessageTimeout,
+  kReasonStreamWriteTimeout,
+  kReasonMaxConnections,
+  kReasons
+};
+const char *const kReasonNames[kReasons] = {
+    "unauthenticated",   "max_concurrent_rpcs",       "max_rpcs_per_connection",
+    "max_rpcs_per_client", "max_health_watches",      "max_health_watches_per_connection",
+    "first_message_timeout", "stream_write_timeout", "max_connections",
+};
+
+// Seconds between two log lines about refusals of one reason.
+constexpr double kRefusalLogSeconds = 10.0;
+
+// Refusals counted by reason and logged without letting a flood of them flood the log:
+// one line per reason every kRefusalLogSeconds at most, with the count since the last.
+class Refusals {
+ public:
+  void Note(Reason reason, const std::string &what, const std::string &peer) {
+    std::string line;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++total_[reason];
+      ++unlogged_[reason];
+      const auto now = Clock::now();
+      if (!logged_once_[reason] || now - logged_at_[reason] >= std::chrono::duration<double>(kRefusalLogSeconds)) {
+        std::ostringstream s;
+        s << "refused " << unlogged_[reason] << " call(s) by " << kReasonNames[reason]
+          << " since the last such line; the latest: " << Printable(what) << " from " << Printable(peer);
+        line = s.str();
+        unlogged_[reason] = 0;
+        logged_at_[reason] = now;
+        logged_once_[reason] = true;
+      }
+    }
+    if (!line.empty()) Log(line);
+  }
+
+  // "N reason, ..." for the reasons that happened (empty when none).
+  std::string Summary() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::ostringstream s;
+    for (int r = 0; r < kReasons; ++r) {
+      if (total_[r] == 0) continue;
+      if (s.tellp() > 0) s << ", ";
+      s << total_[r] << " " << kReasonNames[r];
+    }
+    return s.str();
+  }
+
+  // A client-chosen string as a log may show it: at most 200 bytes, control and non-ASCII
+  // bytes as \xHH, so that no caller can forge or break a log line.
+  static std::string Printable(const std::string &text) {
+    static const char kHex[] = "0123456789abcdef";
+    std::string out;
+    for (std::size_t i = 0; i < text.size() && i < 200; ++i) {
+      unsigned char c = static_cast<unsigned char>(text[i]);
+      if (c >= 0x20 && c < 0x7f && c != '\\') {
+        out += static_cast<char>(c);
+      } else {
+        out += "\\x";
+        out += kHex[c >> 4];
+        out += kHex[c & 15];
+      }
+    }
+    if (text.size() > 200) out += "...";
+    return out;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  uint64_t total_[kReasons] = {};
+  uint64_t unlogged_[kReasons] = {};
+  bool logged_once_[kReasons] = {};
+  Clock::time_point logged_at_[kReasons];
+};
+
+// ------------------------------------------------------------------------------ slots
+
+// The client a call counts against for a per-client share: its token when the token file
+// holds several (TokenSet::Refusal sets it), else its address without the port
+// ("ipv4:127.0.0.1:5000" -> "ipv4:127.0.0.1"), as the Python server's call gate does.
+inline std::string ClientOf(const std::string &peer, const std::string &token_client) {
+  if (!token_client.empty()) return token_client;
+  const std::size_t colon = peer.rfind(':');
+  const std::size_t bracket = peer.rfind(']');
+  if (colon == std::string::npos || (bracket != std::string::npos && colon < bracket)) return peer;
+  return peer.substr(0, colon);
+}
+
+// Slots of one kind of call: at most `limit` held in all, `per_connection` by one
+// connection (its peer address and port), `per_client` by one client (ClientOf).
+class Slots {
+ public:
+  Slots(long limit, long per_connection, long per_client, Reason limit_reason, Reason connection_reason,
+        Reason client_reason, const char *limit_flag, const char *connection_flag, const char *client_flag)
+      : limit_(limit),
+        per_connection_(std::min(per_connection, limit)),
+        per_client_(std::min(per_client, limit)),
+        reasons_{limit_reason, connection_reason, client_reason},
+        flags_{limit_flag, connection_flag, client_flag} {}
+
+  // Takes a slot for `connection` and `client`: true, or false with the refusal's reason
+  // and RESOURCE_EXHAUSTED message.
+  bool Take(const std::string &connection, const std::string &client, Reason *reason, std::string *message) {
+    std::lock_guard<std::mutex> lock(mu_);
+    int which = -1;
+    long value = 0;
+    if (active_ >= limit_) {
+      which = 0;
+      value = limit_;
+    } else if (Held(by_connection_, connection) >= per_connection_) {
+      which = 1;
+      value = per_connection_;
+    } else if (Held(by_client_, client) >= per_client_) {
+      which = 2;
+      value = per_client_;
+    }
+    if (which >= 0) {
+      static const char *const kWho[] = {"the front end holds", "this connection holds", "this client holds"};
+      *reason = reasons_[which];
+      *message = std::string(kWho[which]) + " its most concurrent calls of this kind (" + flags_[which] + " " +
+                 std::to_string(value) + "); retry later";
+      return false;
+    }
+    ++active_;
+    ++by_connection_[connection];
+    ++by_client_[client];
+    return true;
+  }
+
+  void Give(const std::string &connection, const std::string &client) {
+    std::lock_guard<std::mutex> lock(mu_);
+    --active_;
+    Release(&by_connection_, connection);
+    Release(&by_client_, client);
+  }
+
+  long active() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return active_;
+  }
+
+ private:
+  static long Held(const std::unordered_map<std::string, long> &held, const std::string &key) {
+    auto it = held.find(key);
+    return it == held.end() ? 0 : it->second;
+  }
+  static void Release(std::unordered_map<std::string, long> *held, const std::string &key) {
+    auto it = held->find(key);
+    if (it != held->end() && --it->second <= 0) held->erase(it);
+  }
+
+  const long limit_, per_connection_, per_client_;
+  const Reason reasons_[3];
+  const char *const flags_[3];
+  mutable std::mutex mu_;
+  long active_ = 0;
+  std::unordered_map<std::string, long> by_connection_, by_client_;
+};
+
+// ------------------------------------------------------------------------------ connections
+
+// The most client connections open at once. gRPC hands every socket it accepts to this
+// cap (a socket mutator, above) before its handshake: a socket beyond the cap is shut down
+// there (the client sees the connection closed: UNAVAILABLE), which gRPC then closes. The
+// cap counts the sockets it let through that are still open: each is remembered by its
+// descriptor and inode, and one whose descriptor no longer names that inode was closed.
+// Counting them again takes one fstat per remembered socket, so it is done only when the
+// remembered ones reach the cap, and at most every kRecountMs.
+class ConnectionCap {
+ public:
+  static constexpr long kRecountMs = 20;
+
+  explicit ConnectionCap(long limit, Refusals *refusals) : limit_(limit), refusals_(refusals) {
+    static const grpc_socket_mutator_vtable kVtable = {nullptr, Compare, Destroy, Mutate};
+    grpc_socket_mutator_init(&mutator_.base, &kVtable);
+    mutator_.cap = this;
+  }
+  ConnectionCap(const ConnectionCap &) = delete;
+  ConnectionCap &operator=(const ConnectionCap &) = delete;
+
+  // The server builder option that installs the cap (the builder owns it; the cap must
+  // outlive the server).
+  std::unique_ptr<grpc::ServerBuilderOption> Option() {
+    class Install : public grpc::ServerBuilderOption {
+     public:
+      explicit Install(grpc_socket_mutator *m) : m_(m) {}
+      void UpdateArguments(grpc::ChannelArguments *args) override { args->SetSocketMutator(m_); }
+      void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin> > *) override {}
+
+     private:
+      grpc_socket_mutator *m_;
+    };
+    return std::unique_ptr<grpc::ServerBuilderOption>(new Install(&mutator_.base));
+  }
+
+  long refused() const { return refused_.load(); }
+
+ private:
+  struct Mutator {
+    grpc_socket_mutator base;  // first: gRPC sees a grpc_socket_mutator*
+    ConnectionCap *cap;
+  };
+
+  static bool Mutate(const grpc_mutate_socket_info *info, grpc_socket_mutator *m) {
+    if (info->usage == GRPC_FD_SERVER_CONNECTION_USAGE) reinterpret_cast<Mutator *>(m)->cap->Accepted(info->fd);
+    return true;  // false would make gRPC stop accepting on the port
+  }
+  static int Compare(grpc_socket_mutator *a, grpc_socket_mutator *b) { return a < b ? -1 : a > b ? 1 : 0; }
+  static void Destroy(grpc_socket_mutator *) {}  // the cap owns it
+
+  // The address of the socket's other end, as gRPC writes peers ("ipv4:127.0.0.1:5000").
+  static std::string PeerOf(int fd) {
+    sockaddr_storage addr{};
+    socklen_t len = sizeof(addr);
+    char host[INET6_ADDRSTRLEN] = "?";
+    if (getpeername(fd, reinterpret_cast<sockaddr *>(&addr), &len) != 0) return "an unknown peer";
+    if (addr.ss_family == AF_INET) {
+      const auto *a = reinterpret_cast<const sockaddr_in *>(&addr);
+      inet_ntop(AF_INET, &a->sin_addr, host, sizeof(host));
+      return std::string("ipv4:") + host + ":" + std::to_string(ntohs(a->sin_port));
+    }
+    if (addr.ss_family == AF_INET6) {
+      const auto *a = reinterpret_cast<const sockaddr_in6 *>(&addr);
+      inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof(host));
+      return std::string("ipv6:[") + host + "]:" + std::to_string(ntohs(a->sin6_port));
+    }
+    return "a local peer";
+  }
+
+  static ino_t InodeOf(int fd) {
+    struct stat st {};
+    return fstat(fd, &st) == 0 ? st.st_ino : 0;
+  }
+
+  void Accepted(int fd) {
+    const ino_t inode = InodeOf(fd);
+    bool refuse = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      open_.erase(fd);  // a descriptor number reused: its former socket is closed
+      if (static_cast<long>(open_.size()) >= limit_ && Clock::now() >= next_recount_) {
+        for (auto it = open_.begin(); it != open_.end();) {
+          it = InodeOf(it->first) == it->second ? std::next(it) : open_.erase(it);
+        }
+        next_recount_ = Clock::now() + std::chrono::milliseconds(kRecountMs);
+      }
+      refuse = static_cast<long>(open_.size()) >= limit_;
+      if (!refuse) open_[fd] = inode;
+    }
+    if (refuse) {
+      refused_.fetch_add(1);
+      shutdown(fd, SHUT_RDWR);
+      refusals_->Note(kReasonMaxConnections, "a connection", PeerOf(fd));
+    }
+  }
+
+  const long limit_;
+  Refusals *refusals_;
+  Mutator mutator_;
+  std::mutex mu_;
+  std::unordered_map<int, ino_t> open_;
+  Clock::time_point next_recount_;
+  std::atomic<long> refused_{0};
+};
+
+}  // namespace nlmserve_frontend
+
+#endif  // NLMSERVE_FRONTEND_GUARDS_H
