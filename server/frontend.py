@@ -4,8 +4,12 @@ The model server binds a private loopback port; ``nlmserve_frontend`` binds the 
 address, micro-batches the small ScoreNgrams requests of many clients in C++ and forwards
 everything else (docs/serving.md, "Settings", the paragraph on the native front end);
 merged packed batches reach this process over its private Unix socket (server/local.py).
-This module finds the binary, starts it, relays its log lines and stops it first on
-shutdown, so that in-flight requests drain through it while the model server is still up.
+This module finds the binary, starts it with the server's guards (tokens, first-message
+deadline, keepalive and connection limits, concurrency limits, stream write timeout: the
+front end applies them to the public port itself, :func:`frontend_flags`), relays its log
+lines, passes SIGHUP on (the front end then reads its token files again) and stops it
+first on shutdown, so that in-flight requests drain through it while the model server is
+still up.
 """
 
 from __future__ import annotations
@@ -28,6 +32,35 @@ log = logging.getLogger(__name__)
 BINARY = "nlmserve_frontend"
 # `make cpp` builds it here in a source checkout (server/native's own CMake project).
 BUILD_PATH = Path(__file__).resolve().parent.parent / "build" / "native" / BINARY
+
+
+def _ms(seconds: float) -> str:
+    return str(max(1, int(round(seconds * 1000))))
+
+
+def frontend_flags(config: ServerConfig) -> list[str]:
+    """The front end's flags for the public port's limits, taken from the same settings as
+    the Python server's (times in milliseconds; 0 keeps "never" where the setting has it)."""
+    flags = ["--first-message-ms", _ms(config.first_message_seconds),
+             "--keepalive-ms", _ms(config.keepalive_seconds),
+             "--keepalive-timeout-ms", _ms(config.keepalive_timeout_seconds),
+             "--max-connection-idle-ms",
+             _ms(config.max_connection_idle_seconds) if config.max_connection_idle_seconds else "0",
+             "--max-connection-age-ms",
+             _ms(config.max_connection_age_seconds) if config.max_connection_age_seconds else "0",
+             "--max-connection-age-grace-ms", str(int(round(config.max_connection_age_grace_seconds * 1000))),
+             "--max-concurrent-rpcs", str(config.max_concurrent_rpcs),
+             "--max-rpcs-per-connection", str(config.max_rpcs_per_connection),
+             "--max-rpcs-per-client", str(config.max_rpcs_per_client),
+             "--max-health-watches", str(config.max_health_watches),
+             "--max-health-watches-per-connection", str(config.max_health_watches_per_connection),
+             "--stream-write-timeout-ms", _ms(config.stream_write_timeout_seconds),
+             "--max-connections", str(config.max_connections)]
+    if config.token_file is not None:
+        flags += ["--token-file", config.token_file]
+        if config.admin_token_file is not None:
+            flags += ["--admin-token-file", config.admin_token_file]
+    return flags
 
 
 def find_binary(given: str | None) -> Path:
@@ -58,9 +91,7 @@ class NativeFrontend:
                "--max-queue-ngrams", str(config.max_queue_ngrams),
                "--max-message-mb", str(max(1, config.max_message_bytes // (1024 * 1024))),
                "--grace-s", str(max(0, int(round(config.grace_seconds)))),
-               "--backend-socket", socket_path]
-        if config.token_file is not None:
-            cmd += ["--token-file", config.token_file]
+               "--backend-socket", socket_path, *frontend_flags(config)]
         log.info("starting the native front end: %s", " ".join(cmd))
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None and self.proc.stderr is not None
@@ -80,6 +111,12 @@ class NativeFrontend:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def reload(self) -> None:
+        """SIGHUP: the front end reads its token files again (an unusable one is logged and
+        its tokens in force stay)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGHUP)
 
     def stop(self, timeout: float) -> int:
         """SIGTERM (drain within its grace period), then wait; SIGKILL after ``timeout``."""

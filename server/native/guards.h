@@ -163,29 +163,109 @@ inline grpc::Status End(Ending ending, const std::string &message) {
 
 // ------------------------------------------------------------------------------ tokens
 
-// The bearer tokens of a token file: all of them are accepted (the rule of
-// proto/contract/token_files.tsv, nlmserve::ParseTokens of the client library); the first is
-// the one the front end sends on its own calls. Thread-safe; Load replaces them whole.
+// The bearer tokens callers may present: those of --token-file and, when it is set too,
+// of --admin-token-file (an admin token may call every method, as the Python server's call
+// gate accepts it; which token may reload is the backend's to say). Every token of a file
+// is accepted (the rule of proto/contract/token_files.tsv, nlmserve::ParseTokens of the
+// client library); the token file's first is the one the front end sends on its own calls.
+// Thread-safe; each file is read whole or its tokens in force stay.
 class TokenSet {
  public:
   // The longest token file read (the Python server's limit, server/files.py).
   static constexpr std::size_t kMaxFileBytes = 1024 * 1024;
 
-  // Reads `path`: a regular file (opened without following a final symlink's target into a
-  // FIFO or device: O_NONBLOCK, then fstat) of at most kMaxFileBytes. Returns an empty
-  // string when its tokens are in force, else what is wrong (the tokens in force stay).
-  std::string Load(const std::string &path) {
+  // The files to read: `path` (none: calls need no token) and `admin_path` (may be empty).
+  void SetFiles(const std::string &path, const std::string &admin_path) {
+    std::lock_guard<std::mutex> lock(mu_);
+    paths_.clear();
+    if (!path.empty()) paths_.push_back(path);
+    if (!path.empty() && !admin_path.empty()) paths_.push_back(admin_path);
+    files_.assign(paths_.size(), nullptr);
+  }
+
+  // Reads every file; returns what is wrong with those that could not be read (one line
+  // each; empty when all were), whose tokens in force stay.
+  std::string Load() {
+    std::vector<std::string> paths;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      paths = paths_;
+    }
+    std::string errors;
+    for (std::size_t i = 0; i < paths.size(); ++i) {
+      auto tokens = std::make_shared<std::vector<std::string> >();
+      const std::string error = ReadFile(paths[i], tokens.get());
+      if (!error.empty()) {
+        errors += (errors.empty() ? "" : "; ") + error;
+        continue;
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      files_[i] = std::move(tokens);
+    }
+    return errors;
+  }
+
+  // Whether calls need a token (--token-file is set).
+  bool required() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return !paths_.empty();
+  }
+
+  // The token of the front end's own calls (empty: none).
+  std::string First() const {
+    auto files = Current();
+    return !files.empty() && files[0] ? files[0]->front() : std::string();
+  }
+
+  // The tokens in force, all files together.
+  std::size_t size() const {
+    std::size_t n = 0;
+    for (const auto &file : Current()) n += file ? file->size() : 0;
+    return n;
+  }
+
+  // Null when the `authorization` metadata `header` (null: none) may call, else the
+  // UNAUTHENTICATED message; `*client` is then the token when more than one is in force
+  // (the caller's identity for its share of the slots), else left empty. "Bearer" in any
+  // case, one space, the token (surrounding white space ignored), compared with every
+  // token in a time that does not depend on which one matches or where a wrong one differs.
+  const char *Refusal(const grpc::string_ref *header, std::string *client) const {
+    if (!required()) return nullptr;
+    if (header == nullptr) return "missing bearer token";
+    const std::string raw(header->data(), header->size());
+    const std::size_t space = raw.find(' ');
+    std::string scheme = raw.substr(0, space);
+    for (char &c : scheme) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    if (scheme != "bearer" || space == std::string::npos) return "invalid bearer token";
+    std::string given = raw.substr(space + 1);
+    const char *white = " \t\r\n\v\f";
+    const std::size_t a = given.find_first_not_of(white);
+    given = a == std::string::npos ? std::string() : given.substr(a, given.find_last_not_of(white) - a + 1);
+    bool ok = false;
+    std::size_t count = 0;
+    for (const auto &file : Current()) {
+      if (!file) continue;
+      for (const std::string &token : *file) ok |= SameBytes(given, token);
+      count += file->size();
+    }
+    if (!ok) return "invalid bearer token";
+    if (count > 1) *client = "token:" + given;
+    return nullptr;
+  }
+
+ private:
+  // The tokens of the file `path` in `tokens`; else what is wrong with the file. The file
+  // must be a regular one (opened non-blocking, then fstat: a FIFO or a device is refused
+  // without waiting on it) of at most kMaxFileBytes.
+  static std::string ReadFile(const std::string &path, std::vector<std::string> *tokens) {
     int fd = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
     if (fd < 0) return "cannot read token file " + path + ": " + std::strerror(errno);
     struct stat st {};
-    std::string text;
-    std::string error;
+    std::string text, error;
     if (fstat(fd, &st) != 0) {
       error = "cannot read token file " + path + ": " + std::strerror(errno);
     } else if (!S_ISREG(st.st_mode)) {
       error = "token file " + path + " is not a regular file";
-    } else if (static_cast<std::size_t>(st.st_size) > kMaxFileBytes) {
-      error = "token file " + path + " is larger than " + std::to_string(kMaxFileBytes) + " bytes";
     } else {
       char buffer[65536];
       for (;;) {
@@ -205,58 +285,15 @@ class TokenSet {
     }
     close(fd);
     if (!error.empty()) return error;
-    auto tokens = std::make_shared<std::vector<std::string> >();
-    const int bad = nlmserve::ParseTokens(text, tokens.get());
+    const int bad = nlmserve::ParseTokens(text, tokens);
     if (bad > 0) return path + ":" + std::to_string(bad) + ": a token is printable ASCII and holds no whitespace";
     if (bad < 0) return "token file " + path + " holds no token";
-    std::lock_guard<std::mutex> lock(mu_);
-    tokens_ = std::move(tokens);
     return std::string();
   }
 
-  // Whether calls need a token (a file was loaded).
-  bool required() const { return Current() != nullptr; }
-
-  // The token of the front end's own calls (empty: none).
-  std::string First() const {
-    auto tokens = Current();
-    return tokens ? tokens->front() : std::string();
-  }
-
-  std::size_t size() const {
-    auto tokens = Current();
-    return tokens ? tokens->size() : 0;
-  }
-
-  // Null when the `authorization` metadata `header` (null: none) may call, else the
-  // UNAUTHENTICATED message; `*client` is then the token when the file holds several (the
-  // caller's identity for its share of the slots), else left empty. "Bearer" in any case,
-  // one space, the token (surrounding white space ignored), compared with every token in
-  // a time that does not depend on which one matches or where a wrong one differs.
-  const char *Refusal(const grpc::string_ref *header, std::string *client) const {
-    auto tokens = Current();
-    if (!tokens) return nullptr;
-    if (header == nullptr) return "missing bearer token";
-    const std::string raw(header->data(), header->size());
-    const std::size_t space = raw.find(' ');
-    std::string scheme = raw.substr(0, space);
-    for (char &c : scheme) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-    if (scheme != "bearer" || space == std::string::npos) return "invalid bearer token";
-    std::string given = raw.substr(space + 1);
-    const char *white = " \t\r\n\v\f";
-    const std::size_t a = given.find_first_not_of(white);
-    given = a == std::string::npos ? std::string() : given.substr(a, given.find_last_not_of(white) - a + 1);
-    bool ok = false;
-    for (const std::string &token : *tokens) ok |= SameBytes(given, token);
-    if (!ok) return "invalid bearer token";
-    if (tokens->size() > 1) *client = "token:" + given;
-    return nullptr;
-  }
-
- private:
-  std::shared_ptr<const std::vector<std::string> > Current() const {
+  std::vector<std::shared_ptr<const std::vector<std::string> > > Current() const {
     std::lock_guard<std::mutex> lock(mu_);
-    return tokens_;
+    return files_;
   }
 
   // Equality in a time that depends on the lengths only.
@@ -268,7 +305,8 @@ class TokenSet {
   }
 
   mutable std::mutex mu_;
-  std::shared_ptr<const std::vector<std::string> > tokens_;
+  std::vector<std::string> paths_;
+  std::vector<std::shared_ptr<const std::vector<std::string> > > files_;  // null: never read
 };
 
 // ------------------------------------------------------------------------------ refusals

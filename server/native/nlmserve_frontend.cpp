@@ -124,6 +124,9 @@ struct Options {
   // Bearer tokens: every one is accepted from callers; the first is sent on the front
   // end's own calls to the backend (the model info at start).
   std::string token_file;
+  // Admin tokens (with --token-file): accepted from callers too; the backend says which
+  // token may reload.
+  std::string admin_token_file;
   // The model server's private Unix socket for merged packed batches.
   std::string backend_socket;
   // Guards (the flags of `nlmserve serve` of the same names, in milliseconds).
@@ -187,7 +190,7 @@ int CheckStatusCodes(const std::string &path) {
             << "usage: nlmserve_frontend --backend HOST:PORT --backend-socket PATH [--listen HOST:PORT]\n"
             << "         [--max-batch-ngrams N] [--max-delay-us US] [--delay-policy adaptive|fixed] [--max-inflight N]\n"
             << "         [--max-queue-ngrams N] [--backend-timeout-ms MS] [--max-message-mb MB] [--grace-s S]\n"
-            << "         [--connect-timeout-s S] [--token-file F]\n"
+            << "         [--connect-timeout-s S] [--token-file F] [--admin-token-file F]\n"
             << "       guards (defaults as `nlmserve serve`'s):\n"
             << "         [--first-message-ms 60000] [--keepalive-ms 60000] [--keepalive-timeout-ms 20000]\n"
             << "         [--max-connection-idle-ms 300000 (0: never)] [--max-connection-age-ms 0 (0: never)]\n"
@@ -259,6 +262,7 @@ Options ParseArgs(int argc, char **argv) {
       o.fixed_delay = policy == "fixed";
     }
     else if (flag == "--token-file") o.token_file = v;
+    else if (flag == "--admin-token-file") o.admin_token_file = v;
     else if (flag == "--backend-socket") o.backend_socket = v;
     else Usage("unknown flag " + flag);
   }
@@ -886,10 +890,9 @@ int main(int argc, char **argv) {
 #endif
   Guards guards(options.max_concurrent_rpcs, options.max_rpcs_per_connection, options.max_rpcs_per_client,
                 options.max_health_watches, options.max_health_watches_per_connection);
-  if (!options.token_file.empty()) {
-    const std::string error = guards.tokens.Load(options.token_file);
-    if (!error.empty()) Usage("--token-file: " + error);
-  }
+  guards.tokens.SetFiles(options.token_file, options.admin_token_file);
+  const std::string token_error = guards.tokens.Load();
+  if (!token_error.empty()) Usage(token_error);
   RaiseFileLimit(options.max_connections);
 
   // SIGTERM and SIGINT (stop) and SIGHUP (re-read the token file) are taken by sigwait in
@@ -971,14 +974,13 @@ int main(int argc, char **argv) {
   for (;;) {
     sigwait(&signals, &sig);
     if (sig != SIGHUP) break;
-    if (options.token_file.empty()) {
+    if (!guards.tokens.required()) {
       Log("got SIGHUP: no --token-file to read again");
       continue;
     }
-    const std::string error = guards.tokens.Load(options.token_file);
-    Log("got SIGHUP: " + (error.empty() ? "token file " + options.token_file + ": " +
-                                              std::to_string(guards.tokens.size()) + " token(s)"
-                                        : error + "; the tokens in force stay"));
+    const std::string error = guards.tokens.Load();
+    Log("got SIGHUP: token files read again, " + std::to_string(guards.tokens.size()) + " token(s) in force" +
+        (error.empty() ? std::string() : "; not read (their previous tokens stay): " + error));
   }
   Log(std::string("got ") + (sig == SIGTERM ? "SIGTERM" : "SIGINT") + ": draining");
   stopping = true;
