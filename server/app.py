@@ -261,10 +261,13 @@ def serve(config: ServerConfig) -> int:
         warning = exposure_warning(config)  # the front end is what the network reaches
         if warning is not None:
             log.warning("%s", warning)
-        # The model server on a private loopback port; the front end takes the public one
-        # and is its only client (one connection: the per-connection limit is the limit).
+        # The model server on a private loopback port; the front end takes the public one,
+        # applies the per-connection and per-client limits there itself, and is the model
+        # server's only client (one connection, one address, its callers' tokens: only the
+        # global limit applies behind it).
         config = dataclasses.replace(config, host="127.0.0.1", port=0, metrics_port=None,
-                                     max_rpcs_per_connection=config.max_concurrent_rpcs)
+                                     max_rpcs_per_connection=config.max_concurrent_rpcs,
+                                     max_rpcs_per_client=config.max_concurrent_rpcs)
     running = create_server(config)
     frontend = None
     stop = threading.Event()
@@ -306,6 +309,8 @@ def serve(config: ServerConfig) -> int:
             if hup.is_set():
                 hup.clear()
                 log.info("received SIGHUP: reloading %s", config.model)
+                if frontend is not None:
+                    frontend.reload()
                 # In a thread of its own, so that SIGTERM is still heard during a long read.
                 threading.Thread(target=_reload_logged, args=(running,), name="nlmserve-sighup", daemon=True).start()
             if not running.engine.check_health():
