@@ -12,18 +12,29 @@ Layout (all integers little-endian)::
 The header holds ``config`` (ModelConfig), ``vocabulary`` (the word list, id order),
 ``classes`` (WordClasses.to_json() or null), ``objective``, ``lowercase``, ``training``
 (free-form metadata: corpus, steps, perplexity, ...), ``tensors`` (name → dtype, shape,
-offset, nbytes), ``data_size`` and ``sha256``: the hex digest of the canonical JSON of
-the header without ``sha256`` (sorted keys, no spaces) followed by the data bytes. Loading
-checks magic, version, sizes and the digest, and raises :class:`ModelFileError` with the
-file name on any mismatch.
+offset, nbytes), ``data_size``, ``provenance`` (version 3) and ``sha256``: the hex digest
+of the canonical JSON of the header without ``sha256`` and ``provenance`` (sorted keys, no
+spaces) followed by the data bytes. Loading checks magic, version, sizes and the digest,
+and raises :class:`ModelFileError` with the file name on any mismatch. The digest is the
+model's hash (``model_hash`` wherever the model is served or reported).
 
 Version 2 (written only for the outputs added with it, ``tree`` and ``dsoftmax``, and for
 direct features shorter than the model's order, so older readers refuse those files by their
 version instead of failing later): the config may hold ``tree_nodes``, ``tree_method``,
 ``band_sizes``, ``band_dims``, ``ngram_order``, and a tree model
 stores its tree as the int32 arrays ``tree_left``, ``tree_right``, ``tree_code_word``,
-``tree_code_nodes``, ``tree_code_bits`` (:meth:`nlmserve.lm.trees.Tree.arrays`). Class
-and softmax models are still written as version 1, byte for byte as before.
+``tree_code_nodes``, ``tree_code_bits`` (:meth:`nlmserve.lm.trees.Tree.arrays`).
+
+Version 3 (every file written now): the hash names the model, not the folder it was
+trained in. What ``training`` records of where the run read and wrote (the texts' and
+outputs' paths) and of how it was watched (progress, log and checkpoint settings,
+``--resume``), none of which changes the weights, moves to the header's ``provenance``,
+outside the hash (:data:`PROVENANCE`); everything else (weights, vocabulary, classes, the
+config and the training settings that make the weights) stays inside. So the same training
+in two folders or clones writes one hash. A reader joins ``provenance`` back into
+``training``. Files of versions 1 and 2 hash the whole header as before and keep loading,
+reporting the hash they store; a reader older than version 3 refuses a version 3 file by
+its version.
 """
 
 from __future__ import annotations
@@ -36,12 +47,12 @@ import os
 import stat
 import struct
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..common.errors import ModelFileError
+from ..common.paths import atomic_output
 from .config import SELF_NORMALIZING, ModelConfig
 from .vocab import Vocabulary
 
@@ -52,9 +63,19 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAGIC = b"NLMSERVE"
-FORMAT_VERSION = 2
-#: The version a file is written with: 1 unless its output type needs 2.
-_V1_OUTPUTS = ("class", "softmax")
+FORMAT_VERSION = 3
+#: The first version whose hash leaves out the header's ``provenance``.
+_PROVENANCE_VERSION = 3
+#: The entries of the training record that are provenance, not model: each key of
+#: ``training`` (a name, or a dict of names for the record's own dicts) whose values move to
+#: the header's ``provenance``, outside the hash. Paths of what the run read and wrote, and
+#: settings that only say how the run was watched and resumed.
+PROVENANCE: dict[str, tuple[str, ...]] = {
+    "train": (),
+    "valid": (),
+    "train_config": ("train", "valid", "out", "workdir", "class_file", "progress", "learning_curve", "log_every",
+                     "checkpoint_every", "checkpoint_share", "resume"),
+}
 _PREFIX = struct.Struct("<8sIQ")  # magic, version, header length
 _ALIGN = 64
 #: Bytes read (and hashed) at a time.
@@ -68,6 +89,43 @@ def _align(n: int) -> int:
 
 def _canonical(header: dict[str, Any]) -> bytes:
     return json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+def _hashed(header: dict[str, Any], version: int) -> bytes:
+    """The header bytes the hash of a file of ``version`` covers (``header`` without
+    ``sha256``): all of it before version 3, all but ``provenance`` from version 3."""
+    if version < _PROVENANCE_VERSION:
+        return _canonical(header)
+    return _canonical({key: value for key, value in header.items() if key != "provenance"})
+
+
+def _split_provenance(training: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A training record → (the part the hash covers, its :data:`PROVENANCE` part)."""
+    model: dict[str, Any] = {}
+    provenance: dict[str, Any] = {}
+    for key, value in training.items():
+        inner = PROVENANCE.get(key)
+        if inner == ():
+            provenance[key] = value
+        elif inner and isinstance(value, dict):
+            model[key] = {k: v for k, v in value.items() if k not in inner}
+            moved = {k: v for k, v in value.items() if k in inner}
+            if moved:
+                provenance[key] = moved
+        else:
+            model[key] = value
+    return model, provenance
+
+
+def _join_provenance(training: dict[str, Any], provenance: dict[str, Any]) -> dict[str, Any]:
+    """The whole training record of a file: ``training`` with its ``provenance`` joined back."""
+    joined = dict(training)
+    for key, value in provenance.items():
+        if isinstance(value, dict) and isinstance(joined.get(key), dict):
+            joined[key] = {**joined[key], **value}
+        else:
+            joined[key] = value
+    return joined
 
 
 @dataclass
@@ -135,7 +193,8 @@ def save_model(
     training: dict[str, Any] | None = None,
     unigram_counts: np.ndarray | None = None,
 ) -> str:
-    """Write ``model`` atomically (temporary file + rename); returns the sha256 hex digest."""
+    """Write ``model`` atomically (temporary file + rename, removed when writing fails) as
+    a version 3 file; returns its hash (the sha256 hex digest, provenance left out)."""
     import torch
 
     from .outputs import TreeOutput
@@ -155,6 +214,7 @@ def save_model(
         index[name] = {"dtype": str(arr.dtype), "shape": list(arr.shape), "offset": offset, "nbytes": arr.nbytes}
         offset = _align(offset + arr.nbytes)
     data_size = offset
+    hashed_training, provenance = _split_provenance(training or {})
     header: dict[str, Any] = {
         "format": "nlmserve-model",
         "config": model.config.to_json(),
@@ -163,11 +223,13 @@ def save_model(
         "classes": classes.to_json() if classes is not None else None,
         "objective": objective,
         "lowercase": bool(lowercase),
-        "training": training or {},
+        "training": hashed_training,
+        "provenance": provenance,
         "tensors": index,
         "data_size": data_size,
     }
-    digest = hashlib.sha256(_canonical(header))
+    version = FORMAT_VERSION
+    digest = hashlib.sha256(_hashed(header, version))
     data = bytearray(data_size)
     for name, arr in arrays.items():
         start = index[name]["offset"]
@@ -175,19 +237,13 @@ def save_model(
     digest.update(data)
     header["sha256"] = digest.hexdigest()
     header_bytes = _canonical(header)
-    version = 1 if model.config.output in _V1_OUTPUTS and not model.config.ngram_order else FORMAT_VERSION
     prefix = _PREFIX.pack(MAGIC, version, len(header_bytes))
     pad = _align(len(prefix) + len(header_bytes)) - len(prefix) - len(header_bytes)
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with atomic_output(path) as f:
         f.write(prefix)
         f.write(header_bytes)
         f.write(b"\0" * pad)
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
     log.info("wrote %s (%d bytes, sha256 %s)", path, len(prefix) + len(header_bytes) + pad + data_size, header["sha256"][:12])
     return str(header["sha256"])
 
@@ -240,7 +296,7 @@ def read_model_descriptor(fd: int, name: str, *, max_bytes: int | None = None,
     except OSError as exc:
         raise ModelFileError(f"{name}: cannot read model file: {exc.strerror or exc}") from exc
     version, header, expected, data_start, data_size = _parse_header(name, blob, size, exact_size)
-    digest = hashlib.sha256(_canonical(header))
+    digest = hashlib.sha256(_hashed(header, version))
     buffer = _read_data(fd, name, data_start, data_size, digest)
     try:
         if digest.hexdigest() != expected:
@@ -392,7 +448,7 @@ def _decode(name: str, header: dict[str, Any], data: memoryview | None, digest: 
         classes=classes,
         objective=str(header.get("objective", "")),
         lowercase=bool(header.get("lowercase", False)),
-        training=dict(header.get("training") or {}),
+        training=_join_provenance(dict(header.get("training") or {}), dict(header.get("provenance") or {})),
         tensors=_tensors(name, header["tensors"], data) if data is not None else {},
         sha256=digest,
     )

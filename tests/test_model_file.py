@@ -42,7 +42,7 @@ def test_round_trip_gives_identical_scores(tiny_lm: LanguageModel, tmp_path: Pat
 def test_header_is_self_describing(tiny_model_path: Path) -> None:
     blob = tiny_model_path.read_bytes()
     magic, version, hlen = struct.unpack_from("<8sIQ", blob)
-    assert magic == MAGIC and version == 1  # class models are still written as version 1
+    assert magic == MAGIC and version == 3  # every file is written as version 3 (provenance outside the hash)
     header = json.loads(blob[20 : 20 + hlen])
     assert header["config"]["order"] == 5 and header["objective"] == "nce"
     assert header["vocabulary"][:3] == ["<unk>", "<s>", "</s>"]

@@ -22,7 +22,7 @@ def test_model_properties(tiny_lm: LanguageModel) -> None:
     assert tiny_lm.order == 5
     assert tiny_lm.output_type == "class" and tiny_lm.objective == "nce" and tiny_lm.self_normalized
     assert tiny_lm.classes is not None and tiny_lm.classes.num_classes == tiny_lm.config.num_classes
-    assert len(tiny_lm.model_hash) == 64 and tiny_lm.format_version == 1
+    assert len(tiny_lm.model_hash) == 64 and tiny_lm.format_version == 3
     assert tiny_lm.device == torch.device("cpu")
     assert tiny_lm.vocab.words[:3] == ["<unk>", "<s>", "</s>"]
 

@@ -182,8 +182,13 @@ def test_info_json_round_trips_the_model_files_metadata(tiny_model_path: Path, d
     assert code == 0, err
     info = json.loads(out)
     version, header = file_header(tiny_model_path)
-    assert info["config"] == header["config"] and info["training"] == header["training"]
-    assert info["model_hash"] == header["sha256"] and info["format_version"] == version == 1
+    assert info["config"] == header["config"]
+    # the training record with its provenance (the paths, outside the hash) joined back
+    assert info["training"] == {**header["training"], **header["provenance"],
+                                "train_config": {**header["training"]["train_config"],
+                                                 **header["provenance"]["train_config"]}}
+    assert info["training"]["train"] == header["provenance"]["train"] and "train" not in header["training"]
+    assert info["model_hash"] == header["sha256"] and info["format_version"] == version == 3
     assert info["vocab_size"] == len(header["vocabulary"]) and info["file_bytes"] == tiny_model_path.stat().st_size
     assert (info["num_classes"], info["class_method"]) == (header["classes"]["num_classes"],
                                                            header["classes"]["method"])
