@@ -23,6 +23,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import resource
 import shutil
 import signal
 import sys
@@ -61,6 +62,19 @@ SETTLE_SECONDS = 1.0
 
 #: The shortest interval between a client's keepalive pings that the server accepts.
 CLIENT_PING_FLOOR_MS = 10_000
+
+#: Metadata one call may carry once its connection's SETTINGS are acknowledged: gRPC
+#: refuses some calls past the soft limit and every call past the hard one.
+METADATA_SOFT_BYTES = 8 * 1024
+METADATA_BYTES = 16 * 1024
+#: Longest a connection may leave the server's SETTINGS unacknowledged before it is closed.
+#: Until a client acknowledges them gRPC holds a call's metadata to HTTP/2's default
+#: (16 MiB) rather than to the limits above; a gRPC client acknowledges at once.
+SETTINGS_ACK_MS = 10_000
+#: Streams a connection may open beyond the calls and Watch streams it may hold.
+STREAM_HEADROOM = 16
+#: Open files kept for other uses than connections (model, logs, sockets of the metrics).
+RESERVED_FILES = 64
 
 SERVICE_NAME = lm_pb2.DESCRIPTOR.services_by_name["LanguageModel"].full_name  # nlmserve.v1.LanguageModel
 
@@ -148,11 +162,37 @@ def _ms(seconds: float) -> int:
     return int(seconds * 1000)
 
 
+def streams_per_connection(config: ServerConfig) -> int:
+    """HTTP/2 streams one connection may have open at once (MAX_CONCURRENT_STREAMS).
+
+    gRPC counts a stream until the server has let it go, also once its client has reset or
+    finished it, and refuses streams beyond the limit (REFUSED_STREAM, which clients see as
+    UNAVAILABLE). So a connection that resets streams as fast as it opens them (rapid
+    reset) has at most this many on the server at once; and so that a client that keeps
+    the calls and Watch streams a connection may hold busy is never refused while the
+    server lets its finished ones go, the limit is twice those, plus
+    :data:`STREAM_HEADROOM` for calls that wait for their message or are being refused."""
+    return 2 * (config.max_rpcs_per_connection + config.max_health_watches_per_connection) + STREAM_HEADROOM
+
+
 def server_options(config: ServerConfig) -> list[tuple[str, Any]]:
-    """The gRPC server's channel arguments: message sizes, keepalive and connection limits."""
+    """The gRPC server's channel arguments: message and metadata sizes, streams per
+    connection, calls waiting for the server, connections, keepalive and connection age."""
+    streams = streams_per_connection(config)
+    # Every stream a connection may open can wait for the event loop to take it; gRPC's
+    # default (1,000, with random refusals from there to 3,000) let one connection's reset
+    # streams crowd out, and cancel, other clients' calls. Connections times streams bounds it.
+    pending = min(config.max_connections * streams, 2**31 - 1)
     options: list[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_metadata_size", METADATA_SOFT_BYTES),
+        ("grpc.absolute_max_metadata_size", METADATA_BYTES),
+        ("grpc.max_concurrent_streams", streams),
+        ("grpc.server.max_pending_requests", pending),
+        ("grpc.server.max_pending_requests_hard_limit", pending),
+        ("grpc.max_allowed_incoming_connections", config.max_connections),
+        ("grpc.http2.settings_timeout", SETTINGS_ACK_MS),
         ("grpc.so_reuseport", 0),
         ("grpc.keepalive_time_ms", _ms(config.keepalive_seconds)),
         ("grpc.keepalive_timeout_ms", _ms(config.keepalive_timeout_seconds)),
@@ -201,8 +241,29 @@ async def _start(config: ServerConfig, engine: Engine, metrics: ServerMetrics,
     return server, port, health_servicer, servicer, gate
 
 
+def raise_open_files_limit(max_connections: int) -> int:
+    """Raise this process's open-files soft limit to its hard limit (a connection takes a
+    file: at the usual soft limit of 1,024 new connections would time out long before
+    ``max_connections``); warn when even the hard limit is below the connection cap.
+    Returns the soft limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        wanted = hard if hard != resource.RLIM_INFINITY else max(soft, max_connections + RESERVED_FILES)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+        except (ValueError, OSError) as e:
+            log.warning("cannot raise the open-files limit from %s to %s: %s", soft, wanted, e)
+    if soft < max_connections + RESERVED_FILES:
+        log.warning("the open-files limit (%s) is below --max-connections %s plus %s: connections beyond "
+                    "about %s will time out; raise the hard limit (ulimit -Hn) or lower --max-connections",
+                    soft, max_connections, RESERVED_FILES, max(0, soft - RESERVED_FILES))
+    return soft
+
+
 def create_server(config: ServerConfig, *, engine: Engine | None = None) -> RunningServer:
     """Load the model (unless ``engine`` is given), bind, start; port 0 picks a free port."""
+    raise_open_files_limit(config.max_connections)
     metrics = ServerMetrics()
     # Unusable token or TLS files are an InputError before the model is loaded.
     tokens = TokenStore(config.token_file) if config.token_file is not None else None

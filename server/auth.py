@@ -19,6 +19,7 @@ import hmac
 import logging
 import ssl
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,68 @@ log = logging.getLogger(__name__)
 
 #: Services reachable without a token (full names as in the method path).
 OPEN_SERVICES = ("grpc.health.v1.Health",)
+
+
+def address_of(peer: str) -> str:
+    """A gRPC peer (``ipv4:10.0.0.7:51234``, ``ipv6:[::1]:51234``) without its port: the
+    address that several connections of one host share. Other peers are returned whole."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6") and ":" in rest:
+        return f"{kind}:{rest.rpartition(':')[0]}"
+    return peer
+
+
+class AuthFailures:
+    """Failed authentications per client address, answered more slowly as they accumulate.
+
+    An address's first :attr:`FREE` failures within :attr:`WINDOW` seconds are answered at
+    once (a client with a wrong token learns it at once); after them each refusal waits
+    :attr:`FIRST_DELAY` seconds, doubling with each further failure up to
+    :attr:`MAX_DELAY`, so that one address can test at most a few tokens a second per call
+    it keeps waiting. At most :attr:`HELD_PER_ADDRESS` refusals of one address, and
+    :attr:`HELD` in all, wait at once; beyond those a refusal is answered at once, so that
+    waiting refusals hold bounded memory. Calls with a valid token are never slowed, from
+    any address. Used on the event loop thread only.
+    """
+
+    FREE = 10
+    WINDOW = 60.0
+    FIRST_DELAY = 0.05
+    MAX_DELAY = 1.0
+    HELD_PER_ADDRESS = 32
+    HELD = 1024
+    #: Addresses remembered at most; the oldest window is forgotten first.
+    ADDRESSES = 65_536
+
+    def __init__(self) -> None:
+        self._recent: dict[str, tuple[float, int]] = {}  # address -> (window start, failures in it)
+        self._held: dict[str, int] = {}
+        self.held = 0
+
+    def failed(self, address: str, now: float | None = None) -> float:
+        """Count a failure of ``address``; the seconds its refusal waits (0: answer at once).
+        A positive delay must be followed by :meth:`answered` once the refusal is sent."""
+        now = time.monotonic() if now is None else now
+        start, count = self._recent.pop(address, (now, 0))
+        if now - start > self.WINDOW:
+            start, count = now, 0
+        count += 1
+        self._recent[address] = (start, count)  # re-inserted: the dict keeps the latest last
+        if len(self._recent) > self.ADDRESSES:
+            del self._recent[next(iter(self._recent))]
+        held = self._held.get(address, 0)
+        if count <= self.FREE or held >= self.HELD_PER_ADDRESS or self.held >= self.HELD:
+            return 0.0
+        self._held[address] = held + 1
+        self.held += 1
+        return min(self.MAX_DELAY, self.FIRST_DELAY * 2.0 ** min(count - self.FREE - 1, 30))
+
+    def answered(self, address: str) -> None:
+        """A delayed refusal of ``address`` was sent (or its call ended)."""
+        self.held -= 1
+        held = self._held.pop(address, 1) - 1
+        if held > 0:
+            self._held[address] = held
 
 
 def read_tokens(path: str | Path) -> tuple[bytes, ...]:

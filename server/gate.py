@@ -6,31 +6,48 @@ One grpc.aio interceptor in front of every service, in this order:
    without a valid ``authorization: Bearer`` token is refused UNAUTHENTICATED from its
    metadata alone. The refusal is a handler of a request-streaming kind, which gRPC runs
    at once; a unary kind would first wait for the request message, so a client that
-   opens calls and never sends one would hold them.
+   opens calls and never sends one would hold them. Failed authentications are logged
+   (rate-limited) and, once an address has failed often, answered more slowly
+   (:class:`~nlmserve.server.auth.AuthFailures`).
 2. **First message**: every call's first request message must arrive within
    ``first_message_seconds`` of its headers (DEADLINE_EXCEEDED after it). The gate reads
    it itself (each handler is served as its request-streaming twin), so a call whose
-   message never comes is cut, not held.
+   message never comes is cut, not held. A large message is parsed off the event loop
+   (:class:`~nlmserve.server.requests.LargeRequest`), once the call holds its slot.
 3. **Slots**, taken once the message is there and given back when the call ends:
    ``max_concurrent_rpcs`` for every authorised call (LanguageModel, Admin, reflection),
-   of which one connection may hold ``max_rpcs_per_connection``; health ``Watch``
-   streams have a pool of their own (``max_health_watches``, per connection
-   ``max_health_watches_per_connection``) so that they never take a slot of the others;
-   health ``Check`` is never limited. Beyond a limit: RESOURCE_EXHAUSTED naming it (the
-   Python client retries it with backoff). gRPC's own ``maximum_concurrent_rpcs`` is not
-   used: it counts a call before any interceptor runs, so calls without a token took the
-   slots of those with one.
+   of which one connection may hold ``max_rpcs_per_connection`` and one client
+   ``max_rpcs_per_client`` (a client is its token when the token file holds several,
+   else its address without the port: :func:`client_of`). Beyond a limit:
+   RESOURCE_EXHAUSTED naming it (the Python client retries it with backoff). gRPC's own
+   ``maximum_concurrent_rpcs`` is not used: it counts a call before any interceptor runs,
+   so calls without a token took the slots of those with one.
+4. **Health**: ``Check`` is never limited. ``Watch`` streams have a pool of their own
+   (``max_health_watches``, per connection ``max_health_watches_per_connection``) so that
+   they never take a slot of the others; a Watch beyond it ends UNIMPLEMENTED, which a
+   gRPC client's own health checking (gRFC A17, what a replicated client uses) takes as
+   "this server does not watch health": it then counts the replica as healthy instead of
+   failing it. Any other code would make such a client count the replica as unhealthy,
+   so whoever filled the pool (no token is needed to watch) could take every replica
+   out of its clients' balancing.
+5. **Writes**: each message of a server-streaming call must be taken by its client within
+   ``stream_write_timeout_seconds``; a client that does not read loses the call
+   (DEADLINE_EXCEEDED once it reads again) and the server's slot at once. Until gRPC has
+   handed the call's last message over, the call still counts against its client's own
+   share, so that one client cannot pile up such calls without bound.
 
-Every refusal by a limit or the first-message deadline counts in
-``nlmserve_refused_total{reason}`` (reasons: ``metrics.REFUSAL_REASONS``) and in
-``nlmserve_requests_total{code}``, and is logged at WARNING (at most one line per reason
-every :data:`LOG_EVERY_SECONDS`, with the count since the last). The gate runs on the
-event loop thread only, so its counts need no lock.
+Every refusal by a limit or deadline counts in ``nlmserve_refused_total{reason}`` (reasons:
+``metrics.REFUSAL_REASONS``) and in ``nlmserve_requests_total{rpc,code}``, whose ``rpc``
+is a method the server serves or ``unknown`` (so invented method names add no series), and
+is logged at WARNING (at most one line per reason every :data:`LOG_EVERY_SECONDS`, with the
+count since the last). The gate runs on the event loop thread only, so its counts need no
+lock.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import time
@@ -38,10 +55,10 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from .auth import OPEN_SERVICES
+from .auth import OPEN_SERVICES, AuthFailures, address_of
 from .config import ServerConfig
 from .metrics import ServerMetrics
-from .requests import CallStatus, RequestHandler
+from .requests import CallStatus, LargeRequest, RequestHandler
 
 if TYPE_CHECKING:  # the stubs make these generic in the request and response types, grpc does not
     Handler = grpc.RpcMethodHandler[Any, Any]
@@ -53,44 +70,71 @@ else:
 log = logging.getLogger(__name__)
 
 WATCH_METHOD = "/grpc.health.v1.Health/Watch"
+#: The ``rpc`` label of a call to a method this server does not serve.
+UNKNOWN_RPC = "unknown"
 #: What ``context.read()`` returns when the client has sent its last message.
 EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]  # not in the stubs
 #: Seconds between two log lines about refusals of one reason.
 LOG_EVERY_SECONDS = 10.0
 
 
-class Pool:
-    """Slots of one kind of call: at most ``limit`` in all, ``per_connection`` per peer."""
+def client_of(peer: str, holder: str | None) -> str:
+    """The client a call counts against for a per-client share: its token's ``holder``
+    label when tokens tell callers apart, else its peer address without the port."""
+    return f"token:{holder}" if holder is not None else address_of(peer)
 
-    def __init__(self, limit: int, per_connection: int, reasons: tuple[str, str], flags: tuple[str, str]) -> None:
+
+def _dec(counts: dict[str, int], key: str) -> None:
+    held = counts.pop(key, 1) - 1
+    if held > 0:
+        counts[key] = held
+
+
+class Pool:
+    """Slots of one kind of call: at most ``limit`` in all, ``per_connection`` per
+    connection (its peer address and port) and ``per_client`` per client (:func:`client_of`)."""
+
+    def __init__(self, limit: int, per_connection: int, per_client: int | None,
+                 reasons: tuple[str, str, str], flags: tuple[str, str, str]) -> None:
         self.limit = limit
         self.per_connection = min(per_connection, limit)
-        self.reasons = reasons  # (the limit's, the per-connection limit's)
+        self.per_client = min(per_client if per_client is not None else limit, limit)
+        self.reasons = reasons  # (the limit's, the per-connection limit's, the per-client limit's)
         self.flags = flags
         self.active = 0
-        self._by_peer: dict[str, int] = {}
+        self._by_connection: dict[str, int] = {}
+        self._by_client: dict[str, int] = {}
 
-    def take(self, peer: str) -> tuple[str, str] | None:
-        """Take a slot for ``peer``; None when taken, else (reason, message)."""
-        held = self._by_peer.get(peer, 0)
+    def take(self, connection: str, client: str) -> tuple[str, str] | None:
+        """Take a slot; None when taken, else (reason, message)."""
         if self.active >= self.limit:
-            return self.reasons[0], (f"the server holds its most concurrent calls of this kind ({self.flags[0]} "
-                                     f"{self.limit}); retry later")
-        if held >= self.per_connection:
-            return self.reasons[1], (f"this connection holds its most concurrent calls of this kind "
-                                     f"({self.flags[1]} {self.per_connection}); retry later")
-        self.active += 1
-        self._by_peer[peer] = held + 1
-        return None
+            which, scope, value = 0, "the server holds", self.limit
+        elif self._by_connection.get(connection, 0) >= self.per_connection:
+            which, scope, value = 1, "this connection holds", self.per_connection
+        elif self._by_client.get(client, 0) >= self.per_client:
+            which, scope, value = 2, "this client holds", self.per_client
+        else:
+            self.active += 1
+            self._by_connection[connection] = self._by_connection.get(connection, 0) + 1
+            self._by_client[client] = self._by_client.get(client, 0) + 1
+            return None
+        return self.reasons[which], (f"{scope} its most concurrent calls of this kind ({self.flags[which]} "
+                                     f"{value}); retry later")
 
-    def give(self, peer: str) -> None:
+    def leave_server(self, connection: str) -> None:
+        """The call no longer holds a slot of the server or of its connection."""
         self.active -= 1
-        held = self._by_peer.pop(peer, 1) - 1
-        if held > 0:
-            self._by_peer[peer] = held
+        _dec(self._by_connection, connection)
 
-    def held_by(self, peer: str) -> int:
-        return self._by_peer.get(peer, 0)
+    def leave_client(self, client: str) -> None:
+        """The call no longer counts against its client's share."""
+        _dec(self._by_client, client)
+
+    def held_by(self, connection: str) -> int:
+        return self._by_connection.get(connection, 0)
+
+    def held_by_client(self, client: str) -> int:
+        return self._by_client.get(client, 0)
 
 
 class _Refusals:
@@ -102,7 +146,7 @@ class _Refusals:
         self._unlogged: dict[str, int] = {}
         self._logged_at: dict[str, float] = {}
 
-    def note(self, reason: str, rpc: str, code: grpc.StatusCode, peer: str) -> None:
+    def note(self, reason: str, rpc: str, code: grpc.StatusCode, peer: str, why: str = "") -> None:
         self.requests.count(rpc, code)
         if self.metrics is not None:
             self.metrics.refused.labels(reason=reason).inc()
@@ -110,35 +154,29 @@ class _Refusals:
         count = self._unlogged.get(reason, 0) + 1
         last = self._logged_at.get(reason)
         if last is None or now - last >= LOG_EVERY_SECONDS:
-            log.warning("refused %s call(s) by %s since the last such line; the latest: %s from %s",
-                        count, reason, rpc, peer)
+            log.warning("refused %s call(s) by %s since the last such line; the latest: %s from %s%s",
+                        count, reason, rpc, peer, f" ({why})" if why else "")
             self._logged_at[reason] = now
             count = 0
         self._unlogged[reason] = count
 
 
-def refuse(code: grpc.StatusCode, message: str) -> Handler:
-    """A handler that ends its call with ``code`` at once, without reading the request."""
-
-    async def deny(request_iterator: Any, context: Context) -> None:
-        await context.abort(code, message)
-
-    return grpc.stream_stream_rpc_method_handler(deny)
-
-
 class CallGate(_Interceptor):
-    """Token check, first-message deadline and slot limits of one server (module docstring)."""
+    """Token check, first-message deadline, slot limits and write timeout of one server
+    (module docstring)."""
 
     def __init__(self, config: ServerConfig, requests: RequestHandler, metrics: ServerMetrics | None = None) -> None:
         self.requests = requests
         self.first_message_seconds = config.first_message_seconds
-        self.rpcs = Pool(config.max_concurrent_rpcs, config.max_rpcs_per_connection,
-                         ("max_concurrent_rpcs", "max_rpcs_per_connection"),
-                         ("--max-concurrent-rpcs", "--max-rpcs-per-connection"))
-        self.watches = Pool(config.max_health_watches, config.max_health_watches_per_connection,
-                            ("max_health_watches", "max_health_watches_per_connection"),
-                            ("--max-health-watches", "--max-health-watches-per-connection"))
+        self.write_seconds = config.stream_write_timeout_seconds
+        self.rpcs = Pool(config.max_concurrent_rpcs, config.max_rpcs_per_connection, config.max_rpcs_per_client,
+                         ("max_concurrent_rpcs", "max_rpcs_per_connection", "max_rpcs_per_client"),
+                         ("--max-concurrent-rpcs", "--max-rpcs-per-connection", "--max-rpcs-per-client"))
+        self.watches = Pool(config.max_health_watches, config.max_health_watches_per_connection, None,
+                            ("max_health_watches", "max_health_watches_per_connection", "max_health_watches"),
+                            ("--max-health-watches", "--max-health-watches-per-connection", "--max-health-watches"))
         self.refusals = _Refusals(requests, metrics)
+        self.auth_failures = AuthFailures()
 
     async def intercept_service(
         self,
@@ -147,8 +185,10 @@ class CallGate(_Interceptor):
     ) -> Handler:
         method: str = handler_call_details.method
         service, _, name = method.lstrip("/").rpartition("/")
-        rpc = name or method
+        handler = await continuation(handler_call_details)  # a look-up: nothing runs yet
+        rpc = name if handler is not None else UNKNOWN_RPC
         open_service = service in OPEN_SERVICES
+        holder = None
         if not open_service:
             header = None
             for key, value in handler_call_details.invocation_metadata or ():
@@ -157,14 +197,31 @@ class CallGate(_Interceptor):
                     break
             message = self.requests.refusal(header)
             if message is not None:
-                log.debug("%s: %s", method, message)
-                self.requests.count(rpc, CallStatus.unauthenticated)
-                return refuse(CallStatus.unauthenticated, message)
-        handler = await continuation(handler_call_details)
+                return self._deny(rpc, message)
+            holder = self.requests.holder(header)
         if handler is None:
             return handler  # UNIMPLEMENTED, from gRPC
         pool = self.watches if method == WATCH_METHOD else None if open_service else self.rpcs
-        return self._guard(handler, rpc, pool)
+        return self._guard(handler, rpc, pool, holder)
+
+    def _deny(self, rpc: str, message: str) -> Handler:
+        """A handler that ends its call UNAUTHENTICATED without reading the request: at once,
+        or after the delay :class:`AuthFailures` gives the caller's address."""
+        failures = self.auth_failures
+
+        async def deny(request_iterator: Any, context: Context) -> None:
+            peer: str = context.peer()
+            self.refusals.note("unauthenticated", rpc, CallStatus.unauthenticated, peer, message)
+            address = address_of(peer)
+            delay = failures.failed(address)
+            if delay > 0:
+                try:
+                    await asyncio.sleep(delay)
+                finally:
+                    failures.answered(address)
+            await context.abort(CallStatus.unauthenticated, message)
+
+        return grpc.stream_stream_rpc_method_handler(deny)
 
     # -------------------------------------------------------------- one call
     async def _first(self, context: Context, rpc: str) -> Any:
@@ -182,18 +239,30 @@ class CallGate(_Interceptor):
             await context.abort(CallStatus.no_message, "the call ended without a request message")
         return request
 
-    async def _enter(self, pool: Pool | None, context: Context, rpc: str) -> str:
-        """Take a slot of ``pool`` for the caller's connection (its peer, returned)."""
+    async def _enter(self, pool: Pool | None, context: Context, rpc: str, client: str) -> str:
+        """Take a slot of ``pool`` for the caller's connection (its peer, returned) and client."""
         peer: str = context.peer()
         if pool is not None:
-            refused = pool.take(peer)
+            refused = pool.take(peer, client)
             if refused is not None:
                 reason, message = refused
+                if pool is self.watches:  # gRFC A17: the client's health checking then stands aside
+                    self.refusals.note(reason, rpc, CallStatus.watches_full, peer)
+                    await context.abort(CallStatus.watches_full, f"{message}; use Check")
                 self.refusals.note(reason, rpc, CallStatus.slots_full, peer)
                 await context.abort(CallStatus.slots_full, message)
         return peer
 
-    def _guard(self, handler: Handler, rpc: str, pool: Pool | None) -> Handler:
+    async def _write(self, context: Context, response: Any) -> bool:
+        """Write ``response``; False when the client did not take it within the write timeout."""
+        try:
+            async with asyncio.timeout(self.write_seconds):
+                await context.write(response)
+        except TimeoutError:
+            return False
+        return True
+
+    def _guard(self, handler: Handler, rpc: str, pool: Pool | None, holder: str | None) -> Handler:
         """``handler`` as its request-streaming twin that reads the first message itself
         (within the deadline), then holds a slot of ``pool`` while it runs."""
         deserialize, serialize = handler.request_deserializer, handler.response_serializer
@@ -210,31 +279,58 @@ class CallGate(_Interceptor):
             while (request := await context.read()) is not EOF:
                 yield request
 
+        async def parsed(request: Any) -> Any:
+            if isinstance(request, LargeRequest):  # parsing a large message would stall every other call
+                return await asyncio.to_thread(request.parse)
+            return request
+
         async def unary(request_iterator: Any, context: Context) -> Any:
             request = await self._first(context, rpc)
-            peer = await self._enter(pool, context, rpc)
+            client = client_of(context.peer(), holder)
+            peer = await self._enter(pool, context, rpc, client)
             try:
+                request = await parsed(request)
                 if handler.request_streaming:
                     return await inner(requests(request, context), context)
                 return await inner(request, context)
             finally:
                 if pool is not None:
-                    pool.give(peer)
+                    pool.leave_server(peer)
+                    pool.leave_client(client)
 
         async def stream(request_iterator: Any, context: Context) -> None:
             request = await self._first(context, rpc)
-            peer = await self._enter(pool, context, rpc)
+            client = client_of(context.peer(), holder)
+            peer = await self._enter(pool, context, rpc, client)
+            holds_server = pool is not None
             try:
+                request = await parsed(request)
                 if handler.request_streaming:
                     request = requests(request, context)
-                if inspect.isasyncgenfunction(inner):
-                    async for response in inner(request, context):
-                        await context.write(response)
-                else:  # the reader-writer form (the health service's Watch)
+                if not inspect.isasyncgenfunction(inner):  # the reader-writer form (the health service's Watch)
                     await inner(request, context)
+                    return
+                async with contextlib.aclosing(inner(request, context)) as responses:
+                    async for response in responses:
+                        if not await self._write(context, response):
+                            break
+                    else:
+                        return
+                # The client did not read: its call ends, and the server's slot is free at once.
+                if pool is not None:
+                    pool.leave_server(peer)
+                    holds_server = False
+                self.refusals.note("stream_write_timeout", rpc, CallStatus.write_timeout, peer)
+                # Returns once gRPC has handed over the message it holds (the client reads
+                # again or goes away); the call counts against its client until then.
+                await context.abort(CallStatus.write_timeout,
+                                    f"the client did not read the answer's next message within "
+                                    f"{self.write_seconds:g} s (--stream-write-timeout-seconds)")
             finally:
                 if pool is not None:
-                    pool.give(peer)
+                    if holds_server:
+                        pool.leave_server(peer)
+                    pool.leave_client(client)
 
         if handler.response_streaming:
             return grpc.stream_stream_rpc_method_handler(stream, deserialize, serialize)

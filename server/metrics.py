@@ -16,8 +16,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 log = logging.getLogger(__name__)
 
 #: The reasons of ``nlmserve_refused_total`` (server/gate.py says what each one is).
-REFUSAL_REASONS = ("max_concurrent_rpcs", "max_rpcs_per_connection", "max_health_watches",
-                   "max_health_watches_per_connection", "first_message_timeout")
+REFUSAL_REASONS = ("unauthenticated", "max_concurrent_rpcs", "max_rpcs_per_connection", "max_rpcs_per_client",
+                   "max_health_watches", "max_health_watches_per_connection", "first_message_timeout",
+                   "stream_write_timeout")
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536)
 _SECONDS_BUCKETS = (
@@ -32,7 +33,8 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            "nlmserve_requests", "RPCs finished, by method and gRPC status code", ["rpc", "code"], registry=r
+            "nlmserve_requests", "RPCs finished, by method (unknown: one the server does not serve) and gRPC "
+            "status code", ["rpc", "code"], registry=r
         )
         self.ngrams_scored = Counter("nlmserve_ngrams_scored", "N-grams (and sentence tokens) scored", registry=r)
         self.batch_size = Histogram(

@@ -32,9 +32,10 @@ whichever way its request reached the model:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import grpc
 
@@ -64,8 +65,29 @@ class CallStatus:
     no_message = grpc.StatusCode.INVALID_ARGUMENT  # the call ended without a request message
     first_message_timeout = grpc.StatusCode.DEADLINE_EXCEEDED  # no request message in time
     slots_full = grpc.StatusCode.RESOURCE_EXHAUSTED  # the call gate's concurrency limits
+    # A health Watch beyond its pool: gRPC clients' own health checking (gRFC A17) then counts
+    # the server as healthy instead of failing it (server/gate.py).
+    watches_full = grpc.StatusCode.UNIMPLEMENTED
+    write_timeout = grpc.StatusCode.DEADLINE_EXCEEDED  # a streaming call's client did not read
     admin_disabled = grpc.StatusCode.PERMISSION_DENIED  # Admin without a token file (or the flag)
     cancelled = grpc.StatusCode.CANCELLED  # the client cancelled (counted; nothing is sent)
+
+
+class LargeRequest:
+    """The bytes of a request message too large to parse on the event loop thread; the call
+    gate parses it in a worker thread once the call holds its slot (:meth:`parse`)."""
+
+    __slots__ = ("data", "_parse")
+
+    #: Messages larger than this many bytes are parsed off the event loop.
+    BYTES = 256 * 1024
+
+    def __init__(self, data: bytes, parse: Callable[[bytes], Any]) -> None:
+        self.data = data
+        self._parse = parse
+
+    def parse(self) -> Any:
+        return self._parse(self.data)
 
 
 def status_of(error: BaseException) -> grpc.StatusCode:
@@ -93,6 +115,15 @@ class RequestHandler:
         if self.tokens is None or self.tokens.check(header):
             return None
         return "missing bearer token" if header is None else "invalid bearer token"
+
+    def holder(self, header: str | bytes | None) -> str | None:
+        """The label of the accepted token in ``header`` when the token file holds several
+        (tokens then tell callers apart: each is a client of its own for the per-client
+        share), else None. A label is a digest, never the token."""
+        if self.tokens is None or len(self.tokens) < 2 or header is None:
+            return None
+        raw = header.encode("utf-8", "replace") if isinstance(header, str) else header
+        return hashlib.sha256(raw.partition(b" ")[2].strip()).hexdigest()[:16]
 
     # -------------------------------------------------------------- size
     def check_size(self, n: int, what: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import weakref
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
@@ -26,7 +27,7 @@ from ..lm.ngrams import BOS_ID, EOS_ID, UNK_ID, pack_ngrams, word_ids
 from ..proto import lm_pb2, lm_pb2_grpc
 from .engine import Engine, ModelState
 from .metrics import ServerMetrics
-from .requests import CallStatus, RequestHandler, status_of
+from .requests import CallStatus, LargeRequest, RequestHandler, status_of
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,11 @@ DRAINING_MESSAGE = "the server is shutting down; retry on another replica"
 
 #: Requests with more n-grams than this are converted off the event loop thread.
 OFFLOAD_ITEMS = 20_000
+#: ScoreSentences requests of more characters than this are split and mapped off the event
+#: loop thread.
+OFFLOAD_CHARACTERS = 100_000
+#: A token as ``str.split()`` finds them (``\s`` is the same white space).
+_TOKEN = re.compile(r"\S+")
 # A request of at most this many n-grams from a lone client is scored in the event-loop
 # thread when the engine is idle (Engine.try_score_now): no thread hand-over and back.
 INLINE_ITEMS = 16
@@ -87,7 +93,9 @@ class MalformedRequest:
 
 def _parser(message_type: Any) -> Callable[[bytes], Any]:
     """A request deserializer that turns a parse failure (corrupt wire data, invalid UTF-8 in
-    a string field) into a MalformedRequest instead of an UNKNOWN status."""
+    a string field) into a MalformedRequest instead of an UNKNOWN status. A message larger
+    than ``LargeRequest.BYTES`` is left as a LargeRequest, which the call gate parses off the
+    event loop thread."""
     name = message_type.DESCRIPTOR.name
 
     def parse(data: bytes) -> Any:
@@ -96,7 +104,10 @@ def _parser(message_type: Any) -> Callable[[bytes], Any]:
         except Exception as e:  # protobuf DecodeError and kin
             return MalformedRequest(f"{name} does not parse: {e}")
 
-    return parse
+    def deserialize(data: bytes) -> Any:
+        return LargeRequest(data, parse) if len(data) > LargeRequest.BYTES else parse(data)
+
+    return deserialize
 
 
 def _check_parsed(request: Any) -> None:
@@ -311,7 +322,7 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
         state = self.engine.state
         bos = request.bos if request.HasField("bos") else True
         eos = request.eos if request.HasField("eos") else True
-        if len(request.sentences) > OFFLOAD_ITEMS // 20:
+        if sum(map(len, request.sentences)) > OFFLOAD_CHARACTERS:  # keep the event loop free
             sentences, oovs = await asyncio.to_thread(self._map_sentences, request.sentences, eos, state)
         else:
             sentences, oovs = self._map_sentences(request.sentences, eos, state)
@@ -342,6 +353,9 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
         oovs: list[np.ndarray] = []
         total = 0
         for s in texts:
+            # Counted before splitting: a sentence of more tokens than the request may hold
+            # is refused without building a string per token.
+            self._check_tokens(s, total + int(eos))
             toks = s.split()
             ids = word_ids(toks, state.index, lowercase=state.lowercase)
             sentences.append(ids)
@@ -352,6 +366,22 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
 
     def _check_size(self, n: int, what: str) -> None:
         self.requests.check_size(n, what)
+
+    def _check_tokens(self, sentence: str, before: int) -> None:
+        """InvalidRequestError when ``sentence`` would take the request's tokens past the
+        limit (``before`` tokens are counted already), found without splitting it: a
+        sentence of ``c`` characters holds at most ``(c + 1) // 2`` tokens, and longer ones
+        are counted token by token, stopping at the limit."""
+        room = self.max_items - before
+        if (len(sentence) + 1) // 2 <= room:
+            return
+        count = 0
+        for _ in _TOKEN.finditer(sentence):
+            count += 1
+            if count > room:
+                raise InvalidRequestError(
+                    f"request has more than {self.max_items} tokens, more than max_ngrams_per_request = "
+                    f"{self.max_items}; split it")
 
     # -------------------------------------------------------------- errors and metrics
     async def _guard(self, rpc: str, context: Context, work: Awaitable[T]) -> T:
