@@ -2,6 +2,7 @@
 a process tree (a server and the helpers it started).
 
     from bench._common import machine, tree_cpu_seconds, write_json
+    from bench._common import tree_pids, resident_bytes  # a server's processes and their memory
     from bench._common import random_class_model   # a model file for speed benchmarks
     from bench._common import write_section        # a script's section of a document, between markers
     from bench._common import require_scoring_tables  # before a run that asks for scoring=local
@@ -58,27 +59,47 @@ def _stat(pid: int) -> tuple[int, float] | None:
     return int(fields[1]), (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
-def tree_cpu_seconds(root: int) -> float:
-    """User + system CPU seconds of ``root`` and every live descendant (e.g. ``nlmserve serve``
-    and the native front end it started). Children that have exited are counted in their
-    parent's total only once waited for, so read this before and after a run of a server that
-    keeps its children alive."""
+def _tree(root: int) -> dict[int, float]:
+    """CPU seconds of ``root`` and every live descendant, by pid (``root`` first)."""
     stats: dict[int, tuple[int, float]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             st = _stat(int(entry.name))
             if st is not None:
                 stats[int(entry.name)] = st
-    total, frontier = 0.0, [root]
-    seen = set()
+    tree: dict[int, float] = {}
+    frontier = [root]
     while frontier:
         pid = frontier.pop()
-        if pid in seen or pid not in stats:
+        if pid in tree or pid not in stats:
             continue
-        seen.add(pid)
-        total += stats[pid][1]
+        tree[pid] = stats[pid][1]
         frontier.extend(child for child, (parent, _) in stats.items() if parent == pid)
-    return total
+    return tree
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """User + system CPU seconds of ``root`` and every live descendant (e.g. ``nlmserve serve``
+    and the native front end it started). Children that have exited are counted in their
+    parent's total only once waited for, so read this before and after a run of a server that
+    keeps its children alive."""
+    return sum(_tree(root).values())
+
+
+def tree_pids(root: int) -> list[int]:
+    """``root`` and its live descendants (``root`` first; empty when it is gone)."""
+    return list(_tree(root))
+
+
+def resident_bytes(pid: int) -> int | None:
+    """A live process's resident memory (VmRSS), None when it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def write_json(path: Path, result: Any) -> None:

@@ -1,48 +1,56 @@
-"""Soak under hostile clients and faults: nothing lost, nothing wrong, no failed probe.
+"""Soak under hostile clients and faults: nothing lost, nothing wrong, no failed probe, and
+memory back where it started once the attackers leave.
 
-    .venv/bin/python -m bench.soak [--model M] [--minutes 10] [--json bench/results/soak.json] [--doc docs/operating.md]
+    .venv/bin/python -m bench.soak [--model M] [--minutes 10] [--frontend python|native|both] [--json bench/results/soak.json] [--doc docs/operating.md]
     .venv/bin/python -m bench.soak --render bench/results/soak.json [--doc docs/operating.md]
 
-Two ``nlmserve serve`` replicas on 127.0.0.1 with a token file serve a model; for
-``--minutes`` these run side by side:
+Two ``nlmserve serve`` replicas (``--frontend python``, or ``--frontend native``: the C++
+front end before each model server, built with ``make cpp`` when it is missing; ``both``
+runs one after the other, each for ``--minutes``) serve a model on 127.0.0.1 with a token
+file. Each run goes through four phases:
 
-* **authorised clients**, each an ``LMClient`` over both replicas (gRPC round_robin with
-  health checks, the token, ``allow_mixed_models``): ``--decoders`` decoder-like threads
-  sending 1-50 packed n-grams back to back, ``--rescorers`` rescoring-like threads sending
-  5,000-20,000. Every answer is compared with the in-process score of the model its
-  ``model_hash`` names (within 1e-5, natural log).
-* **health probes**: Health/Check of each replica every 0.5 s (2 s deadline); probes of a
-  replica the fault injector has killed and not yet seen listening again are not counted.
-* **hostile clients, without a token**: on each replica, ``--max-concurrent-rpcs`` health
-  Watch streams held open on connections of their own (re-opened when cut) and as many
-  ScoreNgrams calls whose request never comes (re-opened as soon as they are refused);
-  raw TCP connections sending random bytes; gRPC calls of random bytes, and of
-  messages over ``--max-message-bytes``, on three methods, without and with the token.
-* **faults**: every ``--fault-every`` seconds, in turn on each replica: its model file
-  replaced by a bad one (garbage, a FIFO, a truncated copy) + SIGHUP, then by a good one
-  (the other of two models of one vocabulary) + SIGHUP; or the replica killed with SIGKILL
-  and restarted on its port.
+1. **warm-up** (``--warmup-seconds``): the authorised clients alone; then they pause and,
+   after ``quiet_seconds`` (2), the resident memory (VmRSS) of every server process (the model
+   server, and the native front end) and the size of /metrics are taken as the start.
+2. **attack** (``--minutes``): the authorised clients again, with every hostile client of
+   ``--attacks`` (bench/soak_attacks.py: held and flooding health Watch streams, half-open
+   calls, random and oversized messages, gzip bombs, 1 ms deadlines, invented method
+   names, server-streaming calls never read, rapid reset, large metadata, slow
+   connections, random TCP bytes, clients killed with large requests in flight) and the
+   faults: every ``--fault-every`` seconds a replica's model file replaced by a bad one
+   (garbage, a FIFO, a truncated copy) + SIGHUP, then by a good one (the other of two
+   models of one vocabulary) + SIGHUP, in turn on each; or replica B killed with SIGKILL
+   (its whole process tree) and restarted on its port. Replica A is never killed, so that
+   its memory is measured over the whole run. Memory and /metrics are taken again at the
+   end, the attackers still there.
+3. **settle** (``--settle-seconds``): the attackers gone, the authorised clients on.
+4. the authorised clients pause, and after ``quiet_seconds`` memory is taken a last time.
 
-The report: for the authorised clients sent, answered, failed by cause, wrong answers,
-p50/p99 latency; health probes sent and failed; what each hostile client got; the faults;
-the servers' own counts (``nlmserve_refused_total``, ``nlmserve_requests_total`` by code).
-The target: 0 failed or wrong answers for authorised clients and 0 failed probes (exit 1
-otherwise). ``--json`` writes the result; ``--doc`` writes its table into the document
-between ``<!-- soak:begin -->`` and ``<!-- soak:end -->``; ``--render`` makes the table
-from a JSON. Without ``--model`` two small models are trained first (the test fixture's
-recipe, seeds 7 and 8; a few seconds each).
+Health probes (Health/Check of each replica every 0.5 s on a new connection, 2 s deadline)
+run throughout; those of a replica killed and not yet listening again are not counted. The
+authorised clients: ``--decoders`` decoder-like threads (1-50 packed n-grams back to back)
+and ``--rescorers`` rescoring-like ones (5,000-20,000), each a replicated ``LMClient`` over
+both replicas (round_robin, health Watch of each, the token, ``allow_mixed_models``), one
+more that builds a new replicated ``LMClient`` every second (new connections, new Watch
+streams), and a strict one: plain gRPC calls to replica A that are never retried. Every
+answer is compared with the in-process score of the model its ``model_hash`` names (within
+1e-5, natural log); what the clients retried (and so hid) is counted by code.
+
+The target, per front end: 0 failed or wrong answers (some answered), 0 failed probes, every
+killed replica restarted, and every server process's resident memory after the settle
+within 10% of its start (exit 1 otherwise). ``--json`` writes the result; ``--doc`` writes
+its tables into the document between ``<!-- soak:begin -->`` and ``<!-- soak:end -->``;
+``--render`` makes them from a JSON. Without ``--model`` two small models are trained first
+(the test fixture's recipe; a few seconds).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,41 +58,77 @@ import threading
 import time
 import urllib.request
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from bench._common import machine, shown_command, write_json, write_section
+from bench._common import machine, resident_bytes, shown_command, tree_pids, write_json, write_section
 from bench.load import DEV_TXT, train_small_model
+from bench.soak_attacks import ATTACKS, REPO, Hostile, HostileConfig
 
 log = logging.getLogger("bench.soak")
 
 TOKEN = "soak-token-0123456789"
 TOLERANCE = 1e-5  # natural log
+MEMORY_LIMIT = 1.10  # settled / start, per process
 BEGIN, END = "<!-- soak:begin -->", "<!-- soak:end -->"
-SCORE = "/nlmserve.v1.LanguageModel/ScoreNgrams"
-METHODS = (SCORE, "/nlmserve.v1.LanguageModel/ScoreSentences", "/nlmserve.v1.LanguageModel/GetModelInfo")
+FRONTENDS = ("python", "native")
 
 
 @dataclass(frozen=True)
 class SoakConfig:
-    """One soak run (flags of the same names)."""
+    """One soak run (flags of the same names).
+
+    Fields:
+        model: the served model file (None: train the small test model).
+        minutes: the attack phase, per front end.
+        frontend: ``python``, ``native`` or ``both`` (one run after the other).
+        decoders: decoder-like authorised client threads.
+        rescorers: rescoring-like authorised client threads.
+        max_concurrent_rpcs: the replicas' limit (also the number of held Watch streams and
+            half-open calls per replica).
+        max_health_watches: the replicas' Watch pool (the flood asks for more).
+        max_message_bytes: the replicas' largest message.
+        fault_every: seconds between two faults.
+        warmup_seconds: the authorised clients alone before memory is first taken.
+        settle_seconds: the authorised clients alone after the attackers leave.
+        quiet_seconds: the authorised clients paused before memory is taken, at the start
+            and after the settle.
+        seed: of the hostile clients' random bytes and of the clients' requests.
+        hostile: what the hostile clients do.
+    """
 
     model: str | None = None
     minutes: float = 10.0
+    frontend: str = "python"
     decoders: int = 8
     rescorers: int = 2
     max_concurrent_rpcs: int = 64
+    max_health_watches: int = 1024
     max_message_bytes: int = 8 * 1024 * 1024
     fault_every: float = 15.0
+    warmup_seconds: float = 20.0
+    settle_seconds: float = 30.0
+    quiet_seconds: float = 2.0
     seed: int = 0
+    hostile: HostileConfig = field(default_factory=HostileConfig)
+
+    def __post_init__(self) -> None:
+        if self.frontend not in (*FRONTENDS, "both"):
+            raise ValueError(f"--frontend must be python, native or both, not {self.frontend!r}")
+
+    @property
+    def frontends(self) -> tuple[str, ...]:
+        return FRONTENDS if self.frontend == "both" else (self.frontend,)
 
 
 # ---------------------------------------------------------------------- models and replicas
 def two_models(model: str | None, work: Path) -> tuple[Path, Path]:
     """The served model and a second one of the same vocabulary (for good reloads)."""
+    from nlmserve.lm.model_file import read_model_file, save_model
     from nlmserve.lm.scoring import LanguageModel
 
     if model is None:
@@ -96,8 +140,6 @@ def two_models(model: str | None, work: Path) -> tuple[Path, Path]:
     second = work / "b.nlm"
     lm = LanguageModel.load(first, device="cpu")
     # A second model of the same vocabulary: the same file with every weight scaled.
-    from nlmserve.lm.model_file import read_model_file, save_model
-
     mf = read_model_file(first)
     net = mf.build_model()
     for p in net.parameters():
@@ -108,25 +150,53 @@ def two_models(model: str | None, work: Path) -> tuple[Path, Path]:
     return first, second
 
 
-class Replica:
-    """One ``nlmserve serve`` subprocess on a fixed port (0 the first time), logging to a file."""
+def native_binary() -> Path:
+    """``nlmserve_frontend`` as ``serve --frontend native`` finds it, built with ``make cpp``
+    when it is not there; SystemExit when it cannot be built."""
+    from nlmserve.common.errors import InputError
+    from nlmserve.server.frontend import find_binary
 
-    def __init__(self, name: str, model: Path, work: Path, cfg: SoakConfig, tokens: Path) -> None:
+    try:
+        return find_binary(None)
+    except InputError:
+        log.info("building the native front end: make cpp")
+        done = subprocess.run(["make", "-C", str(REPO), "cpp"], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"the native front end could not be built (make cpp, exit {done.returncode}): "
+                             f"{done.stderr.strip()[-400:]}") from None
+    return find_binary(None)
+
+
+class Replica:
+    """One ``nlmserve serve`` subprocess (with its native front end, if asked) on a fixed port
+    (0 the first time), logging to a file."""
+
+    def __init__(self, name: str, model: Path, work: Path, cfg: SoakConfig, tokens: Path, frontend: str) -> None:
         self.name, self.model, self.work, self.cfg, self.tokens = name, model, work, cfg, tokens
+        self.frontend = frontend
         self.port = 0
         self.metrics_port = 0
         self.proc: subprocess.Popen[str] | None = None
         self.up = threading.Event()
+        self.restarts = 0
         self.totals: Counter[str] = Counter()  # metric samples of the incarnations before this one
 
     def start(self) -> None:
+        from nlmserve.common.errors import NlmserveError
         from nlmserve.common.serve_process import start_server
 
         flags = ["--token-file", str(self.tokens), "--torch-threads", "1",
                  "--max-concurrent-rpcs", str(self.cfg.max_concurrent_rpcs),
-                 "--max-message-bytes", str(self.cfg.max_message_bytes), "--first-message-seconds", "5"]
-        with open(self.work / f"{self.name}.log", "a", encoding="utf-8") as stderr:
-            server = start_server(self.model, flags, port=self.port, metrics_port=0, stderr=stderr)
+                 "--max-health-watches", str(self.cfg.max_health_watches),
+                 "--max-message-bytes", str(self.cfg.max_message_bytes), "--first-message-seconds", "5",
+                 "--frontend", self.frontend]
+        log_path = self.work / f"{self.name}-{self.frontend}.log"
+        with open(log_path, "a", encoding="utf-8") as stderr:
+            try:
+                server = start_server(self.model, flags, port=self.port, metrics_port=0, stderr=stderr)
+            except NlmserveError as e:
+                tail = log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-5:]
+                raise RuntimeError(f"replica {self.name} did not start: {e}; its log ends: {' | '.join(tail)}") from e
         self.proc, self.port, self.metrics_port = server.process, server.port, server.metrics_port or 0
         self.up.set()
 
@@ -134,25 +204,53 @@ class Replica:
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    def metrics(self) -> str:
+        """This incarnation's /metrics ("" when it cannot be read)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=30) as r:
+                return str(r.read().decode())
+        except OSError as e:
+            log.warning("metrics of %s: %s", self.name, e)
+            return ""
+
     def samples(self) -> Counter[str]:
         """``nlmserve_refused_total`` and ``nlmserve_requests_total`` samples of this incarnation."""
         out: Counter[str] = Counter()
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
-                for line in r.read().decode().splitlines():
-                    if line.startswith(("nlmserve_refused_total{", "nlmserve_requests_total{")):
-                        key, _, value = line.rpartition(" ")
-                        out[key] += int(float(value))
-        except OSError as e:
-            log.warning("metrics of %s: %s", self.name, e)
+        for line in self.metrics().splitlines():
+            if line.startswith(("nlmserve_refused_total{", "nlmserve_requests_total{")):
+                key, _, value = line.rpartition(" ")
+                out[key] += int(float(value))
+        return out
+
+    def memory(self) -> dict[str, int]:
+        """Resident bytes of each of its processes, by role (the ``serve`` process, its children
+        by program name)."""
+        out: dict[str, int] = {}
+        if self.proc is None:
+            return out
+        for i, pid in enumerate(tree_pids(self.proc.pid)):
+            rss = resident_bytes(pid)
+            if rss is not None:
+                out["nlmserve serve" if i == 0 else _program(pid)] = rss
         return out
 
     def kill_and_restart(self) -> None:
+        """SIGKILL to its whole process tree (a host that dies), then a start on the same port."""
         assert self.proc is not None
         self.totals += self.samples()
         self.up.clear()
-        self.proc.kill()
+        pids = tree_pids(self.proc.pid)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.proc.wait()
+        for pid in pids[1:]:  # the front end: not our child, so wait for it to be gone
+            deadline = time.monotonic() + 10
+            while resident_bytes(pid) is not None and time.monotonic() < deadline:
+                time.sleep(0.05)
+        self.restarts += 1
         self.start()
 
     def stop(self) -> Counter[str]:
@@ -161,11 +259,47 @@ class Replica:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(30)
+                self.proc.wait(60)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                for pid in tree_pids(self.proc.pid):
+                    os.kill(pid, signal.SIGKILL)
                 self.proc.wait()
         return total
+
+
+def _program(pid: int) -> str:
+    try:
+        return Path(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()).name
+    except OSError:
+        return str(pid)
+
+
+class MemoryWatch:
+    """The replicas' resident memory sampled every second on a thread: the peak of each process."""
+
+    def __init__(self, replicas: list[Replica]) -> None:
+        self.replicas = replicas
+        self.peak: dict[tuple[str, str], int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def snapshot(self) -> dict[tuple[str, str], int]:
+        out = {(r.name, role): rss for r in self.replicas for role, rss in r.memory().items()}
+        for key, rss in out.items():
+            self.peak[key] = max(self.peak.get(key, 0), rss)
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            self.snapshot()
+
+    def __enter__(self) -> "MemoryWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
 
 
 # ---------------------------------------------------------------------- authorised clients
@@ -175,6 +309,7 @@ class Tally:
     answered: int = 0
     wrong: int = 0
     failed: Counter[str] = field(default_factory=Counter)
+    retried: Counter[str] = field(default_factory=Counter)
     latencies: list[float] = field(default_factory=list)
 
     def add(self, other: "Tally") -> None:
@@ -182,44 +317,152 @@ class Tally:
         self.answered += other.answered
         self.wrong += other.wrong
         self.failed += other.failed
+        self.retried += other.retried
         self.latencies += other.latencies
 
     def summary(self) -> dict[str, Any]:
         lat = np.asarray(self.latencies) * 1000.0
         return {"sent": self.sent, "answered": self.answered, "wrong": self.wrong, "failed": dict(self.failed),
+                "retried": dict(self.retried),
                 "p50_ms": round(float(np.percentile(lat, 50)), 2) if lat.size else None,
                 "p99_ms": round(float(np.percentile(lat, 99)), 2) if lat.size else None}
 
 
-def authorised(kind: str, targets: list[str], ids: np.ndarray, expected: dict[str, np.ndarray], sizes: tuple[int, int],
-               stop: threading.Event, seed: int, tally: Tally) -> None:
+def _counting_retry() -> Any:
+    """The client's retry policy, counting what it retries (what a client that retries hides)."""
+    from nlmserve.client.core import RetryPolicy
+
+    @dataclass(frozen=True)
+    class CountingRetry(RetryPolicy):
+        seen: Counter[str] = field(default_factory=Counter, compare=False)
+
+        def should_retry(self, error: Any, attempt: int) -> bool:
+            retry = super().should_retry(error, attempt)
+            if retry:
+                self.seen[error.code().name] += 1
+            return retry
+
+    return CountingRetry()
+
+
+class Load:
+    """The authorised clients' switch: they wait while it is paused; ``pause`` returns once
+    none has a request in flight (at most 60 s)."""
+
+    def __init__(self) -> None:
+        self.go = threading.Event()
+        self.go.set()
+        self._busy = 0
+        self._lock = threading.Lock()
+
+    def pause(self) -> None:
+        self.go.clear()
+        deadline = time.monotonic() + 60
+        while self._busy and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def resume(self) -> None:
+        self.go.set()
+
+    def request(self, stop: threading.Event) -> Iterator[bool]:
+        """Yields once per request while not stopped, counted as in flight until the next."""
+        while True:
+            while not self.go.wait(0.2):
+                if stop.is_set():
+                    return
+            if stop.is_set():
+                return
+            with self._lock:
+                self._busy += 1
+            try:
+                yield True
+            finally:
+                with self._lock:
+                    self._busy -= 1
+
+
+def _check(tally: Tally, kind: str, got: Any, model_hash: str, start: int, n: int,
+           expected: dict[str, np.ndarray], began: float) -> None:
+    tally.latencies.append(time.perf_counter() - began)
+    want = expected.get(model_hash)
+    got = np.asarray(got)
+    if want is None or got.shape != (n,) or not np.all(np.abs(got - want[start : start + n]) <= TOLERANCE):
+        tally.wrong += 1
+        log.error("%s: a wrong answer from model %s", kind, model_hash)
+    else:
+        tally.answered += 1
+
+
+def _failed(tally: Tally, kind: str, e: Exception) -> None:
+    code = getattr(e, "code", None)
+    name = code() if callable(code) else code
+    tally.failed[type(e).__name__ + (f"({name.name})" if name is not None else "")] += 1
+    log.warning("%s request failed: %s", kind, e)
+
+
+def authorised(kind: str, targets: list[str], ids: np.ndarray, expected: dict[str, np.ndarray],
+               sizes: tuple[int, int], load: Load, stop: threading.Event, seed: int, tally: Tally) -> None:
+    """A replicated ``LMClient`` scoring back to back; ``reconnecting`` builds a new one
+    every second."""
     from nlmserve.client import LMClient
 
     rng = np.random.default_rng(seed)
-    with LMClient(targets, token=TOKEN, timeout=60, allow_mixed_models=True) as client:
-        while not stop.is_set():
+    client: Any = None
+    opened = 0.0
+    try:
+        for _ in load.request(stop):
+            if client is None or (kind == "reconnecting" and time.monotonic() - opened >= 1.0):
+                if client is not None:
+                    tally.retried += client.retry.seen
+                    client.close()
+                client = LMClient(targets, token=TOKEN, timeout=60, allow_mixed_models=True,
+                                  retry_policy=_counting_retry())
+                opened = time.monotonic()
             n = int(rng.integers(sizes[0], sizes[1] + 1))
             start = int(rng.integers(0, len(ids) - n))
-            rows = ids[start : start + n]
             tally.sent += 1
             began = time.perf_counter()
             try:
-                got = client.score_ids(rows, log_base="ln")
+                got = client.score_ids(ids[start : start + n], log_base="ln")
             except Exception as e:  # every failure is counted by its class (and gRPC code)
-                code = getattr(e, "code", None)
-                tally.failed[type(e).__name__ + (f"({code.name})" if code is not None else "")] += 1
-                log.warning("%s request failed: %s", kind, e)
+                _failed(tally, kind, e)
                 continue
-            tally.latencies.append(time.perf_counter() - began)
-            want = expected.get(got.model_hash)
-            if (want is None or got.log_probs.shape != (n,)
-                    or not np.all(np.abs(got.log_probs - want[start : start + n]) <= TOLERANCE)):
-                tally.wrong += 1
-                log.error("%s: a wrong answer from model %s", kind, got.model_hash)
-            else:
-                tally.answered += 1
-            if kind == "decoder":
+            _check(tally, kind, got.log_probs, got.model_hash, start, n, expected, began)
+            if kind != "rescoring":
                 time.sleep(0.002)
+    finally:
+        if client is not None:
+            tally.retried += client.retry.seen
+            client.close()
+
+
+def strict(target: str, ids: np.ndarray, expected: dict[str, np.ndarray], load: Load, stop: threading.Event,
+           seed: int, tally: Tally) -> None:
+    """Plain gRPC ScoreNgrams calls of 1-50 n-grams to one replica, never retried: what a
+    client other than the project's sees."""
+    import grpc
+
+    from nlmserve.proto import lm_pb2, lm_pb2_grpc
+
+    rng = np.random.default_rng(seed)
+    metadata = (("authorization", f"Bearer {TOKEN}"),)
+    with grpc.insecure_channel(target) as channel:
+        stub = lm_pb2_grpc.LanguageModelStub(channel)
+        for _ in load.request(stop):
+            n = int(rng.integers(1, 51))
+            start = int(rng.integers(0, len(ids) - n))
+            rows = np.ascontiguousarray(ids[start : start + n], dtype="<u4")
+            tally.sent += 1
+            began = time.perf_counter()
+            try:
+                answer = stub.ScoreNgrams(lm_pb2.ScoreNgramsRequest(packed_ids=rows.tobytes(),
+                                                                    packed_order=rows.shape[1], log_base=lm_pb2.LN),
+                                          metadata=metadata, timeout=60)
+            except grpc.RpcError as e:
+                _failed(tally, "strict", e)
+                continue
+            _check(tally, "strict", list(answer.log_probs), answer.model_hash, start, n, expected, began)
+            time.sleep(0.01)
 
 
 def probe(replicas: list[Replica], stop: threading.Event, counts: Counter[str]) -> None:
@@ -246,101 +489,6 @@ def probe(replicas: list[Replica], stop: threading.Event, counts: Counter[str]) 
             counts["failed"] += 0 if ok else 1
 
 
-# ---------------------------------------------------------------------- hostile clients
-async def _never_sends(stop: asyncio.Event) -> AsyncIterator[bytes]:
-    await stop.wait()
-    if False:  # pragma: no cover (an async generator that yields nothing)
-        yield b""
-
-
-async def hostile_grpc(replicas: list[Replica], cfg: SoakConfig, stop_flag: threading.Event,
-                       out: dict[str, Counter[str]]) -> None:
-    """Held Watch streams, half-open ScoreNgrams calls, random and oversized messages."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    stop = asyncio.Event()
-    rng = random.Random(cfg.seed)
-    streams = cfg.max_concurrent_rpcs
-    oversized = rng.randbytes(cfg.max_message_bytes + 1024)
-
-    def identity(b: bytes) -> bytes:
-        return b
-
-    async def watcher(r: Replica) -> None:  # one connection each; read until the stream is cut
-        while True:
-            channel = grpc.aio.insecure_channel(r.target, options=[("grpc.use_local_subchannel_pool", 1)])
-            try:
-                first = True
-                async for _ in health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest()):
-                    if first:
-                        out["watch"]["held"] += 1
-                        first = False
-            except grpc.aio.AioRpcError as e:
-                out["watch"][e.code().name] += 1
-            finally:
-                await channel.close(None)
-            await asyncio.sleep(0.5)
-
-    async def half_open(r: Replica) -> None:
-        channel = None
-        while not stop.is_set():
-            if channel is None or not r.up.is_set():
-                if channel is not None:
-                    await channel.close(None)
-                channel = grpc.aio.insecure_channel(r.target, options=[("grpc.use_local_subchannel_pool", 1)])
-            calls = [channel.stream_unary(SCORE, None, None)(_never_sends(stop), timeout=30) for _ in range(streams)]
-            for call in calls:
-                try:
-                    await call
-                    out["half_open"]["OK"] += 1
-                except grpc.aio.AioRpcError as e:
-                    out["half_open"][e.code().name] += 1
-            await asyncio.sleep(0.2)
-        if channel is not None:
-            await channel.close(None)
-
-    async def garbage(r: Replica) -> None:
-        while not stop.is_set():
-            channel = grpc.aio.insecure_channel(r.target, options=[("grpc.max_send_message_length", -1)])
-            for method in METHODS:
-                for token in (False, True):
-                    for kind in ("random", "oversized"):
-                        body = rng.randbytes(rng.randint(1, 4096)) if kind == "random" else oversized
-                        metadata = (("authorization", f"Bearer {TOKEN}"),) if token else None
-                        try:
-                            await channel.unary_unary(method, request_serializer=identity,
-                                                      response_deserializer=identity)(body, metadata=metadata,
-                                                                                      timeout=10)
-                            out[f"{kind}{'_token' if token else ''}"]["OK"] += 1
-                        except grpc.aio.AioRpcError as e:
-                            out[f"{kind}{'_token' if token else ''}"][e.code().name] += 1
-            await channel.close(None)
-            await asyncio.sleep(1.0)
-
-    tasks = [asyncio.create_task(watcher(r)) for r in replicas for _ in range(streams)]
-    tasks += [asyncio.create_task(half_open(r)) for r in replicas]
-    tasks += [asyncio.create_task(garbage(r)) for r in replicas]
-    while not stop_flag.is_set():
-        await asyncio.sleep(0.5)
-    stop.set()
-    for task in tasks[: len(replicas) * streams]:  # the watchers
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def raw_bytes(replicas: list[Replica], stop: threading.Event, counts: Counter[str], seed: int) -> None:
-    rng = random.Random(seed + 1)
-    while not stop.wait(0.2):
-        for r in replicas:
-            try:
-                with socket.create_connection(("127.0.0.1", r.port), timeout=2) as s:
-                    s.sendall(rng.randbytes(rng.randint(1, 4096)))
-                    counts["sent"] += 1
-            except OSError:
-                counts["refused"] += 1
-
-
 # ---------------------------------------------------------------------- faults
 def _put(src: Path | None, dst: Path, kind: str) -> None:
     """Put a good copy of ``src``, or a bad file of ``kind``, at ``dst`` atomically."""
@@ -362,14 +510,14 @@ def _put(src: Path | None, dst: Path, kind: str) -> None:
 
 def faults(replicas: list[Replica], models: tuple[Path, Path], cfg: SoakConfig, stop: threading.Event,
            events: list[dict[str, Any]], counts: Counter[str]) -> None:
+    """Every third fault a SIGKILL of the last replica; the others reloads, in turn on each."""
     bad = ("garbage", "fifo", "truncated")
-    turn = 0
+    turn = reloads = 0
     began = time.monotonic()
     while not stop.wait(cfg.fault_every):
-        r = replicas[turn % len(replicas)]
-        assert r.proc is not None
         at = round(time.monotonic() - began, 1)
-        if turn % 3 == 2:
+        if turn % 3 == 2 and len(replicas) > 1:
+            r = replicas[-1]
             try:
                 r.kill_and_restart()
             except (OSError, RuntimeError) as e:  # counted: the run then misses its target
@@ -381,16 +529,19 @@ def faults(replicas: list[Replica], models: tuple[Path, Path], cfg: SoakConfig, 
             counts["kill_restart"] += 1
             events.append({"t": at, "replica": r.name, "fault": "SIGKILL + restart"})
         else:
-            kind = bad[(turn // 3) % len(bad)]
+            r = replicas[reloads % len(replicas)]
+            assert r.proc is not None
+            kind = bad[(reloads // len(replicas)) % len(bad)]
             _put(models[0], r.model, kind)
             r.proc.send_signal(signal.SIGHUP)
             counts["sighup_bad"] += 1
             time.sleep(1.0)
-            good = models[(turn // 3 + 1) % 2]
+            good = models[(reloads // len(replicas) + 1) % 2]
             _put(good, r.model, "good")
             r.proc.send_signal(signal.SIGHUP)
             counts["sighup_good"] += 1
             events.append({"t": at, "replica": r.name, "fault": f"SIGHUP {kind}, then SIGHUP {good.name}"})
+            reloads += 1
         turn += 1
 
 
@@ -409,154 +560,296 @@ def expected_scores(models: tuple[Path, Path]) -> tuple[np.ndarray, dict[str, np
     return ids, {lm.model_hash: np.asarray(lm.score_ngrams(ids.astype(np.int64)), dtype=np.float32) for lm in lms}
 
 
-def run(cfg: SoakConfig) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="nlmserve-soak-") as tmp:
-        work = Path(tmp)
-        models = two_models(cfg.model, work)
-        ids, expected = expected_scores(models)
-        tokens = work / "tokens"
-        tokens.write_text(TOKEN + "\n", encoding="utf-8")
-        replicas = []
-        for name in ("A", "B"):
-            served = work / f"served-{name}.nlm"
-            shutil.copyfile(models[0], served)
-            replicas.append(Replica(name, served, work, cfg, tokens))
-        for r in replicas:
-            r.start()
-        targets = [r.target for r in replicas]
-        stop = threading.Event()
-        tallies = {"decoder": [Tally() for _ in range(cfg.decoders)], "rescoring": [Tally() for _ in range(cfg.rescorers)]}
-        probes: Counter[str] = Counter()
-        raw: Counter[str] = Counter()
-        fault_counts: Counter[str] = Counter()
-        events: list[dict[str, Any]] = []
-        hostile: dict[str, Counter[str]] = {k: Counter() for k in ("watch", "half_open", "random", "random_token",
-                                                                    "oversized", "oversized_token")}
-        loop = asyncio.new_event_loop()
-        threads = [threading.Thread(target=loop.run_until_complete,
-                                    args=(hostile_grpc(replicas, cfg, stop, hostile),), daemon=True),
-                   threading.Thread(target=raw_bytes, args=(replicas, stop, raw, cfg.seed), daemon=True),
-                   threading.Thread(target=probe, args=(replicas, stop, probes), daemon=True)]
-        for t in threads:
-            t.start()
-        time.sleep(3.0)  # the hostile clients hold their streams before the measured load starts
-        for kind, sizes in (("decoder", (1, 50)), ("rescoring", (5_000, 20_000))):
-            for i, tally in enumerate(tallies[kind]):
-                threads.append(threading.Thread(target=authorised, args=(kind, targets, ids, expected, sizes, stop,
-                                                                          cfg.seed + 100 * i + len(kind), tally),
-                                                daemon=True))
-                threads[-1].start()
-        injector = threading.Thread(target=faults, args=(replicas, models, cfg, stop, events, fault_counts),
-                                    daemon=True)
-        injector.start()
-        began = time.monotonic()
-        stop.wait(cfg.minutes * 60.0)
+def hostile_requests(ids: np.ndarray, cfg: SoakConfig, work: Path) -> tuple[list[bytes], Path]:
+    """The 1 ms-deadline clients' requests (1 to 5,000 n-grams), and the vanishing clients'
+    request (``vanish_ngrams`` n-grams) in a file."""
+    from nlmserve.proto import lm_pb2
+
+    def request(n: int) -> bytes:
+        rows = np.ascontiguousarray(np.resize(ids, (n, ids.shape[1])), dtype="<u4")
+        return lm_pb2.ScoreNgramsRequest(packed_ids=rows.tobytes(), packed_order=rows.shape[1],
+                                         log_base=lm_pb2.LN).SerializeToString()
+
+    path = work / "vanish.bin"
+    path.write_bytes(request(cfg.hostile.vanish_ngrams))
+    return [request(n) for n in (1, 10, 100, 1_000, 5_000)], path
+
+
+def _quiet_memory(load: Load, memory: MemoryWatch, seconds: float) -> dict[tuple[str, str], int]:
+    load.pause()
+    time.sleep(seconds)
+    taken = memory.snapshot()
+    load.resume()
+    return taken
+
+
+def _metrics_size(replicas: list[Replica]) -> dict[str, dict[str, int]]:
+    out = {}
+    for r in replicas:
+        text = r.metrics()
+        out[r.name] = {"bytes": len(text.encode()),
+                       "series": sum(1 for line in text.splitlines() if line and not line.startswith("#"))}
+    return out
+
+
+def run_frontend(cfg: SoakConfig, frontend: str, models: tuple[Path, Path], ids: np.ndarray,
+                 expected: dict[str, np.ndarray], work: Path) -> dict[str, Any]:
+    """One front end's run through its four phases (the module's docstring)."""
+    tokens = work / "tokens"
+    tokens.write_text(TOKEN + "\n", encoding="utf-8")
+    requests, vanish_request = hostile_requests(ids, cfg, work)
+    replicas = []
+    for name in ("A", "B"):
+        served = work / f"served-{name}-{frontend}.nlm"
+        shutil.copyfile(models[0], served)
+        replicas.append(Replica(name, served, work, cfg, tokens, frontend))
+    with ThreadPoolExecutor(len(replicas)) as pool:  # side by side: each loads the model
+        list(pool.map(Replica.start, replicas))
+    targets = [r.target for r in replicas]
+    stop, stop_faults, load = threading.Event(), threading.Event(), Load()
+    kinds = {"decoder": cfg.decoders, "rescoring": cfg.rescorers, "reconnecting": 1, "strict": 1}
+    tallies = {kind: [Tally() for _ in range(n)] for kind, n in kinds.items()}
+    probes: Counter[str] = Counter()
+    fault_counts: Counter[str] = Counter()
+    events: list[dict[str, Any]] = []
+    threads = [threading.Thread(target=probe, args=(replicas, stop, probes), daemon=True)]
+    sizes = {"decoder": (1, 50), "rescoring": (5_000, 20_000), "reconnecting": (1, 50)}
+    for kind, group in tallies.items():
+        for i, tally in enumerate(group):
+            seed = cfg.seed + 100 * i + len(kind)
+            args: tuple[Any, ...]
+            target: Callable[..., None]
+            if kind == "strict":
+                target, args = strict, (targets[0], ids, expected, load, stop, seed, tally)
+            else:
+                target, args = authorised, (kind, targets, ids, expected, sizes[kind], load, stop, seed, tally)
+            threads.append(threading.Thread(target=target, args=args, daemon=True))
+    hostile = Hostile(replicas, cfg.hostile, token=TOKEN, max_concurrent_rpcs=cfg.max_concurrent_rpcs,
+                      max_health_watches=cfg.max_health_watches, max_message_bytes=cfg.max_message_bytes,
+                      requests=requests, vanish_request=vanish_request, seed=cfg.seed)
+    injector = threading.Thread(target=faults, args=(replicas, models, cfg, stop_faults, events, fault_counts),
+                                daemon=True)
+    server_counts: Counter[str] = Counter()
+    try:
+        with MemoryWatch(replicas) as memory:
+            for t in threads:
+                t.start()
+            log.info("%s: warm-up, %.0f s", frontend, cfg.warmup_seconds)
+            time.sleep(cfg.warmup_seconds)
+            start_memory = _quiet_memory(load, memory, cfg.quiet_seconds)
+            metrics_start = _metrics_size(replicas)
+            log.info("%s: attack, %.1f minutes", frontend, cfg.minutes)
+            hostile.start()
+            injector.start()
+            began = time.monotonic()
+            time.sleep(cfg.minutes * 60.0)
+            stop_faults.set()
+            injector.join(120)  # a replica being restarted is up again
+            attack_memory = memory.snapshot()
+            metrics_end = _metrics_size(replicas)
+            hostile.stop()
+            seconds = time.monotonic() - began
+            log.info("%s: settle, %.0f s", frontend, cfg.settle_seconds)
+            time.sleep(cfg.settle_seconds)
+            settled_memory = _quiet_memory(load, memory, cfg.quiet_seconds)
+    finally:
+        stop_faults.set()
+        hostile.stop()
         stop.set()
-        for t in [injector, *threads]:
+        load.resume()
+        for t in threads:
             t.join(120)
-        seconds = time.monotonic() - began
-        server_counts: Counter[str] = Counter()
         for r in replicas:
             server_counts += r.stop()
-        loop.close()
     every = Tally()
-    result_clients: dict[str, Any] = {}
+    clients: dict[str, Any] = {}
     for kind, group in tallies.items():
         total = Tally()
         for tally in group:
             total.add(tally)
         every.add(total)
-        result_clients[kind] = total.summary()
-    result_clients["all"] = every.summary()
-    result = {
-        "command": " ".join(["bench/soak.py", *sys.argv[1:]]),
-        "machine": machine(),
-        "config": asdict(cfg),
+        clients[kind] = total.summary()
+    clients["all"] = every.summary()
+    restarts = {r.name: r.restarts for r in replicas}
+    result: dict[str, Any] = {
+        "frontend": frontend,
         "seconds": round(seconds, 1),
-        "authorised": result_clients,
+        "authorised": clients,
         "health_probes": {"sent": probes["probes"], "failed": probes["failed"],
                           "skipped_while_killed": probes["skipped_down"]},
-        "hostile": {kind: dict(c) for kind, c in hostile.items()} | {"raw_tcp_bytes": dict(raw)},
+        "hostile": hostile.report(),
         "faults": dict(fault_counts),
         "fault_events": events,
         "server_counts": dict(sorted(server_counts.items())),
+        "memory": [{"replica": name, "process": role, "restarts": restarts[name],
+                    "start_mb": _mb(start_memory[name, role]), "attack_end_mb": _mb(attack_memory.get((name, role))),
+                    "peak_mb": _mb(memory.peak.get((name, role))), "settled_mb": _mb(settled_memory.get((name, role))),
+                    "settled_over_start": (round(settled_memory[name, role] / start_memory[name, role], 3)
+                                           if (name, role) in settled_memory else None)}
+                   for name, role in sorted(start_memory)],
+        "metrics": {name: {"start_bytes": metrics_start[name]["bytes"], "end_bytes": metrics_end[name]["bytes"],
+                           "end_series": metrics_end[name]["series"]} for name in metrics_start},
     }
-    result["target_met"] = meets_target(result)
+    result["missed"] = misses(result)
+    result["target_met"] = not result["missed"]
     return result
 
 
-def meets_target(result: dict[str, Any]) -> bool:
-    """0 failed or wrong answers for the authorised clients (some answered), 0 failed
-    health probes, and every killed replica restarted."""
-    every = result["authorised"]["all"]
-    return (not sum(every["failed"].values()) and every["wrong"] == 0 and every["answered"] > 0
-            and result["health_probes"]["failed"] == 0 and not result["faults"].get("restart_failed"))
+def _mb(n: int | None) -> float | None:
+    return None if n is None else round(n / 2**20, 1)
+
+
+def run(cfg: SoakConfig) -> dict[str, Any]:
+    if "native" in cfg.frontends:
+        native_binary()
+    with tempfile.TemporaryDirectory(prefix="nlmserve-soak-") as tmp:
+        work = Path(tmp)
+        models = two_models(cfg.model, work)
+        ids, expected = expected_scores(models)
+        runs = [run_frontend(cfg, frontend, models, ids, expected, work) for frontend in cfg.frontends]
+    return {"command": " ".join(["bench/soak.py", *sys.argv[1:]]), "machine": machine(), "config": asdict(cfg),
+            "runs": runs, "target_met": all(r["target_met"] for r in runs)}
+
+
+def misses(run: dict[str, Any]) -> list[str]:
+    """Why one front end's run missed the target (empty: met): failed or wrong authorised
+    answers (or none answered), failed probes, a replica that did not restart, a process
+    whose memory after the settle is over 10% above its start."""
+    every = run["authorised"]["all"]
+    out = []
+    if sum(every["failed"].values()):
+        out.append(f"{sum(every['failed'].values())} authorised requests failed")
+    if every["wrong"]:
+        out.append(f"{every['wrong']} wrong answers")
+    if not every["answered"]:
+        out.append("no authorised answer")
+    if run["health_probes"]["failed"]:
+        out.append(f"{run['health_probes']['failed']} failed probes")
+    if run["faults"].get("restart_failed"):
+        out.append(f"{run['faults']['restart_failed']} failed restarts")
+    for m in run["memory"]:
+        if m["settled_over_start"] is None or m["settled_over_start"] > MEMORY_LIMIT:
+            out.append(f"{m['replica']} {m['process']} memory {m['start_mb']} -> {m['settled_mb']} MB")
+    return out
 
 
 # ---------------------------------------------------------------------- the report
+def _outcomes(counts: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in counts.items()) or "0"
+
+
+def _hostile_rows(cfg: dict[str, Any]) -> dict[str, str]:
+    """What each hostile client's row says it did (per replica)."""
+    h, per = cfg["hostile"], cfg["max_concurrent_rpcs"]
+    flood = cfg["max_health_watches"] // h["watch_per_connection"] + 2
+    slow = h["slow_connections"]
+    return {
+        "watch": f"Watch streams held open, one per connection ({per})",
+        "watch_flood": f"Watch flood: {flood} connections x {h['watch_per_connection']} streams "
+                       f"(`--max-health-watches {cfg['max_health_watches']}`)",
+        "half_open": f"ScoreNgrams calls that never send ({per} at a time, re-opened when refused)",
+        "random": "random bytes on three methods",
+        "random_token": "random bytes, with the token",
+        "oversized": "messages over `--max-message-bytes`",
+        "oversized_token": "the same with the token",
+        "gzip_bomb": f"gzip requests inflating to {h['gzip_bomb_bytes'] // 2**20} MiB, every {h['gzip_every']:g} s",
+        "gzip_bomb_token": "the same with the token",
+        "deadline_1ms": f"ScoreNgrams with a 1 ms deadline, with the token ({h['deadline_calls']} every 0.1 s)",
+        "invented_methods": f"{h['invented_methods']} invented method names (half with the token)",
+        "never_read": f"GetScoringTables and GetVocabulary never read (receive window 0), with the token: "
+                      f"{h['never_read_connections']} connections x {h['never_read_calls']} calls",
+        "rapid_reset": f"rapid reset: {h['reset_burst']} HEADERS + RST_STREAM every {h['reset_every']:g} s on one "
+                       "connection",
+        "big_metadata_unacked": f"half-open calls with {h['big_metadata_bytes'] // 1024} KiB of metadata before the "
+                                f"SETTINGS ACK ({h['big_metadata_calls'] // 2} held)",
+        "big_metadata": "half-open calls with the metadata the server's SETTINGS allow "
+                        f"({h['big_metadata_calls'] // 2} held)",
+        "slow": f"connections silent, stopped in the preface, stopped in a header block ({slow} of each)",
+        "raw_tcp_bytes": "raw TCP connections of random bytes",
+        "vanishing": f"clients killed with {h['vanish_calls']} x {h['vanish_ngrams']} n-grams in flight, with the "
+                     f"token, every {h['vanish_every']:g} s",
+        "errors": "hostile clients that ended with an error of their own",
+    }
+
+
 def render(result: dict[str, Any]) -> str:
-    cfg = result["config"]
+    cfg, runs = result["config"], result["runs"]
+    names = [r["frontend"] for r in runs]
     lines = [BEGIN,
-             f"`{shown_command(result['command'])}`: {result['seconds'] / 60:.1f} minutes on {result['machine']['cores']} cores "
-             f"({result['machine']['cpu']}), two replicas, `--max-concurrent-rpcs {cfg['max_concurrent_rpcs']}`.",
+             f"`{shown_command(result['command'])}`: {cfg['minutes']:g} minutes of attack per front end on "
+             f"{result['machine']['cores']} cores ({result['machine']['cpu']}), two replicas with a token file, "
+             f"`--max-concurrent-rpcs {cfg['max_concurrent_rpcs']}`, `--max-health-watches {cfg['max_health_watches']}`"
+             f", {cfg['warmup_seconds']:g} s of warm-up before, {cfg['settle_seconds']:g} s to settle after.",
              "",
-             "| authorised clients | sent | answered | failed | wrong | p50 ms | p99 ms |",
-             "|---|---|---|---|---|---|---|"]
-    for kind in ("decoder", "rescoring", "all"):
-        c = result["authorised"][kind]
-        failed = ", ".join(f"{k} {v}" for k, v in c["failed"].items()) or "0"
-        lines.append(f"| {kind} | {c['sent']} | {c['answered']} | {failed} | {c['wrong']} | {c['p50_ms']} | "
-                     f"{c['p99_ms']} |")
-    h = result["health_probes"]
-    hostile = result["hostile"]
-
-    def outcomes(kind: str) -> str:
-        return ", ".join(f"{k} {v}" for k, v in sorted(hostile.get(kind, {}).items())) or "none"
-
-    f = result["faults"]
-    counts = result["server_counts"]
-    unauthenticated = sum(v for k, v in counts.items() if 'code="UNAUTHENTICATED"' in k)
-    limits = ", ".join(f"{k.split('=', 1)[1].rstrip('}')} {v}" for k, v in counts.items()
-                       if k.startswith("nlmserve_refused_total")) or "none"
-    lines += ["",
-              f"Health probes: {h['sent']} sent, {h['failed']} failed ({h['skipped_while_killed']} skipped while "
-              "their replica was killed).",
-              f"Faults: {f.get('sighup_bad', 0)} SIGHUP reloads of bad files, {f.get('sighup_good', 0)} of good "
-              f"ones, {f.get('kill_restart', 0)} SIGKILLs of a replica (restarted on its port).",
-              "",
-              "| hostile client (no token unless said) | got |",
-              "|---|---|",
-              f"| Watch streams held open ({cfg['max_concurrent_rpcs']} per replica) | {outcomes('watch')} |",
-              f"| ScoreNgrams calls that never send ({cfg['max_concurrent_rpcs']} at a time per replica, re-opened "
-              "when refused) | "
-              f"{outcomes('half_open')} |",
-              f"| random bytes on three methods | {outcomes('random')} |",
-              f"| random bytes, with the token | {outcomes('random_token')} |",
-              f"| messages over `--max-message-bytes` | {outcomes('oversized')} |",
-              f"| the same with the token | {outcomes('oversized_token')} |",
-              f"| raw TCP connections of random bytes | {outcomes('raw_tcp_bytes')} |",
-              "",
-              f"The replicas counted {unauthenticated} calls refused UNAUTHENTICATED and, by limit "
-              f"(`nlmserve_refused_total`): {limits}.",
-              "",
-              "Target (0 failed or wrong answers, 0 failed probes): "
-              + ("**met**." if result["target_met"] else "**not met**."),
-              END]
+             "| front end | authorised sent | answered | failed | wrong | retried by the client | p50 ms | p99 ms | "
+             "probes sent | failed | memory settled / start (worst process) | target |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        c, h = r["authorised"]["all"], r["health_probes"]
+        worst = max((m["settled_over_start"] or float("inf") for m in r["memory"]), default=float("nan"))
+        target = "**met**" if r["target_met"] else "**not met**: " + "; ".join(r["missed"])
+        lines.append(f"| {r['frontend']} | {c['sent']} | {c['answered']} | {_outcomes(c['failed'])} | {c['wrong']} | "
+                     f"{_outcomes(c['retried'])} | {c['p50_ms']} | {c['p99_ms']} | {h['sent']} | {h['failed']} | "
+                     f"{worst:.2f} | {target} |")
+    lines += ["", "| authorised client | front end | sent | answered | failed | wrong | retried | p50 ms | p99 ms |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for kind in ("decoder", "rescoring", "reconnecting", "strict"):
+        for r in runs:
+            c = r["authorised"][kind]
+            lines.append(f"| {kind} | {r['frontend']} | {c['sent']} | {c['answered']} | {_outcomes(c['failed'])} | "
+                         f"{c['wrong']} | {_outcomes(c['retried'])} | {c['p50_ms']} | {c['p99_ms']} |")
+    lines += ["", "| resident memory, MB | front end | start | attack end | peak | settled | settled / start |",
+              "|---|---|---|---|---|---|---|"]
+    for r in runs:
+        for m in r["memory"]:
+            restarted = f" (restarted {m['restarts']} times)" if m["restarts"] else ""
+            lines.append(f"| {m['replica']} {m['process']}{restarted} | {r['frontend']} | {m['start_mb']} | "
+                         f"{m['attack_end_mb']} | {m['peak_mb']} | {m['settled_mb']} | {m['settled_over_start']} |")
+    rows = _hostile_rows(cfg)
+    lines += ["", "| hostile client (no token unless said; sizes per replica, counts of both) | "
+              + " | ".join(names) + " |",
+              "|---" * (len(names) + 1) + "|"]
+    for name, what in rows.items():
+        if any(name in r["hostile"] for r in runs):
+            lines.append(f"| {what} | " + " | ".join(_outcomes(r["hostile"].get(name, {})) for r in runs) + " |")
+    lines.append("")
+    for r in runs:
+        f, counts = r["faults"], r["server_counts"]
+        unauthenticated = sum(v for k, v in counts.items() if 'code="UNAUTHENTICATED"' in k)
+        limits = ", ".join(f"{k.split('=', 1)[1].rstrip('}')} {v}" for k, v in counts.items()
+                           if k.startswith("nlmserve_refused_total")) or "none"
+        sizes = "; ".join(f"{name} {m['start_bytes'] // 1024} KiB -> {m['end_bytes'] // 1024} KiB ({m['end_series']} "
+                          "series)" for name, m in r["metrics"].items())
+        lines += [f"{r['frontend']}: health probes {r['health_probes']['sent']} sent, {r['health_probes']['failed']} "
+                  f"failed ({r['health_probes']['skipped_while_killed']} skipped while their replica was killed); "
+                  f"faults: {f.get('sighup_bad', 0)} SIGHUP reloads of bad files, {f.get('sighup_good', 0)} of good "
+                  f"ones, {f.get('kill_restart', 0)} SIGKILLs of replica B (restarted on its port); the model servers "
+                  f"counted {unauthenticated} calls refused UNAUTHENTICATED and, by limit (`nlmserve_refused_total`): "
+                  f"{limits}; /metrics {sizes}.", ""]
+    lines += ["Target (per front end: 0 failed or wrong answers, 0 failed probes, every process's memory after the "
+              "settle within 10% of its start): " + ("**met**." if result["target_met"] else "**not met**."), END]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="model file (default: train the small test model)")
-    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--minutes", type=float, default=10.0, help="the attack phase, per front end")
+    p.add_argument("--frontend", choices=(*FRONTENDS, "both"), default="python",
+                   help="the replicas' front end; both: one run after the other")
     p.add_argument("--decoders", type=int, default=8, help="decoder-like client threads")
     p.add_argument("--rescorers", type=int, default=2, help="rescoring-like client threads")
     p.add_argument("--max-concurrent-rpcs", type=int, default=64, help="the replicas' limit, and the hostile streams")
+    p.add_argument("--max-health-watches", type=int, default=1024, help="the replicas' Watch pool")
     p.add_argument("--fault-every", type=float, default=15.0, help="seconds between faults")
+    p.add_argument("--warmup-seconds", type=float, default=20.0)
+    p.add_argument("--settle-seconds", type=float, default=30.0)
+    p.add_argument("--attacks", default=",".join(ATTACKS),
+                   help=f"the hostile clients that run, comma-separated (default all: {', '.join(ATTACKS)})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the result as JSON here")
-    p.add_argument("--doc", help="write the table into this document between the soak markers")
-    p.add_argument("--render", help="make the table from this JSON instead of running")
+    p.add_argument("--doc", help="write the tables into this document between the soak markers")
+    p.add_argument("--render", help="make the tables from this JSON instead of running")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.render:
@@ -564,9 +857,16 @@ def main(argv: list[str] | None = None) -> int:
 
         result = json.loads(Path(args.render).read_text(encoding="utf-8"))
     else:
-        result = run(SoakConfig(model=args.model, minutes=args.minutes, decoders=args.decoders,
-                                rescorers=args.rescorers, max_concurrent_rpcs=args.max_concurrent_rpcs,
-                                fault_every=args.fault_every, seed=args.seed))
+        try:
+            hostile = HostileConfig(attacks=tuple(a for a in args.attacks.split(",") if a))
+        except ValueError as e:
+            p.error(f"--attacks: {e}")
+        result = run(SoakConfig(model=args.model, minutes=args.minutes, frontend=args.frontend,
+                                decoders=args.decoders, rescorers=args.rescorers,
+                                max_concurrent_rpcs=args.max_concurrent_rpcs,
+                                max_health_watches=args.max_health_watches, fault_every=args.fault_every,
+                                warmup_seconds=args.warmup_seconds, settle_seconds=args.settle_seconds,
+                                seed=args.seed, hostile=hostile))
         if args.json:
             write_json(Path(args.json), result)
     table = render(result)
