@@ -244,10 +244,11 @@ def check_train_files(args: argparse.Namespace) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
+    check_train_files(args)  # first: before torch is imported, before the text is read
+
     from .train import TrainConfig, train
     from ..common.memory import keep_freed_memory
 
-    check_train_files(args)
     recipe = apply_recipe(args)
     if recipe:
         log.info("recipe: %s", recipe)
@@ -334,11 +335,6 @@ def _normalize(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    import torch
-
-    from .evaluate import evaluate, format_report
-    from .scoring import LanguageModel
-
     if args.kenlm and args.mix_weight is None and args.tune_mix_weight is None:
         raise UsageError("--kenlm needs --mix-weight or --tune-mix-weight")
     check_input(args.model, MODEL)
@@ -347,6 +343,12 @@ def _eval(args: argparse.Namespace) -> int:
         check_input(args.kenlm)
     if args.tune_mix_weight:
         check_input(args.tune_mix_weight, TEXT, empty_ok=False)
+
+    import torch
+
+    from .evaluate import evaluate, format_report
+    from .scoring import LanguageModel
+
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = LanguageModel.load(args.model, device=args.device)
@@ -369,12 +371,13 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _query(args: argparse.Namespace) -> int:
+    check_input(args.model, MODEL)
+
     import torch
 
     from ..common.kenlm_query import write_scores
     from .scoring import LanguageModel, SentenceScores
 
-    check_input(args.model, MODEL)
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = LanguageModel.load(args.model, device=args.device)
@@ -390,11 +393,12 @@ def _query(args: argparse.Namespace) -> int:
 
 
 def _tables(args: argparse.Namespace) -> int:
+    check_output(args.out)
+    check_input(args.model, MODEL)
+
     from .scoring import LanguageModel
     from .tables_file import FlatTables, tables_file_size, write_tables_file
 
-    check_output(args.out)
-    check_input(args.model, MODEL)
     lm = LanguageModel.load(args.model, device="cpu")
     tables = FlatTables.of(lm.scoring_tables())  # UnsupportedModelError says why there are none
     check_output(args.out, size=tables_file_size(tables))
