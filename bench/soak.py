@@ -7,7 +7,9 @@ memory back where it started once the attackers leave.
 Two ``nlmserve serve`` replicas (``--frontend python``, or ``--frontend native``: the C++
 front end before each model server, built with ``make cpp`` when it is missing; ``both``
 runs one after the other, each for ``--minutes``) serve a model on 127.0.0.1 with a token
-file. Each run goes through four phases:
+file of two tokens: the authorised clients' and the hostile clients' (those that hold one),
+so that each side is one client to the servers' ``--max-rpcs-per-client`` share. Each run
+goes through four phases:
 
 1. **warm-up** (``--warmup-seconds``): the authorised clients alone; then they pause and,
    after ``quiet_seconds`` (2), the resident memory (VmRSS) of every server process (the model
@@ -72,6 +74,9 @@ from bench.soak_attacks import ATTACKS, REPO, Hostile, HostileConfig
 log = logging.getLogger("bench.soak")
 
 TOKEN = "soak-token-0123456789"
+#: The hostile clients that hold a token hold one of their own: a client of its own to the
+#: servers' per-client share (``--max-rpcs-per-client``), as a second decoder host would be.
+HOSTILE_TOKEN = "soak-token-hostile-9876543210"
 TOLERANCE = 1e-5  # natural log
 MEMORY_LIMIT = 1.10  # settled / start, per process
 BEGIN, END = "<!-- soak:begin -->", "<!-- soak:end -->"
@@ -90,6 +95,7 @@ class SoakConfig:
         rescorers: rescoring-like authorised client threads.
         max_concurrent_rpcs: the replicas' limit (also the number of held Watch streams and
             half-open calls per replica).
+        max_rpcs_per_client: the replicas' per-client share of it (a client is its token).
         max_health_watches: the replicas' Watch pool (the flood asks for more).
         max_message_bytes: the replicas' largest message.
         fault_every: seconds between two faults.
@@ -107,6 +113,7 @@ class SoakConfig:
     decoders: int = 8
     rescorers: int = 2
     max_concurrent_rpcs: int = 64
+    max_rpcs_per_client: int = 32
     max_health_watches: int = 1024
     max_message_bytes: int = 8 * 1024 * 1024
     fault_every: float = 15.0
@@ -187,6 +194,7 @@ class Replica:
 
         flags = ["--token-file", str(self.tokens), "--torch-threads", "1",
                  "--max-concurrent-rpcs", str(self.cfg.max_concurrent_rpcs),
+                 "--max-rpcs-per-client", str(self.cfg.max_rpcs_per_client),
                  "--max-health-watches", str(self.cfg.max_health_watches),
                  "--max-message-bytes", str(self.cfg.max_message_bytes), "--first-message-seconds", "5",
                  "--frontend", self.frontend]
@@ -596,7 +604,7 @@ def run_frontend(cfg: SoakConfig, frontend: str, models: tuple[Path, Path], ids:
                  expected: dict[str, np.ndarray], work: Path) -> dict[str, Any]:
     """One front end's run through its four phases (the module's docstring)."""
     tokens = work / "tokens"
-    tokens.write_text(TOKEN + "\n", encoding="utf-8")
+    tokens.write_text(f"{TOKEN}\n{HOSTILE_TOKEN}\n", encoding="utf-8")
     requests, vanish_request = hostile_requests(ids, cfg, work)
     replicas = []
     for name in ("A", "B"):
@@ -624,7 +632,7 @@ def run_frontend(cfg: SoakConfig, frontend: str, models: tuple[Path, Path], ids:
             else:
                 target, args = authorised, (kind, targets, ids, expected, sizes[kind], load, stop, seed, tally)
             threads.append(threading.Thread(target=target, args=args, daemon=True))
-    hostile = Hostile(replicas, cfg.hostile, token=TOKEN, max_concurrent_rpcs=cfg.max_concurrent_rpcs,
+    hostile = Hostile(replicas, cfg.hostile, token=HOSTILE_TOKEN, max_concurrent_rpcs=cfg.max_concurrent_rpcs,
                       max_health_watches=cfg.max_health_watches, max_message_bytes=cfg.max_message_bytes,
                       requests=requests, vanish_request=vanish_request, seed=cfg.seed)
     injector = threading.Thread(target=faults, args=(replicas, models, cfg, stop_faults, events, fault_counts),
@@ -749,14 +757,14 @@ def _hostile_rows(cfg: dict[str, Any]) -> dict[str, str]:
                        f"(`--max-health-watches {cfg['max_health_watches']}`)",
         "half_open": f"ScoreNgrams calls that never send ({per} at a time, re-opened when refused)",
         "random": "random bytes on three methods",
-        "random_token": "random bytes, with the token",
+        "random_token": "random bytes, with a token",
         "oversized": "messages over `--max-message-bytes`",
-        "oversized_token": "the same with the token",
+        "oversized_token": "the same with a token",
         "gzip_bomb": f"gzip requests inflating to {h['gzip_bomb_bytes'] // 2**20} MiB, every {h['gzip_every']:g} s",
-        "gzip_bomb_token": "the same with the token",
-        "deadline_1ms": f"ScoreNgrams with a 1 ms deadline, with the token ({h['deadline_calls']} every 0.1 s)",
-        "invented_methods": f"{h['invented_methods']} invented method names (half with the token)",
-        "never_read": f"GetScoringTables and GetVocabulary never read (receive window 0), with the token: "
+        "gzip_bomb_token": "the same with a token",
+        "deadline_1ms": f"ScoreNgrams with a 1 ms deadline, with a token ({h['deadline_calls']} every 0.1 s)",
+        "invented_methods": f"{h['invented_methods']} invented method names (half with a token)",
+        "never_read": f"GetScoringTables and GetVocabulary never read (receive window 0), with a token: "
                       f"{h['never_read_connections']} connections x {h['never_read_calls']} calls",
         "rapid_reset": f"rapid reset: {h['reset_burst']} HEADERS + RST_STREAM every {h['reset_every']:g} s on one "
                        "connection",
@@ -766,7 +774,7 @@ def _hostile_rows(cfg: dict[str, Any]) -> dict[str, str]:
                         f"({h['big_metadata_calls'] // 2} held)",
         "slow": f"connections silent, stopped in the preface, stopped in a header block ({slow} of each)",
         "raw_tcp_bytes": "raw TCP connections of random bytes",
-        "vanishing": f"clients killed with {h['vanish_calls']} x {h['vanish_ngrams']} n-grams in flight, with the "
+        "vanishing": f"clients killed with {h['vanish_calls']} x {h['vanish_ngrams']} n-grams in flight, with a "
                      f"token, every {h['vanish_every']:g} s",
         "errors": "hostile clients that ended with an error of their own",
     }
@@ -776,10 +784,13 @@ def render(result: dict[str, Any]) -> str:
     cfg, runs = result["config"], result["runs"]
     names = [r["frontend"] for r in runs]
     lines = [BEGIN,
-             f"`{shown_command(result['command'])}`: {cfg['minutes']:g} minutes of attack per front end on "
-             f"{result['machine']['cores']} cores ({result['machine']['cpu']}), two replicas with a token file, "
-             f"`--max-concurrent-rpcs {cfg['max_concurrent_rpcs']}`, `--max-health-watches {cfg['max_health_watches']}`"
-             f", {cfg['warmup_seconds']:g} s of warm-up before, {cfg['settle_seconds']:g} s to settle after.",
+             f"`{shown_command(result['command'])}`: {cfg['minutes']:g} minute{'' if cfg['minutes'] == 1 else 's'} of "
+             f"attack per front end on "
+             f"{result['machine']['cores']} cores ({result['machine']['cpu']}), two replicas with a token file of "
+             f"two tokens (the authorised clients', the hostile ones'), `--max-concurrent-rpcs "
+             f"{cfg['max_concurrent_rpcs']}`, `--max-rpcs-per-client {cfg['max_rpcs_per_client']}`, "
+             f"`--max-health-watches {cfg['max_health_watches']}`, {cfg['warmup_seconds']:g} s of warm-up before, "
+             f"{cfg['settle_seconds']:g} s to settle after.",
              "",
              "| front end | authorised sent | answered | failed | wrong | retried by the client | p50 ms | p99 ms | "
              "probes sent | failed | memory settled / start (worst process) | target |",
@@ -840,6 +851,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decoders", type=int, default=8, help="decoder-like client threads")
     p.add_argument("--rescorers", type=int, default=2, help="rescoring-like client threads")
     p.add_argument("--max-concurrent-rpcs", type=int, default=64, help="the replicas' limit, and the hostile streams")
+    p.add_argument("--max-rpcs-per-client", type=int, default=32, help="the replicas' per-client share")
     p.add_argument("--max-health-watches", type=int, default=1024, help="the replicas' Watch pool")
     p.add_argument("--fault-every", type=float, default=15.0, help="seconds between faults")
     p.add_argument("--warmup-seconds", type=float, default=20.0)
@@ -864,6 +876,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run(SoakConfig(model=args.model, minutes=args.minutes, frontend=args.frontend,
                                 decoders=args.decoders, rescorers=args.rescorers,
                                 max_concurrent_rpcs=args.max_concurrent_rpcs,
+                                max_rpcs_per_client=args.max_rpcs_per_client,
                                 max_health_watches=args.max_health_watches, fault_every=args.fault_every,
                                 warmup_seconds=args.warmup_seconds, settle_seconds=args.settle_seconds,
                                 seed=args.seed, hostile=hostile))

@@ -47,14 +47,14 @@ ATTACKS: dict[str, str] = {
     "half_open": "ScoreNgrams calls that never send their message",
     "garbage": "random bytes and oversized messages on three methods",
     "gzip_bomb": "gzip-compressed requests that inflate to --gzip-bomb-bytes",
-    "deadline_1ms": "ScoreNgrams with a 1 ms deadline, with the token",
+    "deadline_1ms": "ScoreNgrams with a 1 ms deadline, with a token",
     "invented_methods": "calls of invented method names",
-    "never_read": "server-streaming calls whose client never reads, with the token",
+    "never_read": "server-streaming calls whose client never reads, with a token",
     "rapid_reset": "HEADERS + RST_STREAM bursts on one connection",
     "big_metadata": "half-open calls with large metadata",
     "slow": "connections that stop before their preface ends or inside a header block",
     "raw_tcp": "TCP connections of random bytes",
-    "vanishing": "clients killed with large requests in flight, with the token",
+    "vanishing": "clients killed with large requests in flight, with a token",
 }
 
 
@@ -79,9 +79,9 @@ class HostileConfig:
         big_metadata_bytes: metadata of the first half, bytes.
         gzip_bomb_bytes: what a gzip-compressed request inflates to (its zeros compress
             about 1,000 to 1).
-        gzip_every: seconds between two bombs (one without and one with the token).
+        gzip_every: seconds between two bombs (one without and one with a token).
         deadline_calls: concurrent 1 ms-deadline calls in each round (a round every 0.1 s).
-        invented_methods: invented method names called in all (half with the token), at
+        invented_methods: invented method names called in all (half with a token), at
             most 50 a second.
         slow_connections: connections held of each slow kind (silent, stopped inside the
             preface, stopped inside a header block).
@@ -463,7 +463,7 @@ async def half_open(r: Target, calls: int, stop: asyncio.Event, out: Tally) -> N
 
 async def garbage(r: Target, max_message_bytes: int, token: str, seed: int, stop: asyncio.Event,
                   out: dict[str, Tally]) -> None:
-    """Every second, on three methods, without and with the token: random bytes, and a
+    """Every second, on three methods, without and with a token: random bytes, and a
     message over ``max_message_bytes``."""
     import grpc
 
@@ -489,7 +489,7 @@ async def garbage(r: Target, max_message_bytes: int, token: str, seed: int, stop
 
 async def deadline_1ms(r: Target, cfg: HostileConfig, token: str, requests: list[bytes], stop: asyncio.Event,
                        out: Tally) -> None:
-    """Rounds of ``deadline_calls`` concurrent ScoreNgrams calls with the token and a 1 ms
+    """Rounds of ``deadline_calls`` concurrent ScoreNgrams calls with a token and a 1 ms
     deadline, every 0.1 s; each round's requests are of 1 to 5,000 n-grams."""
     import grpc
 
@@ -534,7 +534,7 @@ def gzip_bomb(targets: Sequence[Target], cfg: HostileConfig, token: str, stop: t
               out: dict[str, Tally]) -> None:
     """Every ``gzip_every`` s, in turn on each replica, a ScoreNgrams request of
     ``gzip_bomb_bytes`` compressed with gzip by grpcio (about 1/1,000 of it on the wire),
-    without and with the token. A thread of its own: grpcio compresses on the caller's."""
+    without and with a token. A thread of its own: grpcio compresses on the caller's."""
     import grpc
 
     # ScoreNgramsRequest: packed_ids (field 2) of zeros, packed_order (field 3) 5.
@@ -582,7 +582,7 @@ def raw_tcp(targets: Sequence[Target], stop: threading.Event, out: Tally, seed: 
 def vanishing(targets: Sequence[Target], cfg: HostileConfig, token: str, request_file: Path, stop: threading.Event,
               out: Tally) -> None:
     """Every ``vanish_every`` s, in turn on each replica, a client process that sends
-    ``vanish_calls`` requests of ``vanish_ngrams`` n-grams with the token and is killed
+    ``vanish_calls`` requests of ``vanish_ngrams`` n-grams with a token and is killed
     with SIGKILL 1 s later, its calls in flight."""
     turn = 0
     while not stop.wait(cfg.vanish_every):

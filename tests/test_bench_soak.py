@@ -108,7 +108,7 @@ def test_the_table_says_whether_the_target_was_met() -> None:
 def tiny(model: Path, frontend: str) -> soak.SoakConfig:
     """Every attack, a few of each, for 6 s: a reload of each replica and a kill of B."""
     return soak.SoakConfig(
-        model=str(model), minutes=0.1, frontend=frontend, decoders=1, rescorers=1, max_concurrent_rpcs=8,
+        model=str(model), minutes=0.1, frontend=frontend, decoders=1, rescorers=1, max_concurrent_rpcs=8, max_rpcs_per_client=4,
         max_health_watches=16, fault_every=1.0, warmup_seconds=0.5, settle_seconds=0.5, quiet_seconds=0.5,
         hostile=HostileConfig(never_read_connections=1, never_read_calls=4, reset_burst=200, reset_every=1.0,
                               big_metadata_calls=2, big_metadata_bytes=256 * 1024, gzip_bomb_bytes=16 * 2**20,
