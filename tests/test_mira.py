@@ -125,9 +125,9 @@ def test_tune_cli_with_mira(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     packed = mert.PackedData(data)
     assert scorer.score(packed.corpus_stats(np.asarray(weights.flat()))).score == pytest.approx(tuned, abs=0.005)
     assert len(rerank(LISTS[-1], weights).hyps) == 10
-    assert main(["tune", "--tuner", "mira", "--nbest", LISTS[0], "--ref", REF, "--out", str(out),
-                 "--mira-c", "-1"]) == 1
-    assert "C must be positive, not -1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:  # a usage error, found as the flags are parsed
+        main(["tune", "--tuner", "mira", "--nbest", LISTS[0], "--ref", REF, "--out", str(out), "--mira-c", "-1"])
+    assert stop.value.code == 2 and "argument --mira-c: must be more than 0, not -1" in capsys.readouterr().err
     assert not math.isnan(tuned)
 
 
