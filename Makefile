@@ -6,7 +6,7 @@ PY     := $(BIN)/python
 DEPS   := $(VENV)/.deps-stamp
 PROTO  := proto/nlmserve/v1/lm.proto
 
-.PHONY: all install proto test test-py typecheck demo clean bench system-deps cpp test-experiments
+.PHONY: all install proto test test-py typecheck demo clean bench system-deps cpp cpp-client test-experiments
 
 all: install
 
@@ -74,12 +74,15 @@ system-deps:
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(SYSTEM_DEPS)
 
 # C++ client library, its test driver and load generator (build/cpp), installed as the CMake
-# package the native front end builds against (build/cpp-prefix), then the front end
-# (server/native, build/native/nlmserve_frontend). Incremental.
-cpp:
+# package the native front end builds against (build/cpp-prefix): all the Moses feature needs
+# (`cmake --install build/cpp --prefix PREFIX` then, docs/moses.md). Incremental.
+cpp-client:
 	cmake -S client/cpp -B build/cpp -DCMAKE_BUILD_TYPE=Release
 	cmake --build build/cpp -j2
 	cmake --install build/cpp --prefix build/cpp-prefix > /dev/null
+
+# The client library, then the native front end (server/native, build/native/nlmserve_frontend).
+cpp: cpp-client
 	cmake -S server/native -B build/native -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=$(CURDIR)/build/cpp-prefix
 	cmake --build build/native -j2
 
