@@ -10,8 +10,10 @@ failing a request (``server.admin``).
 
 Security (``server.auth``): TLS (``tls_cert``/``tls_key``, mutual with ``tls_client_ca``)
 and bearer tokens (``token_file``); what a client may hold (tokens, the first-message
-deadline, concurrency limits) is the call gate's (``server.gate``, a grpc.aio interceptor),
-and how long a connection may live gRPC's own keepalive and connection-age options.
+deadline, concurrency limits, the stream write timeout) is the call gate's (``server.gate``,
+a grpc.aio interceptor); what a connection may hold (streams, metadata, its handshake's and
+SETTINGS acknowledgement's time, how many connections there are, how long one may live) is
+gRPC's own, set by :func:`server_options`.
 
 One event-loop thread receives every RPC and one engine thread runs the forward passes,
 so the GIL is shared by two busy threads, not by a pool of handler threads.
@@ -20,6 +22,8 @@ so the GIL is shared by two busy threads, not by a pool of handler threads.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import dataclasses
 import logging
 import os
@@ -71,10 +75,16 @@ METADATA_BYTES = 16 * 1024
 #: Until a client acknowledges them gRPC holds a call's metadata to HTTP/2's default
 #: (16 MiB) rather than to the limits above; a gRPC client acknowledges at once.
 SETTINGS_ACK_MS = 10_000
+#: Longest a new connection may take to finish its handshake (TLS, the HTTP/2 preface), in
+#: ms (gRPC's default is 120 s): under --max-connections, a connection that never sends its
+#: preface holds a place only this long.
+HANDSHAKE_MS = 10_000
 #: Streams a connection may open beyond the calls and Watch streams it may hold.
 STREAM_HEADROOM = 16
 #: Open files kept for other uses than connections (model, logs, sockets of the metrics).
 RESERVED_FILES = 64
+#: Seconds between two returns of free heap memory to the system (:func:`trim_heap`).
+TRIM_SECONDS = 30.0
 
 SERVICE_NAME = lm_pb2.DESCRIPTOR.services_by_name["LanguageModel"].full_name  # nlmserve.v1.LanguageModel
 
@@ -193,6 +203,7 @@ def server_options(config: ServerConfig) -> list[tuple[str, Any]]:
         ("grpc.server.max_pending_requests_hard_limit", pending),
         ("grpc.max_allowed_incoming_connections", config.max_connections),
         ("grpc.http2.settings_timeout", SETTINGS_ACK_MS),
+        ("grpc.server_handshake_timeout_ms", HANDSHAKE_MS),
         ("grpc.so_reuseport", 0),
         ("grpc.keepalive_time_ms", _ms(config.keepalive_seconds)),
         ("grpc.keepalive_timeout_ms", _ms(config.keepalive_timeout_seconds)),
@@ -239,6 +250,27 @@ async def _start(config: ServerConfig, engine: Engine, metrics: ServerMetrics,
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, port, health_servicer, servicer, gate
+
+
+def trim_heap() -> None:
+    """Ask glibc to give the free parts of its heap back to the system (``malloc_trim``;
+    nothing where there is no glibc). A flood of calls, large metadata or messages leaves
+    freed memory that glibc would otherwise keep resident: after 1,000 calls of 1 MiB
+    metadata each, 336 MB more than before them, and 13 MB once trimmed."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        name = ctypes.util.find_library("c")
+        try:
+            _malloc_trim = ctypes.CDLL(name).malloc_trim if name is not None else False
+        except (OSError, AttributeError):
+            _malloc_trim = False
+        if _malloc_trim:
+            _malloc_trim.argtypes = [ctypes.c_size_t]
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: Any = None
 
 
 def raise_open_files_limit(max_connections: int) -> int:
@@ -362,11 +394,15 @@ def serve(config: ServerConfig) -> int:
             print(listening_line(config.host, running.port), flush=True)
         if running.metrics_port is not None:
             print(metrics_line(public.host, running.metrics_port), flush=True)
+        trimmed_at = time.monotonic()
         while True:
             wake.wait(0.5)
             wake.clear()
             if stop.is_set():
                 break
+            if time.monotonic() - trimmed_at >= TRIM_SECONDS:
+                trim_heap()
+                trimmed_at = time.monotonic()
             if hup.is_set():
                 hup.clear()
                 log.info("received SIGHUP: reloading %s", config.model)

@@ -4,8 +4,9 @@ Tokens: ``--token-file FILE`` holds one or more tokens, one per line (blank line
 starting with ``#`` are skipped; the rule is ``nlmserve.common.tokens``'). A call must carry ``authorization: Bearer <token>``
 metadata naming one of them; the comparison is constant-time (``hmac.compare_digest``,
 against every token). The call gate (server/gate.py) ends calls without a valid token
-UNAUTHENTICATED from their metadata, before any handler waits for a message, and counts
-them in ``nlmserve_requests{code="UNAUTHENTICATED"}``. The health service
+UNAUTHENTICATED from their metadata, before any handler waits for a message, counts
+them in ``nlmserve_requests{code="UNAUTHENTICATED"}``, logs them (rate-limited) and, once an
+address has failed often, answers it more slowly (:class:`AuthFailures`). The health service
 (``grpc.health.v1.Health``) stays open, so load balancers and container health checks need
 no secret; reflection needs the token like every other service. The file is re-read on
 reload (SIGHUP or the Admin ReloadModel RPC); a file that cannot be read or holds no token

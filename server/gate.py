@@ -54,6 +54,7 @@ import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 import grpc
+from grpc._cython import cygrpc  # type: ignore[attr-defined]  # not in the stubs
 
 from .auth import OPEN_SERVICES, AuthFailures, address_of
 from .config import ServerConfig
@@ -74,6 +75,8 @@ WATCH_METHOD = "/grpc.health.v1.Health/Watch"
 UNKNOWN_RPC = "unknown"
 #: What ``context.read()`` returns when the client has sent its last message.
 EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]  # not in the stubs
+#: What ``context.write()`` raises once the call's client has gone.
+ExecuteBatchError: type[Exception] = cygrpc.ExecuteBatchError
 #: Seconds between two log lines about refusals of one reason.
 LOG_EVERY_SECONDS = 10.0
 
@@ -150,15 +153,31 @@ class _Refusals:
         self.requests.count(rpc, code)
         if self.metrics is not None:
             self.metrics.refused.labels(reason=reason).inc()
-        now = time.monotonic()
-        count = self._unlogged.get(reason, 0) + 1
-        last = self._logged_at.get(reason)
-        if last is None or now - last >= LOG_EVERY_SECONDS:
+        count = self._due(reason)
+        if count:
             log.warning("refused %s call(s) by %s since the last such line; the latest: %s from %s%s",
                         count, reason, rpc, peer, f" ({why})" if why else "")
-            self._logged_at[reason] = now
-            count = 0
-        self._unlogged[reason] = count
+
+    def gone(self, rpc: str, peer: str) -> None:
+        """A streaming call's client went away while the server wrote its answer."""
+        self.requests.count(rpc, CallStatus.cancelled)
+        count = self._due("gone")
+        if count:
+            log.info("%s streaming call(s) ended by their client mid-answer since the last such line; the "
+                     "latest: %s from %s went away", count, rpc, peer)
+
+    def _due(self, kind: str) -> int:
+        """Count one event of ``kind``; the events to log now (0: not yet, at most one line
+        per kind every LOG_EVERY_SECONDS)."""
+        now = time.monotonic()
+        count = self._unlogged.get(kind, 0) + 1
+        last = self._logged_at.get(kind)
+        if last is None or now - last >= LOG_EVERY_SECONDS:
+            self._logged_at[kind] = now
+            self._unlogged[kind] = 0
+            return count
+        self._unlogged[kind] = count
+        return 0
 
 
 class CallGate(_Interceptor):
@@ -253,13 +272,18 @@ class CallGate(_Interceptor):
                 await context.abort(CallStatus.slots_full, message)
         return peer
 
-    async def _write(self, context: Context, response: Any) -> bool:
-        """Write ``response``; False when the client did not take it within the write timeout."""
+    async def _write(self, context: Context, response: Any, rpc: str, peer: str) -> bool:
+        """Write ``response``; False when the client did not take it within the write timeout.
+        A client that went away ends the call quietly: one log line for many such calls
+        (gRPC would log each with its traceback)."""
         try:
             async with asyncio.timeout(self.write_seconds):
                 await context.write(response)
         except TimeoutError:
             return False
+        except ExecuteBatchError:
+            self.refusals.gone(rpc, peer)
+            raise asyncio.CancelledError() from None  # gRPC ends a cancelled handler without a word
         return True
 
     def _guard(self, handler: Handler, rpc: str, pool: Pool | None, holder: str | None) -> Handler:
@@ -312,7 +336,7 @@ class CallGate(_Interceptor):
                     return
                 async with contextlib.aclosing(inner(request, context)) as responses:
                     async for response in responses:
-                        if not await self._write(context, response):
+                        if not await self._write(context, response, rpc, peer):
                             break
                     else:
                         return

@@ -5,8 +5,11 @@ the native front end's private channel (server/local.py) serve the same requests
 module is the one owner of what they must agree on, so a client gets the same answer
 whichever way its request reached the model:
 
-* bearer tokens: :meth:`RequestHandler.refusal` gives the UNAUTHENTICATED message;
-* size limits: :meth:`RequestHandler.check_size` (``max_ngrams_per_request``);
+* bearer tokens: :meth:`RequestHandler.refusal` gives the UNAUTHENTICATED message, and
+  :meth:`RequestHandler.holder` the client a token stands for;
+* size limits: :meth:`RequestHandler.check_size` (``max_ngrams_per_request``); a message
+  too large to parse on the event loop thread is a :class:`LargeRequest` until the call
+  gate has parsed it in a worker thread;
 * error mapping, each exception to one status code (the servicers only turn messages into
   domain objects and errors into codes): :func:`status_of` and :meth:`RequestHandler.error`::
 
