@@ -93,8 +93,9 @@ def check_ports_free(host: str, ports: tuple[int | None, ...]) -> None:
                     trial.bind(address)
             except OSError as e:  # other errors (an address family the host lacks) are the server's to report
                 if e.errno == errno.EADDRINUSE:
-                    raise InputError(f"port {port} is in use on {host}: stop what holds it, or choose "
-                                     "another port (0 picks a free one)") from e
+                    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+                    raise InputError(f"port {port} is in use ({where}): stop what holds it, or choose another "
+                                     "port (0 picks a free one)") from e
 
 
 def run_serve(args: argparse.Namespace) -> int:
