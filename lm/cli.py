@@ -11,7 +11,7 @@ from typing import Any
 
 from ..common.errors import UsageError
 from ..common.flags import deprecated_spelling, float_in, int_at_least, int_between, positive_float
-from ..common.paths import MODEL, MODEL_OR_TABLES, TEXT, check_input, check_output, check_output_dir
+from ..common.paths import MODEL, MODEL_OR_TABLES, TABLES, TEXT, check_input, check_output, check_output_dir
 from ..common.kenlm_query import add_input_flags
 from .recipe import RECIPE_FLAGS
 
@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 # lm.objectives agree.
 OUTPUT_CHOICES = ("class", "softmax", "dsoftmax", "huffman", "random", "balanced", "adaptive", "adaptive-eps")
 OBJECTIVE_CHOICES = ("nce", "mle", "softmax", "sampling", "weaknorm", "weaknormsq")
+QUANTIZE_CHOICES = ("none", "fp16", "int8")  # lm.quantize.QUANTIZATIONS (a test checks they agree)
 
 
 def register(subparsers: Any) -> None:
@@ -136,16 +137,21 @@ def register(subparsers: Any) -> None:
 
     q = subparsers.add_parser(
         "query", formatter_class=DefaultsFormatter,
-        help="score sentences from stdin with a model file, no server (KenLM's query)",
+        help="score sentences from stdin with a model file or a tables file, no server (KenLM's query)",
         description="Score whitespace-tokenised sentences (one per line) from stdin in this process and print "
                     "what `nlmserve score` prints through a server: word=id n log10 per token (n: the n-gram "
                     "length used; id 0: an unknown word, scored as <unk>), each sentence's total and OOVs, then "
-                    "perplexity with and without OOVs, OOVs and tokens.",
+                    "perplexity with and without OOVs, OOVs and tokens. With --tables, from a tables file with "
+                    "numpy alone (no torch): a class output's self-normalised scores (those of --model "
+                    "--unnormalized) or a tree's exact ones, within the error bound a quantised file records.",
     )
-    q.add_argument("--model", required=True, metavar="FILE", help="model file written by `nlmserve train`")
+    source = q.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", metavar="FILE", help="model file written by `nlmserve train`")
+    source.add_argument("--tables", metavar="FILE", help="tables file written by `nlmserve export-tables`")
     add_input_flags(q)
-    q.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda if available)")
-    q.add_argument("--threads", type=int_at_least(0), default=0, help="torch threads (0: torch's default)")
+    q.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda if available; --model only)")
+    q.add_argument("--threads", type=int_at_least(0), default=0,
+                   help="torch threads (0: torch's default; --model only)")
     q.set_defaults(func=_query)
 
     i = subparsers.add_parser(
@@ -172,6 +178,10 @@ def register(subparsers: Any) -> None:
     )
     t.add_argument("--model", required=True, help="model file written by `nlmserve train`")
     t.add_argument("--out", required=True, help="tables file to write (atomically), e.g. model.nlt")
+    t.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none",
+                   help="how the position and output rows are stored: none (float32, the model's scores), "
+                        "fp16 (half the bytes), int8 (a byte per value and a scale per row: a quarter); the "
+                        "file records the most a score may move (default: none)")
     t.set_defaults(func=_tables)
 
     n = subparsers.add_parser(
@@ -371,6 +381,8 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _query(args: argparse.Namespace) -> int:
+    if args.tables is not None:
+        return _query_tables(args)
     check_input(args.model, MODEL)
 
     import torch
@@ -392,6 +404,30 @@ def _query(args: argparse.Namespace) -> int:
     return 0
 
 
+def _query_tables(args: argparse.Namespace) -> int:
+    """``query --tables``: numpy alone, torch never imported (tests/test_query_tables.py)."""
+    for flag, given in (("--device", args.device is not None), ("--threads", bool(args.threads))):
+        if given:
+            raise UsageError(f"{flag} is for --model: a tables file is scored with numpy on the CPU")
+    check_input(args.tables, TABLES)
+
+    from ..common.kenlm_query import write_scores
+    from .tables_scorer import SentenceScores, TablesScorer
+
+    scorer = TablesScorer.open(args.tables)
+    if not scorer.normalized and not args.unnormalized:
+        log.warning("%s holds a class output's tables: its scores are the self-normalised ones (those of "
+                    "query --model --unnormalized), not normalised log-probabilities", args.tables)
+    eos = not args.no_eos
+
+    def score(batch: list[str]) -> list[SentenceScores]:
+        return scorer.score_sentences([line.split() for line in batch], bos=not args.no_bos, eos=eos, log10=True)
+
+    write_scores(sys.stdin.buffer, sys.stdout, score, scorer.index, model_lowercase=scorer.lowercase,
+                 lowercase=args.lowercase, eos=eos, as_json=args.json)
+    return 0
+
+
 def _tables(args: argparse.Namespace) -> int:
     check_output(args.out)
     check_input(args.model, MODEL)
@@ -401,11 +437,13 @@ def _tables(args: argparse.Namespace) -> int:
 
     lm = LanguageModel.load(args.model, device="cpu")
     tables = FlatTables.of(lm.scoring_tables())  # UnsupportedModelError says why there are none
-    check_output(args.out, size=tables_file_size(tables))
-    size = write_tables_file(args.out, tables, order=lm.order, vocab_size=len(lm.vocab),
-                             model_hash=lm.model_hash)
-    print(f"{args.out}: {size:,} bytes, {tables.output} output, order {lm.order}, {len(lm.vocab):,} words, "
-          f"width {tables.dim}, model {lm.model_hash}")
+    words = lm.vocab.words
+    check_output(args.out, size=tables_file_size(tables, words, order=lm.order, quantization=args.quantize))
+    written = write_tables_file(args.out, tables, order=lm.order, words=words, lowercase=lm.lowercase,
+                                model_hash=lm.model_hash, quantization=args.quantize)
+    print(f"{args.out}: {written.size:,} bytes, {tables.output} output, order {lm.order}, {len(words):,} words, "
+          f"width {tables.dim}, {args.quantize} (scores within {written.error_bound:.3g} nats of float32's), "
+          f"model {lm.model_hash}")
     return 0
 
 

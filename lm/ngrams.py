@@ -16,6 +16,7 @@ no-word; it is never predicted.
 
     canonical_rows(ids, order, vocab_size)      # validate (N, n) ids → (N, order) int64
     sentence_windows(sentences, order, bos=, eos=)  # every n-gram of id sentences
+    sentence_rows(sentences, index, order, lowercase=)  # the same of word sentences, with OOV flags
     pack_ngrams(ngrams, index, order, lowercase=)   # word n-grams → padded id rows + OOV
 
 Only numpy is imported here (never torch): the client and the Moses tooling use these rules
@@ -37,6 +38,18 @@ EOS = "</s>"
 UNK_ID = 0
 BOS_ID = 1
 EOS_ID = 2
+
+# The direct n-gram features' hash (proto/nlmserve/v1/lm.proto, ScoringTablesChunk; cases in
+# proto/contract/feature_hashes.tsv): the hash of a context's suffix of length l is
+# h_0 = HASH_SEED, h_l = (h_{l-1} * HASH_CTX + w_{-l} + 1) mod HASH_MOD over its newest words,
+# and a feature's slot in a table of ``size`` is ((h * HASH_KEY + y * HASH_OUT) mod HASH_MOD)
+# mod size. All arithmetic stays below 2^63 in int64: hashes < 2^31, multipliers < 2^31, ids < 2^24.
+HASH_MOD = (1 << 31) - 1  # the Mersenne prime 2^31 - 1
+HASH_SEED = 1_000_003  # hash of the empty suffix
+HASH_CTX = 1_299_709
+HASH_KEY = 1_640_531_527
+HASH_OUT = 805_306_457
+NO_HASH = -1  # a suffix that holds a word that is not known: no feature
 
 #: The ``kind`` of each InvalidRequestError these rules raise.
 EMPTY, TOO_LONG, OUT_OF_RANGE, BOS_TARGET, BOS_IN_SENTENCE = (
@@ -141,6 +154,42 @@ def sentence_windows(sentences: Sequence[npt.ArrayLike], order: int, *, bos: boo
     rows = windows[starts[owner] + pos]
     lengths = np.minimum(pos + 1 + int(bos), order).astype(np.uint32)
     return rows, lengths, counts
+
+
+def sentence_rows(sentences: Sequence[Sequence[str]], index: Mapping[str, int], order: int, *, lowercase: bool,
+                  bos: bool = True, eos: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """All n-grams of tokenised ``sentences`` → (rows (T, order), oov (T,), n-gram lengths (T,),
+    sentence of each row (T,)) (:func:`sentence_windows` of :func:`word_ids`; a row's OOV flag is
+    its predicted word's, ``</s>`` never one). Words are lowercased first when ``lowercase`` (the
+    model was trained on lowercased text). InvalidRequestError names a sentence that holds ``<s>``."""
+    toks = [[w.lower() for w in words] if lowercase else list(words) for words in sentences]
+    ids = [word_ids(t, index, lowercase=False) for t in toks]
+    check_sentences(ids, len(index))
+    rows, lens, counts = sentence_windows(ids, order, bos=bos, eos=eos)
+    oov = np.array([flag for t in toks for flag in [w not in index for w in t] + [False] * int(eos)], dtype=bool)
+    return rows, oov, lens, np.repeat(np.arange(len(sentences), dtype=np.int64), counts)
+
+
+def suffix_hashes(ctx: np.ndarray, no_word: int | None = None) -> np.ndarray:
+    """ctx (N, L-1) word ids, oldest first → (N, L) int64 hashes of the context's suffixes of
+    length 0, 1, …, L-1 (the newest words); a suffix that holds ``no_word`` gets NO_HASH (the
+    numpy twin of ``nlmserve.lm.outputs.context_hashes``)."""
+    ctx = np.asarray(ctx, dtype=np.int64)
+    n, n1 = ctx.shape
+    out = np.empty((n, n1 + 1), dtype=np.int64)
+    out[:, 0] = HASH_SEED
+    for length in range(1, n1 + 1):
+        out[:, length] = (out[:, length - 1] * HASH_CTX + ctx[:, n1 - length] + 1) % HASH_MOD
+    if no_word is not None and n1:
+        unknown = np.cumsum(ctx[:, ::-1] == no_word, axis=1) > 0  # (N, L-1): suffix 1.. holds one
+        out[:, 1:][unknown] = NO_HASH
+    return out
+
+
+def feature_slots(h: np.ndarray, y: np.ndarray, size: int) -> np.ndarray:
+    """Table slots of the features (suffix, y): h (N, L) suffix hashes, y (N,) class or word
+    ids → (N, L) (the numpy twin of ``nlmserve.lm.outputs.ngram_feature_index``)."""
+    return ((h * HASH_KEY + np.asarray(y, dtype=np.int64)[:, None] * HASH_OUT) % HASH_MOD) % size  # type: ignore[no-any-return]
 
 
 def pack_ngrams(ngrams: Sequence[Sequence[str]], index: Mapping[str, int], order: int, *, lowercase: bool,

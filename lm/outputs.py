@@ -40,6 +40,8 @@ from torch import Tensor, nn
 
 from . import cpu
 from .dedup import BatchPlan
+from .ngrams import HASH_CTX as HASH_CTX, HASH_KEY as HASH_KEY, HASH_MOD as HASH_MOD  # re-exported
+from .ngrams import HASH_OUT as HASH_OUT, HASH_SEED as HASH_SEED, NO_HASH as NO_HASH  # re-exported
 from .ngrams import no_word_id
 from .trees import Tree, node_log_odds
 from .vocab import BOS_ID
@@ -136,13 +138,8 @@ class OutputLayer(nn.Module):
 # Direct n-gram features (OxLM, Baltescu, Blunsom & Hoang 2014; the maximum-entropy features of
 # Mikolov's RNNME): for every suffix of the context of length 0..feature_order-1 one hashed
 # weight per (suffix, class) added to the class score and one per (suffix, word) added to the
-# word score. All arithmetic stays below 2^63 in int64: hashes < 2^31, multipliers < 2^31, ids < 2^24.
-HASH_MOD = (1 << 31) - 1  # the Mersenne prime 2^31 - 1
-HASH_SEED = 1_000_003  # hash of the empty suffix
-HASH_CTX = 1_299_709  # suffix hash: h_l = (h_{l-1} * HASH_CTX + w_{-l} + 1) mod HASH_MOD
-HASH_KEY = 1_640_531_527  # slot: ((h_l * HASH_KEY + y * HASH_OUT) mod HASH_MOD) mod size
-HASH_OUT = 805_306_457
-NO_HASH = -1  # context_hashes: a suffix with a word that is not known (no feature)
+# word score. The hash's constants are the wire contract's (nlmserve.lm.ngrams, whose
+# suffix_hashes and feature_slots are the numpy twins of context_hashes and ngram_feature_index).
 #: NCE's class scores: with m classes per row, one GEMM over all K classes while
 #: K <= this * m. Forward and backward, 512 rows, width 512, m = 11, one thread: the GEMM
 #: takes 2.0 / 3.5 / 6.3 / 12.0 ms at K = 100 / 189 / 350 / 700, gathering and multiplying

@@ -29,8 +29,7 @@ from .cpu import to_numpy
 from .config import ModelConfig
 from .model import NeuralLM, activate
 from .model_file import FORMAT_VERSION, ModelFile, read_model_file
-from .ngrams import (BOS_ID, EOS_ID, UNK_ID, canonical_rows, check_sentences, no_word_id, sentence_windows,
-                                word_ids)
+from .ngrams import BOS_ID, EOS_ID, UNK_ID, canonical_rows, no_word_id, sentence_rows
 from .outputs import NO_HASH, NO_SCORES, ClassOutput, TreeOutput, context_hashes, ngram_feature_index
 from .trees import TreePaths
 from .vocab import Vocabulary
@@ -346,13 +345,7 @@ class LanguageModel:
         """All n-grams of ``sentences`` → (ids (T, order), oov (T,), ngram_len (T,), sentence
         index (T,)) (``nlmserve.lm.ngrams.sentence_windows``). Words are lowercased first when
         the model was trained lowercased."""
-        index = self.vocab.index
-        toks = [[w.lower() for w in words] if self.lowercase else list(words) for words in sentences]
-        ids = [word_ids(t, index, lowercase=False) for t in toks]
-        check_sentences(ids, len(self.vocab))
-        rows, lens, counts = sentence_windows(ids, self.order, bos=bos, eos=eos)
-        oov = np.array([flag for t in toks for flag in [w not in index for w in t] + [False] * int(eos)], dtype=bool)
-        return rows, oov, lens, np.repeat(np.arange(len(sentences), dtype=np.int64), counts)
+        return sentence_rows(sentences, self.vocab.index, self.order, lowercase=self.lowercase, bos=bos, eos=eos)
 
     def score_sentences(
         self,

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "nlmserve_tables.h"
+#include "nlmserve_words.h"
 
 namespace nlmserve {
 
@@ -275,11 +276,7 @@ class Client {
   std::unique_ptr<Impl> impl_;
 };
 
-// Lowercases UTF-8 text as Python's str.lower does, in any locale: the tables of
-// nlmserve_lowercase.h (written from Python's str.lower by proto/contract/lowercase_table.py),
-// U+0130 to "i" and U+0307, and U+03A3 to the final sigma U+03C2 at the end of a word;
-// bytes that are not UTF-8 are copied unchanged (proto/contract/lowercase.tsv has cases).
-std::string Lowercase(const std::string &text);
+// Lowercase (the rule before a vocabulary lookup) is nlmserve_words.h's, included above.
 
 // The tokens of a token file's bytes `text` (proto/contract/token_files.tsv; the Python
 // owner is nlmserve.common.tokens): lines split at '\n', each stripped of ASCII white space;

@@ -8,10 +8,13 @@
 //       failure, each named on stderr).
 #include <grpcpp/grpcpp.h>
 
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -21,6 +24,7 @@
 
 #include "nlmserve_client.h"
 #include "nlmserve_tables.h"
+#include "nlmserve_tables_file.h"
 
 namespace {
 
@@ -294,9 +298,65 @@ void StatusCodes() {
   End(file);
 }
 
-// A tiny model's tables as text (`file`) and as a tables file (`mapped_file`): the class
-// model's self-normalised scores, or the tree model's exact ones, as nlmserve.lm gives them.
-void ScoringFixture(const std::string &file, const std::string &mapped_file) {
+// A file that is not a tables file of version 2 as written is refused with a line that says
+// why: not one, a missing file, version 1 (and how to write version 2), a damaged header, a
+// header whose fields do not hold together, a file cut short.
+void RefusedTablesFiles(const std::string &file) {
+  const std::string good = ReadAll(file);
+  char name[] = "/tmp/nlmserve_contract_XXXXXX";
+  const int fd = mkstemp(name);
+  Check(fd >= 0, file, "a temporary file");
+  if (fd < 0) return;
+  close(fd);
+  struct Case {
+    const char *what;
+    std::string bytes;
+    const char *says;
+  };
+  std::string v1 = good, damaged = good, apart = good;
+  const uint32_t one = 1;
+  std::memcpy(&v1[8], &one, 4);
+  damaged[20] ^= 0x01;  // dim, under the header's check
+  const uint64_t moved = 4096 + 1;  // the position rows off their alignment, the check made again
+  std::memcpy(&apart[256], &moved, 8);
+  std::memset(&apart[248], 0, 8);
+  const uint64_t check = nlmserve::TablesFileKey(apart.data(), 4096);
+  std::memcpy(&apart[248], &check, 8);
+  const Case cases[] = {
+      {"version 1", v1, "version 1, which holds no vocabulary"},
+      {"a damaged header", damaged, "its header is damaged"},
+      {"a header that does not hold together", apart, "does not hold together (the position section's offset"},
+      {"a file cut short", good.substr(0, good.size() - 4), "cut short"},
+      {"a header alone", good.substr(0, 100), "cut short"},
+  };
+  for (const Case &c : cases) {
+    std::ofstream(name, std::ios::binary | std::ios::trunc) << c.bytes;
+    nlmserve::TablesFile none;
+    std::string error;
+    const bool mapped = nlmserve::MapTablesFile(name, &none, &error);
+    Check(!mapped && !none.tables && error.find(c.says) != std::string::npos &&
+              error.find(name) == 0 && error.find('\n') == std::string::npos,
+          file, std::string(c.what) + " is refused: " + error);
+    if (std::string(c.what) != "a file cut short" && std::string(c.what) != "a header alone") {
+      Check(error.find("nlmserve export-tables --model MODEL --out " + std::string(name)) != std::string::npos, file,
+            std::string(c.what) + ": the line says how to write it again: " + error);
+    }
+  }
+  std::remove(name);
+  std::shared_ptr<const nlmserve::ScoringTables> tables;
+  std::string error;
+  Check(!nlmserve::MapTablesFile(g_dir + "/scoring_tables.txt", &tables, &error) && !tables &&
+            error.find("not an nlmserve export-tables file") != std::string::npos,
+        file, "the text fixture is refused: " + error);
+  Check(!nlmserve::MapTablesFile(g_dir + "/no-such-file.nlt", &tables, &error) && !tables &&
+            error.find("no-such-file.nlt: ") == g_dir.size() + 1,
+        file, "a missing file is refused: " + error);
+}
+
+// A tiny model's tables as text (`file`) and as tables files of each form (FILE.nlt,
+// FILE.fp16.nlt, FILE.int8.nlt): the class model's self-normalised scores, or the tree
+// model's exact ones, as nlmserve.lm gives them (quantised: within the bound the file records).
+void ScoringFixture(const std::string &file) {
   Begin();
   std::istringstream lines(ReadAll(file));
   std::string line, body;
@@ -360,39 +420,82 @@ void ScoringFixture(const std::string &file, const std::string &mapped_file) {
   }
   End(file);
 
-  // The same tables as a tables file (nlmserve.lm.tables_file), mapped: its header gives
-  // the text's shape, its array the same floats, and its scores are these.
-  Begin();
-  std::shared_ptr<const nlmserve::ScoringTables> mapped;
-  std::string error;
-  const bool ok = nlmserve::MapTablesFile(g_dir + "/" + mapped_file, &mapped, &error);
-  Check(ok, mapped_file, "maps: " + error);
-  if (ok) {
-    Check(mapped->mapped() && mapped->order() == order && mapped->vocab_size() == tables.vocab_size() &&
-              mapped->dim() == tables.dim() && mapped->activation() == activation &&
-              mapped->features().order == features.order && mapped->features().class_table == features.class_table &&
-              mapped->features().word_table == features.word_table && mapped->normalized() == treed &&
-              mapped->tree().nodes == tree.nodes && mapped->tree().codes == tree.codes &&
-              mapped->tree().steps == tree.steps,
-          mapped_file, "its header is the text fixture's shape");
-    Check(mapped->bytes() == tables.bytes(), mapped_file, "as many floats as the text fixture");
+  // The same tables as tables files (nlmserve.lm.tables_file), mapped: float32, fp16, int8.
+  const std::string stem = file.substr(0, file.size() - 4);  // scoring_tables(_tree)
+  const char *const forms[] = {"", ".fp16", ".int8"};
+  for (int q = 0; q < 3; ++q) {
+    const std::string mapped_file = stem + forms[q] + ".nlt";
+    Begin();
+    nlmserve::TablesFile mapped;
+    std::string error;
+    const bool ok = nlmserve::MapTablesFile(g_dir + "/" + mapped_file, &mapped, &error);
+    Check(ok, mapped_file, "maps: " + error);
+    if (!ok) {
+      End(mapped_file);
+      continue;
+    }
+    const nlmserve::TablesFileInfo &info = mapped.info;
+    const nlmserve::ScoringTables &t = *mapped.tables;
+    Check(info.version == 2 && info.order == order && info.vocab_size == tables.vocab_size() &&
+              info.dim == tables.dim() && info.bos_id == 1 && info.eos_id == 2 && info.unk_id == 0 &&
+              info.model_hash == "scoring_fixture" && info.lowercase == !treed && info.normalized == treed &&
+              info.output == head["output"] && info.activation == head["activation"] &&
+              static_cast<int>(info.quantization) == q && (q > 0 || info.error_bound == 0.0) && info.error_bound >= 0.0 &&
+              info.sha256.size() == 64,
+          mapped_file, "its facts are the fixture's (the class model lowercases, the tree model does not)");
+    Check(t.mapped() && t.order() == order && t.vocab_size() == tables.vocab_size() && t.dim() == tables.dim() &&
+              t.activation() == activation && t.features().order == features.order &&
+              t.features().class_table == features.class_table && t.features().word_table == features.word_table &&
+              t.normalized() == treed && t.tree().nodes == tree.nodes && t.tree().codes == tree.codes &&
+              t.tree().steps == tree.steps && static_cast<int>(t.quantization()) == q,
+          mapped_file, "its tables have the text fixture's shape");
+    if (q == 0) Check(t.bytes() == tables.bytes(), mapped_file, "as many floats as the text fixture");
+    if (q > 0) Check(t.bytes() < tables.bytes(), mapped_file, "fewer bytes than float32");
     std::vector<float> again(rows);
     nlmserve::ScoringTables::Scratch scratch2;
-    mapped->Score(ids.data(), rows, again.data(), &scratch2);
+    t.Score(ids.data(), rows, again.data(), &scratch2);
     for (std::size_t r = 0; r < rows; ++r) {
       std::ostringstream what;
-      what << "row " << r << ": " << again[r] << " mapped, " << batch[r] << " from the text";
-      Check(again[r] == batch[r], mapped_file, what.str());
+      what << "row " << r << ": " << again[r] << " mapped, " << batch[r] << " from the text, bound "
+           << info.error_bound;
+      if (q == 0) {
+        Check(again[r] == batch[r], mapped_file, what.str());  // float32: the same floats
+      } else if (std::isinf(batch[r])) {
+        Check(again[r] == batch[r], mapped_file, what.str());  // <s> predicted: -inf in every form
+      } else {
+        Check(std::fabs(again[r] - want_ln[r]) <= info.error_bound + 1e-5, mapped_file, what.str());
+      }
+    }
+    if (q == 0 && !treed) RefusedTablesFiles(mapped_file);
+    End(mapped_file);
+  }
+}
+
+// The class model's words through both fixture files' vocabularies: lowercased first in
+// scoring_tables*.nlt (its model lowercases), as given in scoring_tables_tree*.nlt.
+void FixtureWords() {
+  const std::string file = "scoring_words.tsv";
+  Begin();
+  nlmserve::TablesFile lower, cased;
+  std::string error;
+  Check(nlmserve::MapTablesFile(g_dir + "/scoring_tables.int8.nlt", &lower, &error), file, "maps: " + error);
+  Check(nlmserve::MapTablesFile(g_dir + "/scoring_tables_tree.nlt", &cased, &error), file, "maps: " + error);
+  const std::vector<std::vector<std::string> > cases = Cases(file, 3);
+  for (std::size_t k = 0; k < cases.size(); ++k) {
+    const nlmserve::TablesVocabulary *vocabularies[] = {&lower.vocabulary, &cased.vocabulary};
+    for (int v = 0; v < 2; ++v) {
+      const std::string &want = cases[k][1 + v];
+      uint32_t id = 12345;
+      const bool known = vocabularies[v]->Find(cases[k][0], &id);
+      const uint32_t given = vocabularies[v]->Id(cases[k][0]);
+      const bool ok = want == "unknown" ? !known && given == 0 : known && id == std::stoul(want) && given == id;
+      Check(ok, file, cases[k][0] + (v ? " (cased)" : " (lowercased)") + " -> " + (known ? std::to_string(id) : "unknown") +
+                          ", not " + want);
+      if (known) Check(vocabularies[v]->Word(id) == (v ? cases[k][0] : nlmserve::Lowercase(cases[k][0])), file,
+                       "the word of id " + std::to_string(id));
     }
   }
-  // What is not a tables file is refused with a reason, never mapped.
-  std::shared_ptr<const nlmserve::ScoringTables> none;
-  Check(!nlmserve::MapTablesFile(g_dir + "/" + file, &none, &error) && !none &&
-            error.find("not an nlmserve export-tables file") != std::string::npos,
-        mapped_file, "the text fixture is refused: " + error);
-  Check(!nlmserve::MapTablesFile(g_dir + "/no-such-file.nlt", &none, &error) && !none, mapped_file,
-        "a missing file is refused: " + error);
-  End(mapped_file);
+  End(file);
 }
 
 }  // namespace
@@ -410,8 +513,9 @@ int main(int argc, char **argv) {
   FeatureHashes();
   RetryCodes();
   StatusCodes();
-  ScoringFixture("scoring_tables.txt", "scoring_tables.nlt");
-  ScoringFixture("scoring_tables_tree.txt", "scoring_tables_tree.nlt");
+  ScoringFixture("scoring_tables.txt");
+  ScoringFixture("scoring_tables_tree.txt");
+  FixtureWords();
   std::printf("contract: %d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }

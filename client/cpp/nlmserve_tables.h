@@ -33,13 +33,37 @@
 //             fails and never allocates once a Scratch has been sized for the tables.
 //   Threads   a ScoringTables is read-only once Set, shared by any number of threads; each
 //             thread passes its own Scratch (one thread at a time per Scratch).
+//   Forms     The position and output rows, nearly all of the tables, are float32 as the
+//             model holds them, or, mapped from a tables file written with `nlmserve
+//             export-tables --quantize` (Arrays::quantization), fp16 (IEEE half; half the
+//             bytes) or int8 (a signed byte per value and a float scale per row, value =
+//             scale * q, scale = the row's largest |value| / 127; a quarter of the bytes).
+//             Score reads them as floats. Its scores then differ from float32's by at most
+//             the file's bound (TablesFileInfo::error_bound, in nats, nlmserve_tables_file.h),
+//             plus float rounding (float32's bound is 0: the same floats as fetched tables):
+//               E = max_w ( A * |O_w| + R * |O~_w - O_w| )        a class output
+//               E = L * max_k ( A * |O_k| + R * |O~_k - O_k| )    a tree (k: its nodes)
+//             in Euclidean norms of rows, with P_j, O the float32 position and output rows,
+//             P~_j, O~ the rows Score reads, A = sum_j max_w |P~_j[w] - P_j[w]| (each position
+//             table's largest row error), R = sqrt(D) after tanh, else sum_j max_w |P~_j[w]|
+//             (a bound on |r~|), L the most steps of a code. Why: the context sum moves by at
+//             most A (triangle inequality), and so does r (tanh and relu move no component by
+//             more than its input); r~.O~ - r.O = (r~ - r).O + r~.(O~ - O) (Cauchy-Schwarz on
+//             each); log sigmoid and log-sum-exp move by no more than their arguments. It is
+//             a worst case: on held-out text the errors are far smaller (docs/interfaces.md).
+//             The bias, the features' tables and a tree's paths are never quantised. The
+//             Python owner of the bound is nlmserve.lm.quantize; tests score the golden
+//             fixture's rows in each form against it, in Python and here.
 //   Memory    bytes(): the tables, one block ((order-1)*V*D + V*(D+1) floats for a class
-//             output, plus the features' tables): fetched (Client::GetScoringTables), a copy
-//             of the process's own on huge pages where the kernel gives them
-//             (AdviseHugePages); mapped from a tables file (MapTablesFile), the page cache's
-//             pages, one copy for every process of the host. Each Scratch is a few MB more
-//             (2^17 remembered rows of a few dozen bytes, 512 context vectors of D floats).
-// No gRPC or protobuf here: a decoder includes this header next to its own.
+//             output, plus the features' tables; fewer bytes per value when quantised):
+//             fetched (Client::GetScoringTables), a copy of the process's own on huge pages
+//             where the kernel gives them (AdviseHugePages); mapped from a tables file
+//             (MapTablesFile), the page cache's pages, one copy for every process of the
+//             host. Each Scratch is a few MB more (2^17 remembered rows of a few dozen
+//             bytes, 512 context vectors of D floats).
+// No gRPC or protobuf here: a decoder includes this header next to its own. The tables
+// file (its reader MapTablesFile, its vocabulary and facts) is nlmserve_tables_file.h's,
+// which this header includes at its end.
 #ifndef NLMSERVE_TABLES_H
 #define NLMSERVE_TABLES_H
 
@@ -93,6 +117,25 @@ inline bool ParseActivation(const std::string &name, Activation *out) {
     return false;
   }
   return true;
+}
+
+// How the position and output rows are stored (the tables file's quantisation field, in
+// this order; the contract above gives the error each allows).
+enum class Quantization { kNone = 0, kFp16 = 1, kInt8 = 2 };
+
+// An IEEE half (binary16) as a float, for the values a tables file stores as fp16: finite
+// and never subnormal (the writer makes those 0). Its exponent and mantissa bits, moved to a
+// float's place, times 2^112 re-bias the exponent (an exact product); then its sign.
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t magnitude = static_cast<uint32_t>(h & 0x7fffu) << 13;
+  float f;
+  std::memcpy(&f, &magnitude, sizeof(f));
+  f *= 5.192296858534828e33f;  // 2^112
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  bits |= static_cast<uint32_t>(h & 0x8000u) << 16;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
 }
 
 // The direct n-gram features' hash (proto/nlmserve/v1/lm.proto, ScoringTablesChunk):
@@ -198,6 +241,25 @@ class ScoringTables {
     uint64_t steps;
   };
 
+  // Where the tables' values lie: the position rows ((order-1)*V rows of dim values, position
+  // j's row of word w being row j*V + w) and the output rows (V rows, or a tree's nodes), in
+  // `quantization`'s type (float; kFp16: IEEE half as uint16_t; kInt8: int8_t, with a float
+  // scale per row in position_scale and output_scale); then `rest`, the rest_floats floats
+  // after them in the wire's array (bias, then with features the word classes and the two
+  // tables, with a tree its paths).
+  struct Arrays {
+    Arrays()
+        : quantization(Quantization::kNone), position(nullptr), position_scale(nullptr), output(nullptr),
+          output_scale(nullptr), rest(nullptr), rest_floats(0) {}
+    Quantization quantization;
+    const void *position;
+    const float *position_scale;
+    const void *output;
+    const float *output_scale;
+    const float *rest;
+    std::size_t rest_floats;
+  };
+
   ScoringTables() {}
   // Takes the wire's array (position, output, bias, and with features word classes,
   // ngram_class, ngram_word; with a tree its node vectors and biases as output and bias,
@@ -210,7 +272,9 @@ class ScoringTables {
   bool Set(uint32_t order, uint32_t vocab_size, uint32_t dim, Activation activation, std::string model_hash,
            std::vector<float> data, Features features = Features(), Tree tree = Tree()) {
     std::size_t kept = 0;
-    if (!Adopt(order, vocab_size, dim, activation, model_hash, data.data(), data.size(), features, tree, &kept)) {
+    Arrays arrays;
+    if (!WireArrays(order, vocab_size, dim, data.data(), data.size(), tree, &arrays) ||
+        !Adopt(order, vocab_size, dim, activation, model_hash, arrays, features, tree, &kept)) {
       return false;
     }
     data.resize(kept);  // a tree's paths are kept as integers; shrinking keeps the buffer
@@ -225,8 +289,18 @@ class ScoringTables {
   bool SetMapped(uint32_t order, uint32_t vocab_size, uint32_t dim, Activation activation, std::string model_hash,
                  const float *data, std::size_t n, std::shared_ptr<const void> mapping, Features features = Features(),
                  Tree tree = Tree()) {
+    Arrays arrays;
+    if (!WireArrays(order, vocab_size, dim, data, n, tree, &arrays)) return false;
+    return SetMapped(order, vocab_size, dim, activation, model_hash, arrays, mapping, features, tree);
+  }
+
+  // The same from arrays that stay where they are (a tables file's sections, which may be
+  // quantised), kept alive by `mapping`; false as for Set, or when the int8 scales are missing.
+  bool SetMapped(uint32_t order, uint32_t vocab_size, uint32_t dim, Activation activation, std::string model_hash,
+                 const Arrays &arrays, std::shared_ptr<const void> mapping, Features features = Features(),
+                 Tree tree = Tree()) {
     std::size_t kept = 0;
-    if (!Adopt(order, vocab_size, dim, activation, model_hash, data, n, features, tree, &kept)) return false;
+    if (!Adopt(order, vocab_size, dim, activation, model_hash, arrays, features, tree, &kept)) return false;
     std::vector<float>().swap(data_);
     mapping_ = mapping;
     return true;
@@ -239,14 +313,13 @@ class ScoringTables {
   const std::string &model_hash() const { return model_hash_; }
   const Features &features() const { return features_; }
   const Tree &tree() const { return tree_; }
+  Quantization quantization() const { return quantization_; }
   // True for a tree output's tables: Score gives log-probabilities, normalised exactly;
   // false for a class output's self-normalised scores.
   bool normalized() const { return tree_.nodes > 0; }
   // The tables' size; for mapped tables (mapped()) most of it is the file's pages, which
   // every process that maps the file shares.
-  std::size_t bytes() const {
-    return floats_ * sizeof(float) + (word_class_.size() + paths_.size()) * sizeof(uint32_t);
-  }
+  std::size_t bytes() const { return bytes_ + (word_class_.size() + paths_.size()) * sizeof(uint32_t); }
   bool mapped() const { return mapping_ != nullptr; }
 
   // The entry of Scratch::rows that keeps a row's score (rows that share one take it from
@@ -263,6 +336,83 @@ class ScoringTables {
   // on, with features, its table slots are computed and prefetched unless that entry holds
   // its score already (the tables are tens of MB).
   void Score(const uint32_t *rows, std::size_t n, float *out, Scratch *scratch) const {
+    switch (quantization_) {
+      case Quantization::kFp16:
+        ScoreWith<HalfRows>(rows, n, out, scratch);
+        break;
+      case Quantization::kInt8:
+        ScoreWith<Int8Rows>(rows, n, out, scratch);
+        break;
+      default:
+        ScoreWith<FloatRows>(rows, n, out, scratch);
+    }
+  }
+
+ private:
+  // How Score reads a row of position or output values in each form: Copy and Add put a row
+  // (times its scale) into a vector, Dot is its dot product with one. FloatRows does what
+  // the float32 tables always did, in the same order, so their scores stay the same floats.
+  struct FloatRows {
+    typedef float Value;
+    static void Copy(float *to, const float *p, float, std::size_t dim) {
+      for (std::size_t d = 0; d < dim; ++d) to[d] = p[d];
+    }
+    static void Add(float *to, const float *sum, const float *p, float, std::size_t dim) {
+      for (std::size_t d = 0; d < dim; ++d) to[d] = sum[d] + p[d];
+    }
+    static float Dot(const float *r, const float *row, float, std::size_t dim) { return ScoringTables::Dot(r, row, dim); }
+  };
+  struct HalfRows {
+    typedef uint16_t Value;
+    static void Copy(float *to, const uint16_t *p, float, std::size_t dim) {
+      for (std::size_t d = 0; d < dim; ++d) to[d] = HalfToFloat(p[d]);
+    }
+    static void Add(float *to, const float *sum, const uint16_t *p, float, std::size_t dim) {
+      for (std::size_t d = 0; d < dim; ++d) to[d] = sum[d] + HalfToFloat(p[d]);
+    }
+    static float Dot(const float *r, const uint16_t *row, float, std::size_t dim) {
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      std::size_t d = 0;
+      for (; d + 8 <= dim; d += 8) {
+        for (std::size_t k = 0; k < 8; ++k) acc[k] += r[d + k] * HalfToFloat(row[d + k]);
+      }
+      float s = 0.f;
+      for (; d < dim; ++d) s += r[d] * HalfToFloat(row[d]);
+      for (std::size_t k = 0; k < 8; ++k) s += acc[k];
+      return s;
+    }
+  };
+  struct Int8Rows {
+    typedef int8_t Value;
+    static void Copy(float *to, const int8_t *p, float scale, std::size_t dim) {
+      for (std::size_t d = 0; d < dim; ++d) to[d] = scale * static_cast<float>(p[d]);
+    }
+    static void Add(float *to, const float *sum, const int8_t *p, float scale, std::size_t dim) {
+      for (std::size_t d = 0; d < dim; ++d) to[d] = sum[d] + scale * static_cast<float>(p[d]);
+    }
+    // The row's scale applied once, to the sum.
+    static float Dot(const float *r, const int8_t *row, float scale, std::size_t dim) {
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      std::size_t d = 0;
+      for (; d + 8 <= dim; d += 8) {
+        for (std::size_t k = 0; k < 8; ++k) acc[k] += r[d + k] * static_cast<float>(row[d + k]);
+      }
+      float s = 0.f;
+      for (; d < dim; ++d) s += r[d] * static_cast<float>(row[d]);
+      for (std::size_t k = 0; k < 8; ++k) s += acc[k];
+      return s * scale;
+    }
+  };
+
+  // Output row k (a word, or a tree's node) and its scale.
+  template <class R>
+  const typename R::Value *OutputRow(std::size_t k) const {
+    return static_cast<const typename R::Value *>(output_) + k * dim_;
+  }
+  float OutputScale(std::size_t k) const { return output_scale_ ? output_scale_[k] : 1.f; }
+
+  template <class R>
+  void ScoreWith(const uint32_t *rows, std::size_t n, float *out, Scratch *scratch) const {
     const std::size_t width = order_, context = order_ - 1, dim = dim_, per_row = 2 * features_.order;
     const std::size_t memo = tree_.nodes ? std::size_t(1) << Scratch::kNodeBits : 0;
     const std::size_t stride = RowStride(width);
@@ -311,12 +461,12 @@ class ScoringTables {
       }
       const uint32_t w = row[context];
       uint64_t generation = 0;
-      const float *r = Context(row, hash, scratch, &generation);
+      const float *r = Context<R>(row, hash, scratch, &generation);
       float s;
       if (tree_.nodes) {
-        s = TreeScore(r, generation, w, scratch);
+        s = TreeScore<R>(r, generation, w, scratch);
       } else {
-        s = Dot(r, output_ + static_cast<std::size_t>(w) * dim, dim) + bias_[w];
+        s = R::Dot(r, OutputRow<R>(w), OutputScale(w), dim) + bias_[w];
         if (per_row) {
           uint32_t *slots = scratch->slots.data() + (i % ring) * per_row;
           // Remembered when its slots were due, but its entry was taken since by a row
@@ -333,11 +483,27 @@ class ScoringTables {
     }
   }
 
- private:
-  // Set's checks and pointers over data[0, n): false, changing nothing, when they fail; else
-  // *kept is how many of the floats the tables read (a tree's paths, after them, are copied).
+  // The wire's array data[0, n) as Arrays: position, output, then the rest; false when n is
+  // too small for the position and output rows of this shape.
+  static bool WireArrays(uint32_t order, uint32_t vocab_size, uint32_t dim, const float *data, std::size_t n,
+                         const Tree &tree, Arrays *arrays) {
+    const std::size_t outputs = tree.nodes ? tree.nodes : vocab_size;
+    const std::size_t position = static_cast<std::size_t>(order > 0 ? order - 1 : 0) * vocab_size * dim;
+    const std::size_t rows = position + outputs * dim;
+    if (n < rows) return false;
+    arrays->quantization = Quantization::kNone;
+    arrays->position = data;
+    arrays->output = data + position;
+    arrays->rest = data + rows;
+    arrays->rest_floats = n - rows;
+    return true;
+  }
+
+  // Set's checks and pointers over the arrays: false, changing nothing, when they fail; else
+  // *kept is how many floats of a wire array the tables read (a tree's paths, after them,
+  // are copied).
   bool Adopt(uint32_t order, uint32_t vocab_size, uint32_t dim, Activation activation, const std::string &model_hash,
-             const float *data, std::size_t n, Features features, Tree tree, std::size_t *kept) {
+             const Arrays &arrays, Features features, Tree tree, std::size_t *kept) {
     if (order < 2 || vocab_size == 0 || dim == 0) return false;
     const bool featured = features.order > 0, treed = tree.nodes > 0;
     if (featured && (treed || features.order > order || vocab_size >= (1u << 24) ||
@@ -346,26 +512,35 @@ class ScoringTables {
     }
     if (!featured) features = Features();
     if (!treed) tree = Tree();
+    const bool scaled = arrays.quantization == Quantization::kInt8;
+    if (arrays.position == nullptr || arrays.output == nullptr || arrays.rest == nullptr ||
+        (scaled && (arrays.position_scale == nullptr || arrays.output_scale == nullptr))) {
+      return false;
+    }
     const std::size_t outputs = treed ? tree.nodes : vocab_size;
-    const std::size_t lbl = static_cast<std::size_t>(order - 1) * vocab_size * dim + outputs * (dim + 1);
+    const std::size_t positions = static_cast<std::size_t>(order - 1) * vocab_size;
     const std::size_t want =
-        lbl + (featured ? static_cast<std::size_t>(vocab_size) + features.class_table + features.word_table : 0) +
+        outputs + (featured ? static_cast<std::size_t>(vocab_size) + features.class_table + features.word_table : 0) +
         (treed ? static_cast<std::size_t>(vocab_size) + 1 + tree.codes + 1 + tree.steps : 0);
-    if (n != want) return false;
+    if (arrays.rest_floats != want) return false;
+    const float *rest = arrays.rest;
     std::vector<uint32_t> word_class, paths;
     if (featured) {
       word_class.resize(vocab_size);
       for (std::size_t w = 0; w < vocab_size; ++w) {
-        if (!WholeNumber(data[lbl + w], &word_class[w])) return false;
+        if (!WholeNumber(rest[outputs + w], &word_class[w])) return false;
       }
     }
     if (treed) {
-      paths.resize(want - lbl);
+      paths.resize(want - outputs);
       for (std::size_t i = 0; i < paths.size(); ++i) {
-        if (!WholeNumber(data[lbl + i], &paths[i])) return false;
+        if (!WholeNumber(rest[outputs + i], &paths[i])) return false;
       }
       if (!PathsHold(paths, vocab_size, tree)) return false;
     }
+    const std::size_t value = arrays.quantization == Quantization::kFp16   ? sizeof(uint16_t)
+                              : arrays.quantization == Quantization::kInt8 ? sizeof(int8_t)
+                                                                           : sizeof(float);
     order_ = order;
     vocab_size_ = vocab_size;
     dim_ = dim;
@@ -380,11 +555,16 @@ class ScoringTables {
     code_start_ = paths_.data();
     step_start_ = code_start_ + (treed ? vocab_size + 1 : 0);
     steps_ = step_start_ + (treed ? tree.codes + 1 : 0);
-    base_ = data;
-    floats_ = treed ? lbl : n;
-    *kept = floats_;
-    output_ = base_ + static_cast<std::size_t>(order - 1) * vocab_size * dim;
-    bias_ = output_ + outputs * dim;
+    quantization_ = arrays.quantization;
+    position_ = arrays.position;
+    position_scale_ = scaled ? arrays.position_scale : nullptr;
+    output_ = arrays.output;
+    output_scale_ = scaled ? arrays.output_scale : nullptr;
+    const std::size_t rest_kept = treed ? outputs : arrays.rest_floats;
+    bytes_ = (positions + outputs) * dim * value + (scaled ? (positions + outputs) * sizeof(float) : 0) +
+             rest_kept * sizeof(float);
+    *kept = (positions + outputs) * dim + rest_kept;
+    bias_ = rest;
     ngram_class_ = bias_ + 2 * static_cast<std::size_t>(vocab_size);
     ngram_word_ = ngram_class_ + features.class_table;
     serial_ = NextSerial();
@@ -453,6 +633,7 @@ class ScoringTables {
   // prefixes in the scratch; the prefixes it sums are put there. The sum runs over j in
   // order, whatever prefix it starts from, so the floats do not depend on the entries.
   // hash: the row's PrefixHashes. *generation: the generation of the context's entry.
+  template <class R>
   const float *Context(const uint32_t *row, const uint64_t *hash, Scratch *scratch, uint64_t *generation) const {
     const std::size_t context = order_ - 1, dim = dim_;
     std::size_t m = context, at = 0;
@@ -479,11 +660,13 @@ class ScoringTables {
           for (std::size_t d = 0; d < dim; ++d) to[d] = sum[d];
         }
       } else {
-        const float *p = base_ + (j * vocab_size_ + row[j]) * dim;
+        const std::size_t at = j * vocab_size_ + row[j];
+        const typename R::Value *p = static_cast<const typename R::Value *>(position_) + at * dim;
+        const float scale = position_scale_ ? position_scale_[at] : 1.f;
         if (sum == nullptr) {
-          for (std::size_t d = 0; d < dim; ++d) to[d] = p[d];
+          R::Copy(to, p, scale, dim);
         } else {
-          for (std::size_t d = 0; d < dim; ++d) to[d] = sum[d] + p[d];
+          R::Add(to, sum, p, scale, dim);
         }
       }
       uint32_t *key = scratch->keys.data() + slot * context;
@@ -506,8 +689,8 @@ class ScoringTables {
   // context r of the given generation: each code's sum of log-sigmoids, then the codes'
   // log-sum-exp (-inf for a word without a code). A node's pair of log-sigmoids comes
   // from the scratch when this context has met the node recently.
+  template <class R>
   float TreeScore(const float *r, uint64_t generation, uint32_t w, Scratch *scratch) const {
-    const std::size_t dim = dim_;
     const uint32_t first = code_start_[w], last = code_start_[w + 1];
     double best = -INFINITY, codes[2];
     std::vector<double> more;  // a word with more than two codes (Mnih & Hinton's adaptive trees)
@@ -517,7 +700,7 @@ class ScoringTables {
         const uint32_t node = steps_[k] >> 1;
         Scratch::Node &e = scratch->nodes[NodeSlot(generation, node)];
         if (e.generation != generation || e.node != node) {
-          const double x = Dot(r, output_ + static_cast<std::size_t>(node) * dim, dim) + bias_[node];
+          const double x = R::Dot(r, OutputRow<R>(node), OutputScale(node), dim_) + bias_[node];
           const double left = -(std::log1p(std::exp(-std::fabs(x))) + (x < 0 ? -x : 0.0));  // log sigmoid(x)
           e.generation = generation;
           e.node = node;
@@ -665,107 +848,21 @@ class ScoringTables {
   const uint32_t *steps_ = nullptr;
   std::vector<float> data_;                // the floats when they were given (Set)
   std::shared_ptr<const void> mapping_;    // or what keeps them mapped (SetMapped)
-  const float *base_ = nullptr;            // the floats the tables read: position first
-  std::size_t floats_ = 0;
-  const float *output_ = nullptr;
-  const float *bias_ = nullptr;
-  const float *ngram_class_ = nullptr;  // with features: the hashed tables after base_'s bias
+  Quantization quantization_ = Quantization::kNone;
+  const void *position_ = nullptr;         // Arrays::position, of the quantisation's type
+  const float *position_scale_ = nullptr;  // kInt8: a scale per position row
+  const void *output_ = nullptr;           // Arrays::output
+  const float *output_scale_ = nullptr;    // kInt8: a scale per output row
+  std::size_t bytes_ = 0;                  // of the rows, their scales and the floats read
+  const float *bias_ = nullptr;            // Arrays::rest
+  const float *ngram_class_ = nullptr;  // with features: the hashed tables after the bias and classes
   const float *ngram_word_ = nullptr;
   uint64_t serial_ = 0;  // NextSerial() of the last Set: which scratch entries are this table's
 };
 
-// A tables file, as `nlmserve export-tables --model M --out FILE` writes it (its Python owner is
-// nlmserve.lm.tables_file; proto/contract/scoring_tables.nlt is one): a 4096-byte header of
-// little-endian fields, then the array GetScoringTables streams, from byte 4096.
-//   0 "NLMTABLE"  8 u32 version (1)  12 u32 order  16 u32 vocab_size  20 u32 dim
-//   24 u32 feature_order  28 u32 ngram_class_table  32 u32 ngram_word_table
-//   36 u32 tree_nodes  40 u32 tree_codes  44 u32 0  48 u64 tree_steps  56 u64 total_floats
-//   64 char[16] activation  80 char[64] model_hash (both NUL-padded)  144 char[64] the array's
-//   sha256 (hex; `nlmserve info FILE --verify` checks it, mapping does not: it would read it all)
-// MapTablesFile maps it read-only and shared (MAP_SHARED): every process that maps the same
-// file reads the same pages of the page cache, so a host running N decoders holds the tables
-// once, where fetched tables (Client::GetScoringTables) are a private copy per process. The
-// mapping lives as long as the tables (or a copy of their shared_ptr). False, with *error
-// saying why, when the file cannot be read or is not a tables file its header describes.
-inline bool MapTablesFile(const std::string &path, std::shared_ptr<const ScoringTables> *out, std::string *error) {
-#if defined(__unix__)
-  static const std::size_t kDataOffset = 4096;
-  struct Mapping {
-    void *addr;
-    std::size_t bytes;
-    ~Mapping() { munmap(addr, bytes); }
-  };
-  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    *error = path + ": " + std::strerror(errno);
-    return false;
-  }
-  struct stat st;
-  if (fstat(fd, &st) != 0 || st.st_size < static_cast<off_t>(kDataOffset)) {
-    *error = path + ": not an nlmserve export-tables file (write one with `nlmserve export-tables`)";
-    close(fd);
-    return false;
-  }
-  const std::size_t bytes = static_cast<std::size_t>(st.st_size);
-  void *addr = mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0);
-  close(fd);
-  if (addr == MAP_FAILED) {
-    *error = path + ": mmap: " + std::strerror(errno);
-    return false;
-  }
-  std::shared_ptr<Mapping> mapping(new Mapping());
-  mapping->addr = addr;
-  mapping->bytes = bytes;
-  const char *head = static_cast<const char *>(addr);
-  uint32_t u[10];
-  uint64_t tree_steps, total;
-  std::memcpy(u, head + 8, sizeof(u));
-  std::memcpy(&tree_steps, head + 48, 8);
-  std::memcpy(&total, head + 56, 8);
-  if (std::memcmp(head, "NLMTABLE", 8) != 0) {
-    *error = path + ": not an nlmserve export-tables file (write one with `nlmserve export-tables`)";
-    return false;
-  }
-  if (u[0] != 1) {
-    *error = path + ": tables file version " + std::to_string(u[0]) + "; this client reads version 1";
-    return false;
-  }
-  if (total > (bytes - kDataOffset) / sizeof(float)) {
-    *error = path + ": cut short (" + std::to_string(bytes) + " bytes; its header says " +
-             std::to_string(kDataOffset + total * sizeof(float)) + ")";
-    return false;
-  }
-  const std::string activation(head + 64, strnlen(head + 64, 16));
-  const std::string model_hash(head + 80, strnlen(head + 80, 64));
-  Activation act;
-  if (!ParseActivation(activation, &act)) {
-    *error = path + ": unknown activation '" + activation + "'";
-    return false;
-  }
-  ScoringTables::Features features;
-  features.order = u[4];
-  features.class_table = u[5];
-  features.word_table = u[6];
-  ScoringTables::Tree tree;
-  tree.nodes = u[7];
-  tree.codes = u[8];
-  tree.steps = tree_steps;
-  std::shared_ptr<ScoringTables> tables(new ScoringTables());
-  const float *data = reinterpret_cast<const float *>(head + kDataOffset);
-  if (!tables->SetMapped(u[1], u[2], u[3], act, model_hash, data, static_cast<std::size_t>(total), mapping, features,
-                         tree)) {
-    *error = path + ": its tables do not hold together with its header (order, vocabulary, width, features or tree)";
-    return false;
-  }
-  *out = tables;
-  return true;
-#else
-  *error = path + ": mapping a tables file needs a POSIX system";
-  (void)out;
-  return false;
-#endif
-}
-
 }  // namespace nlmserve
+
+// The tables file's reader (MapTablesFile), with the scorer as it always was.
+#include "nlmserve_tables_file.h"
 
 #endif  // NLMSERVE_TABLES_H

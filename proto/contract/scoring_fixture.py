@@ -2,20 +2,25 @@
 streams) and the scores nlmserve.lm gives a handful of its n-grams, so that the C++ local
 scorer (nlmserve_tables.h) is checked against lm/'s arithmetic with no server; and
 scoring_tables.nlt, the same tables as the tables file `nlmserve export-tables` writes
-(nlmserve.lm.tables_file), which the C++ test maps (MapTablesFile) and scores. The same
-pair for a tree-output model: scoring_tables_tree.txt and scoring_tables_tree.nlt.
+(nlmserve.lm.tables_file), which the C++ test maps (MapTablesFile) and scores, with
+scoring_tables.fp16.nlt and scoring_tables.int8.nlt, the same quantised (each scored within
+the error bound it records). The same for a tree-output model: scoring_tables_tree.txt and
+its three .nlt files. And scoring_words.tsv: words as a client gives them and the ids the
+two files' vocabularies give them (the class model lowercases words first, the tree model
+does not), for the Python reader and the C++ one (nlmserve_tables_file.h).
 
-    python proto/contract/scoring_fixture.py           # rewrite all four
+    python proto/contract/scoring_fixture.py           # rewrite them all
     python proto/contract/scoring_fixture.py --check   # exit 1 when lm/ gives other tables, scores or file bytes now
 
 (tests/test_contract.py runs the check.)
 
-The class model: V = 8 (<unk> <s> </s> a b c d e), order 3, D = 3, tanh, three classes,
-direct n-gram features of order 3 in tables of 7 (class) and 16 (word) slots, NCE (so
-self-normalised). The tree model: the same words, order 3, D = 3, relu, a Huffman tree of
-fixed counts (codes of two to four steps), whose scores are exact log-probabilities. Every
-weight drawn once from numpy's PCG64 with seed 2015 (stable across numpy versions) and
-rounded to 1/64, so that the floats print exactly.
+The class model: V = 8 (<unk> <s> </s> the été straße οδος i̇stanbul), order 3, D = 3, tanh,
+three classes, direct n-gram features of order 3 in tables of 7 (class) and 16 (word)
+slots, NCE (so self-normalised), trained on lowercased text (so it lowercases words). The
+tree model: the same words, order 3, D = 3, relu, a Huffman tree of fixed counts (codes of
+two to four steps), whose scores are exact log-probabilities, cased. Every weight drawn
+once from numpy's PCG64 with seed 2015 (stable across numpy versions) and rounded to 1/64,
+so that the floats print exactly.
 """
 
 from __future__ import annotations
@@ -33,8 +38,15 @@ from nlmserve.lm.tables_file import FlatTables
 FIXTURE = Path(__file__).resolve().parent / "scoring_tables.txt"
 TREE_FIXTURE = FIXTURE.with_name("scoring_tables_tree.txt")
 FIXTURES = (FIXTURE, TREE_FIXTURE)
+WORDS_FILE = FIXTURE.with_name("scoring_words.tsv")
+QUANTIZATIONS = ("none", "fp16", "int8")
 MODEL_HASH = "scoring_fixture"  # the tables file's model hash: a name, the model is not kept
-WORDS = ("a", "b", "c", "d", "e")
+WORDS = ("the", "été", "straße", "οδος", "i\u0307stanbul")  # lowercase: the class model's text was
+LOWERCASE = {FIXTURE: True, TREE_FIXTURE: False}
+# Words as a client gives them: known as they are, only once lowercased (str.lower: non-ASCII,
+# U+0130, the final sigma), or not at all.
+QUERIES = ("the", "The", "THE", "été", "ÉTÉ", "Été", "straße", "Straße", "STRASSE", "οδος", "ΟΔΟΣ", "Οδος",
+           "\u0130stanbul", "i\u0307stanbul", "istanbul", "<s>", "</s>", "<unk>", "<UNK>", "zebra", "a")
 WORD_CLASS = (0, 0, 0, 1, 1, 2, 2, 2)
 TREE_COUNTS = (3, 0, 40, 25, 12, 9, 5, 1)  # <s> is never predicted: no code
 V, ORDER, DIM, CLASS_TABLE, WORD_TABLE = 8, 3, 3, 7, 16
@@ -45,9 +57,9 @@ ROWS = ((1, 1, 3), (1, 3, 4), (3, 4, 5), (4, 5, 2), (5, 6, 7), (7, 7, 7), (0, 3,
         (NO_WORD, 3, 4), (NO_WORD, NO_WORD, 5), (NO_WORD, 7, 0), (1, 1, 0), (3, 3, 3))
 
 
-def tables_file(fixture: Path) -> Path:
-    """The tables file beside a text fixture."""
-    return fixture.with_suffix(".nlt")
+def tables_file(fixture: Path, quantization: str = "none") -> Path:
+    """The tables file of a text fixture in a quantisation (beside it)."""
+    return fixture.with_suffix(".nlt" if quantization == "none" else f".{quantization}.nlt")
 
 
 def model_scores(fixture: Path) -> tuple[dict[str, str], list[float], list[float]]:
@@ -83,7 +95,8 @@ def model_scores(fixture: Path) -> tuple[dict[str, str], list[float], list[float
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "fixture.nlm"
         save_model(path, net, Vocabulary(WORDS), None if treed else WordClasses(np.array(WORD_CLASS), "file"),
-                   objective="mle" if treed else "nce", training={"note": "proto/contract/scoring_fixture.py"})
+                   objective="mle" if treed else "nce", lowercase=LOWERCASE[fixture],
+                   training={"note": "proto/contract/scoring_fixture.py"})
         lm = LanguageModel.load(path, device="cpu")
         tables = lm.scoring_tables()
         flat = FlatTables.of(tables)
@@ -140,16 +153,40 @@ def read_fixture(path: Path = FIXTURE) -> tuple[dict[str, str], list[float], lis
     return head, floats, rows
 
 
-def write_tables_file(fixture: Path, path: Path) -> None:
-    """A text fixture's tables (as it holds them) as a tables file."""
+def write_tables_file(fixture: Path, path: Path, quantization: str = "none") -> None:
+    """A text fixture's tables (as it holds them) as a tables file of the fixture's words."""
     from nlmserve.lm.tables_file import write_tables_file as write
+    from nlmserve.lm.vocab import Vocabulary
 
     head, floats, _ = read_fixture(fixture)
     tables = FlatTables(np.array(floats, dtype="<f4"), int(head["dim"]), head["activation"],
                         int(head["feature_order"]), int(head["class_table"]), int(head["word_table"]),
                         output=head["output"], tree_nodes=int(head["tree_nodes"]),
                         tree_codes=int(head["tree_codes"]), tree_steps=int(head["tree_steps"]))
-    write(path, tables, order=int(head["order"]), vocab_size=int(head["vocab_size"]), model_hash=MODEL_HASH)
+    write(path, tables, order=int(head["order"]), words=Vocabulary(WORDS).words, lowercase=LOWERCASE[fixture],
+          model_hash=MODEL_HASH, quantization=quantization)
+
+
+def render_words() -> str:
+    """scoring_words.tsv: each query word, its id in the class model's file (lowercased first)
+    and in the tree model's (as given), by the Python owner (the vocabulary and str.lower)."""
+    from nlmserve.lm.vocab import Vocabulary
+
+    index = Vocabulary(WORDS).index
+    lines = [
+        "# Words as a client gives them and the ids the fixture's tables files give them (written by",
+        "# scoring_fixture.py in this folder; do not edit). Owners: Python nlmserve.lm.tables_file",
+        "# (TablesFile.lookup, its probing table; TablesFile.index), C++ nlmserve_tables_file.h",
+        "# (TablesVocabulary). The vocabulary: <unk> <s> </s> the été straße οδος i̇stanbul (ids 0-7);",
+        "# scoring_tables*.nlt lowercase a word first (str.lower, proto/contract/lowercase.tsv),",
+        "# scoring_tables_tree*.nlt do not. Columns: the word, its id in scoring_tables*.nlt, its id",
+        "# in scoring_tables_tree*.nlt ('unknown': not a word of the file, which a client scores as",
+        "# <unk>, id 0).",
+    ]
+    for word in QUERIES:
+        ids = [index.get(word.lower() if lower else word) for lower in (True, False)]
+        lines.append("\t".join([word] + ["unknown" if i is None else str(i) for i in ids]))
+    return "\n".join(lines) + "\n"
 
 
 def differences(fixture: Path) -> list[str]:
@@ -168,11 +205,12 @@ def differences(fixture: Path) -> list[str]:
     if [tuple(r) for r, _, _ in rows] != list(ROWS):
         out.append("the rows differ")
     with tempfile.TemporaryDirectory() as tmp:
-        mapped = tables_file(fixture)
-        fresh = Path(tmp) / mapped.name
-        write_tables_file(fixture, fresh)
-        if not mapped.is_file() or fresh.read_bytes() != mapped.read_bytes():
-            out.append(f"{mapped.name} is not the tables file of these tables")
+        for quantization in QUANTIZATIONS:
+            mapped = tables_file(fixture, quantization)
+            fresh = Path(tmp) / mapped.name
+            write_tables_file(fixture, fresh, quantization)
+            if not mapped.is_file() or fresh.read_bytes() != mapped.read_bytes():
+                out.append(f"{mapped.name} is not the tables file of these tables")
     return [f"{fixture.name}: {line}" for line in out]
 
 
@@ -183,12 +221,16 @@ def main() -> int:
     args = parser.parse_args()
     if args.check:
         wrong = [line for fixture in FIXTURES for line in differences(fixture)]
+        if not WORDS_FILE.is_file() or WORDS_FILE.read_text(encoding="utf-8") != render_words():
+            wrong.append(f"{WORDS_FILE.name} is not what the vocabulary and str.lower give")
         for line in wrong:
             print(line, file=sys.stderr)
         return 1 if wrong else 0
     for fixture in FIXTURES:
         fixture.write_text(render(fixture), encoding="utf-8")
-        write_tables_file(fixture, tables_file(fixture))
+        for quantization in QUANTIZATIONS:
+            write_tables_file(fixture, tables_file(fixture, quantization), quantization)
+    WORDS_FILE.write_text(render_words(), encoding="utf-8")
     return 0
 
 
