@@ -65,7 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the subcommand's parser, which names the subcommand and its --help
+        commands = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        command = commands[0].choices.get(args.command) if commands and args.command else None
+        (command or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     level = logging.WARNING - 10 * min(args.verbose + 1, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.verbose == 0:  # sacrebleu narrates each corpus score and bootstrap at INFO

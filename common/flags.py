@@ -5,6 +5,10 @@ once on stderr what to write instead::
 
     action = parser.add_argument("--kenlm", help="...")
     deprecated_spelling(parser, "--kn", action)   # --kn FILE still works, with a warning
+
+A value out of range is a usage error when it is parsed, before anything is read::
+
+    parser.add_argument("--order", type=int_at_least(2))    # --order 0: exit 2, one line
 """
 
 from __future__ import annotations
@@ -84,6 +88,9 @@ def float_in(low: float, high: float = math.inf, *, low_open: bool = False, high
             raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
         if not math.isfinite(value) or value < low or (low_open and value == low) or value > high \
                 or (high_open and value == high):
+            if math.isinf(high):
+                bound = f"more than {low:g}" if low_open else f"at least {low:g}"
+                raise argparse.ArgumentTypeError(f"must be {bound}, not {text}")
             raise argparse.ArgumentTypeError(f"must lie in {span}, not {text}")
         return value
 

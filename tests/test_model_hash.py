@@ -8,6 +8,7 @@ import hashlib
 import json
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,14 +23,15 @@ _TRAIN_ARGS = ("--recipe", "none", "--order", "3", "--dim", "8", "--classes", "8
 _STEPS = 20
 
 
-def _header(path: Path) -> tuple[int, dict]:  # type: ignore[type-arg]
+def _header(path: Path) -> tuple[int, dict[str, Any]]:
     blob = path.read_bytes()
     _, version, length = struct.unpack_from("<8sIQ", blob)
     return version, json.loads(blob[20 : 20 + length])
 
 
-def _rewrite(path: Path, out: Path, version: int, header: dict) -> None:  # type: ignore[type-arg]
-    """``path``'s data under ``header`` (its sha256 as given) and ``version``, as a writer of that version lays it out."""
+def _rewrite(path: Path, out: Path, version: int, header: dict[str, Any]) -> None:
+    """``path``'s data under ``header`` (its sha256 as given) and ``version``, laid out as a
+    writer of that version does."""
     blob = path.read_bytes()
     _, _, length = struct.unpack_from("<8sIQ", blob)
     data_start = (20 + length + 63) // 64 * 64
