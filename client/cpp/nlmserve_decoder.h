@@ -1,7 +1,8 @@
-// The parts of a decoder's language-model feature that need no decoder: the n-gram rows
-// of a phrase and of a phrase boundary (built on CanonicalRow, the one owner of the
-// n-gram rules), a word-id table filled once per word and read without a lock, the
-// boundary scores of a batch of expansions, and the on-error=floor pause.
+// The parts of a decoder's language-model feature that need no decoder: where it finds its
+// model (a tables file, a server, or both) and the words' ids, the n-gram rows of a phrase
+// and of a phrase boundary (built on CanonicalRow, the one owner of the n-gram rules), a
+// word-id table filled once per word and read without a lock, the boundary scores of a batch
+// of expansions, and the on-error=floor pause.
 //
 // The Moses feature NeuralLMServer (NeuralLMServer.cpp) is written on these; the test
 // executable nlmserve_unit_test checks them without Moses or a server. Installed next to
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "nlmserve_client.h"
+#include "nlmserve_tables_file.h"
 
 namespace nlmserve {
 
@@ -111,6 +113,60 @@ inline std::string OrderMismatch(std::size_t feature_order, uint32_t model_order
   return "order=" + std::to_string(feature_order) + " but the model at " + where + " has order " +
          std::to_string(model_order) + ": write order=" + std::to_string(model_order) +
          " (`nlmserve moses-ini --model MODEL` prints the whole line)";
+}
+
+// Where a feature finds its model, from its options: `path` (path=: `nlmserve serve`'s
+// HOST:PORT, replicas or dns:///NAME:PORT), `tables` (tables=: a tables file of `nlmserve
+// export-tables`), and whether scoring=server was written. A tables file holds the vocabulary,
+// the model's facts and its scoring tables, so a feature with tables= and no path= needs no
+// server: it constructs no client and opens no connection, as Moses' KENLM with its file.
+// With both, the file scores and maps the words, and the server is asked once, at load, which
+// model it serves (TablesMismatch). "" when the options hold together, else why the decoder
+// must stop.
+inline std::string SourceError(const std::string &path, const std::string &tables, bool scoring_server) {
+  if (path.empty() && tables.empty()) {
+    return "needs tables=FILE (a tables file of `nlmserve export-tables`: no server) or path=HOST:PORT of "
+           "`nlmserve serve` (or A:1,B:2 or dns:///NAME:PORT)";
+  }
+  if (!tables.empty() && scoring_server) return "tables=FILE scores in the decoder: drop scoring=server";
+  return std::string();
+}
+
+// The facts a decoder would ask GetModelInfo for, from a tables file: its order, vocabulary
+// size, special ids, lowercase flag and model hash (a class output's scores are the model's
+// self-normalised ones; objective, device and the request limit are the server's, left empty).
+inline ModelInfo ModelInfoOf(const TablesFileInfo &file) {
+  ModelInfo info;
+  info.order = file.order;
+  info.vocab_size = file.vocab_size;
+  info.bos_id = file.bos_id;
+  info.eos_id = file.eos_id;
+  info.unk_id = file.unk_id;
+  info.model_hash = file.model_hash;
+  info.lowercase = file.lowercase;
+  info.self_normalized = !file.normalized;
+  return info;
+}
+
+// With both path= and tables=: "" when the file at `tables` holds the model that `target`
+// serves (the same hash, order and vocabulary), else why the decoder must stop.
+inline std::string TablesMismatch(const TablesFileInfo &file, const ModelInfo &served, const std::string &tables,
+                                  const std::string &target) {
+  if (file.model_hash == served.model_hash && file.order == served.order && file.vocab_size == served.vocab_size) {
+    return std::string();
+  }
+  return "tables=" + tables + " holds model " + file.model_hash + " (order " + std::to_string(file.order) + ", " +
+         std::to_string(file.vocab_size) + " words), but " + target + " serves model " + served.model_hash +
+         " (order " + std::to_string(served.order) + ", " + std::to_string(served.vocab_size) +
+         " words): write the file with `nlmserve export-tables --model` of the served model, or drop path= (the "
+         "file needs no server)";
+}
+
+// A word's id in a tables file's vocabulary by the rule Client::WordId applies: lowercased
+// first when the model was trained lowercased (the vocabulary does that itself) or the
+// feature asks for it (`lowercase`, its lowercase= option); a word that is not there is <unk>.
+inline uint32_t FileWordId(const TablesVocabulary &vocabulary, const std::string &word, bool lowercase) {
+  return vocabulary.Id(lowercase && !vocabulary.lowercase() ? Lowercase(word) : word);
 }
 
 // Vocabulary ids of a decoder's dense word keys (Moses' Factor::GetId()), each computed

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <atomic>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <random>
@@ -544,6 +545,78 @@ void TestOrderMismatch() {
   Check(!nlmserve::OrderMismatch(6, 5, "h:1").empty(), "a longer order is refused");
 }
 
+// A tables file's vocabulary of `words` (ids in order) laid out as the file lays it out: the
+// words' bytes, their starts, and a probing table of 16-byte buckets (key, id).
+struct HandVocabulary {
+  std::string bytes;
+  std::vector<uint32_t> starts;
+  std::vector<unsigned char> table;
+  nlmserve::TablesVocabulary Make(const std::vector<std::string> &words, bool lowercase) {
+    const uint32_t buckets = static_cast<uint32_t>(nlmserve::tables_file::BucketCount(words.size()));
+    unsigned bits = 0;
+    while ((1u << bits) < buckets) ++bits;
+    table.assign(std::size_t(buckets) * 16, 0xff);
+    for (uint32_t i = 0; i < words.size(); ++i) {
+      starts.push_back(static_cast<uint32_t>(bytes.size()));
+      bytes += words[i];
+      const uint64_t key = nlmserve::TablesFileKey(words[i].data(), words[i].size());
+      uint64_t b = (key * 0x9e3779b97f4a7c15ULL) >> (64 - bits);
+      uint32_t empty;
+      for (;; b = (b + 1) & (buckets - 1)) {
+        std::memcpy(&empty, &table[b * 16 + 8], 4);
+        if (empty == 0xffffffffu) break;
+      }
+      std::memcpy(&table[b * 16], &key, 8);
+      std::memcpy(&table[b * 16 + 8], &i, 4);
+    }
+    starts.push_back(static_cast<uint32_t>(bytes.size()));
+    return nlmserve::TablesVocabulary(bytes.data(), bytes.size(), starts.data(), static_cast<uint32_t>(words.size()),
+                                      table.data(), buckets, lowercase, 0, nullptr);
+  }
+};
+
+void TestFeatureSources() {
+  Check(nlmserve::SourceError("", "/m.nlt", false).empty(), "tables= alone: no server needed");
+  Check(nlmserve::SourceError("127.0.0.1:1", "", true).empty(), "path= alone, scoring=server");
+  Check(nlmserve::SourceError("127.0.0.1:1", "/m.nlt", false).empty(), "path= and tables=: the file checked");
+  Check(nlmserve::SourceError("", "", false).find("needs tables=FILE") == 0, "neither: refused, naming both");
+  Check(nlmserve::SourceError("", "/m.nlt", true) == "tables=FILE scores in the decoder: drop scoring=server",
+        "tables= with scoring=server: refused");
+  nlmserve::TablesFileInfo file;
+  file.order = 5;
+  file.vocab_size = 100;
+  file.bos_id = 4;
+  file.eos_id = 5;
+  file.unk_id = 3;
+  file.lowercase = true;
+  file.model_hash = "abc";
+  const nlmserve::ModelInfo info = nlmserve::ModelInfoOf(file);
+  Check(info.order == 5 && info.vocab_size == 100 && info.bos_id == 4 && info.eos_id == 5 && info.unk_id == 3 &&
+            info.lowercase && info.model_hash == "abc" && info.self_normalized,
+        "a file's facts are what GetModelInfo gives (a class output: self-normalised)");
+  Check(nlmserve::TablesMismatch(file, info, "m.nlt", "h:1").empty(), "the served model of the file: accepted");
+  nlmserve::ModelInfo other = info;
+  other.model_hash = "def";
+  Check(nlmserve::TablesMismatch(file, other, "m.nlt", "h:1") ==
+            "tables=m.nlt holds model abc (order 5, 100 words), but h:1 serves model def (order 5, 100 words): "
+            "write the file with `nlmserve export-tables --model` of the served model, or drop path= (the file "
+            "needs no server)",
+        "another hash: refused, naming both models");
+  other = info;
+  other.order = 4;
+  Check(!nlmserve::TablesMismatch(file, other, "m.nlt", "h:1").empty(), "another order: refused");
+  HandVocabulary exact, lower;
+  const std::vector<std::string> words = {"<unk>", "<s>", "</s>", "paris", "Rome"};
+  const nlmserve::TablesVocabulary cased = exact.Make(words, false), lowered = lower.Make(words, true);
+  Check(nlmserve::FileWordId(cased, "paris", false) == 3 && nlmserve::FileWordId(cased, "Rome", false) == 4,
+        "a word of the file's vocabulary: its id");
+  Check(nlmserve::FileWordId(cased, "PARIS", false) == 0 && nlmserve::FileWordId(cased, "Lyon", false) == 0,
+        "any other word: <unk>");
+  Check(nlmserve::FileWordId(cased, "PARIS", true) == 3 && nlmserve::FileWordId(cased, "Rome", true) == 0,
+        "lowercase=: lowercased before the lookup, as the client does");
+  Check(nlmserve::FileWordId(lowered, "PARIS", false) == 3, "a lowercased model: lowercased before the lookup");
+}
+
 void TestTextAndTargets() {
   Check(nlmserve::Lowercase("The CAT") == "the cat", "ASCII lowercase");
   Check(nlmserve::Lowercase("\xc3\x89T\xc3\x89") == "\xc3\xa9t\xc3\xa9", "Latin-1 lowercase (ETE)");
@@ -1029,6 +1102,7 @@ int main(int argc, char **argv) {
   TestExpansionScores();
   TestErrorPause();
   TestOrderMismatch();
+  TestFeatureSources();
   TestTextAndTargets();
   TestScoringTables();
   TestScoringTablesTree();

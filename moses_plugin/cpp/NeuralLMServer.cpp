@@ -1,5 +1,5 @@
-// NeuralLMServer: a Moses language-model feature that asks an nlmserve server
-// (see NeuralLMServer.h and moses_plugin/README.md).
+// NeuralLMServer: a Moses language-model feature that scores n-grams with an nlmserve model,
+// from its tables file or by asking a server (see NeuralLMServer.h and moses_plugin/README.md).
 #include "NeuralLMServer.h"
 
 #include <algorithm>
@@ -29,6 +29,7 @@
 #include "NeuralLMServerSearch.h"
 #include "nlmserve_client.h"
 #include "nlmserve_decoder.h"
+#include "nlmserve_tables_file.h"
 #include "util/exception.hh"
 #include "util/file_piece.hh"
 #include "util/tokenize_piece.hh"
@@ -142,7 +143,8 @@ NeuralLMServer::NeuralLMServer(const std::string &line)
       m_pause(new nlmserve::ErrorPause()) {
   ReadParameters();
   m_target = m_filePath;
-  UTIL_THROW_IF2(m_target.empty(), "NeuralLMServer needs path=HOST:PORT (or A:1,B:2 or dns:///NAME:PORT) of nlmserve");
+  const std::string sources = nlmserve::SourceError(m_target, m_tablesFile, m_serverScoringGiven);
+  UTIL_THROW_IF2(!sources.empty(), "NeuralLMServer " << sources);
   UTIL_THROW_IF2(m_nGramOrder == NOT_FOUND, "NeuralLMServer needs order= (the served model's order)");
   UTIL_THROW_IF2(m_nGramOrder < 2, "NeuralLMServer: order must be at least 2, got " << m_nGramOrder);
   UTIL_THROW_IF2(m_nGramOrder > NeuralLMServerState::kMaxContext + 1,
@@ -239,69 +241,68 @@ void NeuralLMServer::Load(AllOptions::ptr const &opts) {
   // Per-sentence phrase scoring needs phrase-based search (chart decoding subtracts the
   // scores given in isolation).
   if (opts && opts->search.algo != Normal && opts->search.algo != CubePruning) m_sentencePhrases = false;
+  const std::string name = "NeuralLMServer " + GetScoreProducerDescription();
+  if (!m_tablesFile.empty()) m_localScoring = true;  // SourceError has refused scoring=server beside it
+  if (!m_target.empty()) {
+    nlmserve::ClientOptions options;
+    options.deadline_ms = m_deadlineMs;
+    options.connect_timeout_ms = m_connectTimeoutMs;
+    options.retries = m_retries;
+    options.cache_size = m_localScoring ? 0 : m_cacheSize;  // local scores cost less than a lookup
+    options.lowercase = m_lowercase;
+    options.normalized = m_normalized;
+    options.tls_ca = m_tlsCa;
+    options.tls_cert = m_tlsCert;
+    options.tls_key = m_tlsKey;
+    options.tls_server_name = m_tlsServerName;
+    options.token_file = m_tokenFile;
+    try {
+      m_client.reset(new nlmserve::Client(m_target, options));
+    } catch (const nlmserve::ClientError &e) {
+      UTIL_THROW2(name << ": " << e.what());
+    }
+    *m_model = m_client->info();
+  }
   if (!m_tablesFile.empty()) {
-    UTIL_THROW_IF2(m_serverScoringGiven, "NeuralLMServer " << GetScoreProducerDescription()
-                                                           << ": tables=FILE scores in the decoder: drop scoring=server");
-    m_localScoring = true;
+    // The file gives the tables, the vocabulary and the model's facts: no server is needed.
+    nlmserve::TablesFile file;
+    std::string error;
+    UTIL_THROW_IF2(!nlmserve::MapTablesFile(m_tablesFile, &file, &error), name << ": tables=" << error);
+    if (m_client) {
+      const std::string mismatch = nlmserve::TablesMismatch(file.info, *m_model, m_tablesFile, m_target);
+      UTIL_THROW_IF2(!mismatch.empty(), name << ": " << mismatch);
+      m_client.reset();  // asked which model it serves; nothing more is asked of it
+    }
+    *m_model = nlmserve::ModelInfoOf(file.info);
+    m_tables = file.tables;
+    m_vocabulary.reset(new nlmserve::TablesVocabulary(file.vocabulary));
+  } else if (m_localScoring) {
+    try {
+      m_tables = m_client->GetScoringTables();
+    } catch (const nlmserve::ClientError &e) {
+      UTIL_THROW2(name << ": scoring=local: " << e.what());
+    }
   }
-  nlmserve::ClientOptions options;
-  options.deadline_ms = m_deadlineMs;
-  options.connect_timeout_ms = m_connectTimeoutMs;
-  options.retries = m_retries;
-  options.cache_size = m_localScoring ? 0 : m_cacheSize;  // local scores cost less than a lookup
-  options.lowercase = m_lowercase;
-  options.normalized = m_normalized;
-  options.tls_ca = m_tlsCa;
-  options.tls_cert = m_tlsCert;
-  options.tls_key = m_tlsKey;
-  options.tls_server_name = m_tlsServerName;
-  options.token_file = m_tokenFile;
-  try {
-    m_client.reset(new nlmserve::Client(m_target, options));
-  } catch (const nlmserve::ClientError &e) {
-    UTIL_THROW2("NeuralLMServer " << GetScoreProducerDescription() << ": " << e.what());
-  }
-  const nlmserve::ModelInfo &info = m_client->info();
-  *m_model = info;
+  const nlmserve::ModelInfo &info = *m_model;
+  const std::string where = m_tablesFile.empty() ? m_target : m_tablesFile;
   // The decoder's own sentence boundaries are the model's special ids.
   m_ids->Set(m_sentenceStart->GetId(), info.bos_id);
   m_ids->Set(m_sentenceEnd->GetId(), info.eos_id);
-  const std::string wrongOrder = nlmserve::OrderMismatch(m_nGramOrder, info.order, m_target);
-  UTIL_THROW_IF2(!wrongOrder.empty(), "NeuralLMServer " << GetScoreProducerDescription() << ": " << wrongOrder);
+  const std::string wrongOrder = nlmserve::OrderMismatch(m_nGramOrder, info.order, where);
+  UTIL_THROW_IF2(!wrongOrder.empty(), name << ": " << wrongOrder);
   m_beginState = new NeuralLMServerState(m_nGramOrder - 1, m_sentenceStart);
   m_nullState = new NeuralLMServerState(m_nGramOrder - 1, m_sentenceStart);
   if (m_localScoring) {
-    if (m_tablesFile.empty()) {
-      try {
-        m_tables = m_client->GetScoringTables();
-      } catch (const nlmserve::ClientError &e) {
-        UTIL_THROW2("NeuralLMServer " << GetScoreProducerDescription() << ": scoring=local: " << e.what());
-      }
-    } else {
-      std::string error;
-      UTIL_THROW_IF2(!nlmserve::MapTablesFile(m_tablesFile, &m_tables, &error),
-                     "NeuralLMServer " << GetScoreProducerDescription() << ": tables=" << error);
-      // The server still maps the decoder's words to ids: the file must be of its model.
-      UTIL_THROW_IF2(m_tables->model_hash() != info.model_hash || m_tables->order() != info.order ||
-                         m_tables->vocab_size() != info.vocab_size,
-                     "NeuralLMServer " << GetScoreProducerDescription() << ": tables=" << m_tablesFile
-                                       << " holds the tables of model " << m_tables->model_hash() << ", but "
-                                       << m_target << " serves model " << info.model_hash
-                                       << ": write it again with `nlmserve export-tables --model` of the served model");
-    }
     // A tree output's tables give exact log-probabilities; a class output's give the
     // self-normalised score, not what normalized=true (the default) asks for.
     UTIL_THROW_IF2(m_normalized && !m_tables->normalized(),
-                   "NeuralLMServer " << GetScoreProducerDescription()
-                                     << ": scoring=local computes self-normalised scores only with a class-output "
-                                        "model: add normalized=false, use scoring=server, or serve a tree-output "
-                                        "model (exact scores)");
-    VERBOSE(1, "NeuralLMServer " << GetScoreProducerDescription() << ": scoring locally with "
-                                 << m_tables->bytes() / 1048576 << " MB of tables"
-                                 << (m_tables->mapped() ? " mapped from " + m_tablesFile : std::string(" fetched"))
-                                 << " (width " << m_tables->dim()
-                                 << (m_tables->normalized() ? ", a tree: exact log-probabilities" : ", self-normalised")
-                                 << ")" << std::endl);
+                   name << ": scoring=local computes self-normalised scores only with a class-output model: add "
+                           "normalized=false, use scoring=server, or serve a tree-output model (exact scores)");
+    VERBOSE(1, name << ": scoring locally with " << m_tables->bytes() / 1048576 << " MB of tables"
+                    << (m_tables->mapped() ? " mapped from " + m_tablesFile : std::string(" fetched")) << " (width "
+                    << m_tables->dim()
+                    << (m_tables->normalized() ? ", a tree: exact log-probabilities" : ", self-normalised") << ")"
+                    << (m_client ? "" : "; no server") << std::endl);
   }
   // phrase-scores=load asks for each target phrase's n-grams as the tables load it, one
   // request per phrase; reading the in-memory tables' target phrases first puts their
@@ -310,10 +311,8 @@ void NeuralLMServer::Load(AllOptions::ptr const &opts) {
   if (m_tablePrefetch && phraseBased && !m_sentencePhrases && !m_localScoring && m_cacheSize > 0) {
     PrefetchPhraseTables();
   }
-  VERBOSE(1, "NeuralLMServer " << GetScoreProducerDescription() << ": " << m_target << " model "
-                               << info.model_hash << " order " << info.order << " vocabulary "
-                               << info.vocab_size << (m_normalized ? " normalized" : " unnormalized")
-                               << std::endl);
+  VERBOSE(1, name << ": " << where << " model " << info.model_hash << " order " << info.order << " vocabulary "
+                  << info.vocab_size << (m_normalized ? " normalized" : " unnormalized") << std::endl);
 }
 
 void NeuralLMServer::PrefetchPhraseTables() const {
@@ -386,8 +385,12 @@ void NeuralLMServer::PrefetchPhraseTables() const {
 
 uint32_t NeuralLMServer::Id(const Word &word) const {
   const Factor *f = word.GetFactor(m_factorType);
-  // Factor ids are unique and dense; the vocabulary, a string map, is asked once per factor.
-  return m_ids->Get(f->GetId(), [this, f](size_t) { return m_client->WordId(f->GetString().as_string()); });
+  // Factor ids are unique and dense; the vocabulary (the tables file's, else the client's) is
+  // asked once per factor.
+  return m_ids->Get(f->GetId(), [this, f](size_t) {
+    const std::string text = f->GetString().as_string();
+    return m_vocabulary ? nlmserve::FileWordId(*m_vocabulary, text, m_lowercase) : m_client->WordId(text);
+  });
 }
 
 void NeuralLMServer::AppendIds(const Phrase &phrase, std::vector<uint32_t> *ids) const {

@@ -1,10 +1,20 @@
-// NeuralLMServer: a Moses language-model feature that asks an nlmserve server.
+// NeuralLMServer: a Moses language-model feature that scores n-grams with an nlmserve model,
+// from its tables file in the decoder (no server), or by asking an nlmserve server.
 //
 // Goes into moses/LM/ of a Moses source tree (see moses_plugin/README.md) and links
 // against the nlmserve C++ client library (nlmserve_client.h, built by
-// moses_plugin/cpp/CMakeLists.txt). moses.ini:
+// client/cpp/CMakeLists.txt). moses.ini, with a tables file (`nlmserve export-tables`) and
+// no server, as KENLM reads its file:
+//
+//   NeuralLMServer name=NLM0 factor=0 order=5 tables=/abs/model.nlt normalized=false
+//
+// or asking a running `nlmserve serve`:
 //
 //   NeuralLMServer name=NLM0 factor=0 order=5 path=127.0.0.1:50051
+//
+// `nlmserve moses-ini` prints the line that fits a model. One of tables= and path= is needed
+// (nlmserve::SourceError); without path= the feature constructs no client and opens no
+// connection: the file gives the vocabulary, the model's facts and the tables.
 //
 // Parameters (besides Moses' own name, factor, order, path, tuneable, oov-feature):
 //   normalized=true|false   exactly normalised log-probabilities (default true), or the
@@ -12,7 +22,7 @@
 //   cache-size=N            n-gram score cache entries shared by all threads (default 1048576;
 //                           keyed by the n-gram's ids, stored inline, no allocation per lookup)
 //   lowercase=true|false    lowercase words before the vocabulary lookup (default false;
-//                           also done when the served model says so)
+//                           also done when the model says so)
 //   deadline-ms=N           deadline of one request (default 10000)
 //   connect-timeout-ms=N    how long a reconnection may wait (default 5000)
 //   retries=N               further attempts on a fresh channel after a failure (default 2)
@@ -55,10 +65,13 @@
 //   tables=FILE             scoring=local from a tables file (`nlmserve export-tables --model M --out
 //                           FILE`) mapped read-only instead of fetched: every decoder of a host
 //                           that maps the same file shares one copy of the tables (the page
-//                           cache's), where fetched tables are a copy per process. Implies
-//                           scoring=local (scoring=server beside it is refused); the file must
-//                           be of the model the server serves (same hash), which still maps
-//                           the decoder's words to ids
+//                           cache's), where fetched tables are a copy per process. The file's
+//                           vocabulary maps the words to ids (lowercased first as the client
+//                           does) and its header gives the model's order, special ids and hash,
+//                           so no server is needed. Implies scoring=local (scoring=server
+//                           beside it is refused). With path= as well, the server is asked at
+//                           load which model it serves, and a file of another model (hash,
+//                           order, vocabulary) stops the decoder; nothing more is asked of it
 //   prefetch=stack|hypothesis|false
 //                           stack (default; also true): when Moses' normal stack search starts
 //                           expanding a stack, score the boundary n-grams of every possible
@@ -94,6 +107,7 @@ class Client;
 struct ModelInfo;
 class DenseIdMap;
 class ScoringTables;
+class TablesVocabulary;
 class ErrorPause;
 }  // namespace nlmserve
 
@@ -210,6 +224,7 @@ class NeuralLMServer : public LanguageModelSingleFactor {
   bool m_serverScoringGiven;  // scoring=server was written (refused beside tables=FILE)
   std::string m_tablesFile;   // tables=FILE: mapped, not fetched
 
+  // Without path= (a tables file alone), none: no connection is ever made.
   std::unique_ptr<nlmserve::Client> m_client;
   // The client library's types are held by pointer, so that this header (included by
   // moses/FF/Factory.cpp, which is compiled without the client library's include path)
@@ -217,6 +232,7 @@ class NeuralLMServer : public LanguageModelSingleFactor {
   std::unique_ptr<nlmserve::ModelInfo> m_model;  // the served model's order, vocabulary size and special ids
   std::unique_ptr<nlmserve::DenseIdMap> m_ids;   // Factor::GetId() -> vocabulary id
   std::shared_ptr<const nlmserve::ScoringTables> m_tables;  // scoring=local: the model's tables
+  std::unique_ptr<nlmserve::TablesVocabulary> m_vocabulary;  // tables=FILE: the file's words -> ids
   NeuralLMServerState *m_nullState;
   NeuralLMServerState *m_beginState;
 
