@@ -63,8 +63,8 @@ def check_output(path: str | os.PathLike[str], *, size: int | None = None) -> No
     name = os.fspath(path)
     try:
         st: os.stat_result | None = os.stat(name)
-    except FileNotFoundError:
-        st = None
+    except (FileNotFoundError, NotADirectoryError):
+        st = None  # the folder's check below says what is wrong
     except OSError as exc:
         raise InputError(f"cannot write the output: {exc.strerror or exc}", name) from exc
     if st is not None and stat.S_ISDIR(st.st_mode):
@@ -74,7 +74,8 @@ def check_output(path: str | os.PathLike[str], *, size: int | None = None) -> No
                          "over, which would replace it)", name)
     folder = os.path.dirname(os.path.abspath(name))
     if not os.path.isdir(folder):
-        raise InputError(f"cannot write the output: no such directory {folder}", name)
+        what = "is not a directory" if os.path.exists(folder) else "does not exist"
+        raise InputError(f"cannot write the output: its folder {folder} {what}", name)
     if not os.access(folder, os.W_OK | os.X_OK):
         raise InputError(f"cannot write the output: no permission to write into {folder}", name)
     if size is not None:

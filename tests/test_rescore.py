@@ -220,7 +220,7 @@ def test_unwritable_output_is_one_clear_error(server: RunningServer, small_list:
     with pytest.raises(InputError, match=f"{folder}: the output is a directory"):
         rescore(str(small_list), str(folder), lambda: LMClient(server.target), _config())
     blocked = tmp_path / "missing-folder" / "out.nbest"
-    with pytest.raises(InputError, match=f"{blocked}: cannot write the output: no such directory"):
+    with pytest.raises(InputError, match=f"{blocked}: cannot write the output: its folder"):
         rescore(str(small_list), str(blocked), lambda: LMClient(server.target), _config())
 
 
