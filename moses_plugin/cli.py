@@ -154,19 +154,21 @@ def _moses_experiment(args: argparse.Namespace) -> int:
 def _register_moses_ini(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "moses-ini", help="the NeuralLMServer feature line and starting weight that fit a model, for moses.ini")
-    source = p.add_mutually_exclusive_group(required=True)
+    source = p.add_mutually_exclusive_group()
     source.add_argument("--model", metavar="FILE", help="a model file of nlmserve train (read here, no server)")
     source.add_argument("--server", help="a running server: " + SERVER_HELP)
     p.add_argument("--path", default=None,
-                   help="with --model: the path= the decoder will use, where the model is served "
-                        "(default 127.0.0.1:50051, nlmserve serve's default port)")
+                   help="with --model or --tables: the path= the decoder will use, where the model is served "
+                        "(default with --model alone 127.0.0.1:50051, nlmserve serve's default port; with --tables "
+                        "none: the server-free line)")
     p.add_argument("--name", type=feature_name, default="NLM0", help="the feature's name (no '_'; default NLM0)")
     p.add_argument("--ini", metavar="FILE",
                    help="the system's moses.ini: the starting weight is a share of the L1 norm of its tuneable "
                         "weights (default: of weights of L1 norm 1, as mert-moses.pl writes them)")
     p.add_argument("--tables", metavar="FILE",
-                   help="a tables file of the model (`nlmserve export-tables`): the line maps it (tables=FILE), one "
-                        "copy of the tables for every decoder of the host")
+                   help="a tables file of the model (`nlmserve export-tables`): the server-free line, which maps "
+                        "it (tables=FILE: its vocabulary, the model's facts, one copy of the tables for every decoder "
+                        "of the host) and needs no server; alone, or with --model or --server to check it is theirs")
     p.add_argument("--timeout", type=positive_float, default=30.0, help="per-request timeout in seconds (default 30)")
     add_security_flags(p)
     p.set_defaults(func=_moses_ini)
@@ -176,30 +178,34 @@ def _moses_ini(args: argparse.Namespace) -> int:
     from . import moses_ini
 
     extra = _feature_security(args)
-    if args.model and extra:
+    if not (args.model or args.server or args.tables):
+        raise UsageError("give --tables FILE (the server-free line), --model FILE or --server HOST:PORT")
+    if not args.server and extra:
         raise UsageError("--tls* and --token-file go with --server (the feature's own options are set for it)")
     if args.server and args.path:
-        raise UsageError("--path goes with --model: with --server the path is the server's address")
+        raise UsageError("--path goes with --model or --tables: with --server the path is the server's address")
     if args.model:
         check_input(args.model, MODEL)
     if args.ini:
         check_input(args.ini, PLAIN)
     if args.tables:
         check_input(args.tables, TABLES)
-    if args.model:
-        facts = moses_ini.facts_of_file(args.model)
-        path = args.path or moses_ini.DEFAULT_PATH
-    else:
+    path: str | None
+    if args.server:
         from ..client.cli import security_kwargs
 
         facts = moses_ini.facts_of_server(args.server, args.timeout, security_kwargs(args))
         path = args.server
+    elif args.model:
+        facts = moses_ini.facts_of_file(args.model)
+        path = args.path or (None if args.tables else moses_ini.DEFAULT_PATH)
+    else:
+        facts = moses_ini.facts_of_tables(args.tables)
+        path = args.path
     if args.tables:
-        from ..lm.tables_file import read_tables_file
-
-        head = read_tables_file(args.tables)  # ModelFileError names a file that is not one
-        if head.model_hash != facts.model_hash:
-            raise InputError(f"holds the tables of model {head.model_hash[:12]}, not of {facts.model_hash[:12]}: "
+        own = moses_ini.facts_of_tables(args.tables)  # ModelFileError names a file that is not one
+        if own.model_hash != facts.model_hash:
+            raise InputError(f"holds the tables of model {own.model_hash[:12]}, not of {facts.model_hash[:12]}: "
                              "write it with `nlmserve export-tables --model` of this model", args.tables)
         extra["tables"] = os.path.abspath(args.tables)
     share = f"{moses_ini.START_SHARE:g} of the L1 norm of"

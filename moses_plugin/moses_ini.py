@@ -18,6 +18,13 @@ Whether a model has tables is the rule of ``nlmserve.lm.scoring.LanguageModel.
 scoring_tables_missing`` (a model file, read here) or the server's own answer to
 ``GetScoringTables`` (asked for its first chunk only).
 
+Given a tables file (``--tables``, of ``nlmserve export-tables``), the line is the server-free
+one: ``tables=FILE`` and no ``path=``, as KENLM's line names its file. The feature then takes
+the vocabulary, the model's facts and the tables from the file and needs no server; the facts of
+the line come from the file's header. ``path=`` goes beside it only when a server is named
+(``--server``, ``--path``): the feature then checks at load that the server serves the file's
+model.
+
 The starting weight is a fixed share, :data:`START_SHARE`, of the L1 norm of the other
 weights: mert-moses.pl writes tuned weights with an L1 norm of 1 (a tuned LM0 is a few
 hundredths to a tenth of it), and MERT ranks hypotheses by weight ratios only, so a share
@@ -93,12 +100,23 @@ def scoring_for(facts: ModelFacts) -> Scoring:
                                    "asked of the server")
 
 
-def feature_line(facts: ModelFacts, path: str, name: str = "NLM0", extra: dict[str, str] | None = None) -> str:
-    """The ``NeuralLMServer`` line of moses.ini's ``[feature]`` section."""
+def feature_line(facts: ModelFacts, path: str | None, name: str = "NLM0", extra: dict[str, str] | None = None) -> str:
+    """The ``NeuralLMServer`` line of moses.ini's ``[feature]`` section: ``path`` is where the model
+    is served. With ``path`` None and ``tables=FILE`` among ``extra``, the server-free line: the
+    feature maps the file and takes the vocabulary and the model's facts from it (``tables=``
+    implies ``scoring=local``, so the line leaves ``scoring=`` out)."""
     mode = scoring_for(facts)
-    options = {"name": name, "factor": "0", "order": str(facts.order), "path": path,
-               "normalized": "true" if mode.normalized else "false", "scoring": mode.scoring, **(extra or {})}
-    return "NeuralLMServer " + " ".join(f"{key}={value}" for key, value in options.items())
+    if path is None and "tables" not in (extra or {}):
+        raise ValueError("a feature line needs path= (a server) or tables= (a tables file)")
+    if "tables" in (extra or {}) and mode.scoring != "local":
+        raise ValueError(f"a model without scoring tables has no tables file: {mode.reason}")
+    options = {"name": name, "factor": "0", "order": str(facts.order)}
+    if path is not None:
+        options["path"] = path
+    options["normalized"] = "true" if mode.normalized else "false"
+    if path is not None:
+        options["scoring"] = mode.scoring
+    return "NeuralLMServer " + " ".join(f"{key}={value}" for key, value in {**options, **(extra or {})}.items())
 
 
 def start_weight(l1_norm: float = 1.0) -> float:
@@ -143,6 +161,19 @@ def facts_of_file(path: str) -> ModelFacts:
                       model_hash=lm.model_hash)
 
 
+def facts_of_tables(path: str) -> ModelFacts:
+    """The facts of the model whose tables file ``path`` is (``nlmserve export-tables``: its
+    header holds the order, the output, the hash; ModelFileError names a file that is not one,
+    or one of version 1). A model has a tables file only when it has scoring tables, that is
+    when its scores are self-normalised (a class output) or exact (a tree); the file does not
+    record the training objective."""
+    from ..lm.tables_file import read_tables_file
+
+    head = read_tables_file(path).header
+    return ModelFacts(order=head.order, output=head.output, objective="", self_normalized=True,
+                      tables_missing=None, model_hash=head.model_hash)
+
+
 def facts_of_server(target: str, timeout: float = 30.0, client_kwargs: dict[str, Any] | None = None) -> ModelFacts:
     """The facts of the model a server serves: its ModelInfo, and whether it answers
     ``GetScoringTables`` (its first chunk, of one float, is read and the rest cancelled)."""
@@ -183,12 +214,17 @@ def facts_of_server(target: str, timeout: float = 30.0, client_kwargs: dict[str,
                       self_normalized=info.self_normalized, tables_missing=missing, model_hash=info.model_hash)
 
 
-def render(facts: ModelFacts, path: str, weight: float, weight_reason: str, name: str = "NLM0",
+def render(facts: ModelFacts, path: str | None, weight: float, weight_reason: str, name: str = "NLM0",
            extra: dict[str, str] | None = None) -> str:
     """The two sections to add to moses.ini, with the reasons as comments."""
     mode = scoring_for(facts)
-    return (f"# model {facts.model_hash[:12]}: order {facts.order}, {facts.output} output, {facts.objective}; "
-            f"{mode.reason}\n"
+    objective = f", {facts.objective}" if facts.objective else ""
+    where = ""
+    if "tables" in (extra or {}):
+        where = ("; no server: the decoder maps the tables file" if path is None
+                 else f"; the server at {path} must serve the tables file's model (checked at load)")
+    return (f"# model {facts.model_hash[:12]}: order {facts.order}, {facts.output} output{objective}; "
+            f"{mode.reason}{where}\n"
             "[feature]\n"
             f"{feature_line(facts, path, name, extra)}\n"
             "\n"

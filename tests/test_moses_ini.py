@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from nlmserve.common.cli import main
+from nlmserve.lm.scoring import LanguageModel
 from support import golden_model, start_server
 
 BASELINE_INI = Path(__file__).resolve().parent.parent / "data" / "nbest" / "newstest-fr-en" / "baseline-weights.ini"
@@ -77,23 +78,43 @@ def test_a_5_gram_a_10_gram_and_a_tree_give_three_lines(tiny_model_path: Path, t
     assert "tree output: exact log-probabilities" in notes[0]
 
 
-def test_a_tables_file_of_the_model_goes_into_the_line(tiny_model_path: Path, tree_model_path: Path,
-                                                        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """``--tables FILE``: the line maps the file (its absolute path); a file of another model
-    or one that is not a tables file is refused, naming it."""
-    tables = tmp_path / "tiny.nlt"
+def test_a_tables_file_gives_the_server_free_line(tiny_model_path: Path, tree_model_path: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """``--tables FILE``: the line maps the file (its absolute path) and names no server, alone or
+    with ``--model`` (the file checked against it); with ``--path`` or ``--server`` the server goes
+    beside it (the feature checks at load that it serves the file's model). A file of another
+    model, or one that is not a tables file, is refused, naming it."""
+    tables, tree_tables = tmp_path / "tiny.nlt", tmp_path / "tree.nlt"
     assert main(["export-tables", "--model", str(tiny_model_path), "--out", str(tables)]) == 0
+    assert main(["export-tables", "--model", str(tree_model_path), "--out", str(tree_tables), "--quantize",
+                 "int8"]) == 0
     capsys.readouterr()
-    line, _, _ = _lines(capsys, "--model", str(tiny_model_path), "--tables", str(tables))
-    assert line == ("NeuralLMServer name=NLM0 factor=0 order=5 path=127.0.0.1:50051 normalized=false scoring=local "
+    alone, weight, notes = _lines(capsys, "--tables", str(tables))
+    assert alone == f"NeuralLMServer name=NLM0 factor=0 order=5 normalized=false tables={tables}"
+    assert weight == "NLM0= 0.1" and "no server: the decoder maps the tables file" in notes[0]
+    assert _lines(capsys, "--model", str(tiny_model_path), "--tables", str(tables))[0] == alone
+    tree, _, notes = _lines(capsys, "--tables", str(tree_tables), "--name", "NLM1")
+    assert tree == f"NeuralLMServer name=NLM1 factor=0 order=4 normalized=true tables={tree_tables}"
+    assert "tree output" in notes[0]
+    both, _, _ = _lines(capsys, "--tables", str(tables), "--path", "10.0.0.1:7")
+    assert both == ("NeuralLMServer name=NLM0 factor=0 order=5 path=10.0.0.1:7 normalized=false scoring=local "
                     f"tables={tables}")
+    running = start_server(LanguageModel.load(tiny_model_path, device="cpu"))
+    try:
+        served, _, notes = _lines(capsys, "--server", running.target, "--tables", str(tables))
+    finally:
+        running.stop(1.0)
+    assert served == both.replace("10.0.0.1:7", running.target)
+    assert f"the server at {running.target} must serve the tables file's model" in notes[0]
     assert main(["moses-ini", "--model", str(tree_model_path), "--tables", str(tables)]) != 0
     captured = capsys.readouterr()
     assert not captured.out and re.search(rf"error: {re.escape(str(tables))}: holds the tables of model \w{{12}}, "
                                           r"not of \w{12}: write it", captured.err), captured.err
-    assert main(["moses-ini", "--model", str(tiny_model_path), "--tables", str(tiny_model_path)]) != 0
+    assert main(["moses-ini", "--tables", str(tiny_model_path)]) != 0
     captured = capsys.readouterr()
     assert not captured.out and f"{tiny_model_path}: not an nlmserve export-tables file" in captured.err
+    assert main(["moses-ini"]) == 2
+    assert "give --tables FILE (the server-free line), --model FILE or --server HOST:PORT" in capsys.readouterr().err
 
 
 def test_models_without_tables_are_scored_by_the_server(tmp_path: Path, hidden_model_path: Path,
@@ -111,8 +132,6 @@ def test_models_without_tables_are_scored_by_the_server(tmp_path: Path, hidden_m
 def test_a_server_gives_the_line_of_the_model_it_serves(which: str, tiny_model_path: Path, tree_model_path: Path,
                                                         hidden_model_path: Path, tmp_path: Path,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
-    from nlmserve.lm.scoring import LanguageModel
-
     path = {"tiny": tiny_model_path, "tree": tree_model_path, "hidden": hidden_model_path,
             "mle": tmp_path / "mle.nlm"}[which]
     if which == "mle":
