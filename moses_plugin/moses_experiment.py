@@ -1,15 +1,21 @@
 """``nlmserve moses-experiment``: the neural LM inside Moses, end to end, as Moses' EMS runs
-a baseline: (train a model →) serve it → tune each system with Moses' own ``mert-moses.pl``
-(MERT or batch MIRA) on a dev set → decode the test set with each tuned moses.ini → BLEU of
-each, with a paired bootstrap p-value against KENLM alone.
+a baseline: (train a model →) write its tables file → tune each system with Moses' own
+``mert-moses.pl`` (MERT or batch MIRA) on a dev set → decode the test set with each tuned
+moses.ini → BLEU of each, with a paired bootstrap p-value against KENLM alone.
 
 The systems: ``moses``, the given moses.ini as it is (KENLM alone), and one more per model,
 the same ini plus the ``NeuralLMServer`` line ``nlmserve moses-ini`` derives from the model
-(its order; ``scoring=local`` where it has scoring tables) and NLM0's starting weight. Each is
-tuned once per seed. Resumable: a tuning with a finished iteration continues (mert-moses.pl
-``--continue``), a finished tuning and a finished test decoding are kept; the workdir holds
-one tuner's runs. Results: ``results.json`` and ``results.md`` in the workdir, and the table
-on stdout.
+(its order and scoring) and NLM0's starting weight. A model with scoring tables is decoded
+from its tables file (``nlmserve export-tables``, written into the workdir once): the
+server-free line ``tables=FILE``, no server started. A model without tables, or any model
+with ``--serve``, is served by ``nlmserve serve`` for its tunings and decodings (``path=``).
+Each system is tuned once per seed. Resumable: a tuning with a finished iteration continues
+(mert-moses.pl ``--continue``), a finished tuning and a finished test decoding are kept (and
+said to be); the workdir holds one tuner's runs. While mert-moses.pl and Moses run, a line
+every :data:`PROGRESS_EVERY_S` seconds says where they are (the tuning's iteration and the
+dev BLEU of each finished one, the test sentences decoded). Results: ``results.json`` and
+``results.md`` in the workdir, and the table on stdout, with the feature line each system ran
+and a note where the tuning stopped at ``--max-iterations`` while its dev BLEU still rose.
 
 The steps that the research harness (experiments/moses_mert.py) shares are owned here:
 subsets of the dev and test sets, the mert tools, one tuning, one test decoding.
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import statistics
@@ -27,12 +34,18 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import IO, Any, Callable, Protocol
 
 from ..common.errors import InputError
 from ..common.flags import int_at_least, positive_float
 
+log = logging.getLogger(__name__)
+
 MERT_TOOLS = ("extractor", "mert", "kbmira", "pro", "evaluator")
+
+#: Seconds between two progress lines while mert-moses.pl or Moses runs (a line is written only
+#: when there is news).
+PROGRESS_EVERY_S = 30.0
 
 
 class TuneSettings(Protocol):
@@ -114,6 +127,66 @@ def count_lines(path: Path) -> int:
         return sum(1 for _ in f)
 
 
+def run_watched(cmd: list[str], progress: Callable[[], str | None], *, stdout: IO[bytes],
+                stdin: IO[bytes] | None = None, stderr: IO[bytes] | int | None = subprocess.STDOUT,
+                cwd: Path | None = None) -> int:
+    """Run ``cmd`` to its end → its exit status; meanwhile, every :data:`PROGRESS_EVERY_S`
+    seconds, log what ``progress()`` says when it says something new (a tuning or a decoding
+    takes minutes, and a command that is silent for minutes looks stuck)."""
+    last: str | None = None
+    with subprocess.Popen(cmd, stdin=stdin, stdout=stdout, stderr=stderr, cwd=cwd) as proc:
+        while True:
+            try:
+                return proc.wait(timeout=PROGRESS_EVERY_S)
+            except subprocess.TimeoutExpired:
+                now = progress()
+                if now is not None and now != last:
+                    log.info("%s", now)
+                    last = now
+
+
+class DevBleu:
+    """The dev BLEU of each iteration of a tuning: the BLEU of mert-moses.pl's ``run{i}.out``
+    (the 1-best of the dev set decoded with iteration i's weights) against the dev reference,
+    each file scored once."""
+
+    def __init__(self, work: Path, dev_ref: Path) -> None:
+        self.work = work
+        self.dev_ref = dev_ref
+        self.refs: list[list[str]] = []  # read when first needed
+        self.scores: list[float] = []
+
+    def decoded(self, i: int) -> int:
+        """Dev sentences decoded so far in iteration ``i`` (-1: not started)."""
+        return count_lines(self.work / f"run{i}.out")
+
+    def sentences(self) -> int:
+        """The dev set's sentences."""
+        from .bleu import read_references
+
+        if not self.refs:
+            self.refs = read_references([str(self.dev_ref)])
+        return len(self.refs[0])
+
+    def __call__(self) -> list[float]:
+        """The BLEU of every iteration decoded in full so far, first to last."""
+        from .bleu import BleuConfig, corpus_bleu
+
+        n = self.sentences()
+        while self.decoded(len(self.scores) + 1) == n:
+            path = self.work / f"run{len(self.scores) + 1}.out"
+            hyps = path.read_text(encoding="utf-8").splitlines()
+            self.scores.append(round(corpus_bleu(hyps, self.refs, BleuConfig())[0].score, 2))
+        return self.scores
+
+
+def still_rising(record: dict[str, Any], max_iterations: int) -> bool:
+    """Whether a tuning stopped at ``max_iterations`` while its dev BLEU still rose (its last
+    iteration's 1-best better than the one before)."""
+    bleu = record.get("dev_bleu") or []
+    return record["iterations"] >= max_iterations and len(bleu) >= 2 and bleu[-1] > bleu[-2]
+
+
 def tune(settings: TuneSettings, feature: str | None, moses: str, seed: int, mertdir: Path, dev_src: Path,
          dev_ref: Path, base: Path, label: str) -> dict[str, Any]:
     """One tuning of the system ``settings.ini`` (+ the ``feature`` line of NLM0 when given)
@@ -154,31 +227,60 @@ def tune(settings: TuneSettings, feature: str | None, moses: str, seed: int, mer
             cmd += ["--mertargs", f"-r {seed}"]
         if can_continue(work):
             cmd.append("--continue")
-        log = base / "mert.log"
-        print(f"{label} seed {seed}: tuning (log: {log})", flush=True)
-        with open(log, "ab") as f:
-            r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=base)
-        if r.returncode != 0 or not tuned.exists():
-            raise InputError(f"mert-moses.pl failed ({r.returncode}) for {label} seed {seed}: see {log}")
+        mert_log = base / "mert.log"
+        log.info("%s seed %s: tuning with %s, at most %d iterations (log: %s)", label, seed, settings.tuner,
+                 settings.max_iterations, mert_log)
+        bleu = DevBleu(work, dev_ref)
+
+        def progress() -> str:
+            done = bleu()
+            running = len(done) + 1
+            decoded = bleu.decoded(running)
+            now = (f"{label} seed {seed}: tuning iteration {running} of at most {settings.max_iterations}, "
+                   f"{max(decoded, 0)} of {bleu.sentences()} dev sentences decoded")
+            return now + (f"; dev BLEU of iterations 1-{len(done)}: {', '.join(f'{b:.2f}' for b in done)}"
+                          if done else "")
+
+        with open(mert_log, "ab") as f:
+            code = run_watched(cmd, progress, stdout=f, cwd=base)
+        if code != 0 or not tuned.exists():
+            raise InputError(f"mert-moses.pl failed ({code}) for {label} seed {seed}: see {mert_log}")
+    else:
+        log.info("%s seed %s: tuned before, reusing %s", label, seed, tuned)
     nbests = sorted(work.glob("run*.best*.out.gz"), key=lambda p: p.stat().st_mtime)
     times = [p.stat().st_mtime for p in nbests]
     steps = [b - a for a, b in zip([first_start, *times[:-1]], times)]
-    return {"iterations": len(nbests), "tuning_wall_s": round(tuned.stat().st_mtime - first_start, 1),
-            "seconds_per_iteration": round(statistics.mean(steps), 1) if steps else None,
-            "this_invocation_s": round(time.monotonic() - started, 1), "ini": str(tuned)}
+    dev_bleu = DevBleu(work, dev_ref)()
+    record: dict[str, Any] = {"iterations": len(nbests), "tuning_wall_s": round(tuned.stat().st_mtime - first_start, 1),
+                              "seconds_per_iteration": round(statistics.mean(steps), 1) if steps else None,
+                              "this_invocation_s": round(time.monotonic() - started, 1), "ini": str(tuned),
+                              "dev_bleu": dev_bleu}
+    if still_rising(record, settings.max_iterations):
+        log.warning("%s seed %s: stopped at --max-iterations %d while its dev BLEU still rose (%s): more "
+                    "iterations may move its test BLEU", label, seed, settings.max_iterations,
+                    ", ".join(f"{b:.2f}" for b in dev_bleu[-3:]))
+    return record
 
 
-def decode_test(moses: str, threads: int, tuned_ini: Path, test_src: Path, out: Path, n: int) -> float:
+def decode_test(moses: str, threads: int, tuned_ini: Path, test_src: Path, out: Path, n: int,
+                label: str = "") -> float:
     """Decode ``test_src`` into ``out`` → seconds it took (a finished decoding is kept, and its
-    time read back from ``out``.seconds)."""
+    time read back from ``out``.seconds); ``label`` starts its progress lines."""
     seconds = out.with_suffix(".seconds")
     if count_lines(out) == n:
+        log.info("%stest set decoded before, reusing %s", label, out)
         return float(seconds.read_text()) if seconds.exists() else 0.0
     tmp = out.with_name(out.name + ".tmp")
     start = time.monotonic()
+    log.info("%sdecoding %d test sentences (log: %s)", label, n, out.with_suffix(".log"))
+
+    def progress() -> str:
+        return f"{label}{max(count_lines(tmp), 0)} of {n} test sentences decoded in {time.monotonic() - start:.0f} s"
+
     with open(test_src, "rb") as fin, open(tmp, "wb") as fout, open(out.with_suffix(".log"), "wb") as ferr:
-        r = subprocess.run([moses, "-f", str(tuned_ini), "-threads", str(threads)], stdin=fin, stdout=fout, stderr=ferr)
-    if r.returncode != 0 or count_lines(tmp) != n:
+        code = run_watched([moses, "-f", str(tuned_ini), "-threads", str(threads)], progress, stdin=fin, stdout=fout,
+                           stderr=ferr)
+    if code != 0 or count_lines(tmp) != n:
         raise InputError(f"decoding {test_src} with {tuned_ini} failed: see {out.with_suffix('.log')}")
     took = time.monotonic() - start
     seconds.write_text(f"{took:.1f}\n")
@@ -245,6 +347,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int_at_least(1), default=2, help="decoder threads")
     p.add_argument("--nlm-weight", type=float, default=None,
                    help="NLM0's starting weight (default: moses-ini's, a tenth of the ini's weights' L1 norm)")
+    p.add_argument("--serve", action="store_true",
+                   help="serve each model with nlmserve serve and give the feature its address (path=), instead "
+                        "of the server-free line that maps the model's tables file (tables=FILE, the default for "
+                        "a model with scoring tables; a model without them is always served)")
     p.add_argument("--serve-args", default="", help="extra arguments of nlmserve serve")
     p.add_argument("--workdir", default="runs/moses-experiment", type=Path,
                    help="outputs, reused on a rerun (default runs/moses-experiment)")
@@ -265,6 +371,27 @@ def _train(args: argparse.Namespace, work: Path) -> str:
     if subprocess.run(cmd).returncode != 0 or not out.exists():
         raise InputError("nlmserve train failed (its messages are above)")
     return str(out)
+
+
+def tables_file(model: str, model_hash: str, out: Path) -> Path:
+    """The tables file of ``model`` at ``out``: written with ``nlmserve export-tables``, or kept
+    when a file of this model is there already."""
+    from ..common.errors import NlmserveError
+    from ..common.serve_process import nlmserve_command
+    from ..lm.tables_file import read_tables_file
+
+    if out.exists():
+        try:
+            if read_tables_file(out).model_hash == model_hash:
+                log.info("tables of %s written before, reusing %s", model, out)
+                return out
+        except NlmserveError:
+            pass  # not a tables file of this version: written again
+    cmd = [*nlmserve_command(), "export-tables", "--model", model, "--out", str(out)]
+    log.info("writing the tables file: %s", " ".join(cmd))
+    if subprocess.run(cmd).returncode != 0 or not out.exists():
+        raise InputError("nlmserve export-tables failed (its messages are above)", model)
+    return out
 
 
 def check_files(args: argparse.Namespace) -> None:
@@ -323,9 +450,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             feature = None
             if system.model is not None:
-                server = start_server(Path(system.model), args.serve_args.split())
-                feature = moses_ini.feature_line(facts[system.name], server.target)
-                lines[system.name] = moses_ini.feature_line(facts[system.name], moses_ini.DEFAULT_PATH)
+                model_facts = facts[system.name]
+                if model_facts.tables_missing is None and not args.serve:
+                    (work / system.name).mkdir(parents=True, exist_ok=True)
+                    tables = tables_file(system.model, model_facts.model_hash, work / system.name / "model.nlt")
+                    feature = moses_ini.feature_line(model_facts, None, extra={"tables": str(tables.resolve())})
+                else:
+                    server = start_server(Path(system.model), args.serve_args.split())
+                    feature = moses_ini.feature_line(model_facts, server.target)
+                lines[system.name] = feature
             for seed in args.seeds:
                 base = work / system.name / f"seed{seed}"
                 base.mkdir(parents=True, exist_ok=True)
@@ -336,7 +469,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     tuned_now.write_text(moses_ini.with_server(tuned.read_text(encoding="utf-8"), server.target))
                     tuned = tuned_now
                 record["test_decode_s"] = round(decode_test(moses, args.threads, tuned, test_src, base / "test.out",
-                                                            n_test), 1)
+                                                            n_test, f"{system.name} seed {seed}: "), 1)
                 record["seed"] = seed
                 record["output"] = str(base / "test.out")
                 runs[system.name].append(record)
@@ -382,15 +515,27 @@ def render(result: dict[str, Any]) -> str:
            f"moses.ini; seeds {', '.join(map(str, result['seeds']))}. Δ and p (paired bootstrap) against `moses`.", "",
            "| system | test BLEU per seed | mean | Δ, p | iterations | tuning s | test decoding s |",
            "|---|---|---|---|---|---|---|"]
+    cap = result["max_iterations"]
+    rising: list[str] = []
     for r in result["rows"]:
         sd = "" if r["sd"] is None else f" ± {r['sd']:.2f}"
         delta = f"{r['delta']:+.2f}, p {r['p']:.3f}" if "delta" in r else ""
         runs = r["runs"]
+        iterations = []
+        for x in runs:
+            if still_rising(x, cap):
+                iterations.append(f"{x['iterations']} (cap; dev BLEU rising)")
+                rising.append(f"`{r['system']}` seed {x['seed']}" if "seed" in x else f"`{r['system']}`")
+            else:
+                iterations.append(f"{x['iterations']} (cap)" if x["iterations"] >= cap else str(x["iterations"]))
         out.append(f"| {r['system']} | {', '.join(f'{b:.2f}' for b in r['bleu'])} | {r['mean']:.2f}{sd} | {delta} | "
-                   f"{', '.join(str(x['iterations']) for x in runs)} | "
+                   f"{', '.join(iterations)} | "
                    f"{', '.join(str(x['tuning_wall_s']) for x in runs)} | "
                    f"{', '.join(str(x['test_decode_s']) for x in runs)} |")
     out += ["", f"BLEU: `{result['rows'][0]['signature']}`."]
+    if rising:
+        out.append(f"{', '.join(rising)}: stopped at the cap of {cap} iterations while the dev BLEU still rose "
+                   "(results.json has it per iteration): more iterations may move the test BLEU.")
     out += [f"`{r['system']}`: `{r['line']}`" for r in result["rows"] if r.get("line")]
     return "\n".join(out)
 

@@ -128,3 +128,140 @@ def test_the_page_holds_the_recorded_run() -> None:
 
     result = json.loads((REPO / "bench" / "results" / "moses-experiment.json").read_text(encoding="utf-8"))
     assert moses_experiment.render(result) in (REPO / "docs" / "performance-decoder.md").read_text(encoding="utf-8")
+
+
+def _fake_moses(path: Path, pause: float) -> Path:
+    """A stand-in decoder: copies its input to its output, one line every ``pause`` seconds."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"#!/bin/sh\nwhile IFS= read -r line; do printf '%s\\n' \"$line\"; sleep {pause}; done\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_decoding_says_how_far_it_got_and_when_it_reuses_a_decoding(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(moses_experiment, "PROGRESS_EVERY_S", 0.05)
+    moses = _fake_moses(tmp_path / "moses", 0.1)
+    src = tmp_path / "test.src"
+    src.write_text("".join(f"sentence {i}\n" for i in range(6)))
+    out = tmp_path / "test.out"
+    caplog.set_level("INFO", logger=moses_experiment.__name__)
+    moses_experiment.decode_test(str(moses), 1, tmp_path / "ini", src, out, 6, "nlm seed 1: ")
+    assert out.read_text() == src.read_text()
+    said = [r.getMessage() for r in caplog.records]
+    assert said[0].startswith("nlm seed 1: decoding 6 test sentences (log: ")
+    progress = [m for m in said if " of 6 test sentences decoded in " in m]
+    assert progress and all(m.startswith("nlm seed 1: ") for m in progress), said
+    caplog.clear()
+    moses_experiment.decode_test(str(moses), 1, tmp_path / "ini", src, out, 6, "nlm seed 1: ")
+    assert [r.getMessage() for r in caplog.records] == [f"nlm seed 1: test set decoded before, reusing {out}"]
+
+
+def _finished_tuning(base: Path, dev_ref: Path, outputs: list[str]) -> None:
+    """mert-moses.pl's working folder after len(outputs) iterations whose 1-best were ``outputs``."""
+    work = base / "tune"
+    work.mkdir(parents=True)
+    for i, text in enumerate(outputs, 1):
+        (work / f"run{i}.out").write_text(text)
+        (work / f"run{i}.best100.out.gz").write_bytes(b"")
+    (work / "moses.ini").write_text("[weight]\nLM0= 0.5\n")
+    (base / "tune.started").write_text("12.000\n")
+
+
+def test_a_finished_tuning_is_reused_with_its_dev_bleu_per_iteration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    dev_ref = tmp_path / "dev.ref"
+    dev_ref.write_text("the cat sat on the mat\na dog ran in the park\n")
+    worse = "the cat sat on a hat\na dog ran in a field\n"
+    base = tmp_path / "nlm" / "seed1"
+    _finished_tuning(base, dev_ref, [worse, dev_ref.read_text()])
+    monkeypatch.setattr(moses_experiment.subprocess, "Popen", None)  # nothing is run
+    caplog.set_level("INFO", logger=moses_experiment.__name__)
+    args = _args(tmp_path, "--max-iterations", "2")
+    record = moses_experiment.tune(args, None, "moses", 1, tmp_path, tmp_path / "s", dev_ref, base, "nlm")
+    said = [r.getMessage() for r in caplog.records]
+    assert said[0] == f"nlm seed 1: tuned before, reusing {base / 'tune' / 'moses.ini'}"
+    assert record["iterations"] == 2 and record["dev_bleu"][1] == 100.0 and record["dev_bleu"][0] < 100.0
+    assert said[1].startswith("nlm seed 1: stopped at --max-iterations 2 while its dev BLEU still rose (")
+    assert moses_experiment.still_rising(record, 2) and not moses_experiment.still_rising(record, 3)
+
+
+def test_the_table_says_when_a_tuning_stopped_at_the_cap_while_dev_bleu_rose() -> None:
+    capped = {"seed": 1, "iterations": 10, "tuning_wall_s": 1.0, "test_decode_s": 2.0, "dev_bleu": [19.5, 19.8]}
+    flat = {"seed": 2, "iterations": 10, "tuning_wall_s": 1.0, "test_decode_s": 2.0, "dev_bleu": [19.8, 19.8]}
+    short = {"seed": 1, "iterations": 6, "tuning_wall_s": 1.0, "test_decode_s": 2.0, "dev_bleu": [19.0, 19.2]}
+    line = "NeuralLMServer name=NLM0 factor=0 order=5 normalized=false tables=/abs/model.nlt"
+    result = {"tuner": "mert", "max_iterations": 10, "dev_lines": 3, "test_lines": 3, "seeds": [1, 2],
+              "rows": [{"system": "moses", "line": None, "bleu": [20.0], "mean": 20.0, "sd": None,
+                        "signature": "s", "runs": [short]},
+                       {"system": "nlm", "line": line, "bleu": [20.5, 20.4], "mean": 20.45, "sd": 0.07, "delta": 0.45,
+                        "p": 0.1, "signature": "s", "runs": [capped, flat]}]}
+    text = moses_experiment.render(result)
+    assert "| moses | 20.00 | 20.00 |  | 6 | 1.0 | 2.0 |" in text
+    assert "| nlm | 20.50, 20.40 | 20.45 ± 0.07 | +0.45, p 0.100 | 10 (cap; dev BLEU rising), 10 (cap) |" in text
+    assert ("`nlm` seed 1: stopped at the cap of 10 iterations while the dev BLEU still rose (results.json has it "
+            "per iteration): more iterations may move the test BLEU.") in text
+    assert text.splitlines()[-1] == f"`nlm`: `{line}`"
+
+
+def _fake_mert(root: Path) -> None:
+    """A stand-in mert-moses.pl: one iteration whose 1-best is the dev source, and the start ini as the tuned one."""
+    script = root / "scripts" / "training" / "mert-moses.pl"
+    script.parent.mkdir(parents=True)
+    script.write_text(
+        'my %o; my @pos; while (@ARGV) { my $a = shift @ARGV; if ($a =~ /^--(working-dir|mertdir|nbest|'
+        'decoder-flags|maximum-iterations|mertargs)$/) { $o{$1} = shift @ARGV } '
+        'elsif ($a !~ /^--/) { push @pos, $a } }\n'
+        'my $w = $o{"working-dir"}; mkdir $w;\n'
+        'system("cp", $pos[0], "$w/run1.out") == 0 or die; system("touch", "$w/run1.best100.out.gz");\n'
+        'system("cp", $pos[3], "$w/moses.ini") == 0 or die;\n')
+
+
+@pytest.mark.parametrize("serve", [False, True])
+def test_a_model_is_decoded_from_its_tables_file_unless_served(serve: bool, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """The whole run with stand-ins for mert-moses.pl and moses: by default the model's tables file
+    is written once and the feature line maps it (no path=, no server started); --serve serves it."""
+    from nlmserve.common import serve_process
+
+    root = tmp_path / "moses"
+    _fake_moses(root / "bin" / "moses", 0)
+    _fake_mert(root)
+    text = tmp_path / "text"
+    text.write_text("a b c\nb a c\n")
+    (tmp_path / "lm.bin").write_text("kenlm\n")
+    started: list[str] = []
+
+    class Served:
+        target = "127.0.0.1:7"
+
+        def stop(self) -> None:
+            started.append("stopped")
+
+    def start_server(model: Path, extra: list[str]) -> Served:
+        started.append(str(model))
+        return Served()
+
+    monkeypatch.setattr(serve_process, "start_server", start_server)
+    monkeypatch.chdir(tmp_path)
+    args = _args(tmp_path, "--mertdir", str(tmp_path), *(["--serve"] if serve else []))
+    args.dev_src = args.dev_ref = args.test_src = args.test_ref = text
+    caplog.set_level("INFO", logger=moses_experiment.__name__)
+    result = moses_experiment.run(args)
+    line = result["rows"][1]["line"]
+    start = (tmp_path / "work" / "nce" / "seed1" / "start.ini").read_text()
+    assert line in start.splitlines()
+    if serve:
+        assert started == [str(args.model[0]), "stopped"]
+        assert line == "NeuralLMServer name=NLM0 factor=0 order=3 path=127.0.0.1:7 normalized=false scoring=local"
+        return
+    tables = tmp_path / "work" / "nce" / "model.nlt"
+    assert not started
+    assert line == f"NeuralLMServer name=NLM0 factor=0 order=3 normalized=false tables={tables}"
+    assert f"`nce`: `{line}`" in (tmp_path / "work" / "results.md").read_text()
+    caplog.clear()
+    moses_experiment.run(args)  # a rerun keeps the file, the tuning and the decoding
+    said = [r.getMessage() for r in caplog.records]
+    assert f"tables of {args.model[0]} written before, reusing {tables}" in said
+    assert any(m.startswith("nce seed 1: tuned before, reusing ") for m in said)
