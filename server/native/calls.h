@@ -50,6 +50,7 @@ struct CallLimits {
   long first_message_ms = 60000;
   long stream_write_timeout_ms = 30000;
   long backend_timeout_ms = 30000;
+  long max_metadata_bytes = 8192;
 };
 
 // What every call consults: tokens, slots, refusal counts, and whether the front end is
@@ -543,6 +544,17 @@ inline void Call::Begin(std::shared_ptr<Call> self) {
     Complete(End(kStopping, "the front end is shutting down"));
     return;
   }
+  // gRPC 1.51 applies its metadata limit only once the client has acknowledged the
+  // server's settings: a larger header list is refused here, before anything else, so that
+  // no call holds one (the size as HTTP/2 counts it: each entry's bytes and 32).
+  std::size_t metadata = 0;
+  for (const auto &entry : ctx_->client_metadata()) metadata += entry.first.size() + entry.second.size() + 32;
+  if (metadata > static_cast<std::size_t>(service_->limits().max_metadata_bytes)) {
+    Complete(End(kMetadataTooLarge, "the call's metadata of " + std::to_string(metadata) +
+                                        " bytes is larger than max (" +
+                                        std::to_string(service_->limits().max_metadata_bytes) + "; --max-metadata-kb)"));
+    return;
+  }
   const bool open = method_ != nullptr && (method_->kind == Kind::kHealthCheck || method_->kind == Kind::kHealthWatch);
   std::string token_client;
   if (!open) {
@@ -667,7 +679,9 @@ inline void Call::OnReadDone(bool ok) {
   }
   first_alarm_.Cancel();
   if (!ok) {
-    if (cancelled()) {
+    if (std::chrono::system_clock::now() >= ctx_->deadline()) {
+      Complete(End(kExpired, "the call's deadline passed before its request message came"));
+    } else if (cancelled()) {
       Complete(End(kCancelled, "the client cancelled the call"));
     } else {
       Complete(End(kNoMessage, "the call ended without a request message"));

@@ -8,12 +8,15 @@
 // - Slots: concurrency limits (in all, per connection, per client) on the calls held.
 // - Refusals: refusals by a limit counted by reason and logged at most once per reason
 //   every kRefusalLogSeconds.
-// - ConnectionCap: the most client connections open at once.
+// - Connections: the most client connections open at once, and which one to shed when the
+//   heap passes its limit (MemoryGuard).
 #ifndef NLMSERVE_FRONTEND_GUARDS_H
 #define NLMSERVE_FRONTEND_GUARDS_H
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <linux/tcp.h>
+#include <malloc.h>
 #include <netinet/in.h>
 #include <sys/stat.h>
 #include <sys/socket.h>
@@ -24,17 +27,21 @@
 #include <cctype>
 #include <cerrno>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
+#include <grpc/support/log.h>
 #include <grpc/support/sync.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/impl/server_builder_option.h>
@@ -78,6 +85,42 @@ inline void Log(const std::string &message) {
   std::cerr << line.str() << std::flush;
 }
 
+// gRPC's own log lines (an error per refused compressed call, for one) at most
+// kGrpcLogLines every kGrpcLogSeconds, then one line saying how many were left out, so
+// that no client can flood the log through gRPC.
+constexpr int kGrpcLogLines = 20;
+constexpr double kGrpcLogSeconds = 10.0;
+
+inline void GrpcLogLine(gpr_log_func_args *args) {
+  static std::mutex mu;
+  static Clock::time_point window;
+  static int lines = 0;
+  static uint64_t left_out = 0;
+  std::string out;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    const auto now = Clock::now();
+    if (now - window >= std::chrono::duration<double>(kGrpcLogSeconds)) {
+      if (left_out > 0) out = "grpc: " + std::to_string(left_out) + " more line(s) left out\n";
+      window = now;
+      lines = 0;
+      left_out = 0;
+    }
+    if (lines >= kGrpcLogLines) {
+      ++left_out;
+      if (out.empty()) return;
+    } else {
+      ++lines;
+      out += std::string("grpc: ") + gpr_log_severity_string(args->severity) + " " + args->message + " (" +
+             args->file + ":" + std::to_string(args->line) + ")";
+    }
+  }
+  if (!out.empty() && out.back() == '\n') out.pop_back();
+  Log(out);
+}
+
+inline void LimitGrpcLog() { gpr_set_log_function(GrpcLogLine); }
+
 // ------------------------------------------------------------------------------ endings
 
 // The ways a call ends in the front end itself, and their codes: the rows "frontend:" of
@@ -100,6 +143,7 @@ enum Ending {
   kStreamWriteTimeout,   // the client did not read an answer within --stream-write-timeout-ms
   kUnknownMethod,        // a method the front end does not serve
   kUnknownHealthService, // health Check of a service the front end does not report
+  kMetadataTooLarge,     // a header list larger than --max-metadata-kb
   kEndings
 };
 struct EndingCode {
@@ -122,6 +166,7 @@ const EndingCode kEndingCodes[kEndings] = {
     {"stream_write_timeout", grpc::StatusCode::DEADLINE_EXCEEDED},
     {"unknown_method", grpc::StatusCode::UNIMPLEMENTED},
     {"unknown_health_service", grpc::StatusCode::NOT_FOUND},
+    {"metadata_too_large", grpc::StatusCode::RESOURCE_EXHAUSTED},
 };
 
 // How many calls ended each way; thread-safe.
@@ -323,12 +368,13 @@ enum Reason {
   kReasonFirstMessageTimeout,
   kReasonStreamWriteTimeout,
   kReasonMaxConnections,
+  kReasonMaxMemory,
   kReasons
 };
 const char *const kReasonNames[kReasons] = {
     "unauthenticated",   "max_concurrent_rpcs",       "max_rpcs_per_connection",
     "max_rpcs_per_client", "max_health_watches",      "max_health_watches_per_connection",
-    "first_message_timeout", "stream_write_timeout", "max_connections",
+    "first_message_timeout", "stream_write_timeout", "max_connections", "max_memory",
 };
 
 // Seconds between two log lines about refusals of one reason.
@@ -347,7 +393,8 @@ class Refusals {
       const auto now = Clock::now();
       if (!logged_once_[reason] || now - logged_at_[reason] >= std::chrono::duration<double>(kRefusalLogSeconds)) {
         std::ostringstream s;
-        s << "refused " << unlogged_[reason] << " call(s) by " << kReasonNames[reason]
+        const bool connections = reason == kReasonMaxConnections || reason == kReasonMaxMemory;
+        s << "refused " << unlogged_[reason] << (connections ? " connection(s) by " : " call(s) by ") << kReasonNames[reason]
           << " since the last such line; the latest: " << Printable(what) << " from " << Printable(peer);
         line = s.str();
         unlogged_[reason] = 0;
@@ -483,27 +530,36 @@ class Slots {
 
 // ------------------------------------------------------------------------------ connections
 
-// The most client connections open at once. gRPC hands every socket it accepts to this
-// cap (a socket mutator, above) before its handshake: a socket beyond the cap is shut down
-// there (the client sees the connection closed: UNAVAILABLE), which gRPC then closes. The
-// cap counts the sockets it let through that are still open: each is remembered by its
-// descriptor and inode, and one whose descriptor no longer names that inode was closed.
-// Counting them again takes one fstat per remembered socket, so it is done only when the
-// remembered ones reach the cap, and at most every kRecountMs.
-class ConnectionCap {
+// The client connections of the public port. gRPC hands every socket it accepts to this
+// registry (a socket mutator, above) before its handshake, which gives the front end two
+// guards gRPC 1.51 does not have:
+//
+// - a cap (--max-connections): a socket beyond it is shut down there (the client sees the
+//   connection closed: UNAVAILABLE), and gRPC then closes it;
+// - shedding (ShedBusiest): when the heap passes --max-memory-mb, the connection that sent
+//   the most bytes over a short interval is shut down, with its calls. gRPC 1.51 applies
+//   its metadata limit only once a client has acknowledged the server's settings, so a
+//   client that never does can grow one unfinished header block without bound; its
+//   resource quota, which should bound it, aborts the process in gRPC's TCP reader under
+//   memory pressure (seen here), so none is set.
+//
+// A connection is remembered by its descriptor and inode; one whose descriptor no longer
+// names that inode was closed. Counting the open ones again takes one fstat each, so it is
+// done only when the remembered ones reach the cap, and at most every kRecountMs.
+class Connections {
  public:
   static constexpr long kRecountMs = 20;
 
-  explicit ConnectionCap(long limit, Refusals *refusals) : limit_(limit), refusals_(refusals) {
+  Connections(long limit, Refusals *refusals) : limit_(limit), refusals_(refusals) {
     static const grpc_socket_mutator_vtable kVtable = {nullptr, Compare, Destroy, Mutate};
     grpc_socket_mutator_init(&mutator_.base, &kVtable);
-    mutator_.cap = this;
+    mutator_.connections = this;
   }
-  ConnectionCap(const ConnectionCap &) = delete;
-  ConnectionCap &operator=(const ConnectionCap &) = delete;
+  Connections(const Connections &) = delete;
+  Connections &operator=(const Connections &) = delete;
 
-  // The server builder option that installs the cap (the builder owns it; the cap must
-  // outlive the server).
+  // The server builder option that installs the registry (the builder owns the option;
+  // the registry must outlive the server).
   std::unique_ptr<grpc::ServerBuilderOption> Option() {
     class Install : public grpc::ServerBuilderOption {
      public:
@@ -517,20 +573,43 @@ class ConnectionCap {
     return std::unique_ptr<grpc::ServerBuilderOption>(new Install(&mutator_.base));
   }
 
-  long refused() const { return refused_.load(); }
+  // Shuts down the open connection that received the most bytes over `interval` (none
+  // when no connection received any); returns its peer, or an empty string.
+  std::string ShedBusiest(std::chrono::milliseconds interval) {
+    std::unordered_map<int, uint64_t> before = Received();
+    std::this_thread::sleep_for(interval);
+    std::unordered_map<int, uint64_t> after = Received();
+    int busiest = -1;
+    uint64_t most = 0;
+    for (const auto &c : after) {
+      auto it = before.find(c.first);
+      const uint64_t delta = c.second - (it == before.end() ? 0 : std::min(it->second, c.second));
+      if (delta > most) {
+        most = delta;
+        busiest = c.first;
+      }
+    }
+    if (busiest < 0) return std::string();
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = open_.find(busiest);
+    if (it == open_.end() || InodeOf(busiest) != it->second) return std::string();  // closed meanwhile
+    const std::string peer = PeerOf(busiest);
+    shutdown(busiest, SHUT_RDWR);
+    return peer;
+  }
 
  private:
   struct Mutator {
     grpc_socket_mutator base;  // first: gRPC sees a grpc_socket_mutator*
-    ConnectionCap *cap;
+    Connections *connections;
   };
 
   static bool Mutate(const grpc_mutate_socket_info *info, grpc_socket_mutator *m) {
-    if (info->usage == GRPC_FD_SERVER_CONNECTION_USAGE) reinterpret_cast<Mutator *>(m)->cap->Accepted(info->fd);
+    if (info->usage == GRPC_FD_SERVER_CONNECTION_USAGE) reinterpret_cast<Mutator *>(m)->connections->Accepted(info->fd);
     return true;  // false would make gRPC stop accepting on the port
   }
   static int Compare(grpc_socket_mutator *a, grpc_socket_mutator *b) { return a < b ? -1 : a > b ? 1 : 0; }
-  static void Destroy(grpc_socket_mutator *) {}  // the cap owns it
+  static void Destroy(grpc_socket_mutator *) {}  // the registry owns it
 
   // The address of the socket's other end, as gRPC writes peers ("ipv4:127.0.0.1:5000").
   static std::string PeerOf(int fd) {
@@ -545,6 +624,10 @@ class ConnectionCap {
     }
     if (addr.ss_family == AF_INET6) {
       const auto *a = reinterpret_cast<const sockaddr_in6 *>(&addr);
+      if (IN6_IS_ADDR_V4MAPPED(&a->sin6_addr)) {  // as gRPC writes it
+        inet_ntop(AF_INET, &a->sin6_addr.s6_addr[12], host, sizeof(host));
+        return std::string("ipv4:") + host + ":" + std::to_string(ntohs(a->sin6_port));
+      }
       inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof(host));
       return std::string("ipv6:[") + host + "]:" + std::to_string(ntohs(a->sin6_port));
     }
@@ -554,6 +637,21 @@ class ConnectionCap {
   static ino_t InodeOf(int fd) {
     struct stat st {};
     return fstat(fd, &st) == 0 ? st.st_ino : 0;
+  }
+
+  // Bytes each open connection has received (TCP_INFO), by descriptor.
+  std::unordered_map<int, uint64_t> Received() {
+    std::unordered_map<int, uint64_t> out;
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto &c : open_) {
+      tcp_info info{};
+      socklen_t len = sizeof(info);
+      if (InodeOf(c.first) == c.second && getsockopt(c.first, IPPROTO_TCP, TCP_INFO, &info, &len) == 0 &&
+          len >= offsetof(tcp_info, tcpi_bytes_received) + sizeof(info.tcpi_bytes_received)) {
+        out[c.first] = info.tcpi_bytes_received;
+      }
+    }
+    return out;
   }
 
   void Accepted(int fd) {
@@ -572,9 +670,8 @@ class ConnectionCap {
       if (!refuse) open_[fd] = inode;
     }
     if (refuse) {
-      refused_.fetch_add(1);
+      refusals_->Note(kReasonMaxConnections, "a new connection", PeerOf(fd));
       shutdown(fd, SHUT_RDWR);
-      refusals_->Note(kReasonMaxConnections, "a connection", PeerOf(fd));
     }
   }
 
@@ -584,7 +681,65 @@ class ConnectionCap {
   std::mutex mu_;
   std::unordered_map<int, ino_t> open_;
   Clock::time_point next_recount_;
-  std::atomic<long> refused_{0};
+};
+
+// ------------------------------------------------------------------------------ memory
+
+// Bytes the process's heap holds in use (glibc's count of what is allocated and not freed;
+// not what the allocator keeps for reuse, which the resident size includes).
+inline std::size_t HeapInUse() {
+  const struct mallinfo2 m = mallinfo2();
+  return m.uordblks + m.hblkhd;
+}
+
+// The process's resident bytes (/proc/self/statm); 0 when it cannot be read.
+inline std::size_t ResidentBytes() {
+  std::ifstream statm("/proc/self/statm");
+  std::size_t pages = 0, resident = 0;
+  if (!(statm >> pages >> resident)) return 0;
+  return resident * static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+}
+
+// The overload guard, every kCheckMs: when the heap in use passes the limit
+// (--max-memory-mb), the busiest connection is shut down (Connections::ShedBusiest), until
+// the heap is back under it. And what the allocator keeps after a burst (freed, not given
+// back: glibc keeps its heaps' free memory) is handed back to the system when it exceeds
+// both kKeptFloorBytes and the heap in use, at most every kTrimSeconds.
+class MemoryGuard {
+ public:
+  static constexpr long kCheckMs = 100;
+  static constexpr long kSampleMs = 50;
+  static constexpr std::size_t kKeptFloorBytes = 64u << 20;
+  static constexpr double kTrimSeconds = 10.0;
+
+  MemoryGuard(std::size_t limit_bytes, Connections *connections, Refusals *refusals)
+      : limit_(limit_bytes), connections_(connections), refusals_(refusals) {}
+
+  // One check; true when a connection was shed.
+  bool Check() {
+    const std::size_t in_use = HeapInUse();
+    if (in_use > limit_) {
+      const std::string peer = connections_->ShedBusiest(std::chrono::milliseconds(kSampleMs));
+      if (!peer.empty()) {
+        refusals_->Note(kReasonMaxMemory, "the busiest connection (its calls with it)", peer);
+        return true;
+      }
+    }
+    const std::size_t resident = ResidentBytes();
+    const auto now = Clock::now();
+    if (resident > in_use + std::max(kKeptFloorBytes, in_use) &&
+        now - trimmed_at_ >= std::chrono::duration<double>(kTrimSeconds)) {
+      malloc_trim(0);
+      trimmed_at_ = now;
+    }
+    return false;
+  }
+
+ private:
+  const std::size_t limit_;
+  Connections *connections_;
+  Refusals *refusals_;
+  Clock::time_point trimmed_at_;
 };
 
 }  // namespace nlmserve_frontend

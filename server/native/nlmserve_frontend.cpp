@@ -29,8 +29,9 @@
 // whose deadline passed or whose client left are dropped before they are batched or sent;
 // connections are capped (--max-connections), kept alive or closed by the keepalive, idle
 // and age flags, and must finish their HTTP/2 handshake within --handshake-timeout-ms;
-// compressed requests are refused (identity only: nothing is inflated), and gRPC's memory
-// for connections and calls is bounded (--max-memory-mb, a resource quota).
+// compressed requests are refused (identity only: nothing is inflated); a call's metadata
+// is bounded (--max-metadata-kb), and when the heap passes --max-memory-mb the busiest
+// connection is shed. gRPC's own log lines are rate-limited.
 //
 // Bearer tokens: each caller's `authorization` metadata is forwarded with its requests, so
 // the backend checks it too; the first token of --token-file is the front end's own (the
@@ -85,7 +86,6 @@
 #endif
 #include <grpc/compression.h>
 #include <grpcpp/grpcpp.h>
-#include <grpcpp/resource_quota.h>
 
 #include "calls.h"
 #include "guards.h"
@@ -145,7 +145,7 @@ struct Options {
   long stream_write_timeout_ms = 30000;
   long max_connections = 4096;
   long max_metadata_kb = 8;
-  long max_memory_mb = 0;  // 0: derived from --max-message-mb (MemoryQuotaBytes)
+  long max_memory_mb = 0;  // 0: derived from --max-message-mb (MemoryLimitBytes)
 };
 
 // 0 when the file's "frontend:" rows are exactly kEndingCodes (condition and number); else
@@ -198,7 +198,7 @@ int CheckStatusCodes(const std::string &path) {
             << "         [--max-concurrent-rpcs 256] [--max-rpcs-per-connection 128] [--max-rpcs-per-client 128]\n"
             << "         [--max-health-watches 1024] [--max-health-watches-per-connection 8]\n"
             << "         [--stream-write-timeout-ms 30000] [--max-connections 4096] [--max-metadata-kb 8]\n"
-            << "         [--max-memory-mb MB (default: 4 x --max-message-mb, at least 256)]\n";
+            << "         [--max-memory-mb MB (default: 16 x --max-message-mb, at least 1024)]\n";
   std::exit(2);
 }
 
@@ -828,32 +828,42 @@ bool BackendServing(grpc::GenericStub *stub) {
   return done.get_future().get().ok() && ParseHealthResponse(&response) == kServing;
 }
 
-// The largest memory gRPC may take for the public port's connections and calls (a resource
-// quota: beyond it gRPC refuses new connections and cuts calls before it grows further):
-// --max-memory-mb, else four of the largest messages, at least 256 MiB.
-std::size_t MemoryQuotaBytes(const Options &o) {
-  const long mb = o.max_memory_mb ? o.max_memory_mb : std::max(256L, 4 * o.max_message_mb);
+// The heap the front end may hold in use before it sheds its busiest connection
+// (MemoryGuard): --max-memory-mb, else sixteen of the largest messages, at least 1 GiB.
+std::size_t MemoryLimitBytes(const Options &o) {
+  const long mb = o.max_memory_mb ? o.max_memory_mb : std::max(1024L, 16 * o.max_message_mb);
   return static_cast<std::size_t>(mb) * 1024 * 1024;
 }
 
-// The open-files soft limit raised to the hard one, so that a flood of connections meets
-// --max-connections rather than the file limit; a warning when even that is below the cap.
-void RaiseFileLimit(long max_connections) {
+// Descriptors the front end keeps for its own use beside client connections (standard
+// streams, gRPC's pollers, the backend's connections, the local channel's sockets, files).
+const long kOwnFiles = 64;
+
+// The open-files soft limit raised to the hard one, and the connection cap that fits in
+// it: --max-connections, lowered (with a log line) to leave kOwnFiles below the limit.
+// gRPC 1.51 stops accepting on a port for good when accept() fails for want of a
+// descriptor, so no flood may reach the file limit.
+long ConnectionCapWithin(long max_connections) {
   rlimit files{};
-  if (getrlimit(RLIMIT_NOFILE, &files) != 0) return;
+  if (getrlimit(RLIMIT_NOFILE, &files) != 0) return max_connections;
   if (files.rlim_cur < files.rlim_max) {
     files.rlim_cur = files.rlim_max;
     setrlimit(RLIMIT_NOFILE, &files);
+    getrlimit(RLIMIT_NOFILE, &files);
   }
-  if (files.rlim_cur != RLIM_INFINITY && static_cast<long>(files.rlim_cur) < max_connections + 64) {
-    Log("the open-files limit (" + std::to_string(files.rlim_cur) + ") is below --max-connections " +
-        std::to_string(max_connections) + " and the front end's own files: raise it (ulimit -n)");
+  if (files.rlim_cur == RLIM_INFINITY || static_cast<long>(files.rlim_cur) >= max_connections + kOwnFiles) {
+    return max_connections;
   }
+  const long cap = std::max(1L, static_cast<long>(files.rlim_cur) - kOwnFiles);
+  Log("the open-files limit (" + std::to_string(files.rlim_cur) + ") leaves room for " + std::to_string(cap) +
+      " connections: at most " + std::to_string(cap) + " are kept, not --max-connections " +
+      std::to_string(max_connections) + " (raise the hard limit, ulimit -Hn, for more)");
+  return cap;
 }
 
 // The public port's limits: messages, compression, keepalive, connection lifetimes,
-// handshake time, metadata, memory and the connection cap.
-void Configure(const Options &o, int max_bytes, ConnectionCap *cap, grpc::ServerBuilder *builder) {
+// handshake time, metadata, and the connection registry (cap and shedding).
+void Configure(const Options &o, int max_bytes, Connections *connections, grpc::ServerBuilder *builder) {
   builder->SetMaxReceiveMessageSize(max_bytes);
   builder->SetMaxSendMessageSize(max_bytes);
   // Identity only: a compressed request is refused before anything is inflated.
@@ -872,10 +882,7 @@ void Configure(const Options &o, int max_bytes, ConnectionCap *cap, grpc::Server
   }
   builder->AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, static_cast<int>(o.handshake_timeout_ms));
   builder->AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, static_cast<int>(o.max_metadata_kb * 1024));
-  grpc::ResourceQuota quota("nlmserve_frontend");
-  quota.Resize(MemoryQuotaBytes(o));
-  builder->SetResourceQuota(quota);
-  builder->SetOption(cap->Option());
+  builder->SetOption(connections->Option());
 }
 
 }  // namespace
@@ -893,7 +900,8 @@ int main(int argc, char **argv) {
   guards.tokens.SetFiles(options.token_file, options.admin_token_file);
   const std::string token_error = guards.tokens.Load();
   if (!token_error.empty()) Usage(token_error);
-  RaiseFileLimit(options.max_connections);
+  const long max_connections = ConnectionCapWithin(options.max_connections);
+  LimitGrpcLog();
 
   // SIGTERM and SIGINT (stop) and SIGHUP (re-read the token file) are taken by sigwait in
   // the main thread: block them before any thread starts so every thread inherits the mask.
@@ -927,13 +935,15 @@ int main(int argc, char **argv) {
   limits.first_message_ms = options.first_message_ms;
   limits.stream_write_timeout_ms = options.stream_write_timeout_ms;
   limits.backend_timeout_ms = options.backend_timeout_ms;
+  limits.max_metadata_bytes = options.max_metadata_kb * 1024;
   CallService service(&guards, &health, &frontend, channel, limits);
-  ConnectionCap cap(options.max_connections, &guards.refusals);
+  Connections connections(max_connections, &guards.refusals);
+  MemoryGuard memory(MemoryLimitBytes(options), &connections, &guards.refusals);
 
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &port);
-  Configure(options, max_bytes, &cap, &builder);
+  Configure(options, max_bytes, &connections, &builder);
   builder.RegisterCallbackGenericService(&service);
   std::unique_ptr<grpc::Server> server(builder.BuildAndStart());
   if (!server || port == 0) {
@@ -951,7 +961,8 @@ int main(int argc, char **argv) {
       " in flight; " + (guards.tokens.required() ? std::to_string(guards.tokens.size()) + " bearer token(s)"
                                                  : std::string("no token")) +
       ", at most " + std::to_string(options.max_concurrent_rpcs) + " calls held, " +
-      std::to_string(options.max_connections) + " connections");
+      std::to_string(max_connections) + " connections, " + std::to_string(MemoryLimitBytes(options) >> 20) +
+      " MiB of heap");
 
   // Health follows the backend's own health service: one Check a second.
   std::atomic<bool> stopping(false);
@@ -967,6 +978,13 @@ int main(int argc, char **argv) {
         health.Set(ok);
       }
       for (int i = 0; i < 10 && !stopping.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  });
+
+  // The overload guard: the heap checked every MemoryGuard::kCheckMs.
+  std::thread watchdog([&]() {
+    while (!stopping.load()) {
+      if (!memory.Check()) std::this_thread::sleep_for(std::chrono::milliseconds(MemoryGuard::kCheckMs));
     }
   });
 
@@ -989,6 +1007,7 @@ int main(int argc, char **argv) {
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(options.grace_s));
   frontend.Stop();
   monitor.join();
+  watchdog.join();
   Log(frontend.Stats());
   const std::string endings = Endings().Summary(), refusals = guards.refusals.Summary();
   Log("calls ended by the front end: " + (endings.empty() ? std::string("none") : endings) +
