@@ -158,6 +158,13 @@ def test_feature_hashes(kind: str, V: str, context: str, y: str, size: str, hash
     assert got_h.tolist() == want_h
     got_s = ngram_feature_index(got_h.view(1, -1), torch.tensor([int(y)]), int(size))[0].tolist()
     assert [s if w is not None else None for s, w in zip(got_s, want_s)] == want_s
+    # The numpy twins (nlmserve.lm.ngrams), which the torch-free tables scorer uses.
+    from nlmserve.lm.ngrams import feature_slots, suffix_hashes
+
+    np_h = suffix_hashes(np.array([ctx], dtype=np.int64).reshape(1, len(ctx)), no_word=int(V))
+    assert np_h[0].tolist() == want_h
+    np_s = feature_slots(np_h, np.array([int(y)]), int(size))[0].tolist()
+    assert [s if w is not None else None for s, w in zip(np_s, want_s)] == want_s
     # The fused CPU step's own loops (their hashes come times HASH_KEY; contexts with the
     # no-word never reach them: training data holds none).
     if all(s is not None for s in want_s):
@@ -198,6 +205,29 @@ def test_the_cpp_lowercase_tables_are_what_str_lower_gives() -> None:
 
 
 # ---------------------------------------------------------------------- scoring tables
+WORD_CASES = cases("scoring_words.tsv", 3)
+
+
+def test_word_cases_cover_lowercasing_and_unknown_words() -> None:
+    lowered = {w: i for w, i, _ in WORD_CASES}
+    cased = {w: i for w, _, i in WORD_CASES}
+    assert lowered["ΟΔΟΣ"] == lowered["οδος"] != "unknown" and cased["ΟΔΟΣ"] == "unknown"
+    assert lowered["\u0130stanbul"] != "unknown" and lowered["STRASSE"] == "unknown" == cased["zebra"]
+
+
+@pytest.mark.parametrize("word,lowered,cased", WORD_CASES)
+def test_fixture_words(word: str, lowered: str, cased: str) -> None:
+    """Each word through the fixture files' vocabularies, by the Python reader's probing
+    table (as the C++ reader probes it) and by its dict (what query --tables uses)."""
+    from nlmserve.lm.tables_file import read_tables_file
+
+    for name, want in (("scoring_tables.int8.nlt", lowered), ("scoring_tables_tree.nlt", cased)):
+        t = read_tables_file(CONTRACT / name)
+        expected = None if want == "unknown" else int(want)
+        assert t.lookup(word) == expected, name
+        assert t.index.get(word.lower() if t.lowercase else word) == expected, name
+
+
 def test_the_scoring_fixture_is_what_lm_gives() -> None:
     """scoring_tables.txt and scoring_tables_tree.txt (read by the C++ nlmserve_contract_test)
     hold the tables and the scores nlmserve.lm gives their tiny class and tree models now,

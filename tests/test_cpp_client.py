@@ -353,6 +353,54 @@ def test_a_mapped_tables_file_gives_the_fetched_tables_scores(driver: Path, feat
     assert mapped["bytes"] == fetched["bytes"] and mapped["normalized"] == fetched["normalized"]
 
 
+@pytest.mark.parametrize("kind", ["tiny", "features", "tree"])
+def test_a_tables_file_round_trips_in_every_form(driver: Path, tiny_model_path: Path, feature_model_path: Path,
+                                                 tree_model_path: Path, tmp_path: Path, kind: str) -> None:
+    """Python writes a tables file in each form (export-tables --quantize none|fp16|int8);
+    the C++ reader (MapTablesFile, through nlmserve_contract_test --score and --words) and
+    the Python one (nlmserve.lm.tables_scorer) read it: the same facts, float32's scores the
+    model's (float rounding apart), each quantised form's within the bound the file records
+    of them, in both languages; and every word of the vocabulary maps to its id in C++,
+    lowercased first when the model lowercases."""
+    from nlmserve.lm.ngrams import sentence_rows
+    from nlmserve.lm.scoring import LanguageModel
+    from nlmserve.lm.tables_file import FlatTables, read_tables_file, write_tables_file
+    from nlmserve.lm.tables_scorer import TablesScorer
+
+    model = {"tiny": tiny_model_path, "features": feature_model_path, "tree": tree_model_path}[kind]
+    lm = LanguageModel.load(model, device="cpu")
+    rows, _, _, _ = sentence_rows([line.split() for line in DEV.read_text(encoding="utf-8").splitlines()[:50]],
+                                  lm.vocab.index, lm.order, lowercase=lm.lowercase)
+    want = lm.score_ngrams(rows, normalized=kind == "tree")
+    stdin = "".join(" ".join(map(str, row)) + "\n" for row in rows.tolist())
+    flat = FlatTables.of(lm.scoring_tables())
+    for quantization in ("none", "fp16", "int8"):
+        path = tmp_path / f"{quantization}.nlt"
+        write_tables_file(path, flat, order=lm.order, words=lm.vocab.words, lowercase=lm.lowercase,
+                          model_hash=lm.model_hash, quantization=quantization)
+        bound = read_tables_file(path).header.error_bound
+        done = subprocess.run([str(CONTRACT_TEST), "--score", str(path)], input=stdin, capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        head, *lines = done.stdout.splitlines()
+        facts = dict(field.split("=") for field in head.split()[2:])
+        assert head.split()[:2] == ["ok", str(len(rows))] and float(facts.pop("bound")) == bound
+        assert facts == {"quantization": quantization, "lowercase": str(int(lm.lowercase)), "hash": lm.model_hash,
+                         "normalized": str(int(kind == "tree"))}
+        cpp = np.array([float(x) for x in lines])
+        python = TablesScorer.open(path).score_rows(rows)
+        np.testing.assert_allclose(cpp, python, rtol=0, atol=1e-5)
+        assert np.abs(cpp - want).max() <= bound + 1e-4 and np.abs(python - want).max() <= bound + 1e-4
+        assert (bound == 0) == (quantization == "none")
+    words = lm.vocab.words + ["zzqx-not-a-word"] + [w.upper() for w in lm.vocab.words[3:50]]
+    done = subprocess.run([str(CONTRACT_TEST), "--words", str(tmp_path / "int8.nlt")], input="\n".join(words) + "\n",
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    index = lm.vocab.index
+    assert done.stdout.splitlines() == [str(index[w.lower() if lm.lowercase else w]) if (w.lower() if lm.lowercase
+                                        else w) in index else "unknown" for w in words]
+
+
 def test_scoring_tables_with_direct_ngram_features(driver: Path, feature_model_path: Path, tmp_path: Path) -> None:
     """A model with direct n-gram features (the recipe's default) served for real: the C++
     process adds the hashed features to the tables' score as the server does (natural log,

@@ -6,6 +6,13 @@
 //       reads every golden file of DIR (proto/contract) and checks its cases; prints
 //       "FILE: N passed" for each file and "contract: N passed, 0 failed" (exit 1 on a
 //       failure, each named on stderr).
+//   nlmserve_contract_test --score FILE < rows
+//       maps the tables file FILE (MapTablesFile) and scores the canonical rows of stdin (order
+//       ids a line): prints its facts ("ok N quantization=Q bound=B lowercase=L hash=H
+//       normalized=0|1"), then each row's natural-log score; "error MESSAGE" and exit 1 when
+//       the file is refused (tests/test_cpp_client.py compares them with the Python reader's).
+//   nlmserve_contract_test --words FILE < words
+//       each word of stdin (one a line) through the file's vocabulary: its id, or "unknown".
 #include <grpcpp/grpcpp.h>
 
 #include <unistd.h>
@@ -500,9 +507,48 @@ void FixtureWords() {
 
 }  // namespace
 
+// --score FILE and --words FILE (the header's usage).
+int ReadTablesFile(const std::string &mode, const std::string &path) {
+  nlmserve::TablesFile file;
+  std::string error;
+  if (!nlmserve::MapTablesFile(path, &file, &error)) {
+    std::printf("error %s\n", error.c_str());
+    return 1;
+  }
+  if (mode == "--words") {
+    std::string word;
+    while (std::getline(std::cin, word)) {
+      uint32_t id = 0;
+      if (file.vocabulary.Find(word, &id)) {
+        std::printf("%u\n", id);
+      } else {
+        std::printf("unknown\n");
+      }
+    }
+    return 0;
+  }
+  const uint32_t order = file.info.order;
+  std::vector<uint32_t> ids;
+  uint32_t id;
+  while (std::cin >> id) ids.push_back(id);
+  const std::size_t n = ids.size() / order;
+  std::vector<float> scores(n);
+  nlmserve::ScoringTables::Scratch scratch;
+  file.tables->Score(ids.data(), n, scores.data(), &scratch);
+  std::printf("ok %zu quantization=%s bound=%.17g lowercase=%d hash=%s normalized=%d\n", n,
+              nlmserve::QuantizationName(file.info.quantization), file.info.error_bound, file.info.lowercase ? 1 : 0,
+              file.info.model_hash.c_str(), file.info.normalized ? 1 : 0);
+  for (float s : scores) std::printf("%.9g\n", s);
+  return 0;
+}
+
 int main(int argc, char **argv) {
+  if (argc == 3 && (std::string(argv[1]) == "--score" || std::string(argv[1]) == "--words")) {
+    return ReadTablesFile(argv[1], argv[2]);
+  }
   if (argc != 2) {
-    std::fprintf(stderr, "usage: %s DIR (the folder of the golden files, proto/contract)\n", argv[0]);
+    std::fprintf(stderr, "usage: %s DIR (the folder of the golden files, proto/contract) | --score FILE | --words FILE\n",
+                 argv[0]);
     return 2;
   }
   g_dir = argv[1];
