@@ -57,15 +57,28 @@ struct CallLimits {
 // stopping. Owned by main, outliving the server.
 struct Guards {
   Guards(long max_rpcs, long per_connection, long per_client, long max_watches, long watches_per_connection)
-      : rpcs(max_rpcs, per_connection, per_client, kReasonMaxConcurrentRpcs, kReasonMaxRpcsPerConnection,
-             kReasonMaxRpcsPerClient, "--max-concurrent-rpcs", "--max-rpcs-per-connection", "--max-rpcs-per-client"),
-        watches(max_watches, watches_per_connection, max_watches, kReasonMaxHealthWatches,
-                kReasonMaxHealthWatchesPerConnection, kReasonMaxHealthWatches, "--max-health-watches",
-                "--max-health-watches-per-connection", "--max-health-watches") {}
+      : rpcs({"concurrent calls", max_rpcs, per_connection, per_client,
+              {kReasonMaxConcurrentRpcs, kReasonMaxRpcsPerConnection, kReasonMaxRpcsPerClient},
+              {"--max-concurrent-rpcs", "--max-rpcs-per-connection", "--max-rpcs-per-client"}}),
+        watches({"health Watch streams", max_watches, watches_per_connection, max_watches,
+                 {kReasonMaxHealthWatches, kReasonMaxHealthWatchesPerConnection, kReasonMaxHealthWatches},
+                 {"--max-health-watches", "--max-health-watches-per-connection", "--max-health-watches"}}),
+        awaiting({"calls waiting for their request message", max_rpcs, per_connection, per_client,
+                  {kReasonAwaitingMessage, kReasonAwaitingMessage, kReasonAwaitingMessage},
+                  {"--max-concurrent-rpcs", "--max-rpcs-per-connection", "--max-rpcs-per-client"}}),
+        health_awaiting({"health calls waiting for their request message", max_watches, watches_per_connection,
+                         max_watches, {kReasonAwaitingMessage, kReasonAwaitingMessage, kReasonAwaitingMessage},
+                         {"--max-health-watches", "--max-health-watches-per-connection", "--max-health-watches"}}) {}
   TokenSet tokens;
   Refusals refusals;
-  Slots rpcs;     // every call but health's
+  Slots rpcs;     // every call but health's, once its request message is there
   Slots watches;  // health Watch streams
+  // Calls whose headers have come and whose request message has not (a client sends it
+  // with the headers: only a call held open without one waits here), authorised ones and
+  // health's apart, so that a client cannot hold an unbounded number of them until
+  // --first-message-ms cuts them.
+  Slots awaiting;
+  Slots health_awaiting;
   std::atomic<bool> stopping{false};
 };
 
@@ -279,7 +292,7 @@ class Call : public grpc::ServerGenericBidiReactor, public std::enable_shared_fr
   void Write(grpc::ByteBuffer *message);
   // Takes a slot of `slots` for the call's connection and client until the call is done;
   // false (and the call ended RESOURCE_EXHAUSTED) when a limit is reached.
-  bool TakeSlot(Slots *slots);
+  bool TakeSlot(Slots *slots) { return TakeSlot(slots, &slots_); }
   // Whether the client has cancelled or gone away.
   bool cancelled() const { return cancelled_.load(); }
 
@@ -317,7 +330,12 @@ class Call : public grpc::ServerGenericBidiReactor, public std::enable_shared_fr
   // is gone, exclude each other; recursive, as gRPC may run OnDone on the cutting thread.
   std::recursive_mutex done_mu_;
   bool done_ = false;
-  Slots *slots_ = nullptr;
+  // A slot of `slots` into `*held`, or the call ended RESOURCE_EXHAUSTED; and its return.
+  // The reactions that take and give them never run at once (gRPC runs OnDone last).
+  bool TakeSlot(Slots *slots, Slots **held);
+  void GiveSlot(Slots **held);
+  Slots *awaiting_ = nullptr;  // while the request message is awaited
+  Slots *slots_ = nullptr;     // once it is there, until the call is done
   std::shared_ptr<Call> self_;
 };
 
@@ -573,6 +591,7 @@ inline void Call::Begin(std::shared_ptr<Call> self) {
     Complete(End(kUnknownMethod, "the front end serves no method " + Refusals::Printable(ctx_->method())));
     return;
   }
+  if (!TakeSlot(open ? &guards->health_awaiting : &guards->awaiting, &awaiting_)) return;
   std::weak_ptr<Call> weak = self_;
   first_alarm_.Set(std::chrono::system_clock::now() + std::chrono::milliseconds(service_->limits().first_message_ms),
                    [weak](bool fired) {
@@ -678,6 +697,7 @@ inline void Call::OnReadDone(bool ok) {
     return;
   }
   first_alarm_.Cancel();
+  GiveSlot(&awaiting_);
   if (!ok) {
     if (std::chrono::system_clock::now() >= ctx_->deadline()) {
       Complete(End(kExpired, "the call's deadline passed before its request message came"));
@@ -706,7 +726,7 @@ inline void Call::OnCancel() {
   OnCancelled();
 }
 
-inline bool Call::TakeSlot(Slots *slots) {
+inline bool Call::TakeSlot(Slots *slots, Slots **held) {
   Reason reason;
   std::string message;
   if (!slots->Take(peer_, client_, &reason, &message)) {
@@ -714,8 +734,13 @@ inline bool Call::TakeSlot(Slots *slots) {
     Complete(End(kSlotsFull, message));
     return false;
   }
-  slots_ = slots;
+  *held = slots;
   return true;
+}
+
+inline void Call::GiveSlot(Slots **held) {
+  if (*held != nullptr) (*held)->Give(peer_, client_);
+  *held = nullptr;
 }
 
 inline void Call::OnDone() {
@@ -728,7 +753,8 @@ inline void Call::OnDone() {
     std::lock_guard<std::mutex> lock(mu_);
     if (write_alarm_) write_alarm_->Cancel();
   }
-  if (slots_ != nullptr) slots_->Give(peer_, client_);
+  GiveSlot(&awaiting_);
+  GiveSlot(&slots_);
   self_.reset();  // may be the last reference: nothing after this line
 }
 

@@ -369,12 +369,13 @@ enum Reason {
   kReasonStreamWriteTimeout,
   kReasonMaxConnections,
   kReasonMaxMemory,
+  kReasonAwaitingMessage,
   kReasons
 };
 const char *const kReasonNames[kReasons] = {
     "unauthenticated",   "max_concurrent_rpcs",       "max_rpcs_per_connection",
     "max_rpcs_per_client", "max_health_watches",      "max_health_watches_per_connection",
-    "first_message_timeout", "stream_write_timeout", "max_connections", "max_memory",
+    "first_message_timeout", "stream_write_timeout", "max_connections", "max_memory", "calls_awaiting_message",
 };
 
 // Seconds between two log lines about refusals of one reason.
@@ -457,17 +458,23 @@ inline std::string ClientOf(const std::string &peer, const std::string &token_cl
   return peer.substr(0, colon);
 }
 
-// Slots of one kind of call: at most `limit` held in all, `per_connection` by one
-// connection (its peer address and port), `per_client` by one client (ClientOf).
+// One kind of slot: what it holds (for messages), its limits in all, per connection (a
+// peer address and port) and per client (ClientOf), and the reason and flag of each.
+struct SlotKind {
+  const char *what;
+  long limit, per_connection, per_client;
+  Reason reasons[3];
+  const char *flags[3];
+};
+
+// Slots of one kind: at most `limit` held in all, `per_connection` by one connection,
+// `per_client` by one client (each at most `limit`).
 class Slots {
  public:
-  Slots(long limit, long per_connection, long per_client, Reason limit_reason, Reason connection_reason,
-        Reason client_reason, const char *limit_flag, const char *connection_flag, const char *client_flag)
-      : limit_(limit),
-        per_connection_(std::min(per_connection, limit)),
-        per_client_(std::min(per_client, limit)),
-        reasons_{limit_reason, connection_reason, client_reason},
-        flags_{limit_flag, connection_flag, client_flag} {}
+  explicit Slots(const SlotKind &kind)
+      : kind_(kind),
+        per_connection_(std::min(kind.per_connection, kind.limit)),
+        per_client_(std::min(kind.per_client, kind.limit)) {}
 
   // Takes a slot for `connection` and `client`: true, or false with the refusal's reason
   // and RESOURCE_EXHAUSTED message.
@@ -475,9 +482,9 @@ class Slots {
     std::lock_guard<std::mutex> lock(mu_);
     int which = -1;
     long value = 0;
-    if (active_ >= limit_) {
+    if (active_ >= kind_.limit) {
       which = 0;
-      value = limit_;
+      value = kind_.limit;
     } else if (Held(by_connection_, connection) >= per_connection_) {
       which = 1;
       value = per_connection_;
@@ -487,8 +494,8 @@ class Slots {
     }
     if (which >= 0) {
       static const char *const kWho[] = {"the front end holds", "this connection holds", "this client holds"};
-      *reason = reasons_[which];
-      *message = std::string(kWho[which]) + " its most concurrent calls of this kind (" + flags_[which] + " " +
+      *reason = kind_.reasons[which];
+      *message = std::string(kWho[which]) + " its most " + kind_.what + " (" + kind_.flags[which] + " " +
                  std::to_string(value) + "); retry later";
       return false;
     }
@@ -520,9 +527,8 @@ class Slots {
     if (it != held->end() && --it->second <= 0) held->erase(it);
   }
 
-  const long limit_, per_connection_, per_client_;
-  const Reason reasons_[3];
-  const char *const flags_[3];
+  const SlotKind kind_;
+  const long per_connection_, per_client_;
   mutable std::mutex mu_;
   long active_ = 0;
   std::unordered_map<std::string, long> by_connection_, by_client_;
