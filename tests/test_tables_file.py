@@ -176,6 +176,33 @@ def test_the_bound_holds_for_every_row_of_random_tables(activation: str, quantiz
     assert 0 < moved.max() <= q.header.error_bound + ROUNDING, (moved.max(), q.header.error_bound)
 
 
+def test_the_bound_is_reached_when_every_error_is_aligned(tmp_path: Path) -> None:
+    """The bound is the worst case, and no looser: width 1, no activation, every position
+    value 100.05 and every output value 50.02, which fp16 rounds up (to 100.0625, 50.03125),
+    so that both terms add with their full size: (r~ - r).O and r~.(O~ - O). A row of two
+    known context words moves by the bound; a row with the no-word and one word by half of it."""
+    from nlmserve.lm.tables_file import FlatTables, read_tables_file, write_tables_file
+    from nlmserve.lm.tables_scorer import TablesScorer
+
+    x, y = 100.05, 50.02
+    assert np.float16(x) > np.float32(x) and np.float16(y) > np.float32(y)
+    V, order = 5, 3
+    data = np.concatenate([np.full((order - 1) * V, x), np.full(V, y), np.zeros(V)]).astype(np.float32)
+    words = ["<unk>", "<s>", "</s>", "a", "b"]
+    for kind in ("none", "fp16"):
+        write_tables_file(tmp_path / f"{kind}.nlt", FlatTables(data, 1, "none"), order=order, words=words,
+                          lowercase=False, model_hash="aligned", quantization=kind)
+    bound = read_tables_file(tmp_path / "fp16.nlt").header.error_bound
+    xq, yq = float(np.float16(x)), float(np.float16(y))
+    x32, y32 = float(np.float32(x)), float(np.float32(y))
+    assert bound == pytest.approx(2 * (xq - x32) * y32 + 2 * xq * (yq - y32), rel=1e-12)
+    rows = np.array([[3, 4, 0], [V, 4, 2]])
+    moved = TablesScorer.open(tmp_path / "fp16.nlt").score_rows(rows).astype(np.float64) \
+        - TablesScorer.open(tmp_path / "none.nlt").score_rows(rows)
+    assert moved[0] == pytest.approx(bound, rel=1e-3)  # float32 rounding of scores near 10^4 apart
+    assert moved[1] == pytest.approx(bound / 2, rel=1e-3)
+
+
 def test_fp16_refuses_a_value_it_cannot_hold(tmp_path: Path) -> None:
     from nlmserve.common.errors import UnsupportedModelError
     from nlmserve.lm.tables_file import FlatTables, write_tables_file
