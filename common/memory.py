@@ -1,4 +1,5 @@
-"""``nlmserve.common.memory``: process-wide allocator settings for the hot loops (training).
+"""``nlmserve.common.memory``: process-wide allocator settings: the training loops keep freed
+memory (:func:`keep_freed_memory`), a server gives it back (:func:`trim_heap`).
 
 A training step allocates and frees the same large tensors every time (at width 512 the
 (N, 1 + k, E) noise products are 11.5 MB each). With glibc's defaults some of them come
@@ -21,6 +22,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -50,3 +52,26 @@ def keep_freed_memory() -> bool:
         (_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX), (_M_TRIM_THRESHOLD, _TRIM_OFF), (_M_TOP_PAD, _TOP_PAD)))
     log.debug("malloc keeps freed memory: %s", ok)
     return ok
+
+
+_malloc_trim: Any = None
+
+
+def trim_heap() -> bool:
+    """Ask glibc to give the free parts of its heap back to the system (``malloc_trim(0)``);
+    False where there is no glibc. A server calls it after what leaves freed memory behind
+    (a flood of calls with large metadata or messages, a refused reload): glibc would
+    otherwise keep it resident."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        name = ctypes.util.find_library("c")
+        try:
+            _malloc_trim = ctypes.CDLL(name).malloc_trim if name is not None else False
+        except (OSError, AttributeError):
+            _malloc_trim = False
+        if _malloc_trim:
+            _malloc_trim.argtypes = [ctypes.c_size_t]
+    if not _malloc_trim:
+        return False
+    _malloc_trim(0)
+    return True

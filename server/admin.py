@@ -24,8 +24,6 @@ characters escaped), and no refusal shows a byte of a file that is no model file
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import gc
 import logging
 import os
@@ -37,6 +35,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import grpc
 
 from ..common.errors import InputError, ModelFileError, ReloadError
+from ..common.memory import trim_heap
 from ..proto import lm_pb2
 from .auth import TlsFiles, TokenStore
 from .config import ServerConfig
@@ -111,15 +110,7 @@ def _give_back_memory() -> None:
     system (``malloc_trim``; nothing where there is none). The data of a read is an
     anonymous mapping, unmapped at once; this returns the rest (the header, small arrays)."""
     gc.collect()
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
-    try:
-        trim = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim.argtypes = [ctypes.c_size_t]
-    trim(0)
+    trim_heap()
 
 
 class GateTokens(TokenStore):

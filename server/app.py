@@ -22,8 +22,6 @@ so the GIL is shared by two busy threads, not by a pool of handler threads.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import dataclasses
 import logging
 import os
@@ -44,6 +42,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ..proto import lm_pb2
 from ..common.errors import ReloadError
+from ..common.memory import trim_heap
 from ..common.serve_process import listening_line, metrics_line
 from .admin import ADMIN_SERVICE, AdminServicer, Reloader, add_admin_to_server
 from .auth import TlsFiles, TokenStore
@@ -252,25 +251,6 @@ async def _start(config: ServerConfig, engine: Engine, metrics: ServerMetrics,
     return server, port, health_servicer, servicer, gate
 
 
-def trim_heap() -> None:
-    """Ask glibc to give the free parts of its heap back to the system (``malloc_trim``;
-    nothing where there is no glibc). A flood of calls, large metadata or messages leaves
-    freed memory that glibc would otherwise keep resident: after 1,000 calls of 1 MiB
-    metadata each, 336 MB more than before them, and 13 MB once trimmed."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        name = ctypes.util.find_library("c")
-        try:
-            _malloc_trim = ctypes.CDLL(name).malloc_trim if name is not None else False
-        except (OSError, AttributeError):
-            _malloc_trim = False
-        if _malloc_trim:
-            _malloc_trim.argtypes = [ctypes.c_size_t]
-    if _malloc_trim:
-        _malloc_trim(0)
-
-
-_malloc_trim: Any = None
 
 
 def raise_open_files_limit(max_connections: int) -> int:
