@@ -1,4 +1,4 @@
-"""What a user's mistake gets (docs/DESIGN.md): every subcommand, run as a real process, with
+"""What a user's mistake gets (docs/reference.md, its opening): every subcommand, run as a real process, with
 the mistakes a new user makes: one line on stderr naming the file or flag, no traceback,
 exit status 2 for usage and 1 at run time, and nothing left in the folder it ran in (no
 temporary file, checkpoint, work folder or half-written output beside a refused one).
