@@ -41,6 +41,8 @@ def _ms(seconds: float) -> str:
 def frontend_flags(config: ServerConfig) -> list[str]:
     """The front end's flags for the public port's limits, taken from the same settings as
     the Python server's (times in milliseconds; 0 keeps "never" where the setting has it)."""
+    from .app import streams_per_connection  # app imports this module when it serves
+
     flags = ["--first-message-ms", _ms(config.first_message_seconds),
              "--keepalive-ms", _ms(config.keepalive_seconds),
              "--keepalive-timeout-ms", _ms(config.keepalive_timeout_seconds),
@@ -55,7 +57,8 @@ def frontend_flags(config: ServerConfig) -> list[str]:
              "--max-health-watches", str(config.max_health_watches),
              "--max-health-watches-per-connection", str(config.max_health_watches_per_connection),
              "--stream-write-timeout-ms", _ms(config.stream_write_timeout_seconds),
-             "--max-connections", str(config.max_connections)]
+             "--max-connections", str(config.max_connections),
+             "--max-concurrent-streams", str(streams_per_connection(config))]
     if config.token_file is not None:
         flags += ["--token-file", config.token_file]
         if config.admin_token_file is not None:

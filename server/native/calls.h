@@ -50,7 +50,7 @@ struct CallLimits {
   long first_message_ms = 60000;
   long stream_write_timeout_ms = 30000;
   long backend_timeout_ms = 30000;
-  long max_metadata_bytes = 8192;
+  long max_metadata_bytes = 16384;
 };
 
 // What every call consults: tokens, slots, refusal counts, and whether the front end is
@@ -70,6 +70,7 @@ struct Guards {
                          max_watches, {kReasonAwaitingMessage, kReasonAwaitingMessage, kReasonAwaitingMessage},
                          {"--max-health-watches", "--max-health-watches-per-connection", "--max-health-watches"}}) {}
   TokenSet tokens;
+  AuthFailures auth_failures;
   Refusals refusals;
   Slots rpcs;     // every call but health's, once its request message is there
   Slots watches;  // health Watch streams
@@ -310,6 +311,10 @@ class Call : public grpc::ServerGenericBidiReactor, public std::enable_shared_fr
   void OnCancel() final;
   void OnDone() final;
   void FirstMessageTimeout();
+  // Ends the call with an authentication refusal, at once or after the delay AuthFailures
+  // gives the caller's address.
+  void Refuse(const grpc::Status &status);
+  void SendRefusal();
   void ArmWriteTimer();
   void WriteTimeout(uint64_t generation);
   // Whether this caller is the one to finish the call (under mu_).
@@ -334,6 +339,8 @@ class Call : public grpc::ServerGenericBidiReactor, public std::enable_shared_fr
   // The reactions that take and give them never run at once (gRPC runs OnDone last).
   bool TakeSlot(Slots *slots, Slots **held);
   void GiveSlot(Slots **held);
+  std::unique_ptr<grpc::Status> refusal_;  // a refusal waiting out its delay
+  std::string refused_address_;
   Slots *awaiting_ = nullptr;  // while the request message is awaited
   Slots *slots_ = nullptr;     // once it is there, until the call is done
   std::shared_ptr<Call> self_;
@@ -581,7 +588,7 @@ inline void Call::Begin(std::shared_ptr<Call> self) {
     const grpc::string_ref *header = it == metadata.end() ? nullptr : &it->second;
     if (const char *refusal = guards->tokens.Refusal(header, &token_client)) {
       guards->refusals.Note(kReasonUnauthenticated, ctx_->method(), peer_);
-      Complete(End(kUnauthenticated, refusal));
+      Refuse(End(kUnauthenticated, refusal));
       return;
     }
     if (header != nullptr) authorization_.assign(header->data(), header->size());
@@ -599,6 +606,37 @@ inline void Call::Begin(std::shared_ptr<Call> self) {
                      if (auto call = weak.lock()) call->FirstMessageTimeout();
                    });
   StartRead(&first_);
+}
+
+inline void Call::Refuse(const grpc::Status &status) {
+  const std::string address = ClientOf(peer_, std::string());
+  const double delay = service_->guards()->auth_failures.Failed(address);
+  if (delay <= 0) {
+    Complete(status);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    refusal_.reset(new grpc::Status(status));
+    refused_address_ = address;
+  }
+  std::weak_ptr<Call> weak = self_;
+  first_alarm_.Set(std::chrono::system_clock::now() + std::chrono::microseconds(static_cast<long>(delay * 1e6)),
+                   [weak](bool) {
+                     if (auto call = weak.lock()) call->SendRefusal();
+                   });
+}
+
+// Sends a delayed refusal (its delay is over, or its client left); once.
+inline void Call::SendRefusal() {
+  std::unique_ptr<grpc::Status> status;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    status.swap(refusal_);
+  }
+  if (!status) return;
+  service_->guards()->auth_failures.Answered(refused_address_);
+  Complete(*status);
 }
 
 inline bool Call::Finishing() {
@@ -723,6 +761,7 @@ inline void Call::OnWriteDone(bool ok) {
 
 inline void Call::OnCancel() {
   cancelled_.store(true);
+  SendRefusal();  // a delayed refusal ends now
   OnCancelled();
 }
 
@@ -731,7 +770,11 @@ inline bool Call::TakeSlot(Slots *slots, Slots **held) {
   std::string message;
   if (!slots->Take(peer_, client_, &reason, &message)) {
     service_->guards()->refusals.Note(reason, ctx_->method(), peer_);
-    Complete(End(kSlotsFull, message));
+    // A Watch refused ends UNIMPLEMENTED, as at the Python server (server/gate.py): a gRPC
+    // client's own health checking (gRFC A17) then counts this server healthy instead of
+    // failing it, so whoever fills the pool takes no replica out of its clients' balancing.
+    const bool watch = method_ != nullptr && method_->kind == Kind::kHealthWatch;
+    Complete(End(watch ? kWatchesFull : kSlotsFull, message));
     return false;
   }
   *held = slots;

@@ -32,6 +32,7 @@
 #include <cstring>
 #include <fstream>
 #include <iostream>
+#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -144,6 +145,7 @@ enum Ending {
   kUnknownMethod,        // a method the front end does not serve
   kUnknownHealthService, // health Check of a service the front end does not report
   kMetadataTooLarge,     // a header list larger than --max-metadata-kb
+  kWatchesFull,          // a health Watch beyond its pool (gRFC A17: then counted healthy)
   kEndings
 };
 struct EndingCode {
@@ -167,6 +169,7 @@ const EndingCode kEndingCodes[kEndings] = {
     {"unknown_method", grpc::StatusCode::UNIMPLEMENTED},
     {"unknown_health_service", grpc::StatusCode::NOT_FOUND},
     {"metadata_too_large", grpc::StatusCode::RESOURCE_EXHAUSTED},
+    {"watches_full", grpc::StatusCode::UNIMPLEMENTED},
 };
 
 // How many calls ended each way; thread-safe.
@@ -352,6 +355,78 @@ class TokenSet {
   mutable std::mutex mu_;
   std::vector<std::string> paths_;
   std::vector<std::shared_ptr<const std::vector<std::string> > > files_;  // null: never read
+};
+
+// Failed authentications per client address, answered more slowly as they accumulate (the
+// Python server's rule, server/auth.py AuthFailures): an address's first kFree failures
+// within kWindowSeconds are answered at once (a client with a wrong token learns it at
+// once); after them each refusal waits kFirstDelaySeconds, doubling with each further
+// failure up to kMaxDelaySeconds, so that one address can test at most a few tokens a
+// second per call it keeps waiting. At most kHeldPerAddress refusals of one address, and
+// kHeld in all, wait at once; beyond those a refusal is answered at once, so that waiting
+// refusals hold bounded memory. Calls with a valid token are never slowed. Thread-safe.
+class AuthFailures {
+ public:
+  static constexpr int kFree = 10;
+  static constexpr double kWindowSeconds = 60.0;
+  static constexpr double kFirstDelaySeconds = 0.05;
+  static constexpr double kMaxDelaySeconds = 1.0;
+  static constexpr int kHeldPerAddress = 32;
+  static constexpr int kHeld = 1024;
+  // Addresses remembered at most; the one that failed longest ago is forgotten first.
+  static constexpr std::size_t kAddresses = 65536;
+
+  // Counts a failure of `address`; the seconds its refusal waits (0: answer at once). A
+  // positive delay must be followed by Answered(address) once the refusal is sent.
+  double Failed(const std::string &address) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto now = Clock::now();
+    auto it = recent_.find(address);
+    Window window{now, 0, order_.end()};
+    if (it != recent_.end()) {
+      window = it->second;
+      order_.erase(window.position);
+      recent_.erase(it);
+    }
+    if (now - window.start > std::chrono::duration<double>(kWindowSeconds)) window = Window{now, 0, order_.end()};
+    ++window.failures;
+    order_.push_back(address);
+    window.position = std::prev(order_.end());
+    recent_[address] = window;
+    if (recent_.size() > kAddresses) {
+      recent_.erase(order_.front());
+      order_.pop_front();
+    }
+    int &held = held_[address];
+    if (window.failures <= kFree || held >= kHeldPerAddress || total_held_ >= kHeld) {
+      if (held == 0) held_.erase(address);
+      return 0.0;
+    }
+    ++held;
+    ++total_held_;
+    const int doublings = std::min(window.failures - kFree - 1, 30);
+    return std::min(kMaxDelaySeconds, kFirstDelaySeconds * static_cast<double>(1L << doublings));
+  }
+
+  // A delayed refusal of `address` was sent (or its call ended).
+  void Answered(const std::string &address) {
+    std::lock_guard<std::mutex> lock(mu_);
+    --total_held_;
+    auto it = held_.find(address);
+    if (it != held_.end() && --it->second <= 0) held_.erase(it);
+  }
+
+ private:
+  struct Window {
+    Clock::time_point start;
+    int failures;
+    std::list<std::string>::iterator position;  // in order_
+  };
+  std::mutex mu_;
+  std::unordered_map<std::string, Window> recent_;
+  std::list<std::string> order_;  // addresses, the one that failed longest ago first
+  std::unordered_map<std::string, int> held_;
+  int total_held_ = 0;
 };
 
 // ------------------------------------------------------------------------------ refusals

@@ -144,7 +144,8 @@ struct Options {
   long max_health_watches_per_connection = 8;
   long stream_write_timeout_ms = 30000;
   long max_connections = 4096;
-  long max_metadata_kb = 8;
+  long max_metadata_kb = 16;  // the Python server's METADATA_BYTES (server/app.py)
+  long max_concurrent_streams = 0;  // HTTP/2 streams per connection; 0: gRPC's default
   long max_memory_mb = 0;  // 0: derived from --max-message-mb (MemoryLimitBytes)
 };
 
@@ -197,7 +198,8 @@ int CheckStatusCodes(const std::string &path) {
             << "         [--max-connection-age-grace-ms 60000] [--handshake-timeout-ms 10000]\n"
             << "         [--max-concurrent-rpcs 256] [--max-rpcs-per-connection 128] [--max-rpcs-per-client 128]\n"
             << "         [--max-health-watches 1024] [--max-health-watches-per-connection 8]\n"
-            << "         [--stream-write-timeout-ms 30000] [--max-connections 4096] [--max-metadata-kb 8]\n"
+            << "         [--stream-write-timeout-ms 30000] [--max-connections 4096] [--max-metadata-kb 16]\n"
+            << "         [--max-concurrent-streams N (HTTP/2 streams per connection; default gRPC's)]\n"
             << "         [--max-memory-mb MB (default: 16 x --max-message-mb, at least 1024)]\n";
   std::exit(2);
 }
@@ -239,6 +241,7 @@ Options ParseArgs(int argc, char **argv) {
       {"--stream-write-timeout-ms", {&Options::stream_write_timeout_ms, 1}},
       {"--max-connections", {&Options::max_connections, 1}},
       {"--max-metadata-kb", {&Options::max_metadata_kb, 1}},
+      {"--max-concurrent-streams", {&Options::max_concurrent_streams, 0}},
       {"--max-memory-mb", {&Options::max_memory_mb, 1}},
   };
   for (int i = 1; i < argc; ++i) {
@@ -882,6 +885,9 @@ void Configure(const Options &o, int max_bytes, Connections *connections, grpc::
   }
   builder->AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, static_cast<int>(o.handshake_timeout_ms));
   builder->AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, static_cast<int>(o.max_metadata_kb * 1024));
+  if (o.max_concurrent_streams) {
+    builder->AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, static_cast<int>(o.max_concurrent_streams));
+  }
   builder->SetOption(connections->Option());
 }
 
