@@ -305,6 +305,27 @@ void StatusCodes() {
   End(file);
 }
 
+// Every finite IEEE half as HalfToFloat reads it (an fp16 file's values): sign, exponent and
+// mantissa by the standard's formula, normal and subnormal (the writer stores no subnormal,
+// but a reader of them stays exact); numpy's float16 is the Python reader's.
+void HalvesAsFloats(const std::string &file) {
+  int wrong = 0;
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+    if (exponent == 0x1f) continue;  // infinities and NaNs: never written
+    const double magnitude = exponent ? std::ldexp(1.0 + mantissa / 1024.0, static_cast<int>(exponent) - 15)
+                                      : std::ldexp(mantissa / 1024.0, -14);
+    const float want = static_cast<float>((h & 0x8000) ? -magnitude : magnitude);
+    const float got = nlmserve::HalfToFloat(static_cast<uint16_t>(h));
+    if (got != want || std::signbit(got) != std::signbit(want)) ++wrong;
+  }
+  Check(wrong == 0, file, "every finite half is read as its value (" + std::to_string(wrong) + " are not)");
+  Check(nlmserve::HalfToFloat(0x3c00) == 1.f && nlmserve::HalfToFloat(0xc000) == -2.f &&
+            nlmserve::HalfToFloat(0x7bff) == 65504.f && nlmserve::HalfToFloat(0x0400) == std::ldexp(1.f, -14) &&
+            nlmserve::HalfToFloat(0x3555) == 0.333251953125f,
+        file, "1, -2, 65504, 2^-14 and 0.33325 by hand");
+}
+
 // A file that is not a tables file of version 2 as written is refused with a line that says
 // why: not one, a missing file, version 1 (and how to write version 2), a damaged header, a
 // header whose fields do not hold together, a file cut short.
@@ -474,6 +495,7 @@ void ScoringFixture(const std::string &file) {
       }
     }
     if (q == 0 && !treed) RefusedTablesFiles(mapped_file);
+    if (q == 1 && !treed) HalvesAsFloats(mapped_file);
     End(mapped_file);
   }
 }
