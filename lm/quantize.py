@@ -92,7 +92,9 @@ def dequantize(values: np.ndarray, scales: np.ndarray | None) -> np.ndarray:
     int8 times its row's scale (one float32 product)."""
     if scales is None:
         return values.astype(np.float32, copy=False)
-    return (scales[:, None].astype(np.float32) * values.astype(np.float32)).astype(np.float32, copy=False)
+    out = values.astype(np.float32)
+    out *= scales.astype(np.float32, copy=False)[:, None]
+    return out
 
 
 @dataclass

@@ -468,7 +468,9 @@ class TablesFile:
         self.path = os.fspath(path)
         self.header = head
         self.file_bytes = size
-        self._mapping = np.memmap(self.path, dtype=np.uint8, mode="r", shape=(size,))
+        # A plain array over the mapping (it keeps the memmap alive): indexing a memmap makes
+        # a memmap of every result, which costs more than a small gather.
+        self._mapping = np.memmap(self.path, dtype=np.uint8, mode="r", shape=(size,)).view(np.ndarray)
         elem = quant.ELEMENT[head.quantization]
         V, D, n1 = head.vocab_size, head.dim, head.order - 1
         outputs = head.tree_nodes or V
