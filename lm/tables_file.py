@@ -75,7 +75,6 @@ log = logging.getLogger(__name__)
 MAGIC = b"NLMTABLE"
 VERSION = 2
 HEADER_BYTES = 4096  # a page: the position rows start page-aligned in the mapping
-DATA_OFFSET = HEADER_BYTES
 ALIGN = 64
 SECTIONS = ("position", "position_scale", "output", "output_scale", "rest", "words", "word_starts", "vocab_table")
 LOWERCASE_FLAG = 1
