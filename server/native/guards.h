@@ -654,6 +654,14 @@ class Connections {
     return std::unique_ptr<grpc::ServerBuilderOption>(new Install(&mutator_.base));
   }
 
+  // Sets the queue of connections the kernel accepts for the port before gRPC takes them
+  // (listen() again on the port's sockets, once the server listens): gRPC takes all that
+  // are queued at once, so queue and cap together must fit in the open-files limit.
+  void LimitBacklog(int backlog) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (int fd : listeners_) listen(fd, backlog);
+  }
+
   // Shuts down the open connection that received the most bytes over `interval` (none
   // when no connection received any); returns its peer, or an empty string.
   std::string ShedBusiest(std::chrono::milliseconds interval) {
@@ -686,7 +694,12 @@ class Connections {
   };
 
   static bool Mutate(const grpc_mutate_socket_info *info, grpc_socket_mutator *m) {
-    if (info->usage == GRPC_FD_SERVER_CONNECTION_USAGE) reinterpret_cast<Mutator *>(m)->connections->Accepted(info->fd);
+    Connections *connections = reinterpret_cast<Mutator *>(m)->connections;
+    if (info->usage == GRPC_FD_SERVER_CONNECTION_USAGE) connections->Accepted(info->fd);
+    if (info->usage == GRPC_FD_SERVER_LISTENER_USAGE) {
+      std::lock_guard<std::mutex> lock(connections->mu_);
+      connections->listeners_.push_back(info->fd);
+    }
     return true;  // false would make gRPC stop accepting on the port
   }
   static int Compare(grpc_socket_mutator *a, grpc_socket_mutator *b) { return a < b ? -1 : a > b ? 1 : 0; }
@@ -761,6 +774,7 @@ class Connections {
   Mutator mutator_;
   std::mutex mu_;
   std::unordered_map<int, ino_t> open_;
+  std::vector<int> listeners_;  // the port's listening sockets
   Clock::time_point next_recount_;
 };
 

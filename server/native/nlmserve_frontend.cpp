@@ -842,26 +842,48 @@ std::size_t MemoryLimitBytes(const Options &o) {
 // streams, gRPC's pollers, the backend's connections, the local channel's sockets, files).
 const long kOwnFiles = 64;
 
-// The open-files soft limit raised to the hard one, and the connection cap that fits in
-// it: --max-connections, lowered (with a log line) to leave kOwnFiles below the limit.
-// gRPC 1.51 stops accepting on a port for good when accept() fails for want of a
-// descriptor, so no flood may reach the file limit.
-long ConnectionCapWithin(long max_connections) {
+// The connections the kernel queues for a listening port at most (net.core.somaxconn;
+// gRPC listens with it).
+int KernelBacklog() {
+  std::ifstream in("/proc/sys/net/core/somaxconn");
+  int n = 0;
+  return (in >> n) && n > 0 ? n : 4096;
+}
+
+// The connection cap, and the accept queue (0: the kernel's, as gRPC sets it), that fit in
+// the open-files limit.
+struct FileBudget {
+  long connections;
+  int backlog;
+};
+
+// The open-files soft limit raised to the hard one, and the budget that fits in it. gRPC
+// 1.51 stops accepting on a port for good when accept() fails for want of a descriptor,
+// and it accepts every queued connection before the cap sees any: so kOwnFiles, the accept
+// queue and the cap together stay within the limit. When the limit leaves no room for
+// --max-connections beside a full kernel queue, both are lowered (the queue to half the
+// room at most) and a line says so.
+FileBudget FitInFileLimit(long max_connections) {
   rlimit files{};
-  if (getrlimit(RLIMIT_NOFILE, &files) != 0) return max_connections;
+  const int kernel = KernelBacklog();
+  if (getrlimit(RLIMIT_NOFILE, &files) != 0) return FileBudget{max_connections, 0};
   if (files.rlim_cur < files.rlim_max) {
     files.rlim_cur = files.rlim_max;
     setrlimit(RLIMIT_NOFILE, &files);
     getrlimit(RLIMIT_NOFILE, &files);
   }
-  if (files.rlim_cur == RLIM_INFINITY || static_cast<long>(files.rlim_cur) >= max_connections + kOwnFiles) {
-    return max_connections;
+  if (files.rlim_cur == RLIM_INFINITY ||
+      static_cast<long>(files.rlim_cur) >= max_connections + kernel + kOwnFiles) {
+    return FileBudget{max_connections, 0};
   }
-  const long cap = std::max(1L, static_cast<long>(files.rlim_cur) - kOwnFiles);
+  const long room = std::max(2L, static_cast<long>(files.rlim_cur) - kOwnFiles);
+  const int backlog = static_cast<int>(std::min<long>(kernel, room / 2));
+  const long cap = std::max(1L, std::min(max_connections, room - backlog));
   Log("the open-files limit (" + std::to_string(files.rlim_cur) + ") leaves room for " + std::to_string(cap) +
-      " connections: at most " + std::to_string(cap) + " are kept, not --max-connections " +
-      std::to_string(max_connections) + " (raise the hard limit, ulimit -Hn, for more)");
-  return cap;
+      " connections and " + std::to_string(backlog) + " queued ones: at most " + std::to_string(cap) +
+      " are kept (--max-connections " + std::to_string(max_connections) +
+      "; raise the hard limit, ulimit -Hn, for more)");
+  return FileBudget{cap, backlog};
 }
 
 // The public port's limits: messages, compression, keepalive, connection lifetimes,
@@ -906,7 +928,8 @@ int main(int argc, char **argv) {
   guards.tokens.SetFiles(options.token_file, options.admin_token_file);
   const std::string token_error = guards.tokens.Load();
   if (!token_error.empty()) Usage(token_error);
-  const long max_connections = ConnectionCapWithin(options.max_connections);
+  const FileBudget files = FitInFileLimit(options.max_connections);
+  const long max_connections = files.connections;
   LimitGrpcLog();
 
   // SIGTERM and SIGINT (stop) and SIGHUP (re-read the token file) are taken by sigwait in
@@ -956,6 +979,7 @@ int main(int argc, char **argv) {
     Log("cannot listen on " + options.listen);
     return 1;
   }
+  if (files.backlog) connections.LimitBacklog(files.backlog);
 
   std::string host = options.listen.substr(0, options.listen.rfind(':'));
   std::cout << "listening on " << host << ":" << port << std::endl;
