@@ -103,6 +103,11 @@ def binned(values: Any) -> Any:
 
 
 def errors(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="bench-query-errors-") as tmp:
+        return _errors(args, Path(tmp))
+
+
+def _errors(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     import numpy as np
 
     from nlmserve.lm.ngrams import sentence_rows
@@ -110,7 +115,6 @@ def errors(args: argparse.Namespace) -> dict[str, Any]:
     from nlmserve.lm.tables_file import FlatTables, write_tables_file
     from nlmserve.lm.tables_scorer import TablesScorer
 
-    folder = Path(tempfile.mkdtemp(prefix="bench-query-errors-"))
     lm = LanguageModel.load(args.model, device="cpu")
     flat = FlatTables.of(lm.scoring_tables())
     V, D, n1 = len(lm.vocab), flat.dim, lm.order - 1
@@ -165,7 +169,11 @@ def render_errors(result: dict[str, Any]) -> str:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    folder = Path(tempfile.mkdtemp(prefix="bench-query-"))
+    with tempfile.TemporaryDirectory(prefix="bench-query-") as tmp:
+        return _measure(args, Path(tmp))
+
+
+def _measure(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     one = folder / "one.txt"
     one.write_text("the european union\n", encoding="utf-8")
     lines = Path(args.text).read_text(encoding="utf-8").splitlines()
