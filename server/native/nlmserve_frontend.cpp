@@ -859,10 +859,11 @@ struct FileBudget {
 
 // The open-files soft limit raised to the hard one, and the budget that fits in it. gRPC
 // 1.51 stops accepting on a port for good when accept() fails for want of a descriptor,
-// and it accepts every queued connection before the cap sees any: so kOwnFiles, the accept
-// queue and the cap together stay within the limit. When the limit leaves no room for
-// --max-connections beside a full kernel queue, both are lowered (the queue to half the
-// room at most) and a line says so.
+// and it accepts every queued connection before the cap sees any, so the limit must hold
+// kOwnFiles, the cap, and the connections accepted beyond it that gRPC has not closed yet
+// (two accept queues' worth). When it cannot with the kernel's queue and
+// --max-connections, both are lowered (the queue to a quarter of the room, the cap to what
+// is left) and a line says so.
 FileBudget FitInFileLimit(long max_connections) {
   rlimit files{};
   const int kernel = KernelBacklog();
@@ -873,12 +874,12 @@ FileBudget FitInFileLimit(long max_connections) {
     getrlimit(RLIMIT_NOFILE, &files);
   }
   if (files.rlim_cur == RLIM_INFINITY ||
-      static_cast<long>(files.rlim_cur) >= max_connections + kernel + kOwnFiles) {
+      static_cast<long>(files.rlim_cur) >= max_connections + 2L * kernel + kOwnFiles) {
     return FileBudget{max_connections, 0};
   }
-  const long room = std::max(2L, static_cast<long>(files.rlim_cur) - kOwnFiles);
-  const int backlog = static_cast<int>(std::min<long>(kernel, room / 2));
-  const long cap = std::max(1L, std::min(max_connections, room - backlog));
+  const long room = std::max(4L, static_cast<long>(files.rlim_cur) - kOwnFiles);
+  const int backlog = static_cast<int>(std::min<long>(kernel, room / 4));
+  const long cap = std::max(1L, std::min(max_connections, room - 2L * backlog));
   Log("the open-files limit (" + std::to_string(files.rlim_cur) + ") leaves room for " + std::to_string(cap) +
       " connections and " + std::to_string(backlog) + " queued ones: at most " + std::to_string(cap) +
       " are kept (--max-connections " + std::to_string(max_connections) +
