@@ -68,11 +68,14 @@ FORMAT_VERSION = 3
 _PROVENANCE_VERSION = 3
 #: The entries of the training record that are provenance, not model: each key of
 #: ``training`` (a name, or a dict of names for the record's own dicts) whose values move to
-#: the header's ``provenance``, outside the hash. Paths of what the run read and wrote, and
-#: settings that only say how the run was watched and resumed.
+#: the header's ``provenance``, outside the hash. Paths of what the run read and wrote,
+#: settings that only say how the run was watched and resumed, and why the step that ran was
+#: chosen (``step_ran`` itself made the weights and stays in the hash; two reasons for the
+#: torch step, such as NLMSERVE_FUSED=0 and numba missing, give the same weights).
 PROVENANCE: dict[str, tuple[str, ...]] = {
     "train": (),
     "valid": (),
+    "step_reason": (),
     "train_config": ("train", "valid", "out", "workdir", "class_file", "progress", "learning_curve", "log_every",
                      "checkpoint_every", "checkpoint_share", "resume"),
 }

@@ -545,12 +545,17 @@ class _Trainer:
             self._resume()
         self.dist.wrap(self.model)
         _set_lr(self.opt, self.state.lr)
+        self.step_ran, self.step_reason = "torch", ""
         self.fused = self._fused_step()
         self.log = TrainingLog(cfg.log_path, append=resumed, enabled=self.dist.is_main)
         self.digests: list[str] | None = None
         if not resumed:
             self.log.write(event="start", config=dataclasses.asdict(cfg), model=self.mconf.to_json(),
-                           vocab_size=len(data.vocab), train_tokens=data.train.num_tokens, step=0, tokens=0)
+                           vocab_size=len(data.vocab), train_tokens=data.train.num_tokens, step=0, tokens=0,
+                           step_ran=self.step_ran, step_reason=self.step_reason)
+        else:  # the resumed steps may run another step than the first ones did
+            self.log.write(event="resume", step=self.state.step, tokens=self.state.tokens,
+                           step_ran=self.step_ran, step_reason=self.step_reason)
         self.stopped = self.state.stopped or "epochs"
         self.loss_sum, self.loss_n = 0.0, 0
         if cfg.workers > 1 and self.device.type != "cpu":
@@ -577,9 +582,12 @@ class _Trainer:
                  cfg.checkpoint_path, self.state.step, self.state.epoch, self.state.pos)
 
     def _fused_step(self) -> FusedNCE | None:
-        """The fused step when ``cfg.step`` asks for it and it applies to this run."""
+        """The fused step when ``cfg.step`` asks for it and it applies to this run. Sets
+        ``step_ran`` (``fused`` or ``torch``) and ``step_reason`` (why that step), which the
+        log's start record and the model file carry."""
         cfg = self.cfg
         if cfg.step == "torch":
+            self.step_ran, self.step_reason = "torch", "--step torch"
             return None
         why = unavailable_reason(cfg.objective, self.model, cfg.optimizer, self.device, self.dist.enabled)
         if cfg.dense_grads:
@@ -587,9 +595,11 @@ class _Trainer:
         if why is not None:
             if cfg.step == "fused":
                 raise InputError(f"--step fused does not apply: {why}")
+            self.step_ran, self.step_reason = "torch", f"--step auto and the fused step does not apply: {why}"
             if cfg.objective == "nce" and self.device.type == "cpu":
                 log.info("training with the torch step: %s", why)
             return None
+        self.step_ran, self.step_reason = "fused", f"--step {cfg.step}" + (" and it applies" if cfg.step == "auto" else "")
         log.info("training with the fused CPU step (nlmserve.lm.fused)")
         return FusedNCE(self.model, self.opt, self.noise)
 
@@ -788,6 +798,8 @@ class _Trainer:
             "epochs_completed": state.epoch,
             "valid_perplexity": best_ppl,
             "stopped": self.stopped,
+            "step_ran": self.step_ran,
+            "step_reason": self.step_reason,
             "train_config": dataclasses.asdict(cfg),
             "torch": torch.__version__,
         }

@@ -325,6 +325,57 @@ def test_each_objective_trains_and_writes_a_loadable_model(small_train: Path, de
     assert Path(cfg.curve_path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _step_records(cfg: TrainConfig) -> list[tuple[str, str, str]]:
+    """(event, step_ran, step_reason) of the start and resume records of ``cfg``'s log."""
+    records = [json.loads(line) for line in Path(cfg.log_path).read_text().splitlines()]
+    return [(r["event"], r["step_ran"], r["step_reason"]) for r in records if r.get("event") in ("start", "resume")]
+
+
+def test_the_log_and_the_model_file_say_which_step_ran_and_why(small_train: Path, dev_small_path: Path,
+                                                               tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The log's start record (and a resume record per resumed invocation) and the model file's
+    training record name the step that ran, ``fused`` or ``torch``, and why: what ``--step``
+    asked for and, under ``auto``, whether the fused step applied (else the reason it did not).
+    The reason stays out of the model's hash, the step does not."""
+    from nlmserve.lm.fused import unavailable_reason
+    from nlmserve.lm.config import ModelConfig
+    from nlmserve.lm.model import NeuralLM
+    from nlmserve.lm.model_file import read_model_header
+
+    probe = NeuralLM(ModelConfig(vocab_size=8, num_classes=2), np.arange(8) % 2)
+    missing = unavailable_reason("nce", probe, "adagrad", torch.device("cpu"), False)
+    auto = ("torch", f"--step auto and the fused step does not apply: {missing}") if missing else \
+        ("fused", "--step auto and it applies")
+    cases = [({}, auto), ({"step": "torch"}, ("torch", "--step torch")),
+             ({"objective": "mle"}, ("torch", "--step auto and the fused step does not apply: "
+                                              "objective mle (the fused step is NCE's)"))]
+    for i, (kw, (ran, why)) in enumerate(cases):
+        cfg = _config(small_train, dev_small_path, tmp_path / f"m{i}.nlm", max_steps=10, **kw)
+        train(cfg)
+        assert _step_records(cfg) == [("start", ran, why)]
+        header = read_model_header(cfg.out)
+        assert (header.training["step_ran"], header.training["step_reason"]) == (ran, why)
+    # A resumed invocation that cannot run the fused step records its own step and reason.
+    monkeypatch.setenv("NLMSERVE_FUSED", "0")
+    cfg = _config(small_train, dev_small_path, tmp_path / "m0.nlm", max_steps=20, resume=True)
+    train(cfg)
+    off = ("torch", "--step auto and the fused step does not apply: NLMSERVE_FUSED=0")
+    assert _step_records(cfg) == [("start", *auto), ("resume", *off)]
+    assert (read_model_header(cfg.out).training["step_ran"], read_model_header(cfg.out).training["step_reason"]) == off
+    assert "step_reason" not in json.dumps(_hashed_training(cfg.out))
+
+
+def _hashed_training(path: str) -> dict[str, object]:
+    """The training record as the header stores it under the hash (provenance left out)."""
+    import struct
+
+    blob = Path(path).read_bytes()
+    _, _, length = struct.unpack_from("<8sIQ", blob)
+    header: dict[str, object] = json.loads(blob[20:20 + length])
+    assert isinstance(header["training"], dict) and "step_ran" in header["training"]
+    return header["training"]
+
+
 def test_max_minutes_stops_cleanly_with_the_best_model(small_train: Path, dev_small_path: Path, tmp_path: Path) -> None:
     out = tmp_path / "timed.nlm"
     t0 = time.monotonic()
