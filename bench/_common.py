@@ -7,6 +7,7 @@ a process tree (a server and the helpers it started).
     from bench._common import write_section        # a script's section of a document, between markers
     from bench._common import require_scoring_tables  # before a run that asks for scoring=local
     from bench._common import shown_command        # a recorded command line as a page prints it
+    from bench._common import training_step        # the step a training ran, refused when not the one asked
 
 Benchmarks run from the checkout as ``python -m bench.NAME``.
 """
@@ -18,7 +19,7 @@ import os
 import platform
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _REPO = Path(__file__).resolve().parent.parent
@@ -117,6 +118,25 @@ def train_seconds(model_path: str | Path) -> float:
         if record.get("event") == "end":
             return float(record["elapsed"])
     raise SystemExit(f"{model_path}.log.jsonl has no end record")
+
+
+#: The steps a training benchmark passes to ``nlmserve train --step``: never ``auto``, which
+#: would measure whichever step the run happened to get (NLMSERVE_FUSED=0, numba missing).
+TRAINING_STEPS = ("fused", "torch")
+
+
+def training_step(record: Mapping[str, Any], asked: str, where: str) -> dict[str, str]:
+    """``{"step": STEP, "step_reason": WHY}`` of a training, from its log's start record or its
+    model file's training record (``step_ran``, ``step_reason``); SystemExit when the record
+    names no step (``where`` predates the record) or another step than ``asked``: the run
+    measured a step the benchmark did not mean to measure."""
+    ran = record.get("step_ran")
+    if ran is None:
+        raise SystemExit(f"{where} does not say which training step ran (a trainer older than step_ran)")
+    if ran != asked:
+        raise SystemExit(f"{where}: the {ran} step ran ({record.get('step_reason')}), not the {asked} step "
+                         "this benchmark measures")
+    return {"step": str(ran), "step_reason": str(record.get("step_reason", ""))}
 
 
 def random_class_model(texts: list[Path], vocab_size: int, order: int, dim: int, seed: int, path: Path) -> None:

@@ -5,7 +5,9 @@ Each round runs, one after the other:
 
 1. OxLM on ``--tokens`` training tokens (``--minibatch-threshold`` minibatches of 10,000
    tokens; with no test set OxLM stops after exactly that many);
-2. ``nlmserve train --recipe none`` with the same model flags for ``--tokens`` / 512 steps;
+2. ``nlmserve train --recipe none --step STEP`` with the same model flags for ``--tokens`` / 512
+   steps (``--step``, default ``fused``: the step measured; nlmserve train refuses a run that
+   step cannot train, and the JSON records the step that ran and why);
 3. OxLM again, for as many minibatches as it trains (at step 1's speed) in the seconds
    nlmserve's run of step 2 took: the model each tool gives in the same training time.
 
@@ -46,7 +48,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench._common import machine, markers, shown_command, train_seconds, write_json, write_section
+from bench._common import (TRAINING_STEPS, machine, markers, shown_command, train_seconds, training_step,
+                           write_json, write_section)
 from bench.targets import DEV, TRAIN, head_lines, map_rare
 
 log = logging.getLogger("bench.oxlm")
@@ -145,7 +148,7 @@ def nlmserve_command(text: Path, out: Path, args: argparse.Namespace, steps: int
             "--objective", "nce", "--noise-samples", str(args.noise_samples), "--optimizer", "adagrad",
             "--no-ngram-features", "--dropout", "0", "--batch-size", str(NLM_BATCH),
             "--max-steps", str(steps), "--epochs", str(epochs), "--threads", "1", "--workers", "1",
-            "--checkpoint-every", "0", "--no-progress"]
+            "--step", args.step, "--checkpoint-every", "0", "--no-progress"]
 
 
 def _run(cmd: list[str], log_file: Path, env: dict[str, str] | None = None) -> str:
@@ -191,6 +194,7 @@ def nlmserve_run(text: Path, dev: Path, out: Path, args: argparse.Namespace, ste
     records = [json.loads(line) for line in out.with_name(out.name + ".log.jsonl").read_text().splitlines()]
     start = next(r for r in records if r.get("event") == "start")
     end = next(r for r in records if r.get("event") == "end")
+    step = training_step(start, args.step, f"{out}.log.jsonl")
     seconds = train_seconds(out)
     ev = json.loads(_run([*cli(), "eval", "--model", str(out), "--text", str(dev), "--json", "--threads", "1"],
                          log_file))
@@ -198,7 +202,7 @@ def nlmserve_run(text: Path, dev: Path, out: Path, args: argparse.Namespace, ste
             "tokens_per_s": end["tokens"] / seconds,
             "dev_ppl": ev["perplexity"], "dev_tokens": ev["tokens"], "vocab": start["vocab_size"],
             "train_tokens": start["train_tokens"],
-            "classes": start["model"]["num_classes"],
+            "classes": start["model"]["num_classes"], **step,
             "config": {k: start["config"][k] for k in ("lr", "optimizer", "batch_size", "lr_schedule", "seed")}}
 
 
@@ -271,6 +275,14 @@ def _cell(stat: dict[str, Any]) -> str:
     return _num(stat["mean"]) + (f" ({', '.join(map(_num, runs))})" if len(runs) > 1 else "")
 
 
+def _step_text(rounds: list[dict[str, Any]]) -> str:
+    """Which training step nlmserve's runs measured, and why, as the table's caption says it."""
+    steps = sorted({(r["nlmserve"].get("step"), r["nlmserve"].get("step_reason")) for r in rounds}, key=str)
+    if any(step is None for step, _ in steps):
+        return "**the training step nlmserve ran is not recorded**"
+    return "nlmserve's " + " and ".join(f"{step} training step ({why})" for step, why in steps)
+
+
 def render(result: dict[str, Any]) -> str:
     """The comparison as Markdown: what ran where, the table, what differs, the command."""
     m, s, st = result["machine"], result["settings"], result["summary"]
@@ -287,7 +299,7 @@ def render(result: dict[str, Any]) -> str:
         f"times as `<unk>` (V = {vocab}); order {s['order']}, width {s['dim']}, "
         f"diagonal contexts, {s['activation']}, {s['classes']} frequency classes, NCE with {s['noise_samples']} "
         f"noise samples, AdaGrad (OxLM step size {s['oxlm']['step_size']}, L2 {s['oxlm']['lambda']:g}; nlmserve "
-        f"{s['nlmserve']['lr']}, no L2), no direct features.",
+        f"{s['nlmserve']['lr']}, no L2), no direct features; {_step_text(result['rounds'])}.",
         "",
         "| | OxLM `train_factored_sgd` | nlmserve | nlmserve / OxLM |",
         "|---|---|---|---|",
@@ -330,6 +342,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--noise-samples", type=int, default=10)
     p.add_argument("--activation", choices=("none", "relu"), default="relu", help="on the context vector")
     p.add_argument("--oxlm-step-size", type=float, help="OxLM's AdaGrad step size (default: OxLM's, 0.05)")
+    p.add_argument("--step", choices=TRAINING_STEPS, default="fused",
+                   help="nlmserve train --step: the training step measured (a run it cannot train is refused)")
     p.add_argument("--oxlm-lambda", type=float, help="OxLM's L2 strength --lambda-lbl (default: OxLM's, 7)")
     p.add_argument("--work", type=Path, default=Path("/tmp/nlmserve-oxlm"), help="texts and models (texts reused)")
     p.add_argument("--json", type=Path, help="write the results here")

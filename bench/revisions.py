@@ -20,12 +20,18 @@ Each round runs old, then new:
 * sequential single n-gram requests (``--requests`` of them) to that tree's ``nlmserve serve``
   and ``serve --frontend native`` on one model file: p50, p99, and the server's CPU per
   request;
-* that tree's ``bench/train.py --objectives nce --minutes M --threads 1 --json``: training
-  tokens/s and the dev perplexity reached;
-* with ``--train-args="ARGS"``: that tree's ``nlmserve train ARGS --out F`` (give it a budget,
-  e.g. ``--max-minutes 4``), and from its log (``F.log.jsonl``) the tokens per second from
-  step 1,000 on (the minutes before, vocabulary, classes and the first steps, are left out)
-  and the steps taken: a user's own training recipe, old against new.
+* that tree's ``bench/train.py --objectives nce --nce-step STEP --minutes M --threads 1 --json``:
+  training tokens/s and the dev perplexity reached;
+* with ``--train-args="ARGS"``: that tree's ``nlmserve train ARGS --step STEP --out F`` (give it
+  a budget, e.g. ``--max-minutes 4``), and from its log (``F.log.jsonl``) the tokens per second
+  from step 1,000 on (the minutes before, vocabulary, classes and the first steps, are left
+  out) and the steps taken: a user's own training recipe, old against new.
+
+STEP is ``--train-step`` (default ``fused``): both trainings name the step they measure, and
+one that ran another step (or that the trainer refuses) stops the comparison. ARGS that give
+``--step`` themselves keep theirs. A tree older than the flag (its bench/train.py without
+``--nce-step``, its ``nlmserve train`` without ``--step``, or its records without ``step_ran``)
+is run without it, and the table says that its step is not recorded.
 
 ``--skip-serve`` leaves the serving measurements out (training only), and the C++ build with them.
 
@@ -52,7 +58,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import _common
-from bench._common import machine, random_class_model, tree_cpu_seconds, write_json, write_section
+from bench._common import (TRAINING_STEPS, machine, random_class_model, training_step, tree_cpu_seconds, write_json,
+                           write_section)
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "data" / "lm"
@@ -151,6 +158,12 @@ class Side:
             return ["-m", f"bench.{name}"]
         return [str(self.src / "bench" / f"{name}.py")]
 
+    def knows(self, script: str, flag: str) -> bool:
+        """Whether the tree's ``script`` (a path under its root) declares ``flag``: a tree older
+        than the flag is run without it."""
+        path = self.src / script
+        return path.exists() and f'"{flag}"' in path.read_text(encoding="utf-8")
+
     def frontend(self) -> Path:
         """The tree's own ``nlmserve_frontend`` (build/native since the front end has its own
         CMake project, build/cpp before)."""
@@ -218,15 +231,22 @@ def serve_bench(side: Side, seconds: float, out: Path) -> dict[str, Any]:
     return result
 
 
-def train_bench(side: Side, minutes: float, work: Path) -> dict[str, Any]:
-    """That tree's bench/train.py, NCE on one thread → its JSON row."""
+def train_bench(side: Side, minutes: float, work: Path, step: str = "fused") -> dict[str, Any]:
+    """That tree's bench/train.py, NCE on one thread with the training step ``step`` → its JSON
+    row (``step`` and ``step_reason`` the step that ran; None in a tree older than them)."""
+    named = side.knows("bench/train.py", "--nce-step")
     stdout = run([sys.executable, *side.bench("train"), "--objectives", "nce", "--minutes",
-                  str(minutes), "--threads", "1", "--workdir", str(work), "--json"], side.src, side.env,
-                 log=work.with_suffix(".log"))
+                  str(minutes), "--threads", "1", "--workdir", str(work), "--json",
+                  *(["--nce-step", step] if named else [])], side.src, side.env, log=work.with_suffix(".log"))
     for line in stdout.splitlines():
         if line.startswith("{"):
             row: dict[str, Any] = json.loads(line)
             if row.get("objective") == "nce":
+                if named:
+                    row.update(training_step({"step_ran": row.get("step"), "step_reason": row.get("step_reason")},
+                                             step, f"{side.rev}: bench/train.py"))
+                else:
+                    row.update(step=None, step_reason=None)
                 return row
     raise SystemExit(f"{side.rev}: bench/train.py printed no nce row")
 
@@ -244,9 +264,21 @@ def training_speed(log: Path, skip_steps: int = SKIP_STEPS) -> dict[str, float]:
             "steps": float(end["step"])}
 
 
-def recipe_bench(side: Side, train_args: list[str], out: Path) -> dict[str, float]:
-    """That tree's ``nlmserve train ARGS --out OUT`` (earlier outputs of OUT removed first) →
-    :func:`training_speed` of its log."""
+def given_step(train_args: list[str]) -> str | None:
+    """The ``--step`` that ``--train-args`` give themselves (None: none); SystemExit for
+    ``auto``, which would measure whichever step the run happens to get."""
+    given = next((a.split("=", 1)[1] if "=" in a else (train_args[i + 1] if i + 1 < len(train_args) else "")
+                  for i, a in enumerate(train_args) if a == "--step" or a.startswith("--step=")), None)
+    if given is not None and given not in TRAINING_STEPS:
+        raise SystemExit(f"--train-args: --step {given or '(no value)'}: name the step measured, "
+                         f"{' or '.join(TRAINING_STEPS)} (or leave --step out: --train-step names it)")
+    return given
+
+
+def recipe_bench(side: Side, train_args: list[str], out: Path, step: str = "fused") -> dict[str, Any]:
+    """That tree's ``nlmserve train ARGS --step STEP --out OUT`` (earlier outputs of OUT removed
+    first; ARGS that give ``--step`` keep theirs) → :func:`training_speed` of its log, with the
+    step that ran and why (``step``, ``step_reason``: None in a tree older than them)."""
     for old in out.parent.glob(out.name + "*"):
         if old.is_dir():
             shutil.rmtree(old)
@@ -254,8 +286,17 @@ def recipe_bench(side: Side, train_args: list[str], out: Path) -> dict[str, floa
             old.unlink()
     from nlmserve.common.serve_process import nlmserve_command
 
-    run([*nlmserve_command(), "train", *train_args, "--out", str(out)], side.src, side.env, log=out.with_suffix(".log"))
-    return training_speed(out.with_name(out.name + ".log.jsonl"))
+    given = given_step(train_args)
+    named = given is None and side.knows("lm/cli.py", "--step")
+    asked = given or (step if named else None)
+    run([*nlmserve_command(), "train", *train_args, *(["--step", step] if named else []), "--out", str(out)],
+        side.src, side.env, log=out.with_suffix(".log"))
+    log_path = out.with_name(out.name + ".log.jsonl")
+    start = json.loads(log_path.read_text().splitlines()[0])
+    ran: dict[str, Any] = {"step": None, "step_reason": None}
+    if asked is not None and "step_ran" in start:
+        ran = dict(training_step(start, asked, f"{side.rev}: {log_path}"))
+    return {**training_speed(log_path), **ran}
 
 
 def sequential_latency(side: Side, model: Path, requests: int, native: bool) -> dict[str, float]:
@@ -323,8 +364,29 @@ def render(result: dict[str, Any]) -> str:
     for row in result["rows"]:
         lines.append(f"| {row['label']} | {', '.join(map(_fmt, row['old']))} | {', '.join(map(_fmt, row['new']))} "
                      f"| {row['ratio']:.2f} | {row['verdict']} |")
+    steps = _steps(result.get("rounds_detail", {}))
+    if steps:
+        lines += ["", "Training step: " + "; ".join(steps) + "."]
     lines += ["", f"Command: `{_common.shown_command(result['command'])}`"]
     return "\n".join(lines)
+
+
+def _steps(rounds: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """What each side's trainings say of the step that ran, e.g. ``train: old fused (--step
+    fused), new fused (--step fused)``; a training without a record says so."""
+    out = []
+    for what in ("train", "recipe"):
+        sides = []
+        for name in ("old", "new"):
+            runs = [r[what] for r in rounds.get(name, []) if what in r]
+            if not runs:
+                continue
+            seen = sorted({(r.get("step"), r.get("step_reason")) for r in runs}, key=str)
+            said = ", ".join("not recorded" if step is None else f"{step} ({why})" for step, why in seen)
+            sides.append(f"{name} {said}")
+        if sides:
+            out.append(f"{what} " + ", ".join(sides))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -337,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train-args", type=shlex.split, default=[],
                     help='also time `nlmserve train ARGS` of each tree (one quoted string, given with "=": '
                     '--train-args="--train T --max-minutes 4"; --out is added)')
+    ap.add_argument("--train-step", choices=TRAINING_STEPS, default="fused",
+                    help="the training step both trainings measure (nlmserve train --step; bench/train.py --nce-step)")
     ap.add_argument("--skip-serve", action="store_true", help="leave the serving measurements out")
     ap.add_argument("--requests", type=int, default=3000, help="sequential single n-gram requests per server")
     ap.add_argument("--model", type=Path, help="model file for the sequential requests (default: a random one "
@@ -361,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--old is required")
     if args.rounds < 2:
         ap.error("--rounds must be at least 2")
+    given_step(args.train_args)  # before any work
     args.work.mkdir(parents=True, exist_ok=True)
     cpp = not args.skip_serve  # the C++ front end is measured by the serving benchmarks only
     sides = [prepare("old", args.old, args.work, cpp), prepare("new", args.new, args.work, cpp)]
@@ -386,9 +451,9 @@ def main(argv: list[str] | None = None) -> int:
                 one["latency"] = {"python": sequential_latency(side, model, args.requests, False),
                                   "native": sequential_latency(side, model, args.requests, True)}
             if args.train_minutes > 0:
-                one["train"] = train_bench(side, args.train_minutes, args.work / f"train-{tag}")
+                one["train"] = train_bench(side, args.train_minutes, args.work / f"train-{tag}", args.train_step)
             if args.train_args:
-                one["recipe"] = recipe_bench(side, args.train_args, args.work / f"recipe-{tag}.nlm")
+                one["recipe"] = recipe_bench(side, args.train_args, args.work / f"recipe-{tag}.nlm", args.train_step)
             rounds[side.name].append(one)
     result.update({s.name: {"rev": s.rev, "sha": s.sha} for s in sides})
     result["rounds_detail"] = rounds

@@ -9,7 +9,11 @@ number of minutes (``nlmserve.lm.train`` with ``max_minutes``) and reports:
 * steps and tokens seen;
 * dev perplexity (exact, normalised, ``</s>`` counted, OOVs as ``<unk>``) of the best
   model, as ``nlmserve eval`` reports it;
-* the ratio of each row's tokens/s and perplexity to the softmax baseline's.
+* the ratio of each row's tokens/s and perplexity to the softmax baseline's;
+* the training step that ran and why (the model file's ``step_ran``, ``step_reason``): NCE
+  with ``--nce-step`` (default ``fused``; ``torch`` for the reference step), the others with
+  ``torch``, the only step they have. The step is always named, never ``auto``, so a run that
+  would have measured another step (``NLMSERVE_FUSED=0``, numba missing) is refused.
 
 It also times the two exact in-class normaliser strategies (grouped by class vs padded to
 the largest class) on one batch, the measurement behind the model's choice. Usage:
@@ -31,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench._common import train_seconds
+from bench._common import TRAINING_STEPS, train_seconds, training_step
 
 from nlmserve.lm.evaluate import evaluate
 from nlmserve.lm.scoring import LanguageModel
@@ -69,6 +73,12 @@ def in_class_timing(cfg: TrainConfig, batch: int = 512, repeats: int = 3) -> dic
     return out
 
 
+def step_of(objective: str, nce_step: str) -> str:
+    """The ``--step`` an objective's run is given: ``nce_step`` for NCE, ``torch`` for the
+    others (the fused step is NCE's)."""
+    return nce_step if objective == "nce" else "torch"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--train", default=str(TRAIN))
@@ -79,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--objectives", default="nce,mle,softmax")
+    p.add_argument("--nce-step", choices=TRAINING_STEPS, default="fused",
+                   help="nlmserve train --step of the NCE run (mle and softmax: torch, their only step)")
     p.add_argument("--workdir", default="runs/bench-train")
     p.add_argument("--json", action="store_true", help="also print the rows as JSON lines")
     args = p.parse_args(argv)
@@ -92,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             train=args.train, valid=args.dev, out=str(work / f"{objective}.nlm"), workdir=str(work / "ids"),
             objective=objective, dim=args.dim, batch_size=args.batch_size, lr=args.lr, threads=args.threads,
             epochs=1000, max_minutes=args.minutes, checkpoint_every=0, progress=False, learning_curve=False,
+            step=step_of(objective, args.nce_step),
         )
         t0 = time.monotonic()
         result = train(cfg)
@@ -101,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         seconds = train_seconds(cfg.out)
         rows.append({
             "objective": objective,
+            **training_step(lm.training, cfg.step, cfg.out),
             "output": lm.output_type,
             "vocab": len(lm.vocab),
             "classes": lm.num_classes,
@@ -118,10 +132,11 @@ def main(argv: list[str] | None = None) -> int:
           f"torch {torch.__version__}; {args.minutes} min per objective; dim {args.dim}, batch {args.batch_size}, "
           f"AdaGrad lr {args.lr}")
     print(f"# train {args.train}; dev {args.dev}; V = {rows[0]['vocab']}")
-    print("| objective | output | classes | steps | tokens seen | tokens/s | × softmax | dev ppl | dev ppl excl. OOV |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| objective | training step | output | classes | steps | tokens seen | tokens/s | × softmax | dev ppl "
+          "| dev ppl excl. OOV |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['objective']} | {r['output']} | {r['classes']} | {r['steps']} | {r['tokens']:,} | "
+        print(f"| {r['objective']} | {r['step']} | {r['output']} | {r['classes']} | {r['steps']} | {r['tokens']:,} | "
               f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.1f} | {r['dev_ppl']:.1f} | "
               f"{r['dev_ppl_excl_oov']:.1f} |")
     if any(r["objective"] != "softmax" for r in rows):

@@ -180,12 +180,30 @@ def test_the_nlmserve_command_has_oxlms_model_and_no_recipe() -> None:
     assert _flag(cmd, "--objective") == "nce" and _flag(cmd, "--noise-samples") == "10"
     assert "--no-ngram-features" in cmd and _flag(cmd, "--dropout") == "0"
     assert "--valid" not in cmd and _flag(cmd, "--checkpoint-every") == "0"
+    # The step measured is named, never left to --step auto's choice.
+    assert _flag(cmd, "--step") == "fused"
+    assert _flag(oxlm.nlmserve_command(Path("t.txt"), Path("w/n.nlm"), _args("--step", "torch"), 5, 10), "--step") \
+        == "torch"
+    with pytest.raises(SystemExit):
+        _args("--step", "auto")
+
+
+def test_a_run_of_another_step_than_the_one_asked_is_refused() -> None:
+    """The log's start record names the step that ran: the one asked for gives the JSON's
+    fields; another one, or a log that names none, stops the benchmark."""
+    start = {"event": "start", "step_ran": "fused", "step_reason": "--step fused"}
+    assert oxlm.training_step(start, "fused", "n.nlm.log.jsonl") == {"step": "fused", "step_reason": "--step fused"}
+    torch_ran = {"step_ran": "torch", "step_reason": "--step auto and the fused step does not apply: NLMSERVE_FUSED=0"}
+    with pytest.raises(SystemExit, match="the torch step ran .*NLMSERVE_FUSED=0.*not the fused step"):
+        oxlm.training_step(torch_ran, "fused", "n.nlm.log.jsonl")
+    with pytest.raises(SystemExit, match="does not say which training step ran"):
+        oxlm.training_step({"event": "start"}, "fused", "n.nlm.log.jsonl")
 
 
 def _run(tps: float, ppl: float, tokens: int = 2_560_000, seconds: float | None = None,
          dev_tokens: int = 189_654) -> dict[str, Any]:
     return {"tokens": tokens, "seconds": seconds or tokens / tps, "tokens_per_s": tps, "dev_ppl": ppl,
-            "dev_tokens": dev_tokens, "vocab": 24291}
+            "dev_tokens": dev_tokens, "vocab": 24291, "step": "fused", "step_reason": "--step fused"}
 
 
 def _result(nlm_dev_tokens: int = 189_654) -> dict[str, Any]:
@@ -223,6 +241,10 @@ def test_the_summary_and_table() -> None:
                               "| 78.7 (78.6, 78.8) | 83.6 (83.5, 83.7) |")
     assert "nlmserve at 99a3cb8 against OxLM, 2 rounds" in text and "V = 24,291" in text
     assert "same 189,654 tokens" in text and "not comparable" not in text
+    assert "no direct features; nlmserve's fused training step (--step fused)." in text
+    for r in result["rounds"]:
+        del r["nlmserve"]["step"]  # a JSON of a run that did not record the step
+    assert "**the training step nlmserve ran is not recorded**" in oxlm.render(result)
 
 
 def test_different_dev_token_counts_are_flagged() -> None:

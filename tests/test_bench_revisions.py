@@ -98,6 +98,31 @@ def test_a_training_recipe_of_this_tree_is_timed_from_its_log(tmp_path: Path, tr
     r = revisions.recipe_bench(side, args, out)
     assert r["steps"] == 1200.0 and r["tokens_per_s"] > 0
     assert out.exists()
+    # the step is named (--train-step's default) and the log's start record says it ran
+    assert (r["step"], r["step_reason"]) == ("fused", "--step fused")
+
+
+def test_the_training_step_is_named_and_auto_is_refused(tmp_path: Path) -> None:
+    assert revisions.given_step(["--train", "t", "--step", "torch"]) == "torch"
+    assert revisions.given_step(["--step=fused", "--max-minutes", "4"]) == "fused"
+    assert revisions.given_step(["--train", "t"]) is None
+    for args in (["--step", "auto"], ["--step=auto"], ["--step"]):
+        with pytest.raises(SystemExit, match="name the step measured"):
+            revisions.given_step(args)
+    with pytest.raises(SystemExit, match="name the step measured"):
+        revisions.main(["--old", "HEAD", "--train-args=--step auto", "--work", str(tmp_path)])
+    this = revisions.Side("new", "HEAD", "0" * 40, REPO, tmp_path / "site")
+    older = revisions.Side("old", "19f2784", "0" * 40, tmp_path, tmp_path / "site")  # a tree without the flags
+    assert this.knows("lm/cli.py", "--step") and this.knows("bench/train.py", "--nce-step")
+    assert not older.knows("lm/cli.py", "--step") and not older.knows("bench/train.py", "--nce-step")
+
+
+def test_the_table_says_which_step_each_side_trained_with() -> None:
+    fused = {"step": "fused", "step_reason": "--step fused"}
+    rounds = {"old": [{"train": {"tokens_per_s": 1.0, "step": None, "step_reason": None}}] * 2,
+              "new": [{"train": {"tokens_per_s": 1.0, **fused}, "recipe": {"steps": 5.0, **fused}}] * 2}
+    assert revisions._steps(rounds) == ["train old not recorded, new fused (--step fused)",
+                                        "recipe new fused (--step fused)"]
 
 
 def test_one_round_is_refused() -> None:
