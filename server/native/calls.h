@@ -289,8 +289,9 @@ class Call : public grpc::ServerGenericBidiReactor, public std::enable_shared_fr
   void Complete(const grpc::Status &status);
   // Ends the call with `last` as its last message and OK (held to the write timeout).
   void CompleteWith(grpc::ByteBuffer *last);
-  // Writes `message` (which must live until OnWritten), held to the write timeout.
-  void Write(grpc::ByteBuffer *message);
+  // Writes `message` (which must live until OnWritten), held to the write timeout; false
+  // (nothing written, no OnWritten) when the call is already finished.
+  bool Write(grpc::ByteBuffer *message);
   // Takes a slot of `slots` for the call's connection and client until the call is done;
   // false (and the call ended RESOURCE_EXHAUSTED) when a limit is reached.
   bool TakeSlot(Slots *slots) { return TakeSlot(slots, &slots_); }
@@ -485,6 +486,10 @@ class HealthCall final : public Call, public HealthState::Watcher {
   void OnRequest() override;
   void OnWritten(bool ok) override;
   void OnCancelled() override;
+  void OnWriteTimedOut() override {
+    std::lock_guard<std::mutex> lock(health_mu_);
+    ended_ = true;
+  }
   // Writes the latest status when no write is on its way, or ends a closing stream once
   // told (under health_mu_, which it releases).
   void WriteLatest(std::unique_lock<std::mutex> *lock);
@@ -645,33 +650,31 @@ inline bool Call::Finishing() {
   return true;
 }
 
+// Finish and the writes are started under mu_, so that no write follows the finish (gRPC
+// aborts on one). Neither runs a reaction on the calling thread.
 inline void Call::Complete(const grpc::Status &status) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!Finishing()) return;
-  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!Finishing()) return;
   Finish(status);
 }
 
 inline void Call::CompleteWith(grpc::ByteBuffer *last) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!Finishing()) return;
-    writing_ = true;
-    ++write_generation_;
-    ArmWriteTimer();
-  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!Finishing()) return;
+  writing_ = true;
+  ++write_generation_;
+  ArmWriteTimer();
   StartWriteAndFinish(last, grpc::WriteOptions(), grpc::Status::OK);
 }
 
-inline void Call::Write(grpc::ByteBuffer *message) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    writing_ = true;
-    ++write_generation_;
-    ArmWriteTimer();
-  }
+inline bool Call::Write(grpc::ByteBuffer *message) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (finished_) return false;
+  writing_ = true;
+  ++write_generation_;
+  ArmWriteTimer();
   StartWrite(message);
+  return true;
 }
 
 // Under mu_.
@@ -876,7 +879,7 @@ inline void RelayCall::CloseUp(bool writes_done) {
 // A message from the backend: to the client (the next is read once the client has it).
 inline void RelayCall::Received(bool ok) {
   if (ok) {
-    Write(&down_);
+    if (!Write(&down_)) OnWritten(false);  // the call is over: no more reads
     return;
   }
   if (method_->kind == Kind::kRelayStream) {
@@ -956,13 +959,20 @@ inline void HealthCall::WriteLatest(std::unique_lock<std::mutex> *lock) {
   sent_ = latest_;
   out_ = HealthResponse(sent_);
   lock->unlock();
-  Write(&out_);
+  if (!Write(&out_)) {
+    std::lock_guard<std::mutex> again(health_mu_);
+    writing_ = false;
+    ended_ = true;
+  }
 }
 
 inline void HealthCall::OnWritten(bool ok) {
   std::unique_lock<std::mutex> lock(health_mu_);
   writing_ = false;
-  if (!ok) return;  // cancelled or cut: OnCancelled ends the call
+  if (!ok) {
+    ended_ = true;  // cancelled or cut: OnCancelled or the write timeout ends the call
+    return;
+  }
   WriteLatest(&lock);
 }
 
