@@ -48,10 +48,10 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--tls-key", str, "PEM private key of --tls-cert"),
     ("--tls-client-ca", str, "PEM CA: require client certificates it signed (mutual TLS)"),
     ("--token-file", str, "file of bearer tokens, one per line (re-read on SIGHUP); health stays open"),
-    ("--frontend", str, "python (default) or native: the C++ front end (server/native) takes the public port "
-                        "and micro-batches small requests before this process"),
     ("--admin-token-file", str, "file of admin tokens: only they may call Admin/ReloadModel (re-read on SIGHUP)"),
     ("--reload-dir", str, "folder a ReloadModel path must lie in, no symlink followed (default: the folder of --model)"),
+    ("--frontend", str, "python (default) or native: the C++ front end (server/native) takes the public port "
+                        "and micro-batches small requests before this process"),
     ("--frontend-binary", str, "path of nlmserve_frontend (default: on PATH, else build/native of the checkout)"),
     ("--frontend-max-delay-us", int, "native front end: longest wait for a batch to fill (default 500)"),
     ("--frontend-max-inflight", int, "native front end: merged requests at the model server at once (default 1)"),
