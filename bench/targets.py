@@ -1,32 +1,45 @@
 """The project's perplexity targets against Kneser-Ney, end to end, in one command.
 
-Three experiments on the shared Europarl (``../shared/data/lm``), dev perplexity on
-``europarl.dev.lc-moses.en`` (``</s>`` counted, OOVs scored as ``<unk>`` on both sides, as
-KenLM's ``query`` reports it):
+Four experiments on the shared Europarl (``../shared/data/lm``; ``--train`` and ``--dev`` name
+other texts):
 
-* ``200k``: the first 200,000 lines, our model within 20 minutes, against a Kneser-Ney
-  5-gram on the same lines (61.1);
-* ``full``: the whole 18.25M-token corpus within 60 minutes (Kneser-Ney: 52.4);
-* ``oxlm-nce`` / ``oxlm-mle``: the OxLM comparison on the first 120,000 lines with
-  singletons mapped to ``<unk>`` (``--min-count 2``), width 256, NCE within 10 minutes
-  and exact MLE within 20 (OxLM reached 66.7 and 66.0 where Kneser-Ney scored 68.5).
+* ``200k``: the first 200,000 lines, our model within 20 minutes: a perplexity at least 8%
+  below that of a Kneser-Ney 5-gram of the same lines;
+* ``full``: the whole 18.25M-token corpus within 60 minutes, the same goal;
+* ``oxlm-nce`` / ``oxlm-mle``: the OxLM set-up, the first 120,000 lines with singletons
+  mapped to ``<unk>`` (``--min-count 2``), width 256, NCE within 10 minutes and exact MLE
+  within 20 (no goal: bench/oxlm.py measures OxLM itself).
 
-Kneser-Ney: with ``--lmplz PATH`` (and ``--query``, default next to it) a modified
-Kneser-Ney 5-gram is built with ``lmplz -o 5`` on each experiment's training lines and
-scored with ``query``; otherwise the perplexities above, typed in here from earlier
-``lmplz`` runs, are used and the table says "typed in" (``--kn NAME=PPL`` overrides one).
-For the 120k-line targets Kneser-Ney sees the same tokens as our model: words seen fewer
-than ``--min-count`` times in the training lines, and dev words outside that vocabulary,
-become one placeholder word in both texts (KenLM refuses ``<unk>`` itself in its input), so
-both sides predict the same events, including the unknown-word ones.
+**Selected on one text, reported on another.** The dev text is cut in two: its first half
+(lines 1 to ⌊n/2⌋, ``WORK/dev.select.txt``) is training's ``--valid`` (the learning-rate
+schedule, early stopping and the model kept), its second half (``WORK/dev.report.txt``) is the
+text every number of the table is measured on. Neither model sees the second half before it
+is scored; Kneser-Ney sees neither half.
+
+**Both sides, both ways.** Kneser-Ney is built by ``--lmplz PATH`` (``lmplz -o 5`` on each
+experiment's training lines) and scored by ``query`` (``--query``, default next to it) on the
+report text; our model by ``nlmserve eval``. Each side gives its perplexity with OOVs
+(``</s>`` counted, an unknown word scored as ``<unk>``) and without them: the tokens whose
+word is outside the training lines' vocabulary are left out of the sum and the count. Both
+vocabularies are the words of the training lines (``--min-count`` 1), so both sides leave
+out the same positions; for the OxLM set-up, words seen fewer than ``--min-count`` times
+become one placeholder word in Kneser-Ney's texts (KenLM refuses ``<unk>`` itself in its
+input) and ``<unk>`` in ours, and the placeholder's positions are the ones left out. The
+table prints both sides' OOV counts, and says so when they differ. Two models give ``<unk>``
+different mass, so a target is met only when our model meets it both with and without OOVs.
+Without ``--lmplz`` there is no Kneser-Ney number and no verdict: nothing is typed in.
+
+**The step measured.** ``nlmserve train`` gets ``--step`` (the NCE rows ``--nce-step``, default
+``fused``; MLE ``torch``, its only step), so a run that would train with another step is
+refused; each row records the step that ran and why (the model file's training record).
 
 ``--scale F`` multiplies every budget (e.g. 0.1 for a short end-to-end check); the table
-then says so. ``nlmserve train`` gets the text, the budget and nothing else unless a
-model flag is given here (``--dim``, ``--lr``, ...): its recipe chooses the rest, and the
-table prints what it chose. Training time includes building the vocabulary, the id file
-and the classes. Usage:
+then says so. ``nlmserve train`` gets the text, the budget, the selection text, the step and
+nothing else unless a model flag is given here (``--dim``, ``--lr``, ...): its recipe chooses
+the rest, and the table prints what it chose. Training time includes building the
+vocabulary, the id file and the classes. Usage:
 
-    .venv/bin/python -m bench.targets                                  # all, full budgets
+    .venv/bin/python -m bench.targets --lmplz /path/to/lmplz                   # all, full budgets
     .venv/bin/python -m bench.targets --scale 0.05 --only 200k,oxlm-nce --lmplz /path/to/lmplz
     .venv/bin/python -m bench.targets --render docs/performance.md bench/results/targets-200k.json \
         bench/results/targets-full.json                              # the no-flag rows of the page
@@ -40,7 +53,6 @@ import json
 import logging
 import lzma
 import os
-import re
 import subprocess
 import sys
 import time
@@ -48,7 +60,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench._common import machine, markers, shown_command, write_json, write_section
+from bench._common import (TRAINING_STEPS, machine, markers, shown_command, training_step, write_json,
+                           write_section)
+from nlmserve.common.perplexity import from_log10
 
 log = logging.getLogger("bench.targets")
 
@@ -65,48 +79,62 @@ class Target:
     Fields:
         name: the table row's name (``--only`` selects by it).
         lines: first N training lines (None: all).
-        minutes: the issue's wall-time budget for our model.
-        kn: Kneser-Ney dev perplexity typed in from an earlier ``lmplz`` run (used without ``--lmplz``).
+        minutes: the wall-time budget of our model's training.
         objective: nce or mle.
         min_count: 2 maps singletons to ``<unk>`` (the OxLM set-up).
         dim: embedding width (None: the ``--dim`` flag; the OxLM targets' 256 yields to ``--oxlm-dim``).
-        peer: the peer's perplexity to print beside it (OxLM), or None.
         goal: the relative change against Kneser-Ney the target asks for at most (None: none).
     """
 
     name: str
     lines: int | None
     minutes: float
-    kn: float
     objective: str = "nce"
     min_count: int = 1
     dim: int | None = None
-    peer: float | None = None
     goal: float | None = None
 
 
 TARGETS = (
-    Target("200k", 200_000, 20.0, 61.1, goal=-0.08),
-    Target("full", None, 60.0, 52.4, goal=-0.08),
-    Target("oxlm-nce", 120_000, 10.0, 68.5, "nce", 2, 256, 66.7),
-    Target("oxlm-mle", 120_000, 20.0, 68.5, "mle", 2, 256, 66.0),
+    Target("200k", 200_000, 20.0, goal=-0.08),
+    Target("full", None, 60.0, goal=-0.08),
+    Target("oxlm-nce", 120_000, 10.0, "nce", 2, 256),
+    Target("oxlm-mle", 120_000, 20.0, "mle", 2, 256),
 )
+
+
+@dataclass(frozen=True)
+class Perplexity:
+    """One model's perplexity of the report text.
+
+    Fields:
+        ppl: with OOVs (``</s>`` counted, unknown words scored as ``<unk>``).
+        ppl_excl_oov: without the OOV tokens (left out of the sum and of the count).
+        oov: OOV tokens; tokens: all tokens, ``</s>`` included.
+    """
+
+    ppl: float
+    ppl_excl_oov: float
+    oov: int
+    tokens: int
 
 
 @dataclass
 class Row:
+    """One experiment's results: Kneser-Ney's (None without ``--lmplz``) and ours on the
+    report text, and what the training did."""
+
     target: Target
     minutes: float
-    kn_ppl: float
-    kn_source: str
-    ppl: float | None = None
-    ppl_excl_oov: float | None = None
-    oov: int | None = None
+    kn: Perplexity | None = None
+    ours: Perplexity | None = None
     steps: int | None = None
     tokens_seen: int | None = None
     train_seconds: float | None = None
     dim: int | None = None
     recipe: str = ""
+    step: str = ""
+    step_reason: str = ""
 
 
 def head_lines(src: Path, n: int | None, dst: Path) -> Path:
@@ -124,6 +152,22 @@ def head_lines(src: Path, n: int | None, dst: Path) -> Path:
     return dst
 
 
+def split_dev(dev: Path, work: Path) -> tuple[Path, Path, int]:
+    """``dev`` cut in two (rewritten every run): its first ⌊n/2⌋ lines, the text training
+    selects on (``--valid``), and the rest, the text every number is reported on → their
+    paths and the number of selection lines. SystemExit for a text of fewer than 2 lines."""
+    lines = dev.read_text(encoding="utf-8").splitlines(keepends=True)
+    if len(lines) < 2:
+        raise SystemExit(f"bench/targets.py: {dev} has {len(lines)} line(s): selection and report need 2 at least")
+    half = len(lines) // 2
+    select, report = work / "dev.select.txt", work / "dev.report.txt"
+    for path, part in ((select, lines[:half]), (report, lines[half:])):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(part), encoding="utf-8")
+        os.replace(tmp, path)
+    return select, report, half
+
+
 PLACEHOLDER = "UNKWORD"  # stands for <unk> in KenLM's texts (the corpus is lowercased)
 
 
@@ -135,7 +179,7 @@ def map_rare(text: Path, dev: Path, min_count: int, work: Path,
     tag = f"min{min_count}" + ("" if placeholder == PLACEHOLDER else ".unk")
     out_text = work / f"{text.stem}.{tag}.txt"
     out_dev = work / f"{dev.stem}.{tag}.{text.stem}.txt"
-    if out_text.exists() and out_dev.exists():
+    if out_text.exists() and out_dev.exists() and out_dev.stat().st_mtime_ns >= dev.stat().st_mtime_ns:
         return out_text, out_dev
     counts: dict[str, int] = {}
     with open(text, encoding="utf-8") as f:
@@ -154,33 +198,56 @@ def map_rare(text: Path, dev: Path, min_count: int, work: Path,
     return out_text, out_dev
 
 
-def kenlm_perplexity(lmplz: Path, query: Path, text: Path, dev: Path, work: Path) -> float:
-    """Build a 5-gram with lmplz on ``text`` and return query's dev perplexity (incl. OOVs)."""
+def parse_query(output: str, placeholder: str = PLACEHOLDER) -> Perplexity:
+    """KenLM ``query``'s per-word output (``word=id ngram_length log10prob`` cells, a tab
+    after each, then ``Total: T OOV: k`` per line) → the perplexity with OOVs and without
+    them: a token is OOV when KenLM's vocabulary lacks it (id 0) or when it is
+    ``placeholder``, the word that stands for the rare words mapped to ``<unk>``."""
+    total = kept = 0.0
+    tokens = oov = 0
+    for line in output.splitlines():
+        if "\tTotal: " not in line and not line.startswith("Total: "):
+            continue
+        for cell in line.split("\t")[:-1]:
+            left, _, log10 = cell.rsplit(" ", 2)
+            word, _, wid = left.rpartition("=")
+            value = float(log10)
+            tokens += 1
+            total += value
+            if wid == "0" or word == placeholder:
+                oov += 1
+            else:
+                kept += value
+    if tokens == 0:
+        raise RuntimeError(f"no scored words in query's output: {output[:300]!r}")
+    return Perplexity(from_log10(total, tokens), from_log10(kept, tokens - oov), oov, tokens)
+
+
+def kenlm_perplexity(lmplz: Path, query: Path, text: Path, report: Path, work: Path) -> Perplexity:
+    """A 5-gram built by lmplz on ``text`` (kept in ``work`` for the next run), scored by
+    query on ``report``: with OOVs and without them (:func:`parse_query`)."""
     arpa = work / (text.stem + ".kn5.arpa")
     if not arpa.exists():
         with open(text, "rb") as fin, open(arpa.with_suffix(".tmp"), "wb") as fout:
             subprocess.run([str(lmplz), "-o", "5", "-S", "20%", "-T", str(work)], stdin=fin, stdout=fout,
                            stderr=subprocess.DEVNULL, check=True)
         os.replace(arpa.with_suffix(".tmp"), arpa)
-    with open(dev, "rb") as fin:
-        out = subprocess.run([str(query), "-v", "summary", str(arpa)], stdin=fin, capture_output=True,
-                             check=True).stdout.decode()
-    m = re.search(r"Perplexity including OOVs:\s*([0-9.eE+-]+)", out)
-    if m is None:
-        raise RuntimeError(f"no perplexity in the output of {query}: {out[:300]!r}")
-    return float(m.group(1))
+    with open(report, "rb") as fin:
+        out = subprocess.run([str(query), str(arpa)], stdin=fin, capture_output=True, check=True).stdout.decode()
+    return parse_query(out)
 
 
-def train_command(row: Row, args: argparse.Namespace, train_text: Path, out: Path) -> list[str]:
-    """The ``nlmserve train`` command of the row: the text, the budget, and only the model
-    flags given here (its recipe chooses the others, lm/recipe.py)."""
-    from nlmserve.moses_plugin.experiment import nlmserve_command
+def train_command(row: Row, args: argparse.Namespace, train_text: Path, select: Path, out: Path) -> list[str]:
+    """The ``nlmserve train`` command of the row: the text, the budget, the selection text
+    (``select``, the dev text's first half), the step, and only the model flags given here
+    (its recipe chooses the others, lm/recipe.py)."""
+    from nlmserve.common.serve_process import nlmserve_command
 
     t = row.target
     dim = (args.oxlm_dim or t.dim) if t.dim else args.dim
     cmd = nlmserve_command() + [
-        "train", "--train", str(train_text), "--valid", str(args.valid), "--out", str(out),
-        "--max-minutes", f"{row.minutes:.3f}", "--no-progress",
+        "train", "--train", str(train_text), "--valid", str(select), "--out", str(out),
+        "--max-minutes", f"{row.minutes:.3f}", "--step", step_of(t, args.nce_step), "--no-progress",
     ]
     if t.objective != "nce" or t.min_count != 1:  # the OxLM set-ups
         cmd += ["--objective", t.objective, "--min-count", str(t.min_count)]
@@ -198,54 +265,54 @@ def train_command(row: Row, args: argparse.Namespace, train_text: Path, out: Pat
     return cmd
 
 
-def run_target(row: Row, args: argparse.Namespace, work: Path) -> None:
-    """Train our model for the row's budget and evaluate it on the dev text."""
-    from nlmserve.moses_plugin.experiment import nlmserve_command
+def step_of(target: Target, nce_step: str) -> str:
+    """The ``--step`` a target's training is given: ``nce_step`` for NCE, ``torch`` for MLE
+    (the fused step is NCE's)."""
+    return nce_step if target.objective == "nce" else "torch"
+
+
+def run_target(row: Row, args: argparse.Namespace, train_text: Path, select: Path, report: Path,
+               work: Path) -> None:
+    """Train our model for the row's budget on ``train_text``, selecting on ``select``, and
+    evaluate it on ``report``."""
+    from nlmserve.common.serve_process import nlmserve_command
+    from nlmserve.lm.model_file import read_model_header
 
     t = row.target
-    train_text = head_lines(TRAIN, t.lines, work / f"train.{t.lines or 'full'}.txt")
     out = work / f"{t.name}.nlm"
-    cmd = train_command(row, args, train_text, out)
+    cmd = train_command(row, args, train_text, select, out)
     log.info("%s: %s", t.name, " ".join(cmd))
     t0 = time.monotonic()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     row.train_seconds = time.monotonic() - t0
-    ev = subprocess.run([*nlmserve_command(), "eval", "--model", str(out), "--text", str(DEV),
+    ev = subprocess.run([*nlmserve_command(), "eval", "--model", str(out), "--text", str(report),
                          "--json", "--threads", str(args.threads or 0)], check=True, capture_output=True, text=True)
     res = json.loads(ev.stdout)
-    row.ppl, row.ppl_excl_oov, row.oov = res["perplexity"], res["perplexity_excl_oov"], res["oov"]
-    header = json.loads(_model_header(out))
-    row.steps = header["training"]["steps"]
-    row.tokens_seen = header["training"]["tokens_seen"]
-    row.recipe = header["training"]["train_config"].get("recipe", "")
-    row.dim = header["training"]["train_config"]["dim"]
+    row.ours = Perplexity(res["perplexity"], res["perplexity_excl_oov"], res["oov"], res["tokens"])
+    training = read_model_header(out).training
+    step = training_step(training, step_of(t, args.nce_step), str(out))
+    row.step, row.step_reason = step["step"], step["step_reason"]
+    row.steps = training["steps"]
+    row.tokens_seen = training["tokens_seen"]
+    row.recipe = training["train_config"].get("recipe", "")
+    row.dim = training["train_config"]["dim"]
 
 
-def _model_header(path: Path) -> str:
-    from nlmserve.lm.model_file import read_model_file
-
-    mf = read_model_file(path)
-    return json.dumps({"training": mf.training})
+def change(ours: float, kn: float) -> float:
+    """Our perplexity's relative change against Kneser-Ney's (−0.08: 8% lower)."""
+    return ours / kn - 1
 
 
-def format_table(rows: list[Row], scale: float) -> str:
-    lines = [
-        f"budget scale {scale:g}" + ("" if scale == 1 else " (short runs: NOT the issue's budgets)"),
-        "| target | budget (min) | width | KN ppl | KN from | our ppl | excl. OOV | vs KN | steps | tokens seen | wall (s) "
-        "| recipe chosen by nlmserve train |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        t = r.target
-        ours = f"{r.ppl:.1f}" if r.ppl is not None else "n/a"
-        excl = f"{r.ppl_excl_oov:.1f}" if r.ppl_excl_oov is not None else "n/a"
-        rel = f"{(r.ppl / r.kn_ppl - 1) * 100:+.1f}%" if r.ppl is not None else "n/a"
-        if t.peer is not None:
-            rel += f" (OxLM {t.peer:g}: {(t.peer / t.kn - 1) * 100:+.1f}%)"
-        seen = f"{r.tokens_seen:,}" if r.tokens_seen is not None else ""
-        lines.append(f"| {t.name} | {r.minutes:.2f} | {r.dim or ''} | {r.kn_ppl:.1f} | {r.kn_source} | {ours} | {excl} | {rel} "
-                     f"| {r.steps or ''} | {seen} | {r.train_seconds or 0:.0f} | {r.recipe} |")
-    return "\n".join(lines)
+def verdict(goal: float | None, ours: Perplexity | None, kn: Perplexity | None) -> str:
+    """``met`` when our model meets ``goal`` against Kneser-Ney both with and without OOVs,
+    ``not met`` (naming where) otherwise; no verdict without a goal or without both sides."""
+    if goal is None:
+        return "no goal"
+    if ours is None or kn is None:
+        return "no verdict: no Kneser-Ney run (--lmplz)" if kn is None else "no verdict: not trained"
+    missed = [what for what, a, b in (("with OOVs", ours.ppl, kn.ppl), ("without OOVs", ours.ppl_excl_oov,
+                                                                        kn.ppl_excl_oov)) if change(a, b) > goal]
+    return "met" if not missed else f"not met ({' and '.join(missed)})"
 
 
 def _minus(number: str) -> str:
@@ -253,45 +320,95 @@ def _minus(number: str) -> str:
     return number.replace("-", "\u2212")
 
 
+def _pct(x: float) -> str:
+    """A signed percentage with two decimals, as the pages print it."""
+    return _minus(f"{x * 100:+.2f}%")
+
+
+def _compared(ours: Perplexity, kn: Perplexity | None) -> tuple[str, str]:
+    """(with OOVs, without OOVs) cells: ours against Kneser-Ney's and the change."""
+    if kn is None:
+        return f"{ours.ppl:.2f} (KN not measured)", f"{ours.ppl_excl_oov:.2f} (KN not measured)"
+    return (f"{ours.ppl:.2f} against {kn.ppl:.2f} ({_pct(change(ours.ppl, kn.ppl))})",
+            f"{ours.ppl_excl_oov:.2f} against {kn.ppl_excl_oov:.2f} ({_pct(change(ours.ppl_excl_oov, kn.ppl_excl_oov))})")
+
+
+def _oovs(ours: Perplexity, kn: Perplexity | None) -> str:
+    """The OOV tokens each side left out, flagged when they differ."""
+    if kn is None:
+        return f"{ours.oov:,} of {ours.tokens:,}"
+    if (kn.oov, kn.tokens) == (ours.oov, ours.tokens):
+        return f"{ours.oov:,} of {ours.tokens:,} (both)"
+    return f"**differ**: ours {ours.oov:,} of {ours.tokens:,}, KN {kn.oov:,} of {kn.tokens:,}"
+
+
+def format_table(rows: list[Row], scale: float) -> str:
+    lines = [
+        f"budget scale {scale:g}" + ("" if scale == 1 else " (short runs: NOT the targets' budgets)"),
+        "| target | budget (min) | width | step | ours / KN with OOVs | without OOVs | OOV tokens | verdict | steps "
+        "| tokens seen | wall (s) | recipe chosen by nlmserve train |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        t = r.target
+        with_oov, without = _compared(r.ours, r.kn) if r.ours is not None else ("n/a", "n/a")
+        oovs = _oovs(r.ours, r.kn) if r.ours is not None else ""
+        seen = f"{r.tokens_seen:,}" if r.tokens_seen is not None else ""
+        lines.append(f"| {t.name} | {r.minutes:.2f} | {r.dim or ''} | {r.step} | {with_oov} | {without} | {oovs} "
+                     f"| {verdict(t.goal, r.ours, r.kn)} | {r.steps or ''} | {seen} | {r.train_seconds or 0:.0f} "
+                     f"| {r.recipe} |")
+    return "\n".join(lines)
+
+
 _TEXT = {"200k": "first 200,000 lines", "full": "all of Europarl (18.25M tokens)"}
+
+
+def _perplexity(record: dict[str, Any] | None) -> Perplexity | None:
+    return Perplexity(**record) if record is not None else None
 
 
 def render(results: list[dict[str, Any]]) -> str:
     """The rows of the no-flag targets (``200k``, ``full``) in ``results`` (each a ``--json``
-    file: a run's machine, command and rows) as the Markdown table of docs/performance.md."""
-    lines = ["| target | measured | verdict | command |", "|---|---|---|---|"]
+    file: a run's machine, command, dev split and rows) as the Markdown table of
+    docs/performance.md."""
+    lines = ["| target | with OOVs: ours against Kneser-Ney | without OOVs | training | verdict | command |",
+             "|---|---|---|---|---|---|"]
     for result in results:
-        m = result["machine"]
+        m, split = result["machine"], result["split"]
         for r in result["rows"]:
             t = r["target"]
-            if t["name"] not in _TEXT or r["ppl"] is None:
+            ours, kn = _perplexity(r["ours"]), _perplexity(r["kn"])
+            if t["name"] not in _TEXT or ours is None:
                 continue
-            rel = r["ppl"] / r["kn_ppl"] - 1
-            goal = t["goal"]
-            kn = "" if r["kn_source"] == "lmplz" else f", {r['kn_source']}"
             recipe = f"`{r['recipe'].split(' (')[0]}`"
+            goal = _minus(f"{t['goal'] * 100:.0f}")
             target = (f"{_TEXT[t['name']]}, {t['minutes']:g} minutes, **no training flags** (`nlmserve train` chose "
-                      f"the {recipe} recipe): at most {_minus(f'{goal * 100:.0f}')}% against `lmplz -o 5` on the same lines "
-                      f"({r['kn_ppl']:.2f}{kn})")
+                      f"the {recipe} recipe): at most {goal}% against `lmplz -o 5` on "
+                      f"the same lines; selected on lines 1–{split['select_lines']:,} of the dev text, reported on "
+                      f"lines {split['select_lines'] + 1:,}–{split['lines']:,}")
+            with_oov, without = _compared(ours, kn)
             rate = r["tokens_seen"] / r["train_seconds"]
-            measured = (f"{r['ppl']:.2f} (excl. OOVs {r['ppl_excl_oov']:.2f}); {r['steps']:,} steps, "
+            training = (f"the {r['step']} step ({r['step_reason']}); {r['steps']:,} steps, "
                         f"{r['tokens_seen'] / 1e6:.1f}M tokens, {rate:,.0f} tokens/s, {r['train_seconds']:,.0f} s")
-            verdict = f"{'met' if rel <= goal else 'not met'}, {_minus(f'{rel * 100:+.2f}')}%"
             command = (f"`{shown_command(result['command'])}` ({result['date']}, {m['cpu']}, load average "
                        f"{m['load_average_1m']} at the start)")
-            lines.append(f"| {target} | {measured} | {verdict} | {command} |")
+            lines.append(f"| {target} | {with_oov} | {without}; OOV tokens {_oovs(ours, kn)} | {training} "
+                         f"| {verdict(t['goal'], ours, kn)} | {command} |")
     return "\n".join(lines)
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--scale", type=float, default=1.0, help="budget fraction (1: the issue's budgets)")
+    p.add_argument("--scale", type=float, default=1.0, help="budget fraction (1: the targets' budgets)")
     p.add_argument("--only", help="comma-separated target names: " + ",".join(t.name for t in TARGETS))
-    p.add_argument("--lmplz", type=Path, help="KenLM lmplz: build the Kneser-Ney baselines here")
+    p.add_argument("--lmplz", type=Path, help="KenLM lmplz: build the Kneser-Ney baselines here (without it: none)")
     p.add_argument("--query", type=Path, help="KenLM query (default: next to lmplz)")
-    p.add_argument("--kn", action="append", default=[], metavar="NAME=PPL", help="a given KN perplexity")
+    p.add_argument("--train", type=Path, default=TRAIN, help="training text, plain or .xz (default: the shared Europarl)")
+    p.add_argument("--dev", type=Path, default=DEV,
+                   help="dev text: its first half selects (training's --valid), its second half reports")
     p.add_argument("--work", type=Path, default=Path("runs/targets"), help="texts, models and logs go here")
-    p.add_argument("--valid", type=Path, default=DEV, help="validation text for the schedule (default: the dev text)")
+    p.add_argument("--nce-step", choices=TRAINING_STEPS, default="fused",
+                   help="nlmserve train --step of the NCE targets (the MLE target: torch, its only step)")
     # Each of these is passed to nlmserve train only when given; otherwise its recipe chooses.
     p.add_argument("--dim", type=int)
     p.add_argument("--order", type=int, help="nlmserve train --order (n-gram order)")
@@ -312,7 +429,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, help="Hogwild processes (nlmserve train --workers)")
     p.add_argument("--dropout", type=float, help="dropout on the context vector (0: none)")
     p.add_argument("--noise-samples", type=int, help="nlmserve train --noise-samples (NCE's k)")
-    p.add_argument("--json", type=Path, help="also write the run (machine, command, rows) as JSON here")
+    p.add_argument("--json", type=Path, help="also write the run (machine, command, dev split, rows) as JSON here")
     p.add_argument("--render", nargs="+", type=Path, metavar=("DOC", "JSON"),
                    help="only replace DOC's bench/targets.py section by the no-flag rows of the JSON files")
     return p
@@ -332,45 +449,38 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     if args.scale <= 0:
         p.error("--scale must be positive")
-    given: dict[str, float] = {}
-    for item in args.kn:
-        name, _, value = item.partition("=")
-        try:
-            given[name] = float(value)
-        except ValueError:
-            p.error(f"--kn expects NAME=PPL, got {item!r}")
     names = args.only.split(",") if args.only else [t.name for t in TARGETS]
     unknown = set(names) - {t.name for t in TARGETS}
     if unknown:
         p.error(f"unknown targets: {sorted(unknown)}")
-    if not TRAIN.exists() or not DEV.exists():
-        print(f"bench/targets.py: error: the shared Europarl is missing ({TRAIN}, {DEV})", file=sys.stderr)
-        return 2
+    for text in (args.train, args.dev):
+        if not text.exists():
+            print(f"bench/targets.py: error: no such text: {text}", file=sys.stderr)
+            return 2
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
     query = args.query or (args.lmplz.parent / "query" if args.lmplz else None)
-    rows: list[Row] = []
+    select, report, half = split_dev(args.dev, work)
     started = {"machine": machine(), "date": time.strftime("%Y-%m-%d"),
-               "command": " ".join(["bench/targets.py", *(argv if argv is not None else sys.argv[1:])])}
+               "command": " ".join(["bench/targets.py", *(argv if argv is not None else sys.argv[1:])]),
+               "split": {"dev": str(args.dev), "lines": half + len(report.read_text(encoding="utf-8").splitlines()),
+                         "select_lines": half, "select": "the first half: training's --valid",
+                         "report": "the second half: every number of the rows"}}
+    rows: list[Row] = []
     for t in TARGETS:
         if t.name not in names:
             continue
-        if t.name in given:
-            kn, source = given[t.name], "given"
-        elif args.lmplz is not None and query is not None:
-            kn_text = head_lines(TRAIN, t.lines, work / f"train.{t.lines or 'full'}.txt")
-            kn_dev = DEV
+        row = Row(t, t.minutes * args.scale)
+        train_text = head_lines(args.train, t.lines, work / f"train.{t.lines or 'full'}.txt")
+        if args.lmplz is not None and query is not None:
+            kn_text, kn_report = train_text, report
             if t.min_count > 1:
-                kn_text, kn_dev = map_rare(kn_text, DEV, t.min_count, work)
-            kn, source = kenlm_perplexity(args.lmplz, query, kn_text, kn_dev, work), "lmplz"
-        else:
-            kn, source = t.kn, "typed in"
-        row = Row(t, t.minutes * args.scale, kn, source)
-        run_target(row, args, work)
-        log.info("%s: ppl %.2f against KN %.2f", t.name, row.ppl or float("nan"), kn)
+                kn_text, kn_report = map_rare(train_text, report, t.min_count, work)
+            row.kn = kenlm_perplexity(args.lmplz, query, kn_text, kn_report, work)
+        run_target(row, args, train_text, select, report, work)
+        log.info("%s: %s", t.name, verdict(t.goal, row.ours, row.kn))
         rows.append(row)
-    table = format_table(rows, args.scale)
-    print(table)
+    print(format_table(rows, args.scale))
     if args.json:
         write_json(args.json, {**started, "rows": [dataclasses.asdict(r) for r in rows]})
     return 0

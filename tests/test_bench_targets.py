@@ -1,31 +1,37 @@
-"""bench/targets.py: the ``nlmserve train`` command each target runs (the text and the budget,
-plus only the model flags given to the bench: the trainer's recipe chooses the rest), and the
-label of a Kneser-Ney perplexity that no lmplz run of this invocation produced."""
+"""bench/targets.py: the ``nlmserve train`` command each target runs (the text, the budget, the
+selection text and the step, plus only the model flags given to the bench: the trainer's
+recipe chooses the rest); the dev text cut into the half that selects and the half that
+reports; Kneser-Ney's perplexities with and without OOVs read from KenLM's ``query``; the
+verdict, met only with and without OOVs; and a short run end to end on the shipped slices,
+with stand-ins for lmplz and query, that selects on one half and reports on the other."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
+import pytest
 
 from bench import targets
 
-FULL, OXLM = targets.TARGETS[1], targets.TARGETS[2]
+FULL, OXLM, OXLM_MLE = targets.TARGETS[1], targets.TARGETS[2], targets.TARGETS[3]
+SELECT = Path("w/dev.select.txt")
 
 
 def _command(target: targets.Target, *flags: str, scale: float = 1.0) -> list[str]:
     args = targets.parser().parse_args(list(flags))
-    row = targets.Row(target, target.minutes * scale, target.kn, "typed in")
-    return targets.train_command(row, args, Path("w/train.full.txt"), Path("w/full.nlm"))
+    row = targets.Row(target, target.minutes * scale)
+    return targets.train_command(row, args, Path("w/train.full.txt"), SELECT, Path("w/full.nlm"))
 
 
 def test_no_model_flag_leaves_every_choice_to_the_recipe() -> None:
     cmd = _command(FULL)
     assert cmd[:3] == [sys.executable, "-m", "nlmserve"]
-    assert cmd[3:] == ["train", "--train", "w/train.full.txt", "--valid", str(targets.DEV), "--out", "w/full.nlm",
-                       "--max-minutes", "60.000", "--no-progress"]
+    assert cmd[3:] == ["train", "--train", "w/train.full.txt", "--valid", str(SELECT), "--out", "w/full.nlm",
+                       "--max-minutes", "60.000", "--step", "fused", "--no-progress"]
 
 
 def test_given_flags_pass_through_and_the_scale_shortens_the_budget() -> None:
@@ -39,41 +45,179 @@ def test_given_flags_pass_through_and_the_scale_shortens_the_budget() -> None:
     assert "--threads" not in cmd and "--class-method" not in cmd  # not given: the recipe's
 
 
-def test_the_oxlm_targets_set_their_objective_min_count_and_width() -> None:
+def test_the_oxlm_targets_set_their_objective_min_count_width_and_step() -> None:
     text = " ".join(_command(OXLM))
-    assert "--objective nce --min-count 2" in text and "--dim 256" in text
+    assert "--objective nce --min-count 2" in text and "--dim 256" in text and "--step fused" in text
     assert "--dim 512" in " ".join(_command(OXLM, "--oxlm-dim", "512"))
     assert "--dim" not in _command(FULL, "--oxlm-dim", "512")  # the width of the OxLM rows only
+    # MLE has the torch step only; the NCE rows take --nce-step; auto is never a choice
+    assert "--objective mle --min-count 2" in " ".join(_command(OXLM_MLE, "--nce-step", "fused"))
+    assert "--step torch" in " ".join(_command(OXLM_MLE)) and "--step torch" in " ".join(_command(FULL, "--nce-step",
+                                                                                                  "torch"))
+    with pytest.raises(SystemExit):
+        targets.parser().parse_args(["--nce-step", "auto"])
 
 
-def test_a_typed_in_kneser_ney_value_says_so_in_the_table() -> None:
-    row = targets.Row(FULL, 60.0, FULL.kn, "typed in", ppl=52.0, steps=10, tokens_seen=5120, train_seconds=3600,
-                      dim=768, recipe="large")
+def test_no_baseline_is_typed_in() -> None:
+    """A target holds its set-up and goal, no perplexity of another model."""
+    fields = {f.name for f in dataclasses.fields(targets.Target)}
+    assert fields == {"name", "lines", "minutes", "objective", "min_count", "dim", "goal"}
+    with pytest.raises(SystemExit):
+        targets.parser().parse_args(["--kn", "full=52.4"])
+
+
+def test_the_dev_text_is_cut_into_a_selection_half_and_a_report_half(tmp_path: Path) -> None:
+    dev = tmp_path / "dev.txt"
+    dev.write_text("a\nb c\nd\ne f g\nh\n", encoding="utf-8")
+    select, report, half = targets.split_dev(dev, tmp_path)
+    assert half == 2
+    assert select.read_text() == "a\nb c\n" and report.read_text() == "d\ne f g\nh\n"
+    dev.write_text("only one\n", encoding="utf-8")
+    with pytest.raises(SystemExit, match="selection and report need 2 at least"):
+        targets.split_dev(dev, tmp_path)
+
+
+QUERY_OUT = (
+    "the=5 2 -1.0\tcat=0 1 -3.0\t</s>=2 2 -0.5\tTotal: -4.5 OOV: 1\n"
+    "UNKWORD=7 2 -2.0\ta=b=3 3 -0.5\t</s>=2 3 -1.0\tTotal: -3.5 OOV: 0\n"
+    "Perplexity including OOVs:\t21.5443\n"
+    "Perplexity excluding OOVs:\t5.62341\n"
+    "OOVs:\t1\n"
+    "Tokens:\t6\n"
+)
+
+
+def test_query_output_gives_the_perplexity_with_and_without_oovs() -> None:
+    """Six tokens summing to -8.0 (log10); without the word KenLM does not know (id 0) and the
+    placeholder of the mapped rare words: four tokens summing to -3.0."""
+    kn = targets.parse_query(QUERY_OUT)
+    assert (kn.tokens, kn.oov) == (6, 2)
+    assert kn.ppl == pytest.approx(10 ** (8.0 / 6)) and kn.ppl_excl_oov == pytest.approx(10 ** (3.0 / 4))
+    # without a placeholder in the text only id 0 is an OOV (KenLM's own summary above)
+    plain = targets.parse_query(QUERY_OUT, placeholder="zzz")
+    assert plain.oov == 1 and plain.ppl_excl_oov == pytest.approx(10 ** (5.0 / 5))
+    with pytest.raises(RuntimeError, match="no scored words"):
+        targets.parse_query("Perplexity including OOVs:\t1\n")
+
+
+def _ppl(ppl: float, excl: float, oov: int = 30, tokens: int = 1000) -> targets.Perplexity:
+    return targets.Perplexity(ppl, excl, oov, tokens)
+
+
+def test_a_target_is_met_only_with_and_without_oovs() -> None:
+    kn = _ppl(60.0, 50.0)
+    assert targets.verdict(-0.08, _ppl(54.0, 45.0), kn) == "met"  # -10%, -10%
+    # <unk>'s mass flatters the first: -10% with OOVs, -6% without
+    assert targets.verdict(-0.08, _ppl(54.0, 47.0), kn) == "not met (without OOVs)"
+    assert targets.verdict(-0.08, _ppl(57.0, 47.0), kn) == "not met (with OOVs and without OOVs)"
+    assert targets.verdict(-0.08, _ppl(54.0, 45.0), None) == "no verdict: no Kneser-Ney run (--lmplz)"
+    assert targets.verdict(None, _ppl(54.0, 45.0), kn) == "no goal"
+
+
+def test_the_table_without_kneser_ney_says_so() -> None:
+    row = targets.Row(FULL, 60.0, ours=_ppl(52.0, 50.5), steps=10, tokens_seen=5120, train_seconds=3600, dim=768,
+                      recipe="large", step="fused", step_reason="--step fused")
     line = targets.format_table([row], 1.0).splitlines()[-1]
-    assert line.startswith("| full | 60.00 | 768 | 52.4 | typed in | 52.0 | n/a | -0.8% | 10 | 5,120 | 3600 | large |")
+    assert line == ("| full | 60.00 | 768 | fused | 52.00 (KN not measured) | 50.50 (KN not measured) | 30 of 1,000 "
+                    "| no verdict: no Kneser-Ney run (--lmplz) | 10 | 5,120 | 3600 | large |")
 
 
-def test_the_no_flag_rows_render_with_their_verdict_against_the_goal(tmp_path: Path) -> None:
-    run = {"machine": {"cpu": "CPU X", "load_average_1m": 0.5}, "date": "2026-12-02",
-           "command": "bench/targets.py --only 200k --lmplz /scratch/k/bin/lmplz --json /scratch/t/200k.json",
-           "rows": [{"target": dataclasses.asdict(targets.TARGETS[0]), "minutes": 20.0, "kn_ppl": 61.06,
-                     "kn_source": "lmplz", "ppl": 56.0, "ppl_excl_oov": 54.0, "oov": 527, "steps": 1000,
-                     "tokens_seen": 6_000_000, "train_seconds": 1200.0, "dim": 768,
-                     "recipe": "small (for 5,452,225 training tokens, 20 minutes, 2 cores): dropout=0.3"}]}
-    worse = json.loads(json.dumps(run))
-    worse["rows"][0]["ppl"] = 56.5
-    table = targets.render([run, worse]).splitlines()
+def _run(ours: tuple[float, float], kn: tuple[float, float], kn_oov: int = 527) -> dict[str, object]:
+    return {"machine": {"cpu": "CPU X", "load_average_1m": 0.5}, "date": "2026-12-02",
+            "command": "bench/targets.py --only 200k --lmplz /scratch/k/bin/lmplz --json /scratch/t/200k.json",
+            "split": {"dev": "/x/europarl.dev.lc-moses.en", "lines": 6640, "select_lines": 3320},
+            "rows": [{"target": dataclasses.asdict(targets.TARGETS[0]), "minutes": 20.0,
+                      "kn": {"ppl": kn[0], "ppl_excl_oov": kn[1], "oov": kn_oov, "tokens": 90_000},
+                      "ours": {"ppl": ours[0], "ppl_excl_oov": ours[1], "oov": 527, "tokens": 90_000},
+                      "steps": 1000, "tokens_seen": 6_000_000, "train_seconds": 1200.0, "dim": 768,
+                      "recipe": "small (for 5,452,225 training tokens, 20 minutes, 2 cores): dropout=0.3",
+                      "step": "fused", "step_reason": "--step fused"}]}
+
+
+def test_the_no_flag_rows_render_with_both_comparisons_and_their_verdict(tmp_path: Path) -> None:
+    met = _run((56.0, 54.0), (61.06, 59.0))
+    unk = _run((56.0, 55.0), (61.06, 59.0), kn_oov=530)
+    table = targets.render([met, unk]).splitlines()
     assert len(table) == 4
-    # 56.0 / 61.06 - 1 = -8.29% (at most -8%: met); 56.5 / 61.06 - 1 = -7.47% (not met)
-    assert "| met, −8.29% |" in table[2] and "| not met, −7.47% |" in table[3]
-    assert "chose the `small` recipe): at most −8% against `lmplz -o 5` on the same lines (61.06)" in table[2]
-    assert "56.00 (excl. OOVs 54.00); 1,000 steps, 6.0M tokens, 5,000 tokens/s, 1,200 s" in table[2]
+    # 56.0 / 61.06 - 1 = -8.29% and 54.0 / 59.0 - 1 = -8.47%: met; 55.0 / 59.0 - 1 = -6.78%: not met
+    assert "| 56.00 against 61.06 (−8.29%) | 54.00 against 59.00 (−8.47%); OOV tokens 527 of 90,000 (both) |" \
+        in table[2]
+    assert table[2].split(" | ")[-2] == "met" and table[3].split(" | ")[-2] == "not met (without OOVs)"
+    assert "**differ**: ours 527 of 90,000, KN 530 of 90,000" in table[3]
+    assert ("chose the `small` recipe): at most −8% against `lmplz -o 5` on the same lines; selected on lines "
+            "1–3,320 of the dev text, reported on lines 3,321–6,640") in table[2]
+    assert "the fused step (--step fused); 1,000 steps, 6.0M tokens, 5,000 tokens/s, 1,200 s" in table[2]
     assert "`python -m bench.targets --only 200k --lmplz lmplz --json 200k.json` (2026-12-02, CPU X, load average 0.5" \
         in table[2]
     doc = tmp_path / "page.md"
     begin, end = targets.markers("targets.py")
     doc.write_text(f"before\n{begin}\nold\n{end}\nafter\n", encoding="utf-8")
-    (tmp_path / "run.json").write_text(json.dumps(run), encoding="utf-8")
+    (tmp_path / "run.json").write_text(json.dumps(met), encoding="utf-8")
     assert targets.main(["--render", str(doc), str(tmp_path / "run.json")]) == 0
     text = doc.read_text(encoding="utf-8")
-    assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text and "| met, −8.29% |" in text
+    assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text and "| met |" in text
+
+
+# Stand-ins for KenLM's tools: lmplz writes its training text as the "model"; query scores
+# every word log10 -1 (id 0 for a word the model's text lacks) and keeps what it was given.
+_LMPLZ = "import sys\nsys.stdout.write(sys.stdin.read())\n"
+_QUERY = """\
+import sys
+from pathlib import Path
+model = Path(sys.argv[1])
+known = set(model.read_text().split())
+given = sys.stdin.read()
+Path(str(model) + ".queried").write_text(given)
+oov_total = 0
+for line in given.splitlines():
+    words = line.split() + ["</s>"]
+    oov = sum(w not in known and w != "</s>" for w in words)
+    cells = [f"{w}={0 if w not in known and w != '</s>' else 1} 1 -1" for w in words]
+    print("\\t".join(cells + [f"Total: {-len(words)} OOV: {oov}"]))
+"""
+
+
+def _tool(path: Path, body: str) -> Path:
+    path.write_text(f"#!{sys.executable}\n{body}")
+    path.chmod(0o755)
+    return path
+
+
+def test_a_short_run_selects_on_one_half_and_reports_on_the_other(train_small_path: Path, dev_small_path: Path,
+                                                                   tmp_path: Path) -> None:
+    """The 200k target on the shipped slices, its budget scaled to a second: training's
+    --valid is the dev text's first half, both models are scored on the second half alone
+    (the same tokens, the same OOV positions: the words outside the training lines), Kneser-Ney
+    is built on the training lines alone, and the row records the step that ran."""
+    from nlmserve.lm.model_file import read_model_header
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    lmplz = _tool(bin_dir / "lmplz", _LMPLZ)
+    _tool(bin_dir / "query", _QUERY)
+    work = tmp_path / "work"
+    assert targets.main(["--train", str(train_small_path), "--dev", str(dev_small_path), "--only", "200k",
+                         "--scale", "0.001", "--lmplz", str(lmplz), "--work", str(work), "--json",
+                         str(tmp_path / "run.json"),
+                         # a small model, quick to set up (the recipe's Brown classes and feature tables are not)
+                         "--dim", "16", "--order", "3", "--no-ngram-features", "--class-method", "frequency",
+                         "--workers", "1", "--threads", "1"]) == 0
+    run = json.loads((tmp_path / "run.json").read_text())
+    dev = dev_small_path.read_text(encoding="utf-8").splitlines(keepends=True)
+    assert run["split"] == {"dev": str(dev_small_path), "lines": 200, "select_lines": 100,
+                            "select": "the first half: training's --valid",
+                            "report": "the second half: every number of the rows"}
+    report = "".join(dev[100:])
+    assert read_model_header(work / "200k.nlm").training["valid"] == str(work / "dev.select.txt")
+    assert (work / "dev.select.txt").read_text() == "".join(dev[:100])
+    arpa = work / "train.200000.kn5.arpa"
+    assert arpa.read_text() == train_small_path.read_text() and Path(f"{arpa}.queried").read_text() == report
+    (row,) = run["rows"]
+    tokens = sum(len(line.split()) + 1 for line in dev[100:])
+    known = set(train_small_path.read_text().split())
+    oov = sum(w not in known for line in dev[100:] for w in line.split())
+    assert row["ours"]["tokens"] == row["kn"]["tokens"] == tokens
+    assert row["ours"]["oov"] == row["kn"]["oov"] == oov > 0
+    assert row["kn"]["ppl"] == pytest.approx(10.0) and row["kn"]["ppl_excl_oov"] == pytest.approx(10.0)
+    assert math.isfinite(row["ours"]["ppl"]) and row["ours"]["ppl_excl_oov"] < row["ours"]["ppl"]
+    assert (row["step"], row["step_reason"]) == ("fused", "--step fused")
