@@ -27,6 +27,50 @@ HYP = NEWS / "newstest2013.300.moses-1best"
 REF = NEWS / "newstest2013.300.ref"
 
 
+#: The private methods of sacrebleu's BLEU that moses_plugin/bleu.py calls (setup.py pins
+#: sacrebleu below its next major version for them).
+PRIVATE = {"_cache_references", "_preprocess_segment", "_compute_segment_statistics", "_compute_score_from_stats"}
+
+
+def test_the_private_sacrebleu_methods_relied_on_give_hand_computed_results() -> None:
+    """Each private method moses_plugin/bleu.py calls, on a case small enough to count by hand.
+    Against "the cat sat on the mat", "the cat sat on a mat" matches 5 of 6 words, 3 of 5
+    bigrams, 2 of 4 trigrams, 1 of 3 4-grams; BLEU = 100 (5/6 · 3/5 · 2/4 · 1/3)^(1/4) =
+    100 (1/12)^(1/4). With no 3- and 4-gram matched, "exp" smoothing gives them 1/(2 t3) and
+    1/(4 t4); a hypothesis of 4 words against 6 has the brevity penalty exp(1 - 6/4)."""
+    import math
+    import re
+
+    root = Path(__file__).resolve().parent.parent
+    assert set(re.findall(r"metric\.(_\w+)\(", (root / "moses_plugin" / "bleu.py").read_text())) == PRIVATE
+    # the installed sacrebleu is within the declared range, and the next major version is not
+    from importlib.metadata import version
+
+    from packaging.specifiers import SpecifierSet
+
+    (declared,) = re.findall(r'"sacrebleu([^"]*)"', (root / "setup.py").read_text())
+    assert version("sacrebleu") in SpecifierSet(declared) and "3.0.0" not in SpecifierSet(declared)
+    metric = BleuConfig().metric()  # tokenize none, cased, exp smoothing
+    (cached,) = metric._cache_references([["the cat sat on the mat"]])
+    assert cached["ref_lens"] == [6] and cached["ref_ngrams"][("the",)] == 2
+    assert cached["ref_ngrams"][("sat", "on", "the", "mat")] == 1 and len(cached["ref_ngrams"]) == 17
+    hyp = metric._preprocess_segment("the cat sat on a mat")
+    assert hyp == "the cat sat on a mat"
+    assert metric._compute_segment_statistics(hyp, cached) == [6, 6, 5, 3, 2, 1, 6, 5, 4, 3]
+    assert metric._compute_score_from_stats([6, 6, 5, 3, 2, 1, 6, 5, 4, 3]).score == \
+        pytest.approx(100 * (1 / 12) ** 0.25, rel=1e-12)
+    # 3/4 · 1/3 · 1/(2·2) · 1/(4·1) = 1/64
+    assert metric._compute_score_from_stats([4, 6, 3, 1, 0, 0, 4, 3, 2, 1]).score == \
+        pytest.approx(100 * math.exp(1 - 6 / 4) * (1 / 64) ** 0.25, rel=1e-12)
+    # two references: counts clipped by the larger reference count, the closest reference length
+    (both,) = metric._cache_references([["the cat sat on the mat"], ["a cat sat"]])
+    assert both["ref_lens"] == [6, 3]
+    assert metric._compute_segment_statistics("the cat sat on a mat", both) == [6, 6, 6, 3, 2, 1, 6, 5, 4, 3]
+    assert metric._compute_segment_statistics("a cat", both) == [2, 3, 2, 1, 0, 0, 2, 1, 0, 0]
+    # the preprocessing a configuration asks for: lowercasing and 13a tokenisation
+    assert BleuConfig(lowercase=True, tokenize="13a").metric()._preprocess_segment("The Cat, sat.") == "the cat , sat ."
+
+
 @pytest.mark.parametrize("tokenize", ["none", "13a"])
 @pytest.mark.parametrize("lowercase", [False, True])
 def test_summed_statistics_equal_sacrebleu_corpus_bleu(tokenize: str, lowercase: bool) -> None:
