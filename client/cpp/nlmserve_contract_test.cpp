@@ -13,10 +13,16 @@
 //       the file is refused (tests/test_cpp_client.py compares them with the Python reader's).
 //   nlmserve_contract_test --words FILE < words
 //       each word of stdin (one a line) through the file's vocabulary: its id, or "unknown".
+//   nlmserve_contract_test --nlm0 FILE < hypotheses
+//       the NLM0 the Moses feature gives a hypothesis with scoring=local from the tables file
+//       FILE (DecoderNlm0 below): one hypothesis a line, its phrase lengths, a tab, its words
+//       ("2 1<TAB>the house is"); prints "ok N", then each hypothesis' value (natural log).
+//       tests/test_nlm0_routes.py compares it with `nlmserve rescore`'s NLM0 of the same list.
 #include <grpcpp/grpcpp.h>
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -30,6 +36,7 @@
 #include <vector>
 
 #include "nlmserve_client.h"
+#include "nlmserve_decoder.h"
 #include "nlmserve_tables.h"
 #include "nlmserve_tables_file.h"
 
@@ -564,12 +571,96 @@ int ReadTablesFile(const std::string &mode, const std::string &path) {
   return 0;
 }
 
+// Moses' LOWEST_SCORE (moses/TypeDef.h): its FloorScore, which the feature applies to every
+// n-gram's score, raises a score below it to it.
+const float kMosesLowestScore = -100.0f;
+
+// --nlm0 FILE (the header's usage). A hypothesis decoded phrase by phrase gets from the feature
+// (NeuralLMServer.cpp, scoring=local) for each phrase, in float as Moses' score collection adds:
+// the phrase's n-grams whose context the phrase holds whole (PhraseRows' complete rows: the
+// ngramScore of CalcScore, in EvaluateInIsolation), then the n-grams across its left boundary
+// from the up to order-1 words before it, and </s> after the last phrase (BoundaryRows, summed
+// by SumScores: EvaluateWhenApplied); each score from the tables (natural log) and floored at
+// kMosesLowestScore. The words map to ids as the feature's (FileWordId, no lowercase= option).
+int DecoderNlm0(const std::string &path) {
+  nlmserve::TablesFile file;
+  std::string error;
+  if (!nlmserve::MapTablesFile(path, &file, &error)) {
+    std::printf("error %s\n", error.c_str());
+    return 1;
+  }
+  const nlmserve::ModelInfo model = nlmserve::ModelInfoOf(file.info);
+  const std::size_t order = model.order;
+  nlmserve::ScoringTables::Scratch scratch;
+  std::vector<uint32_t> ids, rows;
+  std::vector<uint8_t> complete;
+  std::vector<float> scores, values;
+  std::string line;
+  for (std::size_t number = 1; std::getline(std::cin, line); ++number) {
+    const std::size_t tab = line.find('\t');
+    std::istringstream lengths(line.substr(0, tab)), words(tab == std::string::npos ? "" : line.substr(tab + 1));
+    std::vector<std::size_t> phrases;
+    std::size_t length = 0, total_length = 0;
+    while (lengths >> length) {
+      phrases.push_back(length);
+      total_length += length;
+    }
+    ids.clear();
+    std::string word;
+    while (words >> word) ids.push_back(nlmserve::FileWordId(file.vocabulary, word, false));
+    if (tab == std::string::npos || total_length != ids.size()) {
+      std::printf("error line %zu: phrase lengths summing to %zu for %zu words\n", number, total_length, ids.size());
+      return 1;
+    }
+    float value = 0;
+    std::size_t start = 0;
+    for (const std::size_t n : phrases) {
+      rows.clear();
+      complete.clear();
+      std::size_t position = 0;
+      nlmserve::NgramError failed = nlmserve::PhraseRows(model, ids.data() + start, n, &rows, &complete, nullptr,
+                                                         &position);
+      scores.resize(complete.size());
+      if (failed == nlmserve::NgramError::kNone && !complete.empty()) {
+        file.tables->Score(rows.data(), complete.size(), scores.data(), &scratch);
+      }
+      float ngram = 0;
+      for (std::size_t i = 0; i < complete.size(); ++i) {
+        if (complete[i]) ngram += std::max(scores[i], kMosesLowestScore);
+      }
+      value += ngram;
+      const std::size_t context = std::min(start, order - 1);
+      rows.clear();
+      if (failed == nlmserve::NgramError::kNone) {
+        failed = nlmserve::BoundaryRows(model, ids.data() + start - context, context, context + n,
+                                        start + n == ids.size(), &rows);
+      }
+      if (failed != nlmserve::NgramError::kNone) {
+        std::printf("error line %zu: %s\n", number, nlmserve::NgramErrorKind(failed));
+        return 1;
+      }
+      scores.resize(rows.size() / order);
+      if (!scores.empty()) file.tables->Score(rows.data(), scores.size(), scores.data(), &scratch);
+      for (float &score : scores) score = std::max(score, kMosesLowestScore);
+      value += nlmserve::SumScores(scores.data(), scores.size());
+      start += n;
+    }
+    values.push_back(value);
+  }
+  std::printf("ok %zu\n", values.size());
+  for (const float value : values) std::printf("%.9g\n", value);
+  return 0;
+}
+
 int main(int argc, char **argv) {
   if (argc == 3 && (std::string(argv[1]) == "--score" || std::string(argv[1]) == "--words")) {
     return ReadTablesFile(argv[1], argv[2]);
   }
+  if (argc == 3 && std::string(argv[1]) == "--nlm0") return DecoderNlm0(argv[2]);
   if (argc != 2) {
-    std::fprintf(stderr, "usage: %s DIR (the folder of the golden files, proto/contract) | --score FILE | --words FILE\n",
+    std::fprintf(stderr,
+                 "usage: %s DIR (the folder of the golden files, proto/contract) | --score FILE | --words FILE | "
+                 "--nlm0 FILE\n",
                  argv[0]);
     return 2;
   }
