@@ -1,8 +1,8 @@
 """Soak under hostile clients and faults: nothing lost, nothing wrong, no failed probe, and
 memory back where it started once the attackers leave.
 
-    .venv/bin/python -m bench.soak [--model M] [--minutes 10] [--frontend python|native|both] [--json bench/results/soak.json] [--doc docs/operating.md]
-    .venv/bin/python -m bench.soak --render bench/results/soak.json [--doc docs/operating.md]
+    .venv/bin/python -m bench.soak [--model M] [--minutes 10] [--frontend python|native|both] [--json bench/results/soak.json] [--doc docs/hostile-clients.md]
+    .venv/bin/python -m bench.soak --render bench/results/soak.json [--doc docs/hostile-clients.md]
 
 Two ``nlmserve serve`` replicas (``--frontend python``, or ``--frontend native``: the C++
 front end before each model server, built with ``make cpp`` when it is missing; ``both``
