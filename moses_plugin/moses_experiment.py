@@ -238,8 +238,8 @@ def tune(settings: TuneSettings, feature: str | None, moses: str, seed: int, mer
             decoded = bleu.decoded(running)
             now = (f"{label} seed {seed}: tuning iteration {running} of at most {settings.max_iterations}, "
                    f"{max(decoded, 0)} of {bleu.sentences()} dev sentences decoded")
-            return now + (f"; dev BLEU of iterations 1-{len(done)}: {', '.join(f'{b:.2f}' for b in done)}"
-                          if done else "")
+            finished = "iteration 1" if len(done) == 1 else f"iterations 1-{len(done)}"
+            return now + (f"; dev BLEU of {finished}: {', '.join(f'{b:.2f}' for b in done)}" if done else "")
 
         with open(mert_log, "ab") as f:
             code = run_watched(cmd, progress, stdout=f, cwd=base)
@@ -389,7 +389,9 @@ def tables_file(model: str, model_hash: str, out: Path) -> Path:
             pass  # not a tables file of this version: written again
     cmd = [*nlmserve_command(), "export-tables", "--model", model, "--out", str(out)]
     log.info("writing the tables file: %s", " ".join(cmd))
-    if subprocess.run(cmd).returncode != 0 or not out.exists():
+    # Its summary line would land in the middle of this command's stdout, the results table;
+    # its log (on stderr) says what it wrote.
+    if subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode != 0 or not out.exists():
         raise InputError("nlmserve export-tables failed (its messages are above)", model)
     return out
 
