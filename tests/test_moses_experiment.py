@@ -265,3 +265,27 @@ def test_a_model_is_decoded_from_its_tables_file_unless_served(serve: bool, tmp_
     said = [r.getMessage() for r in caplog.records]
     assert f"tables of {args.model[0]} written before, reusing {tables}" in said
     assert any(m.startswith("nce seed 1: tuned before, reusing ") for m in said)
+
+
+def test_tuning_says_which_iteration_it_is_in_and_the_dev_bleu_of_those_done(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch,
+                                                                            caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(moses_experiment, "PROGRESS_EVERY_S", 0.05)
+    dev_ref = tmp_path / "dev.ref"
+    dev_ref.write_text("the cat sat on the mat\na dog ran in the park\n")
+    script = tmp_path / "moses" / "scripts" / "training" / "mert-moses.pl"
+    script.parent.mkdir(parents=True)
+    # A stand-in that finishes iteration 1 (its 1-best: the reference), then takes its time.
+    script.write_text(
+        'my ($w) = map { $ARGV[$_ + 1] } grep { $ARGV[$_] eq "--working-dir" } 0..$#ARGV; mkdir $w;\n'
+        f'system("cp", "{dev_ref}", "$w/run1.out"); system("touch", "$w/run1.best100.out.gz");\n'
+        'select(undef, undef, undef, 0.6); system("cp", $ARGV[3], "$w/moses.ini");\n')
+    caplog.set_level("INFO", logger=moses_experiment.__name__)
+    base = tmp_path / "nlm" / "seed1"
+    base.mkdir(parents=True)
+    record = moses_experiment.tune(_args(tmp_path), None, "moses", 1, tmp_path, tmp_path / "s", dev_ref, base, "nlm")
+    said = [r.getMessage() for r in caplog.records]
+    assert said[0].startswith("nlm seed 1: tuning with mert, at most 25 iterations (log: ")
+    assert ("nlm seed 1: tuning iteration 2 of at most 25, 0 of 2 dev sentences decoded; dev BLEU of iteration 1: "
+            "100.00") in said, said
+    assert record["iterations"] == 1 and record["dev_bleu"] == [100.0]
