@@ -23,6 +23,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include <google/protobuf/io/coded_stream.h>
@@ -182,7 +183,10 @@ struct Method {
 // --------------------------------------------------------------------------- health
 
 // What the front end's health service reports: "" and the LanguageModel service, SERVING
-// while the backend answers; every Watch stream is told of each change.
+// while the backend answers; every Watch stream is told of each change. A stream is
+// dropped from the list when gRPC lets it go (Remove): a watcher kept in the list until the
+// next change would keep its call's memory (make_shared's one block) scattered through
+// the heap after a flood of Watch streams has left.
 class HealthState {
  public:
   class Watcher {
@@ -211,10 +215,14 @@ class HealthState {
     for (auto &w : tell) w->Notify(serving ? kServing : kNotServing);
   }
 
-  void Add(std::weak_ptr<Watcher> watcher) {
+  void Add(const std::shared_ptr<Watcher> &watcher) {
     std::lock_guard<std::mutex> lock(mu_);
-    Live();
-    watchers_.push_back(std::move(watcher));
+    watchers_[watcher.get()] = watcher;
+  }
+
+  void Remove(const Watcher *watcher) {
+    std::lock_guard<std::mutex> lock(mu_);
+    watchers_.erase(watcher);
   }
 
   // At shutdown: NOT_SERVING to every stream, which then ends (OK) once told.
@@ -235,17 +243,13 @@ class HealthState {
   }
 
  private:
-  // The watchers still there (the ones gone are dropped from the list). Under mu_.
+  // The watchers still there. Under mu_.
   std::vector<std::shared_ptr<Watcher> > Live() {
     std::vector<std::shared_ptr<Watcher> > live;
-    std::vector<std::weak_ptr<Watcher> > kept;
+    live.reserve(watchers_.size());
     for (auto &w : watchers_) {
-      if (auto s = w.lock()) {
-        live.push_back(s);
-        kept.push_back(w);
-      }
+      if (auto s = w.second.lock()) live.push_back(std::move(s));
     }
-    watchers_.swap(kept);
     return live;
   }
 
@@ -253,7 +257,7 @@ class HealthState {
   mutable std::mutex mu_;
   bool serving_ = true;
   bool closed_ = false;
-  std::vector<std::weak_ptr<Watcher> > watchers_;
+  std::unordered_map<const Watcher *, std::weak_ptr<Watcher> > watchers_;
 };
 
 class CallService;
@@ -284,6 +288,8 @@ class Call : public grpc::ServerGenericBidiReactor, public std::enable_shared_fr
   virtual void OnCancelled() {}
   // A write waited longer than --stream-write-timeout-ms and the call was cut.
   virtual void OnWriteTimedOut() {}
+  // gRPC has let the call go (its OnDone): nothing of it may be used from elsewhere after.
+  virtual void OnGone() {}
 
   // Ends the call with `status` (the first call of Complete or CompleteWith wins).
   void Complete(const grpc::Status &status);
@@ -292,8 +298,9 @@ class Call : public grpc::ServerGenericBidiReactor, public std::enable_shared_fr
   // Writes `message` (which must live until OnWritten), held to the write timeout; false
   // (nothing written, no OnWritten) when the call is already finished.
   bool Write(grpc::ByteBuffer *message);
-  // Takes a slot of `slots` for the call's connection and client until the call is done;
-  // false (and the call ended RESOURCE_EXHAUSTED) when a limit is reached.
+  // Takes a slot of `slots` for the call's connection and client until the call is
+  // finished; false (and the call ended RESOURCE_EXHAUSTED, unless it was over already)
+  // when a limit is reached.
   bool TakeSlot(Slots *slots) { return TakeSlot(slots, &slots_); }
   // Whether the client has cancelled or gone away.
   bool cancelled() const { return cancelled_.load(); }
@@ -318,7 +325,8 @@ class Call : public grpc::ServerGenericBidiReactor, public std::enable_shared_fr
   void SendRefusal();
   void ArmWriteTimer();
   void WriteTimeout(uint64_t generation);
-  // Whether this caller is the one to finish the call (under mu_).
+  // Whether this caller is the one to finish the call; the call's slots are given back
+  // then (under mu_).
   bool Finishing();
 
   // The request message: awaited, then either not read in time or read (later reads are
@@ -336,14 +344,24 @@ class Call : public grpc::ServerGenericBidiReactor, public std::enable_shared_fr
   // is gone, exclude each other; recursive, as gRPC may run OnDone on the cutting thread.
   std::recursive_mutex done_mu_;
   bool done_ = false;
-  // A slot of `slots` into `*held`, or the call ended RESOURCE_EXHAUSTED; and its return.
-  // The reactions that take and give them never run at once (gRPC runs OnDone last).
+  // A slot of `slots` into `*held`, or the call ended RESOURCE_EXHAUSTED (none once the
+  // call is finished); and its return, whole (under mu_).
   bool TakeSlot(Slots *slots, Slots **held);
   void GiveSlot(Slots **held);
   std::unique_ptr<grpc::Status> refusal_;  // a refusal waiting out its delay
   std::string refused_address_;
-  Slots *awaiting_ = nullptr;  // while the request message is awaited
-  Slots *slots_ = nullptr;     // once it is there, until the call is done
+  // The slots a call holds (under mu_): `awaiting_` while its request message is awaited,
+  // `slots_` once it is there, until the call is finished (Finishing). Its answer and
+  // status are gRPC's to send from then on, and gRPC's OnDone, after which the call is
+  // gone, can lag the finish by seconds while the transport is busy with other clients:
+  // a finished call holds no slot, or an answered client would be refused for calls it no
+  // longer has (the Python server's gate gives slots back when the handler returns). A call
+  // cut by the write timeout gives the front end's and its connection's slot back at once
+  // and keeps counting against its client's share until OnDone (`client_held_`), so that a
+  // client that does not read cannot pile up calls beyond its share.
+  Slots *awaiting_ = nullptr;
+  Slots *slots_ = nullptr;
+  Slots *client_held_ = nullptr;
   std::shared_ptr<Call> self_;
 };
 
@@ -490,6 +508,7 @@ class HealthCall final : public Call, public HealthState::Watcher {
     std::lock_guard<std::mutex> lock(health_mu_);
     ended_ = true;
   }
+  void OnGone() override;
   // Writes the latest status when no write is on its way, or ends a closing stream once
   // told (under health_mu_, which it releases).
   void WriteLatest(std::unique_lock<std::mutex> *lock);
@@ -647,6 +666,8 @@ inline void Call::SendRefusal() {
 inline bool Call::Finishing() {
   if (finished_) return false;
   finished_ = true;
+  GiveSlot(&awaiting_);
+  GiveSlot(&slots_);
   return true;
 }
 
@@ -695,6 +716,12 @@ inline void Call::WriteTimeout(uint64_t generation) {
     std::lock_guard<std::mutex> lock(mu_);
     if (!writing_ || generation != write_generation_) return;
     writing_ = false;  // cut once
+    // The front end's slot is free at once; the client's share is until OnDone.
+    if (slots_ != nullptr) {
+      slots_->LeaveServer(peer_);
+      client_held_ = slots_;
+      slots_ = nullptr;
+    }
   }
   const long ms = service_->limits().stream_write_timeout_ms;
   service_->guards()->refusals.Note(kReasonStreamWriteTimeout, ctx_->method(), peer_);
@@ -730,7 +757,10 @@ inline void Call::OnReadDone(bool ok) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     state = first_state_;
-    if (state == FirstMessage::kAwaited) first_state_ = FirstMessage::kRead;
+    if (state == FirstMessage::kAwaited) {
+      first_state_ = FirstMessage::kRead;
+      GiveSlot(&awaiting_);
+    }
   }
   if (state == FirstMessage::kTimedOut) return;  // the call is ended already
   if (state == FirstMessage::kRead) {
@@ -738,7 +768,6 @@ inline void Call::OnReadDone(bool ok) {
     return;
   }
   first_alarm_.Cancel();
-  GiveSlot(&awaiting_);
   if (!ok) {
     if (std::chrono::system_clock::now() >= ctx_->deadline()) {
       Complete(End(kExpired, "the call's deadline passed before its request message came"));
@@ -771,21 +800,27 @@ inline void Call::OnCancel() {
 inline bool Call::TakeSlot(Slots *slots, Slots **held) {
   Reason reason;
   std::string message;
-  if (!slots->Take(peer_, client_, &reason, &message)) {
-    service_->guards()->refusals.Note(reason, ctx_->method(), peer_);
-    // A Watch refused ends UNIMPLEMENTED, as at the Python server (server/gate.py): a gRPC
-    // client's own health checking (gRFC A17) then counts this server healthy instead of
-    // failing it, so whoever fills the pool takes no replica out of its clients' balancing.
-    const bool watch = method_ != nullptr && method_->kind == Kind::kHealthWatch;
-    Complete(End(watch ? kWatchesFull : kSlotsFull, message));
-    return false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (finished_) return false;  // ended meanwhile (cancelled, stopping): nothing to hold
+    if (slots->Take(peer_, client_, &reason, &message)) {
+      *held = slots;
+      return true;
+    }
   }
-  *held = slots;
-  return true;
+  service_->guards()->refusals.Note(reason, ctx_->method(), peer_);
+  // A Watch refused ends UNIMPLEMENTED, as at the Python server (server/gate.py): a gRPC
+  // client's own health checking (gRFC A17) then counts this server healthy instead of
+  // failing it, so whoever fills the pool takes no replica out of its clients' balancing.
+  const bool watch = method_ != nullptr && method_->kind == Kind::kHealthWatch;
+  Complete(End(watch ? kWatchesFull : kSlotsFull, message));
+  return false;
 }
 
 inline void Call::GiveSlot(Slots **held) {
-  if (*held != nullptr) (*held)->Give(peer_, client_);
+  if (*held == nullptr) return;
+  (*held)->LeaveServer(peer_);
+  (*held)->LeaveClient(client_);
   *held = nullptr;
 }
 
@@ -798,9 +833,12 @@ inline void Call::OnDone() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (write_alarm_) write_alarm_->Cancel();
+    GiveSlot(&awaiting_);
+    GiveSlot(&slots_);
+    if (client_held_ != nullptr) client_held_->LeaveClient(client_);
+    client_held_ = nullptr;
   }
-  GiveSlot(&awaiting_);
-  GiveSlot(&slots_);
+  OnGone();
   self_.reset();  // may be the last reference: nothing after this line
 }
 
@@ -924,13 +962,15 @@ inline void HealthCall::OnRequest() {
     return;
   }
   if (!TakeSlot(&service_->guards()->watches)) return;
-  health->Add(std::dynamic_pointer_cast<HealthCall>(shared_from_this()));
+  health->Add(std::static_pointer_cast<HealthCall>(shared_from_this()));
   if (health->closed()) {
     Close();
   } else {
     Notify(health->StatusOf(watched_));
   }
 }
+
+inline void HealthCall::OnGone() { service_->health()->Remove(this); }
 
 inline void HealthCall::Notify(HealthStatus) {
   std::unique_lock<std::mutex> lock(health_mu_);

@@ -30,7 +30,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <fstream>
 #include <iostream>
 #include <list>
 #include <map>
@@ -543,7 +542,10 @@ struct SlotKind {
 };
 
 // Slots of one kind: at most `limit` held in all, `per_connection` by one connection,
-// `per_client` by one client (each at most `limit`).
+// `per_client` by one client (each at most `limit`). A slot is given back in two parts, as
+// the Python server's call gate does (server/gate.py, Pool): the front end's and its
+// connection's (LeaveServer), and its client's (LeaveClient), which a call cut for not
+// reading its answer keeps until gRPC has let it go (Call).
 class Slots {
  public:
   explicit Slots(const SlotKind &kind)
@@ -580,10 +582,16 @@ class Slots {
     return true;
   }
 
-  void Give(const std::string &connection, const std::string &client) {
+  // The call no longer holds a slot of the front end or of its connection.
+  void LeaveServer(const std::string &connection) {
     std::lock_guard<std::mutex> lock(mu_);
     --active_;
     Release(&by_connection_, connection);
+  }
+
+  // The call no longer counts against its client's share.
+  void LeaveClient(const std::string &client) {
+    std::lock_guard<std::mutex> lock(mu_);
     Release(&by_client_, client);
   }
 
@@ -780,52 +788,57 @@ class Connections {
 
 // ------------------------------------------------------------------------------ memory
 
-// Bytes the process's heap holds in use (glibc's count of what is allocated and not freed;
-// not what the allocator keeps for reuse, which the resident size includes).
-inline std::size_t HeapInUse() {
-  const struct mallinfo2 m = mallinfo2();
-  return m.uordblks + m.hblkhd;
-}
+// The heap as glibc counts it, all arenas together: bytes allocated and not freed, and
+// bytes freed and kept for reuse (which the resident size includes until they are handed
+// back to the system).
+struct Heap {
+  std::size_t in_use, kept;
+};
 
-// The process's resident bytes (/proc/self/statm); 0 when it cannot be read.
-inline std::size_t ResidentBytes() {
-  std::ifstream statm("/proc/self/statm");
-  std::size_t pages = 0, resident = 0;
-  if (!(statm >> pages >> resident)) return 0;
-  return resident * static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+inline Heap HeapNow() {
+  const struct mallinfo2 m = mallinfo2();
+  return Heap{m.uordblks + m.hblkhd, m.fordblks};
 }
 
 // The overload guard, every kCheckMs: when the heap in use passes the limit
 // (--max-memory-mb), the busiest connection is shut down (Connections::ShedBusiest), until
-// the heap is back under it. And what the allocator keeps after a burst (freed, not given
-// back: glibc keeps its heaps' free memory) is handed back to the system when it exceeds
-// both kKeptFloorBytes and the heap in use, at most every kTrimSeconds.
+// the heap is back under it. And what the allocator keeps is handed back to the system
+// (malloc_trim) when it exceeds both kKeptFloorBytes and the heap in use: at once (at most
+// every kBurstTrimSeconds) when the heap in use has fallen to under half of its peak since
+// the last trim (a burst has left), else at most every kTrimSeconds. glibc gives back only
+// the top of its main heap by itself, so the calls and connections of a flood, once gone,
+// would stay resident in its heaps (an arena per thread that allocated). A trim with little
+// left to give back costs about a millisecond (one madvise per large free chunk).
 class MemoryGuard {
  public:
   static constexpr long kCheckMs = 100;
   static constexpr long kSampleMs = 50;
-  static constexpr std::size_t kKeptFloorBytes = 64u << 20;
+  static constexpr std::size_t kKeptFloorBytes = 1u << 20;
   static constexpr double kTrimSeconds = 10.0;
+  static constexpr double kBurstTrimSeconds = 1.0;
 
   MemoryGuard(std::size_t limit_bytes, Connections *connections, Refusals *refusals)
       : limit_(limit_bytes), connections_(connections), refusals_(refusals) {}
 
   // One check; true when a connection was shed.
   bool Check() {
-    const std::size_t in_use = HeapInUse();
-    if (in_use > limit_) {
+    const Heap heap = HeapNow();
+    if (heap.in_use > limit_) {
       const std::string peer = connections_->ShedBusiest(std::chrono::milliseconds(kSampleMs));
       if (!peer.empty()) {
         refusals_->Note(kReasonMaxMemory, "the busiest connection (its calls with it)", peer);
         return true;
       }
     }
-    const std::size_t resident = ResidentBytes();
     const auto now = Clock::now();
-    if (resident > in_use + std::max(kKeptFloorBytes, in_use) &&
-        now - trimmed_at_ >= std::chrono::duration<double>(kTrimSeconds)) {
+    const double since = std::chrono::duration<double>(now - trimmed_at_).count();
+    peak_ = std::max(peak_, heap.in_use);
+    const bool burst_left = peak_ > 2 * heap.in_use + kKeptFloorBytes;
+    if (heap.kept > std::max(kKeptFloorBytes, heap.in_use) &&
+        (since >= kTrimSeconds || (burst_left && since >= kBurstTrimSeconds))) {
       malloc_trim(0);
       trimmed_at_ = now;
+      peak_ = heap.in_use;
     }
     return false;
   }
@@ -835,6 +848,7 @@ class MemoryGuard {
   Connections *connections_;
   Refusals *refusals_;
   Clock::time_point trimmed_at_;
+  std::size_t peak_ = 0;  // the most heap in use since the last trim
 };
 
 }  // namespace nlmserve_frontend
