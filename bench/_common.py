@@ -196,13 +196,15 @@ def shown_command(command: str) -> str:
     it, one in a ``shared`` folder (``/work/shared/data/...``, wherever the checkout that ran it
     stood) as ``../shared/data/...``, any other absolute
     path (a scratch folder, a build elsewhere) by its file name, as the scripts' usage lines
-    name them; a script of bench/ or experiments/ as the command that runs it (``python -m
-    bench.NAME``). The JSON keeps the command as it ran."""
+    name them; a script of bench/ or experiments/, of this checkout or of the one that ran it,
+    as the command that runs it (``python -m bench.NAME``). The JSON keeps the command as it ran."""
 
     def short(m: re.Match[str]) -> str:
         path = Path(m.group(0))
         if path.is_relative_to(_REPO) and path != _REPO:
             return path.relative_to(_REPO).as_posix()
+        if len(path.parts) > 2 and path.parts[-2] in ("bench", "experiments") and path.suffix == ".py":
+            return Path(*path.parts[-2:]).as_posix()  # a script of whichever checkout ran it
         if "shared" in path.parts[:-1]:  # wherever the checkout that ran it stood
             at = len(path.parts) - 1 - path.parts[::-1].index("shared")
             return "../" + Path(*path.parts[at:]).as_posix()

@@ -327,3 +327,10 @@ def test_a_recorded_command_names_no_scratch_folder() -> None:
     assert "/scratch" not in shown and shown == (
         "python -m bench.decoder --moses moses --ini ../shared/data/moses-fr-en/moses.ini "
         "--configs local:scoring=local,model=ep5x.nlm --doc docs/performance.md --json d.json")
+
+
+def test_a_command_recorded_in_another_checkout_shows_as_here() -> None:
+    from bench import _common
+
+    ran = "/elsewhere/checkout/bench/query.py --model /scratch/demo.nlm --rounds 3"
+    assert _common.shown_command(ran) == "python -m bench.query --model demo.nlm --rounds 3"
