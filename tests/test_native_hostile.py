@@ -603,6 +603,27 @@ def test_silent_and_stalled_connections_are_closed(frontends: Started, backend: 
         stalled.close()
 
 
+def test_a_connection_that_resets_its_calls_as_they_begin_is_closed(frontends: Started, backend: RunningServer,
+                                                                    tiny_lm: Any) -> None:
+    """HTTP/2 rapid reset: 2,000 ScoreNgrams HEADERS each followed at once by its
+    RST_STREAM, without a token, on one connection. gRPC 1.51 forgets a reset stream at
+    once, so its stream limit never stops them; the front end closes the connection once
+    half of its calls were reset as they began (Envoy's rule), and another client is served
+    (the old front end kept the connection and took every call: about 200 MiB for 10,000)."""
+    fe = frontends(backend)
+    attacker = RawConnection(fe.target)
+    block = attacker.block(SCORE)
+    cancel = struct.pack(">I", 8)
+    try:
+        attacker.sock.sendall(b"".join(attacker.frame(0x1, 0x4, 1 + 2 * i, block) + attacker.frame(0x3, 0, 1 + 2 * i, cancel)
+                                       for i in range(2000)))
+        assert (attacker.closed_within(10.0) or 99) < 10.0
+    finally:
+        attacker.close()
+    scores(fe.target, tiny_lm)
+    assert "premature_resets" in frontends.stop(fe)
+
+
 def test_connections_beyond_the_cap_are_closed(frontends: Started, backend: RunningServer, tiny_lm: Any) -> None:
     """Of 10 connections, --max-connections 5 are kept and the others closed at once; once
     some leave, a new client is served."""

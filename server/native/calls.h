@@ -81,6 +81,9 @@ struct Guards {
   // --first-message-ms cuts them.
   Slots awaiting;
   Slots health_awaiting;
+  // The public port's connections (set before the server starts): told how each call
+  // ended, for the premature-reset guard.
+  Connections *connections = nullptr;
   std::atomic<bool> stopping{false};
 };
 
@@ -309,6 +312,7 @@ class Call : public grpc::ServerGenericBidiReactor, public std::enable_shared_fr
   grpc::GenericCallbackServerContext *const ctx_;
   const Method *const method_;
   grpc::ByteBuffer first_;
+  Clock::time_point began_;    // when the call's headers came (Begin)
   std::string peer_;           // the connection (address and port)
   std::string client_;         // the client (ClientOf)
   std::string authorization_;  // the caller's authorization metadata, forwarded
@@ -587,6 +591,7 @@ inline Call::Call(CallService *service, grpc::GenericCallbackServerContext *ctx,
 
 inline void Call::Begin(std::shared_ptr<Call> self) {
   self_ = std::move(self);
+  began_ = Clock::now();
   Guards *guards = service_->guards();
   peer_ = ctx_->peer();
   if (guards->stopping.load()) {
@@ -837,6 +842,14 @@ inline void Call::OnDone() {
     GiveSlot(&slots_);
     if (client_held_ != nullptr) client_held_->LeaveClient(client_);
     client_held_ = nullptr;
+  }
+  // A call its client reset as it began, before its deadline, counts against its
+  // connection's premature resets (Connections::CallEnded).
+  if (Connections *connections = service_->guards()->connections) {
+    const bool premature = cancelled() &&
+                           Clock::now() - began_ < std::chrono::duration<double>(Connections::kPrematureSeconds) &&
+                           std::chrono::system_clock::now() < ctx_->deadline();
+    connections->CallEnded(peer_, premature);
   }
   OnGone();
   self_.reset();  // may be the last reference: nothing after this line

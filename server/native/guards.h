@@ -444,12 +444,14 @@ enum Reason {
   kReasonMaxConnections,
   kReasonMaxMemory,
   kReasonAwaitingMessage,
+  kReasonPrematureResets,
   kReasons
 };
 const char *const kReasonNames[kReasons] = {
     "unauthenticated",   "max_concurrent_rpcs",       "max_rpcs_per_connection",
     "max_rpcs_per_client", "max_health_watches",      "max_health_watches_per_connection",
     "first_message_timeout", "stream_write_timeout", "max_connections", "max_memory", "calls_awaiting_message",
+    "premature_resets",
 };
 
 // Seconds between two log lines about refusals of one reason.
@@ -468,7 +470,8 @@ class Refusals {
       const auto now = Clock::now();
       if (!logged_once_[reason] || now - logged_at_[reason] >= std::chrono::duration<double>(kRefusalLogSeconds)) {
         std::ostringstream s;
-        const bool connections = reason == kReasonMaxConnections || reason == kReasonMaxMemory;
+        const bool connections =
+            reason == kReasonMaxConnections || reason == kReasonMaxMemory || reason == kReasonPrematureResets;
         s << "refused " << unlogged_[reason] << (connections ? " connection(s) by " : " call(s) by ") << kReasonNames[reason]
           << " since the last such line; the latest: " << Printable(what) << " from " << Printable(peer);
         line = s.str();
@@ -620,7 +623,7 @@ class Slots {
 // ------------------------------------------------------------------------------ connections
 
 // The client connections of the public port. gRPC hands every socket it accepts to this
-// registry (a socket mutator, above) before its handshake, which gives the front end two
+// registry (a socket mutator, above) before its handshake, which gives the front end three
 // guards gRPC 1.51 does not have:
 //
 // - a cap (--max-connections): a socket beyond it is shut down there (the client sees the
@@ -630,14 +633,24 @@ class Slots {
 //   its metadata limit only once a client has acknowledged the server's settings, so a
 //   client that never does can grow one unfinished header block without bound; its
 //   resource quota, which should bound it, aborts the process in gRPC's TCP reader under
-//   memory pressure (seen here), so none is set.
+//   memory pressure (seen here), so none is set;
+// - premature resets (CallEnded): a connection whose client resets half of its calls
+//   within kPrematureSeconds of their start (and before their deadline) is shut down once
+//   it has reset kResetCalls / 2, Envoy's rule for HTTP/2 rapid reset with its defaults
+//   (premature_reset_total_stream_count 500, premature_reset_min_stream_lifetime_seconds
+//   1). gRPC 1.51 forgets a stream as soon as its client resets it, so its stream limit does
+//   not bound them: each reset call still costs a call and its reactions, and 10,000
+//   HEADERS + RST_STREAM pairs every 5 s held about 200 MiB and delayed every other
+//   client's answers by seconds.
 //
-// A connection is remembered by its descriptor and inode; one whose descriptor no longer
-// names that inode was closed. Counting the open ones again takes one fstat each, so it is
-// done only when the remembered ones reach the cap, and at most every kRecountMs.
+// A connection is remembered by its descriptor, inode and peer; one whose descriptor no
+// longer names that inode was closed. Counting the open ones again takes one fstat each, so
+// it is done only when the remembered ones reach the cap, and at most every kRecountMs.
 class Connections {
  public:
   static constexpr long kRecountMs = 20;
+  static constexpr uint64_t kResetCalls = 500;
+  static constexpr double kPrematureSeconds = 1.0;
 
   Connections(long limit, Refusals *refusals) : limit_(limit), refusals_(refusals) {
     static const grpc_socket_mutator_vtable kVtable = {nullptr, Compare, Destroy, Mutate};
@@ -689,16 +702,50 @@ class Connections {
     if (busiest < 0) return std::string();
     std::lock_guard<std::mutex> lock(mu_);
     auto it = open_.find(busiest);
-    if (it == open_.end() || InodeOf(busiest) != it->second) return std::string();  // closed meanwhile
-    const std::string peer = PeerOf(busiest);
+    if (it == open_.end() || InodeOf(busiest) != it->second.inode) return std::string();  // closed meanwhile
     shutdown(busiest, SHUT_RDWR);
-    return peer;
+    return it->second.peer;
+  }
+
+  // A call of the connection `peer` (as gRPC names it) has ended; `premature`: its client
+  // reset it (premature resets, above). Shuts the connection down when its resets reach
+  // the limit.
+  void CallEnded(const std::string &peer, bool premature) {
+    uint64_t calls = 0, resets = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto at = by_peer_.find(peer);
+      if (at == by_peer_.end()) return;
+      auto it = open_.find(at->second);
+      if (it == open_.end()) return;
+      Open &c = it->second;
+      ++c.calls;
+      c.resets += premature ? 1 : 0;
+      if (c.shut || 2 * c.resets < std::max(c.calls, kResetCalls)) return;
+      if (InodeOf(it->first) != c.inode) return;  // closed, its descriptor reused meanwhile
+      c.shut = true;
+      calls = c.calls;
+      resets = c.resets;
+      shutdown(it->first, SHUT_RDWR);
+    }
+    refusals_->Note(kReasonPrematureResets,
+                    "a connection whose client reset " + std::to_string(resets) + " of its " + std::to_string(calls) +
+                        " calls as they began",
+                    peer);
   }
 
  private:
   struct Mutator {
     grpc_socket_mutator base;  // first: gRPC sees a grpc_socket_mutator*
     Connections *connections;
+  };
+
+  // An open connection: its socket's inode, its peer, its calls ended and reset.
+  struct Open {
+    ino_t inode;
+    std::string peer;
+    uint64_t calls, resets;
+    bool shut;
   };
 
   static bool Mutate(const grpc_mutate_socket_info *info, grpc_socket_mutator *m) {
@@ -748,7 +795,7 @@ class Connections {
     for (const auto &c : open_) {
       tcp_info info{};
       socklen_t len = sizeof(info);
-      if (InodeOf(c.first) == c.second && getsockopt(c.first, IPPROTO_TCP, TCP_INFO, &info, &len) == 0 &&
+      if (InodeOf(c.first) == c.second.inode && getsockopt(c.first, IPPROTO_TCP, TCP_INFO, &info, &len) == 0 &&
           len >= offsetof(tcp_info, tcpi_bytes_received) + sizeof(info.tcpi_bytes_received)) {
         out[c.first] = info.tcpi_bytes_received;
       }
@@ -758,30 +805,43 @@ class Connections {
 
   void Accepted(int fd) {
     const ino_t inode = InodeOf(fd);
+    const std::string peer = PeerOf(fd);
     bool refuse = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      open_.erase(fd);  // a descriptor number reused: its former socket is closed
+      Forget(open_.find(fd));  // a descriptor number reused: its former socket is closed
       if (static_cast<long>(open_.size()) >= limit_ && Clock::now() >= next_recount_) {
         for (auto it = open_.begin(); it != open_.end();) {
-          it = InodeOf(it->first) == it->second ? std::next(it) : open_.erase(it);
+          it = InodeOf(it->first) == it->second.inode ? std::next(it) : Forget(it);
         }
         next_recount_ = Clock::now() + std::chrono::milliseconds(kRecountMs);
       }
       refuse = static_cast<long>(open_.size()) >= limit_;
-      if (!refuse) open_[fd] = inode;
+      if (!refuse) {
+        open_[fd] = Open{inode, peer, 0, 0, false};
+        by_peer_[peer] = fd;
+      }
     }
     if (refuse) {
-      refusals_->Note(kReasonMaxConnections, "a new connection", PeerOf(fd));
+      refusals_->Note(kReasonMaxConnections, "a new connection", peer);
       shutdown(fd, SHUT_RDWR);
     }
+  }
+
+  // Drops a remembered connection (none: `it` is the end); the next one. Under mu_.
+  std::unordered_map<int, Open>::iterator Forget(std::unordered_map<int, Open>::iterator it) {
+    if (it == open_.end()) return it;
+    auto at = by_peer_.find(it->second.peer);
+    if (at != by_peer_.end() && at->second == it->first) by_peer_.erase(at);
+    return open_.erase(it);
   }
 
   const long limit_;
   Refusals *refusals_;
   Mutator mutator_;
   std::mutex mu_;
-  std::unordered_map<int, ino_t> open_;
+  std::unordered_map<int, Open> open_;
+  std::unordered_map<std::string, int> by_peer_;  // the descriptor of each open connection
   std::vector<int> listeners_;  // the port's listening sockets
   Clock::time_point next_recount_;
 };

@@ -968,6 +968,7 @@ int main(int argc, char **argv) {
   limits.max_metadata_bytes = options.max_metadata_kb * 1024;
   CallService service(&guards, &health, &frontend, channel, limits);
   Connections connections(max_connections, &guards.refusals);
+  guards.connections = &connections;
   MemoryGuard memory(MemoryLimitBytes(options), &connections, &guards.refusals);
 
   grpc::ServerBuilder builder;
