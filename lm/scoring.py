@@ -29,6 +29,7 @@ from .cpu import to_numpy
 from .config import ModelConfig
 from .model import NeuralLM, activate
 from .model_file import FORMAT_VERSION, ModelFile, read_model_file
+from .tables_scorer import SentenceScores  # the one definition, torch-free
 from .ngrams import BOS_ID, EOS_ID, UNK_ID, canonical_rows, no_word_id, sentence_rows
 from .outputs import NO_HASH, NO_SCORES, ClassOutput, TreeOutput, context_hashes, ngram_feature_index
 from .trees import TreePaths
@@ -42,23 +43,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CHUNK = 4096
-
-
-@dataclass(frozen=True)
-class SentenceScores:
-    """Per-token scores of one sentence (KenLM ``full_scores``), plus ``</s>`` when eos.
-
-    Fields:
-        token_log_probs: float32 (T,), in the base asked for.
-        oov: bool (T,), the word was not in the vocabulary (scored as ``<unk>``).
-        ngram_lengths: uint32 (T,), min(order, tokens available including ``<s>``).
-        total: the sum of ``token_log_probs``, accumulated in float64.
-    """
-
-    token_log_probs: np.ndarray
-    oov: np.ndarray
-    ngram_lengths: np.ndarray
-    total: float
 
 
 def default_device() -> torch.device:

@@ -35,8 +35,8 @@ TREE_CHUNK = 512
 
 @dataclass(frozen=True)
 class SentenceScores:
-    """Per-token scores of one sentence (KenLM ``full_scores``; the fields of
-    ``nlmserve.lm.scoring.SentenceScores``), ``</s>`` last when eos.
+    """Per-token scores of one sentence (KenLM ``full_scores``), ``</s>`` last when eos; the
+    one definition, which ``nlmserve.lm.scoring`` (the torch scorer) returns too.
 
     Fields:
         token_log_probs: float32 (T,), in the base asked for.
