@@ -1,5 +1,6 @@
 """``nlmserve.common.memory``: process-wide allocator settings: the training loops keep freed
-memory (:func:`keep_freed_memory`), a server gives it back (:func:`trim_heap`).
+memory (:func:`keep_freed_memory`), a server gives it back (:func:`return_freed_memory`,
+:func:`trim_heap`).
 
 A training step allocates and frees the same large tensors every time (at width 512 the
 (N, 1 + k, E) noise products are 11.5 MB each). With glibc's defaults some of them come
@@ -14,6 +15,25 @@ step itself, one NCE step at width 512 with n-gram features and one thread takes
 34.9–40.3 ms without and 32.6–33.6 ms with both (experiments/results.md, "Training"). The cost is that the process keeps its
 peak heap until it exits; ``nlmserve train`` calls it, the library does not. Call it
 before the first large tensor is allocated.
+
+A server wants the opposite: after a burst (large requests, many clients at once) its
+resident memory should come back down. glibc's defaults keep it up. Its mmap threshold is
+dynamic: the first free of a block that had a mapping of its own raises the threshold to
+that block's size (up to 32 MiB) and the trim threshold to twice it, so from then on the
+blocks of a message (its bytes, a streamed answer's chunks, gRPC's buffers) are carved
+from malloc's per-thread arenas. Freed there, they stay resident: ``malloc_trim`` gives
+back the free pages inside an arena but never the top of a thread's arena, which its
+thread trims itself only above the raised trim threshold. :func:`return_freed_memory`
+fixes both thresholds (as ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` would),
+which turns the adjustment off: blocks of :data:`SERVER_MMAP_THRESHOLD` and more get a
+mapping of their own, unmapped when freed, and every arena trims its top beyond
+:data:`SERVER_TRIM_THRESHOLD`. Measured on ``nlmserve serve`` with the test model, three
+bursts of 8 requests of 100,000 n-grams after a first one left 50-70 MB more resident
+than before them with the defaults, 1-2 MB with these settings
+(tests/test_memory.py). Fewer arenas (``M_ARENA_MAX``) made it worse, not better: in
+``bench/soak.py`` with every attack, 1 or 2 arenas left 20-30% more resident after the
+settle instead of 12%, since the long-lived blocks of every thread then sit between the
+freed ones of a burst.
 """
 
 from __future__ import annotations
@@ -29,16 +49,27 @@ log = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
+_M_MMAP_MAX = -4
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's largest (64-bit)
 _TRIM_OFF = (1 << 31) - 1
 _TOP_PAD = 64 << 20
 
+#: A server's blocks of this many bytes and more get a mapping of their own (glibc's
+#: default before it adjusts it is 128 KiB; 64 KiB also takes gRPC's and protobuf's
+#: message-sized buffers out of the arenas).
+SERVER_MMAP_THRESHOLD = 64 * 1024
+#: A server's arenas give back the free top of their heap beyond this many bytes (glibc's
+#: default before it adjusts it).
+SERVER_TRIM_THRESHOLD = 128 * 1024
+#: At most this many blocks with mappings of their own at once, half of Linux's default
+#: limit of mappings per process (``vm.max_map_count``, 65,530): beyond it blocks come from
+#: the arenas, so that a flood of large blocks cannot take the mappings that threads and
+#: Python's own allocator need.
+SERVER_MMAPS_MAX = 32 * 1024
 
-def keep_freed_memory() -> bool:
-    """Tell glibc's malloc to serve large blocks from the heap and keep freed memory, and
-    torch to advise huge pages for large tensors; False where there is no glibc ``mallopt``
-    (then only the huge-page advice is set)."""
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # read by torch at its first large allocation
+
+def _mallopt(settings: tuple[tuple[int, int], ...]) -> bool:
+    """Apply glibc ``mallopt`` settings; False where there is no glibc or one is refused."""
     name = ctypes.util.find_library("c")
     if name is None:
         return False
@@ -48,9 +79,26 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    ok = all(mallopt(param, value) == 1 for param, value in (
-        (_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX), (_M_TRIM_THRESHOLD, _TRIM_OFF), (_M_TOP_PAD, _TOP_PAD)))
+    return all(mallopt(param, value) == 1 for param, value in settings)
+
+
+def keep_freed_memory() -> bool:
+    """Tell glibc's malloc to serve large blocks from the heap and keep freed memory, and
+    torch to advise huge pages for large tensors; False where there is no glibc ``mallopt``
+    (then only the huge-page advice is set)."""
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # read by torch at its first large allocation
+    ok = _mallopt(((_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX), (_M_TRIM_THRESHOLD, _TRIM_OFF), (_M_TOP_PAD, _TOP_PAD)))
     log.debug("malloc keeps freed memory: %s", ok)
+    return ok
+
+
+def return_freed_memory() -> bool:
+    """Tell glibc's malloc to give freed memory back, as a long-running server needs (module
+    docstring): fixed mmap and trim thresholds, so that a burst of large blocks does not
+    move them into the arenas for good; False where there is no glibc ``mallopt``."""
+    ok = _mallopt(((_M_MMAP_THRESHOLD, SERVER_MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, SERVER_TRIM_THRESHOLD),
+                   (_M_MMAP_MAX, SERVER_MMAPS_MAX)))
+    log.debug("malloc returns freed memory: %s", ok)
     return ok
 
 

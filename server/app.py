@@ -42,7 +42,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ..proto import lm_pb2
 from ..common.errors import ReloadError
-from ..common.memory import trim_heap
+from ..common.memory import return_freed_memory, trim_heap
 from ..common.serve_process import listening_line, metrics_line
 from .admin import ADMIN_SERVICE, AdminServicer, Reloader, add_admin_to_server
 from .auth import TlsFiles, TokenStore
@@ -323,8 +323,13 @@ def serve(config: ServerConfig) -> int:
 
     SIGHUP reloads ``config.model`` (and the token and TLS files) in a thread of its own,
     off the serving path; a file that fails to load or check, or a SIGHUP while a reload
-    is in progress, is logged and the served model stays.
+    is in progress, is logged and the served model stays. The process's allocator gives
+    freed memory back (:func:`~nlmserve.common.memory.return_freed_memory`, and
+    :func:`~nlmserve.common.memory.trim_heap` every :data:`TRIM_SECONDS`).
     """
+    # Before the model and the first request: a burst must not move message-sized blocks
+    # into malloc's arenas for good (common/memory.py).
+    return_freed_memory()
     public = config
     binary = None
     if config.frontend == "native":
