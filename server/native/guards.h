@@ -860,22 +860,36 @@ inline Heap HeapNow() {
   return Heap{m.uordblks + m.hblkhd, m.fordblks};
 }
 
+// The allocator settings of a long-running server (set before any thread starts): blocks of
+// kMmapThresholdBytes and more get a mapping of their own, unmapped when freed, and every
+// arena gives back the free top of its heap beyond kTrimThresholdBytes. Fixing both turns
+// off glibc's dynamic threshold, which the first free of a large block (a message, a
+// stream's buffers) raises to that block's size for good: the blocks of every later burst
+// would then come from the arenas and stay there.
+constexpr int kMmapThresholdBytes = 64 * 1024;
+constexpr int kTrimThresholdBytes = 128 * 1024;
+
+inline void ReturnFreedMemory() {
+  mallopt(M_MMAP_THRESHOLD, kMmapThresholdBytes);
+  mallopt(M_TRIM_THRESHOLD, kTrimThresholdBytes);
+}
+
 // The overload guard, every kCheckMs: when the heap in use passes the limit
 // (--max-memory-mb), the busiest connection is shut down (Connections::ShedBusiest), until
 // the heap is back under it. And what the allocator keeps is handed back to the system
-// (malloc_trim) when it exceeds both kKeptFloorBytes and the heap in use: at once (at most
-// every kBurstTrimSeconds) when the heap in use has fallen to under half of its peak since
-// the last trim (a burst has left), else at most every kTrimSeconds. glibc gives back only
-// the top of its main heap by itself, so the calls and connections of a flood, once gone,
-// would stay resident in its heaps (an arena per thread that allocated). A trim with little
-// left to give back costs about a millisecond (one madvise per large free chunk).
+// (malloc_trim), at most every kTrimSeconds, whenever it exceeds both kKeptFloorBytes and
+// the heap in use. malloc_trim gives back the free pages anywhere in every arena, which
+// glibc does not do by itself: after a flood the heap is a few MB in use scattered over
+// the hundreds of MB the flood took, and the next calls' blocks, carved from those free
+// chunks, touch their pages again: 12-19 MB of a settled front end's resident memory
+// came back within the 10 s the trim used to wait (bench/soak.py), none within a second.
+// A trim costs about a millisecond (one madvise per large free chunk).
 class MemoryGuard {
  public:
   static constexpr long kCheckMs = 100;
   static constexpr long kSampleMs = 50;
-  static constexpr std::size_t kKeptFloorBytes = 1u << 20;
-  static constexpr double kTrimSeconds = 10.0;
-  static constexpr double kBurstTrimSeconds = 1.0;
+  static constexpr std::size_t kKeptFloorBytes = 4u << 20;
+  static constexpr double kTrimSeconds = 1.0;
 
   MemoryGuard(std::size_t limit_bytes, Connections *connections, Refusals *refusals)
       : limit_(limit_bytes), connections_(connections), refusals_(refusals) {}
@@ -891,14 +905,10 @@ class MemoryGuard {
       }
     }
     const auto now = Clock::now();
-    const double since = std::chrono::duration<double>(now - trimmed_at_).count();
-    peak_ = std::max(peak_, heap.in_use);
-    const bool burst_left = peak_ > 2 * heap.in_use + kKeptFloorBytes;
     if (heap.kept > std::max(kKeptFloorBytes, heap.in_use) &&
-        (since >= kTrimSeconds || (burst_left && since >= kBurstTrimSeconds))) {
+        std::chrono::duration<double>(now - trimmed_at_).count() >= kTrimSeconds) {
       malloc_trim(0);
       trimmed_at_ = now;
-      peak_ = heap.in_use;
     }
     return false;
   }
@@ -908,7 +918,6 @@ class MemoryGuard {
   Connections *connections_;
   Refusals *refusals_;
   Clock::time_point trimmed_at_;
-  std::size_t peak_ = 0;  // the most heap in use since the last trim
 };
 
 }  // namespace nlmserve_frontend

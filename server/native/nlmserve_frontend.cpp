@@ -919,6 +919,7 @@ void Configure(const Options &o, int max_bytes, Connections *connections, grpc::
 int main(int argc, char **argv) {
   if (argc == 3 && std::string(argv[1]) == "--check-status-codes") return CheckStatusCodes(argv[2]);
   Options options = ParseArgs(argc, argv);
+  ReturnFreedMemory();  // before the first thread and the first large block
 #ifdef NLMSERVE_ABSL_SYNC
   // Debian's absl tracks the order of every mutex gRPC takes to report deadlock cycles:
   // about 3% of the front end's CPU under load, for a debugging aid.
