@@ -82,8 +82,12 @@ HANDSHAKE_MS = 10_000
 STREAM_HEADROOM = 16
 #: Open files kept for other uses than connections (model, logs, sockets of the metrics).
 RESERVED_FILES = 64
-#: Seconds between two returns of free heap memory to the system (:func:`trim_heap`).
-TRIM_SECONDS = 30.0
+#: Seconds between two returns of free heap memory to the system (:func:`trim_heap`). Often,
+#: since the calls that follow a flood carve their blocks from its free chunks and touch
+#: their pages again: after 1 minute of every bench/soak.py attack the servers settled at
+#: 1.07-1.08 x their start with a trim every 2 s, 1.10-1.12 x with one every 30 s (one
+#: run each). A trim of a fragmented heap with little to give back took about 7 ms.
+TRIM_SECONDS = 2.0
 
 SERVICE_NAME = lm_pb2.DESCRIPTOR.services_by_name["LanguageModel"].full_name  # nlmserve.v1.LanguageModel
 
