@@ -3,9 +3,10 @@
 Each test starts ``nlmserve_frontend`` on 127.0.0.1 port 0 before a real server on the tiny
 model (its private socket for merged batches), attacks it as a client would, and checks
 that an authorised client is still served and that the front end ends, bounds or sheds
-what the attacker holds (calls.h, guards.h). Attacks gRPC's own clients cannot make (a
-connection that never acknowledges the server's settings, an unfinished header block, a
-window of 0 bytes) are written as raw HTTP/2 frames (:class:`RawConnection`).
+what the attacker holds (call.h, and the guards: tokens.h, slots.h, connections.h,
+memory.h). Attacks gRPC's own clients cannot make (a connection that never acknowledges
+the server's settings, an unfinished header block, a window of 0 bytes) are written as raw
+HTTP/2 frames (:class:`RawConnection`).
 """
 
 from __future__ import annotations

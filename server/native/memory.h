@@ -1,0 +1,94 @@
+// The front end's memory guard: glibc's allocator set for a long-running server at start
+// (ReturnFreedMemory), and the overload guard (MemoryGuard): the busiest connection shed
+// while the heap in use passes --max-memory-mb, and the free pages glibc keeps handed back.
+#ifndef NLMSERVE_FRONTEND_MEMORY_H
+#define NLMSERVE_FRONTEND_MEMORY_H
+
+#include <malloc.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <string>
+
+#include "connections.h"
+#include "log.h"
+#include "refusals.h"
+
+namespace nlmserve_frontend {
+
+// The heap as glibc counts it, all arenas together: bytes allocated and not freed, and
+// bytes freed and kept for reuse (which the resident size includes until they are handed
+// back to the system).
+struct Heap {
+  std::size_t in_use, kept;
+};
+
+inline Heap HeapNow() {
+  const struct mallinfo2 m = mallinfo2();
+  return Heap{m.uordblks + m.hblkhd, m.fordblks};
+}
+
+// The allocator settings of a long-running server (set before any thread starts): blocks of
+// kMmapThresholdBytes and more get a mapping of their own, unmapped when freed, and every
+// arena gives back the free top of its heap beyond kTrimThresholdBytes. Fixing both turns
+// off glibc's dynamic threshold, which the first free of a large block (a message, a
+// stream's buffers) raises to that block's size for good: the blocks of every later burst
+// would then come from the arenas and stay there.
+constexpr int kMmapThresholdBytes = 64 * 1024;
+constexpr int kTrimThresholdBytes = 128 * 1024;
+
+inline void ReturnFreedMemory() {
+  mallopt(M_MMAP_THRESHOLD, kMmapThresholdBytes);
+  mallopt(M_TRIM_THRESHOLD, kTrimThresholdBytes);
+}
+
+// The overload guard, every kCheckMs: when the heap in use passes the limit
+// (--max-memory-mb), the busiest connection is shut down (Connections::ShedBusiest), until
+// the heap is back under it. And what the allocator keeps is handed back to the system
+// (malloc_trim), at most every kTrimSeconds, whenever it exceeds both kKeptFloorBytes and
+// the heap in use. malloc_trim gives back the free pages anywhere in every arena, which
+// glibc does not do by itself: after a flood the heap is a few MB in use scattered over
+// the hundreds of MB the flood took, and the next calls' blocks, carved from those free
+// chunks, touch their pages again: 12-19 MB of a settled front end's resident memory
+// came back within the 10 s the trim used to wait (bench/soak.py), none within a second.
+// A trim costs about a millisecond (one madvise per large free chunk).
+class MemoryGuard {
+ public:
+  static constexpr long kCheckMs = 100;
+  static constexpr long kSampleMs = 50;
+  static constexpr std::size_t kKeptFloorBytes = 4u << 20;
+  static constexpr double kTrimSeconds = 1.0;
+
+  MemoryGuard(std::size_t limit_bytes, Connections *connections, Refusals *refusals)
+      : limit_(limit_bytes), connections_(connections), refusals_(refusals) {}
+
+  // One check; true when a connection was shed.
+  bool Check() {
+    const Heap heap = HeapNow();
+    if (heap.in_use > limit_) {
+      const std::string peer = connections_->ShedBusiest(std::chrono::milliseconds(kSampleMs));
+      if (!peer.empty()) {
+        refusals_->Note(kReasonMaxMemory, "the busiest connection (its calls with it)", peer);
+        return true;
+      }
+    }
+    const auto now = Clock::now();
+    if (heap.kept > std::max(kKeptFloorBytes, heap.in_use) &&
+        std::chrono::duration<double>(now - trimmed_at_).count() >= kTrimSeconds) {
+      malloc_trim(0);
+      trimmed_at_ = now;
+    }
+    return false;
+  }
+
+ private:
+  const std::size_t limit_;
+  Connections *connections_;
+  Refusals *refusals_;
+  Clock::time_point trimmed_at_;
+};
+
+}  // namespace nlmserve_frontend
+
+#endif  // NLMSERVE_FRONTEND_MEMORY_H
