@@ -110,7 +110,7 @@ def errors(args: argparse.Namespace) -> dict[str, Any]:
 def _errors(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     import numpy as np
 
-    from nlmserve.lm.ngrams import sentence_rows
+    from nlmserve.wire.ngrams import sentence_rows
     from nlmserve.lm.scoring import LanguageModel
     from nlmserve.lm.tables_file import FlatTables, write_tables_file
     from nlmserve.lm.tables_scorer import TablesScorer

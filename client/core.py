@@ -1,8 +1,9 @@
 """What the sync and asyncio clients share: result types, request building, chunking,
 response merging, the retry policy and the mapping of gRPC errors to nlmserve errors.
 
-Only grpc, protobuf, numpy and the n-gram rules (``nlmserve.lm.ngrams``, numpy only) are
-imported here (never torch): a decoder host needs no more.
+Only grpc, protobuf, numpy and the wire rules (``nlmserve.wire``: n-grams, log bases, token
+files, retried codes) are imported here (never torch, nor ``nlmserve.lm``): a decoder host
+needs no more.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ import numpy as np
 from ..common.errors import (
     InputError, InvalidRequestError, NlmserveError, OverloadedError, RequestTimeoutError, RpcError, ServerUnavailableError,
 )
-from ..lm.ngrams import pack_ngrams
-from ..common.logbase import is_log10
 from ..common.perplexity import from_log10
 from ..proto import lm_pb2
-from ..common.tokens import read_tokens
-
+from ..wire.logbase import is_log10
+from ..wire.ngrams import pack_ngrams
+from ..wire.status import retryable
+from ..wire.tokens import read_tokens
 
 
 @dataclass(frozen=True)
@@ -121,17 +122,11 @@ class RetryPolicy:
         return base * random.uniform(0.8, 1.2)
 
     def should_retry(self, error: grpc.RpcError, attempt: int) -> bool:
+        """Whether retry ``attempt`` (0-based) of ``error``'s call is made: within the budget,
+        for a code the wire's rule retries (``nlmserve.wire.status.retryable``)."""
         if attempt >= self.retries:
             return False
-        code = error.code()
-        # CANCELLED reaches a client that did not cancel only from a server that is
-        # shutting down (a call that arrived as it stopped accepting); scoring is
-        # idempotent, so it is retried like UNAVAILABLE.
-        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-            return True
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and self.retry_overloaded:
-            return "larger than max" not in (error.details() or "")
-        return False
+        return retryable(error.code(), error.details() or "", self.retry_overloaded)
 
 
 _ITEM = re.compile(r"^item (\d+): (.*)$", re.S)
@@ -190,7 +185,7 @@ class IdMap:
 
     def pack(self, ngrams: Sequence[Sequence[str]]) -> tuple[np.ndarray, np.ndarray]:
         """n-grams of words → (ids (N, order) uint32 left-padded with ``<s>``, oov (N,))
-        (``nlmserve.lm.ngrams.pack_ngrams``, as the server maps string n-grams)."""
+        (``nlmserve.wire.ngrams.pack_ngrams``, as the server maps string n-grams)."""
         return pack_ngrams(ngrams, self.index, self.order, lowercase=self.lowercase, dtype=np.uint32,
                            unk_id=self.unk_id, bos_id=self.bos_id)
 
@@ -371,7 +366,7 @@ def _read_pem(path: str, what: str) -> bytes:
 
 def read_token_file(path: str) -> str:
     """The first token in a token file (one per line; blank and ``#`` lines skipped; the
-    rule is ``nlmserve.common.tokens``')."""
+    rule is ``nlmserve.wire.tokens``')."""
     return read_tokens(path)[0]
 
 

@@ -61,7 +61,7 @@ class InvalidRequestError(NlmserveError):
     """A request that cannot be scored (maps to INVALID_ARGUMENT).
 
     ``index`` names the offending item (n-gram or sentence) when there is one; ``kind``
-    names the rule broken when it is one of the n-gram rules (``nlmserve.lm.ngrams``:
+    names the rule broken when it is one of the n-gram rules (``nlmserve.wire.ngrams``:
     ``empty``, ``too-long``, ``out-of-range``, ``bos-target``, ``bos-in-sentence``).
     """
 

@@ -10,7 +10,7 @@ translation (but its first) and scores each of the phrase's first words three wa
 * ``in context``: with the sentence's real history (what the search later adds);
 * ``<s>``: the words before the phrase as sentence starts (the feature's rule before the
   no-word);
-* ``no-word``: the words before the phrase as the no-word (``nlmserve.lm.ngrams``: they add
+* ``no-word``: the words before the phrase as the no-word (``nlmserve.wire.ngrams``: they add
   nothing), the feature's rule.
 
 and prints, per number of known words k and in all, the mean difference from the score in
@@ -37,7 +37,7 @@ import numpy as np
 
 from bench import _common
 
-from nlmserve.lm.ngrams import BOS_ID, no_word_id
+from nlmserve.wire.ngrams import BOS_ID, no_word_id
 
 REPO = Path(__file__).resolve().parent.parent
 RULES = ("<s>", "no-word")

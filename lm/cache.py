@@ -9,7 +9,7 @@ Two caches, both touched only by the engine's single batching thread (no locks):
 - context cache (OxLM's per-context normaliser cache): context ids → the context vector r,
   the class log-normaliser, and the in-class log-normalisers of the classes asked so far.
 
-Rows come canonical (``nlmserve.lm.ngrams.canonical_rows``). Without the context cache the
+Rows come canonical (``nlmserve.wire.ngrams.canonical_rows``). Without the context cache the
 model scores them as they are (``score_prepared``); with it, the batch is planned as
 ``score_prepared`` plans it (``nlmserve.lm.dedup.plan_batch``: distinct contexts, rows and
 (context, class) pairs), each distinct context's r and normalisers come from the cache or
@@ -23,17 +23,29 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, Hashable, TypeVar
+from typing import Any, Generic, Hashable, Protocol, TypeVar
 
 import numpy as np
 import torch
 
 from .dedup import plan_batch
 
-if TYPE_CHECKING:
-    from .scoring import LanguageModel
-
 log = logging.getLogger(__name__)
+
+
+class CachedModel(Protocol):
+    """The model's pieces the scorer computes with (``scoring.LanguageModel`` has them; named
+    here so that this module, which ``scoring`` imports, imports no ``scoring``)."""
+
+    device: torch.device
+
+    def score_prepared(self, ctx: np.ndarray, target: np.ndarray, normalized: np.ndarray) -> np.ndarray: ...
+    def encode_contexts(self, ctx: torch.Tensor) -> torch.Tensor: ...
+    def class_log_normalizer(self, r: torch.Tensor, ctx: torch.Tensor | None = None) -> torch.Tensor: ...
+    def in_class_log_normalizer(self, r: torch.Tensor, cls: torch.Tensor,
+                                ctx: torch.Tensor | None = None) -> torch.Tensor: ...
+    def word_classes(self, target: torch.Tensor) -> torch.Tensor: ...
+    def raw_score(self, r: torch.Tensor, target: torch.Tensor, ctx: torch.Tensor | None = None) -> torch.Tensor: ...
 
 _NO_SCORES = np.zeros(0, dtype=np.float32)
 
@@ -93,7 +105,7 @@ def row_keys(ids: np.ndarray) -> list[bytes]:
 class Scorer:
     """Scores normalised n-gram rows (N, order) with both caches; natural log, float32."""
 
-    def __init__(self, lm: LanguageModel, ngram_cache_size: int, context_cache_size: int) -> None:
+    def __init__(self, lm: CachedModel, ngram_cache_size: int, context_cache_size: int) -> None:
         self.lm = lm
         self.ngram_cache: dict[bool, LRUCache[bytes, float]] = {
             True: LRUCache(ngram_cache_size), False: LRUCache(ngram_cache_size)

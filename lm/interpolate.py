@@ -30,7 +30,7 @@ from ..common.errors import InputError
 from ..common.kenlm_file import load_kenlm
 from .corpus import read_sentences
 from .scoring import LanguageModel
-from ..common.logbase import LN10
+from ..wire.logbase import LN10
 from ..common.perplexity import from_log10
 
 SENTENCES_PER_BATCH = 512

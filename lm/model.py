@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from .config import ModelConfig
 from .outputs import BandedOutput, ClassOutput, OutputLayer, SoftmaxOutput, TreeOutput, checks_no_word
-from .ngrams import no_word_id
+from ..wire.ngrams import no_word_id
 from .trees import Tree
 
 
@@ -121,7 +121,7 @@ class NeuralLM(nn.Module):
     # ------------------------------------------------------------------ context
     def encode(self, ctx: Tensor) -> Tensor:
         """ctx (N, order-1) word ids, oldest first → r (N, E): ``finish(context_sum(ctx))``.
-        The id vocab_size (a word that is not known, ``nlmserve.lm.ngrams``) adds nothing;
+        The id vocab_size (a word that is not known, ``nlmserve.wire.ngrams``) adds nothing;
         training data never has it."""
         return self.finish(self.context_sum(ctx))
 

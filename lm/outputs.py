@@ -40,9 +40,9 @@ from torch import Tensor, nn
 
 from . import cpu
 from .dedup import BatchPlan
-from .ngrams import HASH_CTX as HASH_CTX, HASH_KEY as HASH_KEY, HASH_MOD as HASH_MOD  # re-exported
-from .ngrams import HASH_OUT as HASH_OUT, HASH_SEED as HASH_SEED, NO_HASH as NO_HASH  # re-exported
-from .ngrams import no_word_id
+from ..wire.ngrams import HASH_CTX as HASH_CTX, HASH_KEY as HASH_KEY, HASH_MOD as HASH_MOD  # re-exported
+from ..wire.ngrams import HASH_OUT as HASH_OUT, HASH_SEED as HASH_SEED, NO_HASH as NO_HASH  # re-exported
+from ..wire.ngrams import no_word_id
 from .trees import Tree, node_log_odds
 from .vocab import BOS_ID
 

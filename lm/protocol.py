@@ -35,7 +35,7 @@ class RowScorer(Protocol):
 class ScoringModel(Protocol):
     """A model the server can serve: its description, scoring (batch, and through caches)
     and its scoring tables (natural log throughout; ids are canonical rows of
-    ``nlmserve.lm.ngrams`` where the docstring says so)."""
+    ``nlmserve.wire.ngrams`` where the docstring says so)."""
 
     # ------------------------------------------------------------------ description
     @property

@@ -30,12 +30,12 @@ from .config import ModelConfig
 from .model import NeuralLM, activate
 from .model_file import FORMAT_VERSION, ModelFile, read_model_file
 from .tables_scorer import SentenceScores  # the one definition, torch-free
-from .ngrams import BOS_ID, EOS_ID, UNK_ID, canonical_rows, no_word_id, sentence_rows
+from ..wire.ngrams import BOS_ID, EOS_ID, UNK_ID, canonical_rows, no_word_id, sentence_rows
 from .outputs import NO_HASH, NO_SCORES, ClassOutput, TreeOutput, context_hashes, ngram_feature_index
 from .trees import TreePaths
 from .vocab import Vocabulary
 from ..common.errors import UnsupportedModelError
-from ..common.logbase import ln_to_log10
+from ..wire.logbase import ln_to_log10
 
 if TYPE_CHECKING:
     from .cache import Scorer
@@ -127,7 +127,7 @@ class LanguageModel:
     # ------------------------------------------------------------------ pieces for the server
     def canonical_rows(self, ids: npt.ArrayLike | Tensor) -> np.ndarray:
         """Validate (N, n) ids (numpy or torch) and bring them to the canonical (N, order)
-        int64 form (``nlmserve.lm.ngrams.canonical_rows``: InvalidRequestError names the row)."""
+        int64 form (``nlmserve.wire.ngrams.canonical_rows``: InvalidRequestError names the row)."""
         arr = ids.detach().cpu().numpy() if isinstance(ids, Tensor) else ids
         return canonical_rows(arr, self.order, len(self.vocab))
 
@@ -327,7 +327,7 @@ class LanguageModel:
         self, sentences: Sequence[Sequence[str]], *, bos: bool = True, eos: bool = True
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """All n-grams of ``sentences`` → (ids (T, order), oov (T,), ngram_len (T,), sentence
-        index (T,)) (``nlmserve.lm.ngrams.sentence_windows``). Words are lowercased first when
+        index (T,)) (``nlmserve.wire.ngrams.sentence_windows``). Words are lowercased first when
         the model was trained lowercased."""
         return sentence_rows(sentences, self.vocab.index, self.order, lowercase=self.lowercase, bos=bos, eos=eos)
 
@@ -414,7 +414,7 @@ class ScoringTables:
           [+ Σ_l ngram_class[slot(h_l, class[w_n])] + Σ_l ngram_word[slot(h_l, w_n)]]
 
     which is ``score_ngrams(rows, normalized=False)`` to float rounding. A context id V (a
-    word that is not known, ``nlmserve.lm.ngrams``) has no position row and no suffix that
+    word that is not known, ``nlmserve.wire.ngrams``) has no position row and no suffix that
     holds it a feature. The bracketed sums
     are a model's direct n-gram features (``feature_order`` > 0): h_l for the context's
     newest suffixes of length 0 .. feature_order-1 and the slots as

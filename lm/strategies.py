@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -35,9 +35,34 @@ from .trees import TREE_METHODS, Tree, huffman_tree, random_tree, tree_words
 
 if TYPE_CHECKING:
     from .corpus import CorpusIds
-    from .train import TrainConfig
 
 log = logging.getLogger(__name__)
+
+
+class TreeSettings(Protocol):
+    """What building a tree reads of the training's settings (``train.TrainConfig`` has
+    them; named here so that this module, which ``train`` imports, imports no ``train``)."""
+
+    @property
+    def seed(self) -> int: ...
+    @property
+    def order(self) -> int: ...
+    @property
+    def dim(self) -> int: ...
+    @property
+    def context(self) -> str: ...
+    @property
+    def hidden(self) -> int: ...
+    @property
+    def activation(self) -> str: ...
+    @property
+    def lr(self) -> float: ...
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def tree_eps(self) -> float: ...
+    @property
+    def tree_pretrain_steps(self) -> int: ...
 
 OUTPUT_CHOICES = ("class", "softmax", "dsoftmax", *TREE_METHODS)
 _SOFTMAX_OBJECTIVES = ("mle", "softmax", "sampling", "weaknorm", "weaknormsq", "nce")
@@ -82,7 +107,7 @@ def output_fields(output: str, vocab_size: int, width: int, tree: Tree | None) -
     return {}
 
 
-def build_tree(cfg: "TrainConfig", output: str, train_ids: "CorpusIds", unigram: np.ndarray,
+def build_tree(cfg: TreeSettings, output: str, train_ids: "CorpusIds", unigram: np.ndarray,
                device: torch.device, deadline: float | None) -> Tree | None:
     """The output tree of a tree strategy (None for the others). The feature-based trees
     first train a random-tree model for ``cfg.tree_pretrain_steps`` steps (or until a
@@ -99,7 +124,7 @@ def build_tree(cfg: "TrainConfig", output: str, train_ids: "CorpusIds", unigram:
     return cluster_tree(features, tree_words(V), output, eps=cfg.tree_eps, seed=cfg.seed)
 
 
-def pretrain_features(cfg: "TrainConfig", train_ids: "CorpusIds", unigram: np.ndarray, device: torch.device,
+def pretrain_features(cfg: TreeSettings, train_ids: "CorpusIds", unigram: np.ndarray, device: torch.device,
                       until: float | None) -> np.ndarray:
     """Train a random-tree model briefly, then each word's mean predicted context vector
     over (up to FEATURE_ROWS) training positions → (V, E)."""

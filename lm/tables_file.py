@@ -58,17 +58,17 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Sequence
+from typing import IO, TYPE_CHECKING, Any, Protocol, Sequence
 
 import numpy as np
 
 from . import quantize as quant
-from .ngrams import BOS_ID, EOS_ID, UNK_ID
+from ..wire.ngrams import BOS_ID, EOS_ID, UNK_ID
 from ..common.errors import ModelFileError
 from ..common.paths import atomic_output
 
 if TYPE_CHECKING:
-    from .scoring import ScoringTables
+    from .trees import TreePaths
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class FlatTables:
     tree_steps: int = 0
 
     @classmethod
-    def of(cls, tables: ScoringTables) -> "FlatTables":
+    def of(cls, tables: "StreamedTables") -> "FlatTables":
         """The wire's form of ``tables`` (UnsupportedModelError when they do not fit it)."""
         codes, steps = tables.tree.sizes if tables.tree is not None else (0, 0)
         return cls(tables.flat().astype("<f4", copy=False), tables.output.shape[1], tables.activation,
@@ -122,6 +122,25 @@ class FlatTables:
     def outputs(self, vocab_size: int) -> int:
         """Rows of the output table: the tree's nodes, or one per word."""
         return self.tree_nodes or vocab_size
+
+
+class StreamedTables(Protocol):
+    """What :meth:`FlatTables.of` reads of ``scoring.ScoringTables`` (named here so that this
+    module, which ``scoring`` reaches, imports no ``scoring``)."""
+
+    @property
+    def output(self) -> np.ndarray: ...
+    @property
+    def activation(self) -> str: ...
+    @property
+    def feature_order(self) -> int: ...
+    @property
+    def tree(self) -> TreePaths | None: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def feature_tables(self) -> tuple[int, int]: ...
+    def flat(self) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,10 @@ import numpy as np
 import numpy.typing as npt
 
 from .dedup import distinct_rows
-from .ngrams import NO_HASH, canonical_rows, feature_slots, no_word_id, sentence_rows, suffix_hashes
+from ..wire.ngrams import NO_HASH, canonical_rows, feature_slots, no_word_id, sentence_rows, suffix_hashes
 from .quantize import dequantize
 from .tables_file import TablesFile, read_tables_file
-from ..common.logbase import ln_to_log10
+from ..wire.logbase import ln_to_log10
 
 #: Rows scored at a time (a tree's rows take about log2 V node rows each).
 CHUNK = 4096
@@ -96,7 +96,7 @@ class TablesScorer:
     # ------------------------------------------------------------------ rows
     def score_ngrams(self, ids: npt.ArrayLike, *, log10: bool = False) -> np.ndarray:
         """Scores of (N, n) id rows, 1 <= n <= order (validated and made canonical by
-        ``nlmserve.lm.ngrams.canonical_rows``: InvalidRequestError names a bad row) →
+        ``nlmserve.wire.ngrams.canonical_rows``: InvalidRequestError names a bad row) →
         float32 (N,), natural log unless ``log10``. Identical rows are scored once."""
         rows = canonical_rows(ids, self.order, self.vocab_size)
         out = self.score_rows(rows)

@@ -1,7 +1,7 @@
 """The vocabulary: words <-> ids with fixed special ids (as KenLM).
 
 ``<unk>`` = 0, ``<s>`` = 1, ``</s>`` = 2 (defined with the other n-gram rules in
-``nlmserve.lm.ngrams``, re-exported here); the other words follow in the order given (for
+``nlmserve.wire.ngrams``, re-exported here); the other words follow in the order given (for
 :meth:`Vocabulary.build`: by decreasing frequency, ties broken by the word itself, so the
 same counts always give the same ids).
 """
@@ -15,7 +15,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .ngrams import BOS, BOS_ID, EOS, EOS_ID, UNK, UNK_ID
+from ..wire.ngrams import BOS, BOS_ID, EOS, EOS_ID, UNK, UNK_ID
 
 SPECIALS = (UNK, BOS, EOS)
 

@@ -15,6 +15,7 @@ from ..client.cli import SERVER_HELP, add_security_flags
 from ..common.errors import InputError, UsageError
 from ..common.flags import deprecated_spelling, float_in, int_at_least, positive_float
 from ..common.paths import LIST, MODEL, PLAIN, TABLES, check_input, check_output
+from .nbest import feature_name
 
 log = logging.getLogger(__name__)
 
@@ -224,17 +225,6 @@ def _moses_ini(args: argparse.Namespace) -> int:
         reason = f"starting weight: {share} the other weights (1 as mert-moses.pl writes them)"
     print(moses_ini.render(facts, path, moses_ini.start_weight(norm), reason, args.name, extra), end="")
     return 0
-
-
-def feature_name(text: str) -> str:
-    """argparse type of a dense feature's name (the rule: ``nbest.check_feature_name``)."""
-    from .nbest import check_feature_name
-
-    try:
-        check_feature_name(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
 
 
 def _feature_security(args: argparse.Namespace) -> dict[str, str]:

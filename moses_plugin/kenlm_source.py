@@ -25,8 +25,8 @@ import numpy as np
 
 from ..common.errors import InputError
 from ..common.kenlm_file import load_kenlm
-from ..lm.ngrams import BOS, BOS_ID, EOS, EOS_ID, UNK, UNK_ID
-from ..common.logbase import log10_to_ln
+from ..wire.ngrams import BOS, BOS_ID, EOS, EOS_ID, UNK, UNK_ID
+from ..wire.logbase import log10_to_ln
 from .nbest import file_sha256
 from .rescore import SourceInfo, SourceScores, log10_flag
 

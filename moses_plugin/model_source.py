@@ -7,7 +7,7 @@ resume, atomic output) asks it for scores as it would ask a server.
 
 The values are the floats a server of the same model sends a lone client (no caches,
 the default): the rows of each ``score_ids`` call are made canonical
-(``nlmserve.lm.ngrams.canonical_rows``) and scored by ``LanguageModel.score_prepared`` in
+(``nlmserve.wire.ngrams.canonical_rows``) and scored by ``LanguageModel.score_prepared`` in
 passes of ``PASS_ROWS`` rows from the start of the call, as the server's engine splits a
 request into forward passes of ``max_batch_ngrams`` (4,096 by default); float32, natural
 log, times ``float32(log10 e)`` for log10. The vocabulary is the model's, so unknown
@@ -24,7 +24,7 @@ import os
 
 import numpy as np
 
-from ..common.logbase import ln_to_log10
+from ..wire.logbase import ln_to_log10
 from .rescore import SourceInfo, SourceScores, log10_flag
 
 #: Rows per forward pass: ``nlmserve serve``'s default ``max_batch_ngrams``.

@@ -18,6 +18,7 @@ millions of lines are never held in memory.
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import hashlib
 import io
@@ -266,6 +267,15 @@ def check_feature_name(name: str) -> None:
             f"feature name {name!r} is not a valid dense feature name "
             "(no '_', which Moses' extractor reads as sparse, no blanks, '=', ':' or '|')"
         )
+
+
+def feature_name(text: str) -> str:
+    """argparse type of a dense feature's name (the rule: :func:`check_feature_name`)."""
+    try:
+        check_feature_name(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def format_value(value: float) -> str:

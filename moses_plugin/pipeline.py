@@ -44,17 +44,15 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from ..common.errors import InputError
 from . import bleu, mert, mira
 from .nbest import file_sha256, read_lines, write_text_atomic
 from .rerank import rerank
 from .rescore import RescoreConfig, ScoreSource, rescore
+from .experiment_config import ExperimentConfig
 from .weights import Weights, load_weights, to_moses_ini, to_weights_txt
-
-if TYPE_CHECKING:
-    from .experiment import ExperimentConfig
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +121,7 @@ class NlmSource:
 
 
 class Pipeline:
-    def __init__(self, config: "ExperimentConfig", work: Path, source: NlmSource) -> None:
+    def __init__(self, config: ExperimentConfig, work: Path, source: NlmSource) -> None:
         self.config = config
         self.work = work
         self.source = source

@@ -41,8 +41,8 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 import numpy as np
 
 from ..common.errors import InputError, NbestFormatError, NlmserveError, OverloadedError, ServerUnavailableError
-from ..lm.ngrams import sentence_windows, word_ids
-from ..common.logbase import is_log10
+from ..wire.ngrams import sentence_windows, word_ids
+from ..wire.logbase import is_log10
 from ..common.paths import LIST, atomic_output, check_input, check_output, fsync_dir
 from .nbest import (
     NbestEntry,

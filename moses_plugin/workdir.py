@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..common.errors import NlmserveError
+from .experiment_config import ExperimentConfig
 from .nbest import file_sha256, write_text_atomic
-
-if TYPE_CHECKING:
-    from .experiment import ExperimentConfig
 
 RECORD = "inputs.json"
 # Outputs whose presence without a record means an earlier, unrecorded run.
@@ -44,7 +42,7 @@ def _digest(path: str, what: str) -> str:
         raise NlmserveError(f"{what} {path}: {exc.strerror or exc}") from exc
 
 
-def inputs_of(config: "ExperimentConfig", trains: bool) -> dict[str, dict[str, Any]]:
+def inputs_of(config: ExperimentConfig, trains: bool) -> dict[str, dict[str, Any]]:
     """The record of ``config``'s inputs (``training`` only when this run trains the model)."""
     record: dict[str, dict[str, Any]] = {"lists": {
         "dev_nbest": _digest(config.dev_nbest, "dev n-best list"),
@@ -75,7 +73,7 @@ def _shown(value: Any) -> str:
     return str(value)
 
 
-def check_workdir(config: "ExperimentConfig", work: Path, trains: bool) -> None:
+def check_workdir(config: ExperimentConfig, work: Path, trains: bool) -> None:
     """Record the inputs in a new work directory, or check them against its record.
 
     Raises :class:`NlmserveError` naming every input that differs, or when the directory

@@ -37,12 +37,12 @@ import grpc
 from ..common.errors import InputError, ModelFileError, ReloadError
 from ..common.memory import trim_heap
 from ..proto import lm_pb2
+from ..wire.status import CallStatus, status_of
 from .auth import TlsFiles, TokenStore
 from .config import ServerConfig
 from .engine import Engine, ModelState, load_model
 from .files import shown_path
 from .metrics import ServerMetrics
-from .requests import CallStatus, status_of
 from .servicer import _parser, model_info
 
 if TYPE_CHECKING:

@@ -46,7 +46,7 @@ from ..common.memory import return_freed_memory, trim_heap
 from ..common.serve_process import listening_line, metrics_line
 from .admin import ADMIN_SERVICE, AdminServicer, Reloader, add_admin_to_server
 from .auth import TlsFiles, TokenStore
-from .config import ServerConfig
+from .config import ServerConfig, streams_per_connection
 from .engine import Engine, ModelState
 from .gate import CallGate
 from .local import LocalBackend
@@ -78,8 +78,6 @@ SETTINGS_ACK_MS = 10_000
 #: ms (gRPC's default is 120 s): under --max-connections, a connection that never sends its
 #: preface holds a place only this long.
 HANDSHAKE_MS = 10_000
-#: Streams a connection may open beyond the calls and Watch streams it may hold.
-STREAM_HEADROOM = 16
 #: Open files kept for other uses than connections (model, logs, sockets of the metrics).
 RESERVED_FILES = 64
 #: Seconds between two returns of free heap memory to the system (:func:`trim_heap`). Often,
@@ -173,19 +171,6 @@ def exposure_warning(config: ServerConfig) -> str | None:
 
 def _ms(seconds: float) -> int:
     return int(seconds * 1000)
-
-
-def streams_per_connection(config: ServerConfig) -> int:
-    """HTTP/2 streams one connection may have open at once (MAX_CONCURRENT_STREAMS).
-
-    gRPC counts a stream until the server has let it go, also once its client has reset or
-    finished it, and refuses streams beyond the limit (REFUSED_STREAM, which clients see as
-    UNAVAILABLE). So a connection that resets streams as fast as it opens them (rapid
-    reset) has at most this many on the server at once; and so that a client that keeps
-    the calls and Watch streams a connection may hold busy is never refused while the
-    server lets its finished ones go, the limit is twice those, plus
-    :data:`STREAM_HEADROOM` for calls that wait for their message or are being refused."""
-    return 2 * (config.max_rpcs_per_connection + config.max_health_watches_per_connection) + STREAM_HEADROOM
 
 
 def server_options(config: ServerConfig) -> list[tuple[str, Any]]:

@@ -1,7 +1,7 @@
 """Bearer tokens and TLS credentials for the server.
 
 Tokens: ``--token-file FILE`` holds one or more tokens, one per line (blank lines and lines
-starting with ``#`` are skipped; the rule is ``nlmserve.common.tokens``'). A call must carry ``authorization: Bearer <token>``
+starting with ``#`` are skipped; the rule is ``nlmserve.wire.tokens``'). A call must carry ``authorization: Bearer <token>``
 metadata naming one of them; the comparison is constant-time (``hmac.compare_digest``,
 against every token). The call gate (server/gate.py) ends calls without a valid token
 UNAUTHENTICATED from their metadata, before any handler waits for a message, counts
@@ -28,7 +28,7 @@ import grpc
 
 from ..common.errors import InputError
 from .files import read_small_file
-from ..common.tokens import parse_tokens
+from ..wire.tokens import parse_tokens
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class AuthFailures:
 
 
 def read_tokens(path: str | Path) -> tuple[bytes, ...]:
-    """The tokens in ``path`` (the rule is ``nlmserve.common.tokens``'); InputError naming the file
+    """The tokens in ``path`` (the rule is ``nlmserve.wire.tokens``'); InputError naming the file
     (and line) when it is unusable."""
     data = read_small_file(str(path), "token file")
     return tuple(token.encode("ascii") for token in parse_tokens(data, str(path)))

@@ -228,3 +228,20 @@ def build_config(overrides: Mapping[str, Any], config_file: str | Path | None = 
     except (TypeError, ValueError) as e:
         where = str(config_file) if config_file is not None else None
         raise InputError(f"bad server setting: {e}", where) from e
+
+
+#: Streams a connection may open beyond the calls and Watch streams it may hold.
+STREAM_HEADROOM = 16
+
+
+def streams_per_connection(config: ServerConfig) -> int:
+    """HTTP/2 streams one connection may have open at once (MAX_CONCURRENT_STREAMS).
+
+    gRPC counts a stream until the server has let it go, also once its client has reset or
+    finished it, and refuses streams beyond the limit (REFUSED_STREAM, which clients see as
+    UNAVAILABLE). So a connection that resets streams as fast as it opens them (rapid
+    reset) has at most this many on the server at once; and so that a client that keeps
+    the calls and Watch streams a connection may hold busy is never refused while the
+    server lets its finished ones go, the limit is twice those, plus
+    :data:`STREAM_HEADROOM` for calls that wait for their message or are being refused."""
+    return 2 * (config.max_rpcs_per_connection + config.max_health_watches_per_connection) + STREAM_HEADROOM

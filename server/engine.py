@@ -36,10 +36,10 @@ import torch
 
 from ..common.errors import (EngineStoppedError, ModelFileError, OverloadedError, RequestExpiredError,
                              UnsupportedModelError)
-from ..lm.ngrams import BOS_ID, EOS_ID, canonical_rows, check_sentences, sentence_windows
+from ..wire.ngrams import BOS_ID, EOS_ID, canonical_rows, check_sentences, sentence_windows
 from ..lm.protocol import RowScorer, ScoringModel
 from ..lm.tables_file import FlatTables
-from ..common.logbase import ln_to_log10
+from ..wire.logbase import ln_to_log10
 from .config import ServerConfig
 from .files import read_model, shown_path
 from .metrics import ServerMetrics

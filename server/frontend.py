@@ -25,7 +25,7 @@ from typing import IO
 
 from ..common.errors import InputError
 from ..common.serve_process import parse_listening
-from .config import ServerConfig
+from .config import ServerConfig, streams_per_connection
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +41,6 @@ def _ms(seconds: float) -> str:
 def frontend_flags(config: ServerConfig) -> list[str]:
     """The front end's flags for the public port's limits, taken from the same settings as
     the Python server's (times in milliseconds; 0 keeps "never" where the setting has it)."""
-    from .app import streams_per_connection  # app imports this module when it serves
-
     flags = ["--first-message-ms", _ms(config.first_message_seconds),
              "--keepalive-ms", _ms(config.keepalive_seconds),
              "--keepalive-timeout-ms", _ms(config.keepalive_timeout_seconds),

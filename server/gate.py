@@ -56,10 +56,11 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 import grpc
 from grpc._cython import cygrpc  # type: ignore[attr-defined]  # not in the stubs
 
+from ..wire.status import CallStatus
 from .auth import OPEN_SERVICES, AuthFailures, address_of
 from .config import ServerConfig
 from .metrics import ServerMetrics
-from .requests import CallStatus, LargeRequest, RequestHandler
+from .requests import LargeRequest, RequestHandler
 
 if TYPE_CHECKING:  # the stubs make these generic in the request and response types, grpc does not
     Handler = grpc.RpcMethodHandler[Any, Any]

@@ -55,8 +55,9 @@ import grpc
 import numpy as np
 
 from ..common.errors import InvalidRequestError, ProtocolError
+from ..wire.status import CallStatus, status_of
 from .engine import Engine, ModelState
-from .requests import CallStatus, RequestHandler, status_of
+from .requests import RequestHandler
 
 log = logging.getLogger(__name__)
 

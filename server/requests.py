@@ -10,22 +10,10 @@ whichever way its request reached the model:
 * size limits: :meth:`RequestHandler.check_size` (``max_ngrams_per_request``); a message
   too large to parse on the event loop thread is a :class:`LargeRequest` until the call
   gate has parsed it in a worker thread;
-* error mapping, each exception to one status code (the servicers only turn messages into
-  domain objects and errors into codes): :func:`status_of` and :meth:`RequestHandler.error`::
-
-    InvalidRequestError    → INVALID_ARGUMENT (the message names the offending index)
-    oversized request      → INVALID_ARGUMENT (the message gives the limit)
-    UnsupportedModelError  → FAILED_PRECONDITION
-    ReloadError            → FAILED_PRECONDITION (the served model stays)
-    OverloadedError        → RESOURCE_EXHAUSTED
-    RequestExpiredError    → DEADLINE_EXCEEDED
-    EngineStoppedError     → UNAVAILABLE
-    anything else          → INTERNAL (logged with its traceback)
-
-  and the calls that end before or beside the engine, :class:`CallStatus` (the servicer,
-  Admin and the call gate of server/gate.py abort with these);
-  proto/contract/status_codes.tsv holds both tables;
-
+* error mapping: :meth:`RequestHandler.error` logs an exception and gives its status code,
+  the wire's rule (``nlmserve.wire.status``: :func:`status_of` for the exceptions of the
+  engine and the model, :class:`CallStatus` for the calls that end before or beside it;
+  proto/contract/status_codes.tsv holds both tables);
 * metrics: ``nlmserve_requests`` counts client requests by method and status code,
   ``nlmserve_request_latency_seconds`` their server-side latency and
   ``nlmserve_in_flight_requests`` those being served (:meth:`count`, :meth:`started`,
@@ -42,38 +30,12 @@ from typing import Any, Callable
 
 import grpc
 
-from ..common.errors import (EngineStoppedError, InvalidRequestError, OverloadedError, ReloadError,
-                             RequestExpiredError, UnsupportedModelError)
+from ..common.errors import InvalidRequestError
+from ..wire.status import status_of
 from .auth import TokenStore
 from .metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
-
-_STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
-    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
-    (UnsupportedModelError, grpc.StatusCode.FAILED_PRECONDITION),
-    (ReloadError, grpc.StatusCode.FAILED_PRECONDITION),
-    (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (RequestExpiredError, grpc.StatusCode.DEADLINE_EXCEEDED),
-    (EngineStoppedError, grpc.StatusCode.UNAVAILABLE),
-)
-
-
-class CallStatus:
-    """The status of each way a call ends other than by an exception of the engine."""
-
-    unauthenticated = grpc.StatusCode.UNAUTHENTICATED  # no or an unknown bearer token (call gate)
-    draining = grpc.StatusCode.UNAVAILABLE  # the server is stopping: another replica may answer
-    malformed = grpc.StatusCode.INVALID_ARGUMENT  # a request message that does not parse
-    no_message = grpc.StatusCode.INVALID_ARGUMENT  # the call ended without a request message
-    first_message_timeout = grpc.StatusCode.DEADLINE_EXCEEDED  # no request message in time
-    slots_full = grpc.StatusCode.RESOURCE_EXHAUSTED  # the call gate's concurrency limits
-    # A health Watch beyond its pool: gRPC clients' own health checking (gRFC A17) then counts
-    # the server as healthy instead of failing it (server/gate.py).
-    watches_full = grpc.StatusCode.UNIMPLEMENTED
-    write_timeout = grpc.StatusCode.DEADLINE_EXCEEDED  # a streaming call's client did not read
-    admin_disabled = grpc.StatusCode.PERMISSION_DENIED  # Admin without a token file (or the flag)
-    cancelled = grpc.StatusCode.CANCELLED  # the client cancelled (counted; nothing is sent)
 
 
 class LargeRequest:
@@ -91,14 +53,6 @@ class LargeRequest:
 
     def parse(self) -> Any:
         return self._parse(self.data)
-
-
-def status_of(error: BaseException) -> grpc.StatusCode:
-    """The status code a request that raised ``error`` ends with."""
-    for cls, code in _STATUS:
-        if isinstance(error, cls):
-            return code
-    return grpc.StatusCode.INTERNAL
 
 
 class RequestHandler:

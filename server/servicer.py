@@ -23,11 +23,12 @@ import numpy as np
 from google.protobuf.message import Message
 
 from ..common.errors import InvalidRequestError, UnsupportedModelError
-from ..lm.ngrams import BOS_ID, EOS_ID, UNK_ID, pack_ngrams, word_ids
+from ..wire.ngrams import BOS_ID, EOS_ID, UNK_ID, pack_ngrams, word_ids
 from ..proto import lm_pb2, lm_pb2_grpc
+from ..wire.status import CallStatus, status_of
 from .engine import Engine, ModelState
 from .metrics import ServerMetrics
-from .requests import CallStatus, LargeRequest, RequestHandler, status_of
+from .requests import LargeRequest, RequestHandler
 
 log = logging.getLogger(__name__)
 

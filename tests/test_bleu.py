@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import sacrebleu
 
-from nlmserve.common.cli import main
+from nlmserve.cli import main
 from nlmserve.moses_plugin.bleu import (
     BleuConfig,
     SentenceStats,

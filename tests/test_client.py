@@ -56,10 +56,13 @@ def reference(lm: Any, ngrams: list[list[str]], **kw: Any) -> np.ndarray:
     return np.array([lm.score_ngrams(np.array([lm.vocab.encode(ng)]), **kw)[0] for ng in ngrams], dtype=np.float32)
 
 
-def test_client_package_never_imports_torch() -> None:
+def test_client_package_never_imports_torch_or_the_model_room() -> None:
+    """A decoder host's client loads the wire rules (``nlmserve.wire``), never ``nlmserve.lm``."""
     code = ("import sys; import nlmserve.client, nlmserve.client.cli, nlmserve.client.aio; "
             "from nlmserve.client import LMClient; "
-            "assert 'torch' not in sys.modules, 'torch imported'; print('ok')")
+            "assert 'torch' not in sys.modules, 'torch imported'; "
+            "lm = sorted(m for m in sys.modules if m == 'nlmserve.lm' or m.startswith('nlmserve.lm.')); "
+            "assert not lm, f'imported {lm}'; print('ok')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok"

@@ -11,7 +11,7 @@ import pytest
 
 from contract import CONTRACT, cases, unescape
 from nlmserve.common.errors import InputError
-from nlmserve.common.tokens import parse_tokens
+from nlmserve.wire.tokens import parse_tokens
 
 TOKEN_CASES = cases("token_files.tsv", 2)
 
@@ -74,8 +74,10 @@ def test_retry_cases_name_every_code_by_its_wire_number() -> None:
 @pytest.mark.parametrize("name,number,details,want", RETRY_CASES)
 def test_retry_codes(name: str, number: str, details: str, want: str) -> None:
     from nlmserve.client.core import RetryPolicy
+    from nlmserve.wire.status import retryable
 
     error = _Failed(grpc.StatusCode[name], "" if details == "-" else details)
+    assert retryable(error.code(), error.details()) == (want == "retry")
     assert RetryPolicy(retries=1).should_retry(error, 0) == (want == "retry")
     assert not RetryPolicy(retries=1).should_retry(error, 1)  # the budget is spent
 
@@ -85,10 +87,10 @@ STATUS_CASES = cases("status_codes.tsv", 3)
 
 
 def test_status_cases_cover_every_exception_and_call_status() -> None:
-    from nlmserve.server.requests import _STATUS, CallStatus
+    from nlmserve.wire.status import ERROR_CODES, CallStatus
 
     conditions = {c for c, _, _ in STATUS_CASES}
-    assert {f"error:{cls.__name__}" for cls, _ in _STATUS} <= conditions
+    assert {f"error:{cls.__name__}" for cls, _ in ERROR_CODES} <= conditions
     assert {f"call:{name}" for name in vars(CallStatus) if not name.startswith("_")} == \
         {c for c in conditions if c.startswith("call:")}
     assert "call:unauthenticated" in conditions
@@ -97,7 +99,7 @@ def test_status_cases_cover_every_exception_and_call_status() -> None:
 @pytest.mark.parametrize("condition,name,number", STATUS_CASES)
 def test_status_codes(condition: str, name: str, number: str) -> None:
     from nlmserve.common import errors
-    from nlmserve.server.requests import CallStatus, status_of
+    from nlmserve.wire.status import CallStatus, status_of
 
     code = grpc.StatusCode[name]
     assert code.value[0] == int(number)
@@ -158,8 +160,8 @@ def test_feature_hashes(kind: str, V: str, context: str, y: str, size: str, hash
     assert got_h.tolist() == want_h
     got_s = ngram_feature_index(got_h.view(1, -1), torch.tensor([int(y)]), int(size))[0].tolist()
     assert [s if w is not None else None for s, w in zip(got_s, want_s)] == want_s
-    # The numpy twins (nlmserve.lm.ngrams), which the torch-free tables scorer uses.
-    from nlmserve.lm.ngrams import feature_slots, suffix_hashes
+    # The numpy twins (nlmserve.wire.ngrams), which the torch-free tables scorer uses.
+    from nlmserve.wire.ngrams import feature_slots, suffix_hashes
 
     np_h = suffix_hashes(np.array([ctx], dtype=np.int64).reshape(1, len(ctx)), no_word=int(V))
     assert np_h[0].tolist() == want_h

@@ -362,7 +362,7 @@ def test_a_tables_file_round_trips_in_every_form(driver: Path, tiny_model_path: 
     model's (float rounding apart), each quantised form's within the bound the file records
     of them, in both languages; and every word of the vocabulary maps to its id in C++,
     lowercased first when the model lowercases."""
-    from nlmserve.lm.ngrams import sentence_rows
+    from nlmserve.wire.ngrams import sentence_rows
     from nlmserve.lm.scoring import LanguageModel
     from nlmserve.lm.tables_file import FlatTables, read_tables_file, write_tables_file
     from nlmserve.lm.tables_scorer import TablesScorer
@@ -559,9 +559,9 @@ def test_flat_rows_send_each_distinct_row_once(driver: Path, server: Server,
                                               ngram_file: tuple[Path, list[list[str]]]) -> None:
     """ScoreRows over one flat buffer of canonical rows: the same values as the vector API,
     and the batch's misses de-duplicated before sending: exactly the distinct canonical rows
-    (the Python owner's, nlmserve.lm.ngrams) go to the server, in one request."""
+    (the Python owner's, nlmserve.wire.ngrams) go to the server, in one request."""
     from nlmserve.client import LMClient
-    from nlmserve.lm.ngrams import canonical_rows
+    from nlmserve.wire.ngrams import canonical_rows
 
     path, ngrams = ngram_file
     with LMClient(server.target) as py:

@@ -13,10 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nlmserve.common.cli import main
+from nlmserve.cli import main
 from nlmserve.lm.cli import apply_recipe, register
 from nlmserve.lm.model_file import read_model_file
-from nlmserve.moses_plugin.experiment import ExperimentConfig, training_command, training_text
+from nlmserve.moses_plugin.experiment import training_command, training_text
+from nlmserve.moses_plugin.experiment_config import ExperimentConfig
 
 
 def _train_args(cmd: list[str]) -> argparse.Namespace:

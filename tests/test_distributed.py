@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from nlmserve.common.cli import main
+from nlmserve.cli import main
 from nlmserve.lm.distributed import TORCHRUN_VARS, Distributed, state_digest
 from nlmserve.lm.train import TrainConfig, load_checkpoint, train
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from nlmserve.common.cli import build_parser
+from nlmserve.cli import build_parser
 from nlmserve.client import LMClient
 from nlmserve.server.app import create_server
 from nlmserve.server.config import ServerConfig
@@ -227,7 +227,7 @@ def test_the_images_install_by_the_package_build(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     (wheel,) = (tmp_path / "dist").glob("nlmserve-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert {"nlmserve/proto/lm_pb2.py", "nlmserve/proto/lm_pb2_grpc.py", "nlmserve/common/cli.py",
+    assert {"nlmserve/proto/lm_pb2.py", "nlmserve/proto/lm_pb2_grpc.py", "nlmserve/cli.py",
             "nlmserve/server/cli.py"} <= set(names)
 
 

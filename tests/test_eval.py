@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nlmserve.common.cli import main
+from nlmserve.cli import main
 from nlmserve.lm.evaluate import evaluate
 from nlmserve.lm.scoring import LanguageModel
 

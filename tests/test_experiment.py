@@ -14,9 +14,10 @@ from pathlib import Path
 import kenlm
 import pytest
 
-from nlmserve.common.cli import main
+from nlmserve.cli import main
 from nlmserve.moses_plugin import bleu, experiment
-from nlmserve.moses_plugin.experiment import ExperimentConfig, run
+from nlmserve.moses_plugin.experiment import run
+from nlmserve.moses_plugin.experiment_config import ExperimentConfig
 from nlmserve.moses_plugin.nbest import iter_entries, iter_sentences, read_lines
 from nlmserve.moses_plugin.weights import load_weights
 
@@ -371,7 +372,7 @@ def test_a_served_model_and_a_running_server_are_one_choice(tmp_path: Path, caps
 
 
 def test_the_old_spelling_of_runs_still_works(capsys: pytest.CaptureFixture[str]) -> None:
-    from nlmserve.common.cli import build_parser
+    from nlmserve.cli import build_parser
 
     assert build_parser().parse_args(["experiment", "--mert-runs", "3"]).mert_runs == 3  # the new spelling's field
     assert capsys.readouterr().err.splitlines() == ["nlmserve experiment: warning: --mert-runs is deprecated; use --runs"]

@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nlmserve.lm.ngrams import BOS_ID as BOS
-from nlmserve.lm.ngrams import UNK_ID as UNK
+from nlmserve.wire.ngrams import BOS_ID as BOS
+from nlmserve.wire.ngrams import UNK_ID as UNK
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
 from nlmserve.server.app import RunningServer, create_server
 from nlmserve.server.config import ServerConfig

@@ -83,7 +83,7 @@ def test_bad_kn_file_is_an_input_error(tmp_path: Path, text: Path, tiny_lm: Any)
 
 
 def test_eval_cli_with_kn(arpa: Path, text: Path, tiny_model_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from nlmserve.common.cli import main
+    from nlmserve.cli import main
 
     assert main(["eval", "--model", str(tiny_model_path), "--text", str(text), "--kenlm", str(arpa),
                  "--mix-weight", "0.4", "--json", "--device", "cpu"]) == 0

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from nlmserve.common.cli import build_parser
+from nlmserve.cli import build_parser
 from nlmserve.client.replicas import endpoint_of
 from nlmserve.server.app import create_server
 from nlmserve.server.config import ServerConfig

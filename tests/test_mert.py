@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nlmserve.common.cli import main
+from nlmserve.cli import main
 from nlmserve.common.errors import InputError
 from nlmserve.moses_plugin import extractor, mert
 from nlmserve.moses_plugin.bleu import BleuConfig, SentenceStats, corpus_bleu, read_references

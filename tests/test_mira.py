@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from sacrebleu.metrics.bleu import BLEU
 
-from nlmserve.common.cli import main
+from nlmserve.cli import main
 from nlmserve.common.errors import InputError
 from nlmserve.moses_plugin import mert, mira
 from nlmserve.moses_plugin.bleu import BleuConfig, SentenceStats, corpus_bleu, read_references

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from nlmserve.common.cli import main
+from nlmserve.cli import main
 from nlmserve.common.errors import ModelFileError
 from nlmserve.common.serve_process import nlmserve_command
 from nlmserve.lm.model_file import MAGIC, read_model_file
@@ -47,7 +47,8 @@ def two_trainings(tmp_path_factory: pytest.TempPathFactory, train_small_path: Pa
                   dev_small_path: Path) -> tuple[Path, Path]:
     """The experiment's training, with the same settings, in two work folders: each joins
     the same two texts into its own train.txt and writes its own nlm.model."""
-    from nlmserve.moses_plugin.experiment import ExperimentConfig, training_command, training_text
+    from nlmserve.moses_plugin.experiment import training_command, training_text
+    from nlmserve.moses_plugin.experiment_config import ExperimentConfig
 
     models = []
     for name in ("demo", "demo-2"):

@@ -107,7 +107,7 @@ def test_the_table() -> None:
 
 def test_the_command_is_installed_and_refuses_a_missing_moses(tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
-    from nlmserve.common.cli import main
+    from nlmserve.cli import main
 
     ini = tmp_path / "moses.ini"
     ini.write_text(INI)

@@ -208,7 +208,7 @@ def _decode(moses: Path, ini_text: str, feature: str, sentences: list[str], work
 
 
 def test_the_server_free_line_decodes_as_the_server_does(tmp_path: Path, tiny_model_path: Path) -> None:
-    from nlmserve.common.cli import main
+    from nlmserve.cli import main
     from nlmserve.lm.scoring import LanguageModel
 
     moses = _moses_binary()

@@ -28,7 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from nlmserve.client import LMClient
-from nlmserve.lm.ngrams import BOS_ID
+from nlmserve.wire.ngrams import BOS_ID
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
 from nlmserve.common.serve_process import parse_listening
 from nlmserve.server.app import RunningServer

@@ -1,4 +1,4 @@
-"""The wire contract's n-gram rules (``nlmserve.lm.ngrams``): every case of
+"""The wire contract's n-gram rules (``nlmserve.wire.ngrams``): every case of
 proto/contract/canonical_ngrams.tsv, sentence windows, word packing, and the rule module's
 imports (numpy only, so that the client and the Moses tooling can use it without torch)."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from nlmserve.common.errors import InvalidRequestError
-from nlmserve.lm.ngrams import BOS_ID, EOS_ID, UNK_ID, canonical_rows, check_sentences, pack_ngrams, sentence_windows
+from nlmserve.wire.ngrams import BOS_ID, EOS_ID, UNK_ID, canonical_rows, check_sentences, pack_ngrams, sentence_windows
 
 from contract import CONTRACT
 
@@ -112,7 +112,7 @@ def test_pack_ngrams() -> None:
 
 
 def test_rule_module_client_and_rescorer_do_not_import_torch() -> None:
-    code = ("import sys; import nlmserve.lm.ngrams, nlmserve.lm.vocab, nlmserve.moses_plugin.rescore, "
+    code = ("import sys; import nlmserve.wire.ngrams, nlmserve.lm.vocab, nlmserve.moses_plugin.rescore, "
             "nlmserve.moses_plugin.kenlm_source, nlmserve.client; "
             "assert 'torch' not in sys.modules, 'torch imported'; print('ok')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -49,7 +49,7 @@ def _tolerance(value: float, ngrams: int) -> float:
 def floored_model(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """The tiny model with LOWERED's output bias lowered by BY, as a model file and as the
     tables file `nlmserve export-tables` writes of it."""
-    from nlmserve.common.cli import main
+    from nlmserve.cli import main
     from nlmserve.lm.model_file import save_model
     from nlmserve.lm.scoring import LanguageModel
 
@@ -75,7 +75,7 @@ def _segmentations(n: int) -> list[list[int]]:
 
 def test_the_decoders_nlm0_is_rescores_within_the_floor_and_rounding_rule(
         driver: Path, floored_model: tuple[Path, Path], tmp_path: Path) -> None:  # noqa: F811
-    from nlmserve.common.cli import main
+    from nlmserve.cli import main
     from nlmserve.lm.scoring import LanguageModel
     from nlmserve.moses_plugin.nbest import iter_entries
     from nlmserve.moses_plugin.rescore import SentenceLM

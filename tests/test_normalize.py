@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nlmserve.common.cli import main
+from nlmserve.cli import main
 from nlmserve.common.errors import CorpusError
 from nlmserve.lm.normalize import TextForm, normalize_file, normalize_line
 

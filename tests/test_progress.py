@@ -21,7 +21,7 @@ from nlmserve.common.progress import LogLines, progress
 from support import TINY_ARPA, nbest_head
 
 # `nlmserve ARGS` with log lines at every update instead of every 30 s
-CLI_LOG_EVERY_UPDATE = ("import sys, nlmserve.common.progress as p; p.LOG_SECONDS = 0; from nlmserve.common.cli import main; "
+CLI_LOG_EVERY_UPDATE = ("import sys, nlmserve.common.progress as p; p.LOG_SECONDS = 0; from nlmserve.cli import main; "
                         "sys.exit(main(sys.argv[1:]))")
 
 

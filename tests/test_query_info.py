@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from nlmserve.common.cli import main
+from nlmserve.cli import main
 from nlmserve.client import LMClient
 from nlmserve.server.app import RunningServer
 
@@ -265,7 +265,7 @@ def test_info_imports_no_torch(tiny_model_path: Path) -> None:
     info of a model file (not --verify) imports no torch, so it answers at once."""
     import subprocess
 
-    code = ("import sys\nfrom nlmserve.common.cli import main\nrc = main(['info', '--json', sys.argv[1]])\n"
+    code = ("import sys\nfrom nlmserve.cli import main\nrc = main(['info', '--json', sys.argv[1]])\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\nsys.exit(rc)")
     done = subprocess.run([sys.executable, "-c", code, str(tiny_model_path)], capture_output=True, text=True,
                           timeout=120)
@@ -274,7 +274,7 @@ def test_info_imports_no_torch(tiny_model_path: Path) -> None:
 
 
 def test_old_spellings_are_accepted_with_one_line_each(capsys: pytest.CaptureFixture[str]) -> None:
-    from nlmserve.common.cli import build_parser
+    from nlmserve.cli import build_parser
 
     parser = build_parser()
     args = parser.parse_args(["eval", "--model", "m", "--text", "t", "--kn", "kn.arpa", "--tune-kn-weight", "dev"])

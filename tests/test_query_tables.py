@@ -16,7 +16,7 @@ from typing import Callable
 
 import pytest
 
-from nlmserve.common.cli import main
+from nlmserve.cli import main
 
 from contract import CONTRACT
 from support import dev_sentences
@@ -127,7 +127,7 @@ def test_a_tree_needs_no_flag_and_json_has_the_same_keys(tree_model_path: Path, 
 def test_query_tables_imports_no_torch(tiny_model_path: Path, exported: Callable[[Path, str], Path]) -> None:
     """As KenLM's query reads a binary file: query --tables, of a float32 and of a quantised
     file, runs with numpy alone; torch is never imported."""
-    code = ("import io, sys\nfrom nlmserve.common.cli import main\n"
+    code = ("import io, sys\nfrom nlmserve.cli import main\n"
             "sys.stdin = io.TextIOWrapper(io.BytesIO(b'the european parliament\\n'))\n"
             "rc = main(['query', '--tables', sys.argv[1], '--unnormalized'])\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\nsys.exit(rc)")

@@ -10,7 +10,7 @@ import json
 import pytest
 from support import NEWS_NBEST
 
-from nlmserve.common.cli import main
+from nlmserve.cli import main
 from nlmserve.common.errors import InputError
 from nlmserve.moses_plugin.rerank import first_best, rerank, search_check
 from nlmserve.moses_plugin.weights import Weights, load_weights

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from nlmserve.common.cli import main
+from nlmserve.cli import main
 from nlmserve.common.errors import InputError
 from nlmserve.moses_plugin.kenlm_source import KenlmScorer
 from nlmserve.moses_plugin.nbest import file_sha256, iter_entries

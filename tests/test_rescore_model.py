@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 
-from nlmserve.common.cli import main
+from nlmserve.cli import main
 from nlmserve.client import LMClient
 from nlmserve.common.errors import NlmserveError
 from nlmserve.moses_plugin.model_source import PASS_ROWS, ModelScorer
@@ -185,7 +185,7 @@ def test_rescoring_through_a_server_never_imports_torch(server: RunningServer, s
     """The CLI with ``--server`` (and every rescoring module, the model source's included)
     in a fresh interpreter: torch stays out of ``sys.modules``."""
     out = tmp_path / "out.nbest"
-    script = ("import sys; from nlmserve.common.cli import main; "
+    script = ("import sys; from nlmserve.cli import main; "
               "import nlmserve.moses_plugin.model_source, nlmserve.moses_plugin.experiment, "
               "nlmserve.moses_plugin.pipeline; "
               f"code = main(['rescore', '--server', {server.target!r}, '--nbest', {str(small_list)!r}, "

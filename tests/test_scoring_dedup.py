@@ -24,7 +24,7 @@ from nlmserve.lm import dedup
 from nlmserve.lm.dedup import distinct_rows, plan_batch
 from nlmserve.lm.config import ModelConfig
 from nlmserve.lm.model import NeuralLM
-from nlmserve.lm.ngrams import BOS_ID, canonical_rows
+from nlmserve.wire.ngrams import BOS_ID, canonical_rows
 from nlmserve.lm.scoring import TINY_ROWS
 from nlmserve.lm.trees import huffman_tree
 from nlmserve.lm.cache import Scorer

@@ -462,7 +462,7 @@ def test_caches_hit_and_equal_uncached_values(tiny_lm: Any, dev_ids: np.ndarray)
 
 def test_context_cache_alone_equals_direct_path(tiny_lm: Any, dev_ids: np.ndarray) -> None:
     from nlmserve.lm.cache import Scorer
-    from nlmserve.lm.ngrams import canonical_rows
+    from nlmserve.wire.ngrams import canonical_rows
 
     rows = canonical_rows(dev_ids.astype(np.int64), tiny_lm.order, len(tiny_lm.vocab))
     mixed = np.arange(len(rows)) % 3 == 0  # normalised and unnormalised rows in one batch

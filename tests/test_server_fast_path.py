@@ -17,7 +17,7 @@ import torch
 from nlmserve.lm.config import ModelConfig
 from nlmserve.lm.model import NeuralLM
 from nlmserve.lm.scoring import TINY_ROWS
-from nlmserve.lm.ngrams import canonical_rows
+from nlmserve.wire.ngrams import canonical_rows
 
 from support import dev_ngrams
 

@@ -178,7 +178,7 @@ def test_tree_model_served_over_grpc(tree_server: tuple[RunningServer, LanguageM
 
 
 def test_train_help_names_every_strategy(capsys: pytest.CaptureFixture[str]) -> None:
-    from nlmserve.common.cli import main
+    from nlmserve.cli import main
 
     with pytest.raises(SystemExit):
         main(["train", "--help"])

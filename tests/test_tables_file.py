@@ -51,7 +51,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path, str], 
 
 
 def _dev_rows(lm: Any, count: int = 60) -> np.ndarray:
-    from nlmserve.lm.ngrams import sentence_rows
+    from nlmserve.wire.ngrams import sentence_rows
 
     rows, _, _, _ = sentence_rows([s.split() for s in dev_sentences(0, count)], lm.vocab.index, lm.order,
                                   lowercase=lm.lowercase)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from nlmserve.common.cli import main
+from nlmserve.cli import main
 from nlmserve.lm.scoring import LanguageModel
 from nlmserve.lm.train import TrainConfig, load_checkpoint, train
 

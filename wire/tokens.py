@@ -1,4 +1,4 @@
-"""``nlmserve.common.tokens``: what a token file holds, for the server and every client.
+"""``nlmserve.wire.tokens``: what a token file holds, for the server and every client.
 
 The rule (proto/contract/token_files.tsv has its cases; the C++ owner is
 ``nlmserve::ParseTokens`` in the C++ client library, which the native front end uses too):
@@ -15,7 +15,7 @@ The server accepts every token of its file; a client sends the first.
 
 from __future__ import annotations
 
-from .errors import InputError
+from ..common.errors import InputError
 
 _WHITE = b" \t\r\v\f"
 

@@ -1,4 +1,4 @@
-"""``nlmserve.common.logbase``: log bases, spelled one way per surface and converted here.
+"""``nlmserve.wire.logbase``: log bases, spelled one way per surface and converted here.
 
 The model works in natural log. Internal APIs (``nlmserve.lm``, the server's engine and
 its private socket) say ``log10: bool``; the Python client's and the rescorer's public

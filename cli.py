@@ -1,4 +1,4 @@
-"""``nlmserve.common.cli``, the ``nlmserve`` command line: parses and dispatches, nothing more.
+"""``nlmserve.cli``, the ``nlmserve`` command line: parses and dispatches, nothing more.
 
 Each room registers its own subcommands from a light ``cli`` module that imports heavy
 dependencies (torch) only inside the handler, so ``nlmserve score`` on a decoder host
@@ -24,8 +24,8 @@ import sys
 import traceback
 from typing import Callable, NoReturn, Sequence
 
-from .. import __version__
-from .errors import NlmserveError, UsageError
+from . import __version__
+from .common.errors import NlmserveError, UsageError
 
 # Modules that define ``register(subparsers) -> None``; each parser sets ``func``.
 _ROOM_CLIS = (
