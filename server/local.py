@@ -12,30 +12,12 @@ A merged batch carries its client requests (its parts), and the answer gives eac
 own status: one client's invalid n-gram fails that client only, with the status and message
 the gRPC servicer gives that request alone; the others get their scores.
 
-Wire format, little-endian, one request and then one response at a time per connection::
-
-    request:  "NLQ2" u32 request_id  u32 flags  u32 timeout_ms  u32 rows  u32 width  u32 auth_len  u32 parts
-              auth (the callers' `authorization` metadata, auth_len bytes; the parts share it)
-              parts × (u32 part_rows  u32 part_order)  (the client requests in row order:
-                  part_rows >= 1, sum = rows; 1 <= part_order <= width, the request's own packed_order)
-              ids (rows × width uint32, oldest word first; a part's rows left-padded with <s>
-                  from its part_order to width)
-    response: "NLR2" u32 request_id  u32 status  u32 flags  u32 rows  u32 hash_len  u32 message_len  u32 parts
-              model hash (hash_len bytes)  message (UTF-8, message_len bytes)
-              and when status is 0:
-              parts × (u32 part_status  u32 part_message_len)
-              the parts' messages (UTF-8, one after the other)
-              scores (rows float32; those of a part whose status is not 0 are 0)
-
-``status`` is the batch's: not 0 when every part fails the same way (a refused token, an
-oversized batch, an overloaded or stopped engine, a deadline); then no part table and no
-scores follow (``rows`` and ``parts`` are 0). Request flags: bit 0 log10 (else natural
-log), bit 1 allow unnormalised scores. Response flags: bit 0 the scores are log10, bit 1
-they are normalised. Status codes are the gRPC ones the same request gets from the gRPC
-servicer (0 OK, 3 INVALID_ARGUMENT with the servicer's message, 4 DEADLINE_EXCEEDED,
-8 RESOURCE_EXHAUSTED, 13 INTERNAL, 14 UNAVAILABLE, 16 UNAUTHENTICATED); the OOV flags are
-the front end's to compute (the predicted word is ``<unk>``). ``timeout_ms`` 0 means no
-deadline. A frame that breaks these rules closes its connection.
+The frames (NLQ2 requests, NLR2 answers, one at a time per connection) are
+server/local_frames.py's, whose rule is the golden file proto/contract/local_frames.tsv. An
+answer's status, and each part's, is the gRPC code the same request gets from the gRPC
+servicer (a batch's when every part fails alike: a refused token, an oversized batch, an
+overloaded or stopped engine, a deadline); the OOV flags are the front end's to compute (the
+predicted word is ``<unk>``). A frame that breaks the rule closes its connection.
 
 The socket lives in a directory only this user may enter (mode 0700). Tokens, the size
 limit, error mapping and metrics are the gRPC servicer's own (server/requests.py): a merged
@@ -47,7 +29,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import struct
 import threading
 from pathlib import Path
 
@@ -57,19 +38,13 @@ import numpy as np
 from ..common.errors import InvalidRequestError, ProtocolError
 from ..wire.status import CallStatus, status_of
 from .engine import Engine, ModelState
+from .local_frames import (ALLOW_UNNORMALIZED, LOG10, NORMALIZED, REQUEST, answer_frame, check_part_count,
+                           failed_frame, request_body, request_head)
 from .requests import RequestHandler
 
 log = logging.getLogger(__name__)
 
-REQUEST = struct.Struct("<4s7I")  # magic, request_id, flags, timeout_ms, rows, width, auth_len, parts
-RESPONSE = struct.Struct("<4s7I")  # magic, request_id, status, flags, rows, hash_len, message_len, parts
-PART = struct.Struct("<2I")  # request: part_rows, part_order; response: part_status, part_message_len
-OK_PART = PART.pack(0, 0)  # a part answered OK: status 0, no message
-REQUEST_MAGIC, RESPONSE_MAGIC = b"NLQ2", b"NLR2"
 RPC = "ScoreNgrams"
-LOG10, ALLOW_UNNORMALIZED = 1, 2  # request flags
-NORMALIZED = 2  # response flag (bit 0: log10, as in the request)
-MAX_AUTH_BYTES = 8192
 
 
 def _read_exact(conn: socket.socket, n: int) -> bytes | None:
@@ -157,11 +132,8 @@ class LocalBackend:
                 header = _read_exact(conn, REQUEST.size)
                 if header is None:
                     return
-                magic, request_id, flags, timeout_ms, rows, width, auth_len, parts = REQUEST.unpack(header)
-                if magic != REQUEST_MAGIC:
-                    raise ProtocolError(f"bad magic {magic!r}")
-                if auth_len > MAX_AUTH_BYTES:
-                    raise ProtocolError(f"authorization of {auth_len} bytes")
+                head = request_head(header)
+                request_id, flags, rows, width, parts = head.request_id, head.flags, head.rows, head.width, head.parts
                 size = rows * width * 4
                 try:
                     self.requests.check_size(rows, "n-grams")
@@ -174,18 +146,12 @@ class LocalBackend:
                     conn.sendall(self._failed(request_id, status_of(e), flags,
                                               self.engine.state.model_hash, str(e)))
                     raise ProtocolError("oversized batch") from None
-                if parts == 0 or parts > rows:
-                    raise ProtocolError(f"{parts} parts for {rows} rows")
-                table_end = auth_len + parts * PART.size
-                body = _read_exact(conn, table_end + size)  # the rest of the frame, in one read
+                check_part_count(head)
+                body = _read_exact(conn, head.body_size)  # the rest of the frame, in one read
                 if body is None:
                     raise ProtocolError("connection closed inside a frame")
-                view = memoryview(body)
-                auth = body[:auth_len]
-                shape = list(PART.iter_unpack(view[auth_len:table_end]))
-                if sum(r for r, _ in shape) != rows or not all(r >= 1 and 1 <= k <= width for r, k in shape):
-                    raise ProtocolError(f"a part table that does not describe {rows} rows of width {width}")
-                conn.sendall(self._answer(request_id, flags, timeout_ms, width, auth, shape, view[table_end:]))
+                auth, shape, ids = request_body(head, body)
+                conn.sendall(self._answer(request_id, flags, head.timeout_ms, width, auth, shape, ids))
         except ProtocolError as e:
             log.warning("local backend channel: %s; closing the connection", e)
         except OSError as e:
@@ -228,16 +194,13 @@ class LocalBackend:
         finally:
             handler.finished(RPC, start, n)
         out_flags = (LOG10 if log10 else 0) | (NORMALIZED if normalized or not state.self_normalized else 0)
-        digest = state.model_hash.encode()
-        head = RESPONSE.pack(RESPONSE_MAGIC, request_id, 0, out_flags, scores.shape[0], len(digest), 0, n)
         if statuses is None:
             handler.count(RPC, grpc.StatusCode.OK, n)
-            return b"".join((head, digest, OK_PART * n, scores.tobytes()))
+            return answer_frame(request_id, out_flags, state.model_hash, scores, None, n)
         for code, _ in statuses:
             handler.count(RPC, code)
-        texts = [message.encode("utf-8", "replace") for _, message in statuses]
-        table = b"".join(PART.pack(code.value[0], len(text)) for (code, _), text in zip(statuses, texts))
-        return b"".join((head, digest, table, *texts, scores.tobytes()))
+        return answer_frame(request_id, out_flags, state.model_hash, scores,
+                            [(code.value[0], message) for code, message in statuses], n)
 
     def _score(self, ids: np.ndarray, normalized: bool, log10: bool, timeout: float | None,
                state: ModelState) -> np.ndarray:
@@ -269,6 +232,4 @@ class LocalBackend:
     @staticmethod
     def _failed(request_id: int, code: grpc.StatusCode, flags: int, model_hash: str, message: str) -> bytes:
         """The answer of a batch every part of which fails with ``code``."""
-        digest, text = model_hash.encode(), message.encode("utf-8", "replace")
-        return b"".join((RESPONSE.pack(RESPONSE_MAGIC, request_id, code.value[0], flags, 0, len(digest), len(text), 0),
-                         digest, text))
+        return failed_frame(request_id, code.value[0], flags, model_hash, message)

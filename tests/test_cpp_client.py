@@ -245,6 +245,8 @@ def test_every_contract_file_through_the_cpp_owners(driver: Path) -> None:
     *files, total = done.stdout.splitlines()
     counts = {line.split(": ")[0]: int(line.split(": ")[1].split()[0]) for line in files}
     golden = {p.name for p in CONTRACT.iterdir() if p.suffix in (".tsv", ".txt", ".nlt")}
+    # The native front end's own frames: its check reads them (tests/test_local_frames.py).
+    golden.discard("local_frames.tsv")
     assert set(counts) == golden and all(n > 0 for n in counts.values()), counts
     assert total == f"contract: {sum(counts.values())} passed, 0 failed"
 

@@ -21,7 +21,7 @@ import pytest
 
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
 from nlmserve.server.app import RunningServer
-from nlmserve.server.local import ALLOW_UNNORMALIZED, LOG10, NORMALIZED, PART, REQUEST, RESPONSE
+from nlmserve.server.local_frames import ALLOW_UNNORMALIZED, LOG10, NORMALIZED, PART, REQUEST, RESPONSE
 from support import dev_ngrams, start_server
 
 

@@ -4,11 +4,11 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 #include <sstream>
 
 #include "endings.h"
 #include "local_channel.h"
+#include "local_frames.h"
 #include "nlmserve_client.h"
 
 namespace nlmserve_frontend {
@@ -221,13 +221,13 @@ void Batcher::Send(std::unique_ptr<Batch> batch) {
         continue;
       }
       // Shorter rows are widened as the client library's owner of the canonical context
-      // does it (little-endian ids on the wire and on the hosts this builds for).
+      // does it, the ids read and written as the wire's little-endian numbers.
       const std::size_t rows = in.size() / (4u * k);
       narrow.resize(rows * k);
       wide.resize(rows * width);
-      std::memcpy(narrow.data(), in.data(), rows * k * 4u);
+      for (std::size_t i = 0; i < narrow.size(); ++i) narrow[i] = GetU32(in.data() + 4 * i);
       nlmserve::WidenRows(narrow.data(), rows, k, width, bos_id_, wide.data());
-      out->append(reinterpret_cast<const char *>(wide.data()), wide.size() * 4u);
+      for (uint32_t id : wide) PutU32(id, out);
     }
     req.set_packed_order(width);
   } else {

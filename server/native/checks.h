@@ -4,6 +4,9 @@
 //
 //   --check-status-codes FILE: the "frontend:" rows of status_codes.tsv are kEndingCodes
 //     (endings.h), condition and number (tests/test_native_frontend.py).
+//   --check-local-frames FILE: every request row of local_frames.tsv encodes to its bytes
+//     and every answer row's bytes read to its fields, or to the row's refusal, through
+//     local_frames.h (tests/test_local_frames.py).
 #ifndef NLMSERVE_FRONTEND_CHECKS_H
 #define NLMSERVE_FRONTEND_CHECKS_H
 
@@ -12,6 +15,7 @@
 namespace nlmserve_frontend {
 
 int CheckStatusCodes(const std::string &path);
+int CheckLocalFrames(const std::string &path);
 
 }  // namespace nlmserve_frontend
 

@@ -1,4 +1,4 @@
-// LocalChannel (local_channel.h): one batch out, its answer back.
+// LocalChannel (local_channel.h): one batch out as an NLQ2 frame, its NLR2 answer back.
 #include "local_channel.h"
 
 #include <sys/socket.h>
@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "endings.h"
+#include "local_frames.h"
 
 namespace nlmserve_frontend {
 
@@ -20,65 +21,49 @@ grpc::Status LocalChannel::Call(const nlmserve::v1::ScoreNgramsRequest &req,
   std::string error;
   if (fd_ < 0 && !Connect(&error)) return End(kBackendUnreachable, error);
   const std::string &ids = req.packed_ids();
-  const uint32_t width = req.packed_order();
-  const uint32_t rows = width ? static_cast<uint32_t>(ids.size() / (4u * width)) : 0;
-  const uint32_t id = next_id_++;
-  const uint32_t n_parts = static_cast<uint32_t>(parts.size());
-  uint32_t flags = (req.log_base() == nlmserve::v1::LN ? 0u : 1u) | (req.allow_unnormalized() ? 2u : 0u);
-  uint32_t head[7] = {id, flags, static_cast<uint32_t>(timeout_ms_), rows, width,
-                      static_cast<uint32_t>(authorization.size()), n_parts};
-  std::string frame("NLQ2", 4);
-  frame.append(reinterpret_cast<const char *>(head), sizeof(head));  // little-endian hosts (x86-64, aarch64)
-  frame.append(authorization);
-  for (const auto &part : parts) {
-    uint32_t two[2] = {part.first, part.second};
-    frame.append(reinterpret_cast<const char *>(two), sizeof(two));
-  }
+  LocalRequest request;
+  request.id = next_id_++;
+  request.flags = (req.log_base() == nlmserve::v1::LN ? 0u : kFrameLog10) |
+                  (req.allow_unnormalized() ? kFrameAllowUnnormalized : 0u);
+  request.timeout_ms = static_cast<uint32_t>(timeout_ms_);
+  request.width = req.packed_order();
+  request.rows = request.width ? static_cast<uint32_t>(ids.size() / (4u * request.width)) : 0;
+  request.authorization = authorization;
+  request.parts = parts;
+  const std::string frame = EncodeRequest(request);
   if (!WriteAll(frame.data(), frame.size()) || !WriteAll(ids.data(), ids.size())) return Broken("send");
-  char rmagic[4];
-  uint32_t rhead[7];
-  if (!ReadAll(rmagic, 4) || !ReadAll(reinterpret_cast<char *>(rhead), sizeof(rhead))) return Broken("receive");
-  if (std::memcmp(rmagic, "NLR2", 4) != 0 || rhead[0] != id) {
-    errno = EPROTO;
-    return Broken("accept a malformed answer from");
-  }
-  const uint32_t status = rhead[1], rflags = rhead[2], n = rhead[3], hash_len = rhead[4], msg_len = rhead[5],
-                 answered_parts = rhead[6];
-  if (hash_len > 4096 || msg_len > (1u << 20) ||
-      (status == 0 && (n != rows || answered_parts != n_parts)) || (status != 0 && (n != 0 || answered_parts != 0))) {
-    errno = EPROTO;
-    return Broken("accept an inconsistent answer from");
-  }
-  std::string hash(hash_len, '\0'), message(msg_len, '\0');
-  if (!ReadAll(&hash[0], hash_len) || !ReadAll(&message[0], msg_len)) return Broken("receive");
-  if (status != 0) return grpc::Status(static_cast<grpc::StatusCode>(status), message);
-  std::vector<uint32_t> table(2u * n_parts);
-  if (!ReadAll(reinterpret_cast<char *>(table.data()), table.size() * 4u)) return Broken("receive");
-  part_status->clear();
-  part_status->reserve(n_parts);
-  for (uint32_t i = 0; i < n_parts; ++i) {
-    const uint32_t code = table[2u * i], len = table[2u * i + 1];
-    if (len > (1u << 20) || (code == 0 && len != 0)) {
+  LocalAnswer answer;
+  switch (ReadAnswer([this](char *p, std::size_t n) { return ReadAll(p, n); }, request, &answer)) {
+    case AnswerRead::kOk:
+      break;
+    case AnswerRead::kNoBytes:
+      return Broken("receive");
+    case AnswerRead::kMalformed:
+      errno = EPROTO;
+      return Broken("accept a malformed answer from");
+    case AnswerRead::kInconsistent:
       errno = EPROTO;
       return Broken("accept an inconsistent answer from");
-    }
-    std::string text(len, '\0');
-    if (!ReadAll(&text[0], len)) return Broken("receive");
-    part_status->push_back(code == 0 ? grpc::Status::OK : grpc::Status(static_cast<grpc::StatusCode>(code), text));
+  }
+  if (answer.status != 0) return grpc::Status(static_cast<grpc::StatusCode>(answer.status), answer.message);
+  part_status->clear();
+  part_status->reserve(answer.parts.size());
+  for (const auto &part : answer.parts) {
+    part_status->push_back(part.first == 0 ? grpc::Status::OK
+                                           : grpc::Status(static_cast<grpc::StatusCode>(part.first), part.second));
   }
   auto *scores = res->mutable_log_probs();
-  scores->Resize(static_cast<int>(n), 0.0f);
-  if (!ReadAll(reinterpret_cast<char *>(scores->mutable_data()), 4u * n)) return Broken("receive");
+  scores->Reserve(static_cast<int>(answer.scores.size()));
+  for (float score : answer.scores) scores->Add(score);
   auto *oov = res->mutable_oov();
-  oov->Reserve(static_cast<int>(n));
-  for (uint32_t row = 0; row < n; ++row) {
-    uint32_t last;
-    std::memcpy(&last, ids.data() + (static_cast<std::size_t>(row) * width + width - 1) * 4, 4);
-    oov->Add(last == unk_id);
+  oov->Reserve(static_cast<int>(request.rows));
+  for (uint32_t row = 0; row < request.rows; ++row) {
+    const std::size_t last = static_cast<std::size_t>(row) * request.width + request.width - 1;
+    oov->Add(GetU32(ids.data() + last * 4) == unk_id);
   }
-  res->set_log_base((rflags & 1u) ? nlmserve::v1::LOG10 : nlmserve::v1::LN);
-  res->set_normalized((rflags & 2u) != 0);
-  res->set_model_hash(hash);
+  res->set_log_base((answer.flags & kFrameLog10) ? nlmserve::v1::LOG10 : nlmserve::v1::LN);
+  res->set_normalized((answer.flags & kFrameNormalized) != 0);
+  res->set_model_hash(answer.model_hash);
   return grpc::Status::OK;
 }
 

@@ -1,6 +1,6 @@
 // The front end's private channel to the model server (server/local.py): one Unix socket
-// connection per sender thread of the batcher, one merged packed batch out as a frame
-// (server/local.py describes them) and its answer back, turned into the ScoreNgrams response
+// connection per sender thread of the batcher, one merged packed batch out as an NLQ2
+// frame (local_frames.h) and its NLR2 answer back, turned into the ScoreNgrams response
 // the gRPC servicer would give and each client request's own status. A connection that
 // fails, times out or carries a frame that breaks the rule is closed (the batch gets
 // UNAVAILABLE or DEADLINE_EXCEEDED); the next batch connects again.

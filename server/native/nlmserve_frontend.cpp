@@ -39,8 +39,8 @@
 //
 // It is part of the server, not a second one: `nlmserve serve --frontend native` starts it
 // with --backend-socket PATH, the model server's private Unix socket (server/local.py),
-// where merged packed-id batches go (local_channel.h): one write and one read per batch
-// instead of a Python gRPC call. String batches, requests
+// where merged packed-id batches go (local_channel.h, in the frames of local_frames.h): one
+// write and one read per batch instead of a Python gRPC call. String batches, requests
 // sent alone and every other RPC go over gRPC to --backend.
 //
 // Exactness: requests are merged only when they agree on log base, normalisation and the
@@ -56,7 +56,7 @@
 // One concept a file: options.h (the command line), checks.h (the golden-file checks),
 // backend.h (what the front end asks the backend), port.h (the public port's settings),
 // service.h and the calls (call.h, score_call.h, relay_call.h, health_call.h, health.h),
-// batcher.h, local_channel.h, the guards (guards.h, tokens.h, slots.h,
+// batcher.h, local_channel.h and local_frames.h, the guards (guards.h, tokens.h, slots.h,
 // refusals.h, connections.h, memory.h), endings.h and log.h. This file starts and stops them.
 #include <signal.h>
 
@@ -238,6 +238,7 @@ int Serve(const Options &options, Guards *guards, const sigset_t &signals) {
 
 int main(int argc, char **argv) {
   if (argc == 3 && std::string(argv[1]) == "--check-status-codes") return CheckStatusCodes(argv[2]);
+  if (argc == 3 && std::string(argv[1]) == "--check-local-frames") return CheckLocalFrames(argv[2]);
   const Options options = ParseArgs(argc, argv);
   ReturnFreedMemory();  // before the first thread and the first large block
 #ifdef NLMSERVE_ABSL_SYNC
