@@ -6,7 +6,7 @@ PY     := $(BIN)/python
 DEPS   := $(VENV)/.deps-stamp
 PROTO  := proto/nlmserve/v1/lm.proto
 
-.PHONY: all install proto test test-py typecheck demo clean bench system-deps cpp cpp-client test-experiments
+.PHONY: all install proto test test-py typecheck demo clean bench system-deps cpp cpp-client bench-cpp test-experiments
 
 all: install
 
@@ -73,16 +73,22 @@ SYSTEM_DEPS := cmake g++ make pkg-config libgrpc++-dev protobuf-compiler-grpc li
 system-deps:
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(SYSTEM_DEPS)
 
-# C++ client library, its test driver and load generator (build/cpp), installed as the CMake
-# package the native front end builds against (build/cpp-prefix): all the Moses feature needs
-# (`cmake --install build/cpp --prefix PREFIX` then, docs/moses.md). Incremental.
+# C++ client library and its test drivers (build/cpp), installed as the CMake package the
+# native front end and the load generator build against (build/cpp-prefix): all the Moses
+# feature needs (`cmake --install build/cpp --prefix PREFIX` then, docs/moses.md). Incremental.
 cpp-client:
 	cmake -S client/cpp -B build/cpp -DCMAKE_BUILD_TYPE=Release
 	cmake --build build/cpp -j2
 	cmake --install build/cpp --prefix build/cpp-prefix > /dev/null
 
-# The client library, then the native front end (server/native, build/native/nlmserve_frontend).
-cpp: cpp-client
+# The serving benchmark's load generator (bench/cpp, build/bench/nlmserve_load), on the client's package.
+bench-cpp: cpp-client
+	cmake -S bench/cpp -B build/bench -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=$(CURDIR)/build/cpp-prefix
+	cmake --build build/bench -j2
+
+# The client library, then the native front end (server/native, build/native/nlmserve_frontend)
+# and the load generator.
+cpp: cpp-client bench-cpp
 	cmake -S server/native -B build/native -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=$(CURDIR)/build/cpp-prefix
 	cmake --build build/native -j2
 

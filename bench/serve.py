@@ -12,7 +12,7 @@ scores the same n-grams as words. Ratios are printed against the targets of the 
 
 The micro-batching measurement sends one n-gram per request from 32 concurrent clients, each
 on its own connection, each sending its next request when its last is answered:
-``nlmserve_load`` (client/cpp, built by `make cpp` on first use) when the C++
+``nlmserve_load`` (bench/cpp, built by `make cpp` on first use) when the C++
 toolchain is there, Python asyncio clients otherwise. ``--load-mode async`` (the default)
 drives the 32 clients from one thread through a gRPC completion queue, as Triton's
 perf_analyzer does in its async mode; ``threads`` gives each client a thread calling the C++
@@ -316,10 +316,10 @@ def concurrent_single(target: str, ids: np.ndarray, clients: int, seconds: float
 
 
 def cpp_tool(name: str) -> Path | None:
-    """A binary of the C++ projects (``nlmserve_load`` in build/cpp, ``nlmserve_frontend`` in
+    """A binary of the C++ projects (``nlmserve_load`` in build/bench, ``nlmserve_frontend`` in
     build/native), built with `make cpp` when missing; None when the C++ toolchain or Debian's
     gRPC packages are not there (``make system-deps``)."""
-    tool = REPO / "build" / ("native" if name == "nlmserve_frontend" else "cpp") / name
+    tool = REPO / "build" / ("native" if name == "nlmserve_frontend" else "bench") / name
     if tool.exists():
         return tool
     try:

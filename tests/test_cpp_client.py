@@ -2,7 +2,7 @@
 
 Builds the client library and its driver ``nlmserve_client_test`` with cmake into
 build/cpp (incremental: the generated gRPC code compiles once), installs its CMake package
-and builds server/native's own project on it (as ``make cpp``), then talks to the driver
+and builds server/native's and bench/cpp's own projects on it (as ``make cpp``), then talks to the driver
 over its stdin/stdout protocol (documented at the top of nlmserve_client_test.cpp).
 Without cmake or Debian's gRPC packages the module is skipped, except under CI=true
 where .ci/run installs them and a missing tool chain is a failure.
@@ -32,6 +32,8 @@ BUILD = REPO / "build" / "cpp"
 PREFIX = REPO / "build" / "cpp-prefix"  # `make cpp` installs the client's CMake package here ...
 NATIVE_SRC = REPO / "server" / "native"
 NATIVE = REPO / "build" / "native"  # ... and builds the front end against it here
+BENCH_SRC = REPO / "bench" / "cpp"
+LOAD = REPO / "build" / "bench" / "nlmserve_load"  # the load generator, on the same package
 DRIVER = BUILD / "nlmserve_client_test"
 UNIT = BUILD / "nlmserve_unit_test"
 CONTRACT_TEST = BUILD / "nlmserve_contract_test"
@@ -67,13 +69,17 @@ def driver() -> Path:
         if os.environ.get("CI") == "true":
             pytest.fail(message)
         pytest.skip(message)
-    # The client's project, its installed package, and the native front end's own project on it.
+    # The client's project, its installed package, and the native front end's and the load
+    # generator's own projects on it.
     for cmd in (["cmake", "-S", str(CPP_SRC), "-B", str(BUILD), "-DCMAKE_BUILD_TYPE=Release"],
                 ["cmake", "--build", str(BUILD), "-j2"],
                 ["cmake", "--install", str(BUILD), "--prefix", str(PREFIX)],
                 ["cmake", "-S", str(NATIVE_SRC), "-B", str(NATIVE), "-DCMAKE_BUILD_TYPE=Release",
                  f"-DCMAKE_PREFIX_PATH={PREFIX}"],
-                ["cmake", "--build", str(NATIVE), "-j2"]):
+                ["cmake", "--build", str(NATIVE), "-j2"],
+                ["cmake", "-S", str(BENCH_SRC), "-B", str(LOAD.parent), "-DCMAKE_BUILD_TYPE=Release",
+                 f"-DCMAKE_PREFIX_PATH={PREFIX}"],
+                ["cmake", "--build", str(LOAD.parent), "-j2"]):
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
     assert DRIVER.exists()
@@ -643,7 +649,7 @@ def test_load_generator_counts_answered_requests(driver: Path, server: Server, m
                                                  ngram_file: tuple[Path, list[list[str]]]) -> None:
     """bench/serve.py's load generator: every request it counts was answered with a score."""
     path, _ = ngram_file
-    done = subprocess.run([str(BUILD / "nlmserve_load"), server.target, str(path), "--clients", "4", "--batch", "3",
+    done = subprocess.run([str(LOAD), server.target, str(path), "--clients", "4", "--batch", "3",
                            "--seconds", "0.5", "--warmup", "0.2", "--mode", mode],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -656,7 +662,7 @@ def test_load_generator_counts_answered_requests(driver: Path, server: Server, m
 def test_load_generator_refuses_ngrams_longer_than_the_order(driver: Path, server: Server, tmp_path: Path) -> None:
     path = tmp_path / "long.txt"
     path.write_text("a b c d e f g\n", encoding="utf-8")
-    done = subprocess.run([str(BUILD / "nlmserve_load"), server.target, str(path), "--mode", "async"],
+    done = subprocess.run([str(LOAD), server.target, str(path), "--mode", "async"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "n-gram 0 has 7 words; the model takes 1 to 5" in done.stderr
 
@@ -665,7 +671,7 @@ def test_ngram_files_skip_blank_lines_and_split_on_any_white_space(driver: Path,
                                                                     tmp_path: Path) -> None:
     """nlmserve::ReadNgramFile (the load generator's and the client test's reader)."""
     def load(path: Path) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([str(BUILD / "nlmserve_load"), server.target, str(path), "--mode", "async"],
+        return subprocess.run([str(LOAD), server.target, str(path), "--mode", "async"],
                               capture_output=True, text=True, timeout=120)
 
     path = tmp_path / "ngrams.txt"

@@ -33,27 +33,9 @@
 //             fails and never allocates once a Scratch has been sized for the tables.
 //   Threads   a ScoringTables is read-only once Set, shared by any number of threads; each
 //             thread passes its own Scratch (one thread at a time per Scratch).
-//   Forms     The position and output rows, nearly all of the tables, are float32 as the
-//             model holds them, or, mapped from a tables file written with `nlmserve
-//             export-tables --quantize` (Arrays::quantization), fp16 (IEEE half; half the
-//             bytes) or int8 (a signed byte per value and a float scale per row, value =
-//             scale * q, scale = the row's largest |value| / 127; a quarter of the bytes).
-//             Score reads them as floats. Its scores then differ from float32's by at most
-//             the file's bound (TablesFileInfo::error_bound, in nats, nlmserve_tables_file.h),
-//             plus float rounding (float32's bound is 0: the same floats as fetched tables):
-//               E = max_w ( A * |O_w| + R * |O~_w - O_w| )        a class output
-//               E = L * max_k ( A * |O_k| + R * |O~_k - O_k| )    a tree (k: its nodes)
-//             in Euclidean norms of rows, with P_j, O the float32 position and output rows,
-//             P~_j, O~ the rows Score reads, A = sum_j max_w |P~_j[w] - P_j[w]| (each position
-//             table's largest row error), R = sqrt(D) after tanh, else sum_j max_w |P~_j[w]|
-//             (a bound on |r~|), L the most steps of a code. Why: the context sum moves by at
-//             most A (triangle inequality), and so does r (tanh and relu move no component by
-//             more than its input); r~.O~ - r.O = (r~ - r).O + r~.(O~ - O) (Cauchy-Schwarz on
-//             each); log sigmoid and log-sum-exp move by no more than their arguments. It is
-//             a worst case: on held-out text the errors are far smaller (docs/interfaces.md).
-//             The bias, the features' tables and a tree's paths are never quantised. The
-//             Python owner of the bound is nlmserve.lm.quantize; tests score the golden
-//             fixture's rows in each form against it, in Python and here.
+//   Forms     the position and output rows are float32, or fp16 or int8 when mapped from a
+//             quantised tables file; Score reads them as floats, within the file's error bound
+//             (nlmserve_quantize.h states the forms and the bound).
 //   Memory    bytes(): the tables, one block ((order-1)*V*D + V*(D+1) floats for a class
 //             output, plus the features' tables; fewer bytes per value when quantised):
 //             fetched (Client::GetScoringTables), a copy of the process's own on huge pages
@@ -61,14 +43,15 @@
 //             (MapTablesFile), the page cache's pages, one copy for every process of the
 //             host. Each Scratch is a few MB more (2^17 remembered rows of a few dozen
 //             bytes, 512 context vectors of D floats).
-// No gRPC or protobuf here: a decoder includes this header next to its own. The tables
-// file (its reader MapTablesFile, its vocabulary and facts) is nlmserve_tables_file.h's,
-// which this header includes at its end.
+// No gRPC or protobuf here: a decoder includes this header next to its own. The scorer's
+// parts are headers of their own, included here: the rows' forms (nlmserve_quantize.h), the
+// direct features' hash (nlmserve_features.h), a tree's paths (nlmserve_tree.h) and a
+// thread's scratch (nlmserve_scratch.h). The tables file (its reader MapTablesFile, its
+// vocabulary and facts) is nlmserve_tables_file.h's, which includes this header.
 #ifndef NLMSERVE_TABLES_H
 #define NLMSERVE_TABLES_H
 
 #include <atomic>
-#include <cerrno>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -78,11 +61,13 @@
 #include <vector>
 
 #if defined(__unix__)
-#include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 #endif
+
+#include "nlmserve_features.h"
+#include "nlmserve_quantize.h"
+#include "nlmserve_scratch.h"
+#include "nlmserve_tree.h"
 
 namespace nlmserve {
 
@@ -119,50 +104,6 @@ inline bool ParseActivation(const std::string &name, Activation *out) {
   return true;
 }
 
-// How the position and output rows are stored (the tables file's quantisation field, in
-// this order; the contract above gives the error each allows).
-enum class Quantization { kNone = 0, kFp16 = 1, kInt8 = 2 };
-
-// An IEEE half (binary16) as a float, for the values a tables file stores as fp16: finite
-// and never subnormal (the writer makes those 0). Its exponent and mantissa bits, moved to a
-// float's place, times 2^112 re-bias the exponent (an exact product); then its sign.
-inline float HalfToFloat(uint16_t h) {
-  const uint32_t magnitude = static_cast<uint32_t>(h & 0x7fffu) << 13;
-  float f;
-  std::memcpy(&f, &magnitude, sizeof(f));
-  f *= 5.192296858534828e33f;  // 2^112
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  bits |= static_cast<uint32_t>(h & 0x8000u) << 16;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-// The direct n-gram features' hash (proto/nlmserve/v1/lm.proto, ScoringTablesChunk):
-// h_0 = kHashSeed, h_l = (h_{l-1} * kHashCtx + w_{-l} + 1) mod kHashMod over the context's
-// newest words; a feature's slot is ((h * kHashKey + y * kHashOut) mod kHashMod) mod size.
-// Every product stays below 2^63 (hashes < 2^31, ids < 2^24).
-const uint64_t kHashMod = (1ULL << 31) - 1;
-const uint64_t kHashSeed = 1000003ULL;
-const uint64_t kHashCtx = 1299709ULL;
-const uint64_t kHashKey = 1640531527ULL;
-const uint64_t kHashOut = 805306457ULL;
-
-// h_l from h_{l-1} and the context's l-th newest word w_{-l}
-// (proto/contract/feature_hashes.tsv has cases).
-inline uint64_t NextSuffixHash(uint64_t h, uint32_t word) { return (h * kHashCtx + word + 1) % kHashMod; }
-
-inline std::size_t FeatureSlot(uint64_t h, uint32_t y, std::size_t size) {
-  return static_cast<std::size_t>(((h * kHashKey + static_cast<uint64_t>(y) * kHashOut) % kHashMod) % size);
-}
-
-// FeatureSlot for a table of `size` slots with mask = size - 1 when size is a power of two
-// (the recipe's sizes; x & (size - 1) == x mod size then), else 0: no 64-bit division.
-inline uint32_t FeatureSlot(uint64_t h, uint32_t y, uint32_t size, uint32_t mask) {
-  const uint64_t x = (h * kHashKey + static_cast<uint64_t>(y) * kHashOut) % kHashMod;
-  return static_cast<uint32_t>(mask ? (x & mask) : (x % size));
-}
-
 class ScoringTables {
  public:
   // A model's direct n-gram features: the longest n-gram with a feature (0: none, else
@@ -174,72 +115,11 @@ class ScoringTables {
     uint32_t word_table;
   };
 
-  // What one thread reuses between calls: the sums of the position rows of recent context
-  // prefixes. A decoder's rows come in groups that share their oldest context words (the
-  // expansions of one hypothesis: its last words, shifted by the first t words of each
-  // phrase), so a row whose first m context words were summed before adds only its other
-  // order-1-m rows, to the same floats as summing them all. Entries are direct-mapped by a
-  // hash of the prefix; an entry of a whole context holds the vector after the activation.
-  // With features, the table slots of the row being scored and of the next kAhead rows. A
-  // scratch belongs to the tables that last used it (Set makes them new tables).
-  //
-  // With a tree, the log-sigmoids of recent (context, node) pairs: the expansions of one
-  // hypothesis share their context, and the words they predict share the upper nodes of
-  // their paths. An entry names its context by the generation of the context's entry (a
-  // number given each time an entry is written, never reused), so it can only ever hold
-  // that context's values; entries are direct-mapped by a hash of (generation, node).
-  //
-  // The scores of recent rows, direct-mapped by a hash of the row and checked against its
-  // ids: a decoder asks for the same n-gram again and again (two thirds of its rows are
-  // other hypotheses ending in the same words), and a row costs more than one probe (a
-  // tree's dot products and log-sigmoids; a class output's dot product of an output row that
-  // is seldom in cache, and its features' weights). An entry is [hash (two words), score,
-  // the row's ids], one probe of memory (a 5-gram's 32 bytes never straddle two cache
-  // lines), prefetched kProbeAhead rows before the row is scored (the entries are too many
-  // for the processor's caches, and a remembered row is answered in far less time than a
-  // miss to memory takes: kProbeAhead and kAhead below decoded faster than 3 and 2, and
-  // than 32 and 10; experiments/results.md, experiments/moses-decoder.md). A
-  // remembered score is the float computed the first time, which is what computing it
-  // again gives. They stand in for the client's NgramCache
-  // (ngram_cache.h), which scoring=local turns off: one thread's, so no lock and no LRU
-  // window, and their hash extends the prefix hashes Context needs anyway (RowHashes),
-  // where the cache's HashRow would hash the row again.
-  struct Scratch {
-    static const unsigned kPrefixBits = 9;
-    static const std::size_t kPrefixes = std::size_t(1) << kPrefixBits;
-    static const unsigned kNodeBits = 13;
-    static const unsigned kRowBits = 17;
-    static const std::size_t kAhead = 6;        // rows whose feature slots are prefetched ahead
-    static const std::size_t kProbeAhead = 16;  // rows whose entries in `rows` are prefetched ahead
-    struct Node {
-      uint64_t generation;  // 0: empty
-      uint32_t node;
-      float left, right;  // log sigmoid(x), log sigmoid(-x)
-    };
-    std::vector<float> vectors;        // kPrefixes x dim
-    std::vector<uint32_t> keys;        // kPrefixes x (order-1): the prefix's words
-    std::vector<uint64_t> hashes;      // kPrefixes: the prefix's hash
-    std::vector<uint32_t> lengths;     // kPrefixes: the prefix's length (0: empty)
-    std::vector<uint64_t> generations; // kPrefixes: when the entry was written
-    std::vector<uint64_t> row_hashes;  // kProbeAhead + 1 rows x order: a row's PrefixHashes, its RowHash
-    std::vector<uint32_t> slots;       // kAhead + 1 rows x 2 tables x feature order
-    std::vector<Node> nodes;           // with a tree: 2^kNodeBits (context, node) entries
-    std::vector<uint32_t> rows;        // 2^kRowBits scored rows (RowStride words each)
-    uint64_t tables = 0;               // the serial of the tables the entries belong to
-    uint64_t generation = 0;           // the last generation given
-    uint64_t rows_added = 0;           // position rows summed, a count for reports
-    uint64_t nodes_computed = 0;       // tree nodes' dot products computed, a count for reports
-    uint64_t rows_remembered = 0;      // rows whose score came from `rows`, a count for reports
-  };
+  // What one thread reuses between calls (nlmserve_scratch.h).
+  typedef ScoringScratch Scratch;
 
-  // A tree output's sizes (the wire's tree_nodes, tree_codes, tree_steps; nodes 0: the
-  // tables are a class output's).
-  struct Tree {
-    Tree() : nodes(0), codes(0), steps(0) {}
-    uint32_t nodes;
-    uint32_t codes;
-    uint64_t steps;
-  };
+  // A tree output's sizes (nlmserve_tree.h).
+  typedef TreeShape Tree;
 
   // Where the tables' values lie: the position rows ((order-1)*V rows of dim values, position
   // j's row of word w being row j*V + w) and the output rows (V rows, or a tree's nodes), in
@@ -349,61 +229,6 @@ class ScoringTables {
   }
 
  private:
-  // How Score reads a row of position or output values in each form: Copy and Add put a row
-  // (times its scale) into a vector, Dot is its dot product with one. FloatRows does what
-  // the float32 tables always did, in the same order, so their scores stay the same floats.
-  struct FloatRows {
-    typedef float Value;
-    static void Copy(float *to, const float *p, float, std::size_t dim) {
-      for (std::size_t d = 0; d < dim; ++d) to[d] = p[d];
-    }
-    static void Add(float *to, const float *sum, const float *p, float, std::size_t dim) {
-      for (std::size_t d = 0; d < dim; ++d) to[d] = sum[d] + p[d];
-    }
-    static float Dot(const float *r, const float *row, float, std::size_t dim) { return ScoringTables::Dot(r, row, dim); }
-  };
-  struct HalfRows {
-    typedef uint16_t Value;
-    static void Copy(float *to, const uint16_t *p, float, std::size_t dim) {
-      for (std::size_t d = 0; d < dim; ++d) to[d] = HalfToFloat(p[d]);
-    }
-    static void Add(float *to, const float *sum, const uint16_t *p, float, std::size_t dim) {
-      for (std::size_t d = 0; d < dim; ++d) to[d] = sum[d] + HalfToFloat(p[d]);
-    }
-    static float Dot(const float *r, const uint16_t *row, float, std::size_t dim) {
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      std::size_t d = 0;
-      for (; d + 8 <= dim; d += 8) {
-        for (std::size_t k = 0; k < 8; ++k) acc[k] += r[d + k] * HalfToFloat(row[d + k]);
-      }
-      float s = 0.f;
-      for (; d < dim; ++d) s += r[d] * HalfToFloat(row[d]);
-      for (std::size_t k = 0; k < 8; ++k) s += acc[k];
-      return s;
-    }
-  };
-  struct Int8Rows {
-    typedef int8_t Value;
-    static void Copy(float *to, const int8_t *p, float scale, std::size_t dim) {
-      for (std::size_t d = 0; d < dim; ++d) to[d] = scale * static_cast<float>(p[d]);
-    }
-    static void Add(float *to, const float *sum, const int8_t *p, float scale, std::size_t dim) {
-      for (std::size_t d = 0; d < dim; ++d) to[d] = sum[d] + scale * static_cast<float>(p[d]);
-    }
-    // The row's scale applied once, to the sum.
-    static float Dot(const float *r, const int8_t *row, float scale, std::size_t dim) {
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      std::size_t d = 0;
-      for (; d + 8 <= dim; d += 8) {
-        for (std::size_t k = 0; k < 8; ++k) acc[k] += r[d + k] * static_cast<float>(row[d + k]);
-      }
-      float s = 0.f;
-      for (; d < dim; ++d) s += r[d] * static_cast<float>(row[d]);
-      for (std::size_t k = 0; k < 8; ++k) s += acc[k];
-      return s * scale;
-    }
-  };
-
   // Output row k (a word, or a tree's node) and its scale.
   template <class R>
   const typename R::Value *OutputRow(std::size_t k) const {
@@ -536,7 +361,7 @@ class ScoringTables {
       for (std::size_t i = 0; i < paths.size(); ++i) {
         if (!WholeNumber(rest[outputs + i], &paths[i])) return false;
       }
-      if (!PathsHold(paths, vocab_size, tree)) return false;
+      if (!TreePathsHold(paths, vocab_size, tree)) return false;
     }
     const std::size_t value = arrays.quantization == Quantization::kFp16   ? sizeof(uint16_t)
                               : arrays.quantization == Quantization::kInt8 ? sizeof(int8_t)
@@ -685,42 +510,23 @@ class ScoringTables {
     return to;
   }
 
-  // log sum_c prod sigmoid(+-x) over w's codes, x = r . output[node] + bias[node] for the
-  // context r of the given generation: each code's sum of log-sigmoids, then the codes'
-  // log-sum-exp (-inf for a word without a code). A node's pair of log-sigmoids comes
-  // from the scratch when this context has met the node recently.
+  // TreeLogProb for the context r of the given generation: a node's pair of log-sigmoids
+  // comes from the scratch when this context has met the node recently.
   template <class R>
   float TreeScore(const float *r, uint64_t generation, uint32_t w, Scratch *scratch) const {
-    const uint32_t first = code_start_[w], last = code_start_[w + 1];
-    double best = -INFINITY, codes[2];
-    std::vector<double> more;  // a word with more than two codes (Mnih & Hinton's adaptive trees)
-    for (uint32_t c = first; c < last; ++c) {
-      double lp = 0.0;
-      for (uint32_t k = step_start_[c]; k < step_start_[c + 1]; ++k) {
-        const uint32_t node = steps_[k] >> 1;
-        Scratch::Node &e = scratch->nodes[NodeSlot(generation, node)];
-        if (e.generation != generation || e.node != node) {
-          const double x = R::Dot(r, OutputRow<R>(node), OutputScale(node), dim_) + bias_[node];
-          const double left = -(std::log1p(std::exp(-std::fabs(x))) + (x < 0 ? -x : 0.0));  // log sigmoid(x)
-          e.generation = generation;
-          e.node = node;
-          e.left = static_cast<float>(left);
-          e.right = static_cast<float>(left - x);  // log sigmoid(-x) = log sigmoid(x) - x
-          ++scratch->nodes_computed;
-        }
-        lp += steps_[k] & 1 ? e.left : e.right;
+    return TreeLogProb(code_start_, step_start_, steps_, w, [&](uint32_t node) -> const Scratch::Node & {
+      Scratch::Node &e = scratch->nodes[NodeSlot(generation, node)];
+      if (e.generation != generation || e.node != node) {
+        const double x = R::Dot(r, OutputRow<R>(node), OutputScale(node), dim_) + bias_[node];
+        const double left = -(std::log1p(std::exp(-std::fabs(x))) + (x < 0 ? -x : 0.0));  // log sigmoid(x)
+        e.generation = generation;
+        e.node = node;
+        e.left = static_cast<float>(left);
+        e.right = static_cast<float>(left - x);  // log sigmoid(-x) = log sigmoid(x) - x
+        ++scratch->nodes_computed;
       }
-      if (c - first < 2) {
-        codes[c - first] = lp;
-      } else {
-        more.push_back(lp);
-      }
-      if (lp > best) best = lp;
-    }
-    if (last - first <= 1) return static_cast<float>(best);  // one code (or none: -inf)
-    double sum = std::exp(codes[0] - best) + std::exp(codes[1] - best);
-    for (double lp : more) sum += std::exp(lp - best);
-    return static_cast<float>(best + std::log(sum));
+      return e;
+    });
   }
 
   static std::size_t NodeSlot(uint64_t generation, uint32_t node) {
@@ -735,41 +541,8 @@ class ScoringTables {
     return true;
   }
 
-  // code_start (V+1), step_start (codes+1), steps as Set describes them hold together:
-  // both starts run from 0 up to the next array's size, and every step is a node of the tree.
-  static bool PathsHold(const std::vector<uint32_t> &paths, uint32_t vocab_size, const Tree &tree) {
-    const uint32_t *code_start = paths.data(), *step_start = code_start + vocab_size + 1,
-                   *steps = step_start + tree.codes + 1;
-    if (code_start[0] != 0 || code_start[vocab_size] != tree.codes) return false;
-    for (uint32_t w = 0; w < vocab_size; ++w) {
-      if (code_start[w] > code_start[w + 1]) return false;
-    }
-    if (step_start[0] != 0 || step_start[tree.codes] != tree.steps) return false;
-    for (uint32_t c = 0; c < tree.codes; ++c) {
-      if (step_start[c] >= step_start[c + 1]) return false;  // every code is a path of one node at least
-    }
-    for (uint64_t k = 0; k < tree.steps; ++k) {
-      if ((steps[k] >> 1) >= tree.nodes) return false;
-    }
-    return true;
-  }
-
   static std::size_t PrefixSlot(uint64_t hash) {
     return static_cast<std::size_t>(hash >> (64 - Scratch::kPrefixBits));
-  }
-
-  // Eight partial sums, so that the compiler can keep them in one vector register
-  // (a single running sum is a dependency chain it may not reorder).
-  static float Dot(const float *a, const float *b, std::size_t n) {
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    std::size_t d = 0;
-    for (; d + 8 <= n; d += 8) {
-      for (std::size_t k = 0; k < 8; ++k) acc[k] += a[d + k] * b[d + k];
-    }
-    float s = 0.f;
-    for (; d < n; ++d) s += a[d] * b[d];
-    for (std::size_t k = 0; k < 8; ++k) s += acc[k];
-    return s;
   }
 
   static bool Equal(const uint32_t *a, const uint32_t *b, std::size_t n) {
@@ -777,10 +550,6 @@ class ScoringTables {
       if (a[j] != b[j]) return false;
     }
     return true;
-  }
-
-  static uint32_t PowerOfTwoMask(uint32_t size) {
-    return size > 1 && (size & (size - 1)) == 0 ? size - 1 : 0;
   }
 
   // The row's feature slots into slots[0, 2 * features_.order): the class table's for
@@ -861,8 +630,5 @@ class ScoringTables {
 };
 
 }  // namespace nlmserve
-
-// The tables file's reader (MapTablesFile), with the scorer as it always was.
-#include "nlmserve_tables_file.h"
 
 #endif  // NLMSERVE_TABLES_H

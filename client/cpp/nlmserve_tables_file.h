@@ -81,11 +81,6 @@ struct TablesFileInfo {
   uint64_t file_bytes = 0;
 };
 
-// "none", "fp16", "int8": export-tables' --quantize names.
-inline const char *QuantizationName(Quantization q) {
-  return q == Quantization::kFp16 ? "fp16" : q == Quantization::kInt8 ? "int8" : "none";
-}
-
 // FNV-1a 64 of a word's bytes: its key in a tables file's vocabulary table (and of the
 // header, for its check).
 inline uint64_t TablesFileKey(const char *data, std::size_t n) {
