@@ -4,8 +4,8 @@
 // and read here byte by byte, so the bytes are the same on every host; no structure is
 // cast to bytes. The rule, field by field and with its edge cases, is the golden file
 // proto/contract/local_frames.tsv, which `nlmserve_frontend --check-local-frames FILE`
-// checks this header against (tests/test_native_frontend.py) and tests/test_local_frames.py
-// checks the model server's side against (server/local_frames.py).
+// checks this header against, as tests/test_local_frames.py (which runs that check) checks
+// the model server's side (server/local_frames.py).
 #ifndef NLMSERVE_FRONTEND_LOCAL_FRAMES_H
 #define NLMSERVE_FRONTEND_LOCAL_FRAMES_H
 
