@@ -33,6 +33,7 @@ _ROOM_CLIS = (
     "nlmserve.server.cli",
     "nlmserve.client.cli",
     "nlmserve.moses_plugin.cli",
+    "nlmserve.pipeline.cli",
 )
 
 

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from nlmserve.client import LMClient
-from nlmserve.moses_plugin.experiment import train_model
-from nlmserve.moses_plugin.experiment_config import ExperimentConfig
+from nlmserve.pipeline.experiment import train_model
+from nlmserve.pipeline.config import ExperimentConfig
 from nlmserve.moses_plugin.nbest import iter_entries
 from nlmserve.moses_plugin.rescore import RescoreConfig, rescore
 from nlmserve.common.serve_process import start_server

@@ -40,7 +40,6 @@ import argparse
 import json
 import os
 import re
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,13 +49,14 @@ from bench import _common
 from bench._common import machine, write_json
 from bench.decoder import feature_line
 
-from nlmserve.moses_plugin import moses_experiment
-from nlmserve.moses_plugin.moses_experiment import count_lines, find_mertdir, subset
-from nlmserve.moses_plugin.bleu import BleuConfig, corpus_bleu, paired_bootstrap, read_references
 from nlmserve.common.serve_process import ServerProcess, start_server
+from nlmserve.moses_plugin.bleu import BleuConfig, read_references
 from nlmserve.moses_plugin.rerank import search_check
-from nlmserve.moses_plugin.moses_ini import with_server
 from nlmserve.moses_plugin.weights import load_weights
+from nlmserve.pipeline import moses_experiment
+from nlmserve.pipeline.moses_experiment import (Outputs, bleu_row, compare, count_lines, find_mertdir, retarget,
+                                                write_sets)
+
 
 @dataclass
 class System:
@@ -90,7 +90,7 @@ def check_local_scoring(systems: list[System]) -> None:
 
 def tune(args: argparse.Namespace, system: System, seed: int, target: str | None, mertdir: Path,
          dev_src: Path, dev_ref: Path, base: Path) -> dict[str, Any]:
-    """One tuning (nlmserve.moses_plugin.moses_experiment.tune) of ``system``, and the search
+    """One tuning (nlmserve.pipeline.moses_experiment.tune) of ``system``, and the search
     errors of its last iteration."""
     feature = None if system.model is None else feature_line(system.options, str(target), args.order)
     record = moses_experiment.tune(args, feature, system.moses or args.moses, seed, mertdir, dev_src, dev_ref, base,
@@ -108,13 +108,6 @@ def tune(args: argparse.Namespace, system: System, seed: int, target: str | None
 def finished(base: Path, n_test: int) -> bool:
     """Whether the tuning in ``base`` (one system, one seed) is done and its test set decoded."""
     return (base / "tune" / "moses.ini").exists() and count_lines(base / "test.out") == n_test
-
-
-def same_seeds(baseline: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """(baseline run, run) for each seed both have, in the order of ``runs``: the outputs the
-    paired bootstrap joins."""
-    by_seed = {b["seed"]: b for b in baseline}
-    return [(by_seed[r["seed"]], r) for r in runs if r["seed"] in by_seed]
 
 
 def export_ini(tuned: Path, out: Path, system_dir: Path, kenlm: str | None) -> None:
@@ -248,12 +241,7 @@ def main() -> int:
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)
     mertdir = args.mertdir or find_mertdir(args.moses_root, work)
-    dev_src, dev_ref = work / "dev.src", work / "dev.ref"
-    n_dev = subset(args.dev_src, args.dev_every, args.dev_lines, dev_src)
-    assert subset(args.dev_ref, args.dev_every, args.dev_lines, dev_ref) == n_dev
-    test_src, test_ref = work / "test.src", work / "test.ref"
-    n_test = subset(args.test_src, 1, args.test_lines, test_src)
-    assert subset(args.test_ref, 1, args.test_lines, test_ref) == n_test
+    sets = write_sets(args, work)
 
     servers: dict[str, ServerProcess] = {}
     runs: dict[str, list[dict[str, Any]]] = {s.name: [] for s in systems}
@@ -267,19 +255,15 @@ def main() -> int:
                 target = servers[system.model].target
             for seed in args.seeds:
                 base = work / system.name / f"seed{seed}"
-                if args.finished_only and not finished(base, n_test):
+                if args.finished_only and not finished(base, sets.test_lines):
                     print(f"{system.name} seed {seed}: not finished, left out", flush=True)
                     continue
                 base.mkdir(parents=True, exist_ok=True)
-                record = tune(args, system, seed, target, mertdir, dev_src, dev_ref, base)
-                tuned = Path(record["ini"])
-                if system.model is not None:  # the server's port may differ from the tuning's
-                    text = tuned.read_text()
-                    tuned_now = base / "tuned.ini"
-                    tuned_now.write_text(with_server(text, str(target)))
-                    tuned = tuned_now
+                record = tune(args, system, seed, target, mertdir, sets.dev_src, sets.dev_ref, base)
+                tuned = Path(record["ini"]) if target is None else retarget(Path(record["ini"]), base, target)
                 record["test_decode_s"] = round(moses_experiment.decode_test(system.moses or args.moses, args.threads, tuned,
-                                                                             test_src, base / "test.out", n_test), 1)
+                                                                             sets.test_src, base / "test.out",
+                                                                             sets.test_lines), 1)
                 if args.export_inis is not None:
                     exported = args.export_inis / f"{system.name}.seed{seed}.ini"
                     export_ini(Path(record["ini"]), exported, args.ini.parent, args.kenlm)
@@ -292,46 +276,24 @@ def main() -> int:
         for s in servers.values():
             s.stop()
 
-    refs = read_references([str(test_ref)])
+    refs = read_references([str(sets.test_ref)])
     config = BleuConfig()
     base_name = systems[0].name
     rows: list[dict[str, Any]] = []
-    outputs: dict[str, list[str]] = {}
-
-    def hypotheses(run: dict[str, Any]) -> list[str]:
-        """A run's newstest2013 output, read once."""
-        if run["output"] not in outputs:
-            outputs[run["output"]] = Path(run["output"]).read_text(encoding="utf-8").splitlines()
-        return outputs[run["output"]]
-
+    outputs = Outputs()
     for system in systems:
         if not runs[system.name]:
             continue
-        scores, sig = [], ""
-        for r in runs[system.name]:
-            score, sig = corpus_bleu(hypotheses(r), refs, config)
-            r["bleu"] = round(score.score, 2)
-            scores.append(score.score)
         row: dict[str, Any] = {"system": system.name, "model": system.model, "options": system.options,
-                               "moses": system.moses,
-                               "seeds": [r["seed"] for r in runs[system.name]],
-                               "bleu": [round(x, 2) for x in scores],
-                               "mean": round(statistics.mean(scores), 2),
-                               "sd": round(statistics.stdev(scores), 2) if len(scores) > 1 else None,
-                               "signature": sig, "runs": runs[system.name]}
-        pairs = same_seeds(runs[base_name], runs[system.name])
-        if system.name != base_name and pairs:
-            joined = [line for _, r in pairs for line in hypotheses(r)]
-            baseline = [line for b, _ in pairs for line in hypotheses(b)]
-            joined_refs = [list(col) * len(pairs) for col in refs]
-            paired = paired_bootstrap(baseline, joined, joined_refs, config)
-            row["delta"] = round(row["mean"] - rows[0]["mean"], 2)
-            row["p"] = paired.p_value
+                               "moses": system.moses, "seeds": [r["seed"] for r in runs[system.name]],
+                               **bleu_row(runs[system.name], refs, outputs, config), "runs": runs[system.name]}
+        if system.name != base_name and rows and rows[0]["system"] == base_name:
+            compare(row, rows[0], refs, outputs, config)
         rows.append(row)
         delta = "" if "delta" not in row else f" Δ {row['delta']:+.2f} p {row['p']}"
         print(f"{system.name}: BLEU {row['bleu']} mean {row['mean']} ± {row['sd']}{delta}", flush=True)
     if args.json:
-        result = {"machine": info, "dev_lines": n_dev, "test_lines": n_test, "tuner": args.tuner,
+        result = {"machine": info, "dev_lines": sets.dev_lines, "test_lines": sets.test_lines, "tuner": args.tuner,
                   "max_iterations": args.max_iterations, "seeds": args.seeds, "rows": rows,
                   "command": " ".join(sys.argv), "section": args.section, "finished_only": args.finished_only}
         write_json(args.json, result)

@@ -1,4 +1,4 @@
-"""``nlmserve rescore | tune | rerank | search-errors | bleu | experiment | moses-ini | moses-experiment``: parse and dispatch.
+"""``nlmserve rescore | tune | rerank | search-errors | bleu | moses-ini``: parse and dispatch.
 
 Heavy work lives in the modules; each handler imports what it needs when it runs.
 """
@@ -26,9 +26,7 @@ def register(subparsers: Any) -> None:
     _register_rerank(subparsers)
     _register_search_errors(subparsers)
     _register_bleu(subparsers)
-    _register_experiment(subparsers)
     _register_moses_ini(subparsers)
-    _register_moses_experiment(subparsers)
 
 
 def _register_rescore(subparsers: Any) -> None:
@@ -124,32 +122,6 @@ def _register_bleu(subparsers: Any) -> None:
     p.add_argument("--tokenize", default="none", help="sacrebleu tokenizer (default none: tokenised text)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_bleu)
-
-
-def _register_experiment(subparsers: Any) -> None:
-    from .experiment import add_arguments
-
-    p = subparsers.add_parser("experiment", help="train, rescore, tune with and without NLM0, report BLEU")
-    add_arguments(p)
-    p.set_defaults(func=_experiment)
-
-
-def _register_moses_experiment(subparsers: Any) -> None:
-    from .moses_experiment import add_arguments
-
-    p = subparsers.add_parser(
-        "moses-experiment", help="the NLM inside Moses: tune with mert-moses.pl with and without NLM0, decode, BLEU",
-        description="Serve the model(s) (or train one first), tune KENLM alone and KENLM + NLM0 with Moses' own "
-                    "mert-moses.pl on the dev set, decode the test set with each tuned moses.ini, and report "
-                    "BLEU with a paired bootstrap p-value; resumable (docs/moses.md).")
-    add_arguments(p)
-    p.set_defaults(func=_moses_experiment)
-
-
-def _moses_experiment(args: argparse.Namespace) -> int:
-    from .moses_experiment import run_from_args
-
-    return run_from_args(args)
 
 
 def _register_moses_ini(subparsers: Any) -> None:
@@ -412,9 +384,3 @@ def _bleu(args: argparse.Namespace) -> int:
               f" ({out['mean']:.2f} ± {out['ci95']:.2f}), paired bootstrap p = {out['p_value']:.4f}"
               f" [{out['paired_signature']}]")
     return 0
-
-
-def _experiment(args: argparse.Namespace) -> int:
-    from .experiment import run_from_args
-
-    return run_from_args(args)

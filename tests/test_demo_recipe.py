@@ -16,8 +16,8 @@ import pytest
 from nlmserve.cli import main
 from nlmserve.lm.cli import apply_recipe, register
 from nlmserve.lm.model_file import read_model_file
-from nlmserve.moses_plugin.experiment import training_command, training_text
-from nlmserve.moses_plugin.experiment_config import ExperimentConfig
+from nlmserve.pipeline.experiment import training_command, training_text
+from nlmserve.pipeline.config import ExperimentConfig
 
 
 def _train_args(cmd: list[str]) -> argparse.Namespace:

@@ -16,7 +16,7 @@ PAGES = sorted([REPO / "README.md", REPO / "moses_plugin" / "README.md", REPO / 
                 *(REPO / "docs").rglob("*.md"), *(REPO / "experiments").rglob("*.md")])
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 FENCE = re.compile(r"^(```|~~~)")
-ROOMS = ("common", "wire", "lm", "server", "client", "moses_plugin", "bench", "experiments", "tests")
+ROOMS = ("common", "wire", "lm", "server", "client", "moses_plugin", "pipeline", "bench", "experiments", "tests")
 SOURCES = sorted([REPO / "cli.py", *(p for room in ROOMS for p in (REPO / room).rglob("*.py"))])
 # a page of docs/, an optional #anchor, an optional "Section" after a comma or an opening bracket
 DOC_MENTION = re.compile(r"\bdocs/([\w./-]+?\.md)(?:#([\w-]+))?(?:(?:,|\s*\()\s*\"([^\"\n]+)\")?")

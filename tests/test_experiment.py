@@ -15,11 +15,12 @@ import kenlm
 import pytest
 
 from nlmserve.cli import main
-from nlmserve.moses_plugin import bleu, experiment
-from nlmserve.moses_plugin.experiment import run
-from nlmserve.moses_plugin.experiment_config import ExperimentConfig
+from nlmserve.moses_plugin import bleu
 from nlmserve.moses_plugin.nbest import iter_entries, iter_sentences, read_lines
 from nlmserve.moses_plugin.weights import load_weights
+from nlmserve.pipeline import experiment
+from nlmserve.pipeline.config import ExperimentConfig
+from nlmserve.pipeline.experiment import run
 
 NEWS = Path(__file__).resolve().parent.parent / "data" / "nbest" / "newstest-fr-en"
 N = 25
@@ -212,7 +213,7 @@ def test_moses_nlm0_is_the_exact_line_search_along_nlm0_for_both_tuners(tmp_path
 
     from nlmserve.moses_plugin import mert
     from nlmserve.moses_plugin.kenlm_source import KenlmScorer
-    from nlmserve.moses_plugin.pipeline import NlmSource, Pipeline
+    from nlmserve.pipeline.steps import NlmSource, Pipeline
     from nlmserve.moses_plugin.rescore import RescoreConfig, rescore
 
     dev, dev_ref = _slice("newstest2012", tmp_path)
@@ -259,7 +260,7 @@ def test_training_text_joins_files_in_order(tmp_path: Path) -> None:
     import lzma
 
     from nlmserve.common.errors import NlmserveError
-    from nlmserve.moses_plugin.experiment import training_text
+    from nlmserve.pipeline.experiment import training_text
 
     plain = tmp_path / "general.txt"
     plain.write_bytes(b"a b\nc d")  # no newline at the end: the next file must not run into it
@@ -305,7 +306,7 @@ def test_the_demo_data_is_shipped_and_consistent() -> None:
 
 def test_workdir_records_its_inputs_and_refuses_others(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from nlmserve.common.errors import NlmserveError
-    from nlmserve.moses_plugin.workdir import RECORD, check_workdir
+    from nlmserve.pipeline.workdir import RECORD, check_workdir
 
     dev, dev_ref = _slice("newstest2012", tmp_path)
     test, test_ref = _slice("newstest2013", tmp_path)

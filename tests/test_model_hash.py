@@ -17,7 +17,7 @@ from nlmserve.common.errors import ModelFileError
 from nlmserve.common.serve_process import nlmserve_command
 from nlmserve.lm.model_file import MAGIC, read_model_file
 
-# The experiment's own training command (moses_plugin/experiment.py) on a small budget.
+# The experiment's own training command (pipeline/experiment.py) on a small budget.
 _TRAIN_ARGS = ("--recipe", "none", "--order", "3", "--dim", "8", "--classes", "8", "--min-count", "2",
                "--threads", "1", "--batch-size", "128", "--valid-every", "10", "--no-progress")
 _STEPS = 20
@@ -47,8 +47,8 @@ def two_trainings(tmp_path_factory: pytest.TempPathFactory, train_small_path: Pa
                   dev_small_path: Path) -> tuple[Path, Path]:
     """The experiment's training, with the same settings, in two work folders: each joins
     the same two texts into its own train.txt and writes its own nlm.model."""
-    from nlmserve.moses_plugin.experiment import training_command, training_text
-    from nlmserve.moses_plugin.experiment_config import ExperimentConfig
+    from nlmserve.pipeline.experiment import training_command, training_text
+    from nlmserve.pipeline.config import ExperimentConfig
 
     models = []
     for name in ("demo", "demo-2"):

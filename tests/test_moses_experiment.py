@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from nlmserve.common.errors import InputError
-from nlmserve.moses_plugin import moses_experiment
+from nlmserve.pipeline import moses_experiment
 from support import golden_model
 
 INI = "[feature]\nKENLM name=LM0 factor=0 path=LM_PATH order=5\n\n[weight]\nLM0= 0.5\n"

@@ -95,7 +95,8 @@ def test_wheel_from_a_fresh_clone_installs_and_runs(tmp_path: Path) -> None:
         assert {f"nlmserve/proto/{n}" for n in PROTO_FILES} <= names
         # the checkout's root is the package: its rooms and nothing of the build, tests or bench
         assert {"nlmserve/__init__.py", "nlmserve/__main__.py", "nlmserve/common/errors.py",
-                "nlmserve/wire/ngrams.py", "nlmserve/server/engine.py", "nlmserve/cli.py"} <= names
+                "nlmserve/wire/ngrams.py", "nlmserve/server/engine.py", "nlmserve/cli.py",
+                "nlmserve/pipeline/steps.py"} <= names
         assert not [n for n in names if n.startswith(("nlmserve/setup.py", "nlmserve/tests/", "nlmserve/bench/",
                                                       "nlmserve/experiments/", "nlmserve/proto/contract/"))]
         grpc_py = zf.read("nlmserve/proto/lm_pb2_grpc.py").decode()

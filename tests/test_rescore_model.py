@@ -186,8 +186,8 @@ def test_rescoring_through_a_server_never_imports_torch(server: RunningServer, s
     in a fresh interpreter: torch stays out of ``sys.modules``."""
     out = tmp_path / "out.nbest"
     script = ("import sys; from nlmserve.cli import main; "
-              "import nlmserve.moses_plugin.model_source, nlmserve.moses_plugin.experiment, "
-              "nlmserve.moses_plugin.pipeline; "
+              "import nlmserve.moses_plugin.model_source, nlmserve.pipeline.experiment, "
+              "nlmserve.pipeline.steps; "
               f"code = main(['rescore', '--server', {server.target!r}, '--nbest', {str(small_list)!r}, "
               f"'--out', {str(out)!r}, '--no-progress']); "
               "print('torch loaded' if 'torch' in sys.modules else 'no torch'); sys.exit(code)")

@@ -118,7 +118,7 @@ def table() -> dict[str, set[str]]:
 
 def test_the_package_is_read() -> None:
     rooms = {room_of(m) for m in modules()}
-    assert {TOP, "common", "wire", "lm", "server", "client", "moses_plugin"} <= rooms
+    assert {TOP, "common", "wire", "lm", "server", "client", "moses_plugin", "pipeline"} <= rooms
     assert "nlmserve.cli" in modules() and "nlmserve.wire.ngrams" in modules()
     # a lazy import and a type-only one count as well as a top-level one
     assert "nlmserve.lm.scoring" in imports("nlmserve.moses_plugin.model_source")[0]

@@ -10,6 +10,7 @@ import pytest
 from support import golden_model
 
 from experiments import moses_mert
+from nlmserve.pipeline.moses_experiment import same_seeds
 
 TUNED = """[feature]
 PhraseDictionaryMemory name=TranslationModel0 num-features=4 path={system}/phrase-table.gz input-factor=0 output-factor=0
@@ -115,8 +116,8 @@ def test_unfinished_seeds_are_left_out_and_paired_by_seed(tmp_path: Path) -> Non
     assert moses_mert.finished(base, 3)
     kenlm = [{"seed": 1, "output": "k1"}, {"seed": 2, "output": "k2"}]
     europarl = [{"seed": 2, "output": "e2"}]
-    assert moses_mert.same_seeds(kenlm, europarl) == [(kenlm[1], europarl[0])]
-    assert moses_mert.same_seeds(europarl, kenlm) == [(europarl[0], kenlm[1])]
+    assert same_seeds(kenlm, europarl) == [(kenlm[1], europarl[0])]
+    assert same_seeds(europarl, kenlm) == [(europarl[0], kenlm[1])]
     run = {"iterations": 7, "seconds_per_iteration": 210.5, "tuning_wall_s": 1473.4, "test_decode_s": 402.1,
            "search_errors": 0.0123}
     result = {

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from ..common.errors import NlmserveError
-from .experiment_config import ExperimentConfig
-from .nbest import file_sha256, write_text_atomic
+from .config import ExperimentConfig
+from ..moses_plugin.nbest import file_sha256, write_text_atomic
 
 RECORD = "inputs.json"
 # Outputs whose presence without a record means an earlier, unrecorded run.

@@ -1,6 +1,6 @@
 """``ExperimentConfig``: what ``nlmserve experiment`` runs on and with (its defaults: the
-shipped data and the demo's recipe), apart from the steps that read it (``experiment``,
-``pipeline``, ``workdir``), so that each imports it and none of them another."""
+shipped data and the demo's recipe), apart from the modules that read it (``experiment``,
+``steps``, ``workdir``), so that each imports it and none of them another."""
 
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ a running server. A model file and a server of it give the same lists byte for b
 Every step writes its output into the work directory and is skipped when that output
 exists, so a rerun resumes where an interrupted one stopped (training resumes from its
 own checkpoint, rescoring from its sidecar); ``WORKDIR/inputs.json`` records what the
-outputs were made from, and a run with other inputs is refused (``workdir.py``).
+outputs were made from, and a run with other inputs is refused (``workdir.py``). Its steps
+once the model is known are ``steps.py``'s; its settings ``config.ExperimentConfig``.
 """
 
 from __future__ import annotations
@@ -33,14 +34,14 @@ from typing import IO, Any, Iterator, cast
 
 from ..common.errors import NlmserveError
 from ..common.serve_process import ServerProcess, nlmserve_command, start_server
-from .experiment_config import ExperimentConfig
+from .config import ExperimentConfig
 
 log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..common.flags import int_at_least, positive_float
-    from .nbest import feature_name
+    from ..moses_plugin.nbest import feature_name
 
     d = ExperimentConfig()
     p.add_argument("--workdir", default=d.workdir, help=f"outputs, reused on a rerun (default {d.workdir})")
@@ -214,8 +215,8 @@ def run(config: ExperimentConfig, client_kwargs: dict[str, Any] | None = None) -
 
     ``client_kwargs``: TLS and token arguments of ``LMClient`` for ``config.server``.
     """
-    from .nbest import check_feature_name
-    from .pipeline import FEATURE, TUNERS, NlmSource, Pipeline
+    from ..moses_plugin.nbest import check_feature_name
+    from .steps import FEATURE, TUNERS, NlmSource, Pipeline
 
     if config.mert_runs < 1:
         raise NlmserveError(f"--runs must be at least 1, not {config.mert_runs}")

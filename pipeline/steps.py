@@ -47,12 +47,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..common.errors import InputError
-from . import bleu, mert, mira
-from .nbest import file_sha256, read_lines, write_text_atomic
-from .rerank import rerank
-from .rescore import RescoreConfig, ScoreSource, rescore
-from .experiment_config import ExperimentConfig
-from .weights import Weights, load_weights, to_moses_ini, to_weights_txt
+from ..moses_plugin import bleu, mert, mira
+from ..moses_plugin.nbest import file_sha256, read_lines, write_text_atomic
+from ..moses_plugin.rerank import rerank
+from ..moses_plugin.rescore import RescoreConfig, ScoreSource, rescore
+from .config import ExperimentConfig
+from ..moses_plugin.weights import Weights, load_weights, to_moses_ini, to_weights_txt
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class NlmSource:
 
         def connect() -> ScoreSource:
             if not loaded:
-                from .model_source import ModelScorer
+                from ..moses_plugin.model_source import ModelScorer
 
                 loaded.append(ModelScorer(path))
             return loaded[0]
@@ -159,7 +159,7 @@ class Pipeline:
 
     def with_kenlm(self, name: str, nbest: str) -> Path:
         """``nbest`` with the Kneser-Ney feature added (``NAME.kn.nbest.gz``), made once per model."""
-        from .kenlm_source import KenlmScorer
+        from ..moses_plugin.kenlm_source import KenlmScorer
 
         assert self.config.kenlm
         out = self.work / f"{name}.kn.nbest.gz"

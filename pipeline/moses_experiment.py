@@ -18,7 +18,9 @@ dev BLEU of each finished one, the test sentences decoded). Results: ``results.j
 and a note where the tuning stopped at ``--max-iterations`` while its dev BLEU still rose.
 
 The steps that the research harness (experiments/moses_mert.py) shares are owned here:
-subsets of the dev and test sets, the mert tools, one tuning, one test decoding.
+subsets of the dev and test sets, the mert tools, one tuning, one test decoding, a tuned
+moses.ini pointed at a restarted server, and the table's rows (each run's BLEU, the mean,
+and Δ and the paired bootstrap against the first system over the seeds both have).
 """
 
 from __future__ import annotations
@@ -34,10 +36,13 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Callable, Protocol
+from typing import IO, TYPE_CHECKING, Any, Callable, Protocol
 
 from ..common.errors import InputError
 from ..common.flags import int_at_least, positive_float
+
+if TYPE_CHECKING:
+    from ..moses_plugin.bleu import BleuConfig
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +167,7 @@ class DevBleu:
 
     def sentences(self) -> int:
         """The dev set's sentences."""
-        from .bleu import read_references
+        from ..moses_plugin.bleu import read_references
 
         if not self.refs:
             self.refs = read_references([str(self.dev_ref)])
@@ -170,7 +175,7 @@ class DevBleu:
 
     def __call__(self) -> list[float]:
         """The BLEU of every iteration decoded in full so far, first to last."""
-        from .bleu import BleuConfig, corpus_bleu
+        from ..moses_plugin.bleu import BleuConfig, corpus_bleu
 
         n = self.sentences()
         while self.decoded(len(self.scores) + 1) == n:
@@ -192,7 +197,7 @@ def tune(settings: TuneSettings, feature: str | None, moses: str, seed: int, mer
     """One tuning of the system ``settings.ini`` (+ the ``feature`` line of NLM0 when given)
     with mert-moses.pl in ``base/tune``, continued where a finished iteration allows →
     iterations, wall time and the tuned ini."""
-    from .moses_ini import rewrite_ini
+    from ..moses_plugin.moses_ini import rewrite_ini
 
     work = base / "tune"
     done_with = tuned_with(work)
@@ -286,6 +291,94 @@ def decode_test(moses: str, threads: int, tuned_ini: Path, test_src: Path, out: 
     seconds.write_text(f"{took:.1f}\n")
     tmp.replace(out)
     return took
+
+
+@dataclass(frozen=True)
+class Sets:
+    """The tuning and test sets of one run, as written into its workdir by :func:`write_sets`."""
+
+    dev_src: Path
+    dev_ref: Path
+    dev_lines: int
+    test_src: Path
+    test_ref: Path
+    test_lines: int
+
+
+def write_sets(args: argparse.Namespace, work: Path) -> Sets:
+    """The subsets :func:`add_set_arguments`' flags choose, written into ``work`` (``dev.src``,
+    ``dev.ref``, ``test.src``, ``test.ref``); InputError when a source and its reference hold
+    different numbers of sentences."""
+    dev_src, dev_ref = work / "dev.src", work / "dev.ref"
+    n_dev = subset(args.dev_src, args.dev_every, args.dev_lines, dev_src)
+    if subset(args.dev_ref, args.dev_every, args.dev_lines, dev_ref) != n_dev:
+        raise InputError(f"{args.dev_src} and {args.dev_ref} hold different numbers of sentences")
+    test_src, test_ref = work / "test.src", work / "test.ref"
+    n_test = subset(args.test_src, 1, args.test_lines, test_src)
+    if subset(args.test_ref, 1, args.test_lines, test_ref) != n_test:
+        raise InputError(f"{args.test_src} and {args.test_ref} hold different numbers of sentences")
+    return Sets(dev_src, dev_ref, n_dev, test_src, test_ref, n_test)
+
+
+def retarget(tuned: Path, base: Path, target: str) -> Path:
+    """``tuned`` (a tuned moses.ini) asking the server at ``target``, as ``base/tuned.ini``: a
+    server started again for the test decoding may listen on another port than the tuning's."""
+    from ..moses_plugin.moses_ini import with_server
+
+    out = base / "tuned.ini"
+    out.write_text(with_server(tuned.read_text(encoding="utf-8"), target), encoding="utf-8")
+    return out
+
+
+class Outputs:
+    """Each run's test output (the file its record's ``output`` names), read once."""
+
+    def __init__(self) -> None:
+        self.read: dict[str, list[str]] = {}
+
+    def __call__(self, run: dict[str, Any]) -> list[str]:
+        if run["output"] not in self.read:
+            self.read[run["output"]] = Path(run["output"]).read_text(encoding="utf-8").splitlines()
+        return self.read[run["output"]]
+
+
+def bleu_row(runs: list[dict[str, Any]], refs: list[list[str]], outputs: Outputs,
+             config: "BleuConfig") -> dict[str, Any]:
+    """The test BLEU of each of a system's runs (also written into each run as ``bleu``),
+    their mean, standard deviation (None for one run) and sacrebleu's signature."""
+    from ..moses_plugin.bleu import corpus_bleu
+
+    scores, signature = [], ""
+    for r in runs:
+        score, signature = corpus_bleu(outputs(r), refs, config)
+        r["bleu"] = round(score.score, 2)
+        scores.append(score.score)
+    return {"bleu": [round(x, 2) for x in scores], "mean": round(statistics.mean(scores), 2),
+            "sd": round(statistics.stdev(scores), 2) if len(scores) > 1 else None, "signature": signature}
+
+
+def same_seeds(baseline: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(baseline run, run) for each seed both have, in the order of ``runs``: the outputs the
+    paired bootstrap joins."""
+    by_seed = {b["seed"]: b for b in baseline}
+    return [(by_seed[r["seed"]], r) for r in runs if r["seed"] in by_seed]
+
+
+def compare(row: dict[str, Any], baseline: dict[str, Any], refs: list[list[str]], outputs: Outputs,
+            config: "BleuConfig") -> None:
+    """``row``'s ``delta`` (its mean BLEU less ``baseline``'s) and ``p`` (sacrebleu's paired
+    bootstrap over the seeds both rows have, each run's output joined after the one before
+    and paired with the baseline's run of the same seed); nothing when they share no seed."""
+    from ..moses_plugin.bleu import paired_bootstrap
+
+    pairs = same_seeds(baseline["runs"], row["runs"])
+    if not pairs:
+        return
+    joined = [line for _, r in pairs for line in outputs(r)]
+    base = [line for b, _ in pairs for line in outputs(b)]
+    paired = paired_bootstrap(base, joined, [list(col) * len(pairs) for col in refs], config)
+    row["delta"] = round(row["mean"] - baseline["mean"], 2)
+    row["p"] = paired.p_value
 
 
 @dataclass
@@ -423,8 +516,8 @@ def check_files(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The whole experiment → the result (also written to the workdir)."""
     from ..common.serve_process import ServerProcess, start_server
-    from . import moses_ini
-    from .bleu import BleuConfig, corpus_bleu, paired_bootstrap, read_references
+    from ..moses_plugin import moses_ini
+    from ..moses_plugin.bleu import BleuConfig, read_references
 
     work: Path = args.workdir
     check_files(args)
@@ -436,14 +529,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.nlm_weight = moses_ini.start_weight(moses_ini.tuneable_l1_norm(args.ini.read_text(encoding="utf-8"),
                                                                             str(args.ini)))
     mertdir = args.mertdir or find_mertdir(args.moses_root, work)
-    dev_src, dev_ref = work / "dev.src", work / "dev.ref"
-    n_dev = subset(args.dev_src, args.dev_every, args.dev_lines, dev_src)
-    if subset(args.dev_ref, args.dev_every, args.dev_lines, dev_ref) != n_dev:
-        raise InputError(f"{args.dev_src} and {args.dev_ref} hold different numbers of sentences")
-    test_src, test_ref = work / "test.src", work / "test.ref"
-    n_test = subset(args.test_src, 1, args.test_lines, test_src)
-    if subset(args.test_ref, 1, args.test_lines, test_ref) != n_test:
-        raise InputError(f"{args.test_src} and {args.test_ref} hold different numbers of sentences")
+    sets = write_sets(args, work)
 
     runs: dict[str, list[dict[str, Any]]] = {s.name: [] for s in systems}
     lines: dict[str, str] = {}
@@ -464,14 +550,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for seed in args.seeds:
                 base = work / system.name / f"seed{seed}"
                 base.mkdir(parents=True, exist_ok=True)
-                record = tune(args, feature, moses, seed, mertdir, dev_src, dev_ref, base, system.name)
-                tuned = Path(record["ini"])
-                if server is not None:  # the server's port may differ from the tuning's
-                    tuned_now = base / "tuned.ini"
-                    tuned_now.write_text(moses_ini.with_server(tuned.read_text(encoding="utf-8"), server.target))
-                    tuned = tuned_now
-                record["test_decode_s"] = round(decode_test(moses, args.threads, tuned, test_src, base / "test.out",
-                                                            n_test, f"{system.name} seed {seed}: "), 1)
+                record = tune(args, feature, moses, seed, mertdir, sets.dev_src, sets.dev_ref, base, system.name)
+                tuned = Path(record["ini"]) if server is None else retarget(Path(record["ini"]), base, server.target)
+                record["test_decode_s"] = round(decode_test(moses, args.threads, tuned, sets.test_src,
+                                                            base / "test.out", sets.test_lines,
+                                                            f"{system.name} seed {seed}: "), 1)
                 record["seed"] = seed
                 record["output"] = str(base / "test.out")
                 runs[system.name].append(record)
@@ -479,29 +562,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if server is not None:
                 server.stop()
 
-    refs = read_references([str(test_ref)])
+    refs = read_references([str(sets.test_ref)])
     config = BleuConfig()
-    outputs = {r["output"]: Path(r["output"]).read_text(encoding="utf-8").splitlines()
-               for rs in runs.values() for r in rs}
+    outputs = Outputs()
     rows: list[dict[str, Any]] = []
     for system in systems:
-        scores, sig = [], ""
-        for r in runs[system.name]:
-            score, sig = corpus_bleu(outputs[r["output"]], refs, config)
-            r["bleu"] = round(score.score, 2)
-            scores.append(score.score)
         row: dict[str, Any] = {"system": system.name, "model": system.model, "line": lines.get(system.name),
-                               "bleu": [round(x, 2) for x in scores], "mean": round(statistics.mean(scores), 2),
-                               "sd": round(statistics.stdev(scores), 2) if len(scores) > 1 else None,
-                               "signature": sig, "runs": runs[system.name]}
+                               **bleu_row(runs[system.name], refs, outputs, config), "runs": runs[system.name]}
         if rows:  # against KENLM alone, run r against run r (the same seed)
-            joined = [line for r in runs[system.name] for line in outputs[r["output"]]]
-            baseline = [line for r in runs["moses"] for line in outputs[r["output"]]]
-            paired = paired_bootstrap(baseline, joined, [list(col) * len(args.seeds) for col in refs], config)
-            row["delta"] = round(row["mean"] - rows[0]["mean"], 2)
-            row["p"] = paired.p_value
+            compare(row, rows[0], refs, outputs, config)
         rows.append(row)
-    result = {"dev_lines": n_dev, "test_lines": n_test, "tuner": args.tuner, "seeds": args.seeds,
+    result = {"dev_lines": sets.dev_lines, "test_lines": sets.test_lines, "tuner": args.tuner, "seeds": args.seeds,
               "max_iterations": args.max_iterations, "rows": rows, "command": " ".join(sys.argv)}
     tmp = work / "results.json.tmp"
     tmp.write_text(json.dumps(result, indent=2) + "\n")

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .nbest import write_text_atomic
+from ..moses_plugin.nbest import write_text_atomic
 
 COLUMNS = ("system", "test BLEU", "Δ vs baseline", "p-value", "dev BLEU", "NLM0 weight", "signature")
 
