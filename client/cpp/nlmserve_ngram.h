@@ -1,7 +1,7 @@
 // nlmserve n-gram rules: the row the wire carries for an n-gram, and why one cannot be scored.
 //
 // The contract (proto/nlmserve/v1/lm.proto; the golden file proto/contract/canonical_ngrams.tsv,
-// whose Python owner is nlmserve.lm.ngrams.canonical_rows):
+// whose Python owner is nlmserve.wire.ngrams.canonical_rows):
 // - an n-gram lists ids oldest first, the predicted word last;
 // - a context shorter than order-1 is left-padded with <s>, and everything left of the newest
 //   <s> in a context is <s> too; the id vocab_size in a context is a word that is not known
