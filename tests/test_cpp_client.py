@@ -36,6 +36,7 @@ BENCH_SRC = REPO / "bench" / "cpp"
 LOAD = REPO / "build" / "bench" / "nlmserve_load"  # the load generator, on the same package
 DRIVER = BUILD / "nlmserve_client_test"
 UNIT = BUILD / "nlmserve_unit_test"
+DECODER_TEST = BUILD / "nlmserve_decoder_test"  # built from moses_plugin/cpp by the same project
 CONTRACT_TEST = BUILD / "nlmserve_contract_test"
 CONTRACT = REPO / "proto" / "contract"
 GOLDEN = CONTRACT / "canonical_ngrams.tsv"
@@ -194,19 +195,28 @@ def ngram_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[lis
     return path, ngrams
 
 
-def test_unit_checks_of_cache_rules_and_decoder_parts(driver: Path) -> None:
+def test_unit_checks_of_cache_rules_and_scoring_tables(driver: Path) -> None:
     """nlmserve_unit_test, no server: the id-keyed cache (LRU eviction in a window, rows
     sharing a home slot, 0.0 as a hit, clear, the capacity in entries, eight threads, batched
     lookups and inserts equal to row-by-row ones), the
-    rules on other ids and types, rows widened to a batch's order (WidenRows), nlmserve_decoder.h's phrase and boundary rows (hand-computed),
-    word-id table, expansion scores (in order at the cursor, or looked up), error pause, the order= rule,
+    rules on other ids and types, rows widened to a batch's order (WidenRows),
     lowercasing and target parsing, and the scoring tables' arithmetic (hand-computed, each
     activation, the kept context prefix sums, the direct n-gram features' hashes and slots,
     the no-word, a tree output's paths, a batch longer than the read-ahead scored as each
     row alone)."""
     done = subprocess.run([str(UNIT)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "unit: 185 passed, 0 failed", done.stderr
+    assert done.stdout.strip() == "unit: 132 passed, 0 failed", done.stderr
+
+
+def test_unit_checks_of_the_moses_features_own_parts(driver: Path) -> None:
+    """nlmserve_decoder_test (moses_plugin/cpp, beside the feature), no Moses, no server:
+    nlmserve_decoder.h's phrase and boundary rows (hand-computed), word-id table, expansion
+    scores (in order at the cursor, or looked up), error pause, the order= rule, and where
+    the feature finds its model (tables=, path=, both)."""
+    done = subprocess.run([str(DECODER_TEST)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "decoder: 53 passed, 0 failed", done.stderr
 
 
 def test_scoring_tables_are_filled_into_huge_pages(driver: Path) -> None:

@@ -10,8 +10,8 @@ are compiled from a folder of their own next to the client headers that the libr
 headers fails the test; the warnings of Moses' and boost's own headers are not ours.
 
 The feature's logic that needs no Moses (where it finds its model: a tables file, a server or
-both; its n-gram rows, word-id table, prefetch table, error pause) is in nlmserve_decoder.h,
-tested by nlmserve_unit_test (tests/test_cpp_client.py). The translation unit compiled here holds
+both; its n-gram rows, word-id table, prefetch table, error pause) is in nlmserve_decoder.h beside
+it (moses_plugin/cpp), tested by nlmserve_decoder_test (tests/test_cpp_client.py). The translation unit compiled here holds
 both ways of the feature: the server-free line (``tables=FILE``: the file's vocabulary, facts and
 tables, no client) and the server's. Its headers, as the preprocessor lists them, hold none of
 gRPC's or protobuf's: the feature compiles without their include path (the client library that
@@ -41,7 +41,8 @@ REPO = Path(__file__).resolve().parent.parent
 CPP = REPO / "moses_plugin" / "cpp"
 CLIENT_CPP = REPO / "client" / "cpp"
 TARBALL = MOSES_TARBALL
-FEATURE = ("NeuralLMServer.h", "NeuralLMServer.cpp", "NeuralLMServerSearch.h")  # what add_to_moses.py copies
+# What add_to_moses.py copies (its feature_sources: the feature, and the headers of its folder it includes).
+FEATURE = ("NeuralLMServer.h", "NeuralLMServer.cpp", "NeuralLMServerSearch.h", "nlmserve_decoder.h")
 # Moses' build passes the first two from its Jamfiles; the unit does not compile without them.
 MOSES_FLAGS = ["-std=c++11", "-DMAX_NUM_FACTORS=4", "-DKENLM_MAX_ORDER=6", "-DWITH_THREADS", "-DTRACE_ENABLE=1"]
 IN_CI = os.environ.get("CI") == "true"
@@ -110,7 +111,7 @@ def _feature_and_headers(tmp_path: Path) -> tuple[Path, Path, list[str]]:
     for name in FEATURE:
         shutil.copy2(CPP / name, lm / name)
     headers = installed_headers()
-    assert {"nlmserve_client.h", "nlmserve_decoder.h", "nlmserve_tables_file.h"} <= set(headers)
+    assert {"nlmserve_client.h", "nlmserve_tables_file.h"} <= set(headers) and "nlmserve_decoder.h" not in headers
     for name in headers:
         shutil.copy2(CLIENT_CPP / name, include / name)
     return lm, include, headers
