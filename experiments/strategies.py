@@ -38,7 +38,7 @@ import numpy as np
 
 from nlmserve.lm.evaluate import evaluate
 from nlmserve.lm.interpolate import load_kn, mix_log10, score_text, tune_weight
-from nlmserve.lm.outputs import TreeOutput
+from nlmserve.lm.outputs.tree import TreeOutput
 from nlmserve.lm.scoring import LanguageModel
 from nlmserve.lm.train import TrainConfig, train
 from nlmserve.common.perplexity import from_log10

@@ -1,5 +1,5 @@
 """Arithmetic of the CPU inference tables (``nlmserve.lm.scoring`` for the context side,
-``nlmserve.lm.outputs`` for the output side): products on the threads torch was given, and
+``nlmserve.lm.outputs.class_factored`` for the output side): products on the threads torch was given, and
 log Σ exp in numpy."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ with ``q`` the context word embeddings (V, D) and ``C_j`` one weight per context
 a vector (``context="diagonal"``, the log-bilinear default) or a D×D matrix (``"full"``).
 
 The output layer turns r into scores: class-factored (``output="class"``), a full softmax,
-the differentiated softmax (``"dsoftmax"``) or a binary tree, one class each in
+the differentiated softmax (``"dsoftmax"``) or a binary tree, one class and module each in
 :mod:`nlmserve.lm.outputs` (``NeuralLM.output``), which gets r and, beside it, the context
 ids (the direct n-gram features read them).
 """
@@ -22,7 +22,11 @@ import torch
 from torch import Tensor, nn
 
 from .config import ModelConfig
-from .outputs import BandedOutput, ClassOutput, OutputLayer, SoftmaxOutput, TreeOutput, checks_no_word
+from .outputs.banded import BandedOutput
+from .outputs.base import OutputLayer, checks_no_word
+from .outputs.class_factored import ClassOutput
+from .outputs.softmax import SoftmaxOutput
+from .outputs.tree import TreeOutput
 from ..wire.ngrams import no_word_id
 from .trees import Tree
 

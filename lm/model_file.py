@@ -200,7 +200,7 @@ def save_model(
     a version 3 file; returns its hash (the sha256 hex digest, provenance left out)."""
     import torch
 
-    from .outputs import TreeOutput
+    from .outputs.tree import TreeOutput
 
     if len(vocab) != model.config.vocab_size:
         raise ValueError(f"vocabulary has {len(vocab)} words, the model {model.config.vocab_size}")

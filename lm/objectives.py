@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .model import NeuralLM
-from .outputs import ClassOutput, SoftmaxFamily
+from .outputs.base import SoftmaxFamily
+from .outputs.class_factored import ClassOutput
 from .vocab import BOS_ID
 
 OBJECTIVES = ("nce", "mle", "softmax", "sampling", "weaknorm", "weaknormsq")

@@ -31,7 +31,8 @@ from .model import NeuralLM, activate
 from .model_file import FORMAT_VERSION, ModelFile, read_model_file
 from .tables_scorer import SentenceScores  # the one definition, torch-free
 from ..wire.ngrams import BOS_ID, EOS_ID, UNK_ID, canonical_rows, no_word_id, sentence_rows
-from .outputs import NO_HASH, NO_SCORES, ClassOutput, TreeOutput, context_hashes, ngram_feature_index
+from .outputs.class_factored import NO_HASH, NO_SCORES, ClassOutput, context_hashes, ngram_feature_index
+from .outputs.tree import TreeOutput
 from .trees import TreePaths
 from .vocab import Vocabulary
 from ..common.errors import UnsupportedModelError
@@ -418,12 +419,12 @@ class ScoringTables:
     holds it a feature. The bracketed sums
     are a model's direct n-gram features (``feature_order`` > 0): h_l for the context's
     newest suffixes of length 0 .. feature_order-1 and the slots as
-    ``nlmserve.lm.outputs.context_hashes`` and ``ngram_feature_index`` make them; a table
+    ``nlmserve.lm.outputs.class_factored.context_hashes`` and ``ngram_feature_index`` make them; a table
     of size 0 adds nothing.
 
     With ``tree`` (a tree output), ``output`` holds the K node vectors and ``bias`` the
     node biases, and the score is the exact log-probability, a sum over the word's codes
-    of products along each code's path (``nlmserve.lm.outputs.TreeOutput``)::
+    of products along each code's path (``nlmserve.lm.outputs.tree.TreeOutput``)::
 
         s = log Σ_{codes of w_n} Π_{(node, bit) on the code} σ(±(r · output[node] + bias[node]))
 
@@ -513,7 +514,7 @@ class ScoringTables:
 class _InferenceTables:
     """Read-only copies for CPU inference of a class-output model, rebuilt whenever a
     parameter changes in place: the context side here (per-position tables of the diagonal
-    context), the output side in ``out`` (``nlmserve.lm.outputs.ClassTables``)."""
+    context), the output side in ``out`` (``nlmserve.lm.outputs.class_factored.ClassTables``)."""
 
     def __init__(self, net: NeuralLM) -> None:
         # The network's parameters, listed once (a walk over its modules costs more than a

@@ -29,7 +29,7 @@ import torch
 
 from .config import ModelConfig
 from .model import NeuralLM
-from .outputs import default_bands
+from .outputs.banded import default_bands
 from .tree_clustering import cluster_tree, mean_context_vectors
 from .trees import TREE_METHODS, Tree, huffman_tree, random_tree, tree_words
 

@@ -37,7 +37,7 @@ from .fused import FusedNCE, unavailable_reason
 from .hogwild import HogwildPool
 from .config import ModelConfig
 from .model import NeuralLM
-from .outputs import ClassOutput
+from .outputs.class_factored import ClassOutput
 from .model_file import save_model
 from .objectives import OBJECTIVES, NoiseDistribution, batch_loss
 from .strategies import SPARSE_OUTPUT_OBJECTIVES, build_tree, model_output, output_fields, resolve_output

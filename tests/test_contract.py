@@ -133,7 +133,7 @@ HASH_CASES = cases("feature_hashes.tsv", 7)
 
 
 def test_feature_hash_constants_in_python_and_the_proto() -> None:
-    from nlmserve.lm import outputs
+    from nlmserve.lm.outputs import class_factored as outputs
 
     constants = {name: int(value) for kind, name, value, *_ in HASH_CASES if kind == "constant"}
     assert constants == {"seed": outputs.HASH_SEED, "ctx": outputs.HASH_CTX, "key": outputs.HASH_KEY,
@@ -151,7 +151,7 @@ def test_feature_hashes(kind: str, V: str, context: str, y: str, size: str, hash
     import torch
 
     from nlmserve.lm import fused
-    from nlmserve.lm.outputs import context_hashes, ngram_feature_index
+    from nlmserve.lm.outputs.class_factored import context_hashes, ngram_feature_index
 
     ctx = [] if context == "-" else [int(w) for w in context.split()]
     want_h = [int(h) for h in hashes.split()]

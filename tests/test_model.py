@@ -88,7 +88,7 @@ def test_class_scores_by_gemm_and_by_gather_agree_with_their_gradients(monkeypat
     # NCE scores m classes per row through one GEMM over all K classes when K is small
     # enough, otherwise by gathering the m class vectors; both must give the same scores
     # and the same gradients, and both must match the one-class-per-row path.
-    import nlmserve.lm.outputs as model_module
+    import nlmserve.lm.outputs.class_factored as model_module
 
     model = make_model("class", V=60, K=7, bos_alone=True)
     ctx = torch.randint(0, 60, (30, 3))

@@ -14,7 +14,7 @@ from torch.func import functional_call
 from nlmserve.lm.classes import frequency_binning
 from nlmserve.lm.config import ModelConfig
 from nlmserve.lm.model import NeuralLM
-from nlmserve.lm.outputs import (HASH_CTX, HASH_KEY, HASH_MOD, HASH_OUT, HASH_SEED, NO_HASH, context_hashes,
+from nlmserve.lm.outputs.class_factored import (HASH_CTX, HASH_KEY, HASH_MOD, HASH_OUT, HASH_SEED, NO_HASH, context_hashes,
                                   ngram_feature_index)
 from nlmserve.lm.objectives import NoiseDistribution, mle_loss, nce_loss
 from nlmserve.lm.vocab import BOS_ID

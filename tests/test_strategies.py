@@ -15,7 +15,7 @@ import torch
 from nlmserve.lm.model import NeuralLM
 from nlmserve.lm.model_file import read_model_file
 from nlmserve.lm.objectives import NoiseDistribution, batch_loss
-from nlmserve.lm.outputs import TreeOutput
+from nlmserve.lm.outputs.tree import TreeOutput
 from nlmserve.lm.scoring import LanguageModel
 from nlmserve.lm.strategies import build_tree
 from nlmserve.lm.train import TrainConfig, TrainResult, model_config, prepare_data, train

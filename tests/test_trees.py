@@ -12,7 +12,8 @@ import torch
 
 from nlmserve.lm.config import ModelConfig
 from nlmserve.lm.model import NeuralLM
-from nlmserve.lm.outputs import TreeOutput, default_bands
+from nlmserve.lm.outputs.banded import default_bands
+from nlmserve.lm.outputs.tree import TreeOutput
 from nlmserve.lm.tree_clustering import cluster_tree
 from nlmserve.lm.trees import Tree, huffman_tree, node_log_odds, random_tree, tree_from_splits, tree_words
 from nlmserve.lm.vocab import BOS_ID

@@ -173,7 +173,7 @@ def sentence_rows(sentences: Sequence[Sequence[str]], index: Mapping[str, int], 
 def suffix_hashes(ctx: np.ndarray, no_word: int | None = None) -> np.ndarray:
     """ctx (N, L-1) word ids, oldest first → (N, L) int64 hashes of the context's suffixes of
     length 0, 1, …, L-1 (the newest words); a suffix that holds ``no_word`` gets NO_HASH (the
-    numpy twin of ``nlmserve.lm.outputs.context_hashes``)."""
+    numpy twin of ``nlmserve.lm.outputs.class_factored.context_hashes``)."""
     ctx = np.asarray(ctx, dtype=np.int64)
     n, n1 = ctx.shape
     out = np.empty((n, n1 + 1), dtype=np.int64)
@@ -188,7 +188,7 @@ def suffix_hashes(ctx: np.ndarray, no_word: int | None = None) -> np.ndarray:
 
 def feature_slots(h: np.ndarray, y: np.ndarray, size: int) -> np.ndarray:
     """Table slots of the features (suffix, y): h (N, L) suffix hashes, y (N,) class or word
-    ids → (N, L) (the numpy twin of ``nlmserve.lm.outputs.ngram_feature_index``)."""
+    ids → (N, L) (the numpy twin of ``nlmserve.lm.outputs.class_factored.ngram_feature_index``)."""
     return ((h * HASH_KEY + np.asarray(y, dtype=np.int64)[:, None] * HASH_OUT) % HASH_MOD) % size  # type: ignore[no-any-return]
 
 

@@ -1,32 +1,6 @@
-"""The output layers, one class per strategy. Each gets the context vectors r (N, E) that
-``NeuralLM.encode`` makes, and beside them the context ids ctx (N, order-1), which only the
-direct n-gram features read; each owns its parameters, its training scores, its exact
-log-probability with its normalisers, its initialisation, its chunking for exact scoring and,
-where it has them, its fast CPU inference tables:
-
-=================  ===========================================================================
-``ClassOutput``    class-factored (Goodman 2001; Mikolov et al. 2011; OxLM, Baltescu & Blunsom
-                   2015), with OxLM's direct n-gram features
-``SoftmaxOutput``  the full softmax (the baseline)
-``BandedOutput``   the differentiated softmax (Chen, Grangier & Auli 2016)
-``TreeOutput``     a binary tree over the words (Morin & Bengio 2005; Mnih & Hinton 2008)
-=================  ===========================================================================
-
-What every layer answers (:class:`OutputLayer`)::
-
-    score(r, word, ctx)           unnormalised score of each row's word(s) (N, ...): what NCE
-                                  trains and a self-normalised model serves
-    log_normalizer(r, word, ctx)  (N,) what the exact log-probability subtracts from it
-    log_prob(r, word, ctx)        score - log_normalizer (``normalized=False``: score)
-    full_log_probs(r, ctx)        the whole distribution (N, V)
-
-``<s>`` is never predicted: its score is -inf in every layer, so the distribution over the
-other V-1 words sums to one.
-
-Parameter names: the model file stores the network's state dict, written before the layers
-were modules of their own; each layer's ``legacy_prefix`` is the prefix its parameters had
-then (``NeuralLM`` maps both ways), so every model file reads as before.
-"""
+"""The class-factored output layer (Goodman 2001; Mikolov et al. 2011; OxLM, Baltescu &
+Blunsom 2015): the word's class, then the word within its class, with OxLM's direct n-gram
+features; and its read-only CPU inference tables (:class:`ClassTables`)."""
 
 from __future__ import annotations
 
@@ -38,107 +12,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import cpu
-from .dedup import BatchPlan
-from ..wire.ngrams import HASH_CTX as HASH_CTX, HASH_KEY as HASH_KEY, HASH_MOD as HASH_MOD  # re-exported
-from ..wire.ngrams import HASH_OUT as HASH_OUT, HASH_SEED as HASH_SEED, NO_HASH as NO_HASH  # re-exported
-from ..wire.ngrams import no_word_id
-from .trees import Tree, node_log_odds
-from .vocab import BOS_ID
+from .. import cpu
+from ..dedup import BatchPlan
+from ...wire.ngrams import HASH_CTX as HASH_CTX, HASH_KEY as HASH_KEY, HASH_MOD as HASH_MOD  # re-exported
+from ...wire.ngrams import HASH_OUT as HASH_OUT, HASH_SEED as HASH_SEED, NO_HASH as NO_HASH  # re-exported
+from ...wire.ngrams import no_word_id
+from ..vocab import BOS_ID
+from .base import CHUNK_FLOATS, MAX_CHUNK_ROWS, OutputLayer, bos_mask, checks_no_word, expand_rows
 
-#: Rows per chunk of exact scoring: at most this many ...
-MAX_CHUNK_ROWS = 8192
-#: ... whose widest score matrix holds about this many floats.
-CHUNK_FLOATS = 1 << 24
-
-
-def _word_mask(vocab_size: int) -> Tensor:
-    """(V,) 0, and -inf for ``<s>`` (never predicted)."""
-    mask = torch.zeros(vocab_size)
-    mask[BOS_ID] = -math.inf
-    return mask
-
-
-def _expand_rows(r: Tensor, y: Tensor) -> Tensor:
-    """r (N, E) viewed as (N, 1, …, 1, E) to meet y (N, …)'s embeddings."""
-    return r.reshape(r.shape[0], *([1] * (y.dim() - 1)), r.shape[1])
-
-
-class OutputLayer(nn.Module):
-    """What the network needs of an output strategy (the module docstring's table)."""
-
-    #: ``ModelConfig.output`` of the layer.
-    kind = ""
-    #: Prefix of the layer's parameters in the state dict of model files (see the module docstring).
-    legacy_prefix = ""
-
-    def __init__(self) -> None:
-        super().__init__()
-        #: Sparse gradients for the output embeddings (AdaGrad): only the rows a batch touches.
-        self.sparse = False
-
-    # ------------------------------------------------------------------ set-up
-    def reset_parameters(self, std: float, context: Any = None) -> None:
-        """Fresh parameters; ``context()`` (the network's context weights) is called where a
-        seed's random numbers have always been drawn for them: after the output word
-        vectors, before the class vectors."""
-        raise NotImplementedError
-
-    def init_biases(self, unigram_counts: np.ndarray) -> None:
-        """Biases from the add-one unigram (``<s>`` gets no mass), so that with zero vectors
-        the layer predicts the unigram."""
-        raise NotImplementedError
-
-    def sparse_parameters(self) -> list[Tensor]:
-        """The parameters whose gradients are sparse with the current switches."""
-        return []
-
-    # ------------------------------------------------------------------ scores
-    def score(self, r: Tensor, word: Tensor, ctx: Tensor | None = None) -> Tensor:
-        """Unnormalised score of ``word`` (N, …) for each row of r (N, E) → word.shape."""
-        raise NotImplementedError
-
-    def log_normalizer(self, r: Tensor, word: Tensor, ctx: Tensor | None = None) -> Tensor:
-        """(N,) what the log-probability of ``word`` (N,) subtracts from its score."""
-        raise NotImplementedError
-
-    def log_prob(self, r: Tensor, word: Tensor, ctx: Tensor | None = None, *, normalized: bool = True) -> Tensor:
-        """log P(word | h) → (N,) (``normalized=False``: the score alone)."""
-        s = self.score(r, word, ctx)
-        return s - self.log_normalizer(r, word, ctx) if normalized else s
-
-    def full_log_probs(self, r: Tensor, ctx: Tensor | None = None) -> Tensor:
-        """The whole distribution log P(· | h) → (N, V) (``<s>`` at -inf)."""
-        raise NotImplementedError
-
-    def classes_of(self, word: Tensor) -> Tensor:
-        """Class of each word (zeros for the layers without classes)."""
-        return torch.zeros_like(word)
-
-    # ------------------------------------------------------------------ exact scoring in chunks
-    def row_width(self) -> int:
-        """Floats per row of exact scoring's widest intermediate."""
-        raise NotImplementedError
-
-    def scoring_chunk(self, budget: int = CHUNK_FLOATS) -> int:
-        """Rows per chunk for exact scoring: the widest intermediate holds about ``budget``
-        floats, between 64 and MAX_CHUNK_ROWS rows."""
-        return int(min(MAX_CHUNK_ROWS, max(64, budget // max(self.row_width(), 1))))
-
-    def scoring_bounds(self, targets: np.ndarray, budget: int = CHUNK_FLOATS, max_rows: int = MAX_CHUNK_ROWS,
-                       counted: np.ndarray | None = None) -> Iterator[tuple[int, int]]:
-        """Consecutive (start, end) chunks of ``targets`` (N,) for exact scoring, each of at
-        most ``max_rows`` rows and about ``budget`` floats (``counted``: see ClassOutput)."""
-        n = int(targets.shape[0])
-        chunk = min(max_rows, self.scoring_chunk(budget))
-        yield from ((a, min(a + chunk, n)) for a in range(0, n, chunk))
-
-
-# ---------------------------------------------------------------------------- class-factored
 # Direct n-gram features (OxLM, Baltescu, Blunsom & Hoang 2014; the maximum-entropy features of
 # Mikolov's RNNME): for every suffix of the context of length 0..feature_order-1 one hashed
 # weight per (suffix, class) added to the class score and one per (suffix, word) added to the
-# word score. The hash's constants are the wire contract's (nlmserve.lm.ngrams, whose
+# word score. The hash's constants are the wire contract's (nlmserve.wire.ngrams, whose
 # suffix_hashes and feature_slots are the numpy twins of context_hashes and ngram_feature_index).
 #: NCE's class scores: with m classes per row, one GEMM over all K classes while
 #: K <= this * m. Forward and backward, 512 rows, width 512, m = 11, one thread: the GEMM
@@ -147,17 +32,11 @@ class OutputLayer(nn.Module):
 GEMM_CLASSES_PER_SCORE = 40
 
 
-def checks_no_word(t: Tensor, training: bool) -> bool:
-    """Whether to look for the no-word in ``t`` (ids or hashes) before using it: always but
-    when training on a GPU, where the check would wait for the device at every step and the
-    training data never holds it."""
-    return not (training and t.is_cuda)
-
 
 def context_hashes(ctx: Tensor, no_word: int | None = None) -> Tensor:
     """ctx (N, L-1) word ids, oldest first → (N, L) int64 hashes of the context suffixes of
     length 0, 1, …, L-1 (the newest words). A suffix that holds ``no_word`` (the id of a word
-    that is not known, ``nlmserve.lm.ngrams``) gets NO_HASH: it has no feature."""
+    that is not known, ``nlmserve.wire.ngrams``) gets NO_HASH: it has no feature."""
     N, n1 = ctx.shape
     h = torch.full((N,), HASH_SEED, dtype=torch.int64, device=ctx.device)
     out = [h]
@@ -221,7 +100,7 @@ class ClassOutput(OutputLayer):
         self.class_bias = nn.Parameter(torch.zeros(K))  # b_c
         order = np.argsort(wc, kind="stable")
         offsets = np.concatenate([[0], np.cumsum(sizes)])
-        self.register_buffer("word_mask", _word_mask(V), persistent=False)
+        self.register_buffer("word_mask", bos_mask(V), persistent=False)
         self.register_buffer("word_class", torch.from_numpy(wc), persistent=False)
         self.register_buffer("class_order", torch.from_numpy(order), persistent=False)
         self.register_buffer("class_offsets", torch.from_numpy(offsets), persistent=False)
@@ -322,7 +201,7 @@ class ClassOutput(OutputLayer):
             # GEMM, then each row's columns; cheaper than gathering (N, m, E) class vectors.
             dot = (r @ self.class_embed.t()).gather(1, cls.reshape(r.shape[0], -1)).view(cls.shape)
         else:
-            dot = (_expand_rows(r, cls) * self.class_embed[cls]).sum(-1)
+            dot = (expand_rows(r, cls) * self.class_embed[cls]).sum(-1)
         s = dot + self.class_bias[cls] + self.class_mask[cls]
         f = self._feature(self.ngram_class, self.hashes(ctx), cls)
         return s if f is None else s + f
@@ -330,7 +209,7 @@ class ClassOutput(OutputLayer):
     def word_score(self, r: Tensor, word: Tensor, ctx: Tensor | None = None) -> Tensor:
         """s_w(h) of one word per row (any shape of ``word`` with leading N) → word.shape."""
         emb = F.embedding(word, self.word_embed, sparse=self.sparse)  # (N, ..., E)
-        s = (emb * _expand_rows(r, word)).sum(-1) + self.word_bias[word] + self.word_mask[word]
+        s = (emb * expand_rows(r, word)).sum(-1) + self.word_bias[word] + self.word_mask[word]
         f = self._feature(self.ngram_word, self.hashes(ctx), word)
         return s if f is None else s + f
 
@@ -571,263 +450,3 @@ class ClassTables:
 
 #: No normalisers (a plan with no rows to normalise).
 NO_SCORES = np.zeros(0, dtype=np.float32)
-
-
-# ---------------------------------------------------------------------------- softmax family
-class SoftmaxFamily(OutputLayer):
-    """A score per word normalised over all V words::
-
-        log P(w | h) = s_w(h) - log Σ_w' exp s_w'(h)
-
-    Subclasses give :meth:`score`, :meth:`logits` (all words) and :meth:`logits_of` (the
-    same candidate words for every row: target sampling); the bias b_w is theirs."""
-
-    word_mask: Tensor  # (V,) 0, -inf for <s>
-
-    def logits(self, r: Tensor) -> Tensor:
-        """All word scores (N, V), ``<s>`` at -inf."""
-        raise NotImplementedError
-
-    def logits_of(self, r: Tensor, words: Tensor) -> Tensor:
-        """Scores of the words (C,) for every row → (N, C)."""
-        raise NotImplementedError
-
-    def _bias(self) -> Tensor:
-        raise NotImplementedError
-
-    def init_biases(self, unigram_counts: np.ndarray) -> None:
-        """b_w = log P(w) of the add-one unigram."""
-        counts = np.asarray(unigram_counts, dtype=np.float64) + 1.0
-        counts[BOS_ID] = 0.0
-        with torch.no_grad():
-            self._bias().copy_(torch.from_numpy(np.log(np.maximum(counts, 1e-30) / counts.sum())))
-
-    def log_normalizer(self, r: Tensor, word: Tensor, ctx: Tensor | None = None) -> Tensor:
-        """log Σ_w exp s_w(h) (one (N, V) product)."""
-        return torch.logsumexp(self.logits(r), dim=-1)
-
-    def full_log_probs(self, r: Tensor, ctx: Tensor | None = None) -> Tensor:
-        return torch.log_softmax(self.logits(r), dim=-1)
-
-    def row_width(self) -> int:
-        return int(self.word_mask.numel())
-
-
-class SoftmaxOutput(SoftmaxFamily):
-    """The full softmax: s_w(h) = R_w · r + b_w with R (V, E), b_w (V,)."""
-
-    kind = "softmax"
-
-    def __init__(self, vocab_size: int, width: int) -> None:
-        super().__init__()
-        self.word_embed = nn.Parameter(torch.empty(vocab_size, width))  # R_w
-        self.word_bias = nn.Parameter(torch.zeros(vocab_size))  # b_w
-        self.register_buffer("word_mask", _word_mask(vocab_size), persistent=False)
-
-    def reset_parameters(self, std: float, context: Any = None) -> None:
-        """Gaussian word vectors, then ``context()`` (the draw order of a seed)."""
-        nn.init.normal_(self.word_embed, std=std)
-        if context is not None:
-            context()
-        with torch.no_grad():
-            self.word_bias.zero_()
-
-    def _bias(self) -> Tensor:
-        return self.word_bias
-
-    def sparse_parameters(self) -> list[Tensor]:
-        return [self.word_embed] if self.sparse else []
-
-    def score(self, r: Tensor, word: Tensor, ctx: Tensor | None = None) -> Tensor:
-        emb = F.embedding(word, self.word_embed, sparse=self.sparse)  # (N, ..., E)
-        return (emb * _expand_rows(r, word)).sum(-1) + self.word_bias[word] + self.word_mask[word]
-
-    def logits(self, r: Tensor) -> Tensor:
-        return r @ self.word_embed.t() + self.word_bias + self.word_mask  # (N, E) @ (E, V)
-
-    def logits_of(self, r: Tensor, words: Tensor) -> Tensor:
-        emb = F.embedding(words, self.word_embed, sparse=self.sparse)  # (C, E)
-        return r @ emb.t() + self.word_bias[words] + self.word_mask[words]
-
-
-class BandedOutput(SoftmaxFamily):
-    """Differentiated softmax (Chen, Grangier & Auli 2016): the words, sorted by frequency,
-    fall into bands; band b holds words [start_b, start_b + size_b) (ids are frequency ranks)
-    with embeddings of width d_b that meet their own slice of r (the slices partition r)::
-
-        s_w(h) = r[a_b : a_b + d_b] · R_w + b_w        (w in band b)
-
-    so the frequent words get wide embeddings and the many rare words narrow ones: the
-    normaliser costs Σ_b |band b| · d_b multiply-adds instead of V · E."""
-
-    kind = "dsoftmax"
-    legacy_prefix = "band_out."
-    band_of: Tensor  # (V,) band of each word
-
-    def __init__(self, sizes: tuple[int, ...], dims: tuple[int, ...]) -> None:
-        super().__init__()
-        self.sizes, self.dims = tuple(sizes), tuple(dims)
-        self.starts = [0, *np.cumsum(sizes).tolist()]
-        self.cols = [0, *np.cumsum(dims).tolist()]
-        self.embeds = nn.ParameterList([nn.Parameter(torch.empty(s, d)) for s, d in zip(sizes, dims)])
-        V = self.starts[-1]
-        self.bias = nn.Parameter(torch.zeros(V))
-        self.register_buffer("word_mask", _word_mask(V), persistent=False)
-        band_of = np.repeat(np.arange(len(sizes)), sizes)
-        self.register_buffer("band_of", torch.from_numpy(band_of), persistent=False)
-
-    def reset_parameters(self, std: float, context: Any = None) -> None:
-        for e in self.embeds:
-            nn.init.normal_(e, std=std)
-        with torch.no_grad():
-            self.bias.zero_()
-        if context is not None:
-            context()
-
-    def _bias(self) -> Tensor:
-        return self.bias
-
-    def sparse_parameters(self) -> list[Tensor]:
-        return list(self.embeds) if self.sparse else []
-
-    def score(self, r: Tensor, word: Tensor, ctx: Tensor | None = None) -> Tensor:
-        """s_w(h): r (N, E), word (N, ...) → word.shape."""
-        rows = torch.arange(r.shape[0], device=r.device).reshape(-1, *([1] * (word.dim() - 1))).expand_as(word)
-        band = self.band_of[word]
-        out = r.new_zeros(word.shape)
-        for b, emb in enumerate(self.embeds):
-            m = band == b
-            if not bool(m.any()):
-                continue
-            w = word[m] - self.starts[b]  # (n_b,)
-            e = F.embedding(w, emb, sparse=self.sparse)  # (n_b, d_b)
-            out[m] = (r[rows[m], self.cols[b] : self.cols[b + 1]] * e).sum(-1)
-        return out + self.bias[word] + self.word_mask[word]
-
-    def logits_of(self, r: Tensor, words: Tensor) -> Tensor:
-        out = r.new_zeros(r.shape[0], words.shape[0])
-        band = self.band_of[words]
-        for b, emb in enumerate(self.embeds):
-            cols = (band == b).nonzero().squeeze(1)
-            if cols.numel() == 0:
-                continue
-            e = F.embedding(words[cols] - self.starts[b], emb, sparse=self.sparse)  # (C_b, d_b)
-            out[:, cols] = r[:, self.cols[b] : self.cols[b + 1]] @ e.t()  # (N, d_b) @ (d_b, C_b)
-        return out + self.bias[words] + self.word_mask[words]
-
-    def logits(self, r: Tensor) -> Tensor:
-        """All scores (N, V): one (N, d_b) @ (d_b, |band b|) product per band."""
-        parts = [r[:, self.cols[b] : self.cols[b + 1]] @ emb.t() for b, emb in enumerate(self.embeds)]
-        return torch.cat(parts, dim=1) + self.bias + self.word_mask
-
-
-def default_bands(vocab_size: int, width: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Band sizes and widths when none are given: the 2,500 most frequent words at half
-    the width, the next 7,500 at a quarter of it, the rest at the remaining quarter (the
-    shape of Chen et al.'s 3-band setting, scaled to ``width``); fewer bands for small
-    vocabularies."""
-    cuts = [c for c in (2500, 10000) if c < vocab_size]
-    sizes = [cuts[0]] if cuts else [vocab_size]
-    if len(cuts) > 1:
-        sizes.append(cuts[1] - cuts[0])
-    if sum(sizes) < vocab_size:
-        sizes.append(vocab_size - sum(sizes))
-    shares = {1: [1.0], 2: [0.75, 0.25], 3: [0.5, 0.25, 0.25]}[len(sizes)]
-    dims = [max(1, int(width * s)) for s in shares]
-    dims[-1] = width - sum(dims[:-1])
-    if min(dims) < 1:
-        raise ValueError(f"width {width} is too small for {len(sizes)} bands")
-    return tuple(sizes), tuple(dims)
-
-
-# ---------------------------------------------------------------------------- tree
-class TreeOutput(OutputLayer):
-    """A binary tree over the words, node vectors q_n (K, E) and biases b_n (K,)::
-
-        log P(w | h) = log Σ_{codes of w} Π_{(n, bit) on the code} σ(±(r · q_n + b_n))
-
-    ``+`` where the code goes left at node n, ``-`` where it goes right. Normalised by
-    construction: the leaves' probabilities sum to one, so the score *is* the
-    log-probability (normaliser 0) and costs one dot product per node on the path (≈ log2 V)."""
-
-    kind = "tree"
-    legacy_prefix = "tree_out."
-    word_codes: Tensor  # (V, M) the codes of each word, padded with -1 (M: most codes of a word)
-    code_nodes: Tensor  # (C, L) path nodes, padding 0
-    code_sign: Tensor  # (C, L) +1 left, -1 right, 0 padding
-
-    def __init__(self, tree: Tree, vocab_size: int, width: int) -> None:
-        super().__init__()
-        tree.validate(vocab_size)
-        self.tree = tree
-        self.width = width
-        self.node_embed = nn.Parameter(torch.empty(tree.num_nodes, width))
-        self.node_bias = nn.Parameter(torch.zeros(tree.num_nodes))
-        n_codes = np.bincount(tree.code_word, minlength=vocab_size)
-        M = int(n_codes.max())
-        word_codes = np.full((vocab_size, M), -1, dtype=np.int64)
-        order = np.argsort(tree.code_word, kind="stable")
-        starts = np.concatenate([[0], np.cumsum(n_codes)])[:-1]
-        slot = np.arange(order.size) - starts[tree.code_word[order]]
-        word_codes[tree.code_word[order], slot] = order
-        sign = np.where(tree.code_bits == 1, 1.0, -1.0) * (tree.code_nodes >= 0)
-        self.register_buffer("word_codes", torch.from_numpy(word_codes), persistent=False)
-        self.register_buffer("code_nodes", torch.from_numpy(np.maximum(tree.code_nodes, 0).astype(np.int64)),
-                             persistent=False)
-        self.register_buffer("code_sign", torch.from_numpy(sign.astype(np.float32)), persistent=False)
-
-    def reset_parameters(self, std: float, context: Any = None) -> None:
-        nn.init.normal_(self.node_embed, std=std)
-        with torch.no_grad():
-            self.node_bias.zero_()
-        if context is not None:
-            context()
-
-    def init_biases(self, unigram_counts: np.ndarray) -> None:
-        """Node biases that, with zero node vectors, give the add-one unigram."""
-        with torch.no_grad():
-            self.node_bias.copy_(torch.from_numpy(node_log_odds(self.tree, unigram_counts)))
-
-    def sparse_parameters(self) -> list[Tensor]:
-        return [self.node_embed] if self.sparse else []
-
-    def score(self, r: Tensor, word: Tensor, ctx: Tensor | None = None) -> Tensor:
-        """log P(word | h): r (N, E), word (N, ...) → word.shape (``<s>``: -inf)."""
-        codes = self.word_codes[word]  # (N, ..., M)
-        valid = codes >= 0
-        safe = codes.clamp(min=0)
-        nodes = self.code_nodes[safe]  # (N, ..., M, L)
-        sign = self.code_sign[safe]  # (N, ..., M, L)
-        q = F.embedding(nodes, self.node_embed, sparse=self.sparse)  # (N, ..., M, L, E)
-        N, E = r.shape
-        dots = torch.bmm(q.reshape(N, -1, E), r.unsqueeze(2))  # (N, ...·M·L, E) @ (N, E, 1)
-        x = dots.view(nodes.shape) + self.node_bias[nodes]  # (N, ..., M, L)
-        per_code = (F.logsigmoid(sign * x) * sign.abs()).sum(-1)  # (N, ..., M)
-        per_code = per_code.masked_fill(~valid, -math.inf)
-        if per_code.shape[-1] == 1:
-            return per_code.squeeze(-1)
-        return torch.logsumexp(per_code, dim=-1)
-
-    def log_normalizer(self, r: Tensor, word: Tensor, ctx: Tensor | None = None) -> Tensor:
-        return r.new_zeros(r.shape[0])
-
-    def log_prob(self, r: Tensor, word: Tensor, ctx: Tensor | None = None, *, normalized: bool = True) -> Tensor:
-        """The score (normalised by construction), for ``word`` of any shape with leading N."""
-        return self.score(r, word, ctx)
-
-    def full_log_probs(self, r: Tensor, ctx: Tensor | None = None) -> Tensor:
-        """Every node's score by one matrix product, then each code's path gathered from it."""
-        x = torch.addmm(self.node_bias, r, self.node_embed.t())  # (N, K)
-        gathered = x[:, self.code_nodes]  # (N, C, L)
-        per_code = (F.logsigmoid(self.code_sign * gathered) * self.code_sign.abs()).sum(-1)  # (N, C)
-        V, M = self.word_codes.shape
-        out = r.new_full((r.shape[0], V), -math.inf)
-        for j in range(M):
-            idx = self.word_codes[:, j]
-            has = (idx >= 0).nonzero().squeeze(1)
-            out[:, has] = torch.logaddexp(out[:, has], per_code[:, idx[has]])
-        return out
-
-    def row_width(self) -> int:
-        """score's (rows, depth, E) gather."""
-        return self.tree.depth * self.width
