@@ -60,7 +60,7 @@ from bench import _common
 from bench._common import machine, tree_cpu_seconds, write_json
 
 from nlmserve.common.serve_process import ServerProcess, start_server
-from nlmserve.moses_plugin.moses_ini import rewrite_ini, weight_line  # noqa: F401  (the ini rules' owner)
+from nlmserve.moses_plugin.moses_ini import line_of, rewrite_ini, weight_line  # noqa: F401  (the ini rules' owner)
 
 #: Configurations measured by default: name, then the feature's options (None: KENLM alone).
 DEFAULT_CONFIGS = ["kenlm", "exact:normalized=true", "selfnorm:normalized=false",
@@ -151,9 +151,10 @@ class Run:
 
 def feature_line(options: dict[str, str], target: str, order: int) -> str:
     """The ``NeuralLMServer`` line of a configuration: its options after the server's
-    address; an ``order=`` among them replaces ``order``."""
-    opts = " ".join(f"{k}={v}" for k, v in options.items() if k != "order")
-    return f"NeuralLMServer name=NLM0 factor=0 order={options.get('order', order)} path={target} {opts}".rstrip()
+    address; an ``order=`` among them replaces ``order``. Written by moses_ini.line_of, the
+    one writer of the line."""
+    return line_of({"name": "NLM0", "factor": "0", "order": options.get("order", str(order)), "path": target,
+                    **{k: v for k, v in options.items() if k != "order"}})
 
 
 def write_head(source: Path, n: int, out: Path) -> list[str]:

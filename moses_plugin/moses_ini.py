@@ -100,6 +100,19 @@ def scoring_for(facts: ModelFacts) -> Scoring:
                                    "asked of the server")
 
 
+def line_of(options: dict[str, str]) -> str:
+    """The ``NeuralLMServer`` line of moses.ini's ``[feature]`` section with ``options`` in the order
+    given: the one writer of the line (:func:`feature_line` and bench/decoder.py write through it).
+    The feature reads it as proto/contract/moses_ini_lines.tsv states (C++
+    ``nlmserve::ParseFeatureLine``; tests/test_moses_ini_lines.py checks that what this writes is
+    accepted and read back as written). ValueError for an option that cannot be written as one
+    word ``KEY=VALUE`` (an empty key or value, white space, ``=`` in the key)."""
+    for key, value in options.items():
+        if not key or not value or "=" in key or any(c.isspace() for c in key + value):
+            raise ValueError(f"not a moses.ini option: {key}={value!r}")
+    return "NeuralLMServer " + " ".join(f"{key}={value}" for key, value in options.items())
+
+
 def feature_line(facts: ModelFacts, path: str | None, name: str = "NLM0", extra: dict[str, str] | None = None) -> str:
     """The ``NeuralLMServer`` line of moses.ini's ``[feature]`` section: ``path`` is where the model
     is served. With ``path`` None and ``tables=FILE`` among ``extra``, the server-free line: the
@@ -116,7 +129,7 @@ def feature_line(facts: ModelFacts, path: str | None, name: str = "NLM0", extra:
     options["normalized"] = "true" if mode.normalized else "false"
     if path is not None:
         options["scoring"] = mode.scoring
-    return "NeuralLMServer " + " ".join(f"{key}={value}" for key, value in {**options, **(extra or {})}.items())
+    return line_of({**options, **(extra or {})})
 
 
 def start_weight(l1_norm: float = 1.0) -> float:

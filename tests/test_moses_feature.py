@@ -42,7 +42,8 @@ CPP = REPO / "moses_plugin" / "cpp"
 CLIENT_CPP = REPO / "client" / "cpp"
 TARBALL = MOSES_TARBALL
 # What add_to_moses.py copies (its feature_sources: the feature, and the headers of its folder it includes).
-FEATURE = ("NeuralLMServer.h", "NeuralLMServer.cpp", "NeuralLMServerSearch.h", "nlmserve_decoder.h")
+FEATURE = ("NeuralLMServer.h", "NeuralLMServer.cpp", "NeuralLMServerSearch.h", "nlmserve_decoder.h",
+           "nlmserve_moses_ini.h")
 # Moses' build passes the first two from its Jamfiles; the unit does not compile without them.
 MOSES_FLAGS = ["-std=c++11", "-DMAX_NUM_FACTORS=4", "-DKENLM_MAX_ORDER=6", "-DWITH_THREADS", "-DTRACE_ENABLE=1"]
 IN_CI = os.environ.get("CI") == "true"

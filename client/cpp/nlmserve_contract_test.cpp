@@ -3,7 +3,8 @@
 // No server: tests/test_cpp_client.py runs it.
 //
 //   nlmserve_contract_test DIR
-//       reads every golden file of DIR (proto/contract) and checks its cases; prints
+//       reads every golden file of DIR (proto/contract; moses_ini_lines.tsv through the Moses
+//       feature's own reader, moses_plugin/cpp/nlmserve_moses_ini.h) and checks its cases; prints
 //       "FILE: N passed" for each file and "contract: N passed, 0 failed" (exit 1 on a
 //       failure, each named on stderr).
 //   nlmserve_contract_test --score FILE < rows
@@ -37,6 +38,7 @@
 
 #include "nlmserve_client.h"
 #include "nlmserve_decoder.h"
+#include "nlmserve_moses_ini.h"
 #include "nlmserve_tables.h"
 #include "nlmserve_tables_file.h"
 
@@ -652,6 +654,73 @@ int DecoderNlm0(const std::string &path) {
   return 0;
 }
 
+namespace {
+
+// proto/contract/moses_ini_lines.tsv: the feature's moses.ini lines through the Moses-free
+// parser the feature reads its options with (nlmserve::ParseFeatureLine): each accepted line
+// with the options read from it, each refused one with its message.
+std::string OptionAsRead(const nlmserve::FeatureOptions &o, const std::string &key, const std::string &value) {
+  static const char *const kPrefetch[] = {"false", "hypothesis", "stack"};
+  bool b = false;
+  std::string ignored;
+  if (key == "factor") return std::to_string(o.factor);
+  if (key == "order") return std::to_string(o.order);
+  if (key == "path") return o.path;
+  if (key == "tables") return o.tables;
+  if (key == "normalized") return o.normalized ? "true" : "false";
+  if (key == "lowercase") return o.lowercase ? "true" : "false";
+  if (key == "table-prefetch") return o.table_prefetch ? "true" : "false";
+  if (key == "cache-size") return std::to_string(o.cache_size);
+  if (key == "deadline-ms") return std::to_string(o.deadline_ms);
+  if (key == "connect-timeout-ms") return std::to_string(o.connect_timeout_ms);
+  if (key == "retries") return std::to_string(o.retries);
+  if (key == "on-error") return o.floor_on_error ? "floor" : "fail";
+  if (key == "phrase-scores") return o.sentence_phrases ? "sentence" : "load";
+  if (key == "scoring") return o.local_scoring ? "local" : o.server_scoring_given ? "server" : "?";
+  if (key == "prefetch") return kPrefetch[o.prefetch];
+  if (key == "tls-ca") return o.tls_ca;
+  if (key == "tls-cert") return o.tls_cert;
+  if (key == "tls-key") return o.tls_key;
+  if (key == "tls-server-name") return o.tls_server_name;
+  if (key == "token-file") return o.token_file;
+  if (key == "name") return o.name;
+  if (key == "oov-feature" || key == "tuneable") {  // Moses' own booleans: as Moses reads them
+    return nlmserve::moses_ini::Bool(key, value, &b, &ignored) ? (b ? "true" : "false") : "?";
+  }
+  return value;  // Moses' others, as given
+}
+
+void MosesIniLines() {
+  const std::string file = "moses_ini_lines.tsv";
+  Begin();
+  int accepted = 0, refused = 0;
+  for (const std::vector<std::string> &c : Cases(file, 3)) {
+    nlmserve::FeatureOptions options;
+    std::string error;
+    const bool ok = nlmserve::ParseFeatureLine(c[0], nlmserve::kLargestOrder, &options, &error);
+    if (c[1] == "error") {
+      ++refused;
+      Check(!ok && error == c[2], file, c[0] + ": refused with '" + c[2] + "', got " + (ok ? "ok" : "'" + error + "'"));
+      continue;
+    }
+    ++accepted;
+    std::string read;
+    std::istringstream words(c[0]);
+    std::string word;
+    words >> word;
+    while (words >> word) {
+      const std::size_t eq = word.find('=');
+      const std::string key = word.substr(0, eq), value = word.substr(eq + 1);
+      read += (read.empty() ? "" : " ") + key + "=" + OptionAsRead(options, key, value);
+    }
+    Check(c[1] == "ok" && ok && read == c[2], file, c[0] + ": read as '" + c[2] + "', got " + (ok ? "'" + read + "'" : "refused: " + error));
+  }
+  Check(accepted >= 10 && refused >= 10, file, "accepted and refused lines both");
+  End(file);
+}
+
+}  // namespace
+
 int main(int argc, char **argv) {
   if (argc == 3 && (std::string(argv[1]) == "--score" || std::string(argv[1]) == "--words")) {
     return ReadTablesFile(argv[1], argv[2]);
@@ -675,6 +744,7 @@ int main(int argc, char **argv) {
   ScoringFixture("scoring_tables.txt");
   ScoringFixture("scoring_tables_tree.txt");
   FixtureWords();
+  MosesIniLines();
   std::printf("contract: %d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }

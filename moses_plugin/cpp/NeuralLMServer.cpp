@@ -29,6 +29,7 @@
 #include "NeuralLMServerSearch.h"
 #include "nlmserve_client.h"
 #include "nlmserve_decoder.h"
+#include "nlmserve_moses_ini.h"
 #include "nlmserve_tables_file.h"
 #include "util/exception.hh"
 #include "util/file_piece.hh"
@@ -113,18 +114,7 @@ bool NeuralLMServerState::operator==(const FFState &other) const {
 
 NeuralLMServer::NeuralLMServer(const std::string &line)
     : LanguageModelSingleFactor(line),
-      m_normalized(true),
-      m_cacheSize(1 << 20),
-      m_lowercase(false),
-      m_deadlineMs(10000),
-      m_connectTimeoutMs(5000),
-      m_retries(2),
-      m_floorOnError(false),
-      m_prefetch(PrefetchStack),
-      m_sentencePhrases(false),
-      m_tablePrefetch(true),
-      m_localScoring(false),
-      m_serverScoringGiven(false),
+      m_options(new nlmserve::FeatureOptions()),
       m_model(new nlmserve::ModelInfo()),
       m_ids(new nlmserve::DenseIdMap()),
       m_nullState(NULL),
@@ -141,15 +131,12 @@ NeuralLMServer::NeuralLMServer(const std::string &line)
       m_nodesComputed(0),
       m_rowsRemembered(0),
       m_pause(new nlmserve::ErrorPause()) {
+  static_assert(NeuralLMServerState::kMaxContext + 1 == nlmserve::kLargestOrder,
+                "a state holds the context of the largest order the line accepts");
   ReadParameters();
   m_target = m_filePath;
-  const std::string sources = nlmserve::SourceError(m_target, m_tablesFile, m_serverScoringGiven);
-  UTIL_THROW_IF2(!sources.empty(), "NeuralLMServer " << sources);
-  UTIL_THROW_IF2(m_nGramOrder == NOT_FOUND, "NeuralLMServer needs order= (the served model's order)");
-  UTIL_THROW_IF2(m_nGramOrder < 2, "NeuralLMServer: order must be at least 2, got " << m_nGramOrder);
-  UTIL_THROW_IF2(m_nGramOrder > NeuralLMServerState::kMaxContext + 1,
-                 "NeuralLMServer: order " << m_nGramOrder << " is above the largest this build handles ("
-                                          << NeuralLMServerState::kMaxContext + 1 << ")");
+  const std::string wrong = nlmserve::LineError(*m_options, nlmserve::kLargestOrder);
+  UTIL_THROW_IF2(!wrong.empty(), "NeuralLMServer: " << wrong);
 
   FactorCollection &factors = FactorCollection::Instance();
   m_sentenceStart = factors.AddFactor(Output, m_factorType, BOS_);
@@ -183,79 +170,34 @@ NeuralLMServer::~NeuralLMServer() {
   delete m_beginState;
 }
 
+// The options are read by nlmserve::SetFeatureOption (nlmserve_moses_ini.h, Moses-free): the
+// feature's own set there, Moses' base classes' checked there, then set by Moses.
 void NeuralLMServer::SetParameter(const std::string &key, const std::string &value) {
-  if (key == "normalized") {
-    m_normalized = Scan<bool>(value);
-  } else if (key == "cache-size") {
-    m_cacheSize = Scan<size_t>(value);
-  } else if (key == "lowercase") {
-    m_lowercase = Scan<bool>(value);
-  } else if (key == "deadline-ms") {
-    m_deadlineMs = Scan<int>(value);
-  } else if (key == "connect-timeout-ms") {
-    m_connectTimeoutMs = Scan<int>(value);
-  } else if (key == "retries") {
-    m_retries = Scan<int>(value);
-  } else if (key == "phrase-scores") {
-    UTIL_THROW_IF2(value != "sentence" && value != "load",
-                   "NeuralLMServer: phrase-scores must be sentence or load, got " << value);
-    m_sentencePhrases = (value == "sentence");
-  } else if (key == "table-prefetch") {
-    m_tablePrefetch = Scan<bool>(value);
-  } else if (key == "scoring") {
-    UTIL_THROW_IF2(value != "server" && value != "local",
-                   "NeuralLMServer: scoring must be server or local, got " << value);
-    m_localScoring = (value == "local");
-    m_serverScoringGiven = (value == "server");
-  } else if (key == "tables") {
-    m_tablesFile = value;
-  } else if (key == "prefetch") {
-    if (value == "stack" || value == "true") {
-      m_prefetch = PrefetchStack;
-    } else if (value == "hypothesis") {
-      m_prefetch = PrefetchHypothesis;
-    } else {
-      UTIL_THROW_IF2(value != "false", "NeuralLMServer: prefetch must be stack, hypothesis or false, got " << value);
-      m_prefetch = PrefetchOff;
-    }
-  } else if (key == "tls-ca") {
-    m_tlsCa = value;
-  } else if (key == "tls-cert") {
-    m_tlsCert = value;
-  } else if (key == "tls-key") {
-    m_tlsKey = value;
-  } else if (key == "tls-server-name") {
-    m_tlsServerName = value;
-  } else if (key == "token-file") {
-    m_tokenFile = value;
-  } else if (key == "on-error") {
-    UTIL_THROW_IF2(value != "fail" && value != "floor",
-                   "NeuralLMServer: on-error must be fail or floor, got " << value);
-    m_floorOnError = (value == "floor");
-  } else {
-    LanguageModelSingleFactor::SetParameter(key, value);
-  }
+  std::string error;
+  const nlmserve::OptionKind kind = nlmserve::SetFeatureOption(key, value, m_options.get(), &error);
+  UTIL_THROW_IF2(kind == nlmserve::OptionKind::kRefused, "NeuralLMServer: " << error);
+  if (kind == nlmserve::OptionKind::kMoses) LanguageModelSingleFactor::SetParameter(key, value);
 }
 
 void NeuralLMServer::Load(AllOptions::ptr const &opts) {
   // Per-sentence phrase scoring needs phrase-based search (chart decoding subtracts the
   // scores given in isolation).
-  if (opts && opts->search.algo != Normal && opts->search.algo != CubePruning) m_sentencePhrases = false;
+  if (opts && opts->search.algo != Normal && opts->search.algo != CubePruning) m_options->sentence_phrases = false;
   const std::string name = "NeuralLMServer " + GetScoreProducerDescription();
-  if (!m_tablesFile.empty()) m_localScoring = true;  // SourceError has refused scoring=server beside it
+  if (!m_options->tables.empty()) m_options->local_scoring = true;  // SourceError has refused scoring=server beside it
   if (!m_target.empty()) {
     nlmserve::ClientOptions options;
-    options.deadline_ms = m_deadlineMs;
-    options.connect_timeout_ms = m_connectTimeoutMs;
-    options.retries = m_retries;
-    options.cache_size = m_localScoring ? 0 : m_cacheSize;  // local scores cost less than a lookup
-    options.lowercase = m_lowercase;
-    options.normalized = m_normalized;
-    options.tls_ca = m_tlsCa;
-    options.tls_cert = m_tlsCert;
-    options.tls_key = m_tlsKey;
-    options.tls_server_name = m_tlsServerName;
-    options.token_file = m_tokenFile;
+    options.deadline_ms = static_cast<int>(m_options->deadline_ms);
+    options.connect_timeout_ms = static_cast<int>(m_options->connect_timeout_ms);
+    options.retries = static_cast<int>(m_options->retries);
+    options.cache_size = m_options->local_scoring ? 0 : m_options->cache_size;  // local scores cost less than a lookup
+    options.lowercase = m_options->lowercase;
+    options.normalized = m_options->normalized;
+    options.tls_ca = m_options->tls_ca;
+    options.tls_cert = m_options->tls_cert;
+    options.tls_key = m_options->tls_key;
+    options.tls_server_name = m_options->tls_server_name;
+    options.token_file = m_options->token_file;
     try {
       m_client.reset(new nlmserve::Client(m_target, options));
     } catch (const nlmserve::ClientError &e) {
@@ -263,20 +205,20 @@ void NeuralLMServer::Load(AllOptions::ptr const &opts) {
     }
     *m_model = m_client->info();
   }
-  if (!m_tablesFile.empty()) {
+  if (!m_options->tables.empty()) {
     // The file gives the tables, the vocabulary and the model's facts: no server is needed.
     nlmserve::TablesFile file;
     std::string error;
-    UTIL_THROW_IF2(!nlmserve::MapTablesFile(m_tablesFile, &file, &error), name << ": tables=" << error);
+    UTIL_THROW_IF2(!nlmserve::MapTablesFile(m_options->tables, &file, &error), name << ": tables=" << error);
     if (m_client) {
-      const std::string mismatch = nlmserve::TablesMismatch(file.info, *m_model, m_tablesFile, m_target);
+      const std::string mismatch = nlmserve::TablesMismatch(file.info, *m_model, m_options->tables, m_target);
       UTIL_THROW_IF2(!mismatch.empty(), name << ": " << mismatch);
       m_client.reset();  // asked which model it serves; nothing more is asked of it
     }
     *m_model = nlmserve::ModelInfoOf(file.info);
     m_tables = file.tables;
     m_vocabulary.reset(new nlmserve::TablesVocabulary(file.vocabulary));
-  } else if (m_localScoring) {
+  } else if (m_options->local_scoring) {
     try {
       m_tables = m_client->GetScoringTables();
     } catch (const nlmserve::ClientError &e) {
@@ -284,7 +226,7 @@ void NeuralLMServer::Load(AllOptions::ptr const &opts) {
     }
   }
   const nlmserve::ModelInfo &info = *m_model;
-  const std::string where = m_tablesFile.empty() ? m_target : m_tablesFile;
+  const std::string where = m_options->tables.empty() ? m_target : m_options->tables;
   // The decoder's own sentence boundaries are the model's special ids.
   m_ids->Set(m_sentenceStart->GetId(), info.bos_id);
   m_ids->Set(m_sentenceEnd->GetId(), info.eos_id);
@@ -292,14 +234,14 @@ void NeuralLMServer::Load(AllOptions::ptr const &opts) {
   UTIL_THROW_IF2(!wrongOrder.empty(), name << ": " << wrongOrder);
   m_beginState = new NeuralLMServerState(m_nGramOrder - 1, m_sentenceStart);
   m_nullState = new NeuralLMServerState(m_nGramOrder - 1, m_sentenceStart);
-  if (m_localScoring) {
+  if (m_options->local_scoring) {
     // A tree output's tables give exact log-probabilities; a class output's give the
     // self-normalised score, not what normalized=true (the default) asks for.
-    UTIL_THROW_IF2(m_normalized && !m_tables->normalized(),
+    UTIL_THROW_IF2(m_options->normalized && !m_tables->normalized(),
                    name << ": scoring=local computes self-normalised scores only with a class-output model: add "
                            "normalized=false, use scoring=server, or serve a tree-output model (exact scores)");
     VERBOSE(1, name << ": scoring locally with " << m_tables->bytes() / 1048576 << " MB of tables"
-                    << (m_tables->mapped() ? " mapped from " + m_tablesFile : std::string(" fetched")) << " (width "
+                    << (m_tables->mapped() ? " mapped from " + m_options->tables : std::string(" fetched")) << " (width "
                     << m_tables->dim()
                     << (m_tables->normalized() ? ", a tree: exact log-probabilities" : ", self-normalised") << ")"
                     << (m_client ? "" : "; no server") << std::endl);
@@ -308,18 +250,18 @@ void NeuralLMServer::Load(AllOptions::ptr const &opts) {
   // request per phrase; reading the in-memory tables' target phrases first puts their
   // n-grams into the cache in a few large requests.
   const bool phraseBased = !opts || opts->search.algo == Normal || opts->search.algo == CubePruning;
-  if (m_tablePrefetch && phraseBased && !m_sentencePhrases && !m_localScoring && m_cacheSize > 0) {
+  if (m_options->table_prefetch && phraseBased && !m_options->sentence_phrases && !m_options->local_scoring && m_options->cache_size > 0) {
     PrefetchPhraseTables();
   }
   VERBOSE(1, name << ": " << where << " model " << info.model_hash << " order " << info.order << " vocabulary "
-                  << info.vocab_size << (m_normalized ? " normalized" : " unnormalized") << std::endl);
+                  << info.vocab_size << (m_options->normalized ? " normalized" : " unnormalized") << std::endl);
 }
 
 void NeuralLMServer::PrefetchPhraseTables() const {
   const size_t order = m_model->order;
   const size_t batchRows = 1 << 16;
   // Rows the cache takes before a prefetch would evict what it has just put there.
-  const uint64_t room = m_cacheSize / 2;
+  const uint64_t room = m_options->cache_size / 2;
   NeuralLMServerThread &local = Local(this);
   const std::vector<PhraseDictionary *> &tables = PhraseDictionary::GetColl();
   for (size_t t = 0; t < tables.size(); ++t) {
@@ -389,7 +331,7 @@ uint32_t NeuralLMServer::Id(const Word &word) const {
   // asked once per factor.
   return m_ids->Get(f->GetId(), [this, f](size_t) {
     const std::string text = f->GetString().as_string();
-    return m_vocabulary ? nlmserve::FileWordId(*m_vocabulary, text, m_lowercase) : m_client->WordId(text);
+    return m_vocabulary ? nlmserve::FileWordId(*m_vocabulary, text, m_options->lowercase) : m_client->WordId(text);
   });
 }
 
@@ -425,7 +367,7 @@ void NeuralLMServer::ScoreRows(const uint32_t *rows, size_t n, float *out, Neura
   }
   // on-error=floor: after a failed request the server is left alone for a pause, so that
   // a dead server costs one failed request per pause instead of one per request.
-  if (m_floorOnError && m_pause->Paused(SteadyMs())) {
+  if (m_options->floor_on_error && m_pause->Paused(SteadyMs())) {
     m_floored.fetch_add(1);
     std::fill(out, out + n, LOWEST_SCORE);
     return;
@@ -442,7 +384,7 @@ void NeuralLMServer::ScoreRows(const uint32_t *rows, size_t n, float *out, Neura
 
 void NeuralLMServer::Failed(const std::string &what, size_t n, float *out) const {
   m_errors.fetch_add(1);
-  if (!m_floorOnError) {
+  if (!m_options->floor_on_error) {
     UTIL_THROW2("NeuralLMServer " << GetScoreProducerDescription() << ": " << what);
   }
   const int64_t pause = m_pause->Failed(SteadyMs());
@@ -536,7 +478,7 @@ void NeuralLMServer::CalcScore(const Phrase &phrase, float &fullScore, float &ng
 void NeuralLMServer::EvaluateInIsolation(const Phrase &source, const TargetPhrase &targetPhrase,
                                          ScoreComponentCollection &scoreBreakdown,
                                          ScoreComponentCollection &estimatedScores) const {
-  if (m_sentencePhrases) return;  // scored per sentence in EvaluateWithSourceContext
+  if (m_options->sentence_phrases) return;  // scored per sentence in EvaluateWithSourceContext
   LanguageModelSingleFactor::EvaluateInIsolation(source, targetPhrase, scoreBreakdown, estimatedScores);
 }
 
@@ -544,7 +486,7 @@ void NeuralLMServer::EvaluateWithSourceContext(const InputType & /*input*/, cons
                                                const TargetPhrase &targetPhrase, const StackVec *stackVec,
                                                ScoreComponentCollection &scoreBreakdown,
                                                ScoreComponentCollection *estimatedScores) const {
-  if (!m_sentencePhrases || stackVec != NULL) return;
+  if (!m_options->sentence_phrases || stackVec != NULL) return;
   // The same values LanguageModel::EvaluateInIsolation assigns; after
   // ScoreSentencePhrases they come from the cache.
   float fullScore, ngramScore;
@@ -614,7 +556,7 @@ FFState *NeuralLMServer::EvaluateWhenApplied(const Hypothesis &hypo, const FFSta
   const Hypothesis *prev = hypo.GetPrevHypo();
   float lmScore = 0;
   nlmserve::ExpansionScores::Found found = nlmserve::ExpansionScores::kNotFound;
-  if (m_prefetch != PrefetchOff && prev != NULL) {
+  if (m_options->prefetch != nlmserve::FeatureOptions::kPrefetchOff && prev != NULL) {
     const TranslationOption *option = &hypo.GetTranslationOption();
     // Moses evaluates the expansions in the order the prefetch listed them: the next one
     // is normally the entry at the cursor. Such a match also means that prev belongs to
@@ -686,7 +628,7 @@ void NeuralLMServer::Prefetch(const Hypothesis &prev, NeuralLMServerThread &loca
   if (manager.GetSource().GetType() != SentenceInput || manager.options()->search.algo != Normal) return;
   const void *key = &prev;
   const HypothesisStack *stack = NULL;
-  if (m_prefetch == PrefetchStack) {
+  if (m_options->prefetch == nlmserve::FeatureOptions::kPrefetchStack) {
     // SearchNormal processes stack k (hypotheses covering k source words) after
     // pruning it; expanding it adds hypotheses only to later stacks.
     const SearchNormal *search = dynamic_cast<const SearchNormal *>(NeuralLMServerSearch::ManagerSearch::Of(manager));
@@ -756,7 +698,7 @@ void NeuralLMServer::InitializeForInput(ttasksptr const &ttask) {
   // The last sentence's expansions name its hypotheses, whose addresses this one may
   // reuse: EvaluateWhenApplied trusts an entry that matches at the cursor.
   local.boundary.Clear();
-  if (m_sentencePhrases) ScoreSentencePhrases(ttask);
+  if (m_options->sentence_phrases) ScoreSentencePhrases(ttask);
 }
 
 void NeuralLMServer::CleanUpAfterSentenceProcessing(ttasksptr const &ttask) {

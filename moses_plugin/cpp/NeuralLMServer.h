@@ -14,7 +14,9 @@
 //
 // `nlmserve moses-ini` prints the line that fits a model. One of tables= and path= is needed
 // (nlmserve::SourceError); without path= the feature constructs no client and opens no
-// connection: the file gives the vocabulary, the model's facts and the tables.
+// connection: the file gives the vocabulary, the model's facts and the tables. The line is read
+// by nlmserve_moses_ini.h (Moses-free: nlmserve::SetFeatureOption, LineError), whose golden file
+// proto/contract/moses_ini_lines.tsv lists lines accepted and refused.
 //
 // Parameters (besides Moses' own name, factor, order, path, tuneable, oov-feature):
 //   normalized=true|false   exactly normalised log-probabilities (default true), or the
@@ -109,6 +111,7 @@ class DenseIdMap;
 class ScoringTables;
 class TablesVocabulary;
 class ErrorPause;
+struct FeatureOptions;
 }  // namespace nlmserve
 
 namespace Moses {
@@ -207,22 +210,9 @@ class NeuralLMServer : public LanguageModelSingleFactor {
   void PrefetchPhraseTables() const;
 
   std::string m_target;
-  bool m_normalized;
-  size_t m_cacheSize;
-  bool m_lowercase;
-  int m_deadlineMs;
-  int m_connectTimeoutMs;
-  int m_retries;
-  // TLS files (PEM), the certificate name to check, and the bearer token file: ClientOptions.
-  std::string m_tlsCa, m_tlsCert, m_tlsKey, m_tlsServerName, m_tokenFile;
-  bool m_floorOnError;
-  enum Prefetching { PrefetchOff, PrefetchHypothesis, PrefetchStack };
-  Prefetching m_prefetch;
-  bool m_sentencePhrases;
-  bool m_tablePrefetch;
-  bool m_localScoring;
-  bool m_serverScoringGiven;  // scoring=server was written (refused beside tables=FILE)
-  std::string m_tablesFile;   // tables=FILE: mapped, not fetched
+  // The line's options (nlmserve_moses_ini.h); Load sets local_scoring for tables=FILE and
+  // drops sentence_phrases where the search cannot use it.
+  std::unique_ptr<nlmserve::FeatureOptions> m_options;
 
   // Without path= (a tables file alone), none: no connection is ever made.
   std::unique_ptr<nlmserve::Client> m_client;

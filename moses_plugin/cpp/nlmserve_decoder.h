@@ -1,5 +1,6 @@
-// The parts of a decoder's language-model feature that need no decoder: where it finds its
-// model (a tables file, a server, or both) and the words' ids, the n-gram rows of a phrase
+// The parts of a decoder's language-model feature that need no decoder: the model's facts from
+// a tables file and the words' ids (its options, and where it finds its model, are
+// nlmserve_moses_ini.h's), the n-gram rows of a phrase
 // and of a phrase boundary (built on CanonicalRow, the one owner of the n-gram rules), a
 // word-id table filled once per word and read without a lock, the boundary scores of a batch
 // of expansions, and the on-error=floor pause.
@@ -115,23 +116,6 @@ inline std::string OrderMismatch(std::size_t feature_order, uint32_t model_order
   return "order=" + std::to_string(feature_order) + " but the model at " + where + " has order " +
          std::to_string(model_order) + ": write order=" + std::to_string(model_order) +
          " (`nlmserve moses-ini --model MODEL` prints the whole line)";
-}
-
-// Where a feature finds its model, from its options: `path` (path=: `nlmserve serve`'s
-// HOST:PORT, replicas or dns:///NAME:PORT), `tables` (tables=: a tables file of `nlmserve
-// export-tables`), and whether scoring=server was written. A tables file holds the vocabulary,
-// the model's facts and its scoring tables, so a feature with tables= and no path= needs no
-// server: it constructs no client and opens no connection, as Moses' KENLM with its file.
-// With both, the file scores and maps the words, and the server is asked once, at load, which
-// model it serves (TablesMismatch). "" when the options hold together, else why the decoder
-// must stop.
-inline std::string SourceError(const std::string &path, const std::string &tables, bool scoring_server) {
-  if (path.empty() && tables.empty()) {
-    return "needs tables=FILE (a tables file of `nlmserve export-tables`: no server) or path=HOST:PORT of "
-           "`nlmserve serve` (or A:1,B:2 or dns:///NAME:PORT)";
-  }
-  if (!tables.empty() && scoring_server) return "tables=FILE scores in the decoder: drop scoring=server";
-  return std::string();
 }
 
 // The facts a decoder would ask GetModelInfo for, from a tables file: its order, vocabulary

@@ -1,7 +1,7 @@
 // Tests of the Moses feature's Moses-free parts (nlmserve_decoder.h): the n-gram rows of a
 // phrase and of a phrase boundary (hand-computed), the word-id table, the expansion scores,
 // the error pause, the order= rule, and where the feature finds its model (a tables file, a
-// server, or both). No Moses, no server: built by client/cpp's CMake project from this folder
+// server, or both: nlmserve_moses_ini.h's SourceError). No Moses, no server: built by client/cpp's CMake project from this folder
 // and run by tests/test_cpp_client.py.
 //
 //   nlmserve_decoder_test
@@ -16,6 +16,7 @@
 
 #include "nlmserve_client.h"
 #include "nlmserve_decoder.h"
+#include "nlmserve_moses_ini.h"
 
 namespace {
 
