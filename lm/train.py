@@ -12,6 +12,9 @@ model, the optimiser, the noise generator's state, the epoch and the position in
 epoch's permutation, the best model so far and the schedule's state, so ``resume=True``
 continues exactly where the checkpoint was taken: with ``threads=1`` an interrupted and
 resumed run ends at the same parameters as an uninterrupted one.
+
+The data (vocabulary, id files, classes, the epoch's permutation) is ``lm.data``'s, the
+optimisers ``lm.optim``'s; this module holds the config, the trainer's loop and :func:`train`.
 """
 
 from __future__ import annotations
@@ -22,27 +25,25 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 import torch
 
-from ..common.errors import CorpusError, InputError
+from ..common.errors import InputError
 from .checkpoint import TrainingLog, load_checkpoint, load_optimizer_state, save_checkpoint, write_learning_curve
-from .classes import WordClasses, brown_clusters, default_num_classes, frequency_binning, load_wcluster
-from .corpus import CorpusIds, count_words
+from .corpus import CorpusIds
+from .data import TrainingData, batches, permutation, prepare_data
 from .distributed import array_digest, init_distributed
 from .fused import FusedNCE, unavailable_reason
 from .hogwild import HogwildPool
 from .config import ModelConfig
 from .model import NeuralLM
-from .outputs.class_factored import ClassOutput
 from .model_file import save_model
 from .objectives import OBJECTIVES, NoiseDistribution, batch_loss
+from .optim import make_optimizer, set_lr
 from .strategies import SPARSE_OUTPUT_OBJECTIVES, build_tree, model_output, output_fields, resolve_output
 from .trees import Tree
-from .vocab import Vocabulary
 from ..common.perplexity import from_ln as perplexity_of
 from ..common.progress import progress
 
@@ -256,75 +257,7 @@ class _State:
     last_valid_step: int = -1
 
 
-# ---------------------------------------------------------------------------- data
-
-
-@dataclass
-class _Data:
-    vocab: Vocabulary
-    train: CorpusIds
-    valid: CorpusIds | None
-    unigram: np.ndarray
-    classes: WordClasses | None
-
-
-def _head_lines(src: str, n: int, dst: Path) -> Path:
-    """The first n lines of ``src`` as a plain text file (kept when up to date)."""
-    stamp = dst.with_name(dst.name + ".src")
-    try:
-        st = os.stat(src)
-    except FileNotFoundError as exc:
-        raise CorpusError("no such file", src) from exc
-    key = f"{os.path.abspath(src)} {st.st_size} {st.st_mtime_ns} {n}"
-    if dst.exists() and stamp.exists() and stamp.read_text() == key:
-        return dst
-    import gzip
-    import lzma
-
-    opener: Any = lzma.open if src.endswith(".xz") else gzip.open if src.endswith(".gz") else open
-    tmp = dst.with_name(dst.name + ".tmp")
-    with opener(src, "rb") as fin, open(tmp, "wb") as fout:
-        for i, line in enumerate(fin):
-            if i >= n:
-                break
-            fout.write(line)
-    os.replace(tmp, dst)
-    stamp.write_text(key)
-    return dst
-
-
-def prepare_data(cfg: TrainConfig) -> _Data:
-    """Vocabulary, id files, unigram counts and word classes for ``cfg``."""
-    work = Path(cfg.workdir or cfg.out + ".work")
-    work.mkdir(parents=True, exist_ok=True)
-    train_text: str | Path = cfg.train
-    if cfg.max_train_lines is not None:
-        train_text = _head_lines(cfg.train, cfg.max_train_lines, work / "train.head.txt")
-    counts, num_sentences = count_words(train_text, lowercase=cfg.lowercase)
-    vocab = Vocabulary.build(counts, min_count=cfg.min_count, max_vocab=cfg.max_vocab)
-    log.info("vocabulary: %d words from %d sentences of %s", len(vocab), num_sentences, cfg.train)
-    train_ids = CorpusIds.encode(train_text, vocab, work / "train.ids", lowercase=cfg.lowercase)
-    valid_ids = None
-    if cfg.valid is not None:
-        valid_ids = CorpusIds.encode(cfg.valid, vocab, work / "valid.ids", lowercase=cfg.lowercase)
-    unigram = train_ids.unigram_counts(len(vocab))
-    classes: WordClasses | None = None
-    if cfg.resolved_output == "class":
-        if cfg.class_file is not None:
-            classes = load_wcluster(cfg.class_file, vocab)
-        else:
-            K = cfg.classes if cfg.classes is not None else default_num_classes(len(vocab))
-            if not 1 <= K <= len(vocab):
-                raise InputError(f"--classes {K} must lie in [1, {len(vocab)}] for this vocabulary")
-            if cfg.class_method == "brown":
-                classes = brown_clusters(train_ids, len(vocab), K, seed=cfg.seed)
-            else:
-                classes = frequency_binning(unigram, K, sqrt=cfg.class_method == "frequency-sqrt")
-        log.info("%d %s word classes", classes.num_classes, classes.method)
-    return _Data(vocab, train_ids, valid_ids, unigram, classes)
-
-
-def model_config(cfg: TrainConfig, data: _Data, tree: Tree | None = None) -> ModelConfig:
+def model_config(cfg: TrainConfig, data: TrainingData, tree: Tree | None = None) -> ModelConfig:
     out = cfg.resolved_output
     width = cfg.hidden if cfg.hidden > 0 else cfg.dim
     return ModelConfig(
@@ -384,115 +317,7 @@ def perplexity(model: NeuralLM, corpus: CorpusIds, order: int, device: torch.dev
     return perplexity_of(ll, n)
 
 
-# ---------------------------------------------------------------------------- optimiser
-
-
-def _gradients(opt: torch.optim.Optimizer,
-               groups: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], torch.Tensor, torch.Tensor, dict[str, Any]]]:
-    """(group, parameter, gradient, state) of every parameter of ``groups`` that has a
-    gradient, its AdaGrad step count advanced."""
-    for group in groups:
-        for p in group["params"]:
-            if p.grad is not None:
-                state = opt.state[p]
-                state["step"] += 1
-                yield group, p, p.grad, state
-
-
-class HashedAdagrad(torch.optim.Adagrad):
-    """AdaGrad whose param groups marked ``hashed`` (the n-gram feature tables, sparse
-    gradients with many repeated slots) are updated by one unique + index_add per table:
-    the same update as ``torch.optim.Adagrad`` (lr_decay 0) on the coalesced gradient,
-    several times faster than its generic sparse path for these tables. The state layout
-    (``sum``, ``step``) is Adagrad's, so checkpoints resume either way."""
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # noqa: D102
-        hashed = [group for group in self.param_groups if group.get("hashed")]
-        for group, p, g, state in _gradients(self, hashed):
-            if g.is_sparse:
-                idx, val = g._indices()[0], g._values().reshape(-1)
-            else:  # dense gradient: the slots it touches
-                flat = g.reshape(-1)
-                idx = torch.nonzero(flat).squeeze(1)
-                val = flat[idx]
-            slots, inverse = torch.unique(idx, return_inverse=True)
-            gsum = torch.zeros(slots.numel(), dtype=val.dtype, device=val.device).index_add_(0, inverse, val)
-            acc = state["sum"].view(-1)
-            acc.index_add_(0, slots, gsum * gsum)
-            upd = gsum / (acc[slots].sqrt() + group["eps"])
-            p.view(-1).index_add_(0, slots, upd, alpha=-group["lr"])
-            p.grad = None  # done: the generic step below skips it
-        return super().step(closure)
-
-
-class HogwildAdagrad(torch.optim.Adagrad):
-    """AdaGrad for lock-free training by several processes (``--workers``, lm/hogwild.py).
-
-    The update of every parameter is ``g / sqrt(max(sum, g²))``, where ``sum`` is the shared
-    accumulator after this process added ``g²``. In one process ``sum >= g²`` always, so this is
-    AdaGrad's own update; under Hogwild another process's read-modify-write of the same
-    accumulator element can lose this process's ``g²`` (both read, both write), and with a
-    young accumulator the plain update ``g / sqrt(sum)`` is then unbounded: a frequent word's
-    row or a context weight takes a step of hundreds of times the rate, and training
-    diverges within the first hundred steps. With the guard no element ever moves by more
-    than the rate in one update. Sparse gradients (embedding rows, the hashed n-gram tables)
-    touch only their rows; the state layout (``sum``, ``step``) is Adagrad's, so checkpoints
-    resume with either class."""
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # noqa: D102
-        for group, p, g, state in _gradients(self, self.param_groups):
-            lr, eps = group["lr"], group["eps"]
-            acc = state["sum"]
-            if g.is_sparse:
-                g = g.coalesce()
-                idx, val = g._indices()[0], g._values()  # (n,), (n, ...) one row each
-                sq = val * val
-                acc.index_add_(0, idx, sq)
-                den = torch.maximum(acc[idx], sq).sqrt_().add_(eps)
-                p.index_add_(0, idx, val / den, alpha=-lr)
-            else:
-                sq = g * g
-                acc.add_(sq)
-                den = torch.maximum(acc, sq).sqrt_().add_(eps)
-                p.addcdiv_(g, den, value=-lr)
-        return None
-
-
-def _make_optimizer(cfg: TrainConfig, model: NeuralLM) -> torch.optim.Optimizer:
-    if cfg.optimizer == "adam":
-        return torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    if cfg.workers > 1:  # lock-free processes: an update bounded by the rate (see HogwildAdagrad)
-        return HogwildAdagrad(model.parameters(), lr=cfg.lr)
-    tables = model.output.feature_tables() if isinstance(model.output, ClassOutput) else []
-    if not tables:
-        return torch.optim.Adagrad(model.parameters(), lr=cfg.lr)
-    ids = {id(p) for p in tables}
-    rest = [p for p in model.parameters() if id(p) not in ids]
-    groups: list[dict[str, Any]] = [{"params": rest}, {"params": tables, "hashed": True}]
-    return HashedAdagrad(groups, lr=cfg.lr)
-
-
-def _set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
-    for group in opt.param_groups:
-        group["lr"] = lr
-
-
 # ---------------------------------------------------------------------------- the loop
-
-
-def _permutation(seed: int, epoch: int, n: int) -> np.ndarray:
-    """The epoch's order of positions: ``Generator.permutation(n)``'s, held as uint32 below
-    2^32 positions (half the memory: 4 GB instead of 8 GB per process for 1B tokens)."""
-    perm = np.arange(n, dtype=np.uint32 if n < 1 << 32 else np.int64)
-    np.random.default_rng([seed, epoch]).shuffle(perm)  # the same draws as permutation(n)
-    return perm
-
-
-def _batches(perm: np.ndarray, start: int, size: int) -> Iterator[tuple[int, np.ndarray]]:
-    for pos in range(start, perm.size, size):
-        yield pos + min(size, perm.size - pos), perm[pos : pos + size]
 
 
 class _Interrupted(Exception):
@@ -533,7 +358,7 @@ class _Trainer:
         if adagrad:
             torch.sparse.check_sparse_tensor_invariants.disable()  # type: ignore[no-untyped-call]  # opt out explicitly (and quietly)
         self.model.to(self.device).train()
-        self.opt = _make_optimizer(cfg, self.model)
+        self.opt = make_optimizer(self.model, cfg.optimizer, cfg.lr, cfg.workers)
         self.gen = torch.Generator(device=self.device)
         self.gen.manual_seed(self.dist.rank_seed(cfg.seed))
         self.model.dropout, self.model.dropout_gen = cfg.dropout, self.gen
@@ -544,7 +369,7 @@ class _Trainer:
         if resumed:
             self._resume()
         self.dist.wrap(self.model)
-        _set_lr(self.opt, self.state.lr)
+        set_lr(self.opt, self.state.lr)
         self.step_ran, self.step_reason = "torch", ""
         self.fused = self._fused_step()
         self.log = TrainingLog(cfg.log_path, append=resumed, enabled=self.dist.is_main)
@@ -642,7 +467,7 @@ class _Trainer:
                 self.stop("early stopping")
         if plateau:
             state.lr *= cfg.lr_decay
-            _set_lr(self.opt, state.lr)
+            set_lr(self.opt, state.lr)
         self.log.write(step=state.step, tokens=state.tokens, valid_ppl=ppl, lr=state.lr,
                        best_ppl=state.best_ppl, elapsed=round(state.elapsed, 3))
         log.info("step %d: valid ppl %.2f (best %.2f), lr %.4g", state.step, ppl, state.best_ppl, state.lr)
@@ -655,7 +480,7 @@ class _Trainer:
         ``positions`` (noise and dropout from ``gen``) → the loss. Hogwild helpers run it
         on their own minibatches with their own generator and the round's rate."""
         if lr is not None:
-            _set_lr(self.opt, lr)
+            set_lr(self.opt, lr)
         if self.fused is not None:
             return self.fused_update(positions, gen)
         self.model.dropout_gen = gen
@@ -762,8 +587,8 @@ class _Trainer:
         with progress(total=total, initial=done_steps, unit="step", desc="train",
                       enabled=cfg.progress and self.dist.is_main, logger=log) as bar:
             while state.epoch < cfg.epochs and not state.done:
-                perm = _permutation(cfg.seed, state.epoch, N)
-                for next_pos, positions in _batches(perm, state.pos, cfg.batch_size * cfg.workers):
+                perm = permutation(cfg.seed, state.epoch, N)
+                for next_pos, positions in batches(perm, state.pos, cfg.batch_size * cfg.workers):
                     if cfg.max_steps is not None and state.step >= cfg.max_steps:
                         self.stop("max steps")
                         break
@@ -866,4 +691,4 @@ def _run(trainer: _Trainer) -> TrainResult:
     return trainer.finish()
 
 
-__all__ = ["TrainConfig", "TrainResult", "train", "prepare_data", "model_config", "perplexity", "load_checkpoint"]
+__all__ = ["TrainConfig", "TrainResult", "train", "model_config", "perplexity", "load_checkpoint"]

@@ -16,7 +16,8 @@ from nlmserve.lm.fused import FusedNCE, unavailable_reason
 from nlmserve.lm.config import ModelConfig
 from nlmserve.lm.model import NeuralLM
 from nlmserve.lm.objectives import NoiseDistribution, nce_loss
-from nlmserve.lm.train import HashedAdagrad, HogwildAdagrad, TrainConfig, train
+from nlmserve.lm.optim import HashedAdagrad, HogwildAdagrad
+from nlmserve.lm.train import TrainConfig, train
 
 pytestmark = pytest.mark.skipif(unavailable_reason("nce", NeuralLM(ModelConfig(vocab_size=8, num_classes=2),
                                                                    np.arange(8) % 2),
@@ -46,7 +47,7 @@ def _model(V: int, K: int, order: int, dim: int, activation: str, tables: tuple[
 
 
 def _optimizer(model: NeuralLM, kind: str) -> torch.optim.Optimizer:
-    """As lm.train makes them: Adagrad, HashedAdagrad with feature tables, HogwildAdagrad for --workers."""
+    """As lm.optim.make_optimizer makes them: Adagrad, HashedAdagrad with feature tables, HogwildAdagrad for --workers."""
     if kind == "hogwild":
         return HogwildAdagrad(model.parameters(), lr=0.1)
     tables = model.output.feature_tables()  # type: ignore[operator]

@@ -13,7 +13,8 @@ import torch
 from nlmserve.lm.classes import frequency_binning
 from nlmserve.lm.corpus import CorpusIds
 from nlmserve.lm.scoring import LanguageModel
-from nlmserve.lm.train import TrainConfig, corpus_log_likelihood, prepare_data, scoring_spans
+from nlmserve.lm.data import prepare_data
+from nlmserve.lm.train import TrainConfig, corpus_log_likelihood, scoring_spans
 
 
 def _output_cost(word_class: np.ndarray, counts: np.ndarray) -> float:
@@ -61,9 +62,9 @@ def test_validation_chunks_by_class_width_score_every_position_once(tiny_model_p
 
 def test_epoch_permutation_is_numpys_in_half_the_memory() -> None:
     # the same order as Generator.permutation (checkpoints of earlier runs resume alike), as uint32
-    from nlmserve.lm.train import _permutation
+    from nlmserve.lm.data import permutation
 
     for n in (1, 17, 100_003):
-        perm = _permutation(5, 2, n)
+        perm = permutation(5, 2, n)
         assert perm.dtype == np.uint32
         assert np.array_equal(perm, np.random.default_rng([5, 2]).permutation(n))

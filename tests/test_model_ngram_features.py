@@ -299,7 +299,7 @@ def test_server_pieces_and_cached_scorer_with_features(feature_model_path: Path)
 
 
 def test_hashed_adagrad_matches_torch_adagrad() -> None:
-    from nlmserve.lm.train import HashedAdagrad
+    from nlmserve.lm.optim import HashedAdagrad
 
     torch.sparse.check_sparse_tensor_invariants.disable()  # as training does (quietly)
     models = [make_model(V=20, K=4, order=3, dim=4, class_table=11, word_table=9) for _ in range(2)]

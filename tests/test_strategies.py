@@ -18,7 +18,8 @@ from nlmserve.lm.objectives import NoiseDistribution, batch_loss
 from nlmserve.lm.outputs.tree import TreeOutput
 from nlmserve.lm.scoring import LanguageModel
 from nlmserve.lm.strategies import build_tree
-from nlmserve.lm.train import TrainConfig, TrainResult, model_config, prepare_data, train
+from nlmserve.lm.data import prepare_data
+from nlmserve.lm.train import TrainConfig, TrainResult, model_config, train
 from nlmserve.lm.vocab import BOS_ID
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
 from nlmserve.server.app import RunningServer, create_server

@@ -211,7 +211,7 @@ def test_hogwild_workers_share_one_model(small_train: Path, dev_small_path: Path
 
 
 def test_hogwild_adagrad_is_adagrad_alone_and_bounded_when_an_update_is_lost() -> None:
-    from nlmserve.lm.train import HogwildAdagrad
+    from nlmserve.lm.optim import HogwildAdagrad
 
     torch.manual_seed(0)
     emb = [torch.nn.Embedding(50, 8, sparse=True) for _ in range(2)]
