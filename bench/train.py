@@ -39,7 +39,8 @@ from bench._common import TRAINING_STEPS, train_seconds, training_step
 
 from nlmserve.lm.evaluate import evaluate
 from nlmserve.lm.scoring import LanguageModel
-from nlmserve.lm.train import TrainConfig, model_config, prepare_data, train
+from nlmserve.lm.data import prepare_data
+from nlmserve.lm.train import TrainConfig, model_config, train
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "data" / "lm" / "europarl.train.50k.lc-moses.en.xz"
@@ -51,7 +52,7 @@ log = logging.getLogger("bench.train")
 def in_class_timing(cfg: TrainConfig, batch: int = 512, repeats: int = 3) -> dict[str, float]:
     """Milliseconds per forward+backward of the exact in-class normaliser, per strategy."""
     from nlmserve.lm.model import NeuralLM
-    from nlmserve.lm.outputs import ClassOutput
+    from nlmserve.lm.outputs.class_factored import ClassOutput
 
     data = prepare_data(cfg)
     mconf = model_config(cfg, data)

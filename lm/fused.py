@@ -15,7 +15,7 @@ and a GPU). Per example (word2vec's and OxLM's loop, ``src/lbl/factored_weights.
 
 then, for every row the minibatch touched (and no other), AdaGrad:
 ``a += g²; p -= lr g / (sqrt(max(a, g²)) + eps)``. The ``max`` is the Hogwild guard of
-``HogwildAdagrad`` (a no-op in one process, where ``a >= g²``), so the same step serves
+``optim.HogwildAdagrad`` (a no-op in one process, where ``a >= g²``), so the same step serves
 ``--workers`` processes sharing the parameters. Gradients are summed per touched row in
 buffers found through a row → buffer map (reset after the update), never sorted: the
 torch step's sparse gradients are coalesced (sorted) before every update.
@@ -40,7 +40,7 @@ from torch import Tensor
 
 from .model import NeuralLM
 from .objectives import NoiseDistribution
-from .outputs import HASH_CTX, HASH_KEY, HASH_MOD, HASH_OUT, HASH_SEED, ClassOutput
+from .outputs.class_factored import HASH_CTX, HASH_KEY, HASH_MOD, HASH_OUT, HASH_SEED, ClassOutput
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +245,7 @@ def _take(where: np.ndarray, rows: np.ndarray, n: int, row: int, grad: np.ndarra
 @_jit(inline=True)
 def _suffix_hashes(ctx: np.ndarray, i: int, L: int, hashes: np.ndarray) -> None:
     """Hashes of the L context suffixes (lengths 0 .. L-1) of example i, each times
-    HASH_KEY mod HASH_MOD (``outputs.context_hashes``, the first half of a slot)."""
+    HASH_KEY mod HASH_MOD (``outputs.class_factored.context_hashes``, the first half of a slot)."""
     n1 = ctx.shape[1]
     h = HASH_SEED
     for length in range(L):
@@ -256,7 +256,7 @@ def _suffix_hashes(ctx: np.ndarray, i: int, L: int, hashes: np.ndarray) -> None:
 
 @_jit(inline=True)
 def _slot(hashed: int, y: int, size: int) -> int:
-    """Table slot of (suffix, y) (``outputs.ngram_feature_index``: the same slot, as
+    """Table slot of (suffix, y) (``outputs.class_factored.ngram_feature_index``: the same slot, as
     ((a + b) mod M) equals ((a mod M) + b) mod M; a power-of-two size takes the low bits)."""
     x = (hashed + y * HASH_OUT) % HASH_MOD
     return x & (size - 1) if (size & (size - 1)) == 0 else x % size

@@ -3,7 +3,7 @@
 // added to each score) computes them.
 //
 // The contract (the golden file proto/contract/feature_hashes.tsv; the Python owner is
-// nlmserve.lm.outputs: HASH_*, context_hashes, ngram_feature_index; the wire gives the tables'
+// nlmserve.lm.outputs.class_factored: HASH_*, context_hashes, ngram_feature_index; the wire gives the tables'
 // sizes, ScoringTablesChunk in proto/nlmserve/v1/lm.proto): the constants and functions below,
 // in 64-bit unsigned arithmetic. The local scorer (nlmserve_tables.h) sums one weight per
 // suffix from each of the two tables. Header only, C++11, no gRPC or protobuf.

@@ -12,7 +12,7 @@
 // which is what the server answers with allow_unnormalized=true, to float rounding. The
 // bracketed sums are a model's direct n-gram features (Features below): the hashes of
 // the context's newest suffixes and their slots as the wire contract gives them (the
-// Python owner is nlmserve.lm.outputs.context_hashes and ngram_feature_index).
+// Python owner is nlmserve.lm.outputs.class_factored.context_hashes and ngram_feature_index).
 //
 // A tree-output model's tables (Tree below) give its exact log-probability instead: output
 // and bias are the tree's node vectors and biases, and

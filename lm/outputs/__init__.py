@@ -15,15 +15,6 @@ where it has them, its fast CPU inference tables:
 =================  ==================  =====================================================
 
 ``base`` holds what they share: :class:`OutputLayer` (what every layer answers) and
-:class:`SoftmaxFamily` (a score per word normalised over all V words). The package names the
-layers and the direct features' hash constants (``nlmserve.wire.ngrams``'s) that the fused
-training step reads; the rest of ``lm/`` imports from the modules.
+:class:`SoftmaxFamily` (a score per word normalised over all V words). Everything imports from the
+modules; the package itself names nothing.
 """
-
-from .banded import BandedOutput as BandedOutput
-from .base import OutputLayer as OutputLayer, SoftmaxFamily as SoftmaxFamily
-from .class_factored import ClassOutput as ClassOutput
-from .class_factored import HASH_CTX as HASH_CTX, HASH_KEY as HASH_KEY, HASH_MOD as HASH_MOD
-from .class_factored import HASH_OUT as HASH_OUT, HASH_SEED as HASH_SEED
-from .softmax import SoftmaxOutput as SoftmaxOutput
-from .tree import TreeOutput as TreeOutput
