@@ -151,7 +151,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def scorer_rows(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per form: each model's median ns per n-gram (of its rounds' medians), first pass too,
-    in-process map time, and the median over rounds of large / small."""
+    in-process map time, and the median over rounds of large / small with its quartiles."""
     runs = result["scorer"]["runs"]
     out = {}
     for q in FORMS:
@@ -163,10 +163,16 @@ def scorer_rows(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
                   "ratio": statistics.median(b["median_ns_per_row"] / a["median_ns_per_row"]
                                              for a, b in zip(small, large)),
                   "ratios": [round(b["median_ns_per_row"] / a["median_ns_per_row"], 3) for a, b in zip(small, large)],
+                  "ratio_q1": 0.0, "ratio_q3": 0.0,
                   "small_map_ms": 1000 * statistics.median(x["map_s"] for x in small),
                   "large_map_ms": 1000 * statistics.median(x["map_s"] for x in large),
                   "small_lookup_ns": statistics.median(x["lookup_ns_per_word"] for x in small),
                   "large_lookup_ns": statistics.median(x["lookup_ns_per_word"] for x in large)}
+        ratios = [b["median_ns_per_row"] / a["median_ns_per_row"] for a, b in zip(small, large)]
+        if len(ratios) > 1:
+            out[q]["ratio_q1"], _, out[q]["ratio_q3"] = statistics.quantiles(ratios, n=4, method="inclusive")
+        else:
+            out[q]["ratio_q1"] = out[q]["ratio_q3"] = ratios[0]
     return out
 
 
@@ -189,7 +195,8 @@ def render(result: dict[str, Any]) -> str:
            f"{sm['vocab_size']:,} words, order {sm['order']}, width {sm['dim']}, {sm['objective'].upper()} "
            f"{sm['output']} output{', direct n-gram features' if sm['ngram_features'] else ''}.", ""]
     out += ["| tables file | small (MB) | large (MB) | mapped in-process, small / large (ms) "
-            "| ns per n-gram, small | large | large ÷ small (rounds) | first pass, small / large (ns) |",
+            "| ns per n-gram, small | large | large ÷ small (the middle half of the rounds) "
+            "| first pass, small / large (ns) |",
             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for q in FORMS:
         r = rows[q]
@@ -197,14 +204,15 @@ def render(result: dict[str, Any]) -> str:
                    f"{result['files']['large'][q]['bytes'] / 1e6:,.1f} | "
                    f"{r['small_map_ms']:.2f} / {r['large_map_ms']:.2f} | "
                    f"{r['small_ns']:.0f} | {r['large_ns']:.0f} | {r['ratio']:.2f} "
-                   f"({', '.join(f'{x:.2f}' for x in r['ratios'])}) | {r['small_first_ns']:.0f} / "
+                   f"({r['ratio_q1']:.2f}–{r['ratio_q3']:.2f}) | {r['small_first_ns']:.0f} / "
                    f"{r['large_first_ns']:.0f} |")
     small_first = s["runs"]["small"]["none"][0]
     out += ["", f"The scorer: bench/cpp/nlmserve_tables_speed.cpp ({s['compiler']}, `{s['flags']}`), "
                 f"{first['rows']:,} n-grams of `{shown_command(result['text'])}` ({first['words']:,} words, "
                 f"{small_first['unknown']:,} unknown to the small model, {first['unknown']:,} to the large), one "
-                f"sentence's n-grams a call, {s['rounds']} interleaved rounds; a round's number is the median of "
-                f"{s['passes']} passes after the first, each with a new scratch; the first pass reads each page "
+                f"sentence's n-grams a call, {s['rounds']} interleaved rounds (every round's times in the JSON); "
+                f"a round's number is the median of {s['passes']} passes after the first, each with a new "
+                f"scratch; the first pass reads each page "
                 f"of the tables in the process for the first time (the file in the page cache). A word looked up "
                 f"in the file's vocabulary (float32 file; pages already faulted in): "
                 f"{rows['none']['small_lookup_ns']:.0f} ns small, {rows['none']['large_lookup_ns']:.0f} ns large"

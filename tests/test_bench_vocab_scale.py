@@ -68,13 +68,13 @@ def _result() -> dict[str, Any]:
 
 
 def test_the_tables_from_a_hand_made_run() -> None:
-    """Round 1: 330 / 300 = 1.10; round 2: 360 / 400 = 0.90; their median 1.00, where the
-    medians' ratio (345 / 350) would say 0.99. Four decoders of 300 MiB PSS, each with 200 MiB
+    """Round 1: 330 / 300 = 1.10; round 2: 360 / 400 = 0.90; their median 1.00 (the medians'
+    ratio, 345 / 350, would say 0.99), their quartiles 0.95 and 1.05. Four decoders of 300 MiB PSS, each with 200 MiB
     of the file resident and a 50 MiB share of it: 200 MiB of the file counted in all."""
     text = vocab_scale.render(_result())
     lines = text.splitlines()
     assert lines[0] == "<!-- bench/vocab_scale.py: begin -->" and lines[-1] == "<!-- bench/vocab_scale.py: end -->"
-    assert "| `--quantize none` | 400.0 | 400.0 | 0.10 / 0.10 | 350 | 345 | 1.00 (1.10, 0.90) | 400 / 500 |" in lines
+    assert "| `--quantize none` | 400.0 | 400.0 | 0.10 / 0.10 | 350 | 345 | 1.00 (0.95–1.05) | 400 / 500 |" in lines
     assert "| large `none` | 400.0 | 1,200 | 300 | 200 | 200 | 1.25 (1.00, 1.25, 1.50) |" in lines
     assert "`python -m bench.vocab_scale --rounds 2 --json v.json`" in lines
     assert "`../shared/data/lm/dev.en` (90 words, 3 unknown to the small model, 3 to the large)" in text
