@@ -436,7 +436,11 @@ def write_section(doc: Path, text: str, section: str | None = None) -> None:
     _common.write_section(doc, *markers(section), text)
 
 
-def main(argv: list[str] | None = None) -> int:
+DEFAULT_DOC = Path(__file__).resolve().parent.parent / "docs" / "performance-decoder.md"
+
+
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's command line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--moses", required=True, help="the moses binary built with the feature")
@@ -467,25 +471,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--render", type=Path, metavar="JSON",
                    help="only write the section of --doc from a JSON file of an earlier run")
-    p.add_argument("--doc", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "performance-decoder.md",
+    p.add_argument("--doc", type=Path, default=DEFAULT_DOC,
                    help="page whose bench/decoder.py section --render replaces")
     p.add_argument("--section", help="name of this run's section in --doc (its markers are "
                                      "'<!-- bench/decoder.py NAME: begin -->' and '... end -->'; default: the main "
                                      "table); with --render, the section to write the JSON's run into")
+    return p
+
+
+def render_only(argv: list[str] | None) -> bool:
+    """``--render JSON``: no decoding, the section of --doc from an earlier run's JSON (read
+    before the full command line, whose required arguments it does not need). True when it
+    was given and the section is written."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--render", type=Path)
-    pre.add_argument("--doc", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "performance-decoder.md")
+    pre.add_argument("--doc", type=Path, default=DEFAULT_DOC)
     pre.add_argument("--section")
     only, _ = pre.parse_known_args(argv)
-    if only.render is not None:  # no decoding: the section of --doc from an earlier run's JSON
-        result = json.loads(only.render.read_text())
-        result["section"] = only.section or result.get("section")
-        for row in result["rows"]:  # the targets as TARGETS states them now
-            set_target(row)
-        write_section(only.doc, render(result), result["section"])
-        return 0
-    args = p.parse_args(argv)
-    configs = [Config.parse(c) for c in args.configs]
+    if only.render is None:
+        return False
+    result = json.loads(only.render.read_text())
+    result["section"] = only.section or result.get("section")
+    for row in result["rows"]:  # the targets as TARGETS states them now
+        set_target(row)
+    write_section(only.doc, render(result), result["section"])
+    return True
+
+
+def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace,
+                    configs: list[Config]) -> tuple[Config | None, str | None]:
+    """Refuse what cannot run (through ``p.error``), before the first round; returns the
+    configuration the n-best check decodes with and the model file it compares with."""
     if args.model is not None and args.server is not None:
         p.error("give --model or --server, not both")
     if args.server is not None and any(c.model for c in configs):
@@ -509,108 +525,158 @@ def main(argv: list[str] | None = None) -> int:
             local.setdefault(c.model or args.model, []).append(c.name)
     for model, names in local.items():
         _common.require_scoring_tables(model, f"--configs {' '.join(names)}")
+    return checked, check_model
 
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-decoder-"))
-    work.mkdir(parents=True, exist_ok=True)
-    src = work / "input.txt"
-    chosen = write_head(args.input, args.lines, src)
-    lines = len(chosen)
 
-    journal = work / "runs.jsonl"
-    kept = read_journal(journal) if args.resume else {}
+@dataclass
+class Bench:
+    """One benchmark's work folder, its sentences and its servers (model path -> server)."""
 
-    def run_key(c: Config, rnd: int) -> str:
+    args: argparse.Namespace
+    work: Path
+    chosen: list[str]  # the sentences every run decodes
+    servers: dict[str, ServerProcess] = field(default_factory=dict)
+
+    @classmethod
+    def prepare(cls, args: argparse.Namespace) -> "Bench":
+        """The work folder (--workdir, else a temporary one) with the first --lines sentences."""
+        work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-decoder-"))
+        work.mkdir(parents=True, exist_ok=True)
+        return cls(args, work, write_head(args.input, args.lines, work / "input.txt"))
+
+    @property
+    def src(self) -> Path:
+        return self.work / "input.txt"
+
+    @property
+    def lines(self) -> int:
+        return len(self.chosen)
+
+    @property
+    def journal(self) -> Path:
+        return self.work / "runs.jsonl"
+
+    def start_servers(self, configs: list[Config]) -> None:
+        """One ``nlmserve serve`` per model the feature configurations name."""
+        for model in dict.fromkeys(c.model or self.args.model for c in configs if c.options is not None):
+            if model is not None:
+                self.servers[model] = start_server(Path(model), self.args.serve_args.split())
+
+    def stop_servers(self) -> None:
+        for server in self.servers.values():
+            server.stop()
+
+    def head(self, name: str, n: int) -> Path:
+        """The first ``n`` sentences, written to ``name`` in the work folder."""
+        path = self.work / name
+        path.write_text("".join(self.chosen[:n]), encoding="utf-8")
+        return path
+
+    def run_key(self, c: Config, rnd: int) -> str:
         """What a recorded run must share with this one to be kept by --resume."""
-        return json.dumps({"config": c.text, "round": rnd, "lines": lines, "input": str(args.input),
+        args = self.args
+        return json.dumps({"config": c.text, "round": rnd, "lines": self.lines, "input": str(args.input),
                            "moses": c.moses or args.moses, "model": c.model or args.model, "ini": str(args.ini),
                            "kenlm": args.kenlm, "order": args.order, "nlm_weight": args.nlm_weight,
                            "threads": args.threads, "serve_args": args.serve_args}, sort_keys=True)
 
-    servers: dict[str, ServerProcess] = {}  # model path -> its server
-    info = machine()
+    def ini_for(self, name: str, options: dict[str, str] | None, model: str | None = None) -> Path:
+        """The system's ini rewritten into the work folder, with the feature's line when
+        ``options`` is given (served by the server of ``model``, else of --model, else --server)."""
+        args = self.args
+        path = self.work / f"{name}.ini"
+        feature = None
+        if options is not None:
+            target = self.servers[model or args.model].target if (model or args.model) else args.server
+            feature = feature_line(options, target, args.order)
+        rewrite_ini(args.ini, args.kenlm, path, feature, args.nlm_weight)
+        return path
+
+    def measure(self, c: Config, options: dict[str, str] | None, rnd: int, source: Path, n: int,
+                name: str | None = None) -> Run:
+        """Decode ``source`` (``n`` sentences) once with ``c``'s decoder and ``options``."""
+        args = self.args
+        name = name or c.name
+        ini = self.ini_for(name, options, c.model)
+        out, log = self.work / f"{name}.r{rnd}.out", self.work / f"{name}.r{rnd}.log"
+        server = self.servers.get(c.model or args.model or "") if options is not None else None
+        before = tree_cpu_seconds(server.process.pid) if server else 0.0
+        wall, cpu = decode(c.moses or args.moses, ini, source, args.threads, out, log)
+        after = tree_cpu_seconds(server.process.pid) if server else 0.0
+        run = Run(name, rnd, n, wall, cpu, after - before, output_sha=sha(out), **feature_counts(log),
+                  load_s=load_seconds(log),
+                  extra={"load_average_1m_after": round(os.getloadavg()[0], 2)})
+        print(f"round {rnd} {name}: {wall:.1f} s wall, decoder {cpu:.1f} s CPU, server {after - before:.1f} s CPU",
+              flush=True)
+        return run
+
+
+def run_rounds(bench: Bench, configs: list[Config], kept: dict[str, Run]) -> list[Run]:
+    """The interleaved rounds (every configuration in turn, --rounds times); a run --resume
+    kept is not measured again, and every measured one is recorded in the journal."""
+    runs: list[Run] = []
+    for rnd in range(bench.args.rounds):
+        for c in configs:
+            key = bench.run_key(c, rnd)
+            if key in kept:
+                runs.append(kept[key])
+                print(f"round {rnd} {c.name}: kept from {bench.journal}", flush=True)
+                continue
+            run = bench.measure(c, c.options, rnd, bench.src, bench.lines)
+            with open(bench.journal, "a", encoding="utf-8") as f:  # one line per finished run
+                f.write(json.dumps({"key": key, "run": asdict(run)}) + "\n")
+            runs.append(run)
+    return runs
+
+
+def prefetch_check(bench: Bench, configs: list[Config]) -> dict[str, Any]:
+    """--prefetch-check N: the first N sentences once with every prefetch mode of each feature
+    configuration; whether the outputs are identical, or why the check has no answer."""
+    n = bench.args.prefetch_check
+    head = bench.head("prefetch-input.txt", n)
+    prefetch: dict[str, Any] = {}
+    for c in configs:
+        if c.options is None:
+            continue
+        shas = {}
+        try:
+            for mode in PREFETCH_MODES:
+                opts = {**c.options, "prefetch": mode}
+                r = bench.measure(c, opts, 0, head, n, name=f"{c.name}-prefetch-{mode}")
+                shas[mode] = r.output_sha
+                prefetch[f"{c.name}/{mode}"] = {"wall_s": round(r.wall_s, 2), "round_trips": r.round_trips}
+        except SystemExit as e:  # the measured rounds stay; the check says why it has no answer
+            prefetch[f"{c.name}/error"] = str(e)
+            print(f"prefetch check {c.name}: {e}", file=sys.stderr)
+            continue
+        prefetch[f"{c.name}/identical"] = len(set(shas.values())) == 1
+    return prefetch
+
+
+def run_nbest_check(bench: Bench, checked: Config, check_model: str) -> dict[str, Any]:
+    """--nbest-check N: the first N sentences with a 10-best list, exact scores, every NLM0
+    against ``check_model``'s own sentence scores (nbest_check), or why there is no answer."""
+    n = bench.args.nbest_check
+    head = bench.head("nbest-input.txt", n)
+    # exact scores, at the order the checked configuration decodes with, and computed
+    # where it computes them when they are exact there (a tree model's scoring=local)
+    exact = {"normalized": "true", **{k: v for k, v in (checked.options or {}).items()
+                                      if k == "order" or (k == "scoring" and exact_config(checked.options))}}
+    nbest: dict[str, Any]
     try:
-        for model in dict.fromkeys(c.model or args.model for c in configs if c.options is not None):
-            if model is not None:
-                servers[model] = start_server(Path(model), args.serve_args.split())
+        nbest = nbest_check(checked.moses or bench.args.moses, bench.ini_for("nbest", exact, check_model), head,
+                            bench.args.threads, check_model, bench.work)
+    except SystemExit as e:
+        nbest = {"error": str(e)}
+        print(f"n-best check: {e}", file=sys.stderr)
+    nbest["lines"] = n
+    nbest["model"] = check_model
+    return nbest
 
-        def ini_for(name: str, options: dict[str, str] | None, model: str | None = None) -> Path:
-            path = work / f"{name}.ini"
-            feature = None
-            if options is not None:
-                target = servers[model or args.model].target if (model or args.model) else args.server
-                feature = feature_line(options, target, args.order)
-            rewrite_ini(args.ini, args.kenlm, path, feature, args.nlm_weight)
-            return path
 
-        def measure(c: Config, options: dict[str, str] | None, rnd: int, source: Path, n: int,
-                    name: str | None = None) -> Run:
-            name = name or c.name
-            ini = ini_for(name, options, c.model)
-            out, log = work / f"{name}.r{rnd}.out", work / f"{name}.r{rnd}.log"
-            server = servers.get(c.model or args.model or "") if options is not None else None
-            before = tree_cpu_seconds(server.process.pid) if server else 0.0
-            wall, cpu = decode(c.moses or args.moses, ini, source, args.threads, out, log)
-            after = tree_cpu_seconds(server.process.pid) if server else 0.0
-            run = Run(name, rnd, n, wall, cpu, after - before, output_sha=sha(out), **feature_counts(log),
-                      load_s=load_seconds(log),
-                      extra={"load_average_1m_after": round(os.getloadavg()[0], 2)})
-            print(f"round {rnd} {name}: {wall:.1f} s wall, decoder {cpu:.1f} s CPU, server {after - before:.1f} s CPU",
-                  flush=True)
-            return run
-
-        runs: list[Run] = []
-        for rnd in range(args.rounds):
-            for c in configs:
-                key = run_key(c, rnd)
-                if key in kept:
-                    runs.append(kept[key])
-                    print(f"round {rnd} {c.name}: kept from {journal}", flush=True)
-                    continue
-                run = measure(c, c.options, rnd, src, lines)
-                with open(journal, "a", encoding="utf-8") as f:  # one line per finished run
-                    f.write(json.dumps({"key": key, "run": asdict(run)}) + "\n")
-                runs.append(run)
-        rows = summarise(runs, configs)
-
-        prefetch: dict[str, Any] = {}
-        if args.prefetch_check:
-            head = work / "prefetch-input.txt"
-            head.write_text("".join(chosen[: args.prefetch_check]), encoding="utf-8")
-            for c in configs:
-                if c.options is None:
-                    continue
-                shas = {}
-                try:
-                    for mode in PREFETCH_MODES:
-                        opts = {**c.options, "prefetch": mode}
-                        r = measure(c, opts, 0, head, args.prefetch_check, name=f"{c.name}-prefetch-{mode}")
-                        shas[mode] = r.output_sha
-                        prefetch[f"{c.name}/{mode}"] = {"wall_s": round(r.wall_s, 2), "round_trips": r.round_trips}
-                except SystemExit as e:  # the measured rounds stay; the check says why it has no answer
-                    prefetch[f"{c.name}/error"] = str(e)
-                    print(f"prefetch check {c.name}: {e}", file=sys.stderr)
-                    continue
-                prefetch[f"{c.name}/identical"] = len(set(shas.values())) == 1
-        nbest: dict[str, Any] = {}
-        if args.nbest_check and checked is not None and check_model is not None:
-            head = work / "nbest-input.txt"
-            head.write_text("".join(chosen[: args.nbest_check]), encoding="utf-8")
-            # exact scores, at the order the checked configuration decodes with, and computed
-            # where it computes them when they are exact there (a tree model's scoring=local)
-            exact = {"normalized": "true", **{k: v for k, v in (checked.options or {}).items()
-                                              if k == "order" or (k == "scoring" and exact_config(checked.options))}}
-            try:
-                nbest = nbest_check(checked.moses or args.moses, ini_for("nbest", exact, check_model), head,
-                                    args.threads, check_model, work)
-            except SystemExit as e:
-                nbest = {"error": str(e)}
-                print(f"n-best check: {e}", file=sys.stderr)
-            nbest["lines"] = args.nbest_check
-            nbest["model"] = check_model
-    finally:
-        for server in servers.values():
-            server.stop()
-
+def print_summary(args: argparse.Namespace, lines: int, info: dict[str, Any], rows: list[dict[str, Any]],
+                  prefetch: dict[str, Any], nbest: dict[str, Any]) -> None:
+    """The run's table and checks on the terminal."""
     print()
     print(f"{lines} sentences of {args.input.name}, moses -threads {args.threads}, {args.rounds} interleaved rounds; "
           f"machine: {info['cpu']}, {info['cores']} cores, load {info['load_average_1m']} at start")
@@ -619,13 +685,41 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prefetch check {key}: {value}")
     if nbest:
         print(f"n-best check: {nbest}")
+
+
+def result_of(args: argparse.Namespace, lines: int, info: dict[str, Any], rows: list[dict[str, Any]],
+              prefetch: dict[str, Any], nbest: dict[str, Any], runs: list[Run]) -> dict[str, Any]:
+    """What --json writes (and --render reads back)."""
+    return {"machine": info, "lines": lines, "input": str(args.input), "threads": args.threads,
+            "rounds": args.rounds, "nlm_weight": args.nlm_weight, "prefetch_lines": args.prefetch_check,
+            "serve_args": args.serve_args, "model": args.model, "rows": rows, "prefetch_check": prefetch,
+            "nbest_check": nbest, "runs": [asdict(r) for r in runs], "command": " ".join(sys.argv),
+            "commit": commit(), "section": args.section}
+
+
+def main(argv: list[str] | None = None) -> int:
+    if render_only(argv):
+        return 0
+    p = parser()
+    args = p.parse_args(argv)
+    configs = [Config.parse(c) for c in args.configs]
+    checked, check_model = check_arguments(p, args, configs)
+    bench = Bench.prepare(args)
+    kept = read_journal(bench.journal) if args.resume else {}
+    info = machine()
+    try:
+        bench.start_servers(configs)
+        runs = run_rounds(bench, configs, kept)
+        rows = summarise(runs, configs)
+        prefetch = prefetch_check(bench, configs) if args.prefetch_check else {}
+        nbest: dict[str, Any] = {}
+        if args.nbest_check and checked is not None and check_model is not None:
+            nbest = run_nbest_check(bench, checked, check_model)
+    finally:
+        bench.stop_servers()
+    print_summary(args, bench.lines, info, rows, prefetch, nbest)
     if args.json:
-        result = {"machine": info, "lines": lines, "input": str(args.input), "threads": args.threads,
-                  "rounds": args.rounds, "nlm_weight": args.nlm_weight, "prefetch_lines": args.prefetch_check, "serve_args": args.serve_args,
-                  "model": args.model, "rows": rows, "prefetch_check": prefetch, "nbest_check": nbest,
-                  "runs": [asdict(r) for r in runs], "command": " ".join(sys.argv), "commit": commit(),
-                  "section": args.section}
-        write_json(args.json, result)
+        write_json(args.json, result_of(args, bench.lines, info, rows, prefetch, nbest, runs))
     return 0
 
 

@@ -399,7 +399,8 @@ def kenlm_rate(path: str, words: list[list[str]], seconds: float) -> float | Non
     return rate(run, seconds)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's command line."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kenlm-model", help="KenLM ARPA/binary for (d); without it (d) is skipped")
     ap.add_argument("--seconds", type=float, default=BenchConfig.seconds)
@@ -410,146 +411,216 @@ def main(argv: list[str] | None = None) -> int:
                     help="how nlmserve_load drives the concurrent clients (default: %(default)s)")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--noop-server", type=Path, metavar="MODEL", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.noop_server:
-        return noop_serve(args.noop_server)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    cfg = BenchConfig(vocab_size=args.vocab_size, dim=args.dim, seconds=args.seconds,
-                      torch_threads=args.torch_threads, kenlm_model=args.kenlm_model, load_mode=args.load_mode)
-    torch.set_num_threads(cfg.torch_threads)
-    res: dict[str, Any] = {"machine": machine(), "config": cfg.__dict__}
-    print(json.dumps(res["machine"]))
-    with tempfile.TemporaryDirectory() as tmp:
-        model_path = Path(tmp) / "bench.nlm"
+    return ap
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The built model and the test n-grams every measurement sends to it."""
+
+    cfg: BenchConfig
+    model_path: Path
+    lm: LanguageModel
+    ids: np.ndarray
+    words: list[list[str]]
+
+    @classmethod
+    def build(cls, cfg: BenchConfig, model_path: Path) -> "Workload":
         build_model(cfg, model_path)
         lm = LanguageModel.load(model_path, device="cpu")
         ids, words = test_ngrams(lm, 20_000)
-        res["flops_per_ngram"] = flops_per_ngram(lm, ids)
-        res["gemm_flops"] = gemm_rate(cfg.dim, cfg.seconds / 2)
-        res["compute_limit"] = res["gemm_flops"] / res["flops_per_ngram"]
-        print(f"(e) compute limit: {res['flops_per_ngram'] / 1e3:.0f} kFLOP/n-gram, "
-              f"GEMM {res['gemm_flops'] / 1e9:.1f} GFLOP/s -> {res['compute_limit']:,.0f} n-grams/s")
+        return cls(cfg, model_path, lm, ids, words)
 
-        from nlmserve.server.config import ServerConfig
-        from nlmserve.server.engine import Engine
+    def server(self, *flags: str, noop: bool = False) -> ServerProcess:
+        """A server of the model with the engine's torch threads and ``flags``."""
+        return ServerProcess(self.model_path, "--torch-threads", str(self.cfg.torch_threads), *flags, noop=noop)
 
-        engine = Engine(lm, ServerConfig(model=str(model_path), torch_threads=cfg.torch_threads))
-        for bs in (4096, 10_000):
-            batch = ids[:bs]
-            res[f"engine_{bs}"] = rate(lambda: len(engine.score_ngrams(batch, log10=True)), cfg.seconds)
-            print(f"(a) engine, batch {bs}: {res[f'engine_{bs}']:,.0f} n-grams/s "
-                  f"({res[f'engine_{bs}'] / res['compute_limit']:.0%} of the compute limit)")
-        engine.shutdown()
-
-        threads = ["--torch-threads", str(cfg.torch_threads)]
-        server = ServerProcess(model_path, *threads)
+    def concurrent(self, flags: tuple[str, ...] | None, tool: Path | None, clients: int | None = None,
+                   mode: str | None = None) -> dict[str, float]:
+        """concurrent_measure against a server of its own (``flags`` None: the no-op server)."""
+        server = self.server(*(flags or ()), noop=flags is None)
         try:
-            from nlmserve.client import LMClient
-
-            with LMClient(server.target) as client:
-                for bs in (1000, 10_000):
-                    batch = ids[:bs]
-                    res[f"grpc_packed_{bs}"] = rate(lambda: len(client.score_ids(batch).log_probs), cfg.seconds)
-                    print(f"(b) gRPC packed ids, batch {bs}: {res[f'grpc_packed_{bs}']:,.0f} n-grams/s "
-                          f"({res[f'grpc_packed_{bs}'] / res['engine_10000']:.0%} of the engine)")
-            with LMClient(server.target, pack_ids=False) as client:
-                res["grpc_strings_10000"] = rate(lambda: len(client.score_ngrams(words[:10_000]).log_probs),
-                                                 cfg.seconds)
-            print(f"(c) gRPC strings, batch 10000: {res['grpc_strings_10000']:,.0f} n-grams/s "
-                  f"({res['grpc_strings_10000'] / res['engine_10000']:.0%} of the engine)")
-            res["latency_c1"] = single_latency(server.target, ids, cfg.latency_requests)
-            print(f"single n-gram, concurrency 1: p50 {res['latency_c1']['p50_ms']:.3f} ms, "
-                  f"p99 {res['latency_c1']['p99_ms']:.3f} ms")
+            return concurrent_measure(server, self.ids, self.words, self.cfg, tool, clients=clients, mode=mode)
         finally:
             server.stop()
-        tool = cpp_tool("nlmserve_load")
-        native = cpp_tool("nlmserve_frontend") if tool else None
-        other = res["load_mode_other"] = "threads" if cfg.load_mode == "async" else "async"
-        res["load_clients"] = f"C++ nlmserve_load, {cfg.load_mode}" if tool else "Python asyncio"
-        # The three servers one after the other, twice, so that a change of load on the
-        # machine during the run shows as a difference between the rounds.
-        variants: list[tuple[str, tuple[str, ...] | None, str | None]] = [
-            ("concurrent_batching", (), None), ("concurrent_no_batching", ("--max-batch-ngrams", "1"), None),
-            ("concurrent_noop", None, None)]
-        # The native front end (server/native) before the batching server, and with
-        # --max-batch-ngrams 1 (one server call per client request, as many in flight as
-        # there are clients) before a --max-batch-ngrams 1 server.
-        # `serve --frontend native` sends merged batches over the model server's private
-        # socket; unbatched, the front end keeps one request per client in flight.
-        fe = ("--frontend", "native", "--frontend-binary", str(native)) if native is not None else ()
-        if native is not None:
-            variants += [("native_batching", fe, None),
-                         ("native_no_batching", (*fe, "--max-batch-ngrams", "1", "--frontend-max-inflight",
-                                                 str(cfg.concurrency)), None)]
-        if tool is not None:  # the main pair again, driven by the load generator's other mode
-            variants += [("concurrent_no_batching_" + other, ("--max-batch-ngrams", "1"), other)]
-            if native is not None:
-                variants += [("native_batching_" + other, fe, other)]
-        rounds: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in variants}
-        for _ in range(2):
-            for name, flags, mode in variants:
-                server = ServerProcess(model_path, *threads, *(flags or ()), noop=flags is None)
-                try:
-                    rounds[name].append(concurrent_measure(server, ids, words, cfg, tool, mode=mode))
-                finally:
-                    server.stop()
-        for name, runs in rounds.items():  # the better round of each
-            res[name] = max(runs, key=lambda r: r["ngrams_per_s"])
-            res[name + "_rounds"] = runs
-        b, nb, noop = res["concurrent_batching"], res["concurrent_no_batching"], res["concurrent_noop"]
-        gain = b["ngrams_per_s"] / nb["ngrams_per_s"]
-        res["batching_gain"] = gain
-        res["batching_cpu_gain"] = nb["server_cpu_us_per_request"] / b["server_cpu_us_per_request"]
-        res["noop_ceiling_gain"] = noop["ngrams_per_s"] / nb["ngrams_per_s"]
-        print(f"{cfg.concurrency} clients x 1 n-gram ({res['load_clients']}): micro-batching "
-              f"{b['ngrams_per_s']:,.0f}/s (p99 {b['p99_ms']:.2f} ms) vs --max-batch-ngrams 1 "
-              f"{nb['ngrams_per_s']:,.0f}/s (p99 {nb['p99_ms']:.2f} ms): {gain:.1f}x;"
-              f" {b['requests_per_forward_pass']:.1f} requests per forward pass")
-        print(f"  server CPU per request: {b['server_cpu_us_per_request']:.0f} us batched vs "
-              f"{nb['server_cpu_us_per_request']:.0f} us unbatched ({res['batching_cpu_gain']:.1f}x less)")
-        print(f"  no-op server (the same gRPC stack, no model): {noop['ngrams_per_s']:,.0f}/s (p99 "
-              f"{noop['p99_ms']:.2f} ms), {noop['server_cpu_us_per_request']:.0f} us CPU per request: "
-              f"micro-batching reaches {b['ngrams_per_s'] / noop['ngrams_per_s']:.0%} of it; no batching "
-              f"can gain more than {res['noop_ceiling_gain']:.1f}x over --max-batch-ngrams 1 here")
-        if native is not None and tool is not None:
-            nb_native, b_native = res["native_no_batching"], res["native_batching"]
-            res["native_gain"] = b_native["ngrams_per_s"] / nb["ngrams_per_s"]
-            res["native_gain_same_stack"] = b_native["ngrams_per_s"] / nb_native["ngrams_per_s"]
-            r = b_native
-            print(f"  serve --frontend native: "
-                  f"{r['ngrams_per_s']:,.0f}/s (p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms), "
-                  f"{r['requests_per_forward_pass']:.1f} client requests per forward pass, "
-                  f"{r['server_cpu_us_per_request']:.0f} us CPU per request (front end + server): "
-                  f"{r['ngrams_per_s'] / nb['ngrams_per_s']:.1f}x the server with --max-batch-ngrams 1")
-            print(f"  serve --frontend native --max-batch-ngrams 1 (one request per client in flight): "
-                  f"{nb_native['ngrams_per_s']:,.0f}/s (p99 {nb_native['p99_ms']:.2f} ms): batching in the front "
-                  f"end gains {res['native_gain_same_stack']:.1f}x on the same stack")
-            b_o, nb_o = res["native_batching_" + other], res["concurrent_no_batching_" + other]
-            res["native_gain_" + other] = b_o["ngrams_per_s"] / nb_o["ngrams_per_s"]
-            print(f"  the same two with nlmserve_load --mode {other}: serve --frontend native "
-                  f"{b_o['ngrams_per_s']:,.0f}/s (p50 {b_o['p50_ms']:.2f} ms, p99 {b_o['p99_ms']:.2f} ms) vs "
-                  f"--max-batch-ngrams 1 {nb_o['ngrams_per_s']:,.0f}/s (p99 {nb_o['p99_ms']:.2f} ms): "
-                  f"{res['native_gain_' + other]:.1f}x")
-            # One client thread: the latency a decoder thread sees through the C++ client.
-            for name, flags in (("latency_c1_cpp", ()), ("latency_c1_cpp_native", fe)):
-                server = ServerProcess(model_path, *threads, *flags)
-                try:
-                    res[name] = concurrent_measure(server, ids, words, cfg, tool, clients=1, mode="threads")
-                    if flags:  # and the Python client's, through the front end
-                        res["latency_c1_native"] = single_latency(server.target, ids, cfg.latency_requests)
-                finally:
-                    server.stop()
-            print(f"single n-gram, concurrency 1, C++ client: p50 {res['latency_c1_cpp']['p50_ms']:.3f} ms "
-                  f"(server), {res['latency_c1_cpp_native']['p50_ms']:.3f} ms (serve --frontend native); "
-                  f"Python client through the front end: p50 {res['latency_c1_native']['p50_ms']:.3f} ms")
-        if cfg.kenlm_model:
-            kr = kenlm_rate(cfg.kenlm_model, words[:10_000], cfg.seconds)
-            if kr is not None:
-                res["kenlm"] = kr
-                print(f"(d) KenLM Python module: {kr:,.0f} n-grams/s (engine / KenLM = {res['engine_10000'] / kr:.2f})")
-        else:
-            print("(d) skipped: no --kenlm-model given")
 
+
+def measure_compute_limit(res: dict[str, Any], w: Workload) -> None:
+    """(e) the compute limit: FLOPs per n-gram against the GEMM rate."""
+    res["flops_per_ngram"] = flops_per_ngram(w.lm, w.ids)
+    res["gemm_flops"] = gemm_rate(w.cfg.dim, w.cfg.seconds / 2)
+    res["compute_limit"] = res["gemm_flops"] / res["flops_per_ngram"]
+    print(f"(e) compute limit: {res['flops_per_ngram'] / 1e3:.0f} kFLOP/n-gram, "
+          f"GEMM {res['gemm_flops'] / 1e9:.1f} GFLOP/s -> {res['compute_limit']:,.0f} n-grams/s")
+
+
+def measure_engine(res: dict[str, Any], w: Workload) -> None:
+    """(a) the engine in-process, batches of 4096 and 10,000 n-grams."""
+    from nlmserve.server.config import ServerConfig
+    from nlmserve.server.engine import Engine
+
+    engine = Engine(w.lm, ServerConfig(model=str(w.model_path), torch_threads=w.cfg.torch_threads))
+    for bs in (4096, 10_000):
+        batch = w.ids[:bs]
+        res[f"engine_{bs}"] = rate(lambda: len(engine.score_ngrams(batch, log10=True)), w.cfg.seconds)
+        print(f"(a) engine, batch {bs}: {res[f'engine_{bs}']:,.0f} n-grams/s "
+              f"({res[f'engine_{bs}'] / res['compute_limit']:.0%} of the compute limit)")
+    engine.shutdown()
+
+
+def measure_grpc(res: dict[str, Any], w: Workload) -> None:
+    """(b) gRPC with packed ids, (c) with strings, and one n-gram's latency at concurrency 1,
+    through one ``nlmserve serve``."""
+    server = w.server()
+    try:
+        from nlmserve.client import LMClient
+
+        with LMClient(server.target) as client:
+            for bs in (1000, 10_000):
+                batch = w.ids[:bs]
+                res[f"grpc_packed_{bs}"] = rate(lambda: len(client.score_ids(batch).log_probs), w.cfg.seconds)
+                print(f"(b) gRPC packed ids, batch {bs}: {res[f'grpc_packed_{bs}']:,.0f} n-grams/s "
+                      f"({res[f'grpc_packed_{bs}'] / res['engine_10000']:.0%} of the engine)")
+        with LMClient(server.target, pack_ids=False) as client:
+            res["grpc_strings_10000"] = rate(lambda: len(client.score_ngrams(w.words[:10_000]).log_probs),
+                                             w.cfg.seconds)
+        print(f"(c) gRPC strings, batch 10000: {res['grpc_strings_10000']:,.0f} n-grams/s "
+              f"({res['grpc_strings_10000'] / res['engine_10000']:.0%} of the engine)")
+        res["latency_c1"] = single_latency(server.target, w.ids, w.cfg.latency_requests)
+        print(f"single n-gram, concurrency 1: p50 {res['latency_c1']['p50_ms']:.3f} ms, "
+              f"p99 {res['latency_c1']['p99_ms']:.3f} ms")
+    finally:
+        server.stop()
+
+
+Variant = tuple[str, tuple[str, ...] | None, str | None]  # name, serve flags (None: no-op server), load mode
+
+
+def concurrent_variants(cfg: BenchConfig, tool: Path | None, fe: tuple[str, ...], other: str) -> list[Variant]:
+    """The servers the micro-batching load goes to, and the load generator's mode for each
+    (None: ``cfg.load_mode``); ``fe``: the native front end's flags, empty when it did not build."""
+    variants: list[Variant] = [
+        ("concurrent_batching", (), None), ("concurrent_no_batching", ("--max-batch-ngrams", "1"), None),
+        ("concurrent_noop", None, None)]
+    # The native front end (server/native) before the batching server, and with
+    # --max-batch-ngrams 1 (one server call per client request, as many in flight as
+    # there are clients) before a --max-batch-ngrams 1 server.
+    # `serve --frontend native` sends merged batches over the model server's private
+    # socket; unbatched, the front end keeps one request per client in flight.
+    if fe:
+        variants += [("native_batching", fe, None),
+                     ("native_no_batching", (*fe, "--max-batch-ngrams", "1", "--frontend-max-inflight",
+                                             str(cfg.concurrency)), None)]
+    if tool is not None:  # the main pair again, driven by the load generator's other mode
+        variants += [("concurrent_no_batching_" + other, ("--max-batch-ngrams", "1"), other)]
+        if fe:
+            variants += [("native_batching_" + other, fe, other)]
+    return variants
+
+
+def measure_concurrent(res: dict[str, Any], w: Workload, tool: Path | None, variants: list[Variant]) -> None:
+    """The variants' servers one after the other, twice, so that a change of load on the
+    machine during the run shows as a difference between the rounds; the better round of each."""
+    rounds: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in variants}
+    for _ in range(2):
+        for name, flags, mode in variants:
+            rounds[name].append(w.concurrent(flags, tool, mode=mode))
+    for name, runs in rounds.items():  # the better round of each
+        res[name] = max(runs, key=lambda r: r["ngrams_per_s"])
+        res[name + "_rounds"] = runs
+
+
+def report_batching(res: dict[str, Any], cfg: BenchConfig) -> None:
+    """The Python server's micro-batching gain, its CPU per request and the no-op ceiling."""
+    b, nb, noop = res["concurrent_batching"], res["concurrent_no_batching"], res["concurrent_noop"]
+    gain = b["ngrams_per_s"] / nb["ngrams_per_s"]
+    res["batching_gain"] = gain
+    res["batching_cpu_gain"] = nb["server_cpu_us_per_request"] / b["server_cpu_us_per_request"]
+    res["noop_ceiling_gain"] = noop["ngrams_per_s"] / nb["ngrams_per_s"]
+    print(f"{cfg.concurrency} clients x 1 n-gram ({res['load_clients']}): micro-batching "
+          f"{b['ngrams_per_s']:,.0f}/s (p99 {b['p99_ms']:.2f} ms) vs --max-batch-ngrams 1 "
+          f"{nb['ngrams_per_s']:,.0f}/s (p99 {nb['p99_ms']:.2f} ms): {gain:.1f}x;"
+          f" {b['requests_per_forward_pass']:.1f} requests per forward pass")
+    print(f"  server CPU per request: {b['server_cpu_us_per_request']:.0f} us batched vs "
+          f"{nb['server_cpu_us_per_request']:.0f} us unbatched ({res['batching_cpu_gain']:.1f}x less)")
+    print(f"  no-op server (the same gRPC stack, no model): {noop['ngrams_per_s']:,.0f}/s (p99 "
+          f"{noop['p99_ms']:.2f} ms), {noop['server_cpu_us_per_request']:.0f} us CPU per request: "
+          f"micro-batching reaches {b['ngrams_per_s'] / noop['ngrams_per_s']:.0%} of it; no batching "
+          f"can gain more than {res['noop_ceiling_gain']:.1f}x over --max-batch-ngrams 1 here")
+
+
+def report_native(res: dict[str, Any], other: str) -> None:
+    """``serve --frontend native``'s gains: against the Python server with --max-batch-ngrams 1,
+    on its own stack, and with the load generator's other mode."""
+    nb = res["concurrent_no_batching"]
+    nb_native, b_native = res["native_no_batching"], res["native_batching"]
+    res["native_gain"] = b_native["ngrams_per_s"] / nb["ngrams_per_s"]
+    res["native_gain_same_stack"] = b_native["ngrams_per_s"] / nb_native["ngrams_per_s"]
+    r = b_native
+    print(f"  serve --frontend native: "
+          f"{r['ngrams_per_s']:,.0f}/s (p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms), "
+          f"{r['requests_per_forward_pass']:.1f} client requests per forward pass, "
+          f"{r['server_cpu_us_per_request']:.0f} us CPU per request (front end + server): "
+          f"{r['ngrams_per_s'] / nb['ngrams_per_s']:.1f}x the server with --max-batch-ngrams 1")
+    print(f"  serve --frontend native --max-batch-ngrams 1 (one request per client in flight): "
+          f"{nb_native['ngrams_per_s']:,.0f}/s (p99 {nb_native['p99_ms']:.2f} ms): batching in the front "
+          f"end gains {res['native_gain_same_stack']:.1f}x on the same stack")
+    b_o, nb_o = res["native_batching_" + other], res["concurrent_no_batching_" + other]
+    res["native_gain_" + other] = b_o["ngrams_per_s"] / nb_o["ngrams_per_s"]
+    print(f"  the same two with nlmserve_load --mode {other}: serve --frontend native "
+          f"{b_o['ngrams_per_s']:,.0f}/s (p50 {b_o['p50_ms']:.2f} ms, p99 {b_o['p99_ms']:.2f} ms) vs "
+          f"--max-batch-ngrams 1 {nb_o['ngrams_per_s']:,.0f}/s (p99 {nb_o['p99_ms']:.2f} ms): "
+          f"{res['native_gain_' + other]:.1f}x")
+
+
+def measure_cpp_latency(res: dict[str, Any], w: Workload, tool: Path, fe: tuple[str, ...]) -> None:
+    """One client thread: the latency a decoder thread sees through the C++ client, from the
+    server and through the native front end (and the Python client's through the front end)."""
+    for name, flags in (("latency_c1_cpp", ()), ("latency_c1_cpp_native", fe)):
+        server = w.server(*flags)
+        try:
+            res[name] = concurrent_measure(server, w.ids, w.words, w.cfg, tool, clients=1, mode="threads")
+            if flags:  # and the Python client's, through the front end
+                res["latency_c1_native"] = single_latency(server.target, w.ids, w.cfg.latency_requests)
+        finally:
+            server.stop()
+    print(f"single n-gram, concurrency 1, C++ client: p50 {res['latency_c1_cpp']['p50_ms']:.3f} ms "
+          f"(server), {res['latency_c1_cpp_native']['p50_ms']:.3f} ms (serve --frontend native); "
+          f"Python client through the front end: p50 {res['latency_c1_native']['p50_ms']:.3f} ms")
+
+
+def measure_kenlm(res: dict[str, Any], w: Workload) -> None:
+    """(d) KenLM's Python module on the same n-grams, as words."""
+    if w.cfg.kenlm_model:
+        kr = kenlm_rate(w.cfg.kenlm_model, w.words[:10_000], w.cfg.seconds)
+        if kr is not None:
+            res["kenlm"] = kr
+            print(f"(d) KenLM Python module: {kr:,.0f} n-grams/s (engine / KenLM = {res['engine_10000'] / kr:.2f})")
+    else:
+        print("(d) skipped: no --kenlm-model given")
+
+
+def measure_all(res: dict[str, Any], cfg: BenchConfig, model_path: Path) -> None:
+    """Every measurement, in the order they are printed, into ``res``."""
+    w = Workload.build(cfg, model_path)
+    measure_compute_limit(res, w)
+    measure_engine(res, w)
+    measure_grpc(res, w)
+    tool = cpp_tool("nlmserve_load")
+    native = cpp_tool("nlmserve_frontend") if tool else None
+    other = res["load_mode_other"] = "threads" if cfg.load_mode == "async" else "async"
+    res["load_clients"] = f"C++ nlmserve_load, {cfg.load_mode}" if tool else "Python asyncio"
+    fe = ("--frontend", "native", "--frontend-binary", str(native)) if native is not None else ()
+    measure_concurrent(res, w, tool, concurrent_variants(cfg, tool, fe, other))
+    report_batching(res, cfg)
+    if native is not None and tool is not None:
+        report_native(res, other)
+        measure_cpp_latency(res, w, tool, fe)
+    measure_kenlm(res, w)
+
+
+def target_checks(res: dict[str, Any]) -> list[tuple[str, str, bool]]:
+    """The serving issue's targets: (target, measured, met)."""
     lat, conc = res["latency_c1"], res["concurrent_batching"]
     best_engine = max(res["engine_4096"], res["engine_10000"])
     checks = [  # (target, measured, met)
@@ -566,25 +637,52 @@ def main(argv: list[str] | None = None) -> int:
          res["noop_ceiling_gain"] >= 5.0),
     ]
     if "native_gain" in res:
-        nat = res["native_batching"]
-        checks += [(f"single n-gram p50 <= 1 ms ({label})", f"{res[key]['p50_ms']:.3f} ms", res[key]["p50_ms"] <= 1.0)
-                   for label, key in (("C++ client", "latency_c1_cpp"), ("native, C++ client", "latency_c1_cpp_native"),
-                                      ("native, Python client", "latency_c1_native"))]
-        checks += [
-            ("micro-batching gain >= 5x (serve --frontend native)", f"{res['native_gain']:.1f}x",
-             res["native_gain"] >= 5.0),
-            ("micro-batching p99 <= 10 ms (serve --frontend native)", f"{nat['p99_ms']:.2f} ms", nat["p99_ms"] <= 10.0),
-        ]
-        other = res["load_mode_other"]
-        nat_o = res["native_batching_" + other]
-        checks += [  # the same with the load generator's other mode, for comparison
-            (f"(the same, {other} clients: gain >= 5x)", f"{res['native_gain_' + other]:.1f}x",
-             res["native_gain_" + other] >= 5.0),
-            (f"(the same, {other} clients: p99 <= 10 ms)", f"{nat_o['p99_ms']:.2f} ms", nat_o["p99_ms"] <= 10.0),
-        ]
+        checks += native_checks(res)
+    return checks
+
+
+def native_checks(res: dict[str, Any]) -> list[tuple[str, str, bool]]:
+    """The targets met (or not) through ``serve --frontend native``, and the same with the load
+    generator's other mode, for comparison."""
+    nat = res["native_batching"]
+    checks = [(f"single n-gram p50 <= 1 ms ({label})", f"{res[key]['p50_ms']:.3f} ms", res[key]["p50_ms"] <= 1.0)
+              for label, key in (("C++ client", "latency_c1_cpp"), ("native, C++ client", "latency_c1_cpp_native"),
+                                 ("native, Python client", "latency_c1_native"))]
+    checks += [
+        ("micro-batching gain >= 5x (serve --frontend native)", f"{res['native_gain']:.1f}x",
+         res["native_gain"] >= 5.0),
+        ("micro-batching p99 <= 10 ms (serve --frontend native)", f"{nat['p99_ms']:.2f} ms", nat["p99_ms"] <= 10.0),
+    ]
+    other = res["load_mode_other"]
+    nat_o = res["native_batching_" + other]
+    checks += [  # the same with the load generator's other mode, for comparison
+        (f"(the same, {other} clients: gain >= 5x)", f"{res['native_gain_' + other]:.1f}x",
+         res["native_gain_" + other] >= 5.0),
+        (f"(the same, {other} clients: p99 <= 10 ms)", f"{nat_o['p99_ms']:.2f} ms", nat_o["p99_ms"] <= 10.0),
+    ]
+    return checks
+
+
+def print_checks(checks: list[tuple[str, str, bool]]) -> None:
     print(f"\n{'target':54s} {'measured':>10s}   met")
     for name, value, met in checks:
         print(f"{name:54s} {value:>10s}   {'yes' if met else 'NO'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.noop_server:
+        return noop_serve(args.noop_server)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    cfg = BenchConfig(vocab_size=args.vocab_size, dim=args.dim, seconds=args.seconds,
+                      torch_threads=args.torch_threads, kenlm_model=args.kenlm_model, load_mode=args.load_mode)
+    torch.set_num_threads(cfg.torch_threads)
+    res: dict[str, Any] = {"machine": machine(), "config": cfg.__dict__}
+    print(json.dumps(res["machine"]))
+    with tempfile.TemporaryDirectory() as tmp:
+        measure_all(res, cfg, Path(tmp) / "bench.nlm")
+    checks = target_checks(res)
+    print_checks(checks)
     res["checks"] = {name: {"measured": value, "met": met} for name, value, met in checks}
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2, default=str))
