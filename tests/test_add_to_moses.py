@@ -36,7 +36,7 @@ IN_CI = os.environ.get("CI") == "true"
 JAMFILE = "moses/LM/Jamfile"
 MOSES_JAMFILE = "moses/Jamfile"
 FACTORY = "moses/FF/Factory.cpp"
-FEATURE = ("NeuralLMServer.h", "NeuralLMServer.cpp")
+FEATURE = ("NeuralLMServer.h", "NeuralLMServer.cpp", "NeuralLMServerPrefetch.cpp")
 
 # The contract: the lines a Moses build depends on, as they must appear once each.
 JAM_FEATURE = [
@@ -44,7 +44,8 @@ JAM_FEATURE = [
     "if $(with-nlmserve) {",
     "  lib nlmserve_client : : <search>$(with-nlmserve)/lib <link>shared ;",
     "  obj NeuralLMServer.o : NeuralLMServer.cpp ..//headers : <include>$(with-nlmserve)/include ;",
-    "  alias nlmserve : NeuralLMServer.o nlmserve_client : : : "
+    "  obj NeuralLMServerPrefetch.o : NeuralLMServerPrefetch.cpp ..//headers : <include>$(with-nlmserve)/include ;",
+    "  alias nlmserve : NeuralLMServer.o NeuralLMServerPrefetch.o nlmserve_client : : : "
     "<linkflags>-Wl,-rpath,$(with-nlmserve)/lib <define>LM_NLMSERVE ;",
     "  dependencies += nlmserve ;",
     "  lmmacros += LM_NLMSERVE ;",
@@ -144,7 +145,7 @@ def test_applies_once(moses: Path, moses_src: Path) -> None:
     r = run(moses)
     assert r.returncode == 0, r.stderr
     copied = _script().feature_sources()
-    assert copied[:2] == list(FEATURE)
+    assert copied[:3] == list(FEATURE)
     for name in copied:
         assert (moses / "moses" / "LM" / name).read_bytes() == (CPP / name).read_bytes(), name
     assert sorted(p.name for p in (moses / "moses" / "LM").iterdir()) == sorted(["Jamfile", *copied])
@@ -263,6 +264,7 @@ def test_check_changes_nothing(moses: Path) -> None:
     assert r.returncode == 1, r.stderr
     assert snapshot(moses) == before
     for what in ("moses/LM/NeuralLMServer.h: would be copied", "moses/LM/NeuralLMServer.cpp: would be copied",
+                 "moses/LM/NeuralLMServerPrefetch.cpp: would be copied",
                  "moses/LM/Jamfile: block 'nlmserve feature' would be added before line",
                  "moses/Jamfile: block 'nlmserve Factory.o dependency' would be added in place of line",
                  "moses/FF/Factory.cpp: block 'nlmserve include' would be added after line",
@@ -283,16 +285,19 @@ def test_copies_the_local_headers_the_feature_includes(tmp_path: Path) -> None:
     installed = script.installed_headers()
     assert "nlmserve_client.h" in installed
     sources = script.feature_sources()
-    assert sources[:2] == list(FEATURE)
+    assert sources[:3] == list(FEATURE)
     assert all((CPP / name).is_file() and name not in installed for name in sources)
     src = tmp_path / "cpp"
     src.mkdir()
     (src / "NeuralLMServer.h").write_text('#include "SingleFactor.h"\n#include "ngram_key.h"\n')
     (src / "NeuralLMServer.cpp").write_text('#include "NeuralLMServer.h"\n#include "nlmserve_client.h"\n')
+    (src / "NeuralLMServerPrefetch.cpp").write_text('#include "NeuralLMServer.h"\n#include "thread_buffers.h"\n')
+    (src / "thread_buffers.h").write_text('#include "ngram_key.h"\n')
     (src / "ngram_key.h").write_text('#include "lru_cache.h"\n')
     (src / "lru_cache.h").write_text("\n")
     (src / "nlmserve_client.h").write_text("\n")
-    assert script.feature_sources(src) == ["NeuralLMServer.h", "NeuralLMServer.cpp", "ngram_key.h", "lru_cache.h"]
+    assert script.feature_sources(src) == ["NeuralLMServer.h", "NeuralLMServer.cpp", "NeuralLMServerPrefetch.cpp",
+                                          "ngram_key.h", "thread_buffers.h", "lru_cache.h"]
 
 
 def _needs_compiler() -> None:

@@ -42,8 +42,10 @@ CPP = REPO / "moses_plugin" / "cpp"
 CLIENT_CPP = REPO / "client" / "cpp"
 TARBALL = MOSES_TARBALL
 # What add_to_moses.py copies (its feature_sources: the feature, and the headers of its folder it includes).
-FEATURE = ("NeuralLMServer.h", "NeuralLMServer.cpp", "NeuralLMServerSearch.h", "nlmserve_decoder.h",
-           "nlmserve_moses_ini.h")
+FEATURE = ("NeuralLMServer.h", "NeuralLMServer.cpp", "NeuralLMServerPrefetch.cpp", "NeuralLMServerSearch.h",
+           "NeuralLMServerThread.h", "nlmserve_decoder.h", "nlmserve_moses_ini.h")
+# Its translation units: moses/LM/Jamfile's block compiles each into an object of its own.
+UNITS = ("NeuralLMServer.cpp", "NeuralLMServerPrefetch.cpp")
 # Moses' build passes the first two from its Jamfiles; the unit does not compile without them.
 MOSES_FLAGS = ["-std=c++11", "-DMAX_NUM_FACTORS=4", "-DKENLM_MAX_ORDER=6", "-DWITH_THREADS", "-DTRACE_ENABLE=1"]
 IN_CI = os.environ.get("CI") == "true"
@@ -123,15 +125,16 @@ def test_feature_compiles_against_moses_headers_without_warnings_of_its_own(mose
     _needs_compiler()
     lm, include, headers = _feature_and_headers(tmp_path)
     # -I moses/LM stands for the feature's place in moses/LM/ ("SingleFactor.h"), -I . for Moses' root.
-    cmd = ["g++", *MOSES_FLAGS, "-fsyntax-only", "-Wall", "-Wextra", "-I.", "-Imoses/LM", f"-I{include}",
-           str(lm / "NeuralLMServer.cpp")]
-    done = subprocess.run(cmd, cwd=moses_tree, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stderr[-6000:]}"
     ours = {(lm / n).resolve() for n in FEATURE} | {(include / n).resolve() for n in headers}
-    mine = our_warnings(done.stderr, ours)
-    assert not mine, "warnings in the feature or the client headers:\n" + "\n".join(mine)
-    # The compiler ran the warnings on Moses' headers too: the flags were in force.
-    assert "warning:" in done.stderr
+    for unit in UNITS:
+        cmd = ["g++", *MOSES_FLAGS, "-fsyntax-only", "-Wall", "-Wextra", "-I.", "-Imoses/LM", f"-I{include}",
+               str(lm / unit)]
+        done = subprocess.run(cmd, cwd=moses_tree, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stderr[-6000:]}"
+        mine = our_warnings(done.stderr, ours)
+        assert not mine, f"warnings in the feature or the client headers ({unit}):\n" + "\n".join(mine)
+        # The compiler ran the warnings on Moses' headers too: the flags were in force.
+        assert "warning:" in done.stderr, unit
 
 
 GRPC_HEADER = re.compile(r"(^|/)(grpc|grpcpp|grpc\+\+|google/protobuf|absl)/")
@@ -143,14 +146,15 @@ def test_the_feature_includes_no_grpc_header(moses_tree: Path, tmp_path: Path) -
     server-free line's code with the server's) compiles without their include path."""
     _needs_compiler()
     lm, include, _ = _feature_and_headers(tmp_path)
-    cmd = ["g++", *MOSES_FLAGS, "-M", "-I.", "-Imoses/LM", f"-I{include}", str(lm / "NeuralLMServer.cpp")]
-    done = subprocess.run(cmd, cwd=moses_tree, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stderr[-6000:]}"
-    headers = done.stdout.replace("\\\n", " ").split()[1:]  # "NeuralLMServer.o: SOURCE HEADER ..."
-    assert str(include / "nlmserve_tables_file.h") in headers and str(include / "nlmserve_client.h") in headers
-    assert any(h.endswith("moses/LM/SingleFactor.h") for h in headers)
-    grpc = [h for h in headers if GRPC_HEADER.search(h)]
-    assert not grpc, f"the feature includes gRPC or protobuf headers: {grpc[:5]}"
+    for unit in UNITS:
+        cmd = ["g++", *MOSES_FLAGS, "-M", "-I.", "-Imoses/LM", f"-I{include}", str(lm / unit)]
+        done = subprocess.run(cmd, cwd=moses_tree, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stderr[-6000:]}"
+        headers = done.stdout.replace("\\\n", " ").split()[1:]  # "NeuralLMServer.o: SOURCE HEADER ..."
+        assert str(include / "nlmserve_tables_file.h") in headers and str(include / "nlmserve_client.h") in headers
+        assert any(h.endswith("moses/LM/SingleFactor.h") for h in headers)
+        grpc = [h for h in headers if GRPC_HEADER.search(h)]
+        assert not grpc, f"the feature ({unit}) includes gRPC or protobuf headers: {grpc[:5]}"
 
 
 SYSTEM = _REPO.parent / "shared" / "data" / "moses-fr-en"

@@ -45,9 +45,10 @@
 //             bytes, 512 context vectors of D floats).
 // No gRPC or protobuf here: a decoder includes this header next to its own. The scorer's
 // parts are headers of their own, included here: the rows' forms (nlmserve_quantize.h), the
-// direct features' hash (nlmserve_features.h), a tree's paths (nlmserve_tree.h) and a
-// thread's scratch (nlmserve_scratch.h). The tables file (its reader MapTablesFile, its
-// vocabulary and facts) is nlmserve_tables_file.h's, which includes this header.
+// direct features' hash (nlmserve_features.h), a tree's paths (nlmserve_tree.h), a
+// thread's scratch (nlmserve_scratch.h) and where its entries go (nlmserve_scratch_keys.h).
+// The tables file (its reader MapTablesFile, its vocabulary and facts) is
+// nlmserve_tables_file.h's, which includes this header.
 #ifndef NLMSERVE_TABLES_H
 #define NLMSERVE_TABLES_H
 
@@ -67,6 +68,7 @@
 #include "nlmserve_features.h"
 #include "nlmserve_quantize.h"
 #include "nlmserve_scratch.h"
+#include "nlmserve_scratch_keys.h"
 #include "nlmserve_tree.h"
 
 namespace nlmserve {
@@ -241,7 +243,7 @@ class ScoringTables {
     const std::size_t width = order_, context = order_ - 1, dim = dim_, per_row = 2 * features_.order;
     const std::size_t memo = tree_.nodes ? std::size_t(1) << Scratch::kNodeBits : 0;
     const std::size_t stride = RowStride(width);
-    const std::size_t row_words = (std::size_t(1) << Scratch::kRowBits) * stride + kLine / sizeof(uint32_t);
+    const std::size_t row_words = (std::size_t(1) << Scratch::kRowBits) * stride + kCacheLine / sizeof(uint32_t);
     const std::size_t ring = Scratch::kAhead + 1;       // rows of slots kept
     const std::size_t lead = Scratch::kProbeAhead + 1;  // rows of hashes kept
     if (scratch->tables != serial_ || scratch->vectors.size() != Scratch::kPrefixes * dim ||
@@ -273,13 +275,14 @@ class ScoringTables {
       if (per_row && i + Scratch::kAhead < n) {
         const std::size_t j = i + Scratch::kAhead;
         const uint64_t *ahead = scratch->row_hashes.data() + (j % lead) * (context + 1);
-        slotted[j % ring] = !Holds(kept + RowEntry(ahead[context]) * stride, ahead[context], rows + j * width, width);
+        slotted[j % ring] =
+            !RowHolds(kept + RowEntry(ahead[context]) * stride, ahead[context], rows + j * width, width);
         if (slotted[j % ring]) RowSlots(rows + j * width, scratch->slots.data() + (j % ring) * per_row);
       }
       const uint64_t *hash = scratch->row_hashes.data() + (i % lead) * (context + 1);
       const uint64_t h = hash[context];
       uint32_t *const entry = kept + RowEntry(h) * stride;
-      if (Holds(entry, h, row, width)) {
+      if (RowHolds(entry, h, row, width)) {
         std::memcpy(out + i, entry + 2, sizeof(float));
         ++scratch->rows_remembered;
         continue;
@@ -401,47 +404,11 @@ class ScoringTables {
     return ++next;
   }
 
-  // hash[j]: a hash of the row's first j + 1 words, j = 0 .. order-2.
-  void PrefixHashes(const uint32_t *row, uint64_t *hash) const {
-    uint64_t h = 0x9e3779b97f4a7c15ULL;
-    for (std::size_t j = 0; j + 1 < order_; ++j) {
-      h = (h ^ row[j]) * 0xff51afd7ed558ccdULL;
-      hash[j] = h;
-    }
-  }
-
-  // A hash of a whole row from its context's (PrefixHashes) and its word; never 0, the
-  // hash of an empty entry.
-  static uint64_t RowHash(uint64_t context, uint32_t w) {
-    uint64_t h = (context ^ (w + 0x9e3779b97f4a7c15ULL)) * 0xc4ceb9fe1a85ec53ULL;
-    return (h ^ (h >> 29)) | 1;
-  }
-
   // A row's PrefixHashes into hash[0, order-1), and its RowHash: where a row goes in
   // Scratch::rows (RowEntry) and how its entry is checked (Holds).
   uint64_t RowHashes(const uint32_t *row, uint64_t *hash) const {
-    PrefixHashes(row, hash);
+    PrefixHashes(row, order_, hash);
     return RowHash(hash[order_ - 2], row[order_ - 1]);
-  }
-
-  // Words per remembered row: its hash (two), its score, its ids.
-  static std::size_t RowStride(std::size_t width) { return 3 + width; }
-
-  // The first cache-line boundary at or after p (Scratch::rows has a line to spare), so that
-  // an entry of a 5-gram, 32 bytes, never straddles two lines.
-  static const std::size_t kLine = 64;
-  static uint32_t *LineAligned(uint32_t *p) {
-    const std::size_t at = reinterpret_cast<std::size_t>(p);
-    return reinterpret_cast<uint32_t *>((at + kLine - 1) & ~(kLine - 1));
-  }
-
-  // The entry of Scratch::rows a row of this RowHash goes to.
-  static std::size_t RowEntry(uint64_t hash) { return static_cast<std::size_t>(hash >> (64 - Scratch::kRowBits)); }
-
-  // Whether a remembered row's entry holds the row of this RowHash.
-  static bool Holds(const uint32_t *entry, uint64_t hash, const uint32_t *row, std::size_t width) {
-    return entry[0] == static_cast<uint32_t>(hash) && entry[1] == static_cast<uint32_t>(hash >> 32) &&
-           Equal(entry + 3, row, width);
   }
 
   // Row j's PrefixHashes and RowHash into its place in Scratch::row_hashes (order words:
@@ -465,7 +432,7 @@ class ScoringTables {
     for (; m > 0; --m) {
       at = PrefixSlot(hash[m - 1]);
       if (scratch->lengths[at] == m && scratch->hashes[at] == hash[m - 1] &&
-          Equal(scratch->keys.data() + at * context, row, m)) {
+          SameIds(scratch->keys.data() + at * context, row, m)) {
         break;
       }
     }
@@ -529,26 +496,10 @@ class ScoringTables {
     });
   }
 
-  static std::size_t NodeSlot(uint64_t generation, uint32_t node) {
-    return static_cast<std::size_t>(((generation * 0x9e3779b97f4a7c15ULL) ^ (node * 0xff51afd7ed558ccdULL)) >>
-                                    (64 - Scratch::kNodeBits));
-  }
-
   // A float of the wire's integer fields: a whole number in [0, 2^24).
   static bool WholeNumber(float f, uint32_t *out) {
     if (!(f >= 0.f && f < 16777216.f) || f != std::floor(f)) return false;
     *out = static_cast<uint32_t>(f);
-    return true;
-  }
-
-  static std::size_t PrefixSlot(uint64_t hash) {
-    return static_cast<std::size_t>(hash >> (64 - Scratch::kPrefixBits));
-  }
-
-  static bool Equal(const uint32_t *a, const uint32_t *b, std::size_t n) {
-    for (std::size_t j = 0; j < n; ++j) {
-      if (a[j] != b[j]) return false;
-    }
     return true;
   }
 

@@ -1,11 +1,16 @@
 // NeuralLMServer: a Moses language-model feature that scores n-grams with an nlmserve model,
 // from its tables file or by asking a server (see NeuralLMServer.h and moses_plugin/README.md).
+//
+// This file: loading (the client or the tables file, the model's facts checked against the
+// line), the words' ids, ScoreRows (every score of the feature, local or from the server, and
+// on-error), the scores Moses asks for (GetValue, CalcScore, EvaluateInIsolation,
+// EvaluateWithSourceContext, EvaluateWhenApplied), the hypothesis state and the per-sentence
+// counts. What is scored ahead of Moses' asking, in batches, is NeuralLMServerPrefetch.cpp's;
+// what each thread keeps, NeuralLMServerThread.h's.
 #include "NeuralLMServer.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
-#include <unordered_map>
 #include <boost/functional/hash.hpp>
 
 #include "moses/FactorCollection.h"
@@ -15,93 +20,19 @@
 #include "moses/ScoreComponentCollection.h"
 #include "moses/InputPath.h"
 #include "moses/Manager.h"
-#include "moses/SearchNormal.h"
-#include "moses/ReorderingConstraint.h"
 #include "moses/StaticData.h"
 #include "moses/TranslationOption.h"
-#include "moses/TranslationOptionCollection.h"
-#include "moses/TranslationOptionList.h"
-#include "moses/TranslationModel/PhraseDictionary.h"
-#include "moses/TranslationModel/PhraseDictionaryMemory.h"
 #include "moses/TranslationTask.h"
 #include "moses/TypeDef.h"
 #include "moses/Util.h"
-#include "NeuralLMServerSearch.h"
+#include "NeuralLMServerThread.h"
 #include "nlmserve_client.h"
 #include "nlmserve_decoder.h"
 #include "nlmserve_moses_ini.h"
 #include "nlmserve_tables_file.h"
 #include "util/exception.hh"
-#include "util/file_piece.hh"
-#include "util/tokenize_piece.hh"
 
 namespace Moses {
-
-namespace {
-// Sentences this thread started (a count, so that pointers of an earlier sentence that
-// a later one reuses are never mistaken for its own).
-thread_local uint64_t tl_sentence = 0;
-}  // namespace
-
-// What one thread keeps for one NeuralLMServer feature: the last prefetch, and buffers
-// that grow to the largest batch and are reused, so that building and scoring n-grams
-// allocates nothing per n-gram.
-struct NeuralLMServerThread {
-  // A predecessor hypothesis, a translation option that expands it, and the end of the
-  // expansion's boundary rows in `rows`.
-  struct Expansion {
-    const void *prev;
-    const void *option;
-    size_t end;
-  };
-
-  // The hypothesis (prefetch=hypothesis) or stack (prefetch=stack) prefetched last.
-  nlmserve::PrefetchMark prefetched;
-  // The boundary score of every expansion prefetched last, in the order Moses evaluates
-  // them: EvaluateWhenApplied reads it instead of asking the client's cache n-gram by n-gram.
-  nlmserve::ExpansionScores boundary;
-  std::vector<Expansion> expansions;
-  std::vector<uint32_t> words;     // word ids of the phrase or window at hand
-  std::vector<uint32_t> rows;      // canonical rows, order ids each
-  std::vector<float> scores;       // one per row
-  std::vector<uint8_t> complete;   // CalcScore: which rows have a full context
-  std::vector<const Factor *> factors;  // the words of a state
-  // Round trips, n-grams sent and cache hits of the thread's current sentence.
-  nlmserve::BatchCounts sentence;
-  // EvaluateWhenApplied in the current sentence: boundary scores found at the cursor of
-  // `boundary`, found by lookup, and scored alone (not prefetched, or prefetch=false).
-  uint64_t inOrder = 0;
-  uint64_t lookedUp = 0;
-  uint64_t scoredAlone = 0;
-  // scoring=local: the thread's context prefixes, the n-grams it scored in the current
-  // sentence, the position rows it summed for their contexts and, with a tree, the dot
-  // products of nodes it computed.
-  nlmserve::ScoringTables::Scratch tables;
-  uint64_t scoredLocally = 0;
-  uint64_t rowsSummed = 0;
-  uint64_t nodesComputed = 0;
-  uint64_t rowsRemembered = 0;
-};
-
-namespace {
-int64_t SteadyMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-NeuralLMServerThread &Local(const void *feature) {
-  // The feature asked for last is answered without a map lookup.
-  thread_local const void *lastFeature = NULL;
-  thread_local NeuralLMServerThread *last = NULL;
-  if (feature != lastFeature || last == NULL) {
-    thread_local std::unordered_map<const void *, NeuralLMServerThread> states;
-    last = &states[feature];
-    lastFeature = feature;
-  }
-  return *last;
-}
-
-}  // namespace
 
 size_t NeuralLMServerState::hash() const {
   return boost::hash_range(m_words, m_words + m_size);
@@ -255,74 +186,6 @@ void NeuralLMServer::Load(AllOptions::ptr const &opts) {
   }
   VERBOSE(1, name << ": " << where << " model " << info.model_hash << " order " << info.order << " vocabulary "
                   << info.vocab_size << (m_options->normalized ? " normalized" : " unnormalized") << std::endl);
-}
-
-void NeuralLMServer::PrefetchPhraseTables() const {
-  const size_t order = m_model->order;
-  const size_t batchRows = 1 << 16;
-  // Rows the cache takes before a prefetch would evict what it has just put there.
-  const uint64_t room = m_options->cache_size / 2;
-  NeuralLMServerThread &local = Local(this);
-  const std::vector<PhraseDictionary *> &tables = PhraseDictionary::GetColl();
-  for (size_t t = 0; t < tables.size(); ++t) {
-    const PhraseDictionaryMemory *table = dynamic_cast<const PhraseDictionaryMemory *>(tables[t]);
-    if (table == NULL) continue;  // other tables look phrases up while decoding
-    const std::vector<FactorType> &output = table->GetOutput();
-    if (std::find(output.begin(), output.end(), m_factorType) == output.end()) continue;  // a generation step makes it
-    const std::string &path = table->GetFilePath();
-    const int64_t started = SteadyMs();
-    const uint64_t before = local.sentence.cache_misses;
-    size_t phrases = 0;
-    bool full = false;
-    local.rows.clear();
-    try {
-      util::FilePiece in(path.c_str());
-      StringPiece line;
-      Phrase target;
-      while (!full) {
-        try {
-          line = in.ReadLine();
-        } catch (const util::EndOfFileException &) {
-          break;
-        }
-        util::TokenIter<util::MultiCharacter> pipes(line, "|||");
-        if (!pipes || !++pipes) continue;  // the table's own loader reports a bad line
-        Word *lhs = NULL;
-        target.Clear();
-        target.CreateFromString(Output, output, *pipes, &lhs);
-        delete lhs;
-        local.words.clear();
-        AppendIds(target, &local.words);
-        const size_t at = local.rows.size();
-        size_t position = 0;
-        if (nlmserve::PhraseRows(*m_model, local.words.data(), local.words.size(), &local.rows, NULL, NULL,
-                                 &position) != nlmserve::NgramError::kNone) {
-          local.rows.resize(at);  // the table's own scoring reports the phrase
-          continue;
-        }
-        ++phrases;
-        if (local.rows.size() >= batchRows * order) {
-          local.scores.resize(local.rows.size() / order);
-          ScoreRows(local.rows.data(), local.scores.size(), local.scores.data(), local);
-          local.rows.clear();
-          full = local.sentence.cache_misses - before >= room;
-        }
-      }
-      local.scores.resize(local.rows.size() / order);
-      ScoreRows(local.rows.data(), local.scores.size(), local.scores.data(), local);
-      local.rows.clear();
-    } catch (const util::Exception &e) {
-      // Unreadable here means unreadable for the table too, which then says why.
-      VERBOSE(1, "NeuralLMServer " << GetScoreProducerDescription() << ": no prefetch of " << path << ": "
-                                   << e.what() << std::endl);
-      continue;
-    }
-    VERBOSE(1, "NeuralLMServer " << GetScoreProducerDescription() << ": prefetched the n-grams of " << phrases
-                                 << " target phrases of " << table->GetScoreProducerDescription() << " ("
-                                 << local.sentence.cache_misses - before << " scored) in "
-                                 << (SteadyMs() - started) / 1000.0 << " s"
-                                 << (full ? "; stopped at half of cache-size" : "") << std::endl);
-  }
 }
 
 uint32_t NeuralLMServer::Id(const Word &word) const {
@@ -505,47 +368,6 @@ void NeuralLMServer::EvaluateWithSourceContext(const InputType & /*input*/, cons
   }
 }
 
-void NeuralLMServer::ScoreSentencePhrases(ttasksptr const &ttask) const {
-  const InputType &input = *ttask->GetSource();
-  if (input.GetType() != SentenceInput) return;
-  const Phrase *sentence = dynamic_cast<const Phrase *>(&input);
-  if (sentence == NULL) return;
-  const size_t size = sentence->GetSize();
-  const size_t maxLength = ttask->options()->search.max_phrase_length;
-  const size_t order = m_model->order;
-  NeuralLMServerThread &local = Local(this);
-  local.rows.clear();
-  // Unknown words are copied to the target as one-word phrases (a word the model cannot
-  // predict, such as <s>, is left to the scoring of its phrase).
-  for (size_t i = 0; i < size; ++i) {
-    const uint32_t id = Id(sentence->GetWord(i));
-    const size_t at = local.rows.size();
-    local.rows.resize(at + order);
-    if (nlmserve::CanonicalRow(&id, 1, *m_model, local.rows.data() + at) != nlmserve::NgramError::kNone) {
-      local.rows.resize(at);
-    }
-  }
-  const std::vector<PhraseDictionary *> &tables = PhraseDictionary::GetColl();
-  for (size_t t = 0; t < tables.size(); ++t) {
-    // Lookups in an in-memory table are side-effect free; other tables are scored on demand.
-    const PhraseDictionaryMemory *table = dynamic_cast<const PhraseDictionaryMemory *>(tables[t]);
-    if (table == NULL) continue;
-    for (size_t start = 0; start < size; ++start) {
-      for (size_t end = start; end < size && end - start < maxLength; ++end) {
-        Phrase source = sentence->GetSubString(Range(start, end));
-        TargetPhraseCollection::shared_ptr targets = table->GetTargetPhraseCollectionLEGACY(source);
-        if (!targets) continue;
-        for (TargetPhraseCollection::const_iterator it = targets->begin(); it != targets->end(); ++it) {
-          PhraseRows(**it, local, false, NULL);
-        }
-      }
-    }
-  }
-  const size_t n = local.rows.size() / order;
-  local.scores.resize(n);
-  ScoreRows(local.rows.data(), n, local.scores.data(), local);
-}
-
 FFState *NeuralLMServer::EvaluateWhenApplied(const Hypothesis &hypo, const FFState *ps,
                                              ScoreComponentCollection *out) const {
   // Only the n-grams that cross the phrase boundary (and </s>): the phrase-internal
@@ -621,76 +443,8 @@ float NeuralLMServer::BoundaryScore(const Hypothesis &hypo, NeuralLMServerThread
   return nlmserve::SumScores(local.scores.data(), n);  // as Prefetch sums
 }
 
-void NeuralLMServer::Prefetch(const Hypothesis &prev, NeuralLMServerThread &local) const {
-  Manager &manager = prev.GetManager();
-  // Only the normal stack search expands the hypotheses of one stack, and all options
-  // of each, in a row.
-  if (manager.GetSource().GetType() != SentenceInput || manager.options()->search.algo != Normal) return;
-  const void *key = &prev;
-  const HypothesisStack *stack = NULL;
-  if (m_options->prefetch == nlmserve::FeatureOptions::kPrefetchStack) {
-    // SearchNormal processes stack k (hypotheses covering k source words) after
-    // pruning it; expanding it adds hypotheses only to later stacks.
-    const SearchNormal *search = dynamic_cast<const SearchNormal *>(NeuralLMServerSearch::ManagerSearch::Of(manager));
-    const size_t covered = prev.GetWordsBitmap().GetNumWordsCovered();
-    if (search != NULL && covered < search->GetHypothesisStacks().size()) {
-      stack = search->GetHypothesisStacks()[covered];
-      key = stack;
-    }
-  }
-  if (!local.prefetched.Renew(key, tl_sentence)) return;
-  local.boundary.Clear();
-  local.rows.clear();
-  local.expansions.clear();
-  if (stack == NULL) {
-    ExpansionRows(prev, local);
-  } else {
-    for (HypothesisStack::const_iterator it = stack->begin(); it != stack->end(); ++it) {
-      ExpansionRows(**it, local);
-    }
-  }
-  const size_t n = local.rows.size() / m_model->order;
-  if (n == 0) return;
-  local.scores.resize(n);
-  ScoreRows(local.rows.data(), n, local.scores.data(), local);
-  // Appended in enumeration order: sequential writes (a hash table filled here would take
-  // a random write per expansion; ExpansionScores builds one only if it is needed).
-  size_t begin = 0;
-  for (size_t e = 0; e < local.expansions.size(); ++e) {
-    const NeuralLMServerThread::Expansion &x = local.expansions[e];
-    local.boundary.Add(x.prev, x.option, nlmserve::SumScores(local.scores.data() + begin, x.end - begin));
-    begin = x.end;
-  }
-}
-
-void NeuralLMServer::ExpansionRows(const Hypothesis &prev, NeuralLMServerThread &local) const {
-  // The expansions search will make (NeuralLMServerSearch.h, a copy of Moses' loops): n-grams
-  // of expansions that search will not make only cost server time.
-  // The last order-1 words of prev (fewer at the sentence start), then each option's phrase.
-  const size_t order = m_model->order;
-  const size_t size = prev.GetSize();
-  local.words.clear();
-  for (size_t pos = size > order - 1 ? size - (order - 1) : 0; pos < size; ++pos) {
-    local.words.push_back(Id(prev.GetWord(pos)));
-  }
-  const size_t context = local.words.size();
-  NeuralLMServerSearch::ForEachExpansion(prev, [&](const TranslationOption &option, bool completes) {
-    // An empty target phrase has no boundary n-grams, and EvaluateWhenApplied returns
-    // before asking for its score: listing it would only put the cursor out of step.
-    if (option.GetTargetPhrase().GetSize() == 0) return;
-    local.words.resize(context);
-    AppendIds(option.GetTargetPhrase(), &local.words);
-    const nlmserve::NgramError error = nlmserve::BoundaryRows(*m_model, local.words.data(), context,
-                                                              local.words.size(), completes, &local.rows);
-    UTIL_THROW_IF2(error != nlmserve::NgramError::kNone,
-                   "NeuralLMServer: a boundary n-gram breaks the rule " << nlmserve::NgramErrorKind(error));
-    NeuralLMServerThread::Expansion x = {&prev, &option, local.rows.size() / order};
-    local.expansions.push_back(x);
-  });
-}
-
 void NeuralLMServer::InitializeForInput(ttasksptr const &ttask) {
-  ++tl_sentence;
+  ++SentenceSerial();
   NeuralLMServerThread &local = Local(this);
   local.sentence = nlmserve::BatchCounts();
   local.inOrder = local.lookedUp = local.scoredAlone = local.scoredLocally = local.rowsSummed = 0;

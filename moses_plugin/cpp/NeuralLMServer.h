@@ -94,6 +94,9 @@
 // without a lock); n-grams are built as canonical rows of ids (nlmserve::CanonicalRow, the
 // client library's one owner of the n-gram rules) in buffers each thread reuses, and scored in
 // flat batches (nlmserve::Client::ScoreRows). The Moses-free parts are in nlmserve_decoder.h.
+// The feature's code: NeuralLMServer.cpp (loading, the scores Moses asks for, the state),
+// NeuralLMServerPrefetch.cpp (the batches scored ahead: table-prefetch, phrase-scores=sentence,
+// prefetch) and NeuralLMServerThread.h (what each thread keeps).
 #pragma once
 
 #include <atomic>

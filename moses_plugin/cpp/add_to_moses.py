@@ -5,9 +5,10 @@
 
 What it does (moses_plugin/README.md, "Add the feature to Moses"):
 
-- copies NeuralLMServer.h and NeuralLMServer.cpp, and any header of this folder they include
-  that the client library does not install (CMakeLists.txt's ``install(FILES ...)``), into
-  moses/LM/; a copy that differs from this folder's file is replaced;
+- copies NeuralLMServer.h, NeuralLMServer.cpp and NeuralLMServerPrefetch.cpp, and any header
+  of this folder they include that the client library does not install (CMakeLists.txt's
+  ``install(FILES ...)``), into moses/LM/; a copy that differs from this folder's file is
+  replaced;
 - moses/LM/Jamfile: the feature block (``--with-nlmserve=PREFIX``) before the line
   ``#Top-level LM library. ...``;
 - moses/Jamfile: ``nlmserve`` added to the loop that records the LM options of a build in
@@ -43,7 +44,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 # The client library the feature links (its headers are installed under PREFIX/include).
 CLIENT_CMAKE = HERE.parents[1] / "client" / "cpp" / "CMakeLists.txt"
-FEATURE_FILES = ("NeuralLMServer.h", "NeuralLMServer.cpp")
+FEATURE_FILES = ("NeuralLMServer.h", "NeuralLMServer.cpp", "NeuralLMServerPrefetch.cpp")
 JAMFILE = "moses/LM/Jamfile"
 MOSES_JAMFILE = "moses/Jamfile"
 FACTORY = "moses/FF/Factory.cpp"
@@ -98,7 +99,9 @@ EDITS = (
             "if $(with-nlmserve) {",
             "  lib nlmserve_client : : <search>$(with-nlmserve)/lib <link>shared ;",
             "  obj NeuralLMServer.o : NeuralLMServer.cpp ..//headers : <include>$(with-nlmserve)/include ;",
-            "  alias nlmserve : NeuralLMServer.o nlmserve_client : : : "
+            "  obj NeuralLMServerPrefetch.o : NeuralLMServerPrefetch.cpp ..//headers : "
+            "<include>$(with-nlmserve)/include ;",
+            "  alias nlmserve : NeuralLMServer.o NeuralLMServerPrefetch.o nlmserve_client : : : "
             "<linkflags>-Wl,-rpath,$(with-nlmserve)/lib <define>LM_NLMSERVE ;",
             "  dependencies += nlmserve ;",
             "  lmmacros += LM_NLMSERVE ;",

@@ -5,9 +5,9 @@
 // word-id table filled once per word and read without a lock, the boundary scores of a batch
 // of expansions, and the on-error=floor pause.
 //
-// The Moses feature NeuralLMServer (NeuralLMServer.cpp) is written on these, and lives beside
-// them: add_to_moses.py copies this header into moses/LM/ with the feature (the client library
-// does not install it). The test executable nlmserve_decoder_test (nlmserve_decoder_test.cpp,
+// The Moses feature NeuralLMServer (NeuralLMServer.cpp, NeuralLMServerPrefetch.cpp) is written
+// on these, and lives beside them: add_to_moses.py copies this header into moses/LM/ with the
+// feature (the client library does not install it). The test executable nlmserve_decoder_test (nlmserve_decoder_test.cpp,
 // built by client/cpp's CMake project from this folder) checks them without Moses or a server.
 // Includes only what the client library installs; C++11, like Moses.
 #ifndef NLMSERVE_DECODER_H
