@@ -25,6 +25,17 @@ vectorised machine code at first use (cached on disk afterwards), from a pip whe
 compiler on the user's machine and no build step in ``pip install``; without it (not
 installed, or ``NLMSERVE_FUSED=0``) training takes the torch step, slower but the same
 arithmetic.
+
+The kernel's contract: it takes a few named structures, not a list of arrays. ``Params``
+holds the parameters, ``Sums`` their AdaGrad accumulators under the same field names (a
+parameter is updated with the accumulator of its own name, never one next to it in a
+list); ``Batch`` the minibatch's ids, ``Fixed`` the masks and noise log-probabilities,
+``Buffers`` the gradient buffers, ``Settings`` the scalars. It indexes tables by ids with
+no bounds check (numba checks none): :meth:`FusedNCE.step` checks the minibatch's ids
+once, before the kernel runs (context and target words and given noise words in
+[0, V), given noise classes in [0, K); ValueError naming the array and the id), and
+``FusedNCE`` the tables the step draws its own noise from when it is made. The n-gram
+feature slots are hashes reduced modulo their table's size, in range for ids in range.
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Any
+from typing import Any, Callable, NamedTuple, TypeVar, cast
 
 import numpy as np
 import torch
@@ -85,22 +96,116 @@ def _np(t: Tensor) -> np.ndarray:
     return t.detach().numpy()  # type: ignore[no-any-return]
 
 
-class _Rows:
-    """Gradient buffers of one table: row → buffer index (``where``, -1: none), the rows
-    touched (``rows``) and their summed gradients (``grad``, one row of ``width`` each)."""
+# ---------------------------------------------------------------------------- the kernel's arguments
+# NamedTuples of arrays, which numba takes as they are. The feature tables are flat, a
+# one-element placeholder where the model has none.
 
-    def __init__(self, table_rows: int, max_touched: int, width: int) -> None:
-        self.where = np.full(table_rows, -1, dtype=np.int32)
-        self.rows = np.zeros(max_touched, dtype=np.int64)
-        self.grad = np.zeros((max_touched, width), dtype=np.float32)
-        self.bias = np.zeros(max_touched, dtype=np.float32)  # the row's bias gradient, where it has one
+
+class Params(NamedTuple):
+    """The trained parameters: float32 views of the model's tensors, written in place."""
+    Q: np.ndarray   # (V, D) context word embeddings         model.embed.weight
+    C: np.ndarray   # (n-1, D) context position weights      model.ctx_weight
+    R: np.ndarray   # (V, E) output word embeddings          output.word_embed
+    bw: np.ndarray  # (V,) word biases                       output.word_bias
+    S: np.ndarray   # (K, E) class embeddings                output.class_embed
+    bc: np.ndarray  # (K,) class biases                      output.class_bias
+    Fc: np.ndarray  # class n-gram feature table, flat       output.ngram_class
+    Fw: np.ndarray  # word n-gram feature table, flat        output.ngram_word
+
+
+class Sums(NamedTuple):
+    """The AdaGrad accumulators (the optimiser's ``sum`` state) of :class:`Params`, under the
+    same names and in the same shapes: the kernel updates ``params.X`` with ``sums.X``. A
+    type of its own, so that the two passed the wrong way round fail the type check."""
+    Q: np.ndarray
+    C: np.ndarray
+    R: np.ndarray
+    bw: np.ndarray
+    S: np.ndarray
+    bc: np.ndarray
+    Fc: np.ndarray
+    Fw: np.ndarray
+
+
+assert Sums._fields == Params._fields
+
+
+class Batch(NamedTuple):
+    """One minibatch of B examples, its ids checked in range by :meth:`FusedNCE.step`."""
+    ctx: np.ndarray      # (B, n-1) int64 context word ids
+    words: np.ndarray    # (B, 1+k) int64: the data word, then its k noise words
+    classes: np.ndarray  # (B, 1+k) int64: the data word's class, then k noise classes
+    keep: np.ndarray     # (B, E) uint8 dropout mask; (1, 1) and unread without dropout
+
+
+class Fixed(NamedTuple):
+    """What the step reads and never changes: the output's masks (-inf on the words and
+    classes never predicted, <s>'s) and the noise's log-probabilities."""
+    word_mask: np.ndarray    # (V,)
+    class_mask: np.ndarray   # (K,)
+    log_q_word: np.ndarray   # (V,) log q(w | class of w)
+    log_q_class: np.ndarray  # (K,) log q(c)
+
+
+class Rows(NamedTuple):
+    """Gradient buffers of one table: row → buffer index (``where``, -1: none), the rows
+    touched (``rows``) and their summed gradients (``grad``, one row each, and ``bias``,
+    the row's bias gradient where it has one)."""
+    where: np.ndarray  # (table rows,) int32
+    rows: np.ndarray   # (most rows touched,) int64
+    grad: np.ndarray   # (most rows touched, width) float32
+    bias: np.ndarray   # (most rows touched,) float32
+
+
+def _rows(table_rows: int, max_touched: int, width: int) -> Rows:
+    return Rows(np.full(table_rows, -1, dtype=np.int32), np.zeros(max_touched, dtype=np.int64),
+                np.zeros((max_touched, width), dtype=np.float32), np.zeros(max_touched, dtype=np.float32))
+
+
+class Buffers(NamedTuple):
+    """The step's gradients and scratch, sized for a minibatch (zero or unset between steps)."""
+    q: Rows               # context embeddings Q
+    w: Rows               # output words R and bw
+    c: Rows               # classes S and bc
+    fc_grad: np.ndarray   # the class feature table's gradient, in its shape
+    fc_rows: np.ndarray   # the slots it lists (a slot may be listed twice)
+    fw_grad: np.ndarray   # the same for the word feature table
+    fw_rows: np.ndarray
+    ctx_grad: np.ndarray  # (n-1, D) the context weights' gradient
+    scratch: np.ndarray   # (4, max(E, D)): h, r, dr
+    hashes: np.ndarray    # (L,) context suffix hashes of one example
+    slots: np.ndarray     # (L,) its feature slots of one word
+
+
+class Settings(NamedTuple):
+    """The step's scalars."""
+    act: int                 # ACTIVATION_CODES
+    L: int                   # the feature order (suffix lengths 0 .. L-1)
+    has_fc: bool             # a class feature table
+    has_fw: bool             # a word feature table
+    drop: bool               # dropout, by batch.keep
+    keep_prob: np.float32    # 1 - the dropout rate
+    log_k: float             # log of the noise samples per example
+    lr: np.float32
+    eps: np.float32
+
+
+def _check_ids(name: str, ids: np.ndarray, limit: int, what: str) -> None:
+    """ValueError unless every id of ``ids`` lies in [0, limit): the kernel reads tables at
+    these ids with no bounds check."""
+    if ids.size == 0:
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= limit:
+        raise ValueError(f"fused step: {name} holds id {low if low < 0 else high}, outside [0, {limit}) ({what})")
 
 
 class FusedNCE:
     """The fused step for ``model`` trained by ``opt`` (``torch.optim.Adagrad`` or one of
-    ``nlmserve.lm.train``'s subclasses, whose state layout is Adagrad's). Views of the
-    parameters are taken at every step, so a model moved to shared memory (``--workers``)
-    or loaded from a checkpoint after this object was made is still the one trained."""
+    ``nlmserve.lm.optim``'s subclasses, whose state layout is Adagrad's). The views of the
+    parameters and accumulators are made again whenever their memory moved, so a model moved
+    to shared memory (``--workers``) or an optimiser state loaded from a checkpoint after
+    this object was made is still the one trained."""
 
     def __init__(self, model: NeuralLM, opt: torch.optim.Optimizer, noise: NoiseDistribution) -> None:
         out = model.output
@@ -108,20 +213,31 @@ class FusedNCE:
             raise TypeError("the fused step needs the class output")
         self.model, self.out, self.opt = model, out, opt
         cfg = model.config
+        self.V, self.K, self.n1 = cfg.vocab_size, cfg.num_classes, cfg.order - 1
         self.act = ACTIVATION_CODES[cfg.activation]
         self.feature_order = out.feature_order if out.has_features else 0
-        self.log_q_class = noise.log_q_class.float().cpu().numpy()
-        self.log_q_word = noise.log_q_word.float().cpu().numpy()
+        if self.feature_order > self.n1 + 1:
+            raise ValueError(f"fused step: feature order {self.feature_order} beyond the model's order {cfg.order}")
+        self.fixed = Fixed(_np(out.word_mask).copy(), _np(out.class_mask).copy(),
+                           noise.log_q_word.float().cpu().numpy(), noise.log_q_class.float().cpu().numpy())
         # the noise as lm.objectives.NoiseDistribution samples it: classes by their
         # cumulative probabilities, words by the keys class + cumulative q(w | class)
         cum = np.cumsum(noise._class_probs.cpu().numpy())
         self.class_cum = cum / cum[-1]
         self.word_keys = noise._keys.cpu().numpy()
         self.word_order = noise._order.cpu().numpy().astype(np.int64)
-        self.word_mask = _np(out.word_mask).copy()
-        self.class_mask = _np(out.class_mask).copy()
         self.word_class = _np(out.word_class).astype(np.int64)
+        # the step's own draws index by these: checked here once, not per minibatch
+        _check_ids("the class map", self.word_class, self.K, "the classes")
+        _check_ids("the noise's word order", self.word_order, self.V, "the vocabulary")
+        if (self.class_cum.shape[0], self.fixed.log_q_word.shape[0], self.fixed.log_q_class.shape[0],
+                self.word_class.shape[0]) != (self.K, self.V, self.K, self.V):
+            raise ValueError("fused step: the noise distribution's sizes are not the model's vocabulary and classes")
         self.groups = {id(p): g for g in opt.param_groups for p in g["params"]}
+        # the tensors in Params' order (None: no such feature table)
+        self.tensors = [model.embed.weight, model.ctx_weight, out.word_embed, out.word_bias, out.class_embed,
+                        out.class_bias, out.ngram_class, out.ngram_word]
+        self._views: tuple[tuple[int, ...], Params, Sums] | None = None
         self._buffers: tuple[int, int, int] | None = None
 
     def _ensure_buffers(self, B: int, m: int) -> None:
@@ -130,23 +246,39 @@ class FusedNCE:
             return
         cfg, out = self.model.config, self.out
         V, K, E, n1, L = cfg.vocab_size, cfg.num_classes, cfg.out_dim, cfg.order - 1, self.feature_order
-        self.ctx_rows = _Rows(V, B * n1, cfg.dim)
-        self.word_rows = _Rows(V, B * m, E)
-        self.class_rows = _Rows(K, min(K, B * m), E)
         # the feature tables' gradients in the tables' shape (zero between steps) and the slots listed
-        self.features = [(np.zeros(t.shape[0] if t is not None else 1, dtype=np.float32),
-                          np.zeros(B * m * L if t is not None else 1, dtype=np.int64))
-                         for t in (out.ngram_class, out.ngram_word)]
-        self.ctx_grad = np.zeros((n1, cfg.dim), dtype=np.float32)
-        self.scratch = np.zeros((4, max(E, cfg.dim)), dtype=np.float32)
-        self.hashes = np.zeros(max(1, L), dtype=np.int64)
-        self.slots = np.zeros(max(1, L), dtype=np.int64)
+        (fc_grad, fc_rows), (fw_grad, fw_rows) = (
+            (np.zeros(t.shape[0] if t is not None else 1, dtype=np.float32),
+             np.zeros(B * m * L if t is not None else 1, dtype=np.int64)) for t in (out.ngram_class, out.ngram_word))
+        self.buffers = Buffers(q=_rows(V, B * n1, cfg.dim), w=_rows(V, B * m, E), c=_rows(K, min(K, B * m), E),
+                               fc_grad=fc_grad, fc_rows=fc_rows, fw_grad=fw_grad, fw_rows=fw_rows,
+                               ctx_grad=np.zeros((n1, cfg.dim), dtype=np.float32),
+                               scratch=np.zeros((4, max(E, cfg.dim)), dtype=np.float32),
+                               hashes=np.zeros(max(1, L), dtype=np.int64), slots=np.zeros(max(1, L), dtype=np.int64))
         self._buffers = (B, m, L)
 
-    def _state(self, p: Tensor) -> np.ndarray:
-        st = self.opt.state[p]
-        st["step"] += 1  # as the torch step counts its updates (the state a checkpoint holds)
-        return _np(st["sum"])
+    def _tables(self) -> tuple[Params, Sums]:
+        """The parameters and their accumulators as the kernel takes them; counts the step in
+        each accumulator's state, as the torch step does (the state a checkpoint holds). Made
+        again only when a tensor's memory moved (shared, loaded)."""
+        states = [self.opt.state[p] if p is not None else None for p in self.tensors]
+        for st in states:
+            if st is not None:
+                st["step"] += 1
+        key = tuple(t.data_ptr() if t is not None else 0 for t in self.tensors) + tuple(
+            st["sum"].data_ptr() if st is not None else 0 for st in states)
+        if self._views is None or self._views[0] != key:
+            none = np.zeros(1, dtype=np.float32)
+
+            def view(t: Tensor | None, i: int) -> np.ndarray:  # the feature tables (the last two) flat
+                return none if t is None else _np(t).reshape(-1) if i >= 6 else _np(t)
+
+            params = Params(*(view(t, i) for i, t in enumerate(self.tensors)))
+            sums = Sums(*(view(st["sum"] if st is not None else None, i) for i, st in enumerate(states)))
+            if any(a.shape != b.shape for a, b in zip(params, sums)):
+                raise ValueError("fused step: an AdaGrad accumulator's shape is not its parameter's")
+            self._views = (key, params, sums)
+        return self._views[1], self._views[2]
 
     def step(self, ctx: np.ndarray, target: np.ndarray, noise_classes: np.ndarray | None,
              noise_words: np.ndarray | None, keep: np.ndarray | None, dropout: float, *, k: int = 0,
@@ -156,12 +288,17 @@ class FusedNCE:
         NCE loss before the update (what the torch step returns). With the noise None, the
         step draws k noise classes and words per example and, with ``dropout`` > 0, the
         mask, from numba's generator seeded with ``seed``: the same distributions as
-        NoiseDistribution's, other draws, several times faster."""
+        NoiseDistribution's, other draws, several times faster. Ids out of range (a word
+        not in [0, V), a class not in [0, K)) are a ValueError, raised before anything changes."""
         model, out = self.model, self.out
         B = target.shape[0]
         k = noise_words.shape[1] if noise_words is not None else k
         if k < 1:
             raise ValueError("the fused step needs k >= 1 noise samples")
+        if ctx.shape != (B, self.n1):
+            raise ValueError(f"fused step: ctx of shape {ctx.shape}, not ({B}, {self.n1})")
+        _check_ids("ctx", ctx, self.V, "the vocabulary")
+        _check_ids("target", target, self.V, "the vocabulary")
         self._ensure_buffers(B, k + 1)
         words = np.empty((B, k + 1), dtype=np.int64)
         words[:, 0] = target
@@ -173,47 +310,39 @@ class FusedNCE:
             _draw(seed, classes, words, self.class_cum, self.word_keys, self.word_order,
                   keep.view(np.uint8) if keep is not None else np.zeros((1, 1), dtype=np.uint8), dropout)
         else:
+            _check_ids("noise_words", noise_words, self.V, "the vocabulary")
+            _check_ids("noise_classes", noise_classes, self.K, "the classes")
             words[:, 1:] = noise_words
             classes[:, 1:] = noise_classes
-        params = [model.embed.weight, model.ctx_weight, out.word_embed, out.word_bias, out.class_embed,
-                  out.class_bias]
-        lr = float(self.groups[id(params[0])]["lr"])
-        eps = float(self.groups[id(params[0])]["eps"])
-        Q, C, R, bw, S, bc = (_np(p) for p in params)
-        aQ, aC, aR, abw, aS, abc = (self._state(p) for p in params)
-        empty = np.zeros(1, dtype=np.float32)
-        Fc = Fw = aFc = aFw = empty
-        if out.ngram_class is not None:
-            Fc, aFc = _np(out.ngram_class).reshape(-1), self._state(out.ngram_class).reshape(-1)
-        if out.ngram_word is not None:
-            Fw, aFw = _np(out.ngram_word).reshape(-1), self._state(out.ngram_word).reshape(-1)
         drop = keep is not None and dropout > 0.0
+        if drop and keep is not None and keep.shape != (B, model.config.out_dim):
+            raise ValueError(f"fused step: keep of shape {keep.shape}, not ({B}, {model.config.out_dim})")
         keep_u8 = keep.view(np.uint8) if drop and keep is not None else np.zeros((1, 1), dtype=np.uint8)
-        cr, wr, sr = self.ctx_rows, self.word_rows, self.class_rows
-        (fc_grad, fc_rows), (fw_grad, fw_rows) = self.features
-        loss = _nce_step(
-            np.ascontiguousarray(ctx, dtype=np.int64), words, classes, keep_u8, drop, np.float32(1.0 - dropout),
-            self.act, math.log(k), self.feature_order, out.ngram_class is not None, out.ngram_word is not None,
-            Q, C, R, bw, S, bc, Fc, Fw, self.word_mask, self.class_mask, self.log_q_word, self.log_q_class,
-            aQ, aC, aR, abw, aS, abc, aFc, aFw, np.float32(lr), np.float32(eps),
-            cr.where, cr.rows, cr.grad, wr.where, wr.rows, wr.grad, wr.bias, sr.where, sr.rows, sr.grad, sr.bias,
-            fc_grad, fc_rows, fw_grad, fw_rows, self.ctx_grad, self.scratch, self.hashes, self.slots)
-        return float(loss)
+        params, sums = self._tables()
+        group = self.groups[id(self.tensors[0])]
+        settings = Settings(act=self.act, L=self.feature_order, has_fc=out.ngram_class is not None,
+                            has_fw=out.ngram_word is not None, drop=drop, keep_prob=np.float32(1.0 - dropout),
+                            log_k=math.log(k), lr=np.float32(float(group["lr"])), eps=np.float32(float(group["eps"])))
+        batch = Batch(np.ascontiguousarray(ctx, dtype=np.int64), words, classes, keep_u8)
+        return float(_nce_step(batch, params, sums, self.fixed, self.buffers, settings))
 
 
 # ---------------------------------------------------------------------------- the kernel
 # Written for numba (nopython mode): plain loops over float32 rows, which it vectorises.
 
 
-def _jit(inline: bool = False) -> Any:
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _jit(inline: bool = False) -> Callable[[_F], _F]:
     """numba's njit (compiled once, cached on disk), or the function as it is without numba.
     ``error_model="numpy"``: a division by zero gives inf as in numpy instead of raising,
     without which no loop with a division (AdaGrad's) is vectorised."""
     if numba is None:  # pragma: no cover
         return lambda f: f
     if inline:
-        return njit(inline="always", cache=True, fastmath=True, error_model="numpy")
-    return njit(cache=True, fastmath=True, error_model="numpy", nogil=True)
+        return cast(Callable[[_F], _F], njit(inline="always", cache=True, fastmath=True, error_model="numpy"))
+    return cast(Callable[[_F], _F], njit(cache=True, fastmath=True, error_model="numpy", nogil=True))
 
 
 @_jit(inline=True)
@@ -264,13 +393,13 @@ def _slot(hashed: int, y: int, size: int) -> int:
 
 @_jit(inline=True)
 def _factor(i: int, ids: np.ndarray, r: np.ndarray, dr: np.ndarray, W: np.ndarray, b: np.ndarray,
-            mask: np.ndarray, log_q: np.ndarray, log_k: float, inv_b: float,
-            where: np.ndarray, rows: np.ndarray, grad: np.ndarray, bias_grad: np.ndarray, n: int,
+            mask: np.ndarray, log_q: np.ndarray, log_k: float, inv_b: float, buf: Rows, n: int,
             has_f: bool, F: np.ndarray, hashes: np.ndarray, L: int, slots: np.ndarray,
             fgrad: np.ndarray, frows: np.ndarray, fn: int) -> tuple[float, int, int]:
     """One factor's NCE term for example i (the data ids[i, 0], the noise the rest of the row):
     its loss; its gradients into the buffers and into dr → (loss, n, fn)."""
     E = r.shape[0]
+    where, rows, grad, bias_grad = buf
     loss = 0.0
     for m in range(ids.shape[1]):
         x = ids[i, m]
@@ -311,9 +440,9 @@ def _factor(i: int, ids: np.ndarray, r: np.ndarray, dr: np.ndarray, W: np.ndarra
 
 
 @_jit(inline=True)
-def _adagrad_rows(P: np.ndarray, A: np.ndarray, where: np.ndarray, rows: np.ndarray, grad: np.ndarray,
-                  n: int, lr: float, eps: float) -> None:
+def _adagrad_rows(P: np.ndarray, A: np.ndarray, buf: Rows, n: int, lr: np.float32, eps: np.float32) -> None:
     """AdaGrad on the n touched rows of P (2-D) with its accumulator A; their map entries reset."""
+    where, rows, grad = buf.where, buf.rows, buf.grad
     for i in range(n):
         row = rows[i]
         p, acc, gi = P[row], A[row], grad[i]
@@ -326,10 +455,10 @@ def _adagrad_rows(P: np.ndarray, A: np.ndarray, where: np.ndarray, rows: np.ndar
 
 
 @_jit(inline=True)
-def _adagrad_elems(P: np.ndarray, A: np.ndarray, rows: np.ndarray, grad: np.ndarray,
-                   n: int, lr: float, eps: float) -> None:
-    """AdaGrad on the n touched elements of P (1-D), gradients grad (n,) (the biases of the
+def _adagrad_elems(P: np.ndarray, A: np.ndarray, buf: Rows, n: int, lr: np.float32, eps: np.float32) -> None:
+    """AdaGrad on the n touched elements of P (1-D), gradients ``buf.bias`` (the biases of the
     rows :func:`_adagrad_rows` updates, which resets the map)."""
+    rows, grad = buf.rows, buf.bias
     for i in range(n):
         row = rows[i]
         g = grad[i]
@@ -339,8 +468,8 @@ def _adagrad_elems(P: np.ndarray, A: np.ndarray, rows: np.ndarray, grad: np.ndar
 
 
 @_jit(inline=True)
-def _adagrad_slots(P: np.ndarray, A: np.ndarray, grad: np.ndarray, rows: np.ndarray, n: int, lr: float,
-                   eps: float) -> None:
+def _adagrad_slots(P: np.ndarray, A: np.ndarray, grad: np.ndarray, rows: np.ndarray, n: int, lr: np.float32,
+                   eps: np.float32) -> None:
     """AdaGrad on the listed slots of a feature table (1-D), gradients grad in the table's
     shape, zeroed as they are used (a slot listed twice is updated once)."""
     for i in range(n):
@@ -392,16 +521,20 @@ def _draw(seed: int, classes: np.ndarray, words: np.ndarray, class_cum: np.ndarr
 
 
 @_jit()
-def _nce_step(ctx, words, classes, keep, drop, keep_prob, act, log_k, L, has_fc, has_fw,  # type: ignore[no-untyped-def]
-              Q, C, R, bw, S, bc, Fc, Fw, wmask, cmask, log_q_word, log_q_class,
-              aQ, aC, aR, abw, aS, abc, aFc, aFw, lr, eps,
-              q_where, q_rows, q_grad, w_where, w_rows, w_grad, w_bias, c_where, c_rows, c_grad, c_bias,
-              fc_grad, fc_rows, fw_grad, fw_rows, ctx_grad, scratch, hashes, slots):
-    """The whole step (the module docstring); → the mean loss of the minibatch."""
+def _nce_step(batch: Batch, params: Params, sums: Sums, fixed: Fixed, buf: Buffers, s: Settings) -> float:
+    """The whole step (the module docstring); → the mean loss of the minibatch. Reads the
+    tables at the ids of ``batch`` with no bounds check: the caller has checked them
+    (:meth:`FusedNCE.step`), and sized ``buf`` for the minibatch."""
+    ctx, words, classes, keep = batch
+    Q, C, R, bw, S, bc, Fc, Fw = params
+    drop, keep_prob, act, L, has_fc, has_fw = s.drop, s.keep_prob, s.act, s.L, s.has_fc, s.has_fw
+    lr, eps = s.lr, s.eps
+    q_where, q_rows, q_grad = buf.q.where, buf.q.rows, buf.q.grad
+    ctx_grad, hashes, slots = buf.ctx_grad, buf.hashes, buf.slots
     B, n1 = ctx.shape
     D = Q.shape[1]
     inv_b = 1.0 / B
-    h, r, dr = scratch[0], scratch[1], scratch[2]
+    h, r, dr = buf.scratch[0], buf.scratch[1], buf.scratch[2]
     nq = nw = nc = nfc = nfw = 0
     ctx_grad[:, :] = 0.0
     loss = 0.0
@@ -424,10 +557,10 @@ def _nce_step(ctx, words, classes, keep, drop, keep_prob, act, log_k, L, has_fc,
             dr[d] = 0.0
         if has_fc or has_fw:
             _suffix_hashes(ctx, i, L, hashes)
-        lw, nw, nfw = _factor(i, words, r, dr, R, bw, wmask, log_q_word, log_k, inv_b, w_where, w_rows, w_grad,
-                              w_bias, nw, has_fw, Fw, hashes, L, slots, fw_grad, fw_rows, nfw)
-        lc, nc, nfc = _factor(i, classes, r, dr, S, bc, cmask, log_q_class, log_k, inv_b, c_where, c_rows, c_grad,
-                              c_bias, nc, has_fc, Fc, hashes, L, slots, fc_grad, fc_rows, nfc)
+        lw, nw, nfw = _factor(i, words, r, dr, R, bw, fixed.word_mask, fixed.log_q_word, s.log_k, inv_b, buf.w, nw,
+                              has_fw, Fw, hashes, L, slots, buf.fw_grad, buf.fw_rows, nfw)
+        lc, nc, nfc = _factor(i, classes, r, dr, S, bc, fixed.class_mask, fixed.log_q_class, s.log_k, inv_b, buf.c,
+                              nc, has_fc, Fc, hashes, L, slots, buf.fc_grad, buf.fc_rows, nfc)
         loss += lw + lc
         # back through the dropout and the activation: dh, kept in dr
         for d in range(D):
@@ -448,20 +581,20 @@ def _nce_step(ctx, words, classes, keep, drop, keep_prob, act, log_k, L, has_fc,
                 gq[d] += cj[d] * dr[d]
                 gc[d] += qw[d] * dr[d]
     # AdaGrad on the rows the minibatch touched (the context weights whole: all are touched)
-    _adagrad_rows(Q, aQ, q_where, q_rows, q_grad, nq, lr, eps)
+    _adagrad_rows(Q, sums.Q, buf.q, nq, lr, eps)
     for j in range(n1):
-        cj, acc, gc = C[j], aC[j], ctx_grad[j]
+        cj, acc, gc = C[j], sums.C[j], ctx_grad[j]
         for d in range(D):
             g = gc[d]
             a = acc[d] + g * g
             acc[d] = a
             cj[d] -= lr * g / (math.sqrt(max(a, g * g)) + eps)
-    _adagrad_elems(bw, abw, w_rows, w_bias, nw, lr, eps)
-    _adagrad_rows(R, aR, w_where, w_rows, w_grad, nw, lr, eps)
-    _adagrad_elems(bc, abc, c_rows, c_bias, nc, lr, eps)
-    _adagrad_rows(S, aS, c_where, c_rows, c_grad, nc, lr, eps)
+    _adagrad_elems(bw, sums.bw, buf.w, nw, lr, eps)
+    _adagrad_rows(R, sums.R, buf.w, nw, lr, eps)
+    _adagrad_elems(bc, sums.bc, buf.c, nc, lr, eps)
+    _adagrad_rows(S, sums.S, buf.c, nc, lr, eps)
     if has_fc:
-        _adagrad_slots(Fc, aFc, fc_grad, fc_rows, nfc, lr, eps)
+        _adagrad_slots(Fc, sums.Fc, buf.fc_grad, buf.fc_rows, nfc, lr, eps)
     if has_fw:
-        _adagrad_slots(Fw, aFw, fw_grad, fw_rows, nfw, lr, eps)
+        _adagrad_slots(Fw, sums.Fw, buf.fw_grad, buf.fw_rows, nfw, lr, eps)
     return loss * inv_b

@@ -224,3 +224,77 @@ def test_the_steps_own_noise_and_mask_follow_the_distributions() -> None:
     again = words.copy()
     _draw(11, classes, again, fused.class_cum, fused.word_keys, fused.word_order, keep.view(np.uint8), p)
     assert (again == words).all()  # one seed, one draw
+
+
+def _fused_for_checks() -> tuple[FusedNCE, NeuralLM, torch.optim.Optimizer, NoiseDistribution]:
+    model, counts = _model(30, 3, 4, 8, "none", (32, 64), 0, seed=1)
+    opt = _optimizer(model, "adagrad")
+    noise = NoiseDistribution(counts, model.output.word_class.numpy(), torch.device("cpu"))  # type: ignore[union-attr, operator]
+    return FusedNCE(model, opt, noise), model, opt, noise
+
+
+@pytest.mark.parametrize("array, position, bad", [
+    ("target", 3, 30), ("target", 0, -1), ("ctx", (2, 1), 30), ("ctx", (0, 0), -3),
+    ("noise_words", (1, 2), 30), ("noise_words", (5, 0), -1), ("noise_classes", (0, 3), 3),
+    ("noise_classes", (7, 1), -2)])
+def test_ids_out_of_range_are_refused_before_the_kernel_runs(array: str, position: Any, bad: int) -> None:
+    # the kernel reads without bounds checks: the step refuses the minibatch, names the
+    # array and the id, and changes nothing (parameters, accumulators, step counts)
+    fused, model, opt, noise = _fused_for_checks()
+    rng = np.random.default_rng(0)
+    arrays = {"ctx": rng.integers(0, 30, (16, 3)), "target": rng.integers(2, 30, 16)}
+    gen = torch.Generator()
+    gen.manual_seed(0)
+    nc, nw = noise.sample(model, torch.from_numpy(arrays["target"]), 4, gen)
+    assert nc is not None
+    arrays["noise_classes"], arrays["noise_words"] = nc.numpy().copy(), nw.numpy().copy()
+    arrays[array][position] = bad
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    sums_before = {name: opt.state[p]["sum"].clone() for name, p in model.named_parameters()}
+    limit = 3 if array == "noise_classes" else 30
+    with pytest.raises(ValueError, match=rf"fused step: {array} holds id {bad}, outside \[0, {limit}\)"):
+        fused.step(arrays["ctx"], arrays["target"], arrays["noise_classes"], arrays["noise_words"], None, 0.0)
+    if array in ("ctx", "target"):  # the step's own noise: the same check first
+        with pytest.raises(ValueError, match=rf"fused step: {array} holds id {bad}"):
+            fused.step(arrays["ctx"], arrays["target"], None, None, None, 0.2, k=4, seed=1)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[name]), name
+        assert torch.equal(opt.state[p]["sum"], sums_before[name]), name
+        assert float(opt.state[p]["step"]) == 0.0, name
+    assert fused._views is None  # no views made, no step counted
+
+
+def test_the_noise_tables_are_checked_when_the_step_is_made() -> None:
+    _, model, opt, noise = _fused_for_checks()
+    noise._order = noise._order.clone()
+    noise._order[0] = 30  # a word the vocabulary has not: the step's own draws would read past R
+    with pytest.raises(ValueError, match=r"fused step: the noise's word order holds id 30, outside \[0, 30\)"):
+        FusedNCE(model, opt, noise)
+
+
+def test_parameters_and_accumulators_have_the_same_names() -> None:
+    # the kernel takes the parameters and their AdaGrad sums as two structures of the same
+    # field names (of two types, so that mypy refuses them swapped): params.X is updated with
+    # sums.X, which is the optimiser's state of that very tensor
+    from nlmserve.lm.fused import Params, Sums
+
+    assert Params._fields == Sums._fields and Params is not Sums
+    fused, model, opt, _ = _fused_for_checks()
+    rng = np.random.default_rng(0)
+    fused.step(rng.integers(0, 30, (16, 3)), rng.integers(2, 30, 16), None, None, None, 0.0, k=4, seed=1)
+    assert fused._views is not None
+    _, params, sums = fused._views
+    assert isinstance(params, Params) and isinstance(sums, Sums)
+    for name, tensor in zip(Params._fields, fused.tensors):
+        assert tensor is not None, name
+        param, acc = getattr(params, name), getattr(sums, name)
+        assert param.shape == acc.shape, name
+        assert np.shares_memory(param, tensor.detach().numpy()), name
+        assert np.shares_memory(acc, opt.state[tensor]["sum"].numpy()), name
+    views = fused._views
+    fused.step(rng.integers(0, 30, (16, 3)), rng.integers(2, 30, 16), None, None, None, 0.0, k=4, seed=2)
+    assert fused._views is views  # made once, kept while the memory stays
+    model.share_memory()  # --workers: the parameters move, the views follow
+    fused.step(rng.integers(0, 30, (16, 3)), rng.integers(2, 30, 16), None, None, None, 0.0, k=4, seed=3)
+    assert fused._views is not views
+    assert np.shares_memory(fused._views[1].Q, model.embed.weight.detach().numpy())
