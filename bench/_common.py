@@ -19,7 +19,7 @@ import os
 import platform
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, NoReturn
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _REPO = Path(__file__).resolve().parent.parent
@@ -222,3 +222,17 @@ def require_scoring_tables(model: str | Path, what: str) -> None:
     why = LanguageModel.load(model, device="cpu").scoring_tables_missing()
     if why is not None:
         raise SystemExit(f"{what}: scoring=local needs the model's scoring tables, and {model} has none: {why}")
+
+
+def exit_with(main: Callable[[], int]) -> NoReturn:
+    """Run a benchmark's ``main`` and exit with its code; a project error (a wrong model file,
+    a missing input) or a file error is one line on stderr and exit code 1, as ``nlmserve``
+    prints it, not a traceback."""
+    from nlmserve.cli import error_line
+    from nlmserve.common.errors import NlmserveError
+
+    try:
+        code = main()
+    except (NlmserveError, OSError) as exc:
+        raise SystemExit(error_line(exc)) from None
+    raise SystemExit(code)

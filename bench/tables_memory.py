@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench._common import machine, markers, shown_command, write_json, write_section
+from bench._common import exit_with, machine, markers, shown_command, write_json, write_section
 from bench.decoder import feature_line, rewrite_ini, write_head
 
 REPO = Path(__file__).resolve().parent.parent
@@ -226,4 +226,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

@@ -84,3 +84,15 @@ def test_the_page_holds_the_rendered_run() -> None:
     """docs/performance-decoder.md's section is what --render writes from bench/results/vocab-scale.json."""
     result = json.loads((REPO / "bench" / "results" / "vocab-scale.json").read_text(encoding="utf-8"))
     assert vocab_scale.render(result) in (REPO / "docs" / "performance-decoder.md").read_text(encoding="utf-8")
+
+
+def test_a_directory_as_the_model_is_one_line(tmp_path: Path) -> None:
+    """A wrong --model (a directory) is one line and exit code 1, no traceback."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "bench.vocab_scale", "--model", str(tmp_path), "--small",
+                           str(tmp_path), "--text", os.devnull], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip() == f"{tmp_path}: cannot read model file: Is a directory"
