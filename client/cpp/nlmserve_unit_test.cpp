@@ -824,6 +824,77 @@ int HugePages() {
   return 0;
 }
 
+// The AVX2 kernels make the portable loops' floats, bit for bit (nlmserve_quantize.h): a
+// score must not depend on the CPU. Widths around the 8-value step, values of mixed signs
+// and magnitudes (where another summation order or a fused multiply-add would show), in each
+// form; the portable loops written out here as the header writes them.
+template <class V, class One>
+float PortableDot(const float *r, const V *row, std::size_t n, One one) {
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  std::size_t d = 0;
+  for (; d + 8 <= n; d += 8) {
+    for (std::size_t k = 0; k < 8; ++k) acc[k] += r[d + k] * one(row[d + k]);
+  }
+  float s = 0.f;
+  for (; d < n; ++d) s += r[d] * one(row[d]);
+  for (std::size_t k = 0; k < 8; ++k) s += acc[k];
+  return s;
+}
+
+bool SameFloats(const float *a, const float *b, std::size_t n) { return std::memcmp(a, b, n * sizeof(float)) == 0; }
+
+void TestFloatKernels() {
+#ifdef NLMSERVE_AVX2_KERNELS
+  if (!nlmserve::HasAvx2()) {
+    std::printf("unit: no AVX2 and F16C on this CPU; the portable loops alone are used\n");
+    return;
+  }
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> value(-1.f, 1.f);
+  int differ[3] = {0, 0, 0};  // float, fp16, int8
+  auto same = [](float v) { return v; };
+  auto byte = [](int8_t v) { return static_cast<float>(v); };
+  for (std::size_t n : {1, 7, 8, 9, 15, 16, 17, 64, 255, 256, 257, 768}) {
+    for (int trial = 0; trial < 50; ++trial) {
+      std::vector<float> a(n), b(n), sum(n), x(n), y(n);
+      std::vector<uint16_t> half(n);
+      std::vector<int8_t> q(n);
+      for (std::size_t i = 0; i < n; ++i) {
+        a[i] = value(rng) * std::ldexp(1.f, static_cast<int>(rng() % 20) - 10);
+        b[i] = value(rng) * std::ldexp(1.f, static_cast<int>(rng() % 20) - 10);
+        sum[i] = value(rng);
+        // a normal half of either sign (exponent 1..30), or zero
+        half[i] = rng() % 9 == 0 ? 0 : static_cast<uint16_t>((rng() % 2) << 15 | (1 + rng() % 30) << 10 | rng() % 1024);
+        q[i] = static_cast<int8_t>(static_cast<int>(rng() % 255) - 127);
+      }
+      const float scale = value(rng) * 0.01f;
+      float got = nlmserve::FloatRows::Dot(a.data(), b.data(), 1.f, n);
+      float want = PortableDot(a.data(), b.data(), n, same);
+      differ[0] += !SameFloats(&got, &want, 1);
+      got = nlmserve::HalfRows::Dot(a.data(), half.data(), 1.f, n);
+      want = PortableDot(a.data(), half.data(), n, nlmserve::HalfToFloat);
+      differ[1] += !SameFloats(&got, &want, 1);
+      got = nlmserve::Int8Rows::Dot(a.data(), q.data(), scale, n);
+      want = PortableDot(a.data(), q.data(), n, byte) * scale;
+      differ[2] += !SameFloats(&got, &want, 1);
+      for (std::size_t d = 0; d < n; ++d) x[d] = sum[d] + b[d];
+      nlmserve::FloatRows::Add(y.data(), sum.data(), b.data(), 1.f, n);
+      differ[0] += !SameFloats(x.data(), y.data(), n);
+      for (std::size_t d = 0; d < n; ++d) x[d] = sum[d] + nlmserve::HalfToFloat(half[d]);
+      nlmserve::HalfRows::Add(y.data(), sum.data(), half.data(), 1.f, n);
+      differ[1] += !SameFloats(x.data(), y.data(), n);
+      for (std::size_t d = 0; d < n; ++d) x[d] = sum[d] + scale * static_cast<float>(q[d]);
+      y = sum;
+      nlmserve::Int8Rows::Add(y.data(), y.data(), q.data(), scale, n);  // in place
+      differ[2] += !SameFloats(x.data(), y.data(), n);
+    }
+  }
+  Check(differ[0] == 0, "AVX2 float32 dot product and sum: the portable loops' floats");
+  Check(differ[1] == 0, "AVX2 fp16 dot product and sum: the portable loops' floats");
+  Check(differ[2] == 0, "AVX2 int8 dot product and sum (in place): the portable loops' floats");
+#endif
+}
+
 int main(int argc, char **argv) {
   if (argc >= 2 && std::string(argv[1]) == "--canonical") return Canonical();
   if (argc >= 2 && std::string(argv[1]) == "--huge-pages") return HugePages();
@@ -842,6 +913,7 @@ int main(int argc, char **argv) {
   TestScoringTablesFeatures();
   TestScoringTablesRemembered();
   TestScoringTablesPrefixes();
+  TestFloatKernels();
   std::printf("unit: %d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }

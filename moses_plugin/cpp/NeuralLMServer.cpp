@@ -198,8 +198,8 @@ uint32_t NeuralLMServer::Id(const Word &word) const {
   });
 }
 
-void NeuralLMServer::AppendIds(const Phrase &phrase, std::vector<uint32_t> *ids) const {
-  const size_t size = phrase.GetSize();
+void NeuralLMServer::AppendIds(const Phrase &phrase, std::vector<uint32_t> *ids, size_t limit) const {
+  const size_t size = std::min(phrase.GetSize(), limit);
   for (size_t pos = 0; pos < size; ++pos) {
     const Word &word = phrase.GetWord(pos);
     ids->push_back(word.IsNonTerminal() ? nlmserve::kNonTerminal : Id(word));
@@ -209,15 +209,8 @@ void NeuralLMServer::AppendIds(const Phrase &phrase, std::vector<uint32_t> *ids)
 void NeuralLMServer::ScoreRows(const uint32_t *rows, size_t n, float *out, NeuralLMServerThread &local) const {
   if (n == 0) return;
   if (m_tables) {
-    // The rows come from CanonicalRow or BoundaryRows, which have checked them; they are
-    // checked again here because the tables are read at their ids.
-    nlmserve::NgramError error;
-    const size_t bad = nlmserve::FirstBadRow(rows, n, *m_model, &error);
-    if (bad < n) {
-      const size_t width = m_model->order;
-      Failed(nlmserve::NgramErrorMessage(error, rows + bad * width, width, bad, *m_model), n, out);
-      return;
-    }
+    // The tables are read at the rows' ids: every row comes from CanonicalRow, PhraseRows or
+    // BoundaryRows, which check each id (nlmserve_decoder.h), so they are not checked again.
     const uint64_t summed = local.tables.rows_added, computed = local.tables.nodes_computed,
                    remembered = local.tables.rows_remembered;
     m_tables->Score(rows, n, out, &local.tables);  // natural log, as TransformLMScore makes it

@@ -183,8 +183,9 @@ class NeuralLMServer : public LanguageModelSingleFactor {
  private:
   // The vocabulary id of a word (its factor's id, looked up once per factor in m_ids).
   uint32_t Id(const Word &word) const;
-  // Appends the ids of the phrase's words to `ids` (nlmserve::kNonTerminal for a non-terminal).
-  void AppendIds(const Phrase &phrase, std::vector<uint32_t> *ids) const;
+  // Appends the ids of the phrase's first `limit` words (all by default) to `ids`
+  // (nlmserve::kNonTerminal for a non-terminal).
+  void AppendIds(const Phrase &phrase, std::vector<uint32_t> *ids, size_t limit = size_t(-1)) const;
   // Scores `n` canonical rows (order ids each) into Moses scores (natural log, floored),
   // counted for the thread's sentence; a failure is handled as on-error says.
   void ScoreRows(const uint32_t *rows, size_t n, float *out, NeuralLMServerThread &local) const;

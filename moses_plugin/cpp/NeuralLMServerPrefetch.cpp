@@ -207,8 +207,10 @@ void NeuralLMServer::ExpansionRows(const Hypothesis &prev, NeuralLMServerThread 
     // An empty target phrase has no boundary n-grams, and EvaluateWhenApplied returns
     // before asking for its score: listing it would only put the cursor out of step.
     if (option.GetTargetPhrase().GetSize() == 0) return;
+    // Only the first order-1 words are predicted across the boundary; the whole phrase only
+    // when </s> follows it (its context is the last order-1 words).
     local.words.resize(context);
-    AppendIds(option.GetTargetPhrase(), &local.words);
+    AppendIds(option.GetTargetPhrase(), &local.words, completes ? size_t(-1) : order - 1);
     const nlmserve::NgramError error = nlmserve::BoundaryRows(*m_model, local.words.data(), context,
                                                               local.words.size(), completes, &local.rows);
     UTIL_THROW_IF2(error != nlmserve::NgramError::kNone,

@@ -68,6 +68,15 @@ inline NgramError PhraseRows(const ModelInfo &model, const uint32_t *ids, std::s
   return NgramError::kNone;
 }
 
+// Whether every id of ids[0, n) is a plain word: in the vocabulary and not <s> (so neither
+// out of range nor the no-word, and nothing that resets a context). A row of plain words,
+// order of them, is its own canonical row.
+inline bool PlainWords(const uint32_t *ids, std::size_t n, const ModelInfo &model) {
+  bool plain = true;
+  for (std::size_t i = 0; i < n; ++i) plain &= (ids[i] < model.vocab_size) & (ids[i] != model.bos_id);
+  return plain;
+}
+
 // Appends to `rows` the canonical rows of the n-grams that a phrase adds across its left
 // boundary: words[0, context) are the words before it (only the last order-1 count; fewer
 // mean the sentence starts there), words[context, n) the phrase. The first min(order-1,
@@ -75,12 +84,21 @@ inline NgramError PhraseRows(const ModelInfo &model, const uint32_t *ids, std::s
 // inside the phrase), then, when `completes`, </s> (model.eos_id) after the last order-1
 // words. An empty phrase adds nothing (the feature scores no n-gram for it). Returns the
 // first error (words are checked as CanonicalRow checks them) or kNone.
+// A full context (order-1 words) of plain words takes the window path: CanonicalRow would
+// return each row as it stands (nothing to pad, no <s> or no-word to spread), so each row is
+// the window of `order` words that ends at the predicted one (the decoder's hot path, one
+// check of the words instead of one CanonicalRow per row).
 inline NgramError BoundaryRows(const ModelInfo &model, const uint32_t *words, std::size_t context, std::size_t n,
                                bool completes, std::vector<uint32_t> *rows) {
   if (n <= context) return NgramError::kNone;
   const std::size_t order = model.order;
   const std::size_t predicted = std::min<std::size_t>(order - 1, n - context);
+  const bool windows = context == order - 1 && PlainWords(words, n, model);
   for (std::size_t pos = context; pos < context + predicted; ++pos) {
+    if (windows) {
+      rows->insert(rows->end(), words + pos + 1 - order, words + pos + 1);
+      continue;
+    }
     const std::size_t start = pos + 1 > order ? pos + 1 - order : 0;
     const std::size_t at = rows->size();
     rows->resize(at + order);

@@ -100,6 +100,36 @@ void TestBoundaryRows() {
   const Row bad = {9, 50};
   Check(nlmserve::BoundaryRows(m, bad.data(), 1, 2, false, &rows) == nlmserve::NgramError::kOutOfRange && rows.empty(),
         "boundary rows: an id outside the vocabulary is an error");
+  // The window path (a full context of plain words) against CanonicalRow row by row, on
+  // random words that include <s>, </s>, <unk>, the no-word and ids out of range.
+  std::mt19937 rng(7);
+  int differ = 0, windows = 0;
+  for (int trial = 0; trial < 4000; ++trial) {
+    const nlmserve::ModelInfo r = Model(2 + rng() % 5, 12);
+    const std::size_t context = rng() % r.order, n = context + rng() % 6;
+    Row words(n);
+    for (std::size_t i = 0; i < n; ++i) words[i] = rng() % 4 == 0 ? rng() % 14 : 3 + rng() % 9;
+    const bool completes = rng() % 2 == 0;
+    Row got, want;
+    const nlmserve::NgramError error = nlmserve::BoundaryRows(r, words.data(), context, n, completes, &got);
+    nlmserve::NgramError expected = nlmserve::NgramError::kNone;
+    const std::size_t predicted = n > context ? std::min<std::size_t>(r.order - 1, n - context) : 0;
+    for (std::size_t pos = context; pos < context + predicted && expected == nlmserve::NgramError::kNone; ++pos) {
+      const std::size_t start = pos + 1 > r.order ? pos + 1 - r.order : 0;
+      Row row(r.order);
+      expected = nlmserve::CanonicalRow(words.data() + start, pos + 1 - start, r, row.data());
+      if (expected == nlmserve::NgramError::kNone) want.insert(want.end(), row.begin(), row.end());
+    }
+    if (expected == nlmserve::NgramError::kNone && completes && n > context) {
+      Row row(r.order);
+      nlmserve::CanonicalContext(words.data(), n, r.order - 1, r.bos_id, row.data());
+      row[r.order - 1] = r.eos_id;
+      want.insert(want.end(), row.begin(), row.end());
+    }
+    if (context == r.order - 1 && nlmserve::PlainWords(words.data(), n, r)) ++windows;
+    if (error != expected || (error == nlmserve::NgramError::kNone && got != want)) ++differ;
+  }
+  Check(differ == 0 && windows > 500, "boundary rows: the window path gives CanonicalRow's rows");
   const float parts[] = {-0.25f, -1.5f, -0.125f};
   Check(nlmserve::SumScores(parts, 3) == -1.875f && nlmserve::SumScores(parts, 0) == 0.0f, "scores summed");
 }
