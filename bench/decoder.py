@@ -21,7 +21,14 @@ side by side, e.g.
     --configs kenlm local:normalized=false,scoring=local \
               local-old:normalized=false,scoring=local,moses=/path/to/old/moses
 
-and ``model=`` two models (with and without direct n-gram features, say). Measured per
+and ``model=`` two models (with and without direct n-gram features, say). A configuration
+with ``tables=FILE`` is server-free: its line has no ``path=``, no server runs for it, and the
+decoder maps the file (``nlmserve export-tables``), e.g. one per quantisation:
+
+    --configs kenlm none:normalized=false,tables=m.nlt fp16:normalized=false,tables=m.fp16.nlt \
+              int8:normalized=false,tables=m.int8.nlt
+
+Measured per
 run: wall time of the decoder process (loading included, and reported on its own: Moses'
 "Created input-output object" time, which with the feature's default ``phrase-scores=load``
 includes the phrase table's NLM scores), its CPU time (user + system, from wait4), the server's CPU time over the run
@@ -149,12 +156,19 @@ class Run:
     load_s: float | None = None
 
 
-def feature_line(options: dict[str, str], target: str, order: int) -> str:
+def feature_line(options: dict[str, str], target: str | None, order: int) -> str:
     """The ``NeuralLMServer`` line of a configuration: its options after the server's
-    address; an ``order=`` among them replaces ``order``. Written by moses_ini.line_of, the
-    one writer of the line."""
-    return line_of({"name": "NLM0", "factor": "0", "order": options.get("order", str(order)), "path": target,
+    address (none for a server-free configuration, ``tables=FILE``); an ``order=`` among them
+    replaces ``order``. Written by moses_ini.line_of, the one writer of the line."""
+    where = {"path": target} if target is not None else {}
+    return line_of({"name": "NLM0", "factor": "0", "order": options.get("order", str(order)), **where,
                     **{k: v for k, v in options.items() if k != "order"}})
+
+
+def served(options: dict[str, str] | None) -> bool:
+    """A feature configuration that asks a server: every one but the server-free ``tables=FILE``
+    without ``path=`` (the decoder maps the file; no server runs for it)."""
+    return options is not None and "tables" not in options
 
 
 def write_head(source: Path, n: int, out: Path) -> list[str]:
@@ -506,7 +520,7 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace,
         p.error("give --model or --server, not both")
     if args.server is not None and any(c.model for c in configs):
         p.error("a configuration's model= needs a server of its own: leave out --server")
-    if args.model is None and args.server is None and any(c.options is not None and c.model is None for c in configs):
+    if args.model is None and args.server is None and any(served(c.options) and c.model is None for c in configs):
         p.error("give --model or --server (or model= in every feature configuration)")
     # The n-best check compares with the model file's own scores: --model's, else the first
     # configuration's model=.
@@ -521,7 +535,7 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace,
             p.error(f"moses binary {binary}: not found")
     local: dict[str, list[str]] = {}
     for c in configs:
-        if c.options is not None and c.options.get("scoring") == "local" and (c.model or args.model):
+        if served(c.options) and c.options.get("scoring") == "local" and (c.model or args.model):
             local.setdefault(c.model or args.model, []).append(c.name)
     for model, names in local.items():
         _common.require_scoring_tables(model, f"--configs {' '.join(names)}")
@@ -558,7 +572,7 @@ class Bench:
 
     def start_servers(self, configs: list[Config]) -> None:
         """One ``nlmserve serve`` per model the feature configurations name."""
-        for model in dict.fromkeys(c.model or self.args.model for c in configs if c.options is not None):
+        for model in dict.fromkeys(c.model or self.args.model for c in configs if served(c.options)):
             if model is not None:
                 self.servers[model] = start_server(Path(model), self.args.serve_args.split())
 
@@ -586,7 +600,9 @@ class Bench:
         args = self.args
         path = self.work / f"{name}.ini"
         feature = None
-        if options is not None:
+        if options is not None and not served(options):  # the file's path as the decoder's folder sees it
+            feature = feature_line({**options, "tables": str(Path(options["tables"]).resolve())}, None, args.order)
+        elif options is not None:
             target = self.servers[model or args.model].target if (model or args.model) else args.server
             feature = feature_line(options, target, args.order)
         rewrite_ini(args.ini, args.kenlm, path, feature, args.nlm_weight)
@@ -599,7 +615,7 @@ class Bench:
         name = name or c.name
         ini = self.ini_for(name, options, c.model)
         out, log = self.work / f"{name}.r{rnd}.out", self.work / f"{name}.r{rnd}.log"
-        server = self.servers.get(c.model or args.model or "") if options is not None else None
+        server = self.servers.get(c.model or args.model or "") if served(options) else None
         before = tree_cpu_seconds(server.process.pid) if server else 0.0
         wall, cpu = decode(c.moses or args.moses, ini, source, args.threads, out, log)
         after = tree_cpu_seconds(server.process.pid) if server else 0.0

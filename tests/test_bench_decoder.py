@@ -86,6 +86,28 @@ def test_a_configuration_names_its_model_binary_and_order() -> None:
         decoder.Config.parse("x:scoring")
 
 
+def test_a_tables_configuration_is_server_free(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # tables=FILE without path=: no server is started for it, and its line has no path= but
+    # the file's absolute path (the decoder runs in the work folder).
+    (tmp_path / "system").mkdir()
+    (tmp_path / "system" / "moses.ini").write_text(INI)
+    monkeypatch.chdir(tmp_path)
+    int8 = decoder.Config.parse("int8:normalized=false,tables=m.int8.nlt")
+    kenlm = decoder.Config.parse("kenlm")
+    assert not decoder.served(int8.options) and not decoder.served(kenlm.options)
+    assert decoder.served({"normalized": "false", "scoring": "local"})
+    started: list[Path] = []
+    monkeypatch.setattr(decoder, "start_server", lambda model, args: started.append(model))
+    args = decoder.argparse.Namespace(ini=tmp_path / "system" / "moses.ini", kenlm="/models/lm.bin", order=5,
+                                      nlm_weight=0.25, model=None, server=None, serve_args="")
+    bench = decoder.Bench(args, tmp_path / "work", [])
+    (tmp_path / "work").mkdir()
+    bench.start_servers([kenlm, int8])
+    assert started == [] and bench.servers == {}
+    lines = bench.ini_for("int8", int8.options).read_text().splitlines()
+    assert f"NeuralLMServer name=NLM0 factor=0 order=5 normalized=false tables={tmp_path / 'm.int8.nlt'}" in lines
+
+
 def test_an_ini_without_kenlm_is_refused(tmp_path: Path) -> None:
     ini = tmp_path / "moses.ini"
     ini.write_text(INI.replace("KENLM", "SRILM"))
