@@ -103,6 +103,27 @@ def check_output_dir(path: str | os.PathLike[str]) -> None:
         raise InputError(f"cannot make the directory: no permission to write into {parent}", name)
 
 
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular one is, for messages ("a directory", "a FIFO", ...)."""
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def open_regular(path: str | os.PathLike[str]) -> tuple[int, os.stat_result]:
+    """``path`` opened read-only without waiting (a FIFO with no writer would block ``open``) and
+    its ``fstat``: the descriptor, to read from, and what it is (the caller refuses what is not
+    a regular file, ``stat.S_ISREG``). OSError as ``os.open`` raises it."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        return fd, os.fstat(fd)
+    except OSError:
+        os.close(fd)
+        raise
+
+
 def check_input(path: str | os.PathLike[str], kind: str = ANY, *, empty_ok: bool = True) -> None:
     """Refuse an input that is missing, a directory, unreadable, of another kind than
     ``kind`` (one of :data:`KINDS`) by its first bytes, or (``empty_ok`` False) empty."""
@@ -114,6 +135,9 @@ def check_input(path: str | os.PathLike[str], kind: str = ANY, *, empty_ok: bool
         if stat.S_ISDIR(st.st_mode):
             raise InputError("a directory, not a file", name)
         if not stat.S_ISREG(st.st_mode):
+            if kind in (MODEL, TABLES, MODEL_OR_TABLES):  # read in place: a FIFO would block
+                raise InputError(f"{file_kind(st.st_mode)}, not a regular file (a model or tables file is read "
+                                 "in place)", name)
             return  # a pipe or a device: reading it is the only check
         with open(name, "rb") as f:
             head = f.read(_HEAD)

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..common.errors import ModelFileError
-from ..common.paths import atomic_output
+from ..common.paths import atomic_output, file_kind, open_regular
 from .config import SELF_NORMALIZING, ModelConfig
 from .vocab import Vocabulary
 
@@ -257,7 +257,7 @@ def read_model_file(path: str | os.PathLike[str], *, max_bytes: int | None = Non
     by :func:`read_model_descriptor`, at most ``max_bytes`` of it when given."""
     name = str(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0))
+        fd, _ = open_regular(path)
     except OSError as exc:
         raise ModelFileError(f"{name}: cannot read model file: {exc.strerror or exc}") from exc
     try:
@@ -284,7 +284,7 @@ def read_model_descriptor(fd: int, name: str, *, max_bytes: int | None = None,
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise ModelFileError(f"{name}: model file is not a regular file")
+            raise ModelFileError(f"{name}: model file is {file_kind(info.st_mode)}, not a regular file")
         size = info.st_size
         if max_bytes is not None and size > max_bytes:
             raise ModelFileError(f"{name}: model file has {size} bytes, more than the {max_bytes} allowed")
@@ -362,8 +362,11 @@ def read_model_header(path: str | os.PathLike[str]) -> ModelFile:
     ``read_model_file``, a file shorter than its header declares included."""
     name = str(path)
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        fd, info = open_regular(path)
+        with open(fd, "rb") as f:
+            if not stat.S_ISREG(info.st_mode):
+                raise ModelFileError(f"{name}: model file is {file_kind(info.st_mode)}, not a regular file")
+            size = info.st_size
             blob = f.read(_PREFIX.size)
             if len(blob) == _PREFIX.size and blob[:8] == MAGIC:
                 blob += f.read(_PREFIX.unpack(blob)[2])

@@ -55,6 +55,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +66,7 @@ import numpy as np
 from . import quantize as quant
 from ..wire.ngrams import BOS_ID, EOS_ID, UNK_ID
 from ..common.errors import ModelFileError
+from ..common.paths import file_kind, open_regular
 from ..common.paths import atomic_output
 
 if TYPE_CHECKING:
@@ -414,8 +416,11 @@ def read_header(path: str | Path) -> tuple[TablesFileHeader, int]:
     header is damaged or does not hold together, or the file is cut short."""
     name = os.fspath(path)
     try:
-        with open(name, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        fd, info = open_regular(name)
+        with open(fd, "rb") as f:
+            if not stat.S_ISREG(info.st_mode):
+                raise ModelFileError(f"{name}: tables file is {file_kind(info.st_mode)}, not a regular file")
+            size = info.st_size
             raw = f.read(HEADER_BYTES)
     except OSError as e:
         raise ModelFileError(f"{name}: {e.strerror}") from None

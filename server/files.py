@@ -28,6 +28,7 @@ import os
 import stat
 
 from ..common.errors import InputError, ModelFileError
+from ..common.paths import file_kind
 from ..lm.model_file import ModelFile, read_model_descriptor
 
 #: Largest token or TLS file read, in bytes.
@@ -58,20 +59,12 @@ def shown_path(path: str) -> str:
     return "".join(out)
 
 
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return "not a regular file"
-
-
 def _check_regular(fd: int, path: str, what: str, max_bytes: int, limit_name: str) -> int:
     """The size of the file open as ``fd``; InputError naming ``path`` when it is not a
     regular file or is larger than ``max_bytes``."""
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):
-        raise InputError(f"{what} is {_kind(info.st_mode)}, not a regular file", shown_path(path))
+        raise InputError(f"{what} is {file_kind(info.st_mode)}, not a regular file", shown_path(path))
     if info.st_size > max_bytes:
         raise InputError(f"{what} has {info.st_size} bytes, more than {limit_name} = {max_bytes}", shown_path(path))
     return info.st_size

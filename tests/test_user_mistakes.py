@@ -7,6 +7,7 @@ A closed pipe on stdout ends the process by SIGPIPE, silently, as coreutils' do.
 from __future__ import annotations
 
 import gzip
+import os
 import signal
 import socket
 import subprocess
@@ -22,7 +23,7 @@ NLMSERVE = [sys.executable, "-m", "nlmserve"]
 
 # (case, argv, exit status, what the one line says). Placeholders name the inputs of the
 # `inputs` fixture; `dir` is a directory and `missing/` a folder that does not exist, both
-# in the folder each case runs in.
+# in the folder each case runs in, and `fifo` a FIFO there with no writer.
 CASES: list[tuple[str, str, int, str]] = [
     # train
     ("train-order-0", "train --train {text} --out m.nlm --order 0", 2, "argument --order: must be 2 or more, not 0"),
@@ -52,6 +53,11 @@ CASES: list[tuple[str, str, int, str]] = [
     ("query-model-tables", "query --model {tables}", 1, "not an nlmserve model file: it is a tables file"),
     ("info-missing", "info nope.nlm", 1, "nope.nlm: no such file"),
     ("info-dir", "info dir", 1, "dir: a directory, not a file"),
+    # a FIFO is refused at once, never waited on (open() of a FIFO blocks until a writer comes)
+    ("info-fifo", "info fifo", 1, "fifo: a FIFO, not a regular file"),
+    ("query-tables-fifo", "query --tables fifo", 1, "fifo: a FIFO, not a regular file"),
+    ("tables-model-fifo", "export-tables --model fifo --out m.nlt", 1, "fifo: a FIFO, not a regular file"),
+    ("eval-model-fifo", "eval --model fifo --text {text}", 1, "fifo: a FIFO, not a regular file"),
     ("info-text", "info {text}", 1, "not an nlmserve model file nor a tables file"),
     ("tables-out-dir", "export-tables --model {model} --out dir", 1, "dir: the output is a directory"),
     ("tables-out-missing-folder", "export-tables --model {model} --out missing/m.nlt", 1, "does not exist"),
@@ -170,6 +176,7 @@ def _listing(folder: Path) -> list[str]:
 def test_a_mistake_is_one_line_with_its_status_and_leaves_nothing(argv: str, code: int, says: str,
                                                                    inputs: dict[str, str], tmp_path: Path) -> None:
     (tmp_path / "dir").mkdir()
+    os.mkfifo(tmp_path / "fifo")
     before = _listing(tmp_path)
     args = argv.format(**inputs).split()
     done = subprocess.run([*NLMSERVE, *args], cwd=tmp_path, stdin=subprocess.DEVNULL, capture_output=True,
