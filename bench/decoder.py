@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import _common
-from bench._common import machine, tree_cpu_seconds, write_json
+from bench._common import exit_with, machine, tree_cpu_seconds, write_json
 
 from nlmserve.common.serve_process import ServerProcess, start_server
 from nlmserve.moses_plugin.moses_ini import line_of, rewrite_ini, weight_line  # noqa: F401  (the ini rules' owner)
@@ -740,4 +740,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from bench._common import machine
+from bench._common import exit_with, machine
 
 from nlmserve.common.serve_process import start_server
 
@@ -313,4 +313,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

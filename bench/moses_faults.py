@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench._common import machine, markers, require_scoring_tables, shown_command, write_json, write_section
+from bench._common import exit_with, machine, markers, require_scoring_tables, shown_command, write_json, write_section
 from bench.decoder import commit, feature_line, rewrite_ini, write_head
 
 from nlmserve.common.serve_process import ServerProcess, start_server
@@ -288,4 +288,4 @@ def render(result: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

@@ -48,7 +48,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench._common import (TRAINING_STEPS, machine, markers, shown_command, train_seconds, training_step,
+from bench._common import (exit_with, TRAINING_STEPS, machine, markers, shown_command, train_seconds, training_step,
                            write_json, write_section)
 from bench.targets import DEV, TRAIN, head_lines, map_rare
 
@@ -391,4 +391,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

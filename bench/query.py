@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench._common import machine, markers, shown_command, write_json, write_section
+from bench._common import exit_with, machine, markers, shown_command, write_json, write_section
 
 REPO = Path(__file__).resolve().parent.parent
 NLMSERVE = [sys.executable, "-m", "nlmserve"]
@@ -254,4 +254,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

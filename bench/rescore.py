@@ -35,7 +35,7 @@ from nlmserve.moses_plugin.nbest import iter_entries
 from nlmserve.moses_plugin.rescore import RescoreConfig, rescore
 from nlmserve.common.serve_process import start_server
 
-from bench._common import machine
+from bench._common import exit_with, machine
 
 REPO = Path(__file__).resolve().parent.parent
 NEWS = REPO / "data" / "nbest" / "newstest-fr-en"
@@ -132,4 +132,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import _common
-from bench._common import (TRAINING_STEPS, machine, random_class_model, training_step, tree_cpu_seconds, write_json,
+from bench._common import (exit_with, TRAINING_STEPS, machine, random_class_model, training_step, tree_cpu_seconds, write_json,
                            write_section)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -465,4 +465,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

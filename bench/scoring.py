@@ -43,7 +43,7 @@ import torch
 from nlmserve.lm.dedup import plan_batch
 from nlmserve.lm.scoring import LanguageModel
 
-from bench._common import random_class_model
+from bench._common import exit_with, random_class_model
 from bench.serve import DATA, DEV_TXT, machine, rate
 
 TRAIN_TEXTS = (DATA / "europarl.train.50k.lc-moses.en.xz", DATA / "wmtnews.30k.lc-moses.en.xz")
@@ -194,4 +194,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

@@ -50,7 +50,7 @@ import torch
 
 from nlmserve.lm.scoring import LanguageModel
 
-from bench._common import machine, random_class_model, tree_cpu_seconds
+from bench._common import exit_with, machine, random_class_model, tree_cpu_seconds
 
 log = logging.getLogger("bench.serve")
 
@@ -690,4 +690,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

@@ -67,7 +67,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from bench._common import machine, resident_bytes, shown_command, tree_pids, write_json, write_section
+from bench._common import exit_with, machine, resident_bytes, shown_command, tree_pids, write_json, write_section
 from bench.load import DEV_TXT, train_small_model
 from bench.soak_attacks import ATTACKS, REPO, Hostile, HostileConfig
 
@@ -890,4 +890,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench._common import (TRAINING_STEPS, machine, markers, shown_command, training_step, write_json,
+from bench._common import (exit_with, TRAINING_STEPS, machine, markers, shown_command, training_step, write_json,
                            write_section)
 from nlmserve.common.perplexity import from_log10
 
@@ -487,4 +487,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench._common import TRAINING_STEPS, train_seconds, training_step
+from bench._common import exit_with, TRAINING_STEPS, train_seconds, training_step
 
 from nlmserve.lm.evaluate import evaluate
 from nlmserve.lm.scoring import LanguageModel
@@ -154,4 +154,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)
