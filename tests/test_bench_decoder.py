@@ -171,8 +171,11 @@ def test_feature_counts_from_the_log(tmp_path: Path) -> None:
 
 def test_targets_follow_the_scores_not_the_name() -> None:
     """≤ 2× for exact scores (the feature's default normalized=true, from the server or a
-    tree model's tables with scoring=local), ≤ 1.5× for self-normalised ones."""
+    tree model's tables with scoring=local), ≤ 1.5× for self-normalised ones, ≤ 1.2× for
+    self-normalised ones mapped from a tables file with no server."""
     assert decoder.target_of({"normalized": "false", "scoring": "local"}) == 1.5
+    assert decoder.target_of({"normalized": "false", "tables": "m.int8.nlt"}) == 1.2
+    assert decoder.target_of({"tables": "tree.nlt"}) == 2.0  # exact scores: a tree's tables
     assert decoder.target_of({"scoring": "local", "model": "/m/tree.nlm"}) == 2.0
     assert decoder.target_of({"normalized": "true"}) == 2.0
     # (the n-best check decodes exact scores where such a configuration computes them)
