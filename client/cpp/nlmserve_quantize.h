@@ -62,19 +62,26 @@ inline float HalfToFloat(uint16_t h) {
   return f;
 }
 
-// a . b over n floats, with eight partial sums, so that the compiler can keep them in one
-// vector register (a single running sum is a dependency chain it may not reorder).
-inline float DotProduct(const float *a, const float *b, std::size_t n) {
+// a . float(b) over n values, with eight partial sums, so that the compiler can keep them in
+// one vector register (a single running sum is a dependency chain it may not reorder);
+// `one(b[d])` is the exact float of one value. The portable loop of every form.
+template <class V, class One>
+inline float PortableDot(const float *a, const V *b, std::size_t n, One one) {
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   std::size_t d = 0;
   for (; d + 8 <= n; d += 8) {
-    for (std::size_t k = 0; k < 8; ++k) acc[k] += a[d + k] * b[d + k];
+    for (std::size_t k = 0; k < 8; ++k) acc[k] += a[d + k] * one(b[d + k]);
   }
   float s = 0.f;
-  for (; d < n; ++d) s += a[d] * b[d];
+  for (; d < n; ++d) s += a[d] * one(b[d]);
   for (std::size_t k = 0; k < 8; ++k) s += acc[k];
   return s;
 }
+
+inline float SameFloat(float v) { return v; }
+
+// a . b over n floats.
+inline float DotProduct(const float *a, const float *b, std::size_t n) { return PortableDot(a, b, n, SameFloat); }
 
 // How Score reads a row of position or output values in each form: Copy and Add put a row
 // (times its scale) into a vector, Dot is its dot product with one. FloatRows does what
@@ -134,7 +141,7 @@ NLMSERVE_AVX2 inline void AddAvx2(float *to, const float *sum, const V *p, float
 #undef NLMSERVE_AVX2
 
 inline float DotProductAvx2(const float *a, const float *b, std::size_t n) {
-  return DotAvx2(a, b, n, [](float v) { return v; });
+  return DotAvx2(a, b, n, SameFloat);
 }
 #endif
 
@@ -145,7 +152,7 @@ struct FloatRows {
   }
   static void Add(float *to, const float *sum, const float *p, float, std::size_t dim) {
 #ifdef NLMSERVE_AVX2_KERNELS
-    if (HasAvx2()) return AddAvx2(to, sum, p, 1.f, false, dim, [](float v) { return v; });
+    if (HasAvx2()) return AddAvx2(to, sum, p, 1.f, false, dim, SameFloat);
 #endif
     for (std::size_t d = 0; d < dim; ++d) to[d] = sum[d] + p[d];
   }
@@ -171,15 +178,7 @@ struct HalfRows {
 #ifdef NLMSERVE_AVX2_KERNELS
     if (HasAvx2()) return DotAvx2(r, row, dim, HalfToFloat);
 #endif
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    std::size_t d = 0;
-    for (; d + 8 <= dim; d += 8) {
-      for (std::size_t k = 0; k < 8; ++k) acc[k] += r[d + k] * HalfToFloat(row[d + k]);
-    }
-    float s = 0.f;
-    for (; d < dim; ++d) s += r[d] * HalfToFloat(row[d]);
-    for (std::size_t k = 0; k < 8; ++k) s += acc[k];
-    return s;
+    return PortableDot(r, row, dim, HalfToFloat);
   }
 };
 struct Int8Rows {
@@ -199,15 +198,7 @@ struct Int8Rows {
 #ifdef NLMSERVE_AVX2_KERNELS
     if (HasAvx2()) return DotAvx2(r, row, dim, ToFloat) * scale;
 #endif
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    std::size_t d = 0;
-    for (; d + 8 <= dim; d += 8) {
-      for (std::size_t k = 0; k < 8; ++k) acc[k] += r[d + k] * static_cast<float>(row[d + k]);
-    }
-    float s = 0.f;
-    for (; d < dim; ++d) s += r[d] * static_cast<float>(row[d]);
-    for (std::size_t k = 0; k < 8; ++k) s += acc[k];
-    return s * scale;
+    return PortableDot(r, row, dim, ToFloat) * scale;
   }
 };
 

@@ -827,20 +827,7 @@ int HugePages() {
 // The AVX2 kernels make the portable loops' floats, bit for bit (nlmserve_quantize.h): a
 // score must not depend on the CPU. Widths around the 8-value step, values of mixed signs
 // and magnitudes (where another summation order or a fused multiply-add would show), in each
-// form; the portable loops written out here as the header writes them.
-template <class V, class One>
-float PortableDot(const float *r, const V *row, std::size_t n, One one) {
-  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  std::size_t d = 0;
-  for (; d + 8 <= n; d += 8) {
-    for (std::size_t k = 0; k < 8; ++k) acc[k] += r[d + k] * one(row[d + k]);
-  }
-  float s = 0.f;
-  for (; d < n; ++d) s += r[d] * one(row[d]);
-  for (std::size_t k = 0; k < 8; ++k) s += acc[k];
-  return s;
-}
-
+// form, against the header's portable loop (PortableDot) and the plain sums.
 bool SameFloats(const float *a, const float *b, std::size_t n) { return std::memcmp(a, b, n * sizeof(float)) == 0; }
 
 void TestFloatKernels() {
@@ -852,8 +839,6 @@ void TestFloatKernels() {
   std::mt19937 rng(11);
   std::uniform_real_distribution<float> value(-1.f, 1.f);
   int differ[3] = {0, 0, 0};  // float, fp16, int8
-  auto same = [](float v) { return v; };
-  auto byte = [](int8_t v) { return static_cast<float>(v); };
   for (std::size_t n : {1, 7, 8, 9, 15, 16, 17, 64, 255, 256, 257, 768}) {
     for (int trial = 0; trial < 50; ++trial) {
       std::vector<float> a(n), b(n), sum(n), x(n), y(n);
@@ -869,13 +854,13 @@ void TestFloatKernels() {
       }
       const float scale = value(rng) * 0.01f;
       float got = nlmserve::FloatRows::Dot(a.data(), b.data(), 1.f, n);
-      float want = PortableDot(a.data(), b.data(), n, same);
+      float want = nlmserve::PortableDot(a.data(), b.data(), n, nlmserve::SameFloat);
       differ[0] += !SameFloats(&got, &want, 1);
       got = nlmserve::HalfRows::Dot(a.data(), half.data(), 1.f, n);
-      want = PortableDot(a.data(), half.data(), n, nlmserve::HalfToFloat);
+      want = nlmserve::PortableDot(a.data(), half.data(), n, nlmserve::HalfToFloat);
       differ[1] += !SameFloats(&got, &want, 1);
       got = nlmserve::Int8Rows::Dot(a.data(), q.data(), scale, n);
-      want = PortableDot(a.data(), q.data(), n, byte) * scale;
+      want = nlmserve::PortableDot(a.data(), q.data(), n, nlmserve::Int8Rows::ToFloat) * scale;
       differ[2] += !SameFloats(&got, &want, 1);
       for (std::size_t d = 0; d < n; ++d) x[d] = sum[d] + b[d];
       nlmserve::FloatRows::Add(y.data(), sum.data(), b.data(), 1.f, n);
