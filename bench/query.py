@@ -5,7 +5,7 @@ vocabulary (the vocabulary's table lies in the file). With ``--errors``, instead
 quantisation moves the scores of held-out texts' n-grams from float32's (no clock).
 
     python -m bench.query --model M --text T [--kenlm-query BIN --kenlm LM.binary] [--rounds 3]
-        [--json J] [--doc docs/performance-decoder.md]
+        [--json J] [--doc docs/performance-tables.md]
     python -m bench.query --model M --errors T1 [T2 ...] [--json J] [--doc docs/interfaces.md]
 
 Speed: every command runs alone on one thread (OMP_NUM_THREADS=1 and the like; --threads 1

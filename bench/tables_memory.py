@@ -4,7 +4,7 @@ each decoder (a copy per process) against one tables file that every decoder map
 number here.
 
     python -m bench.tables_memory --moses MOSES --ini ../shared/data/moses-fr-en/moses.ini \\
-        --kenlm KN.bin --model model.nlm [--decoders 4] [--lines 20] [--json J] [--doc docs/performance-decoder.md]
+        --kenlm KN.bin --model model.nlm [--decoders 4] [--lines 20] [--json J] [--doc docs/performance-tables.md]
 
 One server of MODEL; for each way (fetched, then mapped) N decoders start at once, each
 decodes the same LINES source sentences (so the tables' rows it reads are in memory), then,

@@ -8,7 +8,7 @@ files timed in the same rounds, interleaved.
 
     python -m bench.vocab_scale --model LARGE.nlm --small SMALL.nlm --text HELD_OUT.txt \\
         [--moses MOSES --ini ../shared/data/moses-fr-en/moses.ini --kenlm KN.bin] [--decoders 4] \\
-        [--lines 20] [--rounds 5] [--load-rounds 3] [--work DIR] [--json J] [--doc docs/performance-decoder.md]
+        [--lines 20] [--rounds 5] [--load-rounds 3] [--work DIR] [--json J] [--doc docs/performance-tables.md]
     python -m bench.vocab_scale --render DOC JSON
 
 The scorer: each file's driver process maps it, looks TEXT's words up in the file's vocabulary,

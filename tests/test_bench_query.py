@@ -55,7 +55,7 @@ def test_the_speed_table() -> None:
 
 
 @pytest.mark.parametrize("saved,page,render", [("query-errors.json", "interfaces.md", "render_errors"),
-                                               ("query.json", "performance-decoder.md", "render")])
+                                               ("query.json", "performance-tables.md", "render")])
 def test_the_pages_hold_the_saved_runs(saved: str, page: str, render: str) -> None:
     path = REPO / "bench" / "results" / saved
     if not path.exists():

@@ -47,11 +47,11 @@ def test_the_table_and_its_verdict() -> None:
 
 
 def test_the_page_holds_the_rendered_run() -> None:
-    """docs/performance-decoder.md's section is what --render writes from bench/results/tables-memory.json."""
+    """docs/performance-tables.md's section is what --render writes from bench/results/tables-memory.json."""
     import json
 
     result = json.loads((REPO / "bench" / "results" / "tables-memory.json").read_text(encoding="utf-8"))
-    assert tables_memory.render(result) in (REPO / "docs" / "performance-decoder.md").read_text(encoding="utf-8")
+    assert tables_memory.render(result) in (REPO / "docs" / "performance-tables.md").read_text(encoding="utf-8")
 
 
 def test_the_load_times_line() -> None:

@@ -81,9 +81,9 @@ def test_the_tables_from_a_hand_made_run() -> None:
 
 
 def test_the_page_holds_the_rendered_run() -> None:
-    """docs/performance-decoder.md's section is what --render writes from bench/results/vocab-scale.json."""
+    """docs/performance-tables.md's section is what --render writes from bench/results/vocab-scale.json."""
     result = json.loads((REPO / "bench" / "results" / "vocab-scale.json").read_text(encoding="utf-8"))
-    assert vocab_scale.render(result) in (REPO / "docs" / "performance-decoder.md").read_text(encoding="utf-8")
+    assert vocab_scale.render(result) in (REPO / "docs" / "performance-tables.md").read_text(encoding="utf-8")
 
 
 def test_a_directory_as_the_model_is_one_line(tmp_path: Path) -> None:
