@@ -13,7 +13,7 @@ the final model. The configurations:
 * ``1x2``: one process, ``--threads 2``;
 * ``1x2 passive``: the same with ``OMP_WAIT_POLICY=PASSIVE`` (OpenMP threads sleep instead
   of spinning while they wait: on a machine shared with other jobs spinning threads lose
-  their time slices to them, see docs/training.md, "Several GPUs or machines");
+  their time slices to them, see docs/training.md, "Several processes, GPUs or machines");
 * ``2x1 sparse``: two processes, ``--threads 1`` each, sparse embedding gradients (the
   default with AdaGrad: sparse all-reduce) and DDP for the dense ones;
 * ``2x1 dense``: the same with ``--dense-grads`` (every gradient through DDP);

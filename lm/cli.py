@@ -13,7 +13,7 @@ from ..common.errors import UsageError
 from ..common.flags import deprecated_spelling, float_in, int_at_least, int_between, positive_float
 from ..common.paths import MODEL, MODEL_OR_TABLES, TABLES, TEXT, check_input, check_output, check_output_dir
 from ..common.kenlm_query import add_input_flags
-from .recipe import RECIPE_FLAGS
+from .recipe import AVERAGE_EVERY, RECIPE_FLAGS
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +77,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-train-lines", type=int_at_least(1), help="train on the first N lines only")
     p.add_argument("--threads", type=int_at_least(1), help="torch threads per process")
     p.add_argument("--distributed", action="store_true",
-                   help="data-parallel training under torchrun (gloo on CPU, NCCL on GPU); "
-                        "--batch-size is then the global batch, split across the processes")
+                   help="data-parallel training under torchrun (gloo on CPU, NCCL on GPU); with the torch "
+                        "step --batch-size is the global batch, split across the processes; with the fused "
+                        "step each process takes its own --batch-size and the processes average their "
+                        "parameters every --average-every steps")
+    p.add_argument("--average-every", type=int_at_least(1), default=AVERAGE_EVERY,
+                   help="with --distributed and the fused step: steps between two averages of the "
+                        "processes' parameters (a step is one process's minibatch)")
     p.add_argument("--workers", type=int_at_least(1),
                    help="processes training one model together on the CPU, lock-free (Hogwild); "
                         "each takes its own minibatch of --batch-size")
@@ -270,7 +275,7 @@ def _train(args: argparse.Namespace) -> int:
             noise_samples=args.noise_samples, epochs=args.epochs, max_minutes=args.max_minutes,
             max_steps=args.max_steps, lowercase=args.lowercase, min_count=args.min_count,
             max_vocab=args.max_vocab, max_train_lines=args.max_train_lines, threads=args.threads,
-            distributed=args.distributed, dense_grads=args.dense_grads, step=args.step,
+            distributed=args.distributed, average_every=args.average_every, dense_grads=args.dense_grads, step=args.step,
             seed=args.seed, resume=args.resume, batch_size=args.batch_size, lr=args.lr,
             optimizer=args.optimizer, patience=args.patience, valid_every=args.valid_every,
             checkpoint_every=args.checkpoint_every, log_every=args.log_every, workdir=args.workdir, progress=not args.no_progress,

@@ -24,6 +24,15 @@ What is split and what is shared:
   learning-rate and early-stopping decisions; the wall-time budget is agreed each step
   (:meth:`Distributed.any`). Only rank 0 writes the log, the checkpoint, the model file
   and the progress bar.
+* **The fused step** (NCE, class output, AdaGrad on the CPU: ``nlmserve.lm.fused``) trains
+  by periodic model averaging instead (local SGD): each round gives every rank a minibatch
+  of its own (``--batch-size`` per process, as Hogwild workers take theirs), each rank
+  applies its own updates to its own copy with no collective, and every ``--average-every``
+  steps (and before every validation, checkpoint and the end) :meth:`Distributed.average`
+  makes the copies one: the parameters are averaged, and the AdaGrad accumulators become
+  the last common ones plus every rank's increments since (the sums one process would hold
+  had it taken every rank's updates, so the rates fall as they would over those tokens).
+  The averaged accumulators cost one more copy of them in memory.
 * **Progress** in a checkpoint is world-size independent (epoch, position in the epoch's
   permutation, steps, tokens): a run resumes with another number of processes. The NCE
   noise generators of all ranks are saved; a rank that has none in the checkpoint (more
@@ -44,7 +53,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..common.errors import InputError
+from ..common.errors import InputError, NlmserveError
 from .model import NeuralLM
 
 log = logging.getLogger(__name__)
@@ -81,6 +90,9 @@ class Distributed:
     backend: str = ""
     ddp: nn.Module | None = None
     sparse_params: list[Tensor] = field(default_factory=list)
+    averaged: list[Tensor] = field(default_factory=list)
+    accumulators: list[Tensor] = field(default_factory=list)
+    synced: list[Tensor] = field(default_factory=list)
 
     @property
     def enabled(self) -> bool:
@@ -142,6 +154,37 @@ class Distributed:
             torch.distributed.broadcast(p.data, 0)
         ids = [self.device.index] if self.device.type == "cuda" else None
         self.ddp = nn.parallel.DistributedDataParallel(_Call(dense), device_ids=ids)
+
+    def start_averaging(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        """Periodic model averaging (the fused step's way, module docstring): every rank
+        takes rank 0's parameters and AdaGrad accumulators (``opt.state[p]["sum"]``), and
+        :meth:`average` makes the ranks' copies one again from then on."""
+        if not self.enabled:
+            return
+        params = list(model.parameters())
+        self.averaged = [p.data for p in params]
+        self.accumulators = [opt.state[p]["sum"] for p in params if "sum" in opt.state.get(p, {})]
+        for t in self.averaged + self.accumulators:
+            torch.distributed.broadcast(t, 0)
+        self.synced = [s.clone() for s in self.accumulators]
+
+    def average(self) -> None:
+        """Make every rank's copy the same: the mean of the parameters, and accumulators that
+        hold the common ones plus each rank's increments since the last average, in place
+        (the fused step's views of them stay valid). Every rank calls it at the same step.
+
+        The parameters are averaged, not summed: adding every rank's change since the last
+        average (Hogwild's rule, with N steps of staleness) matched one process's perplexity
+        when averaging every 8 steps but diverged at 128 and more, where averaging is cheap
+        enough to pay (docs/scaling.md)."""
+        n = self.world_size
+        for t in self.averaged:
+            torch.distributed.all_reduce(t)
+            t.div_(n)
+        for s, base in zip(self.accumulators, self.synced):
+            torch.distributed.all_reduce(s)
+            s.sub_(base, alpha=n - 1)
+            base.copy_(s)
 
     # ------------------------------------------------------------------ each step
     def local_batch(self, positions: np.ndarray) -> tuple[np.ndarray, float]:
@@ -250,6 +293,23 @@ def array_digest(a: np.ndarray | None) -> str:
     return "" if a is None else hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
 
 
+def peer_lost(exc: BaseException, rank: int, checkpoint: str) -> NlmserveError | None:
+    """The one-line error for a collective that failed because another process of the run
+    is gone (killed, out of memory, its host lost), or None when ``exc`` is something else.
+    torchrun then stops every rank and names the one that failed first."""
+    text = str(exc)
+    if not (isinstance(exc, getattr(torch.distributed, "DistError", ())) or "gloo" in text or "NCCL" in text):
+        return None
+    detail = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    if "] " in detail:  # gloo prefixes the source file and line, and adds advice after a full stop
+        detail = detail.split("] ", 1)[1]
+    detail = detail.split(". ", 1)[0].rstrip(".")
+    then = (f"{checkpoint} holds the last checkpoint: run the same command with --resume"
+            if os.path.exists(checkpoint) else "no checkpoint was written yet: run the same command again")
+    return NlmserveError(f"rank {rank}: another process of this run stopped, so training cannot go on ({detail}); "
+                         f"torchrun names it below; {then}")
+
+
 def init_distributed(enabled: bool) -> Distributed:
     """Join torchrun's process group (``enabled``), or describe the single process."""
     if not enabled:
@@ -272,4 +332,4 @@ def init_distributed(enabled: bool) -> Distributed:
     return Distributed(rank=rank, world_size=world, device=device, backend=backend)
 
 
-__all__ = ["Distributed", "init_distributed", "state_digest", "array_digest", "TORCHRUN_VARS"]
+__all__ = ["Distributed", "init_distributed", "peer_lost", "state_digest", "array_digest", "TORCHRUN_VARS"]

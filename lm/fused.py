@@ -3,8 +3,8 @@ pass over a minibatch, in place on the model's torch parameters and the optimise
 
 What it computes is :func:`nlmserve.lm.objectives.nce_loss` followed by ``backward()`` and
 the AdaGrad step of ``nlmserve.lm.train`` (the torch step, which stays the reference this
-one is tested against, and the path for every other objective, output, ``--distributed``
-and a GPU). Per example (word2vec's and OxLM's loop, ``src/lbl/factored_weights.cc``)::
+one is tested against, and the path for every other objective, output and a GPU; under
+``--distributed`` the processes average their copies every few steps, lm/distributed.py). Per example (word2vec's and OxLM's loop, ``src/lbl/factored_weights.cc``)::
 
     h = Σ_j C_j ⊙ Q[w_j]            r = drop(act(h))                 (E,)
     for x in (w, noise words):  s = R_x · r + b_x + Σ_l F_w[slot(l, x)]
@@ -66,8 +66,7 @@ except ImportError:  # pragma: no cover
 ACTIVATION_CODES = {"none": 0, "relu": 1, "tanh": 2}
 
 
-def unavailable_reason(objective: str, model: NeuralLM, optimizer: str, device: torch.device,
-                       distributed: bool) -> str | None:
+def unavailable_reason(objective: str, model: NeuralLM, optimizer: str, device: torch.device) -> str | None:
     """Why the fused step cannot train this run (None: it can)."""
     cfg = model.config
     if os.environ.get("NLMSERVE_FUSED", "1") == "0":
@@ -84,8 +83,6 @@ def unavailable_reason(objective: str, model: NeuralLM, optimizer: str, device: 
         return f"optimizer {optimizer}"
     if device.type != "cpu":
         return f"device {device.type}"
-    if distributed:
-        return "--distributed"
     if any(p.dtype != torch.float32 for p in model.parameters()):
         return "parameters that are not float32"
     return None

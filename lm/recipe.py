@@ -37,6 +37,10 @@ from typing import Any
 LARGE_TOKENS = 10_000_000
 LARGE_MINUTES = 45.0
 
+#: Under ``--distributed`` with the fused step, steps between two averages of the processes'
+#: parameters (``train --average-every``; docs/scaling.md has the measurement behind it).
+AVERAGE_EVERY = 128
+
 
 @dataclass(frozen=True)
 class Recipe:

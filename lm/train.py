@@ -34,7 +34,7 @@ from ..common.errors import InputError
 from .checkpoint import TrainingLog, load_checkpoint, load_optimizer_state, save_checkpoint, write_learning_curve
 from .corpus import CorpusIds
 from .data import TrainingData, batches, permutation, prepare_data
-from .distributed import array_digest, init_distributed
+from .distributed import array_digest, init_distributed, peer_lost
 from .fused import FusedNCE, unavailable_reason
 from .hogwild import HogwildPool
 from .config import ModelConfig
@@ -42,6 +42,7 @@ from .model import NeuralLM
 from .model_file import save_model
 from .objectives import OBJECTIVES, NoiseDistribution, batch_loss
 from .optim import make_optimizer, set_lr
+from .recipe import AVERAGE_EVERY
 from .strategies import SPARSE_OUTPUT_OBJECTIVES, build_tree, model_output, output_fields, resolve_output
 from .trees import Tree
 from ..common.perplexity import from_ln as perplexity_of
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 
 #: ``TrainConfig.step``: how a minibatch is trained.
 STEPS = ("auto", "torch", "fused")
+
 
 
 @dataclass(frozen=True)
@@ -75,11 +77,17 @@ class TrainConfig:
         lowercase, min_count, max_vocab: vocabulary and text handling.
         max_train_lines: use only the first N lines of the training text.
         threads: torch intra-op threads (per process); seed: every random choice derives from it.
-        distributed: data-parallel under torchrun (lm/distributed.py); ``batch_size`` is then
-            the global batch, split across the processes.
+        distributed: data-parallel under torchrun (lm/distributed.py). With the torch step
+            ``batch_size`` is the global batch, split across the processes, whose gradients
+            are averaged every step; with the fused step each process takes a minibatch of
+            ``batch_size`` of its own per round and the processes' parameters are averaged
+            every ``average_every`` steps (local SGD).
+        average_every: with ``distributed`` and the fused step, average the processes'
+            parameters and AdaGrad accumulators every this many steps (a step is one
+            process's minibatch, as with ``workers``).
         dense_grads: dense embedding gradients even with AdaGrad (sparse is the default).
         step: ``auto``: the fused CPU step (``nlmserve.lm.fused``) where it applies (NCE,
-            class output, diagonal context, AdaGrad, CPU, not distributed), the torch step
+            class output, diagonal context, AdaGrad, CPU), the torch step
             elsewhere; ``torch``: the torch step always (the reference); ``fused``: the
             fused step, an error where it does not apply.
         resume: continue from ``out + ".ckpt"`` when it exists.
@@ -144,6 +152,7 @@ class TrainConfig:
     max_train_lines: int | None = None
     threads: int = 2
     distributed: bool = False
+    average_every: int = AVERAGE_EVERY
     dense_grads: bool = False
     step: str = "auto"
     seed: int = 1
@@ -188,6 +197,8 @@ class TrainConfig:
             raise ValueError(f"min_improvement must lie in [0, 1), got {self.min_improvement}")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.average_every < 1:
+            raise ValueError(f"average_every must be >= 1, got {self.average_every}")
         if self.step not in STEPS:
             raise ValueError(f"step must be one of {STEPS}, got {self.step!r}")
         if self.lr_schedule not in ("plateau", "linear"):
@@ -368,10 +379,20 @@ class _Trainer:
         resumed = cfg.resume and os.path.exists(cfg.checkpoint_path)
         if resumed:
             self._resume()
-        self.dist.wrap(self.model)
         set_lr(self.opt, self.state.lr)
         self.step_ran, self.step_reason = "torch", ""
         self.fused = self._fused_step()
+        # the torch step averages gradients every step; the fused step trains each process's
+        # copy and averages the copies every average_every steps (lm/distributed.py)
+        self.averaging = self.fused is not None and self.dist.enabled
+        if self.averaging:
+            self.dist.start_averaging(self.model, self.opt)
+        else:
+            self.dist.wrap(self.model)
+        self.averaged_at = self.state.step
+        self.average_seconds = 0.0  # this invocation's time in averages (the log's end record)
+        # processes that each take a minibatch of a round: Hogwild workers or averaging ranks
+        self.round_parts = self.dist.world_size if self.averaging else cfg.workers
         self.log = TrainingLog(cfg.log_path, append=resumed, enabled=self.dist.is_main)
         self.digests: list[str] | None = None
         if not resumed:
@@ -414,7 +435,7 @@ class _Trainer:
         if cfg.step == "torch":
             self.step_ran, self.step_reason = "torch", "--step torch"
             return None
-        why = unavailable_reason(cfg.objective, self.model, cfg.optimizer, self.device, self.dist.enabled)
+        why = unavailable_reason(cfg.objective, self.model, cfg.optimizer, self.device)
         if cfg.dense_grads:
             why = why or "--dense-grads"
         if why is not None:
@@ -428,7 +449,17 @@ class _Trainer:
         log.info("training with the fused CPU step (nlmserve.lm.fused)")
         return FusedNCE(self.model, self.opt, self.noise)
 
+    def average(self) -> None:
+        """With periodic averaging, make the processes' copies one (once per step: a
+        validation and a checkpoint at the same step average once)."""
+        if self.averaging and self.averaged_at != self.state.step:
+            started = time.monotonic()
+            self.dist.average()
+            self.averaged_at = self.state.step
+            self.average_seconds += time.monotonic() - started
+
     def checkpoint(self) -> None:
+        self.average()
         self.state.budget_spent = time.monotonic() - self.t_start
         gens = self.dist.gather_generators(self.gen)  # rank 0 only writes
         if gens is not None:
@@ -445,6 +476,7 @@ class _Trainer:
         state, cfg = self.state, self.cfg
         if self.data.valid is None:
             return
+        self.average()
         valid = self.data.valid  # split across ranks, summed: the same number everywhere
         part = corpus_log_likelihood(self.model, valid, self.mconf.order, self.device,
                                      valid.shard(self.dist.rank, self.dist.world_size))
@@ -527,7 +559,11 @@ class _Trainer:
         lr = self.rate()
         if self.pool is not None:
             self.pool.submit(parts[1:], lr, state.step)
-        losses = [self.update(parts[0], self.gen, lr)]
+        if self.averaging:  # this rank's minibatch of the round (none in a short last round)
+            rank = self.dist.rank
+            losses = [self.update(parts[rank], self.gen, lr)] if rank < len(parts) else []
+        else:
+            losses = [self.update(parts[0], self.gen, lr)]
         if self.pool is not None:
             losses += self.pool.collect(len(parts) - 1)
         self.taken = len(parts)
@@ -555,6 +591,8 @@ class _Trainer:
                            elapsed=round(state.elapsed, 3), tokens_per_s=round(tps, 1))
             self.loss_sum, self.loss_n = 0.0, 0
         bar.update(self.taken)  # after the postfix, so a log line carries this step's loss
+        if self._every(cfg.average_every):
+            self.average()
         if self._every(cfg.valid_every):
             self.validate()
         if cfg.max_steps is not None and state.step >= cfg.max_steps:
@@ -588,7 +626,7 @@ class _Trainer:
                       enabled=cfg.progress and self.dist.is_main, logger=log) as bar:
             while state.epoch < cfg.epochs and not state.done:
                 perm = permutation(cfg.seed, state.epoch, N)
-                for next_pos, positions in batches(perm, state.pos, cfg.batch_size * cfg.workers):
+                for next_pos, positions in batches(perm, state.pos, cfg.batch_size * self.round_parts):
                     if cfg.max_steps is not None and state.step >= cfg.max_steps:
                         self.stop("max steps")
                         break
@@ -632,7 +670,10 @@ class _Trainer:
         if self.dist.is_main:
             save_model(cfg.out, final, data.vocab, data.classes, objective=cfg.objective, lowercase=cfg.lowercase,
                        training=training_meta, unigram_counts=data.unigram)
-        dist = {"world_size": self.dist.world_size, "rank_param_sha256": self.digests} if self.dist.enabled else {}
+        dist: dict[str, Any] = {"world_size": self.dist.world_size, "rank_param_sha256": self.digests} \
+            if self.dist.enabled else {}
+        if self.averaging:
+            dist.update(average_every=cfg.average_every, average_s=round(self.average_seconds, 3))
         self.log.write(event="end", step=state.step, tokens=state.tokens, best_ppl=best_ppl,
                        stopped=self.stopped, elapsed=round(state.elapsed, 3), **dist)
         self.log.close()
@@ -658,6 +699,11 @@ def train(cfg: TrainConfig, *, _interrupt_after_step: int | None = None) -> Trai
         result = _run(trainer)
         ended = True
         return result
+    except RuntimeError as exc:
+        lost = peer_lost(exc, trainer.dist.rank, cfg.checkpoint_path) if trainer.dist.enabled else None
+        if lost is None:
+            raise
+        raise lost from exc
     finally:
         if trainer.pool is not None:
             trainer.pool.close()
@@ -685,6 +731,7 @@ def _run(trainer: _Trainer) -> TrainResult:
     if cfg.checkpoint_every:
         trainer.checkpoint()
     if trainer.dist.enabled:  # every rank must hold the same parameters
+        trainer.average()
         trainer.digests = trainer.dist.param_digests(trainer.model)
         if len(set(trainer.digests)) != 1:
             log.error("the ranks' parameters differ: %s", trainer.digests)

@@ -1,14 +1,17 @@
 """Data-parallel training: two gloo processes under torchrun on the CPU hold identical
-parameters, match one process with the same global batch, and resume with one process."""
+parameters, match one process with the same global batch, and resume with one process; with
+the fused step they average their copies (local SGD), by the rule checked by hand below."""
 
 from __future__ import annotations
 
 import itertools
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -117,10 +120,10 @@ def test_two_ranks_equal_one_process_and_resume_with_one(small_train: Path, dev_
 
 def test_two_ranks_with_sparse_gradients_stay_identical(small_train: Path, dev_small_path: Path,
                                                         tmp_path: Path) -> None:
-    # NCE with AdaGrad: sparse gradients for the context and output embeddings and the
-    # hashed n-gram tables (sparse all-reduce), dense ones through DDP
+    # NCE with AdaGrad by the torch step: sparse gradients for the context and output
+    # embeddings and the hashed n-gram tables (sparse all-reduce), dense ones through DDP
     out = tmp_path / "nce.nlm"
-    _torchrun(2, _args(small_train, dev_small_path, out, objective="nce", max_steps=300, log_every=50,
+    _torchrun(2, _args(small_train, dev_small_path, out, objective="nce", step="torch", max_steps=300, log_every=50,
                        valid_every=100, checkpoint_every=100, ngram_features=True, ngram_class_bits=8,
                        ngram_word_bits=10))
     _check_ranks_and_loss(out)
@@ -171,3 +174,120 @@ def test_two_ranks_train_a_fitted_tree_on_identical_parameters(small_train: Path
 
     lm = LanguageModel.load(out, device="cpu")
     assert lm.output_type == "tree"
+
+
+def _average_on_two_ranks(rank: int, init: str, out: str) -> None:
+    """One rank of :func:`test_averaging_takes_the_mean_and_every_ranks_increments`."""
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        model = torch.nn.Linear(1, 1, bias=False)
+        opt = torch.optim.Adagrad(model.parameters(), lr=0.1, initial_accumulator_value=1.0)
+        with torch.no_grad():
+            model.weight.fill_(5.0 if rank == 0 else 7.0)  # rank 0's goes to both
+        dist = Distributed(rank=rank, world_size=2, backend="gloo")
+        dist.start_averaging(model, opt)
+        assert float(model.weight) == 5.0
+        with torch.no_grad():  # each rank's own updates since: weights 1 and 3, sums +2 and +5
+            model.weight.fill_(1.0 if rank == 0 else 3.0)
+            opt.state[model.weight]["sum"].add_(2.0 if rank == 0 else 5.0)
+        dist.average()
+        Path(out).write_text(f"{float(model.weight)} {float(opt.state[model.weight]['sum'])}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_averaging_takes_the_mean_and_every_ranks_increments(tmp_path: Path) -> None:
+    # by hand: weights (1 + 3) / 2 = 2; accumulators 1 (common) + 2 + 5 = 8, on both ranks
+    import torch.multiprocessing as mp
+
+    init = f"file://{tmp_path / 'rendezvous'}"
+    outs = [str(tmp_path / f"rank{r}.txt") for r in range(2)]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_average_on_two_ranks, args=(r, init, outs[r])) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=120)
+        assert proc.exitcode == 0
+    assert [Path(o).read_text() for o in outs] == ["2.0 8.0", "2.0 8.0"]
+
+
+def test_two_ranks_train_by_the_fused_step_and_average(small_train: Path, dev_small_path: Path,
+                                                       tmp_path: Path) -> None:
+    # NCE with direct features: each rank trains its copy with the fused step, a minibatch
+    # of 64 of its own per round, and the copies are averaged every 8 steps
+    out, one_out = tmp_path / "fused.nlm", tmp_path / "one.nlm"
+    kw: dict[str, object] = dict(objective="nce", step="fused", max_steps=240, log_every=40, valid_every=80,
+                                 checkpoint_every=80, ngram_features=True, ngram_class_bits=8, ngram_word_bits=10,
+                                 average_every=8)
+    proc = _torchrun(2, _args(small_train, dev_small_path, out, **kw))
+    assert proc.stdout.count("steps\t240") == 1
+    records = _log(out)
+    assert records[0]["step_ran"] == "fused"
+    _check_ranks_and_loss(out)
+    ck = load_checkpoint(str(out) + ".ckpt")
+    # a step is one process's minibatch: 240 steps are 120 rounds of 2 × 64 positions
+    assert ck["state"]["step"] == 240 and ck["state"]["tokens"] == 240 * 64
+    # as good as one process after the same tokens (the copies are averaged, not lost)
+    plain = {k: v for k, v in kw.items() if k not in ("average_every", "ngram_features", "ngram_class_bits",
+                                                      "ngram_word_bits")}
+    tables = dict(ngram_class_table=2**8, ngram_word_table=2**10)
+    one = train(replace(_config(_args(small_train, dev_small_path, one_out, **plain)), **tables))
+    dist_ppl = float(str(records[-1]["best_ppl"]))
+    assert one.best_valid_ppl is not None and dist_ppl < one.best_valid_ppl * 1.1, (dist_ppl, one.best_valid_ppl)
+    # the two-rank run resumed by one process, with the fused step, up to step 280 (in the first epoch)
+    resumed = train(replace(_config(_args(small_train, dev_small_path, out, **{**plain, "max_steps": 280})),
+                            resume=True, **tables))
+    assert resumed.steps == 280 and resumed.tokens == 280 * 64
+
+
+def test_a_rank_killed_ends_the_run_with_one_clear_message(small_train: Path, dev_small_path: Path,
+                                                           tmp_path: Path) -> None:
+    # rank 1 killed (as the OOM killer would) while the fused step trains: rank 0 says so in
+    # one line, no traceback, and torchrun stops the run at once, no hang
+    out = tmp_path / "killed.nlm"
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), "-m", "nlmserve", "train", "--distributed",
+           *_args(small_train, dev_small_path, out, objective="nce", max_steps=10**7, log_every=20,
+                  checkpoint_every=40, valid_every=0)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        log_path = Path(str(out) + ".log.jsonl")
+        deadline = time.monotonic() + 120
+        while not (log_path.exists() and log_path.read_text().count("tokens_per_s") >= 3
+                   and Path(str(out) + ".ckpt").exists()):
+            assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+            time.sleep(0.2)
+        rank1 = [pid for pid in _children(proc.pid) if "RANK=1" in _environ(pid)]
+        assert len(rank1) == 1
+        os.kill(rank1[0], signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    ours = [line for line in err.splitlines() if line.startswith("nlmserve train: error:")]
+    assert len(ours) == 1 and "rank 0: another process of this run stopped" in ours[0], err[-3000:]
+    assert "killed.nlm.ckpt holds the last checkpoint: run the same command with --resume" in ours[0]
+    assert "[rank0]: Traceback" not in err
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (Linux /proc)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").iterdir():
+            kids = (task / "children").read_text().split()
+            found += [int(k) for k in kids]
+            todo += [int(k) for k in kids]
+    return found
+
+
+def _environ(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []

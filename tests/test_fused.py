@@ -21,7 +21,7 @@ from nlmserve.lm.train import TrainConfig, train
 
 pytestmark = pytest.mark.skipif(unavailable_reason("nce", NeuralLM(ModelConfig(vocab_size=8, num_classes=2),
                                                                    np.arange(8) % 2),
-                                                   "adagrad", torch.device("cpu"), False) is not None,
+                                                   "adagrad", torch.device("cpu")) is not None,
                                 reason="the fused step is unavailable (numba missing or NLMSERVE_FUSED=0)")
 
 
@@ -151,13 +151,12 @@ def test_first_step_accumulators_are_the_squared_gradients() -> None:
 def test_unavailable_for_other_runs() -> None:
     model, _ = _model(20, 2, 3, 4, "none", (0, 0), 0, seed=0)
     cpu = torch.device("cpu")
-    assert unavailable_reason("nce", model, "adagrad", cpu, False) is None
-    assert "objective mle" in str(unavailable_reason("mle", model, "adagrad", cpu, False))
-    assert "optimizer adam" in str(unavailable_reason("nce", model, "adam", cpu, False))
-    assert "--distributed" in str(unavailable_reason("nce", model, "adagrad", cpu, True))
-    assert "device cuda" in str(unavailable_reason("nce", model, "adagrad", torch.device("cuda"), False))
+    assert unavailable_reason("nce", model, "adagrad", cpu) is None
+    assert "objective mle" in str(unavailable_reason("mle", model, "adagrad", cpu))
+    assert "optimizer adam" in str(unavailable_reason("nce", model, "adam", cpu))
+    assert "device cuda" in str(unavailable_reason("nce", model, "adagrad", torch.device("cuda")))
     full = NeuralLM(ModelConfig(vocab_size=20, order=3, dim=4, context="full", num_classes=2), np.arange(20) % 2)
-    assert "full-matrix" in str(unavailable_reason("nce", full, "adagrad", cpu, False))
+    assert "full-matrix" in str(unavailable_reason("nce", full, "adagrad", cpu))
 
 
 def _short_run(train_small_path: Path, dev_small_path: Path, out: Path, step: str, seed: int = 3,

@@ -343,7 +343,7 @@ def test_the_log_and_the_model_file_say_which_step_ran_and_why(small_train: Path
     from nlmserve.lm.model_file import read_model_header
 
     probe = NeuralLM(ModelConfig(vocab_size=8, num_classes=2), np.arange(8) % 2)
-    missing = unavailable_reason("nce", probe, "adagrad", torch.device("cpu"), False)
+    missing = unavailable_reason("nce", probe, "adagrad", torch.device("cpu"))
     auto = ("torch", f"--step auto and the fused step does not apply: {missing}") if missing else \
         ("fused", "--step auto and it applies")
     cases = [({}, auto), ({"step": "torch"}, ("torch", "--step torch")),
