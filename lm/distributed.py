@@ -29,10 +29,7 @@ What is split and what is shared:
   of its own (``--batch-size`` per process, as Hogwild workers take theirs), each rank
   applies its own updates to its own copy with no collective, and every ``--average-every``
   steps (and before every validation, checkpoint and the end) :meth:`Distributed.average`
-  makes the copies one: the parameters are averaged, and the AdaGrad accumulators become
-  the last common ones plus every rank's increments since (the sums one process would hold
-  had it taken every rank's updates, so the rates fall as they would over those tokens).
-  The averaged accumulators cost one more copy of them in memory.
+  makes the copies one: the mean of the parameters and of the AdaGrad accumulators.
 * **Progress** in a checkpoint is world-size independent (epoch, position in the epoch's
   permutation, steps, tokens): a run resumes with another number of processes. The NCE
   noise generators of all ranks are saved; a rank that has none in the checkpoint (more
@@ -91,8 +88,6 @@ class Distributed:
     ddp: nn.Module | None = None
     sparse_params: list[Tensor] = field(default_factory=list)
     averaged: list[Tensor] = field(default_factory=list)
-    accumulators: list[Tensor] = field(default_factory=list)
-    synced: list[Tensor] = field(default_factory=list)
 
     @property
     def enabled(self) -> bool:
@@ -163,28 +158,25 @@ class Distributed:
             return
         params = list(model.parameters())
         self.averaged = [p.data for p in params]
-        self.accumulators = [opt.state[p]["sum"] for p in params if "sum" in opt.state.get(p, {})]
-        for t in self.averaged + self.accumulators:
+        self.averaged += [opt.state[p]["sum"] for p in params if "sum" in opt.state.get(p, {})]
+        for t in self.averaged:
             torch.distributed.broadcast(t, 0)
-        self.synced = [s.clone() for s in self.accumulators]
 
     def average(self) -> None:
-        """Make every rank's copy the same: the mean of the parameters, and accumulators that
-        hold the common ones plus each rank's increments since the last average, in place
-        (the fused step's views of them stay valid). Every rank calls it at the same step.
+        """Make every rank's copy the same, the mean of the ranks' parameters and AdaGrad
+        accumulators, in place (the fused step's views of them stay valid). Every rank calls
+        it at the same step.
 
-        The parameters are averaged, not summed: adding every rank's change since the last
-        average (Hogwild's rule, with N steps of staleness) matched one process's perplexity
-        when averaging every 8 steps but diverged at 128 and more, where averaging is cheap
-        enough to pay (docs/scaling.md)."""
+        Chosen by measurement (docs/scaling.md, "Several processes on CPU hosts"): adding
+        every rank's change since the last average instead (Hogwild's rule, N steps stale)
+        matched one process's perplexity when averaging every 8 steps but diverged from 128,
+        where averaging becomes cheap enough to pay; the accumulators' sum of every rank's
+        increments (the sums one process would hold) ended further from one process than
+        their mean, which keeps each rank's rates as high as its own tokens make them."""
         n = self.world_size
         for t in self.averaged:
             torch.distributed.all_reduce(t)
             t.div_(n)
-        for s, base in zip(self.accumulators, self.synced):
-            torch.distributed.all_reduce(s)
-            s.sub_(base, alpha=n - 1)
-            base.copy_(s)
 
     # ------------------------------------------------------------------ each step
     def local_batch(self, positions: np.ndarray) -> tuple[np.ndarray, float]:

@@ -177,7 +177,7 @@ def test_two_ranks_train_a_fitted_tree_on_identical_parameters(small_train: Path
 
 
 def _average_on_two_ranks(rank: int, init: str, out: str) -> None:
-    """One rank of :func:`test_averaging_takes_the_mean_and_every_ranks_increments`."""
+    """One rank of :func:`test_averaging_takes_the_mean_of_parameters_and_accumulators`."""
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
         model = torch.nn.Linear(1, 1, bias=False)
@@ -187,7 +187,7 @@ def _average_on_two_ranks(rank: int, init: str, out: str) -> None:
         dist = Distributed(rank=rank, world_size=2, backend="gloo")
         dist.start_averaging(model, opt)
         assert float(model.weight) == 5.0
-        with torch.no_grad():  # each rank's own updates since: weights 1 and 3, sums +2 and +5
+        with torch.no_grad():  # each rank's own updates since: weights 1 and 3, sums 3 and 6
             model.weight.fill_(1.0 if rank == 0 else 3.0)
             opt.state[model.weight]["sum"].add_(2.0 if rank == 0 else 5.0)
         dist.average()
@@ -196,8 +196,8 @@ def _average_on_two_ranks(rank: int, init: str, out: str) -> None:
         torch.distributed.destroy_process_group()
 
 
-def test_averaging_takes_the_mean_and_every_ranks_increments(tmp_path: Path) -> None:
-    # by hand: weights (1 + 3) / 2 = 2; accumulators 1 (common) + 2 + 5 = 8, on both ranks
+def test_averaging_takes_the_mean_of_parameters_and_accumulators(tmp_path: Path) -> None:
+    # by hand: weights (1 + 3) / 2 = 2; accumulators (3 + 6) / 2 = 4.5, on both ranks
     import torch.multiprocessing as mp
 
     init = f"file://{tmp_path / 'rendezvous'}"
@@ -209,7 +209,7 @@ def test_averaging_takes_the_mean_and_every_ranks_increments(tmp_path: Path) -> 
     for proc in procs:
         proc.join(timeout=120)
         assert proc.exitcode == 0
-    assert [Path(o).read_text() for o in outs] == ["2.0 8.0", "2.0 8.0"]
+    assert [Path(o).read_text() for o in outs] == ["2.0 4.5", "2.0 4.5"]
 
 
 def test_two_ranks_train_by_the_fused_step_and_average(small_train: Path, dev_small_path: Path,
@@ -228,13 +228,14 @@ def test_two_ranks_train_by_the_fused_step_and_average(small_train: Path, dev_sm
     ck = load_checkpoint(str(out) + ".ckpt")
     # a step is one process's minibatch: 240 steps are 120 rounds of 2 × 64 positions
     assert ck["state"]["step"] == 240 and ck["state"]["tokens"] == 240 * 64
-    # as good as one process after the same tokens (the copies are averaged, not lost)
+    # as good as one process after the same tokens, within the seed spread: one process
+    # reached 66.6 to 69.8 over seeds 1-5 here (4.8%), the two ranks 70.4 for seed 3's 69.8
     plain = {k: v for k, v in kw.items() if k not in ("average_every", "ngram_features", "ngram_class_bits",
                                                       "ngram_word_bits")}
     tables = dict(ngram_class_table=2**8, ngram_word_table=2**10)
     one = train(replace(_config(_args(small_train, dev_small_path, one_out, **plain)), **tables))
     dist_ppl = float(str(records[-1]["best_ppl"]))
-    assert one.best_valid_ppl is not None and dist_ppl < one.best_valid_ppl * 1.1, (dist_ppl, one.best_valid_ppl)
+    assert one.best_valid_ppl is not None and dist_ppl < one.best_valid_ppl * 1.048, (dist_ppl, one.best_valid_ppl)
     # the two-rank run resumed by one process, with the fused step, up to step 280 (in the first epoch)
     resumed = train(replace(_config(_args(small_train, dev_small_path, out, **{**plain, "max_steps": 280})),
                             resume=True, **tables))
