@@ -7,7 +7,8 @@ the same text with the same seed for the same number of steps of ``--batch-size`
 validation, one model). Configurations:
 
 * ``one``: one process (``--workers 1``);
-* ``workers2``: two Hogwild processes sharing the parameters (``--workers 2``);
+* ``workersN``: N Hogwild processes sharing the parameters (``--workers N``; by default
+  2, 4, ... up to the machine's cores);
 * ``dist2:N``: two ranks under torchrun (``--distributed``), each training its own copy and
   averaging it with the other's every N steps (``--average-every N``);
 * ``dist2:torch``: two ranks by the torch step (``--distributed --step torch``), whose
@@ -20,7 +21,7 @@ the ranks the seconds spent averaging. Each configuration runs ``--rounds`` time
 the table takes medians. Time it on a quiet machine: every process wants a core. Usage:
 
     .venv/bin/python -m bench.scaling --train data/lm/europarl.train.50k.lc-moses.en.xz \\
-        --valid data/lm/europarl.dev.1k.lc-moses.en --steps 2000 --average-every 1 8 32 128 \\
+        --valid data/lm/europarl.dev.1k.lc-moses.en --steps 2000 --average-every 8 32 128 512 --rounds 2 \\
         --json bench/results/scaling.json --doc docs/scaling.md
     .venv/bin/python -m bench.scaling --render docs/scaling.md bench/results/scaling.json
 """
@@ -59,8 +60,8 @@ def command(name: str, args: argparse.Namespace, out: Path) -> list[str]:
              "--log-every", "100", "--seed", str(args.seed), "--step", "fused", "--no-progress"]
     if name == "one":
         return [sys.executable, "-m", "nlmserve", *train, "--workers", "1"]
-    if name == "workers2":
-        return [sys.executable, "-m", "nlmserve", *train, "--workers", "2"]
+    if name.startswith("workers") and name[len("workers"):].isdigit():
+        return [sys.executable, "-m", "nlmserve", *train, "--workers", name[len("workers"):]]
     if name == "dist2:torch":  # the synchronous torch step: a step is the global batch of both ranks
         train[train.index("--batch-size") + 1] = str(2 * args.batch_size)
         train[train.index("--max-steps") + 1] = str(args.steps // 2)
@@ -118,15 +119,16 @@ def summarise(runs: list[dict[str, Any]], names: list[str]) -> list[dict[str, An
     return rows
 
 
-_LABELS = {"one": "1 process", "workers2": "2 Hogwild workers (`--workers 2`)"}
-
-
 def _label(name: str) -> str:
+    if name == "one":
+        return "1 process"
+    if name.startswith("workers"):
+        return f"{name[len('workers'):]} Hogwild workers (`--workers {name[len('workers'):]}`)"
     if name == "dist2:torch":
         return "2 ranks, the torch step, gradients all-reduced every step (`--distributed --step torch`)"
     if name.startswith("dist2:"):
         return f"2 ranks, averaged every {name.split(':', 1)[1]} steps (`--distributed`)"
-    return _LABELS.get(name, name)
+    return name
 
 
 def render(result: dict[str, Any]) -> str:
@@ -159,8 +161,9 @@ def main() -> int:
     p.add_argument("--order", type=int, default=5)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--average-every", type=int, nargs="+", default=[1, 8, 32, 128], metavar="N")
-    p.add_argument("--configs", nargs="+", help="one, workers2, dist2:N (default: one, workers2 and dist2 at each N)")
+    p.add_argument("--average-every", type=int, nargs="+", default=[8, 32, 128, 512], metavar="N")
+    p.add_argument("--configs", nargs="+", help="one, workersN, dist2:N, dist2:torch (default: one, workersN for "
+                   "N = 2, 4, ... up to the cores, dist2:torch and dist2 at each --average-every)")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--work", type=Path, default=Path("scaling-work"))
     p.add_argument("--json", type=Path)
@@ -174,7 +177,9 @@ def main() -> int:
     for path in (args.train, args.valid):
         if not path.is_file():
             raise SystemExit(f"{path}: no such file")
-    names = args.configs or ["one", "workers2", *(f"dist2:{n}" for n in args.average_every)]
+    cores = os.cpu_count() or 1
+    workers = [f"workers{n}" for n in (2 ** k for k in range(1, 8)) if n <= cores]
+    names = args.configs or ["one", *workers, "dist2:torch", *(f"dist2:{n}" for n in args.average_every)]
     args.work.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"machine": machine(), "command": shlex.join([sys.executable, *sys.argv]),
                               "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}

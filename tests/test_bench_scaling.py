@@ -25,6 +25,8 @@ def test_every_configuration_trains_the_same_tokens_with_the_step_it_names() -> 
     one = scaling.command("one", args, Path("o.nlm"))
     assert _flag(one, "--workers") == "1" and _flag(one, "--step") == "fused" and "--distributed" not in one
     assert _flag(scaling.command("workers2", args, Path("o.nlm")), "--workers") == "2"
+    assert _flag(scaling.command("workers16", args, Path("o.nlm")), "--workers") == "16"
+    assert scaling._label("workers16") == "16 Hogwild workers (`--workers 16`)"
     ranks = scaling.command("dist2:128", args, Path("o.nlm"))
     assert "torch.distributed.run" in ranks and _flag(ranks, "--nproc-per-node") == "2"
     assert _flag(ranks, "--average-every") == "128" and _flag(ranks, "--step") == "fused"
