@@ -15,8 +15,8 @@ validation, one model). Configurations:
   gradients are all-reduced every step (a global batch of twice ``--batch-size``, half the
   steps: the same tokens).
 
-It reports the training loop's wall time (the log's end record: vocabulary, id files and
-the numba compile excluded), tokens/s and its ratio to ``one``, the dev perplexity, and for
+It reports the training loop's wall time (the log's end record: not the vocabulary and id files;
+the fused step's code comes from numba's cache after the first run), tokens/s and its ratio to ``one``, the dev perplexity, and for
 the ranks the seconds spent averaging. Each configuration runs ``--rounds`` times in turn;
 the table takes medians. Time it on a quiet machine: every process wants a core. Usage:
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..common.errors import InputError
+from ..common.errors import InputError, UsageError
 
 
 @dataclass(frozen=True)
@@ -219,15 +219,25 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 
 def build_config(overrides: Mapping[str, Any], config_file: str | Path | None = None) -> ServerConfig:
     """Defaults, then the TOML file, then ``overrides`` (flags given on the command line; None = unset)."""
-    values: dict[str, Any] = load_toml(config_file) if config_file is not None else {}
-    values.update({k: v for k, v in overrides.items() if v is not None})
+    from_file: dict[str, Any] = load_toml(config_file) if config_file is not None else {}
+    values = {**from_file, **{k: v for k, v in overrides.items() if v is not None}}
     if "model" not in values:
         raise InputError("no model given (--model or `model = ...` in the config file)")
     try:
         return ServerConfig(**values)
     except (TypeError, ValueError) as e:
-        where = str(config_file) if config_file is not None else None
-        raise InputError(f"bad server setting: {e}", where) from e
+        if not _valid({**from_file, "model": values["model"]}):  # the file's own setting
+            raise InputError(f"bad server setting: {e}", str(config_file)) from e
+        # a flag's value: a usage error, as argparse's own (exit 2)
+        raise UsageError(f"bad server setting: {e}") from e
+
+
+def _valid(values: dict[str, Any]) -> bool:
+    try:
+        ServerConfig(**values)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 #: Streams a connection may open beyond the calls and Watch streams it may hold.

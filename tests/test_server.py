@@ -18,7 +18,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from nlmserve.common.errors import InputError, InvalidRequestError
+from nlmserve.common.errors import InputError, InvalidRequestError, UsageError
+from nlmserve.cli import main
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
 from nlmserve.server.app import RunningServer, create_server
 from nlmserve.server.config import ServerConfig, build_config
@@ -524,8 +525,20 @@ def test_config_from_toml_and_flags(tmp_path: Path) -> None:
     f.write_text("model = 'm.nlm'\nport = [\n")
     with pytest.raises(InputError, match="serve.toml.*invalid TOML"):
         build_config({}, f)
-    with pytest.raises(InputError, match="max_queue_ngrams"):
+    # a flag's bad value is a usage error (exit 2, as argparse's); the file's names the file
+    with pytest.raises(UsageError, match="max_queue_ngrams"):
         build_config({"model": "m", "max_queue_ngrams": 10, "max_ngrams_per_request": 100})
+    f.write_text("model = 'm.nlm'\nport = -1\n")
+    with pytest.raises(InputError, match="serve.toml.*bad server setting"):
+        build_config({"host": "127.0.0.1"}, f)
+    f.write_text("model = 'm.nlm'\n")
+    with pytest.raises(UsageError, match="bad server setting"):
+        build_config({"port": -1}, f)
+
+
+def test_a_bad_flag_value_exits_2(tmp_path: Path, tiny_model_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--model", str(tiny_model_path), "--port", "-1"]) == 2
+    assert "bad server setting" in capsys.readouterr().err
 
 
 def test_stop_drains_and_health_watchers_see_not_serving(tiny_lm: Any, dev_ids: np.ndarray) -> None:
