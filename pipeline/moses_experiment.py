@@ -241,8 +241,12 @@ def tune(settings: TuneSettings, feature: str | None, moses: str, seed: int, mer
             done = bleu()
             running = len(done) + 1
             decoded = bleu.decoded(running)
-            now = (f"{label} seed {seed}: tuning iteration {running} of at most {settings.max_iterations}, "
-                   f"{max(decoded, 0)} of {bleu.sentences()} dev sentences decoded")
+            if running > settings.max_iterations:  # mert-moses.pl optimises the last one and stops
+                now = (f"{label} seed {seed}: tuning: all {settings.max_iterations} iterations decoded, "
+                       "optimising the last one's weights and writing the tuned moses.ini")
+            else:
+                now = (f"{label} seed {seed}: tuning iteration {running} of at most {settings.max_iterations}, "
+                       f"{max(decoded, 0)} of {bleu.sentences()} dev sentences decoded")
             finished = "iteration 1" if len(done) == 1 else f"iterations 1-{len(done)}"
             return now + (f"; dev BLEU of {finished}: {', '.join(f'{b:.2f}' for b in done)}" if done else "")
 

@@ -278,13 +278,13 @@ def test_ems_plans_the_shipped_system_with_its_tables_its_kenlm_and_the_nlm(tmp_
     trained = [s for s in planned if s.startswith(("CORPUS:", "TRAINING:", "LM:europarl:"))]
     assert trained == ["TRAINING:create-config"], "the tables and the KenLM are reused, not built"
     assert "LM:nlm:binarize" not in planned
-    assert (f"{EMS}/train-nlm.py --nlmserve {program} --dir {work}/lm/nlm.1 --order 5 --max-minutes 60 --lowercase "
+    assert (f"{EMS}/train-nlm.py --nlmserve {program} --dir {work}/lm/nlm.1 --order 10 --max-minutes 60 --lowercase "
             f"--valid {DATA}/lm/europarl.dev.lc-moses.en -text {DATA}/lm/europarl.train.lc-moses.en.xz "
             f"-lm {work}/lm/nlm.custom-lm.0") in step(folder, "LM:nlm:train-custom")
     create = step(folder, "TRAINING:create-config")
     for part in (f"-phrase-translation-table {system}/phrase-table.gz ",
                  f"-reordering-table {system}/reordering-table ", f"-lm 0:5:{kenlm}:8 ",
-                 f'-config-add-feature-lines "NeuralLMServer name=NLM0 factor=0 order=5 normalized=false '
+                 f'-config-add-feature-lines "NeuralLMServer name=NLM0 factor=0 order=10 normalized=false '
                  f'tables={work}/lm/nlm.1/model.nlt;" ', '-config-add-weight-lines "NLM0= 0.46;"'):
         assert part in create, f"{part!r} not in {create}"
     assert f"mert-moses.pl {sets}/dev.fr {sets}/dev.en " in step(folder, "TUNING:tune")
@@ -297,7 +297,7 @@ def test_ems_plans_the_shipped_system_with_its_tables_its_kenlm_and_the_nlm(tmp_
     ini = (work / "model" / "moses.ini.0").read_text()
     shipped = (system / "moses.ini").read_text().replace("path=phrase-table.gz", f"path={system}/phrase-table.gz") \
         .replace("path=reordering-table", f"path={system}/reordering-table").replace("LM_PATH", str(kenlm))
-    nlm = f"NeuralLMServer name=NLM0 factor=0 order=5 normalized=false tables={work}/lm/nlm.1/model.nlt"
+    nlm = f"NeuralLMServer name=NLM0 factor=0 order=10 normalized=false tables={work}/lm/nlm.1/model.nlt"
     assert feature_lines(ini) == sorted(feature_lines(shipped) + [nlm]), "the shipped system's features, and NLM0"
     assert "[distortion-limit]\n6\n" in ini and "[distortion-limit]\n6\n" in shipped
     others = "\n".join(x for x in ini.splitlines() if not x.startswith(("NLM0=", "NeuralLMServer ")))
@@ -326,5 +326,5 @@ def test_the_section_pasted_into_moses_own_toy_config_trains_the_nlm_and_is_not_
     assert "LM:nlm:binarize" not in planned, "build_binary would run on the tables file"
     train = step(folder, "LM:nlm:train-custom")
     assert re.search(rf"-text {work}/lm/nlm\.\S+ -lm {work}/lm/nlm\.custom-lm\.0$", train, re.M), train
-    assert (f'-config-add-feature-lines "NeuralLMServer name=NLM0 factor=0 order=5 normalized=false '
+    assert (f'-config-add-feature-lines "NeuralLMServer name=NLM0 factor=0 order=10 normalized=false '
             f'tables={work}/lm/nlm.1/model.nlt;"') in step(folder, "TRAINING:create-config")

@@ -289,3 +289,12 @@ def test_tuning_says_which_iteration_it_is_in_and_the_dev_bleu_of_those_done(tmp
     assert ("nlm seed 1: tuning iteration 2 of at most 25, 0 of 2 dev sentences decoded; dev BLEU of iteration 1: "
             "100.00") in said, said
     assert record["iterations"] == 1 and record["dev_bleu"] == [100.0]
+    # at the cap, mert-moses.pl optimises the last iteration: not "iteration 2 of at most 1"
+    caplog.clear()
+    (base / "tune").rename(base / "tune.first")
+    moses_experiment.tune(_args(tmp_path, "--max-iterations", "1"), None, "moses", 1, tmp_path, tmp_path / "s",
+                          dev_ref, base, "nlm")
+    said = [r.getMessage() for r in caplog.records]
+    assert ("nlm seed 1: tuning: all 1 iterations decoded, optimising the last one's weights and writing the "
+            "tuned moses.ini; dev BLEU of iteration 1: 100.00") in said, said
+    assert not any("of at most 1," in s for s in said), said
