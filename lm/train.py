@@ -54,7 +54,6 @@ log = logging.getLogger(__name__)
 STEPS = ("auto", "torch", "fused")
 
 
-
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything ``nlmserve train`` takes (CLI flags of the same names).
@@ -586,8 +585,9 @@ class _Trainer:
         state, cfg = self.state, self.cfg
         if self._every(cfg.log_every):
             tps = state.tokens / max(state.elapsed, 1e-9)
-            bar.set_postfix(loss=f"{self.loss_sum / self.loss_n:.3f}", tok_s=f"{tps:,.0f}", refresh=False)
-            self.log.write(step=state.step, tokens=state.tokens, loss=self.loss_sum / self.loss_n, lr=self.rate(),
+            loss = self.loss_sum / max(self.loss_n, 1)  # a rank may have had no minibatch since (a short round)
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}", refresh=False)
+            self.log.write(step=state.step, tokens=state.tokens, loss=loss, lr=self.rate(),
                            elapsed=round(state.elapsed, 3), tokens_per_s=round(tps, 1))
             self.loss_sum, self.loss_n = 0.0, 0
         bar.update(self.taken)  # after the postfix, so a log line carries this step's loss

@@ -221,3 +221,11 @@ def test_a_short_run_selects_on_one_half_and_reports_on_the_other(train_small_pa
     assert row["kn"]["ppl"] == pytest.approx(10.0) and row["kn"]["ppl_excl_oov"] == pytest.approx(10.0)
     assert math.isfinite(row["ours"]["ppl"]) and row["ours"]["ppl_excl_oov"] < row["ours"]["ppl"]
     assert (row["step"], row["step_reason"]) == ("fused", "--step fused")
+
+
+def test_the_page_shows_the_saved_run() -> None:
+    """docs/performance.md's targets table is what --render writes from bench/results/targets-200k.json."""
+    repo = Path(__file__).resolve().parent.parent
+    saved = json.loads((repo / "bench" / "results" / "targets-200k.json").read_text(encoding="utf-8"))
+    assert saved["split"]["select_lines"] < saved["split"]["lines"]  # selected on one half, reported on the other
+    assert targets.render([saved]) in (repo / "docs" / "performance.md").read_text(encoding="utf-8")
