@@ -24,7 +24,7 @@ along, they are ignored by git). ``bench/device_check.sh`` makes the checkout im
 so that the script itself is tested anywhere. Usage:
 
     bench/device_check.sh --json $OUT/device-check.json              # on the GPU machine
-    .venv/bin/python -m bench.device_check --render docs/scaling.md bench/results/device-check.json
+    .venv/bin/python -m bench.device_check --render docs/training-scale.md bench/results/device-check.json
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ the table takes medians. Time it on a quiet machine: every process wants a core.
 
     .venv/bin/python -m bench.scaling --train data/lm/europarl.train.50k.lc-moses.en.xz \\
         --valid data/lm/europarl.dev.1k.lc-moses.en --steps 2000 --average-every 8 32 128 512 --rounds 2 \\
-        --json bench/results/scaling.json --doc docs/scaling.md
-    .venv/bin/python -m bench.scaling --render docs/scaling.md bench/results/scaling.json
+        --json bench/results/scaling.json --doc docs/training-scale.md
+    .venv/bin/python -m bench.scaling --render docs/training-scale.md bench/results/scaling.json
 """
 
 from __future__ import annotations

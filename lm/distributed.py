@@ -167,7 +167,7 @@ class Distributed:
         accumulators, in place (the fused step's views of them stay valid). Every rank calls
         it at the same step.
 
-        Chosen by measurement (docs/scaling.md, "Several processes on CPU hosts"): adding
+        Chosen by measurement (docs/training-scale.md, "Several processes on CPU hosts"): adding
         every rank's change since the last average instead (Hogwild's rule, N steps stale)
         matched one process's perplexity when averaging every 8 steps but diverged from 128,
         where averaging becomes cheap enough to pay; the accumulators' sum of every rank's

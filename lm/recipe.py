@@ -38,7 +38,7 @@ LARGE_TOKENS = 10_000_000
 LARGE_MINUTES = 45.0
 
 #: Under ``--distributed`` with the fused step, steps between two averages of the processes'
-#: parameters (``train --average-every``; docs/scaling.md has the measurement behind it).
+#: parameters (``train --average-every``; docs/training-scale.md has the measurement behind it).
 AVERAGE_EVERY = 128
 
 

@@ -61,3 +61,12 @@ def test_medians_and_the_ratio_to_one_process() -> None:
     assert "| 1 process | 11.0 (10.0, 12.0) | 93,091 | 1.00 | 114.10 |  |  |" in lines
     assert ("| 2 ranks, averaged every 128 steps (`--distributed`) | 5.0 (6.0, 4.0) | 204,800 | 2.20 | 120.50 | 1.00 "
             "| yes |") in lines
+
+
+def test_the_page_shows_the_saved_run() -> None:
+    """docs/training-scale.md's table is what --render writes from bench/results/scaling.json."""
+    import json
+
+    repo = Path(__file__).resolve().parent.parent
+    saved = json.loads((repo / "bench" / "results" / "scaling.json").read_text(encoding="utf-8"))
+    assert scaling.render(saved) in (repo / "docs" / "training-scale.md").read_text(encoding="utf-8")
