@@ -5,6 +5,7 @@ a process tree (a server and the helpers it started).
     from bench._common import tree_pids, resident_bytes  # a server's processes and their memory
     from bench._common import random_class_model   # a model file for speed benchmarks
     from bench._common import write_section        # a script's section of a document, between markers
+    from bench._common import write_saved          # --render DOC JSON: that section from a saved run
     from bench._common import require_scoring_tables  # before a run that asks for scoring=local
     from bench._common import shown_command        # a recorded command line as a page prints it
     from bench._common import training_step        # the step a training ran, refused when not the one asked
@@ -181,6 +182,12 @@ def write_section(doc: Path, begin: str, end: str, text: str) -> None:
     tmp = doc.with_name(doc.name + ".tmp")
     tmp.write_text(head + text + tail, encoding="utf-8")
     tmp.replace(doc)
+
+
+def write_saved(doc: Path, saved: Path, script: str, render: Callable[[Any], str]) -> None:
+    """``--render DOC JSON``: ``script``'s section of ``doc`` rewritten from a saved run's JSON
+    by ``render``, measuring nothing."""
+    write_section(doc, *markers(script), render(json.loads(saved.read_text(encoding="utf-8"))))
 
 
 def markers(script: str, section: str | None = None, room: str = "bench") -> tuple[str, str]:

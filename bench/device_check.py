@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from bench._common import exit_with, machine, markers, write_json, write_section
+from bench._common import exit_with, machine, markers, write_json, write_saved
 
 REPO = Path(__file__).resolve().parent.parent
 #: The largest difference allowed between a score on the GPU and on the CPU (natural log).
@@ -228,8 +228,7 @@ def main() -> int:
     p.add_argument("--render", nargs=2, type=Path, metavar=("DOC", "JSON"), help="write a saved run's section")
     args = p.parse_args()
     if args.render:
-        doc, saved = args.render
-        write_section(doc, *markers("device_check.py"), render(json.loads(saved.read_text(encoding="utf-8"))))
+        write_saved(*args.render, "device_check.py", render)
         return 0
     for stub in ("lm_pb2.py", "lm_pb2_grpc.py"):
         if not (REPO / "proto" / stub).is_file():

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench._common import exit_with, machine, markers, shown_command, write_json, write_section
+from bench._common import exit_with, machine, markers, shown_command, write_json, write_saved, write_section
 
 REPO = Path(__file__).resolve().parent.parent
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -171,8 +171,7 @@ def main() -> int:
     p.add_argument("--render", nargs=2, type=Path, metavar=("DOC", "JSON"), help="write a saved run's section")
     args = p.parse_args()
     if args.render:
-        doc, saved = args.render
-        write_section(doc, *markers("scaling.py"), render(json.loads(saved.read_text(encoding="utf-8"))))
+        write_saved(*args.render, "scaling.py", render)
         return 0
     for path in (args.train, args.valid):
         if not path.is_file():
