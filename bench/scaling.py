@@ -40,10 +40,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nlmserve.lm.distributed import TORCHRUN_VARS
+
 from bench._common import exit_with, machine, markers, shown_command, write_json, write_saved, write_section
 
 REPO = Path(__file__).resolve().parent.parent
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _free_port() -> int:
@@ -66,14 +67,16 @@ def command(name: str, args: argparse.Namespace, out: Path) -> list[str]:
         train[train.index("--batch-size") + 1] = str(2 * args.batch_size)
         train[train.index("--max-steps") + 1] = str(args.steps // 2)
         train[train.index("--step") + 1] = "torch"
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                "--master-port", str(_free_port()), "-m", "nlmserve", *train, "--distributed"]
-    if name.startswith("dist2:"):
-        every = int(name.split(":", 1)[1])
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                "--master-port", str(_free_port()), "-m", "nlmserve", *train, "--distributed",
-                "--average-every", str(every)]
+        return _two_ranks(train)
+    if name.startswith("dist2:") and name.split(":", 1)[1].isdigit():
+        return _two_ranks([*train, "--average-every", name.split(":", 1)[1]])
     raise SystemExit(f"unknown configuration {name!r}: one, workers2 or dist2:N")
+
+
+def _two_ranks(train: list[str]) -> list[str]:
+    """``nlmserve train --distributed`` with ``train``'s flags, two ranks under torchrun on 127.0.0.1."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+            "--master-port", str(_free_port()), "-m", "nlmserve", *train, "--distributed"]
 
 
 def measure(name: str, args: argparse.Namespace, work: Path, rnd: int) -> dict[str, Any]:

@@ -36,6 +36,8 @@ def test_every_configuration_trains_the_same_tokens_with_the_step_it_names() -> 
     assert (_flag(sync, "--batch-size"), _flag(sync, "--max-steps"), _flag(sync, "--step")) == ("1024", "1000", "torch")
     with pytest.raises(SystemExit, match="unknown configuration"):
         scaling.command("dist3", args, Path("o.nlm"))
+    with pytest.raises(SystemExit, match="unknown configuration"):
+        scaling.command("dist2:often", args, Path("o.nlm"))
 
 
 def _run(name: str, rnd: int, train_s: float, ppl: float, average_s: float | None = None) -> dict:  # type: ignore[type-arg]
