@@ -178,7 +178,7 @@ def main() -> int:
         return 0
     for path in (args.train, args.valid):
         if not path.is_file():
-            raise SystemExit(f"{path}: no such file")
+            raise SystemExit(f"{path}: not a file")
     cores = os.cpu_count() or 1
     workers = [f"workers{n}" for n in (2 ** k for k in range(1, 8)) if n <= cores]
     names = args.configs or ["one", *workers, "dist2:torch", *(f"dist2:{n}" for n in args.average_every)]
