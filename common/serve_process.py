@@ -9,8 +9,9 @@ goes to stderr)::
 
 ``server.app`` prints them with :func:`listening_line` and :func:`metrics_line`; whoever
 starts a server (the Moses experiment, benchmarks, tests) calls :func:`start_server`, which
-reads them. The native front end prints the same ``listening on`` line. Only the standard
-library is imported here.
+reads them. The native front end prints the same ``listening on`` line. Whoever must name a
+port before anything binds it (torchrun's master port, a server restarted on the port of one
+that died) takes one from :func:`free_port`. Only the standard library is imported here.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import logging
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +33,15 @@ log = logging.getLogger(__name__)
 
 _LISTENING = re.compile(r"listening on (\S+:\d+)")
 _METRICS = re.compile(r"metrics on (http://\S+:\d+/metrics)")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that no socket holds now: the kernel's pick for port 0, released
+    at once (another process may take it before the caller binds it; a server that can be
+    given port 0 should be, and its port read from its ``listening on`` line)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def listening_line(host: str, port: int) -> str:

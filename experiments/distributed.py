@@ -38,17 +38,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from nlmserve.common.serve_process import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "data" / "lm" / "europarl.train.50k.lc-moses.en.xz"
 DEV = REPO / "data" / "lm" / "europarl.dev.1k.lc-moses.en"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run(name: str, procs: int, threads: int, extra: list[str], args: argparse.Namespace, work: Path,
@@ -63,7 +57,7 @@ def run(name: str, procs: int, threads: int, extra: list[str], args: argparse.Na
         cmd = [sys.executable, "-m", "nlmserve", *train_args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--master-addr",
-               "127.0.0.1", "--master-port", str(_free_port()), "-m", "nlmserve", *train_args, "--distributed"]
+               "127.0.0.1", "--master-port", str(free_port()), "-m", "nlmserve", *train_args, "--distributed"]
     load_before = os.getloadavg()[0]
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     end = json.loads(Path(str(out) + ".log.jsonl").read_text().splitlines()[-1])

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ import pytest
 
 from nlmserve.client import AsyncLMClient, LMClient, RetryPolicy
 from nlmserve.common.errors import InvalidRequestError, ServerUnavailableError
+from nlmserve.common.serve_process import free_port
 from nlmserve.server.app import RunningServer
 
 from support import dev_ngrams, dev_sentences, start_server
@@ -169,12 +169,6 @@ def test_concurrent_threads_share_one_client(client: LMClient, tiny_lm: Any, ngr
     for t in threads:
         t.join()
     assert not errors
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_unavailable_is_retried_until_the_budget(tiny_lm: Any) -> None:

@@ -8,7 +8,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -19,6 +18,7 @@ from typing import Any, Iterator
 import pytest
 
 from nlmserve.client import LMClient
+from nlmserve.common.serve_process import free_port
 from nlmserve.server.app import RunningServer, create_server
 from nlmserve.server.config import ServerConfig
 
@@ -30,12 +30,6 @@ if PROMETHEUS is None:
     if os.environ.get("CI"):
         raise RuntimeError("prometheus is not installed: .ci/run installs it (make system-deps)")
     pytestmark.append(pytest.mark.skip(reason="Debian's prometheus package is not installed (make system-deps)"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def query(base: str, expr: str) -> list[dict[str, Any]]:

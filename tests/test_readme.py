@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from nlmserve.common.serve_process import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
@@ -105,12 +106,6 @@ def test_the_matching_rule() -> None:
     assert shows("in 4000 steps", "in 4001 steps") == "'in 4000 steps' expected, got 'in 4001 steps'"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _script(pairs: list[tuple[str, str]], port: int) -> str:
     lines = ["set -euo pipefail", "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT"]
     for i, (commands, _) in enumerate(pairs):
@@ -131,7 +126,7 @@ def test_the_first_screen_prints_what_it_shows(tmp_path: Path) -> None:
     pairs = steps(README.read_text(encoding="utf-8"))
     assert [p[0].split()[0] for p in pairs] == ["xzcat", "echo", "nlmserve", "nlmserve", "nlmserve", "nlmserve"]
     (tmp_path / "data").symlink_to(REPO / "data")
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     done = subprocess.run(["bash", "-c", _script(pairs, port)], cwd=tmp_path, env=env, text=True,
                           capture_output=True, timeout=1200, check=False)

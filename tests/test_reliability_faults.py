@@ -9,7 +9,6 @@ import json
 import os
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ import grpc
 import numpy as np
 import pytest
 
+from nlmserve.common.serve_process import free_port
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
 
 from support import nbest_head, serve_subprocess
@@ -34,12 +34,6 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
 # ------------------------------------------------------------------ helpers
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Server:
     """``nlmserve serve`` as a subprocess; ``port`` 0 picks one (read from its first line)."""
 
