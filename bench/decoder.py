@@ -58,7 +58,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,6 +67,7 @@ from bench._common import exit_with, machine, tree_cpu_seconds, write_json
 
 from nlmserve.common.serve_process import ServerProcess, start_server
 from nlmserve.moses_plugin.moses_ini import line_of, rewrite_ini, weight_line  # noqa: F401  (the ini rules' owner)
+from nlmserve.pipeline.moses_experiment import run_watched
 
 #: Configurations measured by default: name, then the feature's options (None: KENLM alone).
 DEFAULT_CONFIGS = ["kenlm", "exact:normalized=true", "selfnorm:normalized=false",
@@ -183,18 +183,15 @@ def write_head(source: Path, n: int, out: Path) -> list[str]:
 
 
 def decode(moses: str, ini: Path, src: Path, threads: int, out: Path, log: Path) -> tuple[float, float]:
-    """Run the decoder; returns (wall seconds, CPU seconds of the decoder process)."""
+    """Run the decoder (the pipelines' loop, ``run_watched``); returns (wall seconds, CPU
+    seconds of the decoder process)."""
     with open(src, "rb") as fin, open(out, "wb") as fout, open(log, "wb") as ferr:
-        start = time.perf_counter()
-        proc = subprocess.Popen([moses, "-f", str(ini), "-threads", str(threads), "-v", "1"],
-                                stdin=fin, stdout=fout, stderr=ferr, cwd=ini.parent)
-        _, status, usage = os.wait4(proc.pid, 0)
-        wall = time.perf_counter() - start
-        proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
+        ran = run_watched([moses, "-f", str(ini), "-threads", str(threads), "-v", "1"], lambda: None,
+                          stdin=fin, stdout=fout, stderr=ferr, cwd=ini.parent)
+    if ran.code != 0:
         tail = log.read_text(errors="replace").splitlines()[-5:]
-        raise SystemExit(f"moses exited with {proc.returncode} ({ini}); last lines of {log}:\n" + "\n".join(tail))
-    return wall, usage.ru_utime + usage.ru_stime
+        raise SystemExit(f"moses exited with {ran.code} ({ini}); last lines of {log}:\n" + "\n".join(tail))
+    return ran.wall, ran.cpu
 
 
 def feature_counts(log: Path) -> dict[str, int | None]:

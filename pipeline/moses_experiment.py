@@ -33,6 +33,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,22 +133,49 @@ def count_lines(path: Path) -> int:
         return sum(1 for _ in f)
 
 
+@dataclass(frozen=True)
+class Finished:
+    """A command run to its end: its exit status, wall seconds and CPU seconds (user +
+    system, of the process and the children it waited for)."""
+
+    code: int
+    wall: float
+    cpu: float
+
+
 def run_watched(cmd: list[str], progress: Callable[[], str | None], *, stdout: IO[bytes],
                 stdin: IO[bytes] | None = None, stderr: IO[bytes] | int | None = subprocess.STDOUT,
-                cwd: Path | None = None) -> int:
-    """Run ``cmd`` to its end → its exit status; meanwhile, every :data:`PROGRESS_EVERY_S`
+                cwd: Path | None = None) -> Finished:
+    """Run ``cmd`` to its end → its :class:`Finished`; meanwhile, every :data:`PROGRESS_EVERY_S`
     seconds, log what ``progress()`` says when it says something new (a tuning or a decoding
-    takes minutes, and a command that is silent for minutes looks stuck)."""
-    last: str | None = None
-    with subprocess.Popen(cmd, stdin=stdin, stdout=stdout, stderr=stderr, cwd=cwd) as proc:
-        while True:
-            try:
-                return proc.wait(timeout=PROGRESS_EVERY_S)
-            except subprocess.TimeoutExpired:
-                now = progress()
-                if now is not None and now != last:
-                    log.info("%s", now)
-                    last = now
+    takes minutes, and a command that is silent for minutes looks stuck). The decoding
+    loop of the pipelines and of bench/decoder.py, which times Moses by it."""
+    stop = threading.Event()
+
+    def watch() -> None:
+        last: str | None = None
+        while not stop.wait(PROGRESS_EVERY_S):
+            now = progress()
+            if now is not None and now != last:
+                log.info("%s", now)
+                last = now
+
+    watcher = threading.Thread(target=watch, name="progress", daemon=True)
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdin=stdin, stdout=stdout, stderr=stderr, cwd=cwd)
+    watcher.start()
+    try:
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    except BaseException:  # interrupted: the command does not outlive its caller
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        stop.set()
+        watcher.join()
+    return Finished(proc.returncode, wall, usage.ru_utime + usage.ru_stime)
 
 
 class DevBleu:
@@ -251,7 +279,7 @@ def tune(settings: TuneSettings, feature: str | None, moses: str, seed: int, mer
             return now + (f"; dev BLEU of {finished}: {', '.join(f'{b:.2f}' for b in done)}" if done else "")
 
         with open(mert_log, "ab") as f:
-            code = run_watched(cmd, progress, stdout=f, cwd=base)
+            code = run_watched(cmd, progress, stdout=f, cwd=base).code
         if code != 0 or not tuned.exists():
             raise InputError(f"mert-moses.pl failed ({code}) for {label} seed {seed}: see {mert_log}")
     else:
@@ -288,7 +316,7 @@ def decode_test(moses: str, threads: int, tuned_ini: Path, test_src: Path, out: 
 
     with open(test_src, "rb") as fin, open(tmp, "wb") as fout, open(out.with_suffix(".log"), "wb") as ferr:
         code = run_watched([moses, "-f", str(tuned_ini), "-threads", str(threads)], progress, stdin=fin, stdout=fout,
-                           stderr=ferr)
+                           stderr=ferr).code
     if code != 0 or count_lines(tmp) != n:
         raise InputError(f"decoding {test_src} with {tuned_ini} failed: see {out.with_suffix('.log')}")
     took = time.monotonic() - start

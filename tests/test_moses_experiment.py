@@ -157,6 +157,22 @@ def test_decoding_says_how_far_it_got_and_when_it_reuses_a_decoding(tmp_path: Pa
     assert [r.getMessage() for r in caplog.records] == [f"nlm seed 1: test set decoded before, reusing {out}"]
 
 
+def test_a_watched_command_gives_its_status_wall_and_cpu_time(tmp_path: Path) -> None:
+    """run_watched, which bench/decoder.py times Moses by: the exit status, the wall time of
+    the command and its CPU time (a command that sleeps uses little, one that spins uses
+    about its wall time)."""
+    import sys
+
+    out = tmp_path / "out"
+    with open(out, "wb") as f:
+        slept = moses_experiment.run_watched(["sh", "-c", "sleep 0.3; exit 3"], lambda: None, stdout=f)
+        spun = moses_experiment.run_watched(
+            [sys.executable, "-c", "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"],
+            lambda: None, stdout=f)
+    assert slept.code == 3 and slept.wall >= 0.3 and slept.cpu < 0.2
+    assert spun.code == 0 and spun.cpu >= 0.3 and spun.wall >= spun.cpu * 0.9
+
+
 def _finished_tuning(base: Path, dev_ref: Path, outputs: list[str]) -> None:
     """mert-moses.pl's working folder after len(outputs) iterations whose 1-best were ``outputs``."""
     work = base / "tune"
