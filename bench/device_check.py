@@ -14,7 +14,8 @@ What it runs, each side by side with the CPU in the same run:
    single-n-gram requests one after another (p50, p99), for bench/serve.py's model (order 5,
    width 256, 20,000 words).
 4. **Cores**: bench/scaling.py's table (one process, Hogwild workers 2, 4, ... up to the
-   machine's cores, two averaging ranks) where the machine has more than 2 cores.
+   machine's cores, two averaging ranks, two ranks of Hogwild workers on half the cores
+   each) where the machine has more than 2 cores.
 
 It needs nothing from the network: torch with CUDA, numpy, numba, grpcio, protobuf and
 prometheus-client there, and this checkout with its generated gRPC stubs
@@ -173,6 +174,8 @@ def check_cores(work: Path, steps: int) -> dict[str, Any] | None:
                               valid=REPO / "data" / "lm" / "europarl.dev.1k.lc-moses.en", steps=steps, batch_size=512,
                               order=5, dim=128, seed=1, rounds=1)
     names = ["one", *(f"workers{n}" for n in (2 ** k for k in range(1, 8)) if n <= cores), "dist2:128"]
+    if cores >= 4:  # two ranks, each a Hogwild group on half the cores
+        names.append(f"dist2x{cores // 2}:128")
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the CPU's table
     try:

@@ -11,6 +11,9 @@ validation, one model). Configurations:
   2, 4, ... up to the machine's cores);
 * ``dist2:N``: two ranks under torchrun (``--distributed``), each training its own copy and
   averaging it with the other's every N steps (``--average-every N``);
+* ``dist2xW:N``: the same two ranks, each W Hogwild workers on its copy (``--workers W``;
+  by default, where the machine has 4 cores or more, W = half of them, N = 128): the
+  layout for several many-core hosts;
 * ``dist2:torch``: two ranks by the torch step (``--distributed --step torch``), whose
   gradients are all-reduced every step (a global batch of twice ``--batch-size``, half the
   steps: the same tokens).
@@ -31,8 +34,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,17 +43,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nlmserve.common.serve_process import free_port
 from nlmserve.lm.distributed import TORCHRUN_VARS
 
 from bench._common import exit_with, machine, markers, shown_command, write_json, write_saved, write_section
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def command(name: str, args: argparse.Namespace, out: Path) -> list[str]:
@@ -68,15 +66,20 @@ def command(name: str, args: argparse.Namespace, out: Path) -> list[str]:
         train[train.index("--max-steps") + 1] = str(args.steps // 2)
         train[train.index("--step") + 1] = "torch"
         return _two_ranks(train)
-    if name.startswith("dist2:") and name.split(":", 1)[1].isdigit():
-        return _two_ranks([*train, "--average-every", name.split(":", 1)[1]])
-    raise SystemExit(f"unknown configuration {name!r}: one, workers2 or dist2:N")
+    ranks = _RANKS.fullmatch(name)
+    if ranks:
+        workers, every = ranks.group(1) or "1", ranks.group(2)
+        return _two_ranks([*train, "--average-every", every, "--workers", workers])
+    raise SystemExit(f"unknown configuration {name!r}: one, workersN, dist2:N, dist2xW:N or dist2:torch")
+
+
+_RANKS = re.compile(r"dist2(?:x([1-9][0-9]*))?:([1-9][0-9]*)")  # dist2:N, dist2xW:N
 
 
 def _two_ranks(train: list[str]) -> list[str]:
     """``nlmserve train --distributed`` with ``train``'s flags, two ranks under torchrun on 127.0.0.1."""
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-            "--master-port", str(_free_port()), "-m", "nlmserve", *train, "--distributed"]
+            "--master-port", str(free_port()), "-m", "nlmserve", *train, "--distributed"]
 
 
 def measure(name: str, args: argparse.Namespace, work: Path, rnd: int) -> dict[str, Any]:
@@ -129,8 +132,12 @@ def _label(name: str) -> str:
         return f"{name[len('workers'):]} Hogwild workers (`--workers {name[len('workers'):]}`)"
     if name == "dist2:torch":
         return "2 ranks, the torch step, gradients all-reduced every step (`--distributed --step torch`)"
-    if name.startswith("dist2:"):
-        return f"2 ranks, averaged every {name.split(':', 1)[1]} steps (`--distributed`)"
+    ranks = _RANKS.fullmatch(name)
+    if ranks and ranks.group(1):
+        return (f"2 ranks of {ranks.group(1)} Hogwild workers, averaged every {ranks.group(2)} steps "
+                f"(`--distributed --workers {ranks.group(1)}`)")
+    if ranks:
+        return f"2 ranks, averaged every {ranks.group(2)} steps (`--distributed`)"
     return name
 
 
@@ -165,8 +172,9 @@ def main() -> int:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--average-every", type=int, nargs="+", default=[8, 32, 128, 512], metavar="N")
-    p.add_argument("--configs", nargs="+", help="one, workersN, dist2:N, dist2:torch (default: one, workersN for "
-                   "N = 2, 4, ... up to the cores, dist2:torch and dist2 at each --average-every)")
+    p.add_argument("--configs", nargs="+", help="one, workersN, dist2:N, dist2xW:N, dist2:torch (default: one, "
+                   "workersN for N = 2, 4, ... up to the cores, dist2:torch, dist2 at each --average-every, "
+                   "and dist2xW:128 with W = half the cores where there are 4 or more)")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--work", type=Path, default=Path("scaling-work"))
     p.add_argument("--json", type=Path)
@@ -181,7 +189,8 @@ def main() -> int:
             raise SystemExit(f"{path}: not a file")
     cores = os.cpu_count() or 1
     workers = [f"workers{n}" for n in (2 ** k for k in range(1, 8)) if n <= cores]
-    names = args.configs or ["one", *workers, "dist2:torch", *(f"dist2:{n}" for n in args.average_every)]
+    groups = [f"dist2x{cores // 2}:128"] if cores >= 4 else []  # two hosts' worth of Hogwild groups
+    names = args.configs or ["one", *workers, "dist2:torch", *(f"dist2:{n}" for n in args.average_every), *groups]
     args.work.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"machine": machine(), "command": shlex.join([sys.executable, *sys.argv]),
                               "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}

@@ -86,7 +86,8 @@ def register(subparsers: Any) -> None:
                         "processes' parameters (a step is one process's minibatch)")
     p.add_argument("--workers", type=int_at_least(1),
                    help="processes training one model together on the CPU, lock-free (Hogwild); "
-                        "each takes its own minibatch of --batch-size")
+                        "each takes its own minibatch of --batch-size; with --distributed (the fused "
+                        "step), the workers of each process (default there: 1)")
     p.add_argument("--dense-grads", action="store_true", help="dense embedding gradients even with AdaGrad")
     p.add_argument("--step", choices=("auto", "torch", "fused"), default="auto",
                    help="auto: the fused CPU step for NCE with the class output and AdaGrad, the torch "

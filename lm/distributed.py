@@ -26,8 +26,9 @@ What is split and what is shared:
   and the progress bar.
 * **The fused step** (NCE, class output, AdaGrad on the CPU: ``nlmserve.lm.fused``) trains
   by periodic model averaging instead (local SGD): each round gives every rank a minibatch
-  of its own (``--batch-size`` per process, as Hogwild workers take theirs), each rank
-  applies its own updates to its own copy with no collective, and every ``--average-every``
+  of its own (``--batch-size`` per process, as Hogwild workers take theirs; with
+  ``--workers W`` each rank is W Hogwild workers on one shared copy, taking W minibatches
+  a round), each rank applies its own updates to its own copy with no collective, and every ``--average-every``
   steps (and before every validation, checkpoint and the end) :meth:`Distributed.average`
   makes the copies one: the mean of the parameters and of the AdaGrad accumulators.
 * **Progress** in a checkpoint is world-size independent (epoch, position in the epoch's

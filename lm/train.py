@@ -79,8 +79,8 @@ class TrainConfig:
         distributed: data-parallel under torchrun (lm/distributed.py). With the torch step
             ``batch_size`` is the global batch, split across the processes, whose gradients
             are averaged every step; with the fused step each process takes a minibatch of
-            ``batch_size`` of its own per round and the processes' parameters are averaged
-            every ``average_every`` steps (local SGD).
+            ``batch_size`` of its own per round (one per Hogwild worker with ``workers``) and
+            the processes' parameters are averaged every ``average_every`` steps (local SGD).
         average_every: with ``distributed`` and the fused step, average the processes'
             parameters and AdaGrad accumulators every this many steps (a step is one
             process's minibatch, as with ``workers``).
@@ -127,6 +127,8 @@ class TrainConfig:
         workers: processes that train one model together on the CPU, lock-free (Hogwild!,
             lm/hogwild.py): each round takes ``workers`` minibatches of ``batch_size``, one
             per process, and every process applies its own update to the shared parameters.
+            With ``distributed`` and the fused step, each rank is such a group of workers
+            (a round: ranks × workers minibatches), and the ranks average their copies.
     """
 
     train: str
@@ -202,8 +204,10 @@ class TrainConfig:
             raise ValueError(f"step must be one of {STEPS}, got {self.step!r}")
         if self.lr_schedule not in ("plateau", "linear"):
             raise ValueError(f"lr_schedule must be plateau or linear, got {self.lr_schedule!r}")
-        if self.workers > 1 and self.distributed:
-            raise ValueError("workers > 1 (Hogwild on one machine) and distributed exclude each other")
+        if self.workers > 1 and self.distributed and (self.step == "torch" or self.objective != "nce"
+                                                      or self.optimizer != "adagrad" or self.dense_grads):
+            raise ValueError("workers > 1 with distributed needs the fused step (NCE, AdaGrad, sparse gradients; "
+                             "not step torch): the torch step's processes average their gradients every step")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must lie in [0, 1), got {self.dropout}")
         if self.batch_size < 1 or self.lr <= 0 or self.noise_samples < 1 or self.epochs < 1:
@@ -390,8 +394,13 @@ class _Trainer:
             self.dist.wrap(self.model)
         self.averaged_at = self.state.step
         self.average_seconds = 0.0  # this invocation's time in averages (the log's end record)
-        # processes that each take a minibatch of a round: Hogwild workers or averaging ranks
-        self.round_parts = self.dist.world_size if self.averaging else cfg.workers
+        if cfg.workers > 1 and self.dist.enabled and not self.averaging:
+            raise InputError("--workers > 1 with --distributed needs the fused step (NCE, the class output, "
+                             f"AdaGrad, the CPU): this run trains by the torch step ({self.step_reason}), whose "
+                             "processes average their gradients every step")
+        # processes that each take a minibatch of a round: the Hogwild workers of every
+        # averaging rank (rank r takes the round's minibatches r*workers .. r*workers+workers-1)
+        self.round_parts = (self.dist.world_size if self.averaging else 1) * cfg.workers
         self.log = TrainingLog(cfg.log_path, append=resumed, enabled=self.dist.is_main)
         self.digests: list[str] | None = None
         if not resumed:
@@ -556,15 +565,15 @@ class _Trainer:
         state, bs = self.state, self.cfg.batch_size
         parts = [positions[i : i + bs] for i in range(0, len(positions), bs)]
         lr = self.rate()
+        # this process's minibatches of the round: the first is its own, the rest its Hogwild
+        # helpers'; an averaging rank has none in a short last round
+        first = self.dist.rank * self.cfg.workers if self.averaging else 0
+        mine = parts[first : first + self.cfg.workers]
         if self.pool is not None:
-            self.pool.submit(parts[1:], lr, state.step)
-        if self.averaging:  # this rank's minibatch of the round (none in a short last round)
-            rank = self.dist.rank
-            losses = [self.update(parts[rank], self.gen, lr)] if rank < len(parts) else []
-        else:
-            losses = [self.update(parts[0], self.gen, lr)]
+            self.pool.submit(mine[1:], lr, state.step)
+        losses = [self.update(mine[0], self.gen, lr)] if mine else []
         if self.pool is not None:
-            losses += self.pool.collect(len(parts) - 1)
+            losses += self.pool.collect(max(0, len(mine) - 1))
         self.taken = len(parts)
         state.step += len(parts)
         state.pos = next_pos
@@ -617,7 +626,9 @@ class _Trainer:
         if deadline is not None and self.dist.any(time.monotonic() >= deadline):
             self.stop("max minutes")  # resumed with no time left
         if cfg.workers > 1 and self.pool is None:  # after a resume: the restored tensors are shared
-            self.pool = HogwildPool(self.model, self.opt, self.update, cfg.workers, cfg.seed, max(1, cfg.threads))
+            # each rank's helpers draw their own noise (rank 0's: those of one process)
+            self.pool = HogwildPool(self.model, self.opt, self.update, cfg.workers, self.dist.rank_seed(cfg.seed),
+                                    max(1, cfg.threads))
         done_steps = state.epoch * steps_per_epoch + math.ceil(state.pos / cfg.batch_size)
         total = steps_per_epoch * cfg.epochs
         if cfg.max_steps is not None:

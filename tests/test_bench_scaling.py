@@ -31,6 +31,12 @@ def test_every_configuration_trains_the_same_tokens_with_the_step_it_names() -> 
     assert "torch.distributed.run" in ranks and _flag(ranks, "--nproc-per-node") == "2"
     assert _flag(ranks, "--average-every") == "128" and _flag(ranks, "--step") == "fused"
     assert (_flag(ranks, "--batch-size"), _flag(ranks, "--max-steps")) == ("512", "2000")
+    assert _flag(ranks, "--workers") == "1"
+    groups = scaling.command("dist2x8:128", args, Path("o.nlm"))  # two ranks of 8 Hogwild workers each
+    assert (_flag(groups, "--nproc-per-node"), _flag(groups, "--workers"), _flag(groups, "--average-every")) == (
+        "2", "8", "128")
+    assert scaling._label("dist2x8:128") == "2 ranks of 8 Hogwild workers, averaged every 128 steps " \
+        "(`--distributed --workers 8`)"
     # the torch step's step is the global batch: twice the batch, half the steps
     sync = scaling.command("dist2:torch", args, Path("o.nlm"))
     assert (_flag(sync, "--batch-size"), _flag(sync, "--max-steps"), _flag(sync, "--step")) == ("1024", "1000", "torch")
@@ -38,6 +44,8 @@ def test_every_configuration_trains_the_same_tokens_with_the_step_it_names() -> 
         scaling.command("dist3", args, Path("o.nlm"))
     with pytest.raises(SystemExit, match="unknown configuration"):
         scaling.command("dist2:often", args, Path("o.nlm"))
+    with pytest.raises(SystemExit, match="unknown configuration"):
+        scaling.command("dist2x0:128", args, Path("o.nlm"))
 
 
 def _run(name: str, rnd: int, train_s: float, ppl: float, average_s: float | None = None) -> dict:  # type: ignore[type-arg]
