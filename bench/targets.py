@@ -53,6 +53,8 @@ import json
 import logging
 import lzma
 import os
+import re
+import shlex
 import subprocess
 import sys
 import time
@@ -135,6 +137,12 @@ class Row:
     recipe: str = ""
     step: str = ""
     step_reason: str = ""
+    train_text: str = ""
+    train_tokens: int | None = None
+    prepare_seconds: float | None = None
+    loop_seconds: float | None = None
+    peak_rss_bytes: int | None = None
+    model_bytes: int | None = None
 
 
 def head_lines(src: Path, n: int | None, dst: Path) -> Path:
@@ -283,8 +291,19 @@ def run_target(row: Row, args: argparse.Namespace, train_text: Path, select: Pat
     cmd = train_command(row, args, train_text, select, out)
     log.info("%s: %s", t.name, " ".join(cmd))
     t0 = time.monotonic()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    with subprocess.Popen(cmd, stdout=subprocess.DEVNULL) as proc:
+        _, status, usage = os.wait4(proc.pid, 0)  # its rusage: the largest resident set of it and its workers
+        proc.returncode = os.waitstatus_to_exitcode(status)
     row.train_seconds = time.monotonic() - t0
+    if proc.returncode != 0:
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
+    row.peak_rss_bytes = usage.ru_maxrss * 1024  # Linux: KiB
+    row.model_bytes = out.stat().st_size
+    records = [json.loads(line) for line in Path(f"{out}.log.jsonl").read_text(encoding="utf-8").splitlines()]
+    start, end = records[0], records[-1]
+    row.train_text, row.train_tokens = str(train_text), int(start["train_tokens"])
+    row.prepare_seconds = start.get("prepare_s")  # vocabulary, id files, classes, model
+    row.loop_seconds = float(end["elapsed"]) if end.get("event") == "end" else None
     ev = subprocess.run([*nlmserve_command(), "eval", "--model", str(out), "--text", str(report),
                          "--json", "--threads", str(args.threads or 0)], check=True, capture_output=True, text=True)
     res = json.loads(ev.stdout)
@@ -363,6 +382,38 @@ def format_table(rows: list[Row], scale: float) -> str:
 _TEXT = {"200k": "first 200,000 lines", "full": "all of Europarl (18.25M tokens)"}
 
 
+def _text(result: dict[str, Any], r: dict[str, Any]) -> str:
+    """The training text of a row as the table names it: the shared Europarl's (``_TEXT``), or
+    the ``--train`` the run was given, with its tokens."""
+    args = shlex.split(result["command"])
+    if "--train" not in args[:-1]:
+        return _TEXT[r["target"]["name"]]
+    name = Path(args[args.index("--train") + 1]).name
+    lines = r["target"]["lines"]
+    tokens = r.get("train_tokens")
+    if tokens is None:  # a run older than the field: the recipe's line names them
+        found = re.search(r"for ([\d,]+) training tokens", r.get("recipe", ""))
+        tokens = int(found.group(1).replace(",", "")) if found else None
+    counted = f" ({tokens / 1e6:.2f}M tokens)" if tokens else ""
+    return (f"first {lines:,} lines of `{name}`" if lines else f"all of `{name}`") + counted
+
+
+def _training(r: dict[str, Any]) -> str:
+    """The training cell: the step, steps, tokens and seconds, and where the run recorded them
+    the loop's own rate, the set-up before it, the largest resident set and the model file."""
+    rate = r["tokens_seen"] / r["train_seconds"]
+    cell = (f"the {r['step']} step ({r['step_reason']}); {r['steps']:,} steps, "
+            f"{r['tokens_seen'] / 1e6:.1f}M tokens, {rate:,.0f} tokens/s, {r['train_seconds']:,.0f} s")
+    if r.get("loop_seconds") and r.get("prepare_seconds") is not None:
+        cell += (f" (the loop {r['tokens_seen'] / r['loop_seconds']:,.0f} tokens/s, after "
+                 f"{r['prepare_seconds']:,.0f} s of vocabulary, word classes and set-up)")
+    if r.get("peak_rss_bytes"):
+        cell += f"; largest resident set {r['peak_rss_bytes'] / 1e9:.1f} GB"
+    if r.get("model_bytes"):
+        cell += f"; model file {r['model_bytes'] / 1e6:,.0f} MB"
+    return cell
+
+
 def _perplexity(record: dict[str, Any] | None) -> Perplexity | None:
     return Perplexity(**record) if record is not None else None
 
@@ -382,14 +433,12 @@ def render(results: list[dict[str, Any]]) -> str:
                 continue
             recipe = f"`{r['recipe'].split(' (')[0]}`"
             goal = _minus(f"{t['goal'] * 100:.0f}")
-            target = (f"{_TEXT[t['name']]}, {t['minutes']:g} minutes, **no training flags** (`nlmserve train` chose "
+            target = (f"{_text(result, r)}, {r['minutes']:g} minutes, **no training flags** (`nlmserve train` chose "
                       f"the {recipe} recipe): at most {goal}% against `lmplz -o 5` on "
                       f"the same lines; selected on lines 1–{split['select_lines']:,} of the dev text, reported on "
                       f"lines {split['select_lines'] + 1:,}–{split['lines']:,}")
             with_oov, without = _compared(ours, kn)
-            rate = r["tokens_seen"] / r["train_seconds"]
-            training = (f"the {r['step']} step ({r['step_reason']}); {r['steps']:,} steps, "
-                        f"{r['tokens_seen'] / 1e6:.1f}M tokens, {rate:,.0f} tokens/s, {r['train_seconds']:,.0f} s")
+            training = _training(r)
             command = (f"`{shown_command(result['command'])}` ({result['date']}, {m['cpu']}, load average "
                        f"{m['load_average_1m']} at the start)")
             lines.append(f"| {target} | {with_oov} | {without}; OOV tokens {_oovs(ours, kn)} | {training} "

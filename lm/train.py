@@ -406,7 +406,8 @@ class _Trainer:
         if not resumed:
             self.log.write(event="start", config=dataclasses.asdict(cfg), model=self.mconf.to_json(),
                            vocab_size=len(data.vocab), train_tokens=data.train.num_tokens, step=0, tokens=0,
-                           step_ran=self.step_ran, step_reason=self.step_reason)
+                           step_ran=self.step_ran, step_reason=self.step_reason,
+                           prepare_s=round(time.monotonic() - self.t_start, 3))
         else:  # the resumed steps may run another step than the first ones did
             self.log.write(event="resume", step=self.state.step, tokens=self.state.tokens,
                            step_ran=self.step_ran, step_reason=self.step_reason)

@@ -221,6 +221,18 @@ def test_a_short_run_selects_on_one_half_and_reports_on_the_other(train_small_pa
     assert row["kn"]["ppl"] == pytest.approx(10.0) and row["kn"]["ppl_excl_oov"] == pytest.approx(10.0)
     assert math.isfinite(row["ours"]["ppl"]) and row["ours"]["ppl_excl_oov"] < row["ours"]["ppl"]
     assert (row["step"], row["step_reason"]) == ("fused", "--step fused")
+    # what the trainer cost: its set-up and loop from its log, its largest resident set, its file
+    log = [json.loads(line) for line in (work / "200k.nlm.log.jsonl").read_text().splitlines()]
+    assert row["prepare_seconds"] == log[0]["prepare_s"] >= 0 and row["loop_seconds"] == log[-1]["elapsed"] > 0
+    assert row["prepare_seconds"] + row["loop_seconds"] < row["train_seconds"]
+    assert row["model_bytes"] == (work / "200k.nlm").stat().st_size
+    assert 50e6 < row["peak_rss_bytes"] < 4e9  # a Python process with torch, not kB and not the machine
+    assert row["train_tokens"] == log[0]["train_tokens"] == sum(len(line.split()) + 1 for line in
+                                                                 train_small_path.read_text().splitlines())
+    # the table names the text given by --train, with its tokens, and the recorded costs
+    table = targets.render([run])
+    assert f"| first 200,000 lines of `{train_small_path.name}` ({row['train_tokens'] / 1e6:.2f}M tokens), " in table
+    assert f"model file {row['model_bytes'] / 1e6:,.0f} MB" in table and "largest resident set" in table
 
 
 def test_the_page_shows_the_saved_run() -> None:
