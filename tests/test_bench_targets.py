@@ -241,3 +241,15 @@ def test_the_page_shows_the_saved_run() -> None:
     saved = json.loads((repo / "bench" / "results" / "targets-200k.json").read_text(encoding="utf-8"))
     assert saved["split"]["select_lines"] < saved["split"]["lines"]  # selected on one half, reported on the other
     assert targets.render([saved]) in (repo / "docs" / "performance.md").read_text(encoding="utf-8")
+
+
+def test_the_large_vocabulary_page_shows_its_saved_run() -> None:
+    """docs/training-scale.md's 113,737-word row is what --render writes from
+    bench/results/targets-100k.json: a run given its own --train text, at its full budget."""
+    repo = Path(__file__).resolve().parent.parent
+    saved = json.loads((repo / "bench" / "results" / "targets-100k.json").read_text(encoding="utf-8"))
+    (row,) = saved["rows"]
+    assert row["target"]["name"] == "full" and row["minutes"] == row["target"]["minutes"] == 60.0
+    table = targets.render([saved])
+    assert "| all of `train.lc.tok.en` (20.82M tokens), 60 minutes, " in table
+    assert table in (repo / "docs" / "training-scale.md").read_text(encoding="utf-8")
