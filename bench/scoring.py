@@ -1,7 +1,8 @@
 """Scoring micro-benchmark: n-grams/s of ``LanguageModel.score_prepared`` on decoder-like
 batches, every row scored on its own against the batch's distinct work done once, in one run.
 
-    .venv/bin/python -m bench.scoring [--hypotheses 47] [--targets 100] [--json out.json]
+    .venv/bin/python -m bench.scoring [--hypotheses 47] [--targets 100] [--json out.json] [--doc PAGE]
+    .venv/bin/python -m bench.scoring --render docs/performance.md bench/results/scoring.json
     .venv/bin/python -m bench.scoring --quick   # a tiny model and batch: checks the script only
 
 The model is like the decoder's (order 5, width 256, the 36,000 most frequent words of the
@@ -31,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
+import time
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,7 +46,7 @@ import torch
 from nlmserve.lm.dedup import plan_batch
 from nlmserve.lm.scoring import LanguageModel
 
-from bench._common import exit_with, random_class_model
+from bench._common import exit_with, markers, random_class_model, shown_command, write_json, write_saved, write_section
 from bench.serve import DATA, DEV_TXT, machine, rate
 
 TRAIN_TEXTS = (DATA / "europarl.train.50k.lc-moses.en.xz", DATA / "wmtnews.30k.lc-moses.en.xz")
@@ -153,6 +156,26 @@ def measure(lm: LanguageModel, name: str, rows: np.ndarray, cfg: ScoringBench) -
     return out
 
 
+def render(res: dict[str, Any]) -> str:
+    """The run's section of docs/performance.md: both paths' rates on both batches."""
+    begin, end = markers("scoring.py")
+    m, c = res["machine"], res["config"]
+    lines = [begin, "",
+             f"{res['date']}, {m['cpu']}, {m['cores']} cores, load average {m['load_average_1m']} at the start. "
+             f"Model: order {c['order']}, width {c['dim']}, {c['vocab_size']:,} words, random weights, "
+             f"{c['torch_threads']} torch thread(s). `decoder`: {c['hypotheses']} hypotheses' contexts × "
+             f"{c['targets']} targets, as a decoder's boundary n-grams; `distinct`: as many held-out n-grams, "
+             "no two with the same context. Best of three runs of each.", "",
+             "| batch | rows | distinct contexts | distinct rows | (context, class) pairs | scores | every row on its own (n-grams/s) | de-duplicated (n-grams/s) | ratio |",
+             "|---|---:|---:|---:|---:|---|---:|---:|---:|"]
+    for r in res["results"]:
+        lines.append(f"| {r['batch']} | {r['rows']:,} | {r['contexts']:,} | {r['distinct_rows']:,} | {r['pairs']:,} | "
+                     f"{'exact' if r['normalized'] else 'self-normalised'} | {r['per_row_ngrams_per_s']:,.0f} | "
+                     f"{r['dedup_ngrams_per_s']:,.0f} | {r['ratio']:.2f} |")
+    lines += ["", f"Command: `{shown_command(res['command'])}`", "", end]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     d = ScoringBench()
@@ -164,14 +187,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-threads", type=int, default=d.torch_threads)
     ap.add_argument("--quick", action="store_true",
                     help="a tiny model and batch, one call per rate: checks the script, measures nothing")
-    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--doc", type=Path, help="write the table into this page (between its bench/scoring.py markers)")
+    ap.add_argument("--render", nargs=2, type=Path, metavar=("DOC", "JSON"),
+                    help="write a saved run's table into DOC, measuring nothing")
     args = ap.parse_args(argv)
+    if args.render:
+        write_saved(*args.render, "scoring.py", render)
+        return 0
+    if args.quick and (args.json or args.doc):
+        ap.error("--quick measures nothing: it writes no --json or --doc")
     cfg = QUICK if args.quick else ScoringBench(
         vocab_size=args.vocab_size, dim=args.dim, hypotheses=args.hypotheses, targets=args.targets,
         seconds=args.seconds, torch_threads=args.torch_threads)
     torch.set_num_threads(cfg.torch_threads)
-    res: dict[str, Any] = {"command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
-                           "machine": machine(), "config": asdict(cfg)}
+    res: dict[str, Any] = {"command": shlex.join([sys.executable, "-m", "bench.scoring", *(argv or sys.argv[1:])]),
+                           "date": time.strftime("%Y-%m-%d"), "machine": machine(), "config": asdict(cfg)}
     print(json.dumps(res["machine"]))
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "bench.nlm"
@@ -189,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         print("(--quick: a tiny model, one call per rate; the numbers measure nothing)")
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+        write_json(args.json, res)
+    if args.doc:
+        write_section(args.doc, *markers("scoring.py"), render(res))
     return 0
 
 

@@ -1,7 +1,8 @@
 """Serving benchmark: n-grams/s of the engine, gRPC (packed ids, strings), KenLM, the compute
 limit, single-request latency and the micro-batching gain, all measured in one run.
 
-    .venv/bin/python -m bench.serve [--kenlm-model lm.arpa|lm.binary] [--json out.json]
+    .venv/bin/python -m bench.serve [--kenlm-model lm.arpa|lm.binary] [--json out.json] [--doc PAGE]
+    .venv/bin/python -m bench.serve --render docs/performance.md bench/results/serve.json
 
 The model is one like a realistic one (order 5, width 256, the 20k most frequent words of
 the shipped Europarl training slice, sqrt(V) frequency classes on their counts, random
@@ -36,6 +37,7 @@ import asyncio
 import json
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -50,7 +52,8 @@ import torch
 
 from nlmserve.lm.scoring import LanguageModel
 
-from bench._common import exit_with, machine, random_class_model, tree_cpu_seconds
+from bench._common import (exit_with, machine, markers, random_class_model, shown_command, tree_cpu_seconds,
+                           write_json, write_saved, write_section)
 
 log = logging.getLogger("bench.serve")
 
@@ -409,7 +412,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--torch-threads", type=int, default=BenchConfig.torch_threads)
     ap.add_argument("--load-mode", choices=("async", "threads"), default=BenchConfig.load_mode,
                     help="how nlmserve_load drives the concurrent clients (default: %(default)s)")
-    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--doc", type=Path, help="write the table into this page (between its bench/serve.py markers)")
+    ap.add_argument("--render", nargs=2, type=Path, metavar=("DOC", "JSON"),
+                    help="write a saved run's table into DOC, measuring nothing")
     ap.add_argument("--noop-server", type=Path, metavar="MODEL", help=argparse.SUPPRESS)
     return ap
 
@@ -669,15 +675,63 @@ def print_checks(checks: list[tuple[str, str, bool]]) -> None:
         print(f"{name:54s} {value:>10s}   {'yes' if met else 'NO'}")
 
 
+def _rate_row(what: str, r: dict[str, Any] | float | None) -> str | None:
+    """A row of the rates table: n-grams/s, and p50 and p99 where the run timed requests."""
+    if r is None:
+        return None
+    if not isinstance(r, dict):
+        return f"| {what} | {r:,.0f} | | |"
+    rate = f"{r['ngrams_per_s']:,.0f}" if "ngrams_per_s" in r else ""
+    return f"| {what} | {rate} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} |"
+
+
+def render(res: dict[str, Any]) -> str:
+    """The run's section of docs/performance.md: the serving targets and the rates behind them."""
+    begin, end = markers("serve.py")
+    m, c = res["machine"], res["config"]
+    lines = [begin, "",
+             f"{res['date']}, {m['cpu']}, {m['cores']} cores, load average {m['load_average_1m']} at "
+             f"the start. Model: order {c['order']}, width {c['dim']}, the {c['vocab_size']:,} most frequent words "
+             f"of the shipped Europarl slice, random weights, {c['torch_threads']} torch thread(s); test n-grams "
+             f"from held-out Europarl text. {c['concurrency']} clients send one n-gram per request each "
+             f"({res['load_clients']}). Each rate is the best of three; each load the better of two rounds.", "",
+             "| target | measured | met |", "|---|---|---|"]
+    lines += [f"| {name} | {v['measured']} | {'yes' if v['met'] else '**no**'} |" for name, v in res["checks"].items()]
+    n = c["concurrency"]
+    rows = [("(e) the compute limit (GEMM rate / FLOPs per n-gram)", res["compute_limit"]),
+            ("(a) the engine in process, batch 4,096", res["engine_4096"]),
+            ("(a) the engine in process, batch 10,000", res["engine_10000"]),
+            ("(b) gRPC, packed ids, batch 1,000", res["grpc_packed_1000"]),
+            ("(b) gRPC, packed ids, batch 10,000", res["grpc_packed_10000"]),
+            ("(c) gRPC, strings, batch 10,000", res["grpc_strings_10000"]),
+            ("one n-gram at concurrency 1, Python client", res["latency_c1"]),
+            ("one n-gram at concurrency 1, C++ client", res.get("latency_c1_cpp")),
+            ("one n-gram at concurrency 1, C++ client, `serve --frontend native`", res.get("latency_c1_cpp_native")),
+            (f"{n} clients: `serve` (micro-batching)", res["concurrent_batching"]),
+            (f"{n} clients: `serve --max-batch-ngrams 1`", res["concurrent_no_batching"]),
+            (f"{n} clients: the no-op server (the same gRPC stack, no model)", res["concurrent_noop"]),
+            (f"{n} clients: `serve --frontend native`", res.get("native_batching")),
+            (f"{n} clients: `serve --frontend native --max-batch-ngrams 1`", res.get("native_no_batching")),
+            ("(d) KenLM's Python module, the same n-grams as words", res.get("kenlm"))]
+    lines += ["", "| what | n-grams/s | p50 ms | p99 ms |", "|---|---:|---:|---:|"]
+    lines += [row for what, r in rows if (row := _rate_row(what, r)) is not None]
+    lines += ["", f"Command: `{shown_command(res['command'])}`", "", end]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.noop_server:
         return noop_serve(args.noop_server)
+    if args.render:
+        write_saved(*args.render, "serve.py", render)
+        return 0
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     cfg = BenchConfig(vocab_size=args.vocab_size, dim=args.dim, seconds=args.seconds,
                       torch_threads=args.torch_threads, kenlm_model=args.kenlm_model, load_mode=args.load_mode)
     torch.set_num_threads(cfg.torch_threads)
-    res: dict[str, Any] = {"machine": machine(), "config": cfg.__dict__}
+    res: dict[str, Any] = {"machine": machine(), "config": cfg.__dict__, "date": time.strftime("%Y-%m-%d"),
+                           "command": shlex.join([sys.executable, "-m", "bench.serve", *(argv or sys.argv[1:])])}
     print(json.dumps(res["machine"]))
     with tempfile.TemporaryDirectory() as tmp:
         measure_all(res, cfg, Path(tmp) / "bench.nlm")
@@ -685,7 +739,9 @@ def main(argv: list[str] | None = None) -> int:
     print_checks(checks)
     res["checks"] = {name: {"measured": value, "met": met} for name, value, met in checks}
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2, default=str))
+        write_json(args.json, res)
+    if args.doc:
+        write_section(args.doc, *markers("serve.py"), render(res))
     return 0
 
 
