@@ -190,6 +190,12 @@ def write_saved(doc: Path, saved: Path, script: str, render: Callable[[Any], str
     write_section(doc, *markers(script), render(json.loads(saved.read_text(encoding="utf-8"))))
 
 
+def machine_line(m: Mapping[str, Any]) -> str:
+    """A run's machine as its rendered section opens: ``AMD EPYC, 2 cores, load average 0.5
+    at the start`` (``m``: :func:`machine`'s record)."""
+    return f"{m['cpu']}, {m['cores']} cores, load average {m['load_average_1m']} at the start"
+
+
 def markers(script: str, section: str | None = None, room: str = "bench") -> tuple[str, str]:
     """The comment lines around a benchmark's rendered section in a page: ``ROOM/SCRIPT``'s
     main one (``bench/`` unless ``room`` says ``experiments``), or a named ``section`` of its

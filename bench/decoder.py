@@ -413,7 +413,7 @@ def render(result: dict[str, Any]) -> str:
     lines = [begin, "",
              f"{result['lines']} sentences of `{Path(result['input']).name}`, `moses -threads {result['threads']}`, "
              f"{result['rounds']} interleaved rounds, {where}; NLM0 weight {result['nlm_weight']}; "
-             f"{m['cpu']}, {m['cores']} cores, load average {m['load_average_1m']} at the start. "
+             f"{_common.machine_line(m)}. "
              "Wall and CPU times include loading (Moses' \"Created input-output object\" time, "
              "column \"loading s\": the tables and, with the feature's default `phrase-scores=load`, "
              "the phrase table's NLM scores)" + after_loads(result.get("runs", [])) + ".",

@@ -46,7 +46,8 @@ from typing import Any
 from nlmserve.common.serve_process import free_port
 from nlmserve.lm.distributed import TORCHRUN_VARS
 
-from bench._common import exit_with, machine, markers, shown_command, write_json, write_saved, write_section
+from bench._common import (exit_with, machine, machine_line, markers, shown_command, write_json, write_saved,
+                           write_section)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -145,7 +146,7 @@ def render(result: dict[str, Any]) -> str:
     begin, end = markers("scaling.py")
     m, a = result["machine"], result["args"]
     lines = [begin, "",
-             f"{m['cpu']}, {m['cores']} cores, load average {m['load_average_1m']} at the start; order {a['order']}, "
+             f"{machine_line(m)}; order {a['order']}, "
              f"width {a['dim']}, NCE by the fused step, {a['steps']} steps of {a['batch_size']} positions "
              f"({result['rows'][0]['tokens']:,} tokens) on `{Path(a['train']).name}`, one validation on "
              f"`{Path(a['valid']).name}` at the end; median of {a['rounds']} interleaved rounds.", "",

@@ -46,7 +46,8 @@ import torch
 from nlmserve.lm.dedup import plan_batch
 from nlmserve.lm.scoring import LanguageModel
 
-from bench._common import exit_with, markers, random_class_model, shown_command, write_json, write_saved, write_section
+from bench._common import (exit_with, machine_line, markers, random_class_model, shown_command, write_json,
+                           write_saved, write_section)
 from bench.serve import DATA, DEV_TXT, machine, rate
 
 TRAIN_TEXTS = (DATA / "europarl.train.50k.lc-moses.en.xz", DATA / "wmtnews.30k.lc-moses.en.xz")
@@ -161,7 +162,7 @@ def render(res: dict[str, Any]) -> str:
     begin, end = markers("scoring.py")
     m, c = res["machine"], res["config"]
     lines = [begin, "",
-             f"{res['date']}, {m['cpu']}, {m['cores']} cores, load average {m['load_average_1m']} at the start. "
+             f"{res['date']}, {machine_line(m)}. "
              f"Model: order {c['order']}, width {c['dim']}, {c['vocab_size']:,} words, random weights, "
              f"{c['torch_threads']} torch thread(s). `decoder`: {c['hypotheses']} hypotheses' contexts × "
              f"{c['targets']} targets, as a decoder's boundary n-grams; `distinct`: as many held-out n-grams, "

@@ -52,8 +52,8 @@ import torch
 
 from nlmserve.lm.scoring import LanguageModel
 
-from bench._common import (exit_with, machine, markers, random_class_model, shown_command, tree_cpu_seconds,
-                           write_json, write_saved, write_section)
+from bench._common import (exit_with, machine, machine_line, markers, random_class_model, shown_command,
+                           tree_cpu_seconds, write_json, write_saved, write_section)
 
 log = logging.getLogger("bench.serve")
 
@@ -690,8 +690,7 @@ def render(res: dict[str, Any]) -> str:
     begin, end = markers("serve.py")
     m, c = res["machine"], res["config"]
     lines = [begin, "",
-             f"{res['date']}, {m['cpu']}, {m['cores']} cores, load average {m['load_average_1m']} at "
-             f"the start. Model: order {c['order']}, width {c['dim']}, the {c['vocab_size']:,} most frequent words "
+             f"{res['date']}, {machine_line(m)}. Model: order {c['order']}, width {c['dim']}, the {c['vocab_size']:,} most frequent words "
              f"of the shipped Europarl slice, random weights, {c['torch_threads']} torch thread(s); test n-grams "
              f"from held-out Europarl text. {c['concurrency']} clients send one n-gram per request each "
              f"({res['load_clients']}). Each rate is the best of three; each load the better of two rounds.", "",
