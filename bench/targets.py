@@ -42,7 +42,7 @@ vocabulary, the id file and the classes. Usage:
     .venv/bin/python -m bench.targets --lmplz /path/to/lmplz                   # all, full budgets
     .venv/bin/python -m bench.targets --scale 0.05 --only 200k,oxlm-nce --lmplz /path/to/lmplz
     .venv/bin/python -m bench.targets --render docs/performance.md bench/results/targets-200k.json \
-        bench/results/targets-full.json                              # the no-flag rows of the page
+        bench/results/targets-oxlm.json                              # the rows of the page
 """
 
 from __future__ import annotations
@@ -380,6 +380,8 @@ def format_table(rows: list[Row], scale: float) -> str:
 
 
 _TEXT = {"200k": "first 200,000 lines", "full": "all of Europarl (18.25M tokens)"}
+_OXLM = {"oxlm-nce": "OxLM's set-up (the first 120,000 lines, words seen once as `<unk>`): NCE",
+         "oxlm-mle": "OxLM's set-up (the first 120,000 lines, words seen once as `<unk>`): exact class MLE"}
 
 
 def _text(result: dict[str, Any], r: dict[str, Any]) -> str:
@@ -419,9 +421,9 @@ def _perplexity(record: dict[str, Any] | None) -> Perplexity | None:
 
 
 def render(results: list[dict[str, Any]]) -> str:
-    """The rows of the no-flag targets (``200k``, ``full``) in ``results`` (each a ``--json``
-    file: a run's machine, command, dev split and rows) as the Markdown table of
-    docs/performance.md."""
+    """The rows in ``results`` (each a ``--json`` file: a run's machine, command, dev split and
+    rows) as the Markdown table of docs/performance.md: the no-flag targets (``200k``,
+    ``full``) with their goal and verdict, the OxLM set-ups with their flags and no goal."""
     lines = ["| target | with OOVs: ours against Kneser-Ney | without OOVs | training | verdict | command |",
              "|---|---|---|---|---|---|"]
     for result in results:
@@ -429,14 +431,20 @@ def render(results: list[dict[str, Any]]) -> str:
         for r in result["rows"]:
             t = r["target"]
             ours, kn = _perplexity(r["ours"]), _perplexity(r["kn"])
-            if t["name"] not in _TEXT or ours is None:
+            if ours is None:
                 continue
+            selected = (f"selected on lines 1–{split['select_lines']:,} of the dev text, reported on "
+                        f"lines {split['select_lines'] + 1:,}–{split['lines']:,}")
             recipe = f"`{r['recipe'].split(' (')[0]}`"
-            goal = _minus(f"{t['goal'] * 100:.0f}")
-            target = (f"{_text(result, r)}, {r['minutes']:g} minutes, **no training flags** (`nlmserve train` chose "
-                      f"the {recipe} recipe): at most {goal}% against `lmplz -o 5` on "
-                      f"the same lines; selected on lines 1–{split['select_lines']:,} of the dev text, reported on "
-                      f"lines {split['select_lines'] + 1:,}–{split['lines']:,}")
+            if t["name"] in _OXLM:
+                target = (f"{_OXLM[t['name']]} within {r['minutes']:g} minutes (`--objective {t['objective']} "
+                          f"--min-count {t['min_count']} --dim {r['dim']}`, the {recipe} recipe's other choices), "
+                          f"no goal; `lmplz -o 5` on the same mapped lines; {selected}")
+            else:
+                goal = _minus(f"{t['goal'] * 100:.0f}")
+                target = (f"{_text(result, r)}, {r['minutes']:g} minutes, **no training flags** (`nlmserve train` "
+                          f"chose the {recipe} recipe): at most {goal}% against `lmplz -o 5` on the same lines; "
+                          f"{selected}")
             with_oov, without = _compared(ours, kn)
             training = _training(r)
             command = (f"`{shown_command(result['command'])}` ({result['date']}, {m['cpu']}, load average "

@@ -273,3 +273,13 @@ def test_render_replaces_only_its_section(tmp_path: Path) -> None:
     text = doc.read_text()
     assert text.startswith(f"# before\n\n{begin}\n\n") and text.endswith(f"\n\n{end}\n\nafter\n")
     assert "old table" not in text and "| training tokens/s, one core | 51,390" in text
+
+
+def test_the_page_shows_the_saved_run() -> None:
+    """docs/performance.md's OxLM table is what --render writes from bench/results/oxlm.json,
+    a run that records the step nlmserve trained with."""
+    repo = Path(__file__).resolve().parent.parent
+    saved = json.loads((repo / "bench" / "results" / "oxlm.json").read_text(encoding="utf-8"))
+    text = oxlm.render(saved)
+    assert "not recorded" not in text and "nlmserve's fused training step (--step fused)" in text
+    assert text in (repo / "docs" / "performance.md").read_text(encoding="utf-8")

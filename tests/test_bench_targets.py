@@ -158,6 +158,20 @@ def test_the_no_flag_rows_render_with_both_comparisons_and_their_verdict(tmp_pat
     assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text and "| met |" in text
 
 
+def test_the_oxlm_setups_render_with_their_flags_and_no_goal() -> None:
+    run = _run((60.0, 59.0), (62.84, 61.0))
+    row = run["rows"][0]  # type: ignore[index]
+    row.update(target=dataclasses.asdict(targets.TARGETS[3]), minutes=20.0, dim=256, step="torch",
+               step_reason="--step torch")
+    (line,) = targets.render([run]).splitlines()[2:]
+    assert line.startswith("| OxLM's set-up (the first 120,000 lines, words seen once as `<unk>`): exact class MLE "
+                           "within 20 minutes (`--objective mle --min-count 2 --dim 256`, the `small` recipe's other "
+                           "choices), "
+                           "no goal; `lmplz -o 5` on the same mapped lines; selected on lines 1–3,320 ")
+    # 60.0 / 62.84 - 1 = -4.52%
+    assert "| 60.00 against 62.84 (−4.52%) |" in line and line.split(" | ")[-2] == "no goal"
+
+
 # Stand-ins for KenLM's tools: lmplz writes its training text as the "model"; query scores
 # every word log10 -1 (id 0 for a word the model's text lacks) and keeps what it was given.
 _LMPLZ = "import sys\nsys.stdout.write(sys.stdin.read())\n"
@@ -236,11 +250,15 @@ def test_a_short_run_selects_on_one_half_and_reports_on_the_other(train_small_pa
 
 
 def test_the_page_shows_the_saved_run() -> None:
-    """docs/performance.md's targets table is what --render writes from bench/results/targets-200k.json."""
+    """docs/performance.md's targets table is what --render writes from bench/results/targets-200k.json
+    and targets-oxlm.json."""
     repo = Path(__file__).resolve().parent.parent
-    saved = json.loads((repo / "bench" / "results" / "targets-200k.json").read_text(encoding="utf-8"))
-    assert saved["split"]["select_lines"] < saved["split"]["lines"]  # selected on one half, reported on the other
-    assert targets.render([saved]) in (repo / "docs" / "performance.md").read_text(encoding="utf-8")
+    saved = [json.loads((repo / "bench" / "results" / name).read_text(encoding="utf-8"))
+             for name in ("targets-200k.json", "targets-oxlm.json")]
+    for run in saved:
+        assert run["split"]["select_lines"] < run["split"]["lines"]  # selected on one half, reported on the other
+    assert [r["target"]["name"] for run in saved for r in run["rows"]] == ["200k", "oxlm-nce", "oxlm-mle"]
+    assert targets.render(saved) in (repo / "docs" / "performance.md").read_text(encoding="utf-8")
 
 
 def test_the_large_vocabulary_page_shows_its_saved_run() -> None:
