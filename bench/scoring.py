@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         vocab_size=args.vocab_size, dim=args.dim, hypotheses=args.hypotheses, targets=args.targets,
         seconds=args.seconds, torch_threads=args.torch_threads)
     torch.set_num_threads(cfg.torch_threads)
-    res: dict[str, Any] = {"command": shlex.join([sys.executable, "-m", "bench.scoring", *(argv or sys.argv[1:])]),
+    res: dict[str, Any] = {"command": shlex.join(["bench/scoring.py", *(argv if argv is not None else sys.argv[1:])]),
                            "date": time.strftime("%Y-%m-%d"), "machine": machine(), "config": asdict(cfg)}
     print(json.dumps(res["machine"]))
     with tempfile.TemporaryDirectory() as tmp:

@@ -730,7 +730,7 @@ def main(argv: list[str] | None = None) -> int:
                       torch_threads=args.torch_threads, kenlm_model=args.kenlm_model, load_mode=args.load_mode)
     torch.set_num_threads(cfg.torch_threads)
     res: dict[str, Any] = {"machine": machine(), "config": cfg.__dict__, "date": time.strftime("%Y-%m-%d"),
-                           "command": shlex.join([sys.executable, "-m", "bench.serve", *(argv or sys.argv[1:])])}
+                           "command": shlex.join(["bench/serve.py", *(argv if argv is not None else sys.argv[1:])])}
     print(json.dumps(res["machine"]))
     with tempfile.TemporaryDirectory() as tmp:
         measure_all(res, cfg, Path(tmp) / "bench.nlm")
