@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.moses_faults --moses /path/to/bin/moses \
         --ini ../shared/data/moses-fr-en/moses.ini --kenlm europarl.lc-moses.5gram.trie.bin \
         --model nlm.model --input ../shared/data/nbest/newstest-fr-en/newstest2013.src \
-        --lines 40 --json faults.json --doc docs/performance.md
+        --lines 40 --json faults.json --doc docs/performance-serving.md
 
 Each case decodes the first ``--lines`` sentences (``moses -threads T -v 1``) with NLM0
 asked of a server of its own, and kills that server (SIGKILL) ``--kill-after`` seconds

@@ -2,7 +2,7 @@
 batches, every row scored on its own against the batch's distinct work done once, in one run.
 
     .venv/bin/python -m bench.scoring [--hypotheses 47] [--targets 100] [--json out.json] [--doc PAGE]
-    .venv/bin/python -m bench.scoring --render docs/performance.md bench/results/scoring.json
+    .venv/bin/python -m bench.scoring --render docs/performance-serving.md bench/results/scoring.json
     .venv/bin/python -m bench.scoring --quick   # a tiny model and batch: checks the script only
 
 The model is like the decoder's (order 5, width 256, the 36,000 most frequent words of the
@@ -158,7 +158,7 @@ def measure(lm: LanguageModel, name: str, rows: np.ndarray, cfg: ScoringBench) -
 
 
 def render(res: dict[str, Any]) -> str:
-    """The run's section of docs/performance.md: both paths' rates on both batches."""
+    """The run's section of docs/performance-serving.md: both paths' rates on both batches."""
     begin, end = markers("scoring.py")
     m, c = res["machine"], res["config"]
     lines = [begin, "",

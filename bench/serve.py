@@ -2,7 +2,7 @@
 limit, single-request latency and the micro-batching gain, all measured in one run.
 
     .venv/bin/python -m bench.serve [--kenlm-model lm.arpa|lm.binary] [--json out.json] [--doc PAGE]
-    .venv/bin/python -m bench.serve --render docs/performance.md bench/results/serve.json
+    .venv/bin/python -m bench.serve --render docs/performance-serving.md bench/results/serve.json
 
 The model is one like a realistic one (order 5, width 256, the 20k most frequent words of
 the shipped Europarl training slice, sqrt(V) frequency classes on their counts, random
@@ -686,7 +686,7 @@ def _rate_row(what: str, r: dict[str, Any] | float | None) -> str | None:
 
 
 def render(res: dict[str, Any]) -> str:
-    """The run's section of docs/performance.md: the serving targets and the rates behind them."""
+    """The run's section of docs/performance-serving.md: the serving targets and the rates behind them."""
     begin, end = markers("serve.py")
     m, c = res["machine"], res["config"]
     lines = [begin, "",

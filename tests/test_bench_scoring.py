@@ -33,8 +33,8 @@ def test_a_quick_run_refuses_to_write_results(tmp_path: Path) -> None:
 
 
 def test_the_page_shows_the_saved_run() -> None:
-    """docs/performance.md's de-duplication table is what --render writes from bench/results/scoring.json."""
+    """docs/performance-serving.md's de-duplication table is what --render writes from bench/results/scoring.json."""
     saved = json.loads((REPO / "bench" / "results" / "scoring.json").read_text(encoding="utf-8"))
     assert {(r["batch"], r["normalized"]) for r in saved["results"]} == {
         ("decoder", True), ("decoder", False), ("distinct", True), ("distinct", False)}
-    assert scoring.render(saved) in (REPO / "docs" / "performance.md").read_text(encoding="utf-8")
+    assert scoring.render(saved) in (REPO / "docs" / "performance-serving.md").read_text(encoding="utf-8")

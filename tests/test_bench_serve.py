@@ -28,7 +28,7 @@ def test_the_noop_server_answers_from_any_working_directory(tiny_model_path: Pat
 
 
 def test_the_page_shows_the_saved_run() -> None:
-    """docs/performance.md's serving tables are what --render writes from bench/results/serve.json,
+    """docs/performance-serving.md's serving tables are what --render writes from bench/results/serve.json,
     with every serving target in it."""
     import json
 
@@ -37,7 +37,7 @@ def test_the_page_shows_the_saved_run() -> None:
     repo = Path(__file__).resolve().parent.parent
     saved = json.loads((repo / "bench" / "results" / "serve.json").read_text(encoding="utf-8"))
     text = serve.render(saved)
-    assert text in (repo / "docs" / "performance.md").read_text(encoding="utf-8")
+    assert text in (repo / "docs" / "performance-serving.md").read_text(encoding="utf-8")
     for target in ("engine >= 50% of the compute limit", "gRPC packed (10k) >= 80% of the engine",
                    "single n-gram p50 <= 1 ms (Python client)"):
         assert f"| {target} | " in text
