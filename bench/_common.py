@@ -187,7 +187,11 @@ def write_section(doc: Path, begin: str, end: str, text: str) -> None:
 def write_saved(doc: Path, saved: Path, script: str, render: Callable[[Any], str]) -> None:
     """``--render DOC JSON``: ``script``'s section of ``doc`` rewritten from a saved run's JSON
     by ``render``, measuring nothing."""
-    write_section(doc, *markers(script), render(json.loads(saved.read_text(encoding="utf-8"))))
+    try:
+        result = json.loads(saved.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SystemExit(f"{saved}: not a saved run's JSON ({e})") from None
+    write_section(doc, *markers(script), render(result))
 
 
 def machine_line(m: Mapping[str, Any]) -> str:

@@ -38,3 +38,12 @@ def test_the_page_shows_the_saved_run() -> None:
     assert {(r["batch"], r["normalized"]) for r in saved["results"]} == {
         ("decoder", True), ("decoder", False), ("distinct", True), ("distinct", False)}
     assert scoring.render(saved) in (REPO / "docs" / "performance-serving.md").read_text(encoding="utf-8")
+
+
+def test_render_of_a_file_that_is_not_a_saved_run_is_one_line(tmp_path: Path) -> None:
+    doc = tmp_path / "page.md"
+    doc.write_text("before\n<!-- bench/scoring.py: begin -->\n<!-- bench/scoring.py: end -->\n", encoding="utf-8")
+    (tmp_path / "page.json").write_text("# not JSON\n", encoding="utf-8")
+    with pytest.raises(SystemExit, match="page.json: not a saved run's JSON"):
+        scoring.main(["--render", str(doc), str(tmp_path / "page.json")])
+    assert "before" in doc.read_text(encoding="utf-8")  # the page is left as it was
