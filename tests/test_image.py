@@ -56,18 +56,34 @@ UNAVAILABLE = _unavailable()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(UNAVAILABLE is not None, reason=UNAVAILABLE or "")]
 
 
+# buildah re-executes itself from a sealed in-memory copy of its binary before it runs a step
+# (containers/storage's unshare); the kernel may refuse the seal with EBUSY while the copy's pages
+# are still pinned, and the step fails before anything of the image's own has run.
+REEXEC_TRANSIENT = "sealing memfd copy: Device or resource busy"
+
+
 def buildah(*args: str, timeout: float = 300) -> str:
-    """``buildah ARGS`` → its stdout; a failure is an AssertionError with its stderr."""
+    """``buildah ARGS`` → its stdout; a failure is an AssertionError with its stderr (one on
+    buildah's own re-execution, REEXEC_TRANSIENT, is retried once)."""
     done = subprocess.run(["buildah", *args], capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0 and REEXEC_TRANSIENT in done.stderr:
+        done = subprocess.run(["buildah", *args], capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"buildah {' '.join(args)}: exit {done.returncode}\n{done.stderr[-3000:]}"
     return done.stdout.strip()
 
 
-def logged(command: list[str], log: Path, timeout: float) -> None:
-    """Run ``command`` with its output in ``log``; a failure shows the end of that log."""
-    with open(log, "w", encoding="utf-8") as out:
-        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=timeout).returncode
-    tail = log.read_text(encoding="utf-8", errors="replace")[-4000:]
+def logged(command: list[str], log: Path, timeout: float, report: list[str] | None = None) -> None:
+    """Run ``command`` with its output in ``log``; a failure shows the end of that log. A failure
+    of buildah's own re-execution (REEXEC_TRANSIENT) is retried once, and said in ``report``."""
+    for attempt in (1, 2):
+        with open(log, "w", encoding="utf-8") as out:
+            code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        tail = log.read_text(encoding="utf-8", errors="replace")[-4000:]
+        if code == 0 or attempt == 2 or REEXEC_TRANSIENT not in tail:
+            break
+        if report is not None:
+            report.append(f"{command[0]} {command[1]}: exit {code} on buildah's re-execution "
+                          f"({REEXEC_TRANSIENT!r}), retried once")
     assert code == 0, f"{' '.join(command)}: exit {code}\n{tail}"
 
 
@@ -233,7 +249,7 @@ def test_the_image_builds_on_a_debian_base_and_serves(flavour: str, base: tuple[
     try:
         logged(["buildah", "bud", "--isolation", "chroot", "--format", "docker", "--build-arg", f"BASE={base[0]}",
                 *args, *binds, "-f", str(REPO / "docker" / f"Dockerfile.{flavour}"), "-t", image, str(REPO)],
-               tmp_path / "build.log", timeout=3600)
+               tmp_path / "build.log", timeout=3600, report=report)
         report.append(f"build (buildah bud): {time.monotonic() - start:.0f} s, "
                       f"image size {buildah('images', '--format', '{{.Size}}', image)}")
 
