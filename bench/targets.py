@@ -285,19 +285,18 @@ def run_target(row: Row, args: argparse.Namespace, train_text: Path, select: Pat
     evaluate it on ``report``."""
     from nlmserve.common.serve_process import nlmserve_command
     from nlmserve.lm.model_file import read_model_header
+    from nlmserve.pipeline.moses_experiment import run_watched
 
     t = row.target
     out = work / f"{t.name}.nlm"
     cmd = train_command(row, args, train_text, select, out)
     log.info("%s: %s", t.name, " ".join(cmd))
-    t0 = time.monotonic()
-    with subprocess.Popen(cmd, stdout=subprocess.DEVNULL) as proc:
-        _, status, usage = os.wait4(proc.pid, 0)  # its rusage: the largest resident set of it and its workers
-        proc.returncode = os.waitstatus_to_exitcode(status)
-    row.train_seconds = time.monotonic() - t0
-    if proc.returncode != 0:
-        raise subprocess.CalledProcessError(proc.returncode, cmd)
-    row.peak_rss_bytes = usage.ru_maxrss * 1024  # Linux: KiB
+    # its own log says how far it is; the largest resident set is of it and its workers
+    done = run_watched(cmd, lambda: None, stdout=subprocess.DEVNULL, stderr=None)
+    row.train_seconds = done.wall
+    if done.code != 0:
+        raise subprocess.CalledProcessError(done.code, cmd)
+    row.peak_rss_bytes = done.maxrss
     row.model_bytes = out.stat().st_size
     records = [json.loads(line) for line in Path(f"{out}.log.jsonl").read_text(encoding="utf-8").splitlines()]
     start, end = records[0], records[-1]

@@ -135,12 +135,14 @@ def count_lines(path: Path) -> int:
 
 @dataclass(frozen=True)
 class Finished:
-    """A command run to its end: its exit status, wall seconds and CPU seconds (user +
-    system, of the process and the children it waited for)."""
+    """A command run to its end: its exit status, wall seconds, CPU seconds (user + system)
+    and largest resident set in bytes, of the process and the children it waited for (Linux
+    counts the caller's resident set at the fork too, until the command's exec)."""
 
     code: int
     wall: float
     cpu: float
+    maxrss: int
 
 
 def run_watched(cmd: list[str], progress: Callable[[], str | None], *, stdout: IO[bytes],
@@ -175,7 +177,7 @@ def run_watched(cmd: list[str], progress: Callable[[], str | None], *, stdout: I
     finally:
         stop.set()
         watcher.join()
-    return Finished(proc.returncode, wall, usage.ru_utime + usage.ru_stime)
+    return Finished(proc.returncode, wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024)  # Linux: KiB
 
 
 class DevBleu:

@@ -159,8 +159,8 @@ def test_decoding_says_how_far_it_got_and_when_it_reuses_a_decoding(tmp_path: Pa
 
 def test_a_watched_command_gives_its_status_wall_and_cpu_time(tmp_path: Path) -> None:
     """run_watched, which bench/decoder.py times Moses by: the exit status, the wall time of
-    the command and its CPU time (a command that sleeps uses little, one that spins uses
-    about its wall time)."""
+    the command, its CPU time (a command that sleeps uses little, one that spins uses about its
+    wall time) and its largest resident set (bench/targets.py's trainer memory)."""
     import sys
 
     out = tmp_path / "out"
@@ -171,6 +171,10 @@ def test_a_watched_command_gives_its_status_wall_and_cpu_time(tmp_path: Path) ->
             lambda: None, stdout=f)
     assert slept.code == 3 and slept.wall >= 0.3 and slept.cpu < 0.2
     assert spun.code == 0 and spun.cpu >= 0.3 and spun.wall >= spun.cpu * 0.9
+    with open(out, "wb") as f:
+        held = moses_experiment.run_watched([sys.executable, "-c", "b = bytearray(1 << 30)"], lambda: None, stdout=f)
+    # (Linux counts the caller's resident set at the fork, until the exec: a floor for every command)
+    assert held.code == 0 and held.maxrss >= (1 << 30) > slept.maxrss > 0
 
 
 def _finished_tuning(base: Path, dev_ref: Path, outputs: list[str]) -> None:
