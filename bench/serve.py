@@ -461,10 +461,14 @@ def measure_compute_limit(res: dict[str, Any], w: Workload) -> None:
 
 
 def measure_engine(res: dict[str, Any], w: Workload) -> None:
-    """(a) the engine in-process, batches of 4096 and 10,000 n-grams."""
+    """(a) the engine in-process, batches of 4096 and 10,000 n-grams, with the allocator
+    settings of ``nlmserve serve`` (common/memory.py: they decide how many page faults a
+    forward pass takes), so that (b) compares with what the server could do."""
+    from nlmserve.common.memory import return_freed_memory
     from nlmserve.server.config import ServerConfig
     from nlmserve.server.engine import Engine
 
+    return_freed_memory()
     engine = Engine(w.lm, ServerConfig(model=str(w.model_path), torch_threads=w.cfg.torch_threads))
     for bs in (4096, 10_000):
         batch = w.ids[:bs]

@@ -27,13 +27,21 @@ thread trims itself only above the raised trim threshold. :func:`return_freed_me
 fixes both thresholds (as ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` would),
 which turns the adjustment off: blocks of :data:`SERVER_MMAP_THRESHOLD` and more get a
 mapping of their own, unmapped when freed, and every arena trims its top beyond
-:data:`SERVER_TRIM_THRESHOLD`. Measured on ``nlmserve serve`` with the test model, three
+:data:`SERVER_TRIM_THRESHOLD`; what a burst leaves inside an arena, the server's periodic
+:func:`trim_heap` gives back. Measured on ``nlmserve serve`` with the test model, three
 bursts of 8 requests of 100,000 n-grams after a first one left 50-70 MB more resident
 than before them with the defaults, 1-2 MB with these settings
 (tests/test_memory.py). Fewer arenas (``M_ARENA_MAX``) made it worse, not better: in
 ``bench/soak.py`` with every attack, 1 or 2 arenas left 20-30% more resident after the
 settle instead of 12%, since the long-lived blocks of every thread then sit between the
 freed ones of a burst.
+
+The mmap threshold is glibc's largest, not a message's size: a forward pass allocates and
+frees temporaries of a few MB each (a batch of 4,096 rows of width 256 is 4 MB), and with
+a threshold below them each gets fresh pages every batch. At 64 KiB the engine took 24,280
+page faults per request of 10,000 n-grams and 141.7 ms instead of 89.9 (bench/serve.py's
+model, one thread), and gRPC with packed ids reached 62% of the in-process engine, whose
+process kept glibc's defaults; at 32 MiB, 250 faults, the engine's speed, and 90%.
 """
 
 from __future__ import annotations
@@ -54,10 +62,9 @@ _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's largest (64-bit)
 _TRIM_OFF = (1 << 31) - 1
 _TOP_PAD = 64 << 20
 
-#: A server's blocks of this many bytes and more get a mapping of their own (glibc's
-#: default before it adjusts it is 128 KiB; 64 KiB also takes gRPC's and protobuf's
-#: message-sized buffers out of the arenas).
-SERVER_MMAP_THRESHOLD = 64 * 1024
+#: A server's blocks of this many bytes and more get a mapping of their own: glibc's largest
+#: (64-bit), so that a forward pass's temporaries are reused from the arenas (module docstring).
+SERVER_MMAP_THRESHOLD = _MMAP_THRESHOLD_MAX
 #: A server's arenas give back the free top of their heap beyond this many bytes (glibc's
 #: default before it adjusts it).
 SERVER_TRIM_THRESHOLD = 128 * 1024
