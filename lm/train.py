@@ -25,7 +25,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, NoReturn
 
 import numpy as np
 import torch
@@ -706,20 +706,31 @@ def train(cfg: TrainConfig, *, _interrupt_after_step: int | None = None) -> Trai
     checkpoint).
     """
     trainer = _Trainer(cfg, _interrupt_after_step)
+
+    def lost_or_raise(exc: RuntimeError) -> NoReturn:
+        lost = peer_lost(exc, trainer.dist.rank, cfg.checkpoint_path) if trainer.dist.enabled else None
+        if lost is None:
+            raise exc
+        raise lost from exc
+
     ended = False
     try:
         result = _run(trainer)
         ended = True
-        return result
     except RuntimeError as exc:
-        lost = peer_lost(exc, trainer.dist.rank, cfg.checkpoint_path) if trainer.dist.enabled else None
-        if lost is None:
-            raise
-        raise lost from exc
+        lost_or_raise(exc)
     finally:
         if trainer.pool is not None:
             trainer.pool.close()
-        trainer.dist.close(together=ended)
+        if not ended:
+            trainer.dist.close(together=False)
+    # The ranks leave together. A run stopped by torchrun (SIGTERM, as Ctrl-C) because another
+    # rank died ends here too, and its barrier then fails: the same one line as above.
+    try:
+        trainer.dist.close(together=True)
+    except RuntimeError as exc:
+        lost_or_raise(exc)
+    return result
 
 
 def _run(trainer: _Trainer) -> TrainResult:

@@ -322,3 +322,36 @@ def _environ(pid: int) -> list[str]:
         return Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
     except OSError:
         return []
+
+
+def test_a_run_stopped_by_torchrun_whose_last_barrier_fails_says_so_in_one_line(
+        small_train: Path, dev_small_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # torchrun stops the other ranks (SIGTERM: a clean stop) when one dies; such a rank's run
+    # ends, and the barrier where the ranks leave together fails on the dead one's connection:
+    # the same one line as a collective failing in the loop, not gloo's traceback. One rank in
+    # this process (a gloo group of one), its barrier failing as gloo's does.
+    from nlmserve.common.errors import NlmserveError
+
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", str(free_port()))):
+        monkeypatch.setenv(name, value)
+
+    real_barrier = torch.distributed.barrier
+    out = tmp_path / "m.nlm"
+
+    def barrier(*args: Any, **kwargs: Any) -> None:  # fails once the run has written its model
+        if not out.exists():
+            return real_barrier(*args, **kwargs)
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:35221: "
+                           "Connection reset by peer. This is typically caused by a remote worker hanging")
+
+    monkeypatch.setattr(torch.distributed, "barrier", barrier)
+    cfg = replace(_config(_args(small_train, dev_small_path, out, objective="nce", max_steps=40)), distributed=True)
+    try:
+        with pytest.raises(NlmserveError, match="rank 0: another process of this run stopped, so training cannot go "
+                                                r"on \(Read error \[127.0.0.1\]:35221: Connection reset by peer\); "
+                                                "torchrun names it below; .*m.nlm.ckpt holds the last checkpoint"):
+            train(cfg)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
