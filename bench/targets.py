@@ -42,7 +42,7 @@ vocabulary, the id file and the classes. Usage:
     .venv/bin/python -m bench.targets --lmplz /path/to/lmplz                   # all, full budgets
     .venv/bin/python -m bench.targets --scale 0.05 --only 200k,oxlm-nce --lmplz /path/to/lmplz
     .venv/bin/python -m bench.targets --render docs/performance.md bench/results/targets-200k.json \
-        bench/results/targets-oxlm.json                              # the rows of the page
+        bench/results/targets-full.json bench/results/targets-oxlm.json   # the rows of the page
 """
 
 from __future__ import annotations

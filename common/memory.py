@@ -39,9 +39,11 @@ freed ones of a burst.
 The mmap threshold is glibc's largest, not a message's size: a forward pass allocates and
 frees temporaries of a few MB each (a batch of 4,096 rows of width 256 is 4 MB), and with
 a threshold below them each gets fresh pages every batch. At 64 KiB the engine took 24,280
-page faults per request of 10,000 n-grams and 141.7 ms instead of 89.9 (bench/serve.py's
-model, one thread), and gRPC with packed ids reached 62% of the in-process engine, whose
-process kept glibc's defaults; at 32 MiB, 250 faults, the engine's speed, and 90%.
+minor page faults (``/proc/self/stat``) per request of 10,000 n-grams and 141.7 ms instead
+of 89.9 (bench/serve.py's model, one thread), and gRPC with packed ids reached 62% of the
+in-process engine, whose process kept glibc's defaults; at 32 MiB, 250 faults and the
+engine's speed, and bench/serve.py's gRPC row 97% of an engine under these settings
+(docs/performance-serving.md).
 """
 
 from __future__ import annotations
