@@ -5,10 +5,13 @@
 #define NLMSERVE_FRONTEND_MEMORY_H
 
 #include <malloc.h>
+#include <stdlib.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
+#include <cstring>
 #include <string>
 
 #include "connections.h"
@@ -43,21 +46,48 @@ inline void ReturnFreedMemory() {
   mallopt(M_TRIM_THRESHOLD, kTrimThresholdBytes);
 }
 
-// The overload guard, every kCheckMs: when the heap in use passes the limit
-// (--max-memory-mb), the busiest connection is shut down (Connections::ShedBusiest), until
-// the heap is back under it. And what the allocator keeps is handed back to the system
-// (malloc_trim), at most every kTrimSeconds, whenever it exceeds both kKeptFloorBytes and
-// the heap in use. malloc_trim gives back the free pages anywhere in every arena, which
-// glibc does not do by itself: after a flood the heap is a few MB in use scattered over
-// the hundreds of MB the flood took, and the next calls' blocks, carved from those free
-// chunks, touch their pages again: 12-19 MB of a settled front end's resident memory
-// came back within the 10 s the trim used to wait (bench/soak.py), none within a second.
-// A trim costs about a millisecond (one madvise per large free chunk).
+// glibc's per-thread cache of freed blocks (tcache, up to 7 blocks of each of 64 sizes per
+// thread) turned off: the blocks a thread cached during a flood stay allocated as glibc
+// sees them, scattered over the heap the flood took, and each keeps its page resident
+// after malloc_trim has given back the rest (bench/soak.py's front end settled 0.1-0.15 of
+// its start lower without the cache; the micro-batching row of bench/serve.py moved within
+// its run-to-run noise). glibc reads its tunables only as a process starts, so the front
+// end runs itself again with GLIBC_TUNABLES set (its own path, so that it keeps its name),
+// unless the variable already sets the cache: a user's setting wins.
+constexpr char kTcacheTunable[] = "glibc.malloc.tcache_count";
+
+inline void RunWithoutThreadCache(char **argv) {
+  const char *tunables = getenv("GLIBC_TUNABLES");
+  if (tunables != nullptr && std::strstr(tunables, kTcacheTunable) != nullptr) return;  // set: kept
+  std::string value = std::string(kTcacheTunable) + "=0";
+  if (tunables != nullptr && *tunables != '\0') value = std::string(tunables) + ":" + value;
+  setenv("GLIBC_TUNABLES", value.c_str(), 1);
+  char path[4096];
+  const ssize_t n = readlink("/proc/self/exe", path, sizeof(path) - 1);  // its name, not "exe"
+  if (n <= 0) return;
+  path[n] = '\0';
+  execv(path, argv);  // returns only when it failed: the process goes on with the cache
+}
+
+// The overload guard, every kCheckMs: closed connections are forgotten
+// (Connections::ForgetClosed); when the heap in use passes the limit (--max-memory-mb), the
+// busiest connection is shut down (Connections::ShedBusiest), until the heap is back under
+// it. And what the allocator keeps is handed back to the system (malloc_trim), at most
+// every kTrimSeconds, whenever it exceeds both kKeptFloorBytes and the heap in use.
+// malloc_trim gives back the free pages anywhere in every arena, which glibc does not do by
+// itself: after a flood the heap is a few MB in use scattered over the hundreds of MB the
+// flood took, and the next calls' blocks, carved from those free chunks, touch their pages
+// again: 12-19 MB of a settled front end's resident memory came back within the 10 s the
+// trim used to wait (bench/soak.py), none within a second. A trim costs about a
+// millisecond (one madvise per large free chunk). The floor was 4 MiB: once glibc had
+// shrunk its heaps after a flood to less than that kept, no trim came and all of it could
+// stay resident (600 connections, gRPC's poll engine: 4.4 MiB stayed in one of two runs;
+// 0.3-0.7 MiB in three with the 1 MiB floor).
 class MemoryGuard {
  public:
   static constexpr long kCheckMs = 100;
   static constexpr long kSampleMs = 50;
-  static constexpr std::size_t kKeptFloorBytes = 4u << 20;
+  static constexpr std::size_t kKeptFloorBytes = 1u << 20;
   static constexpr double kTrimSeconds = 1.0;
 
   MemoryGuard(std::size_t limit_bytes, Connections *connections, Refusals *refusals)
@@ -65,6 +95,7 @@ class MemoryGuard {
 
   // One check; true when a connection was shed.
   bool Check() {
+    connections_->ForgetClosed();
     const Heap heap = HeapNow();
     if (heap.in_use > limit_) {
       const std::string peer = connections_->ShedBusiest(std::chrono::milliseconds(kSampleMs));

@@ -239,6 +239,7 @@ int Serve(const Options &options, Guards *guards, const sigset_t &signals) {
 int main(int argc, char **argv) {
   if (argc == 3 && std::string(argv[1]) == "--check-status-codes") return CheckStatusCodes(argv[2]);
   if (argc == 3 && std::string(argv[1]) == "--check-local-frames") return CheckLocalFrames(argv[2]);
+  RunWithoutThreadCache(argv);
   const Options options = ParseArgs(argc, argv);
   ReturnFreedMemory();  // before the first thread and the first large block
 #ifdef NLMSERVE_ABSL_SYNC
