@@ -104,6 +104,8 @@ class SoakConfig:
         quiet_seconds: the authorised clients paused before memory is taken, at the start
             and after the settle.
         seed: of the hostile clients' random bytes and of the clients' requests.
+        poll_engine: gRPC's polling engine in the replicas (GRPC_POLL_STRATEGY): None for
+            gRPC's default (epoll1 on Linux), or e.g. "poll" (hostile-clients.md says why).
         hostile: what the hostile clients do.
     """
 
@@ -121,6 +123,7 @@ class SoakConfig:
     settle_seconds: float = 30.0
     quiet_seconds: float = 2.0
     seed: int = 0
+    poll_engine: str | None = None
     hostile: HostileConfig = field(default_factory=HostileConfig)
 
     def __post_init__(self) -> None:
@@ -201,7 +204,9 @@ class Replica:
         log_path = self.work / f"{self.name}-{self.frontend}.log"
         with open(log_path, "a", encoding="utf-8") as stderr:
             try:
-                server = start_server(self.model, flags, port=self.port, metrics_port=0, stderr=stderr)
+                env = None if self.cfg.poll_engine is None else {**os.environ,
+                                                                  "GRPC_POLL_STRATEGY": self.cfg.poll_engine}
+                server = start_server(self.model, flags, port=self.port, metrics_port=0, stderr=stderr, env=env)
             except NlmserveError as e:
                 tail = log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-5:]
                 raise RuntimeError(f"replica {self.name} did not start: {e}; its log ends: {' | '.join(tail)}") from e
@@ -790,7 +795,9 @@ def render(result: dict[str, Any]) -> str:
              f"two tokens (the authorised clients', the hostile ones'), `--max-concurrent-rpcs "
              f"{cfg['max_concurrent_rpcs']}`, `--max-rpcs-per-client {cfg['max_rpcs_per_client']}`, "
              f"`--max-health-watches {cfg['max_health_watches']}`, {cfg['warmup_seconds']:g} s of warm-up before, "
-             f"{cfg['settle_seconds']:g} s to settle after.",
+             f"{cfg['settle_seconds']:g} s to settle after"
+             + (f", gRPC's `{cfg['poll_engine']}` polling engine in the replicas." if cfg.get("poll_engine")
+                else "."),
              "",
              "| front end | authorised sent | answered | failed | wrong | retried by the client | p50 ms | p99 ms | "
              "probes sent | failed | memory settled / start (worst process) | target |",
@@ -859,6 +866,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attacks", default=",".join(ATTACKS),
                    help=f"the hostile clients that run, comma-separated (default all: {', '.join(ATTACKS)})")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--poll-engine", help="gRPC's polling engine in the replicas (GRPC_POLL_STRATEGY, e.g. poll; "
+                                         "default: gRPC's)")
     p.add_argument("--json", help="write the result as JSON here")
     p.add_argument("--doc", help="write the tables into this document between the soak markers")
     p.add_argument("--render", help="make the tables from this JSON instead of running")
@@ -879,7 +888,7 @@ def main(argv: list[str] | None = None) -> int:
                                 max_rpcs_per_client=args.max_rpcs_per_client,
                                 max_health_watches=args.max_health_watches, fault_every=args.fault_every,
                                 warmup_seconds=args.warmup_seconds, settle_seconds=args.settle_seconds,
-                                seed=args.seed, hostile=hostile))
+                                seed=args.seed, poll_engine=args.poll_engine, hostile=hostile))
         if args.json:
             write_json(Path(args.json), result)
     table = render(result)

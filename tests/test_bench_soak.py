@@ -6,6 +6,7 @@ is the soak's to report, not this test's: here each attacker must have done its 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import stat
 from pathlib import Path
@@ -103,6 +104,9 @@ def test_the_table_says_whether_the_target_was_met() -> None:
     shown["runs"][0]["target_met"], shown["target_met"] = False, False
     table = soak.render(shown)
     assert "ServerUnavailableError 2" in table and "**not met**" in table
+    assert "polling engine" not in table
+    shown["config"]["poll_engine"] = "poll"
+    assert "to settle after, gRPC's `poll` polling engine in the replicas." in soak.render(shown)
 
 
 def tiny(model: Path, frontend: str) -> soak.SoakConfig:
@@ -150,7 +154,9 @@ def check_tiny_run(result: dict[str, Any], frontend: str, processes: set[str]) -
 
 
 def test_a_tiny_soak_of_the_python_front_end_runs_every_attack(tiny_model_path: Path) -> None:
-    result = soak.run(tiny(tiny_model_path, "python"))
+    cfg = dataclasses.replace(tiny(tiny_model_path, "python"), poll_engine="poll")  # the replicas under gRPC's poll
+    result = soak.run(cfg)
+    assert result["config"]["poll_engine"] == "poll"
     check_tiny_run(result, "python", {"nlmserve serve"})
 
 
