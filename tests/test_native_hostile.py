@@ -206,6 +206,35 @@ def vm_rss_mb(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
+def watch_flood(fe: Frontend, connections: int, streams: int) -> float:
+    """``connections`` connections with ``streams`` health Watch streams each, all answered
+    SERVING, then cancelled and closed; the front end's resident MiB while they were held."""
+
+    async def flood() -> float:
+        channels = [grpc.aio.insecure_channel(fe.target, options=[("grpc.use_local_subchannel_pool", 1)])
+                    for _ in range(connections)]
+        try:
+            held = [health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=SERVICE), timeout=30)
+                    for ch in channels for _ in range(streams)]
+            first = await asyncio.gather(*(s.read() for s in held))
+            assert all(m.status == health_pb2.HealthCheckResponse.SERVING for m in first)
+            rss = vm_rss_mb(fe.proc.pid)
+            for s in held:
+                s.cancel()
+            return rss
+        finally:
+            await asyncio.gather(*(ch.close() for ch in channels))
+
+    return asyncio.run(flood())
+
+
+def wait_for_rss_below(fe: Frontend, mb: float, seconds: float) -> None:
+    """Returns once the front end's resident memory is under ``mb`` MiB, or after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while vm_rss_mb(fe.proc.pid) >= mb and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 async def never_sends(stop: asyncio.Event) -> AsyncIterator[bytes]:
     await stop.wait()
     if False:  # pragma: no cover (an async generator that yields nothing)
@@ -393,26 +422,8 @@ def test_memory_goes_back_once_a_flood_of_watch_streams_leaves(frontends: Starte
     scores(fe.target, tiny_lm)
     time.sleep(0.5)
     base = vm_rss_mb(fe.proc.pid)
-
-    async def flood() -> float:
-        channels = [grpc.aio.insecure_channel(fe.target, options=[("grpc.use_local_subchannel_pool", 1)])
-                    for _ in range(125)]
-        try:
-            streams = [health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=SERVICE),
-                                                            timeout=30) for ch in channels for _ in range(8)]
-            first = await asyncio.gather(*(s.read() for s in streams))
-            assert all(m.status == health_pb2.HealthCheckResponse.SERVING for m in first)
-            held = vm_rss_mb(fe.proc.pid)
-            for s in streams:
-                s.cancel()
-            return held
-        finally:
-            await asyncio.gather(*(ch.close() for ch in channels))
-
-    held = asyncio.run(flood())
-    deadline = time.monotonic() + 5.0
-    while vm_rss_mb(fe.proc.pid) - base >= 5 and time.monotonic() < deadline:
-        time.sleep(0.2)
+    held = watch_flood(fe, connections=125, streams=8)
+    wait_for_rss_below(fe, base + 5, seconds=5.0)
     assert held - base > 10, (base, held)  # the flood was held
     assert vm_rss_mb(fe.proc.pid) - base < 5, (base, held, vm_rss_mb(fe.proc.pid))
     scores(fe.target, tiny_lm)
@@ -433,26 +444,8 @@ def test_memory_goes_back_once_a_flood_of_connections_leaves(frontends: Started,
     scores(fe.target, tiny_lm)
     time.sleep(1.5)  # a trim after the first call
     base = vm_rss_mb(fe.proc.pid)
-
-    async def flood() -> float:
-        channels = [grpc.aio.insecure_channel(fe.target, options=[("grpc.use_local_subchannel_pool", 1)])
-                    for _ in range(600)]
-        try:
-            streams = [health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=SERVICE),
-                                                            timeout=30) for ch in channels]
-            first = await asyncio.gather(*(s.read() for s in streams))
-            assert all(m.status == health_pb2.HealthCheckResponse.SERVING for m in first)
-            held = vm_rss_mb(fe.proc.pid)
-            for s in streams:
-                s.cancel()
-            return held
-        finally:
-            await asyncio.gather(*(ch.close() for ch in channels))
-
-    held = asyncio.run(flood())
-    deadline = time.monotonic() + 6.0
-    while vm_rss_mb(fe.proc.pid) - base >= 2 and time.monotonic() < deadline:
-        time.sleep(0.2)
+    held = watch_flood(fe, connections=600, streams=1)
+    wait_for_rss_below(fe, base + 2, seconds=6.0)
     assert held - base > 10, (base, held)  # the flood was held
     assert vm_rss_mb(fe.proc.pid) - base < 2, (base, held, vm_rss_mb(fe.proc.pid))
     scores(fe.target, tiny_lm)
