@@ -866,8 +866,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attacks", default=",".join(ATTACKS),
                    help=f"the hostile clients that run, comma-separated (default all: {', '.join(ATTACKS)})")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--poll-engine", help="gRPC's polling engine in the replicas (GRPC_POLL_STRATEGY, e.g. poll; "
-                                         "default: gRPC's)")
+    p.add_argument("--poll-engine", choices=("epoll1", "poll"),
+                   help="gRPC's polling engine in the replicas (GRPC_POLL_STRATEGY; default: gRPC's)")
     p.add_argument("--json", help="write the result as JSON here")
     p.add_argument("--doc", help="write the tables into this document between the soak markers")
     p.add_argument("--render", help="make the tables from this JSON instead of running")
