@@ -23,7 +23,7 @@ from ..common.perplexity import from_log10
 from ..proto import lm_pb2
 from ..wire.logbase import is_log10
 from ..wire.ngrams import pack_ngrams
-from ..wire.status import retryable
+from ..wire.status import NOT_HTTP2, retryable
 from ..wire.tokens import read_tokens
 
 
@@ -141,6 +141,9 @@ def connection_hint(details: str, tls: bool | None) -> str:
                 "if it serves TLS, connect with --tls or --tls-ca, in Python tls=True or tls_ca=)")
     if tls and "WRONG_VERSION_NUMBER" in details:
         return " (the TLS handshake got no TLS answer: the server may serve plaintext; connect without TLS)"
+    if NOT_HTTP2 in details:
+        return (" (something answers at that address, but not gRPC: check the port, e.g. not the server's "
+                "metrics port; `nlmserve serve` prints the port it listens on)")
     if tls and "CERTIFICATE_VERIFY_FAILED" in details:
         return " (the server's certificate is not signed by a CA this client trusts: check --tls-ca)"
     return ""

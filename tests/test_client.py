@@ -197,6 +197,29 @@ def test_retry_reaches_a_server_that_starts_late(tiny_lm: Any) -> None:
             running.stop(1.0)
 
 
+def test_an_address_that_does_not_speak_grpc_is_named_at_once_not_retried() -> None:
+    """`nlmserve score` pointed at a web server (a server's metrics port, say) fails on the
+    first attempt with what to check: its answer is not HTTP/2 and would be the same on
+    every retry (the old client logged five retries first)."""
+    import http.server
+
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    try:
+        target = f"127.0.0.1:{web.server_address[1]}"
+        done = subprocess.run([sys.executable, "-m", "nlmserve", "score", "--server", target],
+                              input="the house\n", capture_output=True, text=True, timeout=60)
+        assert done.returncode != 0 and done.stdout == ""
+        assert "Failed parsing HTTP/2" in done.stderr and "but not gRPC: check the port" in done.stderr, done.stderr
+        assert "retry" not in done.stderr, done.stderr
+        with LMClient(target, timeout=5, retry_policy=RetryPolicy(retries=3)) as c, \
+                pytest.raises(ServerUnavailableError, match="not gRPC"):
+            c.score("the house")
+    finally:
+        web.shutdown()
+        web.server_close()
+
+
 def test_score_cli_output(server: RunningServer, tiny_lm: Any) -> None:
     sentences = dev_sentences(800, 4) + ["qqqunknownqqq europe"]
     text = "\n".join(sentences) + "\n"

@@ -17,7 +17,8 @@ and the calls that end before or beside the engine with a :class:`CallStatus` (t
 servicer, Admin and the call gate of server/gate.py abort with these).
 
 A client retries (:func:`retryable`; ``client.core.RetryPolicy`` adds the budget and the
-backoff) what says "not served now, the same call may succeed later": UNAVAILABLE,
+backoff) what says "not served now, the same call may succeed later": UNAVAILABLE
+(unless the address answered with something other than HTTP/2, which it does again),
 CANCELLED (a stopping server cancels the calls that arrived as it stopped accepting) and
 RESOURCE_EXHAUSTED from overload, never a message over the size limit ("larger than max"),
 nor DEADLINE_EXCEEDED (the caller's budget for the call).
@@ -66,13 +67,20 @@ def status_of(error: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+#: gRPC's status message when the address answered with bytes that are not HTTP/2 (a web
+#: server, a server's metrics port, another protocol): not an nlmserve server's port.
+NOT_HTTP2 = "Failed parsing HTTP/2"
+
+
 def retryable(code: grpc.StatusCode, details: str, overloaded: bool = True) -> bool:
     """Whether a call that failed with ``code`` (and the status message ``details``) may
     succeed when sent again; ``overloaded``: RESOURCE_EXHAUSTED from overload counts."""
     # CANCELLED reaches a client that did not cancel only from a server that is shutting
     # down (a call that arrived as it stopped accepting); scoring is idempotent, so it is
     # retried like UNAVAILABLE.
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return NOT_HTTP2 not in details  # an address that does not speak gRPC answers so again
+    if code == grpc.StatusCode.CANCELLED:
         return True
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and overloaded:
         return "larger than max" not in details

@@ -13,9 +13,10 @@ namespace nlmserve {
 
 // Whether a call that failed with the gRPC status `code` and `message` is tried again
 // (proto/contract/retry_codes.tsv; the Python owner is nlmserve.wire.status.retryable):
-// UNAVAILABLE, CANCELLED (a stopping server's), and RESOURCE_EXHAUSTED from overload but
-// not a message over the size limit. Never DEADLINE_EXCEEDED: the deadline is the
-// caller's budget for the call.
+// UNAVAILABLE (but not from an address that answered with something other than HTTP/2),
+// CANCELLED (a stopping server's), and RESOURCE_EXHAUSTED from overload but not a message
+// over the size limit. Never DEADLINE_EXCEEDED: the deadline is the caller's budget for
+// the call.
 bool Retryable(int code, const std::string &message);
 
 }  // namespace nlmserve
