@@ -713,6 +713,7 @@ def _mb(n: int | None) -> float | None:
 
 
 def run(cfg: SoakConfig) -> dict[str, Any]:
+    info = machine()  # the load before the soak's own
     if "native" in cfg.frontends:
         native_binary()
     with tempfile.TemporaryDirectory(prefix="nlmserve-soak-") as tmp:
@@ -720,7 +721,8 @@ def run(cfg: SoakConfig) -> dict[str, Any]:
         models = two_models(cfg.model, work)
         ids, expected = expected_scores(models)
         runs = [run_frontend(cfg, frontend, models, ids, expected, work) for frontend in cfg.frontends]
-    return {"command": " ".join(["bench/soak.py", *sys.argv[1:]]), "machine": machine(), "config": asdict(cfg),
+    info["load_average_end_1m"] = round(os.getloadavg()[0], 2)
+    return {"command": " ".join(["bench/soak.py", *sys.argv[1:]]), "machine": info, "config": asdict(cfg),
             "runs": runs, "target_met": all(r["target_met"] for r in runs)}
 
 

@@ -122,6 +122,7 @@ def tiny(model: Path, frontend: str) -> soak.SoakConfig:
 
 def check_tiny_run(result: dict[str, Any], frontend: str, processes: set[str]) -> None:
     assert set(ATTACKS) == set(result["config"]["hostile"]["attacks"])
+    assert {"load_average_1m", "load_average_end_1m"} <= set(result["machine"])  # before and after the soak's own
     (run,) = result["runs"]
     assert run["frontend"] == frontend
     every = run["authorised"]["all"]
