@@ -43,7 +43,8 @@ killed replica restarted, and every server process's resident memory after the s
 within 10% of its start (exit 1 otherwise). ``--json`` writes the result; ``--doc`` writes
 its tables into the document between ``<!-- soak:begin -->`` and ``<!-- soak:end -->``;
 ``--render`` makes them from a JSON. Without ``--model`` two small models are trained first
-(the test fixture's recipe; a few seconds).
+(the test fixture's recipe; a few seconds). The authorised clients are in
+bench/soak_clients.py, the verdict and the tables in bench/soak_report.py.
 """
 
 from __future__ import annotations
@@ -63,23 +64,21 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 
-from bench._common import exit_with, machine, resident_bytes, shown_command, tree_pids, write_json, write_section
+from bench._common import exit_with, machine, resident_bytes, tree_pids, write_json, write_section
 from bench.load import DEV_TXT, train_small_model
 from bench.soak_attacks import ATTACKS, REPO, Hostile, HostileConfig
+from bench.soak_clients import TOKEN, Load, Tally, authorised, strict
+from bench.soak_report import BEGIN, END, misses, render
 
 log = logging.getLogger("bench.soak")
 
-TOKEN = "soak-token-0123456789"
 #: The hostile clients that hold a token hold one of their own: a client of its own to the
 #: servers' per-client share (``--max-rpcs-per-client``), as a second decoder host would be.
 HOSTILE_TOKEN = "soak-token-hostile-9876543210"
-TOLERANCE = 1e-5  # natural log
-MEMORY_LIMIT = 1.10  # settled / start, per process
-BEGIN, END = "<!-- soak:begin -->", "<!-- soak:end -->"
 FRONTENDS = ("python", "native")
 
 
@@ -313,169 +312,6 @@ class MemoryWatch:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(10)
-
-
-# ---------------------------------------------------------------------- authorised clients
-@dataclass
-class Tally:
-    sent: int = 0
-    answered: int = 0
-    wrong: int = 0
-    failed: Counter[str] = field(default_factory=Counter)
-    retried: Counter[str] = field(default_factory=Counter)
-    latencies: list[float] = field(default_factory=list)
-
-    def add(self, other: "Tally") -> None:
-        self.sent += other.sent
-        self.answered += other.answered
-        self.wrong += other.wrong
-        self.failed += other.failed
-        self.retried += other.retried
-        self.latencies += other.latencies
-
-    def summary(self) -> dict[str, Any]:
-        lat = np.asarray(self.latencies) * 1000.0
-        return {"sent": self.sent, "answered": self.answered, "wrong": self.wrong, "failed": dict(self.failed),
-                "retried": dict(self.retried),
-                "p50_ms": round(float(np.percentile(lat, 50)), 2) if lat.size else None,
-                "p99_ms": round(float(np.percentile(lat, 99)), 2) if lat.size else None}
-
-
-def _counting_retry() -> Any:
-    """The client's retry policy, counting what it retries (what a client that retries hides)."""
-    from nlmserve.client.core import RetryPolicy
-
-    @dataclass(frozen=True)
-    class CountingRetry(RetryPolicy):
-        seen: Counter[str] = field(default_factory=Counter, compare=False)
-
-        def should_retry(self, error: Any, attempt: int) -> bool:
-            retry = super().should_retry(error, attempt)
-            if retry:
-                self.seen[error.code().name] += 1
-            return retry
-
-    return CountingRetry()
-
-
-class Load:
-    """The authorised clients' switch: they wait while it is paused; ``pause`` returns once
-    none has a request in flight (at most 60 s)."""
-
-    def __init__(self) -> None:
-        self.go = threading.Event()
-        self.go.set()
-        self._busy = 0
-        self._lock = threading.Lock()
-
-    def pause(self) -> None:
-        self.go.clear()
-        deadline = time.monotonic() + 60
-        while self._busy and time.monotonic() < deadline:
-            time.sleep(0.05)
-
-    def resume(self) -> None:
-        self.go.set()
-
-    def request(self, stop: threading.Event) -> Iterator[bool]:
-        """Yields once per request while not stopped, counted as in flight until the next."""
-        while True:
-            while not self.go.wait(0.2):
-                if stop.is_set():
-                    return
-            if stop.is_set():
-                return
-            with self._lock:
-                self._busy += 1
-            try:
-                yield True
-            finally:
-                with self._lock:
-                    self._busy -= 1
-
-
-def _check(tally: Tally, kind: str, got: Any, model_hash: str, start: int, n: int,
-           expected: dict[str, np.ndarray], began: float) -> None:
-    tally.latencies.append(time.perf_counter() - began)
-    want = expected.get(model_hash)
-    got = np.asarray(got)
-    if want is None or got.shape != (n,) or not np.all(np.abs(got - want[start : start + n]) <= TOLERANCE):
-        tally.wrong += 1
-        log.error("%s: a wrong answer from model %s", kind, model_hash)
-    else:
-        tally.answered += 1
-
-
-def _failed(tally: Tally, kind: str, e: Exception) -> None:
-    code = getattr(e, "code", None)
-    name = code() if callable(code) else code
-    tally.failed[type(e).__name__ + (f"({name.name})" if name is not None else "")] += 1
-    log.warning("%s request failed: %s", kind, e)
-
-
-def authorised(kind: str, targets: list[str], ids: np.ndarray, expected: dict[str, np.ndarray],
-               sizes: tuple[int, int], load: Load, stop: threading.Event, seed: int, tally: Tally) -> None:
-    """A replicated ``LMClient`` scoring back to back; ``reconnecting`` builds a new one
-    every second."""
-    from nlmserve.client import LMClient
-
-    rng = np.random.default_rng(seed)
-    client: Any = None
-    opened = 0.0
-    try:
-        for _ in load.request(stop):
-            if client is None or (kind == "reconnecting" and time.monotonic() - opened >= 1.0):
-                if client is not None:
-                    tally.retried += client.retry.seen
-                    client.close()
-                client = LMClient(targets, token=TOKEN, timeout=60, allow_mixed_models=True,
-                                  retry_policy=_counting_retry())
-                opened = time.monotonic()
-            n = int(rng.integers(sizes[0], sizes[1] + 1))
-            start = int(rng.integers(0, len(ids) - n))
-            tally.sent += 1
-            began = time.perf_counter()
-            try:
-                got = client.score_ids(ids[start : start + n], log_base="ln")
-            except Exception as e:  # every failure is counted by its class (and gRPC code)
-                _failed(tally, kind, e)
-                continue
-            _check(tally, kind, got.log_probs, got.model_hash, start, n, expected, began)
-            if kind != "rescoring":
-                time.sleep(0.002)
-    finally:
-        if client is not None:
-            tally.retried += client.retry.seen
-            client.close()
-
-
-def strict(target: str, ids: np.ndarray, expected: dict[str, np.ndarray], load: Load, stop: threading.Event,
-           seed: int, tally: Tally) -> None:
-    """Plain gRPC ScoreNgrams calls of 1-50 n-grams to one replica, never retried: what a
-    client other than the project's sees."""
-    import grpc
-
-    from nlmserve.proto import lm_pb2, lm_pb2_grpc
-
-    rng = np.random.default_rng(seed)
-    metadata = (("authorization", f"Bearer {TOKEN}"),)
-    with grpc.insecure_channel(target) as channel:
-        stub = lm_pb2_grpc.LanguageModelStub(channel)
-        for _ in load.request(stop):
-            n = int(rng.integers(1, 51))
-            start = int(rng.integers(0, len(ids) - n))
-            rows = np.ascontiguousarray(ids[start : start + n], dtype="<u4")
-            tally.sent += 1
-            began = time.perf_counter()
-            try:
-                answer = stub.ScoreNgrams(lm_pb2.ScoreNgramsRequest(packed_ids=rows.tobytes(),
-                                                                    packed_order=rows.shape[1], log_base=lm_pb2.LN),
-                                          metadata=metadata, timeout=60)
-            except grpc.RpcError as e:
-                _failed(tally, "strict", e)
-                continue
-            _check(tally, "strict", list(answer.log_probs), answer.model_hash, start, n, expected, began)
-            time.sleep(0.01)
 
 
 def probe(replicas: list[Replica], stop: threading.Event, counts: Counter[str]) -> None:
@@ -724,131 +560,6 @@ def run(cfg: SoakConfig) -> dict[str, Any]:
     info["load_average_end_1m"] = round(os.getloadavg()[0], 2)
     return {"command": " ".join(["bench/soak.py", *sys.argv[1:]]), "machine": info, "config": asdict(cfg),
             "runs": runs, "target_met": all(r["target_met"] for r in runs)}
-
-
-def misses(run: dict[str, Any]) -> list[str]:
-    """Why one front end's run missed the target (empty: met): failed or wrong authorised
-    answers (or none answered), failed probes, a replica that did not restart, a process
-    whose memory after the settle is over 10% above its start."""
-    every = run["authorised"]["all"]
-    out = []
-    if sum(every["failed"].values()):
-        out.append(f"{sum(every['failed'].values())} authorised requests failed")
-    if every["wrong"]:
-        out.append(f"{every['wrong']} wrong answers")
-    if not every["answered"]:
-        out.append("no authorised answer")
-    if run["health_probes"]["failed"]:
-        out.append(f"{run['health_probes']['failed']} failed probes")
-    if run["faults"].get("restart_failed"):
-        out.append(f"{run['faults']['restart_failed']} failed restarts")
-    for m in run["memory"]:
-        if m["settled_over_start"] is None or m["settled_over_start"] > MEMORY_LIMIT:
-            out.append(f"{m['replica']} {m['process']} memory {m['start_mb']} -> {m['settled_mb']} MB")
-    return out
-
-
-# ---------------------------------------------------------------------- the report
-def _outcomes(counts: dict[str, Any]) -> str:
-    return ", ".join(f"{k} {v}" for k, v in counts.items()) or "0"
-
-
-def _hostile_rows(cfg: dict[str, Any]) -> dict[str, str]:
-    """What each hostile client's row says it did (per replica)."""
-    h, per = cfg["hostile"], cfg["max_concurrent_rpcs"]
-    flood = cfg["max_health_watches"] // h["watch_per_connection"] + 2
-    slow = h["slow_connections"]
-    return {
-        "watch": f"Watch streams held open, one per connection ({per})",
-        "watch_flood": f"Watch flood: {flood} connections x {h['watch_per_connection']} streams "
-                       f"(`--max-health-watches {cfg['max_health_watches']}`)",
-        "half_open": f"ScoreNgrams calls that never send ({per} at a time, re-opened when refused)",
-        "random": "random bytes on three methods",
-        "random_token": "random bytes, with a token",
-        "oversized": "messages over `--max-message-bytes`",
-        "oversized_token": "the same with a token",
-        "gzip_bomb": f"gzip requests inflating to {h['gzip_bomb_bytes'] // 2**20} MiB, every {h['gzip_every']:g} s",
-        "gzip_bomb_token": "the same with a token",
-        "deadline_1ms": f"ScoreNgrams with a 1 ms deadline, with a token ({h['deadline_calls']} every 0.1 s)",
-        "invented_methods": f"{h['invented_methods']} invented method names (half with a token)",
-        "never_read": f"GetScoringTables and GetVocabulary never read (receive window 0), with a token: "
-                      f"{h['never_read_connections']} connections x {h['never_read_calls']} calls",
-        "rapid_reset": f"rapid reset: {h['reset_burst']} HEADERS + RST_STREAM every {h['reset_every']:g} s on one "
-                       "connection",
-        "big_metadata_unacked": f"half-open calls with {h['big_metadata_bytes'] // 1024} KiB of metadata before the "
-                                f"SETTINGS ACK ({h['big_metadata_calls'] // 2} held)",
-        "big_metadata": "half-open calls with the metadata the server's SETTINGS allow "
-                        f"({h['big_metadata_calls'] // 2} held)",
-        "slow": f"connections silent, stopped in the preface, stopped in a header block ({slow} of each)",
-        "raw_tcp_bytes": "raw TCP connections of random bytes",
-        "vanishing": f"clients killed with {h['vanish_calls']} x {h['vanish_ngrams']} n-grams in flight, with a "
-                     f"token, every {h['vanish_every']:g} s",
-        "errors": "hostile clients that ended with an error of their own",
-    }
-
-
-def render(result: dict[str, Any]) -> str:
-    cfg, runs = result["config"], result["runs"]
-    names = [r["frontend"] for r in runs]
-    lines = [BEGIN,
-             f"`{shown_command(result['command'])}`: {cfg['minutes']:g} minute{'' if cfg['minutes'] == 1 else 's'} of "
-             f"attack per front end on "
-             f"{result['machine']['cores']} cores ({result['machine']['cpu']}), two replicas with a token file of "
-             f"two tokens (the authorised clients', the hostile ones'), `--max-concurrent-rpcs "
-             f"{cfg['max_concurrent_rpcs']}`, `--max-rpcs-per-client {cfg['max_rpcs_per_client']}`, "
-             f"`--max-health-watches {cfg['max_health_watches']}`, {cfg['warmup_seconds']:g} s of warm-up before, "
-             f"{cfg['settle_seconds']:g} s to settle after"
-             + (f", gRPC's `{cfg['poll_engine']}` polling engine in the replicas." if cfg.get("poll_engine")
-                else "."),
-             "",
-             "| front end | authorised sent | answered | failed | wrong | retried by the client | p50 ms | p99 ms | "
-             "probes sent | failed | memory settled / start (worst process) | target |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in runs:
-        c, h = r["authorised"]["all"], r["health_probes"]
-        worst = max((m["settled_over_start"] or float("inf") for m in r["memory"]), default=float("nan"))
-        target = "**met**" if r["target_met"] else "**not met**: " + "; ".join(r["missed"])
-        lines.append(f"| {r['frontend']} | {c['sent']} | {c['answered']} | {_outcomes(c['failed'])} | {c['wrong']} | "
-                     f"{_outcomes(c['retried'])} | {c['p50_ms']} | {c['p99_ms']} | {h['sent']} | {h['failed']} | "
-                     f"{worst:.2f} | {target} |")
-    lines += ["", "| authorised client | front end | sent | answered | failed | wrong | retried | p50 ms | p99 ms |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    for kind in ("decoder", "rescoring", "reconnecting", "strict"):
-        for r in runs:
-            c = r["authorised"][kind]
-            lines.append(f"| {kind} | {r['frontend']} | {c['sent']} | {c['answered']} | {_outcomes(c['failed'])} | "
-                         f"{c['wrong']} | {_outcomes(c['retried'])} | {c['p50_ms']} | {c['p99_ms']} |")
-    lines += ["", "| resident memory, MB | front end | start | attack end | peak | settled | settled / start |",
-              "|---|---|---|---|---|---|---|"]
-    for r in runs:
-        for m in r["memory"]:
-            restarted = f" (restarted {m['restarts']} times)" if m["restarts"] else ""
-            lines.append(f"| {m['replica']} {m['process']}{restarted} | {r['frontend']} | {m['start_mb']} | "
-                         f"{m['attack_end_mb']} | {m['peak_mb']} | {m['settled_mb']} | {m['settled_over_start']} |")
-    rows = _hostile_rows(cfg)
-    lines += ["", "| hostile client (no token unless said; sizes per replica, counts of both) | "
-              + " | ".join(names) + " |",
-              "|---" * (len(names) + 1) + "|"]
-    for name, what in rows.items():
-        if any(name in r["hostile"] for r in runs):
-            lines.append(f"| {what} | " + " | ".join(_outcomes(r["hostile"].get(name, {})) for r in runs) + " |")
-    lines.append("")
-    for r in runs:
-        f, counts = r["faults"], r["server_counts"]
-        unauthenticated = sum(v for k, v in counts.items() if 'code="UNAUTHENTICATED"' in k)
-        limits = ", ".join(f"{k.split('=', 1)[1].rstrip('}')} {v}" for k, v in counts.items()
-                           if k.startswith("nlmserve_refused_total")) or "none"
-        sizes = "; ".join(f"{name} {m['start_bytes'] // 1024} KiB -> {m['end_bytes'] // 1024} KiB ({m['end_series']} "
-                          "series)" for name, m in r["metrics"].items())
-        lines += [f"{r['frontend']}: health probes {r['health_probes']['sent']} sent, {r['health_probes']['failed']} "
-                  f"failed ({r['health_probes']['skipped_while_killed']} skipped while their replica was killed); "
-                  f"faults: {f.get('sighup_bad', 0)} SIGHUP reloads of bad files, {f.get('sighup_good', 0)} of good "
-                  f"ones, {f.get('kill_restart', 0)} SIGKILLs of replica B (restarted on its port); the model servers "
-                  f"counted {unauthenticated} calls refused UNAUTHENTICATED and, by limit (`nlmserve_refused_total`): "
-                  f"{limits}; /metrics {sizes}.", ""]
-    lines += ["Target (per front end: 0 failed or wrong answers, 0 failed probes, every process's memory after the "
-              "settle within 10% of its start): " + ("**met**." if result["target_met"] else "**not met**."), END]
-    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ import pytest
 from support import REPO
 from test_cpp_client import driver  # noqa: F401 - the driver fixture builds build/native (or skips)
 
-from bench import h2, soak
+from bench import h2, soak, soak_report
 from bench.soak_attacks import ATTACKS, HostileConfig
 
 #: The tallies a run of every attack reports (an attack may keep several).
@@ -71,21 +71,21 @@ def test_unknown_attacks_are_refused() -> None:
 
 def test_the_table_says_whether_the_target_was_met() -> None:
     result = json.loads((REPO / "bench" / "results" / "soak.json").read_text(encoding="utf-8"))
-    table = soak.render(result)
-    assert table.startswith(soak.BEGIN) and table.rstrip().endswith(soak.END)
+    table = soak_report.render(result)
+    assert table.startswith(soak_report.BEGIN) and table.rstrip().endswith(soak_report.END)
     doc = (REPO / "docs" / "hostile-clients.md").read_text(encoding="utf-8")
     assert table in doc  # the page shows the recorded run, as the script wrote it
     for run in result["runs"]:
         assert f"| {run['frontend']} | {run['authorised']['all']['sent']} |" in table
-        assert run["target_met"] == (not soak.misses(run))
-    assert result["target_met"] == all(not soak.misses(run) for run in result["runs"])
+        assert run["target_met"] == (not soak_report.misses(run))
+    assert result["target_met"] == all(not soak_report.misses(run) for run in result["runs"])
     met = copy.deepcopy(result["runs"][0])
     met["authorised"]["all"].update(failed={}, wrong=0, answered=max(1, met["authorised"]["all"]["answered"]))
     met["health_probes"]["failed"] = 0
     met["faults"].pop("restart_failed", None)
     for m in met["memory"]:
         m["settled_over_start"] = 1.0
-    assert soak.misses(met) == []
+    assert soak_report.misses(met) == []
     for damage in ("failed", "wrong", "probe", "restart", "memory"):
         bad = copy.deepcopy(met)
         if damage == "failed":
@@ -98,15 +98,15 @@ def test_the_table_says_whether_the_target_was_met() -> None:
             bad["faults"]["restart_failed"] = 1
         else:
             bad["memory"][-1]["settled_over_start"] = 1.11
-        assert soak.misses(bad), damage
+        assert soak_report.misses(bad), damage
     shown = copy.deepcopy(result)
     shown["runs"][0]["authorised"]["decoder"]["failed"] = {"ServerUnavailableError": 2}
     shown["runs"][0]["target_met"], shown["target_met"] = False, False
-    table = soak.render(shown)
+    table = soak_report.render(shown)
     assert "ServerUnavailableError 2" in table and "**not met**" in table
     assert "polling engine" not in table
     shown["config"]["poll_engine"] = "poll"
-    assert "to settle after, gRPC's `poll` polling engine in the replicas." in soak.render(shown)
+    assert "to settle after, gRPC's `poll` polling engine in the replicas." in soak_report.render(shown)
 
 
 def tiny(model: Path, frontend: str) -> soak.SoakConfig:
@@ -148,7 +148,7 @@ def check_tiny_run(result: dict[str, Any], frontend: str, processes: set[str]) -
     assert [m["restarts"] for m in run["memory"] if m["replica"] == "B"] == [1] * len(processes)
     assert all(m["end_bytes"] > 0 for m in run["metrics"].values())
     assert run["target_met"] == (not run["missed"]) == result["target_met"]
-    table = soak.render(result)
+    table = soak_report.render(result)
     for row in ("Watch flood", "rapid reset", "never read", "gzip", "1 ms deadline", "invented method",
                 "metadata before the SETTINGS ACK", "stopped in the preface", "killed with"):
         assert f"| {row}" in table or f" {row}" in table, row
