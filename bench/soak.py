@@ -70,8 +70,9 @@ import numpy as np
 
 from bench._common import exit_with, machine, resident_bytes, tree_pids, write_json, write_section
 from bench.load import DEV_TXT, train_small_model
-from bench.soak_attacks import ATTACKS, REPO, Hostile, HostileConfig
+from bench.soak_attacks import Hostile
 from bench.soak_clients import TOKEN, Load, Tally, authorised, strict
+from bench.soak_hostile import ATTACKS, REPO, HostileConfig
 from bench.soak_report import BEGIN, END, misses, render
 
 log = logging.getLogger("bench.soak")

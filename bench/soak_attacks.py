@@ -4,14 +4,13 @@ comes back, all on 127.0.0.1, each counting what it got.
 Most speak gRPC through grpcio; those that need what no gRPC client sends (a header block
 before the SETTINGS acknowledgement, HEADERS + RST_STREAM bursts, a zero receive window,
 a connection that stops inside its preface) write HTTP/2 frames on a socket themselves
-(bench/h2.py). A vanishing client is a process of its own killed with SIGKILL while its
+(bench/soak_h2_attacks.py); what they share is in bench/soak_hostile.py. A vanishing client is a process of its own killed with SIGKILL while its
 calls are in flight: ``python -m bench.soak_attacks --vanish PORT FILE CALLS``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import random
 import signal
@@ -21,371 +20,11 @@ import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
-from bench.h2 import (DATA, END_STREAM, GOAWAY, H2, HEADER_TABLE_SIZE, INITIAL_WINDOW_SIZE, MAX_CONCURRENT_STREAMS,
-                      MAX_HEADER_LIST_SIZE, PREFACE, RST_STREAM, frame, grpc_fields, header_block, headers_frames,
-                      settings)
-
-log = logging.getLogger("bench.soak")
-
-REPO = Path(__file__).resolve().parent.parent
-SERVICE = "/nlmserve.v1.LanguageModel/"
-SCORE = SERVICE + "ScoreNgrams"
-METHODS = (SCORE, SERVICE + "ScoreSentences", SERVICE + "GetModelInfo")
-STREAMING = (SERVICE + "GetScoringTables", SERVICE + "GetVocabulary")
-
-#: An empty gRPC message (uncompressed, length 0): the request of GetVocabulary and GetScoringTables.
-EMPTY_MESSAGE = b"\x00\x00\x00\x00\x00"
-
-#: Every attack by the name ``--attacks`` takes, with what the report calls it.
-ATTACKS: dict[str, str] = {
-    "watch": "health Watch streams, one per connection",
-    "watch_flood": "health Watch streams, 8 per connection, beyond --max-health-watches",
-    "half_open": "ScoreNgrams calls that never send their message",
-    "garbage": "random bytes and oversized messages on three methods",
-    "gzip_bomb": "gzip-compressed requests that inflate to --gzip-bomb-bytes",
-    "deadline_1ms": "ScoreNgrams with a 1 ms deadline, with a token",
-    "invented_methods": "calls of invented method names",
-    "never_read": "server-streaming calls whose client never reads, with a token",
-    "rapid_reset": "HEADERS + RST_STREAM bursts on one connection",
-    "big_metadata": "half-open calls with large metadata",
-    "slow": "connections that stop before their preface ends or inside a header block",
-    "raw_tcp": "TCP connections of random bytes",
-    "vanishing": "clients killed with large requests in flight, with a token",
-}
-
-
-@dataclass(frozen=True)
-class HostileConfig:
-    """What the hostile clients hold and send, per replica (the soak's defaults first).
-
-    Fields:
-        attacks: the attacks that run (names of :data:`ATTACKS`).
-        watch_per_connection: health Watch streams on each flood connection (the servers'
-            per-connection default); the flood opens ``max_health_watches // this + 2``
-            connections, so that it asks for more than the pool holds.
-        never_read_connections: connections of the token holder that never reads.
-        never_read_calls: server-streaming calls it keeps open on each (at most what the
-            server's SETTINGS_MAX_CONCURRENT_STREAMS allows).
-        reset_burst: HEADERS + RST_STREAM pairs in one burst of the rapid-reset client.
-        reset_every: seconds between its bursts.
-        big_metadata_calls: half-open calls with large metadata held at once, one
-            connection each; half send ``big_metadata_bytes`` before acknowledging the
-            server's SETTINGS, half send what the server's SETTINGS_MAX_HEADER_LIST_SIZE
-            accepts after acknowledging them.
-        big_metadata_bytes: metadata of the first half, bytes.
-        gzip_bomb_bytes: what a gzip-compressed request inflates to (its zeros compress
-            about 1,000 to 1).
-        gzip_every: seconds between two bombs (one without and one with a token).
-        deadline_calls: concurrent 1 ms-deadline calls in each round (a round every 0.1 s).
-        invented_methods: invented method names called in all (half with a token), at
-            most 50 a second.
-        slow_connections: connections held of each slow kind (silent, stopped inside the
-            preface, stopped inside a header block).
-        vanish_every: seconds between two vanishing clients (alternating replicas).
-        vanish_calls: calls a vanishing client has in flight when it is killed.
-        vanish_ngrams: n-grams in each of them.
-    """
-
-    attacks: tuple[str, ...] = tuple(ATTACKS)
-    watch_per_connection: int = 8
-    never_read_connections: int = 3
-    never_read_calls: int = 100
-    reset_burst: int = 10_000
-    reset_every: float = 5.0
-    big_metadata_calls: int = 64
-    big_metadata_bytes: int = 1024 * 1024
-    gzip_bomb_bytes: int = 64 * 1024 * 1024
-    gzip_every: float = 5.0
-    deadline_calls: int = 5
-    invented_methods: int = 5_000
-    slow_connections: int = 100
-    vanish_every: float = 20.0
-    vanish_calls: int = 100
-    vanish_ngrams: int = 100_000
-
-    def __post_init__(self) -> None:
-        unknown = sorted(set(self.attacks) - set(ATTACKS))
-        if unknown:
-            raise ValueError(f"unknown attacks {', '.join(unknown)}; known: {', '.join(ATTACKS)}")
-
-
-class Target(Protocol):
-    """A replica as the attackers see it: its name, public port and whether it is up."""
-
-    name: str
-    port: int
-    up: threading.Event
-
-
-@dataclass
-class Tally:
-    """What one attack got: counts by outcome, and seconds until the server let go of what
-    it held (a list per kind of hold)."""
-
-    counts: Counter[str] = field(default_factory=Counter)
-    held: dict[str, list[float]] = field(default_factory=dict)
-
-    def hold(self, kind: str, seconds: float) -> None:
-        self.held.setdefault(kind, []).append(seconds)
-
-    def summary(self) -> dict[str, Any]:
-        out: dict[str, Any] = dict(sorted(self.counts.items()))
-        for kind, values in sorted(self.held.items()):
-            values = sorted(values)
-            out[f"{kind}_s_p50"] = round(values[len(values) // 2], 1)
-            out[f"{kind}_s_max"] = round(values[-1], 1)
-        return out
-
-
-# ---------------------------------------------------------------------- attacks on raw HTTP/2
-async def _sleep(stop: asyncio.Event, seconds: float) -> None:
-    try:
-        await asyncio.wait_for(stop.wait(), seconds)
-    except TimeoutError:
-        pass
-
-
-async def never_read(r: Target, cfg: HostileConfig, token: str, stop: asyncio.Event, out: Tally) -> None:
-    """A token holder with ``never_read_calls`` GetScoringTables and GetVocabulary calls open
-    on one connection and a receive window of 0: the server may send their headers, never a
-    message. A call the server ends is counted by how, with how long it held, and re-opened
-    a second later; the connection is re-opened after a GOAWAY or a close."""
-    while not stop.is_set():
-        if not r.up.is_set():
-            await _sleep(stop, 0.5)
-            continue
-        try:
-            conn = await H2.open(r.port, {HEADER_TABLE_SIZE: 0, INITIAL_WINDOW_SIZE: 0})
-        except (OSError, TimeoutError):
-            out.counts["connect_failed"] += 1
-            await _sleep(stop, 1.0)
-            continue
-        opened: dict[int, float] = {}
-        next_id = 1
-        reopen_at: list[float] = []
-
-        def call() -> None:
-            nonlocal next_id
-            path = STREAMING[(next_id // 2) % len(STREAMING)]
-            conn.send(headers_frames(next_id, header_block(grpc_fields(r.port, path, token)))
-                      + frame(DATA, END_STREAM, next_id, EMPTY_MESSAGE))
-            opened[next_id] = time.monotonic()
-            out.counts["calls"] += 1
-            next_id += 2
-
-        try:
-            first = await conn.read(10)  # the server's SETTINGS: how many streams it allows
-            conn.answer(*first[:2], first[3])
-            for _ in range(min(cfg.never_read_calls, conn.peer.get(MAX_CONCURRENT_STREAMS, 1 << 31))):
-                call()
-            await conn.drain()
-            while not stop.is_set():
-                now = time.monotonic()
-                while reopen_at and reopen_at[0] <= now:
-                    reopen_at.pop(0)
-                    call()
-                try:
-                    kind, flags, stream, payload = await conn.read(0.5)
-                except TimeoutError:
-                    continue
-                conn.answer(kind, flags, payload)
-                how = conn.ended(kind, flags, payload)
-                if how is None:
-                    continue
-                if kind == GOAWAY:
-                    out.counts[how] += 1
-                    break
-                began = opened.pop(stream, None)
-                if began is not None:
-                    out.counts[how] += 1
-                    out.hold("call_ended", time.monotonic() - began)
-                    reopen_at.append(time.monotonic() + 1.0)
-        except EOFError:
-            out.counts["connection closed by the server"] += 1
-        except (OSError, TimeoutError) as e:
-            out.counts[type(e).__name__] += 1
-        finally:
-            if stop.is_set():
-                out.counts["held_when_stopped"] += len(opened)
-            else:  # the server let go of them with their connection
-                out.counts["held_when_cut"] += len(opened)
-                for began in opened.values():
-                    out.hold("call_ended", time.monotonic() - began)
-            conn.close()
-        await _sleep(stop, 1.0)
-
-
-async def rapid_reset(r: Target, cfg: HostileConfig, stop: asyncio.Event, out: Tally) -> None:
-    """Every ``reset_every`` s, ``reset_burst`` ScoreNgrams HEADERS each followed at once by
-    its RST_STREAM (CANCEL), without a token, on one connection kept between bursts."""
-    conn: H2 | None = None
-    reader: asyncio.Task[None] | None = None
-    next_id = 1
-
-    async def read(c: H2) -> None:
-        try:
-            while True:
-                kind, flags, _, payload = await c.read()
-                c.answer(kind, flags, payload)
-                how = c.ended(kind, flags, payload)
-                if how is not None:
-                    out.counts[how] += 1
-                if kind == GOAWAY:
-                    return
-        except EOFError:
-            out.counts["connection closed by the server"] += 1
-        except (OSError, TimeoutError):
-            pass
-
-    try:
-        while not stop.is_set():
-            if r.up.is_set():
-                if conn is None or reader is None or reader.done() or next_id > (1 << 30):
-                    if conn is not None:
-                        conn.close()
-                    try:
-                        conn = await H2.open(r.port, {HEADER_TABLE_SIZE: 0})
-                    except (OSError, TimeoutError):
-                        out.counts["connect_failed"] += 1
-                        conn = None
-                    else:
-                        out.counts["connections"] += 1
-                        reader = asyncio.create_task(read(conn))
-                        next_id = 1
-                if conn is not None:
-                    block = header_block(grpc_fields(r.port, SCORE))
-                    rst = (8).to_bytes(4, "big")  # CANCEL
-                    try:
-                        for start in range(0, cfg.reset_burst, 500):
-                            conn.send(b"".join(headers_frames(next_id + 2 * i, block) + frame(RST_STREAM, 0, next_id + 2 * i, rst)
-                                               for i in range(min(500, cfg.reset_burst - start))))
-                            next_id += 2 * min(500, cfg.reset_burst - start)
-                            await conn.drain()
-                        out.counts["streams_reset"] += cfg.reset_burst
-                        out.counts["bursts"] += 1
-                    except (OSError, TimeoutError):
-                        out.counts["burst cut by the server"] += 1
-                        conn.close()
-                        conn = None
-            await _sleep(stop, cfg.reset_every)
-    finally:
-        if reader is not None:
-            reader.cancel()
-        if conn is not None:
-            conn.close()
-
-
-async def big_metadata(r: Target, cfg: HostileConfig, unacked: bool, stop: asyncio.Event, out: Tally) -> None:
-    """One half-open ScoreNgrams call without a token whose metadata is large: sent before
-    the server's SETTINGS are acknowledged (``unacked``: ``big_metadata_bytes``, never
-    acknowledged), or after, as large as the server accepts: first the
-    SETTINGS_MAX_HEADER_LIST_SIZE it announces (``big_metadata_bytes`` when it announces
-    none), 3/4 of the last size after each quick refusal other than UNAUTHENTICATED (which
-    means the metadata was read). The call never sends a
-    message; once the server ends it or closes the connection, a new one follows 2 s later.
-    Counts the largest metadata sent, and the largest held for more than a second."""
-    size = cfg.big_metadata_bytes
-    announced = False
-    while not stop.is_set():
-        if not r.up.is_set():
-            await _sleep(stop, 0.5)
-            continue
-        try:
-            conn = await H2.open(r.port, {HEADER_TABLE_SIZE: 0})
-        except (OSError, TimeoutError):
-            out.counts["connect_failed"] += 1
-            await _sleep(stop, 2.0)
-            continue
-        began = time.monotonic()
-        how: str | None = None
-        try:
-            if not unacked:
-                kind, flags, _, payload = await conn.read(10)
-                conn.answer(kind, flags, payload)
-                if not announced:
-                    size, announced = conn.peer.get(MAX_HEADER_LIST_SIZE, size), True
-            fields = grpc_fields(r.port, SCORE)
-            left = size - sum(len(n) + len(v) + 32 for n, v in fields) - 64
-            while left > 64:
-                value = "x" * min(16_000, left - 48)
-                fields.append((f"x-pad-{len(fields)}", value))
-                left -= len(fields[-1][0]) + len(value) + 32
-            conn.send(headers_frames(1, header_block(fields)))
-            await conn.drain()
-            out.counts["calls"] += 1
-            out.counts["largest_sent_bytes"] = max(out.counts["largest_sent_bytes"], size)
-            began = time.monotonic()
-            while not stop.is_set():
-                try:
-                    kind, flags, _, payload = await conn.read(0.5)
-                except TimeoutError:
-                    if time.monotonic() - began > 1.0:
-                        out.counts["largest_held_bytes"] = max(out.counts["largest_held_bytes"], size)
-                    continue
-                conn.answer(kind, flags, payload, ack_settings=not unacked)
-                how = conn.ended(kind, flags, payload)
-                if how is not None:
-                    out.counts[how] += 1
-                    out.hold("call_ended", time.monotonic() - began)
-                    break
-            else:
-                out.counts["held_when_stopped"] += 1
-        except EOFError:
-            how = "connection closed by the server"
-            out.counts[how] += 1
-            out.hold("call_ended", time.monotonic() - began)
-        except (OSError, TimeoutError) as e:
-            out.counts[type(e).__name__] += 1
-        finally:
-            conn.close()
-        if not unacked and how not in (None, "UNAUTHENTICATED") and time.monotonic() - began < 1.0:
-            size = max(1024, size * 3 // 4)  # refused for its size, most likely: a smaller one next
-        await _sleep(stop, 2.0)
-
-
-async def slow(r: Target, kind: str, stop: asyncio.Event, out: Tally) -> None:
-    """A connection that stops: ``silent`` sends nothing, ``mid_preface`` half the preface,
-    ``mid_header`` the preface, SETTINGS and a HEADERS frame without END_HEADERS (a header
-    block never finished). Held until the server closes it (counted, with how long it
-    stayed), then re-opened a second later."""
-    sent = {"silent": b"", "mid_preface": PREFACE[:12],
-            "mid_header": PREFACE + settings({}) + headers_frames(1, header_block(grpc_fields(r.port, SCORE)),
-                                                                  end_headers=False)}[kind]
-    while not stop.is_set():
-        if not r.up.is_set():
-            await _sleep(stop, 0.5)
-            continue
-        try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", r.port), 10)
-        except (OSError, TimeoutError):
-            out.counts[f"{kind} connect_failed"] += 1
-            await _sleep(stop, 1.0)
-            continue
-        began = time.monotonic()
-        try:
-            writer.write(sent)
-            await asyncio.wait_for(writer.drain(), 10)
-            out.counts[f"{kind} opened"] += 1
-            while not stop.is_set():
-                try:
-                    if not await asyncio.wait_for(reader.read(65536), 0.5):
-                        out.counts[f"{kind} closed by the server"] += 1
-                        out.hold(kind, time.monotonic() - began)
-                        break
-                except TimeoutError:
-                    continue
-            else:
-                out.counts[f"{kind} held_when_stopped"] += 1
-        except (OSError, TimeoutError):
-            out.counts[f"{kind} closed by the server"] += 1
-            out.hold(kind, time.monotonic() - began)
-        finally:
-            writer.transport.abort()
-        await _sleep(stop, 1.0)
+from bench.soak_h2_attacks import big_metadata, never_read, rapid_reset, slow
+from bench.soak_hostile import METHODS, REPO, SCORE, HostileConfig, Tally, Target, log, wait_or_stop
 
 
 # ---------------------------------------------------------------------- attacks through grpcio
@@ -423,7 +62,7 @@ async def watcher(r: Target, streams: int, stop: asyncio.Event, out: Tally) -> N
 
     while not stop.is_set():
         if not r.up.is_set():
-            await _sleep(stop, 0.5)
+            await wait_or_stop(stop, 0.5)
             continue
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{r.port}", options=_own_connection())
         stub = health_pb2_grpc.HealthStub(channel)
@@ -435,7 +74,7 @@ async def watcher(r: Target, streams: int, stop: asyncio.Event, out: Tally) -> N
             stopped.cancel()
             await channel.close(None)  # cancels the streams still open
             await asyncio.gather(held, return_exceptions=True)
-        await _sleep(stop, 0.5)
+        await wait_or_stop(stop, 0.5)
 
 
 async def half_open(r: Target, calls: int, stop: asyncio.Event, out: Tally) -> None:
@@ -456,7 +95,7 @@ async def half_open(r: Target, calls: int, stop: asyncio.Event, out: Tally) -> N
                 out.counts["OK"] += 1
             except grpc.aio.AioRpcError as e:
                 out.counts[e.code().name] += 1
-        await _sleep(stop, 0.2)
+        await wait_or_stop(stop, 0.2)
     if channel is not None:
         await channel.close(None)
 
@@ -484,7 +123,7 @@ async def garbage(r: Target, max_message_bytes: int, token: str, seed: int, stop
                     except grpc.aio.AioRpcError as e:
                         tally.counts[e.code().name] += 1
         await channel.close(None)
-        await _sleep(stop, 1.0)
+        await wait_or_stop(stop, 1.0)
 
 
 async def deadline_1ms(r: Target, cfg: HostileConfig, token: str, requests: list[bytes], stop: asyncio.Event,
@@ -504,7 +143,7 @@ async def deadline_1ms(r: Target, cfg: HostileConfig, token: str, requests: list
                 for result in results:
                     out.counts[result.code().name if isinstance(result, grpc.aio.AioRpcError) else
                                "OK" if isinstance(result, bytes) else type(result).__name__] += 1
-            await _sleep(stop, 0.1)
+            await wait_or_stop(stop, 0.1)
 
 
 async def invented_methods(r: Target, cfg: HostileConfig, token: str, stop: asyncio.Event, out: Tally) -> None:
@@ -517,7 +156,7 @@ async def invented_methods(r: Target, cfg: HostileConfig, token: str, stop: asyn
             if stop.is_set():
                 break
             if not r.up.is_set():
-                await _sleep(stop, 0.5)
+                await wait_or_stop(stop, 0.5)
                 continue
             method = f"/nlmserve.v1.Invented{i}/Method{random.getrandbits(32):08x}"
             metadata = (("authorization", f"Bearer {token}"),) if i % 2 else None

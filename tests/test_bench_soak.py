@@ -18,7 +18,7 @@ from support import REPO
 from test_cpp_client import driver  # noqa: F401 - the driver fixture builds build/native (or skips)
 
 from bench import h2, soak, soak_report
-from bench.soak_attacks import ATTACKS, HostileConfig
+from bench.soak_hostile import ATTACKS, HostileConfig
 
 #: The tallies a run of every attack reports (an attack may keep several).
 TALLIES = {"watch", "watch_flood", "half_open", "random", "random_token", "oversized", "oversized_token",
