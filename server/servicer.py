@@ -394,19 +394,23 @@ class LanguageModelServicer(lm_pb2_grpc.LanguageModelServicer):
             await context.abort(CallStatus.draining, DRAINING_MESSAGE)
         start = handler.started()
         self._active += 1
+        failed: tuple[grpc.StatusCode, str] | None = None
         try:
             result = await work
         except asyncio.CancelledError:
             handler.count(rpc, CallStatus.cancelled)
             raise
         except Exception as e:
-            code, message = handler.error(rpc, e)
-            handler.count(rpc, code)
-            await context.abort(code, message)
-            raise  # not reached: abort raises
+            failed = handler.error(rpc, e)
+            handler.count(rpc, failed[0])
         finally:
             self._active -= 1
             handler.finished(rpc, start)
+        if failed is not None:
+            # Aborted outside the except block: gRPC keeps the abort's exception with the
+            # call's state until its next call, and raised in there it would chain to the
+            # error, whose frames hold the refused request's arrays.
+            await context.abort(*failed)
         handler.count(rpc, grpc.StatusCode.OK)
         if isinstance(result, Message) and result.ByteSize() > INITIAL_WINDOW_BYTES:
             self.large_answer_at = time.monotonic()
