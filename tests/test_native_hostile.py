@@ -228,6 +228,21 @@ def watch_flood(fe: Frontend, connections: int, streams: int) -> float:
     return asyncio.run(flood())
 
 
+def flood_and_return(fe: Frontend, tiny_lm: Any, *, settle: float, connections: int, streams: int,
+                     within_mb: float, seconds: float) -> None:
+    """A client served, ``settle`` s, then :func:`watch_flood`: the flood takes the front end
+    more than 10 MiB, and within ``seconds`` its resident memory is back within
+    ``within_mb`` of where it was before it; a client is served after."""
+    scores(fe.target, tiny_lm)
+    time.sleep(settle)
+    base = vm_rss_mb(fe.proc.pid)
+    held = watch_flood(fe, connections=connections, streams=streams)
+    wait_for_rss_below(fe, base + within_mb, seconds=seconds)
+    assert held - base > 10, (base, held)  # the flood was held
+    assert vm_rss_mb(fe.proc.pid) - base < within_mb, (base, held, vm_rss_mb(fe.proc.pid))
+    scores(fe.target, tiny_lm)
+
+
 def wait_for_rss_below(fe: Frontend, mb: float, seconds: float) -> None:
     """Returns once the front end's resident memory is under ``mb`` MiB, or after ``seconds``."""
     deadline = time.monotonic() + seconds
@@ -418,15 +433,7 @@ def test_memory_goes_back_once_a_flood_of_watch_streams_leaves(frontends: Starte
     once they leave, its resident memory is back within 5 MiB of where it started in a few
     seconds (the old front end kept every stream's memory in its list of watchers until the
     next health change, and trimmed its heaps only past 64 MiB kept: about 23 MiB stayed)."""
-    fe = frontends(backend)
-    scores(fe.target, tiny_lm)
-    time.sleep(0.5)
-    base = vm_rss_mb(fe.proc.pid)
-    held = watch_flood(fe, connections=125, streams=8)
-    wait_for_rss_below(fe, base + 5, seconds=5.0)
-    assert held - base > 10, (base, held)  # the flood was held
-    assert vm_rss_mb(fe.proc.pid) - base < 5, (base, held, vm_rss_mb(fe.proc.pid))
-    scores(fe.target, tiny_lm)
+    flood_and_return(frontends(backend), tiny_lm, settle=0.5, connections=125, streams=8, within_mb=5, seconds=5.0)
 
 
 def test_memory_goes_back_once_a_flood_of_connections_leaves(frontends: Started, backend: RunningServer,
@@ -440,15 +447,8 @@ def test_memory_goes_back_once_a_flood_of_connections_leaves(frontends: Started,
     watched for the life of the process, one block per connection of the flood, each
     holding a page of the heap (+2.5-3 MiB after these 600; hostile-clients.md)."""
     monkeypatch.setenv("GRPC_POLL_STRATEGY", "poll")
-    fe = frontends(backend)
-    scores(fe.target, tiny_lm)
-    time.sleep(1.5)  # a trim after the first call
-    base = vm_rss_mb(fe.proc.pid)
-    held = watch_flood(fe, connections=600, streams=1)
-    wait_for_rss_below(fe, base + 2, seconds=6.0)
-    assert held - base > 10, (base, held)  # the flood was held
-    assert vm_rss_mb(fe.proc.pid) - base < 2, (base, held, vm_rss_mb(fe.proc.pid))
-    scores(fe.target, tiny_lm)
+    # settle: a trim after the first call
+    flood_and_return(frontends(backend), tiny_lm, settle=1.5, connections=600, streams=1, within_mb=2, seconds=6.0)
 
 
 # ---------------------------------------------------------------------- the batcher
