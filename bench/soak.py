@@ -28,8 +28,11 @@ goes through four phases:
 3. **settle** (``--settle-seconds``): the attackers gone, the authorised clients on.
 4. the authorised clients pause, and after ``quiet_seconds`` memory is taken a last time.
 
-Health probes (Health/Check of each replica every 0.5 s on a new connection, 2 s deadline)
-run throughout; those of a replica killed and not yet listening again are not counted. The
+Health probes (Health/Check of each replica every 0.5 s on a new connection, connection and
+answer within 2 s) run throughout; those of a replica killed and not yet listening again are
+not counted. Their times are kept, and each failure with its phase (no connection, or no
+answer), the kernel's count of connections dropped at a full accept queue, and the
+replica's log lines written meanwhile. The
 authorised clients: ``--decoders`` decoder-like threads (1-50 packed n-grams back to back)
 and ``--rescorers`` rescoring-like ones (5,000-20,000), each a replicated ``LMClient`` over
 both replicas (round_robin, health Watch of each, the token, ``allow_mixed_models``), one
@@ -201,7 +204,7 @@ class Replica:
                  "--max-health-watches", str(self.cfg.max_health_watches),
                  "--max-message-bytes", str(self.cfg.max_message_bytes), "--first-message-seconds", "5",
                  "--frontend", self.frontend]
-        log_path = self.work / f"{self.name}-{self.frontend}.log"
+        log_path = self.log_path
         with open(log_path, "a", encoding="utf-8") as stderr:
             try:
                 env = None if self.cfg.poll_engine is None else {**os.environ,
@@ -212,6 +215,25 @@ class Replica:
                 raise RuntimeError(f"replica {self.name} did not start: {e}; its log ends: {' | '.join(tail)}") from e
         self.proc, self.port, self.metrics_port = server.process, server.port, server.metrics_port or 0
         self.up.set()
+
+    @property
+    def log_path(self) -> Path:
+        return self.work / f"{self.name}-{self.frontend}.log"
+
+    def log_size(self) -> int:
+        try:
+            return self.log_path.stat().st_size
+        except OSError:
+            return 0
+
+    def log_since(self, offset: int) -> list[str]:
+        """The lines of its log from byte ``offset`` on."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(offset)
+                return f.read(1 << 16).decode("utf-8", errors="replace").splitlines()
+        except OSError:
+            return []
 
     @property
     def target(self) -> str:
@@ -315,28 +337,85 @@ class MemoryWatch:
         self._thread.join(10)
 
 
-def probe(replicas: list[Replica], stop: threading.Event, counts: Counter[str]) -> None:
-    """Health/Check as an orchestrator's probe makes it: a new connection each time."""
+def listen_drops() -> int:
+    """The kernel's count of connections dropped at a full accept queue (TcpExt
+    ListenOverflows + ListenDrops in /proc/net/netstat; the machine's, 0 where unreadable)."""
+    try:
+        lines = Path("/proc/net/netstat").read_text().splitlines()
+    except OSError:
+        return 0
+    for names, values in zip(lines[::2], lines[1::2]):
+        if names.startswith("TcpExt:"):
+            row = dict(zip(names.split()[1:], values.split()[1:]))
+            return int(row.get("ListenOverflows", 0)) + int(row.get("ListenDrops", 0))
+    return 0
+
+
+class Probes:
+    """What the health probes saw: counts, each probe's time, and each failure with its
+    time (``at``; ``t``: seconds from the run's start, warm-up included), phase
+    (``connect``: no connection within the deadline; ``answer``: connected, no answer in
+    what was left of it), the kernel's accept-queue drops since the run began
+    and the replica's log lines written while it was on its way."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.seconds: list[float] = []
+        self.failures: list[dict[str, Any]] = []
+        self.began = time.monotonic()
+        self.drops_at_start = listen_drops()
+
+    def summary(self) -> dict[str, Any]:
+        times = np.array(self.seconds) if self.seconds else np.zeros(1)
+        return {"sent": self.counts["probes"], "failed": self.counts["failed"],
+                "skipped_while_killed": self.counts["skipped_down"],
+                "p50_ms": round(float(np.percentile(times, 50)) * 1e3, 1),
+                "p99_ms": round(float(np.percentile(times, 99)) * 1e3, 1),
+                "max_ms": round(float(times.max()) * 1e3, 1),
+                "accept_queue_drops": listen_drops() - self.drops_at_start,
+                "failures": self.failures}
+
+
+PROBE_DEADLINE = 2.0
+
+
+def probe(replicas: list[Replica], stop: threading.Event, out: Probes) -> None:
+    """Health/Check as an orchestrator's probe makes it (grpc_health_probe's two steps): a
+    new connection, then the call, both within PROBE_DEADLINE s."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     while not stop.wait(0.5):
         for r in replicas:
             if not r.up.is_set():
-                counts["skipped_down"] += 1
+                out.counts["skipped_down"] += 1
                 continue
+            log_from = r.log_size()
+            sent = time.monotonic()
+            phase = "connect"
             with grpc.insecure_channel(r.target, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
                 try:
-                    answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
-                    ok = answer.status == health_pb2.HealthCheckResponse.SERVING
-                except grpc.RpcError as e:
+                    grpc.channel_ready_future(channel).result(timeout=PROBE_DEADLINE)
+                    phase = "answer"
+                    left = max(0.001, PROBE_DEADLINE - (time.monotonic() - sent))
+                    answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=left)
+                    ok, code = answer.status == health_pb2.HealthCheckResponse.SERVING, "NOT_SERVING"
+                except (grpc.RpcError, grpc.FutureTimeoutError) as e:
                     if not r.up.is_set():  # killed while the probe was on its way
-                        counts["skipped_down"] += 1
+                        out.counts["skipped_down"] += 1
                         continue
                     ok = False
-                    log.error("health probe of %s failed: %s %s", r.name, e.code().name, e.details())
-            counts["probes"] += 1
-            counts["failed"] += 0 if ok else 1
+                    code = e.code().name if isinstance(e, grpc.RpcError) else "DEADLINE_EXCEEDED"
+                    log.error("health probe of %s failed (%s): %s", r.name, phase, code)
+            took = time.monotonic() - sent
+            out.counts["probes"] += 1
+            out.seconds.append(took)
+            if not ok:
+                out.counts["failed"] += 1
+                out.failures.append({"at": time.strftime("%H:%M:%S"), "t": round(sent - out.began, 1), "replica": r.name, "phase": phase,
+                                     "code": code, "seconds": round(took, 2),
+                                     "accept_queue_drops": listen_drops() - out.drops_at_start,
+                                     "log": r.log_since(log_from)[-20:]})
 
 
 # ---------------------------------------------------------------------- faults
@@ -459,7 +538,7 @@ def run_frontend(cfg: SoakConfig, frontend: str, models: tuple[Path, Path], ids:
     stop, stop_faults, load = threading.Event(), threading.Event(), Load()
     kinds = {"decoder": cfg.decoders, "rescoring": cfg.rescorers, "reconnecting": 1, "strict": 1}
     tallies = {kind: [Tally() for _ in range(n)] for kind, n in kinds.items()}
-    probes: Counter[str] = Counter()
+    probes = Probes()
     fault_counts: Counter[str] = Counter()
     events: list[dict[str, Any]] = []
     threads = [threading.Thread(target=probe, args=(replicas, stop, probes), daemon=True)]
@@ -525,8 +604,7 @@ def run_frontend(cfg: SoakConfig, frontend: str, models: tuple[Path, Path], ids:
         "frontend": frontend,
         "seconds": round(seconds, 1),
         "authorised": clients,
-        "health_probes": {"sent": probes["probes"], "failed": probes["failed"],
-                          "skipped_while_killed": probes["skipped_down"]},
+        "health_probes": probes.summary(),
         "hostile": hostile.report(),
         "faults": dict(fault_counts),
         "fault_events": events,

@@ -71,6 +71,18 @@ def _hostile_rows(cfg: dict[str, Any]) -> dict[str, str]:
     }
 
 
+def _probe_detail(h: dict[str, Any]) -> str:
+    """The probes' times and failures, where the run recorded them (older runs did not)."""
+    if "p50_ms" not in h:
+        return ""
+    out = (f", each connection and answer in p50 {h['p50_ms']:.0f} ms, p99 {h['p99_ms']:.0f} ms, max "
+           f"{h['max_ms']:.0f} ms; the kernel dropped {h['accept_queue_drops']} connections at a full accept queue")
+    for f in h["failures"]:
+        out += (f"; at {f['at']} a probe of {f['replica']} got {f['code']} after {f['seconds']} s "
+                f"({'no connection' if f['phase'] == 'connect' else 'connected, no answer'})")
+    return out
+
+
 def render(result: dict[str, Any]) -> str:
     cfg, runs = result["config"], result["runs"]
     names = [r["frontend"] for r in runs]
@@ -124,8 +136,9 @@ def render(result: dict[str, Any]) -> str:
                            if k.startswith("nlmserve_refused_total")) or "none"
         sizes = "; ".join(f"{name} {m['start_bytes'] // 1024} KiB -> {m['end_bytes'] // 1024} KiB ({m['end_series']} "
                           "series)" for name, m in r["metrics"].items())
-        lines += [f"{r['frontend']}: health probes {r['health_probes']['sent']} sent, {r['health_probes']['failed']} "
-                  f"failed ({r['health_probes']['skipped_while_killed']} skipped while their replica was killed); "
+        h = r["health_probes"]
+        lines += [f"{r['frontend']}: health probes {h['sent']} sent, {h['failed']} failed "
+                  f"({h['skipped_while_killed']} skipped while their replica was killed){_probe_detail(h)}; "
                   f"faults: {f.get('sighup_bad', 0)} SIGHUP reloads of bad files, {f.get('sighup_good', 0)} of good "
                   f"ones, {f.get('kill_restart', 0)} SIGKILLs of replica B (restarted on its port); the model servers "
                   f"counted {unauthenticated} calls refused UNAUTHENTICATED and, by limit (`nlmserve_refused_total`): "

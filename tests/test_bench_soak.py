@@ -8,7 +8,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import socket
 import stat
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +112,60 @@ def test_the_table_says_whether_the_target_was_met() -> None:
     assert "to settle after, gRPC's `poll` polling engine in the replicas." in soak_report.render(shown)
 
 
+class _Listener:
+    """A replica for the probe: a port that takes connections and never answers (its
+    ``up`` set), with a log of one line."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.target, self.name = f"127.0.0.1:{self.sock.getsockname()[1]}", "A"
+        self.up = threading.Event()
+        self.up.set()
+        self.log = tmp / "A.log"
+        self.log.write_text("before\n", encoding="utf-8")
+
+    def log_size(self) -> int:
+        return self.log.stat().st_size
+
+    def log_since(self, offset: int) -> list[str]:
+        return self.log.read_text(encoding="utf-8")[offset:].splitlines()
+
+
+def test_a_probe_that_gets_no_answer_is_a_failure_with_its_time(tmp_path: Path) -> None:
+    replica = _Listener(tmp_path)
+    probes, stop = soak.Probes(), threading.Event()
+    thread = threading.Thread(target=soak.probe, args=([replica], stop, probes), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not probes.failures and time.monotonic() < deadline:
+        time.sleep(0.1)
+    stop.set()
+    thread.join(10)
+    replica.sock.close()
+    summary = probes.summary()
+    assert summary["failed"] >= 1 and summary["sent"] >= summary["failed"]
+    first = summary["failures"][0]
+    # the port took the connection (the kernel's accept queue), but no HTTP/2 came back
+    assert first["replica"] == "A" and first["code"] == "DEADLINE_EXCEEDED", first
+    assert soak.PROBE_DEADLINE <= first["seconds"] < soak.PROBE_DEADLINE + 1.0
+    assert first["log"] == [] and first["t"] >= 0.5  # nothing logged since; the first probe after 0.5 s
+    assert summary["max_ms"] >= 1000 * soak.PROBE_DEADLINE
+    assert isinstance(summary["accept_queue_drops"], int) and summary["accept_queue_drops"] >= 0
+    detail = soak_report._probe_detail(summary)
+    assert f"a probe of A got DEADLINE_EXCEEDED after {first['seconds']} s" in detail
+
+
+def test_listen_drops_reads_the_kernels_counters() -> None:
+    def read() -> int:
+        text = Path("/proc/net/netstat").read_text()
+        names, values = [line for line in text.splitlines() if line.startswith("TcpExt:")]
+        row = dict(zip(names.split()[1:], values.split()[1:]))
+        return int(row["ListenOverflows"]) + int(row["ListenDrops"])
+
+    before = read()
+    assert before <= soak.listen_drops() <= read()  # the counters only grow
+
+
 def tiny(model: Path, frontend: str) -> soak.SoakConfig:
     """Every attack, a few of each, for 6 s: a reload of each replica and a kill of B."""
     return soak.SoakConfig(
@@ -129,7 +186,9 @@ def check_tiny_run(result: dict[str, Any], frontend: str, processes: set[str]) -
     assert every["answered"] > 0 and every["wrong"] == 0, every
     sent = {kind: run["authorised"][kind]["sent"] for kind in ("decoder", "rescoring", "reconnecting", "strict")}
     assert all(sent.values()), sent
-    assert run["health_probes"]["sent"] > 0
+    probes = run["health_probes"]
+    assert probes["sent"] > 0 and 0 < probes["p50_ms"] <= probes["p99_ms"] <= probes["max_ms"], probes
+    assert len(probes["failures"]) == probes["failed"] and probes["accept_queue_drops"] >= 0
     assert run["faults"].get("sighup_bad", 0) >= 2 and run["faults"].get("kill_restart") == 1, run["faults"]
     hostile = run["hostile"]
     assert "errors" not in hostile, hostile.get("errors")
