@@ -12,10 +12,13 @@ import socket
 import stat
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from support import REPO
 from test_cpp_client import driver  # noqa: F401 - the driver fixture builds build/native (or skips)
@@ -112,13 +115,11 @@ def test_the_table_says_whether_the_target_was_met() -> None:
     assert "to settle after, gRPC's `poll` polling engine in the replicas." in soak_report.render(shown)
 
 
-class _Listener:
-    """A replica for the probe: a port that takes connections and never answers (its
-    ``up`` set), with a log of one line."""
+class _Replica:
+    """A replica for the probe (its ``up`` set, a log of one line) on ``port``."""
 
-    def __init__(self, tmp: Path) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.target, self.name = f"127.0.0.1:{self.sock.getsockname()[1]}", "A"
+    def __init__(self, tmp: Path, port: int) -> None:
+        self.target, self.name = f"127.0.0.1:{port}", "A"
         self.up = threading.Event()
         self.up.set()
         self.log = tmp / "A.log"
@@ -131,8 +132,7 @@ class _Listener:
         return self.log.read_text(encoding="utf-8")[offset:].splitlines()
 
 
-def test_a_probe_that_gets_no_answer_is_a_failure_with_its_time(tmp_path: Path) -> None:
-    replica = _Listener(tmp_path)
+def _first_failure(replica: _Replica) -> dict[str, Any]:
     probes, stop = soak.Probes(), threading.Event()
     thread = threading.Thread(target=soak.probe, args=([replica], stop, probes), daemon=True)
     thread.start()
@@ -141,18 +141,41 @@ def test_a_probe_that_gets_no_answer_is_a_failure_with_its_time(tmp_path: Path) 
         time.sleep(0.1)
     stop.set()
     thread.join(10)
-    replica.sock.close()
     summary = probes.summary()
     assert summary["failed"] >= 1 and summary["sent"] >= summary["failed"]
-    first = summary["failures"][0]
-    # the port took the connection (the kernel's accept queue), but no HTTP/2 came back
+    assert summary["max_ms"] >= 1000 * soak.PROBE_DEADLINE
+    assert isinstance(summary["accept_queue_drops"], int) and summary["accept_queue_drops"] >= 0
+    first: dict[str, Any] = summary["failures"][0]
     assert first["replica"] == "A" and first["code"] == "DEADLINE_EXCEEDED", first
     assert soak.PROBE_DEADLINE <= first["seconds"] < soak.PROBE_DEADLINE + 1.0
     assert first["log"] == [] and first["t"] >= 0.5  # nothing logged since; the first probe after 0.5 s
-    assert summary["max_ms"] >= 1000 * soak.PROBE_DEADLINE
-    assert isinstance(summary["accept_queue_drops"], int) and summary["accept_queue_drops"] >= 0
     detail = soak_report._probe_detail(summary)
     assert f"a probe of A got DEADLINE_EXCEEDED after {first['seconds']} s" in detail
+    return first
+
+
+def test_a_probe_without_a_connection_is_a_failure_of_the_connect_phase(tmp_path: Path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as sock:  # takes connections, never speaks HTTP/2
+        first = _first_failure(_Replica(tmp_path, sock.getsockname()[1]))
+    assert first["phase"] == "connect"
+
+
+class _SlowHealth(health_pb2_grpc.HealthServicer):
+    def Check(self, request: Any, context: Any) -> Any:
+        time.sleep(soak.PROBE_DEADLINE + 0.5)
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+
+def test_a_probe_connected_but_not_answered_is_a_failure_of_the_answer_phase(tmp_path: Path) -> None:
+    server = grpc.server(ThreadPoolExecutor(4))
+    health_pb2_grpc.add_HealthServicer_to_server(_SlowHealth(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        first = _first_failure(_Replica(tmp_path, port))
+    finally:
+        server.stop(None)
+    assert first["phase"] == "answer"
 
 
 def test_listen_drops_reads_the_kernels_counters() -> None:
