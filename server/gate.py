@@ -12,7 +12,12 @@ One grpc.aio interceptor in front of every service, in this order:
 2. **First message**: every call's first request message must arrive within
    ``first_message_seconds`` of its headers (DEADLINE_EXCEEDED after it). The gate reads
    it itself (each handler is served as its request-streaming twin), so a call whose
-   message never comes is cut, not held. A large message is parsed off the event loop
+   message never comes is cut, not held. While it waits, a call counts among the calls
+   waiting for their message (:class:`Waiting`; health calls apart, with the Watch
+   limits): beyond the limit per connection, per client or in all, the call of that
+   connection, client or server that has waited longest is cut (DEADLINE_EXCEEDED) for
+   it, so that no one holding calls open keeps out a call whose message is on its way
+   (a probe's Check). A large message is parsed off the event loop
    (:class:`~nlmserve.server.requests.LargeRequest`), once the call holds its slot.
 3. **Slots**, taken once the message is there and given back when the call ends:
    ``max_concurrent_rpcs`` for every authorised call (LanguageModel, Admin, reflection),
@@ -141,6 +146,73 @@ class Pool:
         return self._by_client.get(client, 0)
 
 
+class _Wait:
+    """One call waiting for its request message (:class:`Waiting`); ``cut``: why it was cut."""
+
+    __slots__ = ("connection", "client", "timeout", "cut")
+
+    def __init__(self, connection: str, client: str, timeout: asyncio.Timeout) -> None:
+        self.connection, self.client, self.timeout = connection, client, timeout
+        self.cut = ""
+
+
+class Waiting:
+    """Calls of one kind whose headers have come and whose request message has not (a
+    client sends it with the headers: only a call held open without one waits long): at
+    most ``per_connection`` of one connection, ``per_client`` of one client (None: no such
+    limit) and ``limit`` in all. A call beyond one of them cuts the one of that connection,
+    client or server that has waited longest, so that calls held open, by others or by the
+    caller itself, never keep out a call whose message is on its way (a health probe's
+    Check, an authorised request), and what they hold stays bounded. The same rule as the
+    native front end's (server/native/waiting.h)."""
+
+    REASON = "calls_awaiting_message"
+
+    def __init__(self, what: str, limit: int, per_connection: int, per_client: int | None,
+                 flags: tuple[str, str, str]) -> None:
+        self.what = what
+        self.limit = max(1, limit)
+        self.per_connection = max(1, min(per_connection, self.limit))
+        self.per_client = None if per_client is None else max(1, min(per_client, self.limit))
+        self.flags = flags
+        # Each in the order they came: the first has waited longest.
+        self._calls: dict[_Wait, None] = {}
+        self._by_connection: dict[str, dict[_Wait, None]] = {}
+        self._by_client: dict[str, dict[_Wait, None]] = {}
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def enter(self, connection: str, client: str, timeout: asyncio.Timeout) -> _Wait:
+        """Count a call as waiting (``timeout``: its first-message deadline, which a cut
+        ends at once), cutting another where a limit is reached."""
+        scopes = ((self._by_connection.get(connection), self.per_connection, "on this connection", 1),
+                  (self._by_client.get(client), self.per_client, "of this client", 2),
+                  (self._calls, self.limit, "in all", 0))
+        for calls, limit, where, flag in scopes:
+            if calls is not None and limit is not None and len(calls) >= limit:
+                oldest = next(iter(calls))
+                self.leave(oldest)
+                oldest.cut = (f"cut for a newer call: {limit} {self.what} {where} were waiting for their "
+                              f"request message ({self.flags[flag]} {limit}); a client sends it with the "
+                              "call's headers")
+                oldest.timeout.reschedule(asyncio.get_running_loop().time())  # its wait ends now
+        wait = _Wait(connection, client, timeout)
+        self._calls[wait] = None
+        self._by_connection.setdefault(connection, {})[wait] = None
+        self._by_client.setdefault(client, {})[wait] = None
+        return wait
+
+    def leave(self, wait: _Wait) -> None:
+        """The call no longer waits (its message came, it was cut or it ended); once."""
+        if self._calls.pop(wait, 0) is None:
+            for by, key in ((self._by_connection, wait.connection), (self._by_client, wait.client)):
+                calls = by[key]
+                del calls[wait]
+                if not calls:
+                    del by[key]
+
+
 class _Refusals:
     """Counts refusals and logs them without letting a flood of them flood the log."""
 
@@ -195,6 +267,10 @@ class CallGate(_Interceptor):
         self.watches = Pool(config.max_health_watches, config.max_health_watches_per_connection, None,
                             ("max_health_watches", "max_health_watches_per_connection", "max_health_watches"),
                             ("--max-health-watches", "--max-health-watches-per-connection", "--max-health-watches"))
+        self.waiting = Waiting("calls", config.max_concurrent_rpcs, config.max_rpcs_per_connection,
+                               config.max_rpcs_per_client, self.rpcs.flags)
+        self.health_waiting = Waiting("health calls", config.max_health_watches,
+                                      config.max_health_watches_per_connection, None, self.watches.flags)
         self.refusals = _Refusals(requests, metrics)
         self.auth_failures = AuthFailures()
 
@@ -244,13 +320,23 @@ class CallGate(_Interceptor):
         return grpc.stream_stream_rpc_method_handler(deny)
 
     # -------------------------------------------------------------- one call
-    async def _first(self, context: Context, rpc: str) -> Any:
-        """The call's first request message, within ``first_message_seconds``."""
+    async def _first(self, context: Context, rpc: str, waiting: Waiting, client: str) -> Any:
+        """The call's first request message, within ``first_message_seconds``, the call
+        counted meanwhile among ``waiting``'s (which may cut it for a newer call)."""
+        peer: str = context.peer()
+        wait: _Wait | None = None
         try:
-            async with asyncio.timeout(self.first_message_seconds):
-                request = await context.read()
+            async with asyncio.timeout(self.first_message_seconds) as timeout:
+                wait = waiting.enter(peer, client, timeout)
+                try:
+                    request = await context.read()
+                finally:
+                    waiting.leave(wait)
         except TimeoutError:
-            self.refusals.note("first_message_timeout", rpc, CallStatus.first_message_timeout, context.peer())
+            if wait is not None and wait.cut:
+                self.refusals.note(Waiting.REASON, rpc, CallStatus.first_message_timeout, peer)
+                await context.abort(CallStatus.first_message_timeout, wait.cut)
+            self.refusals.note("first_message_timeout", rpc, CallStatus.first_message_timeout, peer)
             await context.abort(CallStatus.first_message_timeout,
                                 f"no request message within {self.first_message_seconds:g} s of the call's "
                                 "headers (--first-message-seconds)")
@@ -309,9 +395,11 @@ class CallGate(_Interceptor):
                 return await asyncio.to_thread(request.parse)
             return request
 
+        waiting = self.waiting if pool is self.rpcs else self.health_waiting
+
         async def unary(request_iterator: Any, context: Context) -> Any:
-            request = await self._first(context, rpc)
             client = client_of(context.peer(), holder)
+            request = await self._first(context, rpc, waiting, client)
             peer = await self._enter(pool, context, rpc, client)
             try:
                 request = await parsed(request)
@@ -324,8 +412,8 @@ class CallGate(_Interceptor):
                     pool.leave_client(client)
 
         async def stream(request_iterator: Any, context: Context) -> None:
-            request = await self._first(context, rpc)
             client = client_of(context.peer(), holder)
+            request = await self._first(context, rpc, waiting, client)
             peer = await self._enter(pool, context, rpc, client)
             holds_server = pool is not None
             try:

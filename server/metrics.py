@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 #: The reasons of ``nlmserve_refused_total`` (server/gate.py says what each one is).
 REFUSAL_REASONS = ("unauthenticated", "max_concurrent_rpcs", "max_rpcs_per_connection", "max_rpcs_per_client",
                    "max_health_watches", "max_health_watches_per_connection", "first_message_timeout",
-                   "stream_write_timeout")
+                   "calls_awaiting_message", "stream_write_timeout")
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536)
 _SECONDS_BUCKETS = (

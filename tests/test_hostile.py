@@ -18,12 +18,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from nlmserve.client import LMClient
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
 from nlmserve.server.app import RunningServer
+from nlmserve.server.config import ServerConfig
 
 from support import GatedScorer, dev_ngrams, metric, start_server
 
 T = TypeVar("T")
 TOKEN = "hostile-test-token-0123"
 SCORE = "/nlmserve.v1.LanguageModel/ScoreNgrams"
+CHECK = "/grpc.health.v1.Health/Check"
 HALF_OPEN = 300
 
 
@@ -176,10 +178,86 @@ def test_watch_streams_have_a_pool_of_their_own(tiny_lm: Any, loop: Loop) -> Non
         running.stop(0.5)
 
 
+def wait_for(condition: Any, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert condition()
+
+
+def test_health_calls_held_open_never_keep_out_a_probe(tiny_lm: Any, tmp_path: Path, loop: Loop) -> None:
+    """Health calls whose message never comes (no token needed) wait at most 4 per
+    connection and 16 in all here (--max-health-watches-per-connection,
+    --max-health-watches): each newer one cuts the one of its connection, or of the
+    server, that has waited longest, so a probe's Check on a new connection is answered
+    however many are held open, and what they hold stays bounded."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(TOKEN + "\n", encoding="utf-8")
+    running = start_server(tiny_lm, token_file=str(tokens), metrics_port=0, max_health_watches=16,
+                           max_health_watches_per_connection=4, first_message_seconds=60)
+    waiting = running.gate.health_waiting
+    stop = asyncio.Event()
+
+    async def connect() -> Any:
+        return grpc.aio.insecure_channel(running.target, options=own_connection())
+
+    async def hold(channel: Any, n: int) -> list[Any]:
+        return [channel.stream_unary(CHECK)(never_sends(stop), timeout=60) for _ in range(n)]
+
+    async def ended(calls: list[Any]) -> list[str]:
+        out = []
+        for call in calls:
+            try:
+                await call
+                out.append("OK")
+            except grpc.aio.AioRpcError as e:
+                out.append(f"{e.code().name}: {e.details()}")
+        return out
+
+    channels = [loop.run(connect()) for _ in range(5)]
+    held = []
+    try:
+        for i in range(4):  # 4 on each of 4 connections, one connection after the other: 16 wait
+            held.append(loop.run(hold(channels[i], 4)))
+            wait_for(lambda: len(waiting) == 4 * (i + 1))
+        fifth = loop.run(hold(channels[0], 1))  # a 5th on the first connection cuts one of its 4
+        wait_for(lambda: sum(c.done() for c in held[0]) == 1)
+        held.append(loop.run(hold(channels[4], 4)))  # 4 on a 5th connection cut the 4 oldest in all
+        wait_for(lambda: sum(c.done() for c in held[0] + held[1]) == 5)
+        assert len(waiting) == 16
+        with grpc.insecure_channel(running.target, options=own_connection()) as channel:  # the probe
+            answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        wait_for(lambda: sum(c.done() for c in held[1]) == 2)  # the probe cut one more, then left
+        assert len(waiting) == 15
+        done = [c for group in held for c in group if c.done()]
+        assert len(done) == 6 and not any(c.done() for c in fifth + held[2] + held[3] + held[4])
+        why = loop.run(ended(done))
+        on_connection = ("DEADLINE_EXCEEDED: cut for a newer call: 4 health calls on this connection were waiting "
+                         "for their request message (--max-health-watches-per-connection 4); a client sends it "
+                         "with the call's headers")
+        in_all = ("DEADLINE_EXCEEDED: cut for a newer call: 16 health calls in all were waiting for their request "
+                  "message (--max-health-watches 16); a client sends it with the call's headers")
+        assert sorted(why) == sorted([on_connection] + [in_all] * 5), why
+        assert metric(running, 'nlmserve_refused_total{reason="calls_awaiting_message"}') == 6
+        assert metric(running, 'nlmserve_requests_total{code="DEADLINE_EXCEEDED",rpc="Check"}') == 6
+    finally:
+        async def close() -> None:
+            stop.set()
+            await asyncio.gather(*(c.close() for c in channels))
+
+        loop.run(close())
+        running.stop(0.5)
+    assert len(waiting) == 0
+
+
 def test_authorised_calls_that_never_send_are_cut(secured: RunningServer, tiny_lm: Any, loop: Loop) -> None:
     """300 authorised calls whose message never comes (on two connections: one connection
-    may open fewer streams at once) take no slot while they wait, and end DEADLINE_EXCEEDED
-    after --first-message-seconds (1.5 here), counted and logged."""
+    may open fewer streams at once) take no slot while they wait: beyond the 128 one client
+    may have waiting (--max-rpcs-per-client; one token: the client is its address), each
+    newer call cuts the one that has waited longest, the client's own requests too, which
+    are served; the rest end after --first-message-seconds (1.5 here). Every one ends
+    DEADLINE_EXCEEDED, counted and logged."""
     rows = dev_ngrams(tiny_lm, 0, 3)
     metadata = (("authorization", f"Bearer {TOKEN}"),)
 
@@ -189,22 +267,35 @@ def test_authorised_calls_that_never_send_are_cut(secured: RunningServer, tiny_l
         return [channels[i % 2].stream_unary(SCORE)(never_sends(stop), metadata=metadata, timeout=30)
                 for i in range(HALF_OPEN)], channels, stop
 
-    async def outcome(calls: list[Any]) -> list[str]:
+    async def outcome(calls: list[Any]) -> list[tuple[str, str]]:
         codes = []
         for call in calls:
             try:
                 await call
-                codes.append("OK")
+                codes.append(("OK", ""))
             except grpc.aio.AioRpcError as e:
-                codes.append(e.code().name)
+                codes.append((e.code().name, e.details() or ""))
         return codes
 
+    per_client = ServerConfig(model="m").max_rpcs_per_client
     calls, channels, stop = loop.run(half_open())
     try:
-        check_serving(secured, tiny_lm, rows)  # while the 300 wait
+        deadline = time.monotonic() + 10
+        while len(secured.gate.waiting) < per_client and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(secured.gate.waiting) == per_client and secured.gate.rpcs.active == 0
+        check_serving(secured, tiny_lm, rows)  # while they wait
         codes = loop.run(outcome(calls))
-        assert codes == ["DEADLINE_EXCEEDED"] * HALF_OPEN
-        assert metric(secured, 'nlmserve_refused_total{reason="first_message_timeout"}') == HALF_OPEN
+        assert {code for code, _ in codes} == {"DEADLINE_EXCEEDED"}
+        cut = [why for _, why in codes if why.startswith("cut for a newer call")]
+        assert set(cut) == {f"cut for a newer call: {per_client} calls of this client were waiting for their "
+                            f"request message (--max-rpcs-per-client {per_client}); a client sends it with the "
+                            "call's headers"}
+        # the client's own requests (check_serving's) each cut one more
+        assert HALF_OPEN - per_client < len(cut) <= HALF_OPEN - per_client + 3
+        assert metric(secured, 'nlmserve_refused_total{reason="calls_awaiting_message"}') == len(cut)
+        assert metric(secured, 'nlmserve_refused_total{reason="first_message_timeout"}') == HALF_OPEN - len(cut)
+        assert len(secured.gate.waiting) == 0
         check_serving(secured, tiny_lm, rows)
     finally:
         async def close() -> None:

@@ -335,15 +335,61 @@ def test_calls_held_without_their_message_are_cut_and_bounded(frontends: Started
                                                               tiny_lm: Any) -> None:
     """An authorised call whose message never comes ends DEADLINE_EXCEEDED at
     --first-message-ms; and of 40 such calls on one connection only
-    --max-rpcs-per-connection wait, the rest are refused at once."""
+    --max-rpcs-per-connection wait: each newer one cuts the one that has waited longest."""
     fe = frontends(backend, "--first-message-ms", "1500", "--max-rpcs-per-connection", "4")
     start = time.monotonic()
     codes = half_open_codes(fe.target, AUTH, 40, 10.0)
     assert time.monotonic() - start < 6.0
-    cut = [c for c in codes if c.startswith("DEADLINE_EXCEEDED:") and "--first-message-ms" in c]
-    refused = [c for c in codes if c.startswith("RESOURCE_EXHAUSTED:") and "waiting for their request" in c]
-    assert (len(cut), len(refused)) == (4, 36), codes
+    timed_out = [c for c in codes if c.startswith("DEADLINE_EXCEEDED:") and "--first-message-ms" in c]
+    cut = [c for c in codes if c == "DEADLINE_EXCEEDED:cut for a newer call: 4 calls on this connection were "
+           "waiting for their request message (--max-rpcs-per-connection 4); a client sends it with the call's "
+           "headers"]
+    assert (len(timed_out), len(cut)) == (4, 36), codes
     scores(fe.target, tiny_lm)
+
+
+def test_health_calls_held_open_never_keep_out_a_probe(frontends: Started, backend: RunningServer) -> None:
+    """Health calls whose message never comes (no token needed): at most
+    --max-health-watches-per-connection (4 here) wait on one connection and
+    --max-health-watches (16) in all; each newer one cuts the one that has waited longest,
+    so a probe's Check on a new connection is answered however many are held open (the
+    front end refused it RESOURCE_EXHAUSTED once 1,024 were)."""
+    fe = frontends(backend, "--max-health-watches", "16", "--max-health-watches-per-connection", "4")
+
+    async def run() -> tuple[list[str], str]:
+        stop = asyncio.Event()
+        channels = [grpc.aio.insecure_channel(fe.target, options=[("grpc.use_local_subchannel_pool", 1)])
+                    for _ in range(10)]
+        held = [ch.stream_unary("/grpc.health.v1.Health/Check")(never_sends(stop), timeout=30)
+                for ch in channels for _ in range(6)]  # 60: 2 beyond each connection's 4, 24 beyond all 16
+        await asyncio.sleep(1.0)
+        async with grpc.aio.insecure_channel(fe.target, options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
+            answer = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
+        for _ in range(100):  # the probe's victim is told on its own connection
+            if sum(c.done() for c in held) > 44:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)  # (and nothing more is cut)
+        done = [c for c in held if c.done()]
+        codes = []
+        for call in done:
+            try:
+                await call
+                codes.append("OK")
+            except grpc.aio.AioRpcError as e:
+                codes.append(e.code().name + ":" + (e.details() or ""))
+        stop.set()
+        await asyncio.gather(*(c.close() for c in channels))
+        return codes, health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
+
+    codes, probe = asyncio.run(run())
+    assert probe == "SERVING"
+    # 60 held open, 16 may wait: 44 cut, and one more for the probe
+    assert len(codes) == 45, codes
+    assert all(c.startswith("DEADLINE_EXCEEDED:cut for a newer call: ") for c in codes), codes
+    assert any("4 health calls on this connection" in c and "--max-health-watches-per-connection 4" in c
+               for c in codes), codes
+    assert any("16 health calls in all" in c and "(--max-health-watches 16)" in c for c in codes), codes
 
 
 # ---------------------------------------------------------------------- memory

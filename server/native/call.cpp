@@ -56,14 +56,33 @@ void Call::Begin(std::shared_ptr<Call> self) {
     Complete(End(kUnknownMethod, "the front end serves no method " + Refusals::Printable(ctx_->method())));
     return;
   }
-  if (!TakeSlot(open ? &guards->health_awaiting : &guards->awaiting, &awaiting_)) return;
+  Waiting *waiting = open ? &guards->health_waiting : &guards->waiting;
   std::weak_ptr<Call> weak = self_;
+  Waiting::Ticket ticket = waiting->Enter(peer_, client_, [weak] {
+    if (auto call = weak.lock()) call->CutWaiting();
+  });
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (finished_) {  // cut already, by a newer call
+      waiting->Leave(ticket);
+      return;
+    }
+    waiting_ = waiting;
+    ticket_ = std::move(ticket);
+  }
   first_alarm_.Set(std::chrono::system_clock::now() + std::chrono::milliseconds(service_->limits().first_message_ms),
                    [weak](bool fired) {
                      if (!fired) return;
                      if (auto call = weak.lock()) call->FirstMessageTimeout();
                    });
   StartRead(&first_);
+  bool cut;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    read_started_ = true;
+    cut = cut_pending_;
+  }
+  if (cut) CutWaiting();
 }
 
 void Call::Refuse(const grpc::Status &status) {
@@ -97,10 +116,17 @@ void Call::SendRefusal() {
   Complete(*status);
 }
 
+void Call::LeaveWaiting() {
+  if (waiting_ == nullptr) return;
+  waiting_->Leave(ticket_);
+  waiting_ = nullptr;
+  ticket_.reset();
+}
+
 bool Call::Finishing() {
   if (finished_) return false;
   finished_ = true;
-  GiveSlot(&awaiting_);
+  LeaveWaiting();
   GiveSlot(&slots_);
   return true;
 }
@@ -186,6 +212,22 @@ void Call::FirstMessageTimeout() {
                                          " ms of the call's headers (--first-message-ms)"));
 }
 
+void Call::CutWaiting() {
+  std::string why;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (first_state_ != FirstMessage::kAwaited || finished_) return;
+    if (!read_started_) {  // no finish before the read has started: Begin cuts it then
+      cut_pending_ = true;
+      return;
+    }
+    first_state_ = FirstMessage::kTimedOut;  // a message arriving now is not read
+    if (waiting_ != nullptr) why = waiting_->Why(ticket_);
+  }
+  service_->guards()->refusals.Note(kReasonAwaitingMessage, ctx_->method(), peer_);
+  Complete(End(kFirstMessageTimeout, why));
+}
+
 void Call::OnReadDone(bool ok) {
   FirstMessage state;
   {
@@ -193,7 +235,7 @@ void Call::OnReadDone(bool ok) {
     state = first_state_;
     if (state == FirstMessage::kAwaited) {
       first_state_ = FirstMessage::kRead;
-      GiveSlot(&awaiting_);
+      LeaveWaiting();
     }
   }
   if (state == FirstMessage::kTimedOut) return;  // the call is ended already
@@ -267,7 +309,7 @@ void Call::OnDone() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (write_alarm_) write_alarm_->Cancel();
-    GiveSlot(&awaiting_);
+    LeaveWaiting();
     GiveSlot(&slots_);
     if (client_held_ != nullptr) client_held_->LeaveClient(client_);
     client_held_ = nullptr;

@@ -23,6 +23,7 @@
 
 #include "log.h"
 #include "slots.h"
+#include "waiting.h"
 
 namespace nlmserve_frontend {
 
@@ -119,6 +120,10 @@ class Call : public grpc::ServerGenericBidiReactor, public std::enable_shared_fr
   void OnCancel() final;
   void OnDone() final;
   void FirstMessageTimeout();
+  // Ends a call still waiting for its request message, cut for a newer one (Waiting).
+  void CutWaiting();
+  // The call no longer waits for its request message (under mu_).
+  void LeaveWaiting();
   // Ends the call with an authentication refusal, at once or after the delay AuthFailures
   // gives the caller's address.
   void Refuse(const grpc::Status &status);
@@ -150,8 +155,8 @@ class Call : public grpc::ServerGenericBidiReactor, public std::enable_shared_fr
   void GiveSlot(Slots **held);
   std::unique_ptr<grpc::Status> refusal_;  // a refusal waiting out its delay
   std::string refused_address_;
-  // The slots a call holds (under mu_): `awaiting_` while its request message is awaited,
-  // `slots_` once it is there, until the call is finished (Finishing). Its answer and
+  // What a call holds (under mu_): a place among the calls waiting for their request
+  // message (`waiting_`, `ticket_`) while it is awaited, a slot (`slots_`) once it is there, until the call is finished (Finishing). Its answer and
   // status are gRPC's to send from then on, and gRPC's OnDone, after which the call is
   // gone, can lag the finish by seconds while the transport is busy with other clients:
   // a finished call holds no slot, or an answered client would be refused for calls it no
@@ -159,7 +164,10 @@ class Call : public grpc::ServerGenericBidiReactor, public std::enable_shared_fr
   // cut by the write timeout gives the front end's and its connection's slot back at once
   // and keeps counting against its client's share until OnDone (`client_held_`), so that a
   // client that does not read cannot pile up calls beyond its share.
-  Slots *awaiting_ = nullptr;
+  Waiting *waiting_ = nullptr;  // and its ticket, while the request message is awaited
+  Waiting::Ticket ticket_;
+  bool read_started_ = false;  // Begin has started the first read (a cut waits for it)
+  bool cut_pending_ = false;
   Slots *slots_ = nullptr;
   Slots *client_held_ = nullptr;
   std::shared_ptr<Call> self_;
