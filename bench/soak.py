@@ -16,7 +16,7 @@ goes through four phases:
    server, and the native front end) and the size of /metrics are taken as the start.
 2. **attack** (``--minutes``): the authorised clients again, with every hostile client of
    ``--attacks`` (bench/soak_attacks.py: held and flooding health Watch streams, half-open
-   calls, random and oversized messages, gzip bombs, 1 ms deadlines, invented method
+   calls and half-open health Checks, random and oversized messages, gzip bombs, 1 ms deadlines, invented method
    names, server-streaming calls never read, rapid reset, large metadata, slow
    connections, random TCP bytes, clients killed with large requests in flight) and the
    faults: every ``--fault-every`` seconds a replica's model file replaced by a bad one

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 from bench.soak_h2_attacks import big_metadata, never_read, rapid_reset, slow
-from bench.soak_hostile import METHODS, REPO, SCORE, HostileConfig, Tally, Target, log, wait_or_stop
+from bench.soak_hostile import CHECK, METHODS, REPO, SCORE, HostileConfig, Tally, Target, log, wait_or_stop
 
 
 # ---------------------------------------------------------------------- attacks through grpcio
@@ -77,9 +77,9 @@ async def watcher(r: Target, streams: int, stop: asyncio.Event, out: Tally) -> N
         await wait_or_stop(stop, 0.5)
 
 
-async def half_open(r: Target, calls: int, stop: asyncio.Event, out: Tally) -> None:
-    """``calls`` ScoreNgrams calls without a token whose request never comes, on one
-    connection, re-opened 0.2 s after they end."""
+async def half_open(r: Target, calls: int, stop: asyncio.Event, out: Tally, method: str = SCORE) -> None:
+    """``calls`` calls of ``method`` (ScoreNgrams) without a token whose request never comes,
+    on one connection, re-opened 0.2 s after they end."""
     import grpc
 
     channel = None
@@ -88,7 +88,7 @@ async def half_open(r: Target, calls: int, stop: asyncio.Event, out: Tally) -> N
             if channel is not None:
                 await channel.close(None)
             channel = grpc.aio.insecure_channel(f"127.0.0.1:{r.port}", options=_own_connection())
-        pending = [channel.stream_unary(SCORE, None, None)(_never_sends(stop), timeout=30) for _ in range(calls)]
+        pending = [channel.stream_unary(method, None, None)(_never_sends(stop), timeout=30) for _ in range(calls)]
         for call in pending:
             try:
                 await call
@@ -305,6 +305,10 @@ class Hostile:
                 tasks += [watcher(r, cfg.watch_per_connection, stop, self._tally("watch_flood")) for _ in range(flood)]
             if "half_open" in on:
                 tasks.append(half_open(r, self.max_concurrent_rpcs, stop, self._tally("half_open")))
+            if "half_open_health" in on:
+                flood = self.max_health_watches // cfg.watch_per_connection + 2
+                tasks += [half_open(r, cfg.watch_per_connection, stop, self._tally("half_open_health"), CHECK)
+                          for _ in range(flood)]
             if "garbage" in on:
                 tallies = {k: self._tally(k) for k in ("random", "random_token", "oversized", "oversized_token")}
                 tasks.append(garbage(r, self.max_message_bytes, self.token, self.seed + i, stop, tallies))

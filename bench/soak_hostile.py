@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 SERVICE = "/nlmserve.v1.LanguageModel/"
 SCORE = SERVICE + "ScoreNgrams"
 METHODS = (SCORE, SERVICE + "ScoreSentences", SERVICE + "GetModelInfo")
+CHECK = "/grpc.health.v1.Health/Check"
 STREAMING = (SERVICE + "GetScoringTables", SERVICE + "GetVocabulary")
 
 #: An empty gRPC message (uncompressed, length 0): the request of GetVocabulary and GetScoringTables.
@@ -28,6 +29,8 @@ ATTACKS: dict[str, str] = {
     "watch": "health Watch streams, one per connection",
     "watch_flood": "health Watch streams, 8 per connection, beyond --max-health-watches",
     "half_open": "ScoreNgrams calls that never send their message",
+    "half_open_health": "health Check calls that never send their message, 8 per connection, beyond "
+                        "--max-health-watches",
     "garbage": "random bytes and oversized messages on three methods",
     "gzip_bomb": "gzip-compressed requests that inflate to --gzip-bomb-bytes",
     "deadline_1ms": "ScoreNgrams with a 1 ms deadline, with a token",

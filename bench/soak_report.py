@@ -47,6 +47,8 @@ def _hostile_rows(cfg: dict[str, Any]) -> dict[str, str]:
         "watch_flood": f"Watch flood: {flood} connections x {h['watch_per_connection']} streams "
                        f"(`--max-health-watches {cfg['max_health_watches']}`)",
         "half_open": f"ScoreNgrams calls that never send ({per} at a time, re-opened when refused)",
+        "half_open_health": f"health Check calls that never send: {flood} connections x {h['watch_per_connection']} "
+                            f"(`--max-health-watches {cfg['max_health_watches']}`), re-opened when ended",
         "random": "random bytes on three methods",
         "random_token": "random bytes, with a token",
         "oversized": "messages over `--max-message-bytes`",
