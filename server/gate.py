@@ -193,6 +193,8 @@ class Waiting:
             if calls is not None and limit is not None and len(calls) >= limit:
                 oldest = next(iter(calls))
                 self.leave(oldest)
+                if oldest.timeout.expired():  # its deadline has passed: it is ending already
+                    continue
                 oldest.cut = (f"cut for a newer call: {limit} {self.what} {where} were waiting for their "
                               f"request message ({self.flags[flag]} {limit}); a client sends it with the "
                               "call's headers")

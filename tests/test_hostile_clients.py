@@ -254,6 +254,40 @@ def test_a_client_is_its_token_when_tokens_tell_callers_apart_else_its_address()
     assert client_of("ipv4:10.0.0.7:51234", "ab12") != client_of("ipv4:10.0.0.7:51234", "cd34")
 
 
+def test_waiting_calls_cut_the_longest_waiting_of_their_scope() -> None:
+    """Waiting (server/gate.py): a call beyond the limit of its connection, its client or
+    the server cuts the one of that scope that has waited longest (its timeout ends at
+    once, with the reason); one whose own deadline has just passed is not cut again (its
+    timeout can no longer be changed: the server logged a RuntimeError traceback)."""
+    from nlmserve.server.gate import Waiting
+
+    async def run() -> None:
+        waiting = Waiting("calls", 3, 2, 2, ("--in-all", "--per-connection", "--per-client"))
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(60) as t1, asyncio.timeout(60) as t2, asyncio.timeout(60) as t3:
+            a = waiting.enter("conn1", "alice", t1)
+            b = waiting.enter("conn1", "bob", t2)
+            c = waiting.enter("conn1", "carol", t3)  # conn1's third: a cut
+            assert a.cut.startswith("cut for a newer call: 2 calls on this connection were waiting") and \
+                "(--per-connection 2)" in a.cut and t1.when() is not None and t1.when() <= loop.time()
+            assert not b.cut and not c.cut and len(waiting) == 2
+            waiting.leave(b)
+            waiting.leave(c)
+            waiting.leave(a)  # once: a cut call has left already
+            assert len(waiting) == 0
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0) as expired:
+                late = waiting.enter("conn2", "dave", expired)
+                await asyncio.sleep(1)
+        async with asyncio.timeout(60) as t4, asyncio.timeout(60) as t5:
+            d = waiting.enter("conn3", "dave", t4)  # dave's second: the late one has not left yet
+            e = waiting.enter("conn4", "dave", t5)  # dave's third: the late one is the longest waiting
+            assert not late.cut  # its deadline had passed: it leaves, not cut again
+            assert not d.cut and not e.cut and len(waiting) == 2
+
+    asyncio.run(run())
+
+
 # ---------------------------------------------------------------------- HTTP/2 rapid reset
 def test_rapid_reset_cancels_no_other_clients_call(tiny_model_path: Path, tmp_path: Path) -> None:
     """Four connections each open and reset 20,000 calls without a token while four
