@@ -15,9 +15,9 @@ One grpc.aio interceptor in front of every service, in this order:
    message never comes is cut, not held. While it waits, a call counts among the calls
    waiting for their message (:class:`Waiting`; health calls apart, with the Watch
    limits): beyond the limit per connection, per client or in all, the call of that
-   connection, client or server that has waited longest is cut (DEADLINE_EXCEEDED) for
-   it, so that no one holding calls open keeps out a call whose message is on its way
-   (a probe's Check). A large message is parsed off the event loop
+   connection, client or server that has waited longest is cut for it
+   (RESOURCE_EXHAUSTED, a Watch UNIMPLEMENTED), so that no one holding calls open keeps
+   out a call whose message is on its way (a probe's Check). A large message is parsed off the event loop
    (:class:`~nlmserve.server.requests.LargeRequest`), once the call holds its slot.
 3. **Slots**, taken once the message is there and given back when the call ends:
    ``max_concurrent_rpcs`` for every authorised call (LanguageModel, Admin, reflection),
@@ -197,7 +197,7 @@ class Waiting:
                     continue
                 oldest.cut = (f"cut for a newer call: {limit} {self.what} {where} were waiting for their "
                               f"request message ({self.flags[flag]} {limit}); a client sends it with the "
-                              "call's headers")
+                              "call's headers; retry later")
                 oldest.timeout.reschedule(asyncio.get_running_loop().time())  # its wait ends now
         wait = _Wait(connection, client, timeout)
         self._calls[wait] = None
@@ -322,9 +322,11 @@ class CallGate(_Interceptor):
         return grpc.stream_stream_rpc_method_handler(deny)
 
     # -------------------------------------------------------------- one call
-    async def _first(self, context: Context, rpc: str, waiting: Waiting, client: str) -> Any:
+    async def _first(self, context: Context, rpc: str, waiting: Waiting, client: str,
+                     cut_code: grpc.StatusCode) -> Any:
         """The call's first request message, within ``first_message_seconds``, the call
-        counted meanwhile among ``waiting``'s (which may cut it for a newer call)."""
+        counted meanwhile among ``waiting``'s, which may cut it for a newer call (ended
+        ``cut_code``)."""
         peer: str = context.peer()
         wait: _Wait | None = None
         try:
@@ -336,8 +338,8 @@ class CallGate(_Interceptor):
                     waiting.leave(wait)
         except TimeoutError:
             if wait is not None and wait.cut:
-                self.refusals.note(Waiting.REASON, rpc, CallStatus.first_message_timeout, peer)
-                await context.abort(CallStatus.first_message_timeout, wait.cut)
+                self.refusals.note(Waiting.REASON, rpc, cut_code, peer)
+                await context.abort(cut_code, wait.cut)
             self.refusals.note("first_message_timeout", rpc, CallStatus.first_message_timeout, peer)
             await context.abort(CallStatus.first_message_timeout,
                                 f"no request message within {self.first_message_seconds:g} s of the call's "
@@ -398,10 +400,14 @@ class CallGate(_Interceptor):
             return request
 
         waiting = self.waiting if pool is self.rpcs else self.health_waiting
+        # A call cut while it waits ends as one refused by a limit: RESOURCE_EXHAUSTED, which
+        # clients retry (a call of a burst whose message had come but was not read yet may
+        # be cut), or UNIMPLEMENTED for a Watch (4. below).
+        cut_code = CallStatus.watches_full if pool is self.watches else CallStatus.slots_full
 
         async def unary(request_iterator: Any, context: Context) -> Any:
             client = client_of(context.peer(), holder)
-            request = await self._first(context, rpc, waiting, client)
+            request = await self._first(context, rpc, waiting, client, cut_code)
             peer = await self._enter(pool, context, rpc, client)
             try:
                 request = await parsed(request)
@@ -415,7 +421,7 @@ class CallGate(_Interceptor):
 
         async def stream(request_iterator: Any, context: Context) -> None:
             client = client_of(context.peer(), holder)
-            request = await self._first(context, rpc, waiting, client)
+            request = await self._first(context, rpc, waiting, client, cut_code)
             peer = await self._enter(pool, context, rpc, client)
             holds_server = pool is not None
             try:

@@ -335,15 +335,16 @@ def test_calls_held_without_their_message_are_cut_and_bounded(frontends: Started
                                                               tiny_lm: Any) -> None:
     """An authorised call whose message never comes ends DEADLINE_EXCEEDED at
     --first-message-ms; and of 40 such calls on one connection only
-    --max-rpcs-per-connection wait: each newer one cuts the one that has waited longest."""
+    --max-rpcs-per-connection wait: each newer one cuts the one that has waited longest
+    (RESOURCE_EXHAUSTED, as a refusal by a limit)."""
     fe = frontends(backend, "--first-message-ms", "1500", "--max-rpcs-per-connection", "4")
     start = time.monotonic()
     codes = half_open_codes(fe.target, AUTH, 40, 10.0)
     assert time.monotonic() - start < 6.0
     timed_out = [c for c in codes if c.startswith("DEADLINE_EXCEEDED:") and "--first-message-ms" in c]
-    cut = [c for c in codes if c == "DEADLINE_EXCEEDED:cut for a newer call: 4 calls on this connection were "
+    cut = [c for c in codes if c == "RESOURCE_EXHAUSTED:cut for a newer call: 4 calls on this connection were "
            "waiting for their request message (--max-rpcs-per-connection 4); a client sends it with the call's "
-           "headers"]
+           "headers; retry later"]
     assert (len(timed_out), len(cut)) == (4, 36), codes
     scores(fe.target, tiny_lm)
 
@@ -386,7 +387,7 @@ def test_health_calls_held_open_never_keep_out_a_probe(frontends: Started, backe
     assert probe == "SERVING"
     # 60 held open, 16 may wait: 44 cut, and one more for the probe
     assert len(codes) == 45, codes
-    assert all(c.startswith("DEADLINE_EXCEEDED:cut for a newer call: ") for c in codes), codes
+    assert all(c.startswith("RESOURCE_EXHAUSTED:cut for a newer call: ") for c in codes), codes
     assert any("4 health calls on this connection" in c and "--max-health-watches-per-connection 4" in c
                for c in codes), codes
     assert any("16 health calls in all" in c and "(--max-health-watches 16)" in c for c in codes), codes

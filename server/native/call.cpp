@@ -225,7 +225,10 @@ void Call::CutWaiting() {
     if (waiting_ != nullptr) why = waiting_->Why(ticket_);
   }
   service_->guards()->refusals.Note(kReasonAwaitingMessage, ctx_->method(), peer_);
-  Complete(End(kFirstMessageTimeout, why));
+  // As a call refused by a limit ends (TakeSlot): RESOURCE_EXHAUSTED, which clients retry
+  // (a call of a burst whose message had come but was not read yet may be cut), or
+  // UNIMPLEMENTED for a Watch.
+  Complete(End(method_->kind == Kind::kHealthWatch ? kWatchesFull : kSlotsFull, why));
 }
 
 void Call::OnReadDone(bool ok) {

@@ -99,7 +99,7 @@ class Waiting {
     LeaveLocked(oldest);
     oldest->why = "cut for a newer call: " + std::to_string(limit) + " " + what_ + " " + where +
                   " were waiting for their request message (" + flags_[flag] + " " + std::to_string(limit) +
-                  "); a client sends it with the call's headers";
+                  "); a client sends it with the call's headers; retry later";
     victims->push_back(std::move(oldest->cut));
   }
   void LeaveLocked(const Ticket &ticket) {
