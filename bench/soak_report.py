@@ -77,8 +77,10 @@ def _probe_detail(h: dict[str, Any]) -> str:
     """The probes' times and failures, where the run recorded them (older runs did not)."""
     if "p50_ms" not in h:
         return ""
-    out = (f", each connection and answer in p50 {h['p50_ms']:.0f} ms, p99 {h['p99_ms']:.0f} ms, max "
-           f"{h['max_ms']:.0f} ms; the kernel dropped {h['accept_queue_drops']} connections at a full accept queue")
+    out = (f", each from its channel's creation to the answer (the deadline, 2 s, counts from the call; the "
+           f"soak's own process is busy with its clients) in p50 {h['p50_ms']:.0f} ms, p99 {h['p99_ms']:.0f} ms, "
+           f"max {h['max_ms']:.0f} ms; the kernel dropped {h['accept_queue_drops']} connections at a full accept "
+           "queue")
     for f in h["failures"]:
         out += (f"; at {f['at']} a probe of {f['replica']} got {f['code']} after {f['seconds']} s "
                 f"({'no connection' if f['phase'] == 'connect' else 'connected, no answer'})")
