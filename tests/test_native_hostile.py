@@ -387,10 +387,14 @@ def test_health_calls_held_open_never_keep_out_a_probe(frontends: Started, backe
     assert probe == "SERVING"
     # 60 held open, 16 may wait: 44 cut, and one more for the probe
     assert len(codes) == 45, codes
-    assert all(c.startswith("RESOURCE_EXHAUSTED:cut for a newer call: ") for c in codes), codes
-    assert any("4 health calls on this connection" in c and "--max-health-watches-per-connection 4" in c
-               for c in codes), codes
-    assert any("16 health calls in all" in c and "(--max-health-watches 16)" in c for c in codes), codes
+    kinds = {"RESOURCE_EXHAUSTED:cut for a newer call: 4 health calls on this connection were waiting for their "
+             "request message (--max-health-watches-per-connection 4); a client sends it with the call's headers; "
+             "retry later",
+             "RESOURCE_EXHAUSTED:cut for a newer call: 16 health calls in all were waiting for their request message "
+             "(--max-health-watches 16); a client sends it with the call's headers; retry later"}
+    assert set(codes) <= kinds, set(codes) - kinds
+    # at most 40 can wait on their connections (4 each): the bound in all cut some, whatever the order
+    assert any("in all" in c for c in codes), codes
 
 
 # ---------------------------------------------------------------------- memory
