@@ -1,8 +1,8 @@
 """Soak under hostile clients and faults: nothing lost, nothing wrong, no failed probe, and
 memory back where it started once the attackers leave.
 
-    .venv/bin/python -m bench.soak [--model M] [--minutes 10] [--frontend python|native|both] [--json bench/results/soak.json] [--doc docs/hostile-clients.md]
-    .venv/bin/python -m bench.soak --render bench/results/soak.json [--doc docs/hostile-clients.md]
+    .venv/bin/python -m bench.soak [--model M] [--minutes 10] [--frontend python|native|both] [--json bench/results/soak.json] [--doc experiments/hostile-clients.md]
+    .venv/bin/python -m bench.soak --render bench/results/soak.json [--doc experiments/hostile-clients.md]
 
 Two ``nlmserve serve`` replicas (``--frontend python``, or ``--frontend native``: the C++
 front end before each model server, built with ``make cpp`` when it is missing; ``both``
@@ -108,7 +108,7 @@ class SoakConfig:
             and after the settle.
         seed: of the hostile clients' random bytes and of the clients' requests.
         poll_engine: gRPC's polling engine in the replicas (GRPC_POLL_STRATEGY): None for
-            gRPC's default (epoll1 on Linux), or e.g. "poll" (hostile-clients.md says why).
+            gRPC's default (epoll1 on Linux), or e.g. "poll" (experiments/results.md says why).
         hostile: what the hostile clients do.
     """
 

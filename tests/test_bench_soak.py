@@ -79,7 +79,7 @@ def test_the_table_says_whether_the_target_was_met() -> None:
     result = json.loads((REPO / "bench" / "results" / "soak.json").read_text(encoding="utf-8"))
     table = soak_report.render(result)
     assert table.startswith(soak_report.BEGIN) and table.rstrip().endswith(soak_report.END)
-    doc = (REPO / "docs" / "hostile-clients.md").read_text(encoding="utf-8")
+    doc = (REPO / "experiments" / "hostile-clients.md").read_text(encoding="utf-8")
     assert table in doc  # the page shows the recorded run, as the script wrote it
     for run in result["runs"]:
         assert f"| {run['frontend']} | {run['authorised']['all']['sent']} |" in table
