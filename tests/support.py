@@ -234,3 +234,17 @@ def metric(running: RunningServer, sample: str) -> float:
             if key == sample:
                 return float(value)
     return 0.0
+
+
+async def ended(calls: list[Any]) -> list[tuple[str, str]]:
+    """How each grpc.aio call ended, in order: ("OK", "") or its status (code name, details)."""
+    import grpc
+
+    out = []
+    for call in calls:
+        try:
+            await call
+            out.append(("OK", ""))
+        except grpc.aio.AioRpcError as e:
+            out.append((e.code().name, e.details() or ""))
+    return out

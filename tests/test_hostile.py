@@ -20,7 +20,7 @@ from nlmserve.proto import lm_pb2, lm_pb2_grpc
 from nlmserve.server.app import RunningServer
 from nlmserve.server.config import ServerConfig
 
-from support import GatedScorer, dev_ngrams, metric, start_server
+from support import GatedScorer, dev_ngrams, ended, metric, start_server
 
 T = TypeVar("T")
 TOKEN = "hostile-test-token-0123"
@@ -108,13 +108,7 @@ def test_half_open_unauthenticated_streams_hold_nothing(secured: RunningServer, 
         # Spread over the connections: one connection may have fewer streams open at once.
         calls = [channels[i % len(channels)].stream_unary(SCORE)(never_sends(stop), timeout=20)
                  for i in range(HALF_OPEN)]
-        codes = []
-        for call in calls:
-            try:
-                await call
-                codes.append("OK")
-            except grpc.aio.AioRpcError as e:
-                codes.append(e.code().name)
+        codes = [code for code, _ in await ended(calls)]
         return codes, watches, channels, stop
 
     codes, watches, channels, stop = loop.run(hostile())
@@ -204,16 +198,6 @@ def test_health_calls_held_open_never_keep_out_a_probe(tiny_lm: Any, tmp_path: P
     async def hold(channel: Any, n: int) -> list[Any]:
         return [channel.stream_unary(CHECK)(never_sends(stop), timeout=60) for _ in range(n)]
 
-    async def ended(calls: list[Any]) -> list[str]:
-        out = []
-        for call in calls:
-            try:
-                await call
-                out.append("OK")
-            except grpc.aio.AioRpcError as e:
-                out.append(f"{e.code().name}: {e.details()}")
-        return out
-
     channels = [loop.run(connect()) for _ in range(5)]
     held = []
     try:
@@ -232,7 +216,7 @@ def test_health_calls_held_open_never_keep_out_a_probe(tiny_lm: Any, tmp_path: P
         assert len(waiting) == 15
         done = [c for group in held for c in group if c.done()]
         assert len(done) == 6 and not any(c.done() for c in fifth + held[2] + held[3] + held[4])
-        why = loop.run(ended(done))
+        why = [f"{code}: {details}" for code, details in loop.run(ended(done))]
         on_connection = ("RESOURCE_EXHAUSTED: cut for a newer call: 4 health calls on this connection were waiting "
                          "for their request message (--max-health-watches-per-connection 4); a client sends it "
                          "with the call's headers; retry later")
@@ -267,16 +251,6 @@ def test_authorised_calls_that_never_send_are_cut(secured: RunningServer, tiny_l
         return [channels[i % 2].stream_unary(SCORE)(never_sends(stop), metadata=metadata, timeout=30)
                 for i in range(HALF_OPEN)], channels, stop
 
-    async def outcome(calls: list[Any]) -> list[tuple[str, str]]:
-        codes = []
-        for call in calls:
-            try:
-                await call
-                codes.append(("OK", ""))
-            except grpc.aio.AioRpcError as e:
-                codes.append((e.code().name, e.details() or ""))
-        return codes
-
     per_client = ServerConfig(model="m").max_rpcs_per_client
     calls, channels, stop = loop.run(half_open())
     try:
@@ -285,7 +259,7 @@ def test_authorised_calls_that_never_send_are_cut(secured: RunningServer, tiny_l
             time.sleep(0.05)
         assert len(secured.gate.waiting) == per_client and secured.gate.rpcs.active == 0
         check_serving(secured, tiny_lm, rows)  # while they wait
-        codes = loop.run(outcome(calls))
+        codes = loop.run(ended(calls))
         cut = [why for code, why in codes if code == "RESOURCE_EXHAUSTED"]
         # mostly the client's bound (the two connections' calls arrive interleaved); the
         # connection's own (128 too) where one connection's calls came first

@@ -30,7 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
 from nlmserve.server.app import RunningServer
-from support import GatedScorer, dev_ngrams, serve_subprocess, start_server
+from support import GatedScorer, dev_ngrams, ended, serve_subprocess, start_server
 from test_cpp_client import SERVE, driver  # noqa: F401 - the driver fixture builds build/native
 from test_native_frontend import FRONTEND, Frontend, backend_requests, packed, socket_flags
 
@@ -264,13 +264,7 @@ def half_open_codes(target: str, metadata: Any, calls: int, timeout: float) -> l
         async with grpc.aio.insecure_channel(target) as ch:
             method = ch.stream_unary(SCORE)
             pending = [method(never_sends(stop), metadata=metadata, timeout=timeout) for _ in range(calls)]
-            codes = []
-            for call in pending:
-                try:
-                    await call
-                    codes.append("OK")
-                except grpc.aio.AioRpcError as e:
-                    codes.append(e.code().name + ":" + (e.details() or ""))
+            codes = [code if code == "OK" else f"{code}:{details}" for code, details in await ended(pending)]
             stop.set()
             return codes
 
@@ -371,14 +365,7 @@ def test_health_calls_held_open_never_keep_out_a_probe(frontends: Started, backe
                 break
             await asyncio.sleep(0.02)
         await asyncio.sleep(0.2)  # (and nothing more is cut)
-        done = [c for c in held if c.done()]
-        codes = []
-        for call in done:
-            try:
-                await call
-                codes.append("OK")
-            except grpc.aio.AioRpcError as e:
-                codes.append(e.code().name + ":" + (e.details() or ""))
+        codes = [f"{code}:{details}" for code, details in await ended([c for c in held if c.done()])]
         stop.set()
         await asyncio.gather(*(c.close() for c in channels))
         return codes, health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
