@@ -62,11 +62,8 @@ void Call::Begin(std::shared_ptr<Call> self) {
     if (auto call = weak.lock()) call->CutWaiting();
   });
   {
+    // Nothing finishes the call before its read has started (a cut waits for it: CutWaiting).
     std::lock_guard<std::mutex> lock(mu_);
-    if (finished_) {  // cut already, by a newer call
-      waiting->Leave(ticket);
-      return;
-    }
     waiting_ = waiting;
     ticket_ = std::move(ticket);
   }
