@@ -322,12 +322,11 @@ class CallGate(_Interceptor):
         return grpc.stream_stream_rpc_method_handler(deny)
 
     # -------------------------------------------------------------- one call
-    async def _first(self, context: Context, rpc: str, waiting: Waiting, client: str,
+    async def _first(self, context: Context, rpc: str, waiting: Waiting, peer: str, client: str,
                      cut_code: grpc.StatusCode) -> Any:
         """The call's first request message, within ``first_message_seconds``, the call
         counted meanwhile among ``waiting``'s, which may cut it for a newer call (ended
         ``cut_code``)."""
-        peer: str = context.peer()
         wait: _Wait | None = None
         try:
             async with asyncio.timeout(self.first_message_seconds) as timeout:
@@ -349,9 +348,8 @@ class CallGate(_Interceptor):
             await context.abort(CallStatus.no_message, "the call ended without a request message")
         return request
 
-    async def _enter(self, pool: Pool | None, context: Context, rpc: str, client: str) -> str:
-        """Take a slot of ``pool`` for the caller's connection (its peer, returned) and client."""
-        peer: str = context.peer()
+    async def _enter(self, pool: Pool | None, context: Context, rpc: str, peer: str, client: str) -> None:
+        """Take a slot of ``pool`` for the caller's connection (its ``peer``) and client."""
         if pool is not None:
             refused = pool.take(peer, client)
             if refused is not None:
@@ -361,7 +359,6 @@ class CallGate(_Interceptor):
                     await context.abort(CallStatus.watches_full, f"{message}; use Check")
                 self.refusals.note(reason, rpc, CallStatus.slots_full, peer)
                 await context.abort(CallStatus.slots_full, message)
-        return peer
 
     async def _write(self, context: Context, response: Any, rpc: str, peer: str) -> bool:
         """Write ``response``; False when the client did not take it within the write timeout.
@@ -406,9 +403,10 @@ class CallGate(_Interceptor):
         cut_code = CallStatus.watches_full if pool is self.watches else CallStatus.slots_full
 
         async def unary(request_iterator: Any, context: Context) -> Any:
-            client = client_of(context.peer(), holder)
-            request = await self._first(context, rpc, waiting, client, cut_code)
-            peer = await self._enter(pool, context, rpc, client)
+            peer: str = context.peer()
+            client = client_of(peer, holder)
+            request = await self._first(context, rpc, waiting, peer, client, cut_code)
+            await self._enter(pool, context, rpc, peer, client)
             try:
                 request = await parsed(request)
                 if handler.request_streaming:
@@ -420,9 +418,10 @@ class CallGate(_Interceptor):
                     pool.leave_client(client)
 
         async def stream(request_iterator: Any, context: Context) -> None:
-            client = client_of(context.peer(), holder)
-            request = await self._first(context, rpc, waiting, client, cut_code)
-            peer = await self._enter(pool, context, rpc, client)
+            peer: str = context.peer()
+            client = client_of(peer, holder)
+            request = await self._first(context, rpc, waiting, peer, client, cut_code)
+            await self._enter(pool, context, rpc, peer, client)
             holds_server = pool is not None
             try:
                 request = await parsed(request)
