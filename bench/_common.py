@@ -184,14 +184,18 @@ def write_section(doc: Path, begin: str, end: str, text: str) -> None:
     tmp.replace(doc)
 
 
+def read_saved(saved: Path) -> Any:
+    """A saved run's JSON; one line (SystemExit) when the file is not one."""
+    try:
+        return json.loads(saved.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SystemExit(f"{saved}: not a saved run's JSON ({e})") from None
+
+
 def write_saved(doc: Path, saved: Path, script: str, render: Callable[[Any], str]) -> None:
     """``--render DOC JSON``: ``script``'s section of ``doc`` rewritten from a saved run's JSON
     by ``render``, measuring nothing."""
-    try:
-        result = json.loads(saved.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SystemExit(f"{saved}: not a saved run's JSON ({e})") from None
-    write_section(doc, *markers(script), render(result))
+    write_section(doc, *markers(script), render(read_saved(saved)))
 
 
 def machine_line(m: Mapping[str, Any]) -> str:

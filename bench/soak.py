@@ -71,7 +71,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from bench._common import exit_with, machine, resident_bytes, tree_pids, write_json, write_section
+from bench._common import exit_with, machine, read_saved, resident_bytes, tree_pids, write_json, write_section
 from bench.load import DEV_TXT, train_small_model
 from bench.soak_attacks import Hostile
 from bench.soak_clients import TOKEN, Load, Tally, authorised, strict
@@ -675,9 +675,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.render:
-        import json
-
-        result = json.loads(Path(args.render).read_text(encoding="utf-8"))
+        result = read_saved(Path(args.render))
     else:
         try:
             hostile = HostileConfig(attacks=tuple(a for a in args.attacks.split(",") if a))

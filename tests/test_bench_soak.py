@@ -248,3 +248,11 @@ def test_a_tiny_soak_of_the_native_front_end_runs_every_attack(driver: Path,  # 
                                                                tiny_model_path: Path) -> None:
     result = soak.run(tiny(tiny_model_path, "native"))
     check_tiny_run(result, "native", {"nlmserve serve", "nlmserve_frontend"})
+
+
+def test_rendering_a_file_that_is_not_a_saved_run_is_one_line(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.json"
+    empty.write_bytes(b"")
+    with pytest.raises(SystemExit) as stopped:
+        soak.main(["--render", str(empty)])
+    assert str(stopped.value).startswith(f"{empty}: not a saved run's JSON (")
