@@ -173,14 +173,15 @@ def random_class_model(texts: list[Path], vocab_size: int, order: int, dim: int,
 
 def write_section(doc: Path, begin: str, end: str, text: str) -> None:
     """Replace ``doc``'s section from the line ``begin`` to the line ``end`` by ``text`` (which
-    holds both markers), atomically; SystemExit when the markers are not there."""
+    holds both markers), atomically; SystemExit when the markers are not there. What follows
+    ``end`` is kept as it is, so writing the same text again leaves the document unchanged."""
     old = doc.read_text(encoding="utf-8")
     if begin not in old or end not in old:
         raise SystemExit(f"{doc}: no '{begin}' ... '{end}' section to replace")
     head, rest = old.split(begin, 1)
     _, tail = rest.split(end, 1)
     tmp = doc.with_name(doc.name + ".tmp")
-    tmp.write_text(head + text + tail, encoding="utf-8")
+    tmp.write_text(head + text.rstrip("\n") + tail, encoding="utf-8")
     tmp.replace(doc)
 
 

@@ -1,8 +1,8 @@
 """Soak under hostile clients and faults: nothing lost, nothing wrong, no failed probe, and
 memory back where it started once the attackers leave.
 
-    .venv/bin/python -m bench.soak [--model M] [--minutes 10] [--frontend python|native|both] [--json bench/results/soak.json] [--doc experiments/hostile-clients.md]
-    .venv/bin/python -m bench.soak --render bench/results/soak.json [--doc experiments/hostile-clients.md]
+    .venv/bin/python -m bench.soak [--model M] [--minutes 10] [--frontend python|native|both] [--json bench/results/soak.json] [--doc experiments/hostile-clients.md --doc docs/operating.md]
+    .venv/bin/python -m bench.soak --render bench/results/soak.json [--doc experiments/hostile-clients.md --doc docs/operating.md]
 
 Two ``nlmserve serve`` replicas (``--frontend python``, or ``--frontend native``: the C++
 front end before each model server, built with ``make cpp`` when it is missing; ``both``
@@ -43,9 +43,10 @@ answer is compared with the in-process score of the model its ``model_hash`` nam
 
 The target, per front end: 0 failed or wrong answers (some answered), 0 failed probes, every
 killed replica restarted, and every server process's resident memory after the settle
-within 10% of its start (exit 1 otherwise). ``--json`` writes the result; ``--doc`` writes
-its tables into the document between ``<!-- soak:begin -->`` and ``<!-- soak:end -->``;
-``--render`` makes them from a JSON. Without ``--model`` two small models are trained first
+within 10% of its start (exit 1 otherwise). ``--json`` writes the result; each ``--doc``
+document gets every table between ``<!-- soak:begin -->`` and ``<!-- soak:end -->``, and
+the verdict alone between ``<!-- soak summary:begin -->`` and ``<!-- soak summary:end -->``,
+whichever markers it has; ``--render`` makes them from a JSON. Without ``--model`` two small models are trained first
 (the test fixture's recipe; a few seconds). The authorised clients are in
 bench/soak_clients.py, the verdict and the tables in bench/soak_report.py.
 """
@@ -76,7 +77,7 @@ from bench.load import DEV_TXT, train_small_model
 from bench.soak_attacks import Hostile
 from bench.soak_clients import TOKEN, Load, Tally, authorised, strict
 from bench.soak_hostile import ATTACKS, REPO, HostileConfig
-from bench.soak_report import BEGIN, END, misses, render
+from bench.soak_report import BEGIN, END, SUMMARY_BEGIN, SUMMARY_END, misses, render, render_summary
 
 log = logging.getLogger("bench.soak")
 
@@ -650,6 +651,19 @@ def run(cfg: SoakConfig) -> dict[str, Any]:
             "runs": runs, "target_met": all(r["target_met"] for r in runs)}
 
 
+def write_docs(doc: Path, result: dict[str, Any]) -> None:
+    """Write ``result`` into ``doc``: every table between the soak markers, the verdict alone
+    between the summary markers, whichever it has; SystemExit when it has neither."""
+    text = doc.read_text(encoding="utf-8")
+    sections = [(begin, end, make) for begin, end, make in ((BEGIN, END, render),
+                                                             (SUMMARY_BEGIN, SUMMARY_END, render_summary))
+                if begin in text and end in text]
+    if not sections:
+        raise SystemExit(f"{doc}: no '{BEGIN}' ... '{END}' or '{SUMMARY_BEGIN}' ... '{SUMMARY_END}' section to replace")
+    for begin, end, make in sections:
+        write_section(doc, begin, end, make(result))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="model file (default: train the small test model)")
@@ -670,7 +684,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--poll-engine", choices=("epoll1", "poll"),
                    help="gRPC's polling engine in the replicas (GRPC_POLL_STRATEGY; default: gRPC's)")
     p.add_argument("--json", help="write the result as JSON here")
-    p.add_argument("--doc", help="write the tables into this document between the soak markers")
+    p.add_argument("--doc", action="append", default=[],
+                   help="write the tables into this document (every table between the soak markers, the verdict "
+                        "between the summary markers); may be given more than once")
     p.add_argument("--render", help="make the tables from this JSON instead of running")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -692,8 +708,8 @@ def main(argv: list[str] | None = None) -> int:
             write_json(Path(args.json), result)
     table = render(result)
     print(table, end="")
-    if args.doc:
-        write_section(Path(args.doc), BEGIN, END, table)
+    for doc in args.doc:
+        write_docs(Path(doc), result)
     return 0 if result["target_met"] else 1
 
 

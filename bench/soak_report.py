@@ -1,5 +1,6 @@
 """The soak's verdict and its tables (bench/soak.py): what a run missed of the target, and
-the Markdown that ``--doc`` writes between the soak markers."""
+the Markdown that ``--doc`` writes between the soak markers (every table) and between the
+summary markers (the verdict alone)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from bench._common import shown_command
 
 MEMORY_LIMIT = 1.10  # settled / start, per process
 BEGIN, END = "<!-- soak:begin -->", "<!-- soak:end -->"
+SUMMARY_BEGIN, SUMMARY_END = "<!-- soak summary:begin -->", "<!-- soak summary:end -->"
 
 
 def misses(run: dict[str, Any]) -> list[str]:
@@ -87,11 +89,10 @@ def _probe_detail(h: dict[str, Any]) -> str:
     return out
 
 
-def render(result: dict[str, Any]) -> str:
+def _verdict_lines(result: dict[str, Any]) -> list[str]:
+    """The run's command and settings, and its table of one row per front end."""
     cfg, runs = result["config"], result["runs"]
-    names = [r["frontend"] for r in runs]
-    lines = [BEGIN,
-             f"`{shown_command(result['command'])}`: {cfg['minutes']:g} minute{'' if cfg['minutes'] == 1 else 's'} of "
+    lines = [f"`{shown_command(result['command'])}`: {cfg['minutes']:g} minute{'' if cfg['minutes'] == 1 else 's'} of "
              f"attack per front end on "
              f"{result['machine']['cores']} cores ({result['machine']['cpu']}), two replicas with a token file of "
              f"two tokens (the authorised clients', the hostile ones'), `--max-concurrent-rpcs "
@@ -111,6 +112,26 @@ def render(result: dict[str, Any]) -> str:
         lines.append(f"| {r['frontend']} | {c['sent']} | {c['answered']} | {_outcomes(c['failed'])} | {c['wrong']} | "
                      f"{_outcomes(c['retried'])} | {c['p50_ms']} | {c['p99_ms']} | {h['sent']} | {h['failed']} | "
                      f"{worst:.2f} | {target} |")
+    return lines
+
+
+def render_summary(result: dict[str, Any]) -> str:
+    """The verdict alone (settings, one row per front end, the target), between the summary
+    markers: what docs/operating.md shows; the whole run is :func:`render`'s."""
+    return "\n".join([SUMMARY_BEGIN, *_verdict_lines(result), "", _target_line(result), SUMMARY_END]) + "\n"
+
+
+def _target_line(result: dict[str, Any]) -> str:
+    return ("Target (per front end: 0 failed or wrong answers, 0 failed probes, every process's memory after the "
+            "settle within 10% of its start): " + ("**met**." if result["target_met"] else "**not met**."))
+
+
+def render(result: dict[str, Any]) -> str:
+    """Every table of the run (its verdict, each authorised client, each process's memory,
+    each hostile client, the probes and faults), between the soak markers."""
+    cfg, runs = result["config"], result["runs"]
+    names = [r["frontend"] for r in runs]
+    lines = [BEGIN, *_verdict_lines(result)]
     lines += ["", "| authorised client | front end | sent | answered | failed | wrong | retried | p50 ms | p99 ms |",
               "|---|---|---|---|---|---|---|---|---|"]
     for kind in ("decoder", "rescoring", "reconnecting", "strict"):
@@ -147,6 +168,5 @@ def render(result: dict[str, Any]) -> str:
                   f"ones, {f.get('kill_restart', 0)} SIGKILLs of replica B (restarted on its port); the model servers "
                   f"counted {unauthenticated} calls refused UNAUTHENTICATED and, by limit (`nlmserve_refused_total`): "
                   f"{limits}; /metrics {sizes}.", ""]
-    lines += ["Target (per front end: 0 failed or wrong answers, 0 failed probes, every process's memory after the "
-              "settle within 10% of its start): " + ("**met**." if result["target_met"] else "**not met**."), END]
+    lines += [_target_line(result), END]
     return "\n".join(lines) + "\n"

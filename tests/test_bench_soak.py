@@ -81,6 +81,10 @@ def test_the_table_says_whether_the_target_was_met() -> None:
     assert table.startswith(soak_report.BEGIN) and table.rstrip().endswith(soak_report.END)
     doc = (REPO / "experiments" / "hostile-clients.md").read_text(encoding="utf-8")
     assert table in doc  # the page shows the recorded run, as the script wrote it
+    summary = soak_report.render_summary(result)
+    assert summary in (REPO / "docs" / "operating.md").read_text(encoding="utf-8")
+    verdict = "\n".join(soak_report._verdict_lines(result))
+    assert verdict in summary and verdict in table and "| authorised client |" not in summary
     for run in result["runs"]:
         assert f"| {run['frontend']} | {run['authorised']['all']['sent']} |" in table
         assert run["target_met"] == (not soak_report.misses(run))
@@ -256,3 +260,23 @@ def test_rendering_a_file_that_is_not_a_saved_run_is_one_line(tmp_path: Path) ->
     with pytest.raises(SystemExit) as stopped:
         soak.main(["--render", str(empty)])
     assert str(stopped.value).startswith(f"{empty}: not a saved run's JSON (")
+
+
+def test_each_doc_gets_the_sections_it_has_markers_for_and_a_rewrite_changes_nothing(tmp_path: Path) -> None:
+    result = json.loads((REPO / "bench" / "results" / "soak.json").read_text(encoding="utf-8"))
+    full, short, neither = tmp_path / "full.md", tmp_path / "short.md", tmp_path / "neither.md"
+    full.write_text(f"# Full\n\n{soak_report.BEGIN}\nold\n{soak_report.END}\n\nafter\n", encoding="utf-8")
+    short.write_text(f"{soak_report.SUMMARY_BEGIN}\n{soak_report.SUMMARY_END}\n", encoding="utf-8")
+    neither.write_text("nothing to replace\n", encoding="utf-8")
+    assert soak.main(["--render", str(REPO / "bench" / "results" / "soak.json"),
+                      "--doc", str(full), "--doc", str(short)]) == (0 if result["target_met"] else 1)
+    written = full.read_text(encoding="utf-8"), short.read_text(encoding="utf-8")
+    assert written[0] == "# Full\n\n" + soak_report.render(result) + "\nafter\n"
+    assert written[1] == soak_report.render_summary(result)
+    assert "| authorised client |" not in written[1]
+    soak.main(["--render", str(REPO / "bench" / "results" / "soak.json"), "--doc", str(full), "--doc", str(short)])
+    assert (full.read_text(encoding="utf-8"), short.read_text(encoding="utf-8")) == written  # no blank line added
+    with pytest.raises(SystemExit) as stopped:
+        soak.main(["--render", str(REPO / "bench" / "results" / "soak.json"), "--doc", str(neither)])
+    assert str(stopped.value).startswith(f"{neither}: no '{soak_report.BEGIN}'")
+    assert neither.read_text(encoding="utf-8") == "nothing to replace\n"
