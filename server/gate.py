@@ -39,7 +39,12 @@ One grpc.aio interceptor in front of every service, in this order:
    ``stream_write_timeout_seconds``; a client that does not read loses the call
    (DEADLINE_EXCEEDED once it reads again) and the server's slot at once. Until gRPC has
    handed the call's last message over, the call still counts against its client's own
-   share, so that one client cannot pile up such calls without bound.
+   share, so that one client cannot pile up such calls without bound. The answer of any
+   other call is sent by gRPC after the handler has returned, out of the gate's reach (a
+   grpc.aio server cannot end such a call): the server's slot is free then, and the call
+   counts against its client's share until gRPC is done with it (its client took the
+   answer, or went away). gRPC's ERROR with a traceback for each answer whose client went
+   away becomes the gate's one line (:class:`_GoneAnswers`).
 
 Every refusal by a limit or deadline counts in ``nlmserve_refused_total{reason}`` (reasons:
 ``metrics.REFUSAL_REASONS``) and in ``nlmserve_requests_total{rpc,code}``, whose ``rpc``
@@ -56,6 +61,7 @@ import contextlib
 import inspect
 import logging
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 import grpc
@@ -233,12 +239,14 @@ class _Refusals:
             log.warning("refused %s call(s) by %s since the last such line; the latest: %s from %s%s",
                         count, reason, rpc, peer, f" ({why})" if why else "")
 
-    def gone(self, rpc: str, peer: str) -> None:
-        """A streaming call's client went away while the server wrote its answer."""
-        self.requests.count(rpc, CallStatus.cancelled)
+    def gone(self, rpc: str, peer: str, counted: bool = False) -> None:
+        """A call's client went away while the server sent its answer (``counted``: the call
+        is counted in the metrics already, by the code it was answered with)."""
+        if not counted:
+            self.requests.count(rpc, CallStatus.cancelled)
         count = self._due("gone")
         if count:
-            log.info("%s streaming call(s) ended by their client mid-answer since the last such line; the "
+            log.info("%s call(s) ended by their client mid-answer since the last such line; the "
                      "latest: %s from %s went away", count, rpc, peer)
 
     def _due(self, kind: str) -> int:
@@ -253,6 +261,30 @@ class _Refusals:
             return count
         self._unlogged[kind] = count
         return 0
+
+
+class _GoneAnswers(logging.Filter):
+    """gRPC logs an ERROR with its traceback for each answer of a unary call whose client
+    went away before taking it (the answer is sent after the handler has returned, out of
+    the gate's reach): such records become the gate's one line per
+    :data:`LOG_EVERY_SECONDS` (:meth:`_Refusals.gone`), so that clients that go away
+    (killed, or on purpose, a connection at a time) cannot flood the log."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refusals: weakref.ref[_Refusals] | None = None  # the newest server's
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info is None or not isinstance(record.exc_info[1], ExecuteBatchError):
+            return True
+        refusals = self.refusals() if self.refusals is not None else None
+        if refusals is not None:
+            method = record.getMessage().rpartition("[")[2].rstrip("]")
+            refusals.gone(method.rpartition("/")[2] or UNKNOWN_RPC, "a client", counted=True)
+        return False
+
+
+_GONE_ANSWERS = _GoneAnswers()
 
 
 class CallGate(_Interceptor):
@@ -275,6 +307,10 @@ class CallGate(_Interceptor):
                                       config.max_health_watches_per_connection, None, self.watches.flags)
         self.refusals = _Refusals(requests, metrics)
         self.auth_failures = AuthFailures()
+        _GONE_ANSWERS.refusals = weakref.ref(self.refusals)
+        grpc_log = logging.getLogger(cygrpc.__name__)
+        if _GONE_ANSWERS not in grpc_log.filters:
+            grpc_log.addFilter(_GONE_ANSWERS)
 
     async def intercept_service(
         self,
@@ -374,6 +410,16 @@ class CallGate(_Interceptor):
             raise asyncio.CancelledError() from None  # gRPC ends a cancelled handler without a word
         return True
 
+    @staticmethod
+    def _leave_client_when_done(context: Context, pool: Pool, client: str) -> None:
+        """The call counts against its client's share until it is over: until gRPC has handed
+        its answer over (the client read it) or the call ended otherwise (the client went
+        away), so that a client that does not read cannot pile up answers without bound."""
+        if context.done():
+            pool.leave_client(client)
+        else:
+            context.add_done_callback(lambda _: pool.leave_client(client))  # type: ignore[arg-type]  # a class in the stubs
+
     def _guard(self, handler: Handler, rpc: str, pool: Pool | None, holder: str | None) -> Handler:
         """``handler`` as its request-streaming twin that reads the first message itself
         (within the deadline), then holds a slot of ``pool`` while it runs."""
@@ -407,15 +453,21 @@ class CallGate(_Interceptor):
             client = client_of(peer, holder)
             request = await self._first(context, rpc, waiting, peer, client, cut_code)
             await self._enter(pool, context, rpc, peer, client)
+            answer = None
             try:
                 request = await parsed(request)
                 if handler.request_streaming:
-                    return await inner(requests(request, context), context)
-                return await inner(request, context)
+                    answer = await inner(requests(request, context), context)
+                else:
+                    answer = await inner(request, context)
+                return answer
             finally:
                 if pool is not None:
                     pool.leave_server(peer)
-                    pool.leave_client(client)
+                    if answer is None:
+                        pool.leave_client(client)
+                    else:  # gRPC sends the answer once its client reads: its share is held until then
+                        self._leave_client_when_done(context, pool, client)
 
         async def stream(request_iterator: Any, context: Context) -> None:
             peer: str = context.peer()

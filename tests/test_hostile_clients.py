@@ -208,6 +208,79 @@ def test_a_client_that_does_not_read_loses_its_streams_and_slots(tiny_lm: Any, t
         running.stop(0.5)
 
 
+async def unread_answers(target: str, token: str, rows: np.ndarray, calls: int) -> tuple[list[str], Any]:
+    """``calls`` ScoreNgrams calls, one after another on one raw HTTP/2 connection whose
+    receive window is 0, so that the server can send headers but no answer: for each, "held"
+    (its answer waits in the server) or "CODE: message" (refused). Returns the connection too,
+    left open."""
+    from bench.h2 import (DATA, END_STREAM, H2, HEADER_TABLE_SIZE, INITIAL_WINDOW_SIZE, grpc_fields,
+                          header_block as h2_block, headers_frames)
+    from bench.h2 import frame as h2_frame
+
+    message = packed(rows).SerializeToString()
+    body = b"\x00" + len(message).to_bytes(4, "big") + message
+    port = host_port(target)[1]
+    conn = await H2.open(port, {HEADER_TABLE_SIZE: 0, INITIAL_WINDOW_SIZE: 0})
+    outcomes = []
+    for i in range(calls):
+        stream = 2 * i + 1
+        conn.send(headers_frames(stream, h2_block(grpc_fields(port, SCORE, token))) +
+                  h2_frame(DATA, END_STREAM, stream, body))
+        await conn.drain()
+        while True:  # the server's first HEADERS on the stream: its answer's headers, or a refusal
+            kind, flags, got, payload = await conn.read(10)
+            conn.answer(kind, flags, payload)
+            if kind == HEADERS and got == stream:
+                fields = conn.hpack.decode(payload)  # no dynamic table (HEADER_TABLE_SIZE 0): decoding twice is safe
+                status = fields.get("grpc-status")
+                outcomes.append("held" if status is None else
+                                f"{_code_name(int(status))}: "
+                                f"{fields.get('grpc-message', '')}")
+                break
+    return outcomes, conn
+
+
+async def closed(conn: Any) -> None:
+    conn.close()  # on the loop that owns the connection
+
+
+def _code_name(value: int) -> str:
+    return next(c.name for c in grpc.StatusCode if c.value[0] == value)
+
+
+def test_answers_a_client_does_not_read_count_against_its_share(tiny_lm: Any, tmp_path: Path, loop: Loop,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """A token holder whose receive window is 0 sends five ScoreNgrams calls, one after the
+    other: the server computes each answer, which then waits in gRPC. Each waits against
+    the holder's share (--max-rpcs-per-client 3), so the fourth and fifth calls are refused
+    naming the flag, and the server's own slots are free: the other client is served. Once
+    the holder goes away its share is free again, and its leaving is one log line, no ERROR
+    (gRPC logs each such answer with a traceback)."""
+    running = start_server(tiny_lm, token_file=token_file(tmp_path, TOKEN, OTHER), metrics_port=0,
+                           max_concurrent_rpcs=8, max_rpcs_per_connection=8, max_rpcs_per_client=3)
+    rows = dev_ngrams(tiny_lm, 0, 3)[:50]
+    expected = tiny_lm.score_ngrams(rows.astype(np.int64))
+    caplog.set_level(logging.DEBUG, logger="grpc")
+    caplog.set_level(logging.INFO, logger="nlmserve")
+    try:
+        outcomes, conn = loop.run(unread_answers(running.target, TOKEN, rows, 5))
+        assert outcomes[:3] == ["held"] * 3, outcomes
+        assert all(o.startswith("RESOURCE_EXHAUSTED: this client holds") and "--max-rpcs-per-client 3" in o
+                   for o in outcomes[3:]), outcomes
+        assert running.gate.rpcs.active == 0
+        with LMClient(running.target, token=OTHER, retries=0, timeout=10) as client:
+            np.testing.assert_allclose(client.score_ids(rows, log_base="ln").log_probs, expected, atol=1e-5, rtol=0)
+        loop.run(closed(conn))
+        wait_for(lambda: sum(running.gate.rpcs._by_client.values()) == 0)
+        with LMClient(running.target, token=TOKEN, retries=0, timeout=10) as client:
+            np.testing.assert_allclose(client.score_ids(rows, log_base="ln").log_probs, expected, atol=1e-5, rtol=0)
+        assert metric(running, 'nlmserve_refused_total{reason="max_rpcs_per_client"}') == 2
+        wait_for(lambda: any("went away" in r.getMessage() for r in caplog.records))
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    finally:
+        running.stop(0.5)
+
+
 def test_one_client_cannot_take_every_slot_over_several_connections(tiny_lm: Any, tmp_path: Path) -> None:
     """With two tokens (so each is a client), --max-concurrent-rpcs 4 and
     --max-rpcs-per-client 2: a client's third call in flight, on a connection of its own,
