@@ -323,7 +323,7 @@ class Hostile:
         tasks: list[Awaitable[None]] = []
         for r in self.targets:
             if "never_read" in on:
-                tasks += [never_read(r, cfg, self.token, stop, self._tally("never_read"))
+                tasks += [never_read(r, cfg, self.token, self.requests[2], stop, self._tally("never_read"))
                           for _ in range(cfg.never_read_connections)]
             if "rapid_reset" in on:
                 tasks.append(rapid_reset(r, cfg, stop, self._tally("rapid_reset")))

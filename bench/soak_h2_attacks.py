@@ -14,11 +14,15 @@ from bench.h2 import (DATA, END_STREAM, GOAWAY, H2, HEADER_TABLE_SIZE, INITIAL_W
 from bench.soak_hostile import EMPTY_MESSAGE, SCORE, STREAMING, HostileConfig, Tally, Target, wait_or_stop
 
 
-async def never_read(r: Target, cfg: HostileConfig, token: str, stop: asyncio.Event, out: Tally) -> None:
-    """A token holder with ``never_read_calls`` GetScoringTables and GetVocabulary calls open
-    on one connection and a receive window of 0: the server may send their headers, never a
+async def never_read(r: Target, cfg: HostileConfig, token: str, request: bytes, stop: asyncio.Event,
+                     out: Tally) -> None:
+    """A token holder with ``never_read_calls`` GetScoringTables, GetVocabulary and (with
+    ``never_read_unary``) ScoreNgrams calls (``request``, a serialised request) open on one
+    connection and a receive window of 0: the server may send their headers, never a
     message. A call the server ends is counted by how, with how long it held, and re-opened
     a second later; the connection is re-opened after a GOAWAY or a close."""
+    paths = (*STREAMING, SCORE) if cfg.never_read_unary else STREAMING
+    score_message = b"\x00" + len(request).to_bytes(4, "big") + request
     while not stop.is_set():
         if not r.up.is_set():
             await wait_or_stop(stop, 0.5)
@@ -35,9 +39,9 @@ async def never_read(r: Target, cfg: HostileConfig, token: str, stop: asyncio.Ev
 
         def call() -> None:
             nonlocal next_id
-            path = STREAMING[(next_id // 2) % len(STREAMING)]
+            path = paths[(next_id // 2) % len(paths)]
             conn.send(headers_frames(next_id, header_block(grpc_fields(r.port, path, token)))
-                      + frame(DATA, END_STREAM, next_id, EMPTY_MESSAGE))
+                      + frame(DATA, END_STREAM, next_id, score_message if path == SCORE else EMPTY_MESSAGE))
             opened[next_id] = time.monotonic()
             out.counts["calls"] += 1
             next_id += 2

@@ -35,7 +35,7 @@ ATTACKS: dict[str, str] = {
     "gzip_bomb": "gzip-compressed requests that inflate to --gzip-bomb-bytes",
     "deadline_1ms": "ScoreNgrams with a 1 ms deadline, with a token",
     "invented_methods": "calls of invented method names",
-    "never_read": "server-streaming calls whose client never reads, with a token",
+    "never_read": "server-streaming calls and ScoreNgrams answers whose client never reads, with a token",
     "rapid_reset": "HEADERS + RST_STREAM bursts on one connection",
     "big_metadata": "half-open calls with large metadata",
     "slow": "connections that stop before their preface ends or inside a header block",
@@ -54,8 +54,10 @@ class HostileConfig:
             per-connection default); the flood opens ``max_health_watches // this + 2``
             connections, so that it asks for more than the pool holds.
         never_read_connections: connections of the token holder that never reads.
-        never_read_calls: server-streaming calls it keeps open on each (at most what the
-            server's SETTINGS_MAX_CONCURRENT_STREAMS allows).
+        never_read_calls: calls it keeps open on each (at most what the server's
+            SETTINGS_MAX_CONCURRENT_STREAMS allows): GetScoringTables, GetVocabulary and, with
+            ``never_read_unary``, ScoreNgrams of 100 n-grams, in turn.
+        never_read_unary: whether ScoreNgrams is among them (its answer waits unread).
         reset_burst: HEADERS + RST_STREAM pairs in one burst of the rapid-reset client.
         reset_every: seconds between its bursts.
         big_metadata_calls: half-open calls with large metadata held at once, one
@@ -80,6 +82,7 @@ class HostileConfig:
     watch_per_connection: int = 8
     never_read_connections: int = 3
     never_read_calls: int = 100
+    never_read_unary: bool = True
     reset_burst: int = 10_000
     reset_every: float = 5.0
     big_metadata_calls: int = 64

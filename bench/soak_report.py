@@ -59,7 +59,8 @@ def _hostile_rows(cfg: dict[str, Any]) -> dict[str, str]:
         "gzip_bomb_token": "the same with a token",
         "deadline_1ms": f"ScoreNgrams with a 1 ms deadline, with a token ({h['deadline_calls']} every 0.1 s)",
         "invented_methods": f"{h['invented_methods']} invented method names (half with a token)",
-        "never_read": f"GetScoringTables and GetVocabulary never read (receive window 0), with a token: "
+        "never_read": f"GetScoringTables{', GetVocabulary and ScoreNgrams' if h.get('never_read_unary') else ' and GetVocabulary'}"
+                      " never read (receive window 0), with a token: "
                       f"{h['never_read_connections']} connections x {h['never_read_calls']} calls",
         "rapid_reset": f"rapid reset: {h['reset_burst']} HEADERS + RST_STREAM every {h['reset_every']:g} s on one "
                        "connection",
