@@ -1,8 +1,8 @@
 """Soak under hostile clients and faults: nothing lost, nothing wrong, no failed probe, and
 memory back where it started once the attackers leave.
 
-    .venv/bin/python -m bench.soak [--model M] [--minutes 10] [--frontend python|native|both] [--json bench/results/soak.json] [--doc experiments/hostile-clients.md --doc docs/operating.md]
-    .venv/bin/python -m bench.soak --render bench/results/soak.json [--doc experiments/hostile-clients.md --doc docs/operating.md]
+    .venv/bin/python -m bench.soak [--model M] [--minutes 10] [--frontend python|native|both] [--json bench/results/soak.json] [--doc experiments/hostile-clients.md --doc docs/operating.md --doc docs/performance-serving.md]
+    .venv/bin/python -m bench.soak --render bench/results/soak.json [--doc experiments/hostile-clients.md --doc docs/operating.md --doc docs/performance-serving.md]
 
 Two ``nlmserve serve`` replicas (``--frontend python``, or ``--frontend native``: the C++
 front end before each model server, built with ``make cpp`` when it is missing; ``both``
@@ -46,6 +46,7 @@ killed replica restarted, and every server process's resident memory after the s
 within 10% of its start (exit 1 otherwise). ``--json`` writes the result; each ``--doc``
 document gets every table between ``<!-- soak:begin -->`` and ``<!-- soak:end -->``, and
 the verdict alone between ``<!-- soak summary:begin -->`` and ``<!-- soak summary:end -->``,
+and a table cell between ``<!-- soak cell:begin -->`` and ``<!-- soak cell:end -->``,
 whichever markers it has; ``--render`` makes them from a JSON. Without ``--model`` two small models are trained first
 (the test fixture's recipe; a few seconds). The authorised clients are in
 bench/soak_clients.py, the verdict and the tables in bench/soak_report.py.
@@ -77,7 +78,8 @@ from bench.load import DEV_TXT, train_small_model
 from bench.soak_attacks import Hostile
 from bench.soak_clients import TOKEN, Load, Tally, authorised, strict
 from bench.soak_hostile import ATTACKS, REPO, HostileConfig
-from bench.soak_report import BEGIN, END, SUMMARY_BEGIN, SUMMARY_END, misses, render, render_summary
+from bench.soak_report import (BEGIN, CELL_BEGIN, CELL_END, END, SUMMARY_BEGIN, SUMMARY_END, misses, render,
+                               render_cell, render_summary)
 
 log = logging.getLogger("bench.soak")
 
@@ -653,13 +655,13 @@ def run(cfg: SoakConfig) -> dict[str, Any]:
 
 def write_docs(doc: Path, result: dict[str, Any]) -> None:
     """Write ``result`` into ``doc``: every table between the soak markers, the verdict alone
-    between the summary markers, whichever it has; SystemExit when it has neither."""
+    between the summary markers, one table cell between the cell markers, whichever it has;
+    SystemExit when it has none."""
     text = doc.read_text(encoding="utf-8")
-    sections = [(begin, end, make) for begin, end, make in ((BEGIN, END, render),
-                                                             (SUMMARY_BEGIN, SUMMARY_END, render_summary))
-                if begin in text and end in text]
+    kinds = ((BEGIN, END, render), (SUMMARY_BEGIN, SUMMARY_END, render_summary), (CELL_BEGIN, CELL_END, render_cell))
+    sections = [(begin, end, make) for begin, end, make in kinds if begin in text and end in text]
     if not sections:
-        raise SystemExit(f"{doc}: no '{BEGIN}' ... '{END}' or '{SUMMARY_BEGIN}' ... '{SUMMARY_END}' section to replace")
+        raise SystemExit(f"{doc}: no section to replace (" + ", ".join(f"'{b}' ... '{e}'" for b, e, _ in kinds) + ")")
     for begin, end, make in sections:
         write_section(doc, begin, end, make(result))
 

@@ -1,6 +1,6 @@
 """The soak's verdict and its tables (bench/soak.py): what a run missed of the target, and
-the Markdown that ``--doc`` writes between the soak markers (every table) and between the
-summary markers (the verdict alone)."""
+the Markdown that ``--doc`` writes between the soak markers (every table), between the
+summary markers (the verdict alone) and between the cell markers (one table cell)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from bench._common import shown_command
 MEMORY_LIMIT = 1.10  # settled / start, per process
 BEGIN, END = "<!-- soak:begin -->", "<!-- soak:end -->"
 SUMMARY_BEGIN, SUMMARY_END = "<!-- soak summary:begin -->", "<!-- soak summary:end -->"
+CELL_BEGIN, CELL_END = "<!-- soak cell:begin -->", "<!-- soak cell:end -->"  # inside a table's cell
 
 
 def misses(run: dict[str, Any]) -> list[str]:
@@ -120,6 +121,21 @@ def render_summary(result: dict[str, Any]) -> str:
     """The verdict alone (settings, one row per front end, the target), between the summary
     markers: what docs/operating.md shows; the whole run is :func:`render`'s."""
     return "\n".join([SUMMARY_BEGIN, *_verdict_lines(result), "", _target_line(result), SUMMARY_END]) + "\n"
+
+
+def render_cell(result: dict[str, Any]) -> str:
+    """One table cell, between the cell markers (docs/performance-serving.md): whether the
+    run lost or got wrong no authorised answer and failed no probe, with its counts."""
+    runs = result["runs"]
+    sent = sum(r["authorised"]["all"]["sent"] for r in runs)
+    lost = sum(sum(r["authorised"]["all"]["failed"].values()) + r["authorised"]["all"]["wrong"] for r in runs)
+    probes = sum(r["health_probes"]["sent"] for r in runs)
+    failed = sum(r["health_probes"]["failed"] for r in runs)
+    verdict = "met" if lost == 0 and failed == 0 else "**not met**"
+    names = " and ".join(f"`{r['frontend']}`" for r in runs)
+    return (f"{CELL_BEGIN}{verdict} in the last run ({result['config']['minutes']:g} minutes per front end, "
+            f"{names}): {lost} of {sent:,} authorised requests lost or wrong, {failed} of {probes:,} probes "
+            f"failed{CELL_END}")
 
 
 def _target_line(result: dict[str, Any]) -> str:

@@ -83,6 +83,7 @@ def test_the_table_says_whether_the_target_was_met() -> None:
     assert table in doc  # the page shows the recorded run, as the script wrote it
     summary = soak_report.render_summary(result)
     assert summary in (REPO / "docs" / "operating.md").read_text(encoding="utf-8")
+    assert soak_report.render_cell(result) in (REPO / "docs" / "performance-serving.md").read_text(encoding="utf-8")
     verdict = "\n".join(soak_report._verdict_lines(result))
     assert verdict in summary and verdict in table and "| authorised client |" not in summary
     for run in result["runs"]:
@@ -268,8 +269,13 @@ def test_each_doc_gets_the_sections_it_has_markers_for_and_a_rewrite_changes_not
     full.write_text(f"# Full\n\n{soak_report.BEGIN}\nold\n{soak_report.END}\n\nafter\n", encoding="utf-8")
     short.write_text(f"{soak_report.SUMMARY_BEGIN}\n{soak_report.SUMMARY_END}\n", encoding="utf-8")
     neither.write_text("nothing to replace\n", encoding="utf-8")
+    row = tmp_path / "row.md"
+    row.write_text(f"| a | claim | {soak_report.CELL_BEGIN}old{soak_report.CELL_END} | command |\n", encoding="utf-8")
     assert soak.main(["--render", str(REPO / "bench" / "results" / "soak.json"),
-                      "--doc", str(full), "--doc", str(short)]) == (0 if result["target_met"] else 1)
+                      "--doc", str(full), "--doc", str(short), "--doc", str(row)]) == (0 if result["target_met"] else 1)
+    cell = soak_report.render_cell(result)
+    assert row.read_text(encoding="utf-8") == f"| a | claim | {cell} | command |\n"  # still one table row
+    assert "\n" not in cell and "|" not in cell
     written = full.read_text(encoding="utf-8"), short.read_text(encoding="utf-8")
     assert written[0] == "# Full\n\n" + soak_report.render(result) + "\nafter\n"
     assert written[1] == soak_report.render_summary(result)
@@ -278,5 +284,25 @@ def test_each_doc_gets_the_sections_it_has_markers_for_and_a_rewrite_changes_not
     assert (full.read_text(encoding="utf-8"), short.read_text(encoding="utf-8")) == written  # no blank line added
     with pytest.raises(SystemExit) as stopped:
         soak.main(["--render", str(REPO / "bench" / "results" / "soak.json"), "--doc", str(neither)])
-    assert str(stopped.value).startswith(f"{neither}: no '{soak_report.BEGIN}'")
+    assert str(stopped.value).startswith(f"{neither}: no section to replace ('{soak_report.BEGIN}'")
     assert neither.read_text(encoding="utf-8") == "nothing to replace\n"
+
+
+def test_the_cell_says_whether_anything_was_lost_or_a_probe_failed() -> None:
+    result = json.loads((REPO / "bench" / "results" / "soak.json").read_text(encoding="utf-8"))
+    runs = result["runs"]
+    sent = sum(r["authorised"]["all"]["sent"] for r in runs)
+    probes = sum(r["health_probes"]["sent"] for r in runs)
+    met = copy.deepcopy(result)
+    for r in met["runs"]:
+        r["authorised"]["all"].update(failed={}, wrong=0)
+        r["health_probes"]["failed"] = 0
+    assert soak_report.render_cell(met) == (
+        f"{soak_report.CELL_BEGIN}met in the last run (10 minutes per front end, `python` and `native`): 0 of "
+        f"{sent:,} authorised requests lost or wrong, 0 of {probes:,} probes failed{soak_report.CELL_END}")
+    bad = copy.deepcopy(met)
+    bad["runs"][1]["authorised"]["all"]["wrong"] = 2
+    bad["runs"][0]["authorised"]["all"]["failed"] = {"ServerUnavailableError": 1}
+    bad["runs"][0]["health_probes"]["failed"] = 1
+    assert soak_report.render_cell(bad).startswith(f"{soak_report.CELL_BEGIN}**not met** in the last run")
+    assert f"3 of {sent:,} authorised requests lost or wrong, 1 of {probes:,} probes failed" in soak_report.render_cell(bad)
