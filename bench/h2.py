@@ -242,3 +242,46 @@ class H2:
 
     def close(self) -> None:
         self.writer.transport.abort()
+
+
+async def unread_calls(port: int, path: str, token: str | None, message: bytes, calls: int,
+                       timeout: float = 10.0) -> tuple[list[str], H2]:
+    """A client that never reads its answers: ``calls`` calls of ``path`` with ``message``
+    (a serialised request), one after the other on one connection whose receive window is 0,
+    each sent once the server has sent the previous one's first HEADERS (the server can
+    send headers, never a message). Returns, for each call, "held" (its answer waits in the
+    server) or "CODE: message" (how the server refused it), and the connection, left open
+    (``close`` it on the loop that made it). What it sends keeps to the server's connection
+    window."""
+    body = b"\x00" + len(message).to_bytes(4, "big") + message
+    conn = await H2.open(port, {HEADER_TABLE_SIZE: 0, INITIAL_WINDOW_SIZE: 0})
+    window = 65_535  # what the connection may still send: the server's WINDOW_UPDATEs widen it
+    outcomes: list[str] = []
+    answered: dict[int, str] = {}
+
+    async def read() -> None:
+        nonlocal window
+        kind, flags, stream, payload = await conn.read(timeout)
+        conn.answer(kind, flags, payload)
+        if kind == WINDOW_UPDATE and stream == 0:
+            window += int.from_bytes(payload[:4], "big") & 0x7FFFFFFF
+        elif kind == HEADERS and stream not in answered:
+            fields = conn.hpack.decode(payload)  # no dynamic table (HEADER_TABLE_SIZE 0): safe to decode here
+            status = fields.get("grpc-status")
+            answered[stream] = "held" if status is None else f"{_STATUS.get(status, status)}: " \
+                                                              f"{fields.get('grpc-message', '')}"
+
+    for i in range(calls):
+        stream = 2 * i + 1
+        while window < len(body):
+            await read()
+        conn.send(headers_frames(stream, header_block(grpc_fields(port, path, token))))
+        for at in range(0, len(body), FRAME_BYTES):
+            conn.send(frame(DATA, END_STREAM if at + FRAME_BYTES >= len(body) else 0, stream,
+                            body[at : at + FRAME_BYTES]))
+        window -= len(body)
+        await conn.drain()
+        while stream not in answered:
+            await read()
+        outcomes.append(answered[stream])
+    return outcomes, conn

@@ -6,12 +6,12 @@ one server.
 Trains the soak's small model, starts ``nlmserve serve --frontend F`` with a token file on
 127.0.0.1, and opens ``--connections`` raw HTTP/2 connections whose receive window is 0,
 each sending ``--calls`` ScoreNgrams calls of ``--ngrams`` n-grams one after the other
-(the next once the server has sent the last one's headers): the server computes each
-answer, which then waits, unsent. Prints, before, 10 s and 40 s after the first call and 5 s
-after the connections are closed: a probe's outcome (Check on a new connection), an
-authorised call's outcome (same token and address: the same client), the resident memory
-of the server's processes, and how the calls ended so far; then how many lines the server
-logged (and how many were ERRORs with a traceback). Client and server share this machine's
+(the next once the server has sent the last one's headers; ``bench.h2.unread_calls``):
+the server computes each answer, which then waits, unsent ("held"). Prints, before, 10 s
+and 40 s after the first call and 5 s after the connections are closed: a probe's outcome
+(Check on a new connection), an authorised call's outcome (same token and address: the
+same client), the resident memory of the server's processes, and how the calls ended so
+far; then how many lines the server logged (and how many were ERRORs with a traceback). Client and server share this machine's
 cores. The numbers in experiments/hostile-clients.md#answers-never-read come from it.
 """
 
@@ -35,57 +35,31 @@ TOKEN = "unread-answers-experiment-token"
 
 
 def request(ngrams: int) -> bytes:
-    """A ScoreNgrams request of ``ngrams`` n-grams, framed as one gRPC message."""
+    """A serialised ScoreNgrams request of ``ngrams`` n-grams."""
     from nlmserve.proto import lm_pb2
 
     rows = np.full((ngrams, 5), 7, dtype="<u4")
-    message = lm_pb2.ScoreNgramsRequest(packed_ids=rows.tobytes(), packed_order=5,
-                                        log_base=lm_pb2.LN).SerializeToString()
-    return b"\x00" + len(message).to_bytes(4, "big") + message
+    return lm_pb2.ScoreNgramsRequest(packed_ids=rows.tobytes(), packed_order=5, log_base=lm_pb2.LN).SerializeToString()
 
 
-async def holder(port: int, calls: int, body: bytes, ended: Counter[str], stop: asyncio.Event) -> None:
-    """One connection with a receive window of 0 sending ``calls`` calls, each once the
-    server has sent the previous one's headers (or 2 s have passed)."""
-    from bench.h2 import (DATA, END_STREAM, H2, HEADER_TABLE_SIZE, HEADERS, INITIAL_WINDOW_SIZE,
-                          MAX_CONCURRENT_STREAMS, WINDOW_UPDATE, frame, grpc_fields, header_block,
-                          headers_frames)
+async def holder(port: int, calls: int, message: bytes, ended: Counter[str], stop: asyncio.Event) -> None:
+    """One connection with a receive window of 0 sending ``calls`` calls (bench.h2.unread_calls),
+    then reading how they end until ``stop``."""
+    from bench.h2 import unread_calls
     from bench.soak_hostile import SCORE
 
-    conn = await H2.open(port, {HEADER_TABLE_SIZE: 0, INITIAL_WINDOW_SIZE: 0})
-    window = 65_535  # the connection's send window: the server's WINDOW_UPDATEs widen it
-
-    async def pump(timeout: float) -> None:
-        nonlocal window
-        try:
-            kind, flags, stream, payload = await conn.read(timeout)
-        except TimeoutError:
-            return
-        conn.answer(kind, flags, payload)
-        if kind == WINDOW_UPDATE and stream == 0:
-            window += int.from_bytes(payload[:4], "big") & 0x7FFFFFFF
-        if kind == HEADERS:
-            ended["headers"] += 1
-        how = conn.ended(kind, flags, payload)
-        if how:
-            ended[how] += 1
-
+    outcomes, conn = await unread_calls(port, SCORE, TOKEN, message, calls)
+    ended.update(o.split(":")[0] for o in outcomes)
     try:
-        await pump(5)  # the server's SETTINGS
-        for stream in range(1, 2 * min(calls, conn.peer.get(MAX_CONCURRENT_STREAMS, 1 << 31)), 2):
-            while window < len(body):
-                await pump(5)
-            conn.send(headers_frames(stream, header_block(grpc_fields(port, SCORE, TOKEN))))
-            for i in range(0, len(body), 16_384):
-                conn.send(frame(DATA, END_STREAM if i + 16_384 >= len(body) else 0, stream, body[i:i + 16_384]))
-            window -= len(body)
-            await conn.drain()
-            ended["sent"] += 1
-            deadline = time.monotonic() + 2
-            while time.monotonic() < deadline and ended["headers"] < ended["sent"]:
-                await pump(0.2)
         while not stop.is_set():
-            await pump(0.5)
+            try:
+                kind, flags, _, payload = await conn.read(0.5)
+            except TimeoutError:
+                continue
+            conn.answer(kind, flags, payload)
+            how = conn.ended(kind, flags, payload)
+            if how:
+                ended[how] += 1
     except EOFError:
         ended["connection closed by the server"] += 1
     finally:
@@ -101,7 +75,7 @@ def scored(target: str) -> str:
     start = time.monotonic()
     with grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
         try:
-            channel.unary_unary(SCORE)(request(10)[5:], timeout=5, metadata=[("authorization", f"Bearer {TOKEN}")])
+            channel.unary_unary(SCORE)(request(10), timeout=5, metadata=[("authorization", f"Bearer {TOKEN}")])
             return f"OK in {(time.monotonic() - start) * 1e3:.0f} ms"
         except grpc.RpcError as e:
             return f"{e.code().name} ({e.details()})"

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.h2 import unread_calls
 from nlmserve.client import LMClient
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
 from nlmserve.server import app
@@ -208,44 +209,8 @@ def test_a_client_that_does_not_read_loses_its_streams_and_slots(tiny_lm: Any, t
         running.stop(0.5)
 
 
-async def unread_answers(target: str, token: str, rows: np.ndarray, calls: int) -> tuple[list[str], Any]:
-    """``calls`` ScoreNgrams calls, one after another on one raw HTTP/2 connection whose
-    receive window is 0, so that the server can send headers but no answer: for each, "held"
-    (its answer waits in the server) or "CODE: message" (refused). Returns the connection too,
-    left open."""
-    from bench.h2 import (DATA, END_STREAM, H2, HEADER_TABLE_SIZE, INITIAL_WINDOW_SIZE, grpc_fields,
-                          header_block as h2_block, headers_frames)
-    from bench.h2 import frame as h2_frame
-
-    message = packed(rows).SerializeToString()
-    body = b"\x00" + len(message).to_bytes(4, "big") + message
-    port = host_port(target)[1]
-    conn = await H2.open(port, {HEADER_TABLE_SIZE: 0, INITIAL_WINDOW_SIZE: 0})
-    outcomes = []
-    for i in range(calls):
-        stream = 2 * i + 1
-        conn.send(headers_frames(stream, h2_block(grpc_fields(port, SCORE, token))) +
-                  h2_frame(DATA, END_STREAM, stream, body))
-        await conn.drain()
-        while True:  # the server's first HEADERS on the stream: its answer's headers, or a refusal
-            kind, flags, got, payload = await conn.read(10)
-            conn.answer(kind, flags, payload)
-            if kind == HEADERS and got == stream:
-                fields = conn.hpack.decode(payload)  # no dynamic table (HEADER_TABLE_SIZE 0): decoding twice is safe
-                status = fields.get("grpc-status")
-                outcomes.append("held" if status is None else
-                                f"{_code_name(int(status))}: "
-                                f"{fields.get('grpc-message', '')}")
-                break
-    return outcomes, conn
-
-
 async def closed(conn: Any) -> None:
     conn.close()  # on the loop that owns the connection
-
-
-def _code_name(value: int) -> str:
-    return next(c.name for c in grpc.StatusCode if c.value[0] == value)
 
 
 def test_answers_a_client_does_not_read_count_against_its_share(tiny_lm: Any, tmp_path: Path, loop: Loop,
@@ -263,7 +228,8 @@ def test_answers_a_client_does_not_read_count_against_its_share(tiny_lm: Any, tm
     caplog.set_level(logging.DEBUG, logger="grpc")
     caplog.set_level(logging.INFO, logger="nlmserve")
     try:
-        outcomes, conn = loop.run(unread_answers(running.target, TOKEN, rows, 5))
+        outcomes, conn = loop.run(unread_calls(host_port(running.target)[1], SCORE, TOKEN,
+                                               packed(rows).SerializeToString(), 5))
         assert outcomes[:3] == ["held"] * 3, outcomes
         assert all(o.startswith("RESOURCE_EXHAUSTED: this client holds") and "--max-rpcs-per-client 3" in o
                    for o in outcomes[3:]), outcomes

@@ -20,6 +20,7 @@ import struct
 import subprocess
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
@@ -30,8 +31,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
 from nlmserve.server.app import RunningServer
+from bench.h2 import unread_calls
 from support import GatedScorer, dev_ngrams, ended, serve_subprocess, start_server
 from test_cpp_client import SERVE, driver  # noqa: F401 - the driver fixture builds build/native
+from test_hostile import Loop
+from test_hostile_clients import closed, loop  # noqa: F401 - the loop fixture
 from test_native_frontend import FRONTEND, Frontend, backend_requests, packed, socket_flags
 
 TOKENS = ("hostile-native-token-0", "hostile-native-token-1")
@@ -605,6 +609,47 @@ def test_answered_calls_whose_answers_wait_in_grpc_hold_no_slot(frontends: Start
         scores(fe.target, tiny_lm, AUTH)
     finally:
         attacker.close()
+
+
+def test_answers_waiting_unread_keep_little_and_end_at_the_write_timeout(frontends: Started, backend: RunningServer,
+                                                                         tiny_lm: Any, loop: Loop) -> None:
+    """A token holder that never reads (a receive window of 0) has 280 ScoreNgrams calls of
+    3,000 n-grams answered, whose answers then wait in gRPC: the front end holds under 60
+    KiB per waiting answer (12 KB each; about 35 KiB measured; it used to keep each call's
+    request bytes, parsed request and parsed response too: about 170 KiB), and ends them
+    DEADLINE_EXCEEDED at --stream-write-timeout-ms; another client is served meanwhile."""
+    fe = frontends(backend, "--max-concurrent-rpcs", "512", "--max-rpcs-per-connection", "512",
+                   "--max-rpcs-per-client", "512", "--stream-write-timeout-ms", "3000")
+    rows = np.resize(dev_ngrams(tiny_lm, 0, 40), (3000, 5))
+    scores(fe.target, tiny_lm)
+    time.sleep(1.5)  # a trim after the first call
+    base = vm_rss_mb(fe.proc.pid)
+    outcomes, conn = loop.run(unread_calls(int(fe.target.rsplit(":", 1)[1]), SCORE, TOKENS[0],
+                                           packed(rows).SerializeToString(), 280), timeout=60)
+    try:
+        held = vm_rss_mb(fe.proc.pid)
+        assert outcomes == ["held"] * 280, Counter(outcomes)
+        assert held - base < 280 * 60 / 1024, (base, held)
+        scores(fe.target, tiny_lm)
+        ends = loop.run(ended_calls(conn, 280), timeout=30)
+        assert ends == Counter({"DEADLINE_EXCEEDED": 280}), ends
+    finally:
+        loop.run(closed(conn))
+    assert "stream_write_timeout" in frontends.stop(fe)
+
+
+async def ended_calls(conn: Any, calls: int) -> Counter[str]:
+    """How the server ends ``calls`` calls on ``conn`` (their trailers), read until all have."""
+    ends: Counter[str] = Counter()
+    seen: set[int] = set()
+    while len(seen) < calls:
+        kind, flags, stream, payload = await conn.read(20)
+        conn.answer(kind, flags, payload)
+        how = conn.ended(kind, flags, payload)
+        if how is not None and not how.startswith("RST_STREAM") and stream not in seen:
+            seen.add(stream)
+            ends[how] += 1
+    return ends
 
 
 def test_one_connection_and_one_client_hold_only_their_share(frontends: Started, backend: RunningServer,

@@ -13,6 +13,7 @@ void ScoreCall::OnRequest() {
     Complete(End(kMalformed, "the request message does not parse as nlmserve.v1.ScoreNgramsRequest"));
     return;
   }
+  first_.Clear();  // parsed: the bytes it came in are not needed again
   if (!TakeSlot(&service_->guards()->rpcs)) return;
   service_->queue()->Submit(std::static_pointer_cast<ScoreCall>(shared_from_this()));
 }

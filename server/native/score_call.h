@@ -38,6 +38,10 @@ class ScoreCall final : public Call {
     }
     bool own = false;
     grpc::GenericSerialize<grpc::ProtoBufferWriter, ScoreNgramsResponse>(response_, &out_, &own);
+    // The answer is in out_ now: what it was made from goes at once, not when gRPC lets the
+    // call go (a client that does not read keeps it waiting up to the write timeout).
+    ScoreNgramsRequest().Swap(&request_);
+    ScoreNgramsResponse().Swap(&response_);
     CompleteWith(&out_);
   }
 
