@@ -240,6 +240,15 @@ class H2:
         elif kind == SETTINGS and not flags & ACK and ack_settings:
             self.send(frame(SETTINGS, ACK, 0))
 
+    async def exchange(self, timeout: float | None = None,
+                       ack_settings: bool = True) -> tuple[int, int, int, bytes, str | None]:
+        """The next frame (:meth:`read`), answered as a well-behaved peer would
+        (:meth:`answer`), and what it says of its stream's or connection's end
+        (:meth:`ended`): (type, flags, stream, payload, end or None)."""
+        kind, flags, stream, payload = await self.read(timeout)
+        self.answer(kind, flags, payload, ack_settings)
+        return kind, flags, stream, payload, self.ended(kind, flags, payload)
+
     def close(self) -> None:
         self.writer.transport.abort()
 

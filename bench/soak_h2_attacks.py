@@ -58,11 +58,9 @@ async def never_read(r: Target, cfg: HostileConfig, token: str, request: bytes, 
                     reopen_at.pop(0)
                     call()
                 try:
-                    kind, flags, stream, payload = await conn.read(0.5)
+                    kind, _, stream, _, how = await conn.exchange(0.5)
                 except TimeoutError:
                     continue
-                conn.answer(kind, flags, payload)
-                how = conn.ended(kind, flags, payload)
                 if how is None:
                     continue
                 if kind == GOAWAY:
@@ -190,13 +188,11 @@ async def big_metadata(r: Target, cfg: HostileConfig, unacked: bool, stop: async
             began = time.monotonic()
             while not stop.is_set():
                 try:
-                    kind, flags, _, payload = await conn.read(0.5)
+                    *_, how = await conn.exchange(0.5, ack_settings=not unacked)
                 except TimeoutError:
                     if time.monotonic() - began > 1.0:
                         out.counts["largest_held_bytes"] = max(out.counts["largest_held_bytes"], size)
                     continue
-                conn.answer(kind, flags, payload, ack_settings=not unacked)
-                how = conn.ended(kind, flags, payload)
                 if how is not None:
                     out.counts[how] += 1
                     out.hold("call_ended", time.monotonic() - began)

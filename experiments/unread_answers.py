@@ -53,11 +53,9 @@ async def holder(port: int, calls: int, message: bytes, ended: Counter[str], sto
     try:
         while not stop.is_set():
             try:
-                kind, flags, _, payload = await conn.read(0.5)
+                *_, how = await conn.exchange(0.5)
             except TimeoutError:
                 continue
-            conn.answer(kind, flags, payload)
-            how = conn.ended(kind, flags, payload)
             if how:
                 ended[how] += 1
     except EOFError:

@@ -643,9 +643,7 @@ async def ended_calls(conn: Any, calls: int) -> Counter[str]:
     ends: Counter[str] = Counter()
     seen: set[int] = set()
     while len(seen) < calls:
-        kind, flags, stream, payload = await conn.read(20)
-        conn.answer(kind, flags, payload)
-        how = conn.ended(kind, flags, payload)
+        _, _, stream, _, how = await conn.exchange(20)
         if how is not None and not how.startswith("RST_STREAM") and stream not in seen:
             seen.add(stream)
             ends[how] += 1
