@@ -171,11 +171,20 @@ def random_class_model(texts: list[Path], vocab_size: int, order: int, dim: int,
     save_model(path, net, vocab, classes, objective="nce", lowercase=True)
 
 
+def read_doc(doc: Path) -> str:
+    """The text of a document a benchmark writes into; one line (SystemExit) when it is not
+    UTF-8 text (a missing file or a folder is an OSError, which :func:`exit_with` prints)."""
+    try:
+        return doc.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise SystemExit(f"{doc}: not a text document ({e})") from None
+
+
 def write_section(doc: Path, begin: str, end: str, text: str) -> None:
     """Replace ``doc``'s section from the line ``begin`` to the line ``end`` by ``text`` (which
     holds both markers), atomically; SystemExit when the markers are not there. What follows
     ``end`` is kept as it is, so writing the same text again leaves the document unchanged."""
-    old = doc.read_text(encoding="utf-8")
+    old = read_doc(doc)
     if begin not in old or end not in old:
         raise SystemExit(f"{doc}: no '{begin}' ... '{end}' section to replace")
     head, rest = old.split(begin, 1)

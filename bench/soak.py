@@ -47,8 +47,8 @@ within 10% of its start (exit 1 otherwise). ``--json`` writes the result; each `
 document gets every table between ``<!-- soak:begin -->`` and ``<!-- soak:end -->``, and
 the verdict alone between ``<!-- soak summary:begin -->`` and ``<!-- soak summary:end -->``,
 and a table cell between ``<!-- soak cell:begin -->`` and ``<!-- soak cell:end -->``,
-whichever markers it has; ``--render`` makes them from a JSON. Without ``--model`` two small models are trained first
-(the test fixture's recipe; a few seconds). The authorised clients are in
+whichever markers it has; ``--render`` makes them from a JSON. Without ``--model`` two
+small models are trained first (the test fixture's recipe; a few seconds). The authorised clients are in
 bench/soak_clients.py, the verdict and the tables in bench/soak_report.py.
 """
 
@@ -73,7 +73,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from bench._common import exit_with, machine, read_saved, resident_bytes, tree_pids, write_json, write_section
+from bench._common import (exit_with, machine, read_doc, read_saved, resident_bytes, tree_pids, write_json,
+                           write_section)
 from bench.load import DEV_TXT, train_small_model
 from bench.soak_attacks import Hostile
 from bench.soak_clients import TOKEN, Load, Tally, authorised, strict
@@ -653,16 +654,20 @@ def run(cfg: SoakConfig) -> dict[str, Any]:
             "runs": runs, "target_met": all(r["target_met"] for r in runs)}
 
 
-def write_docs(doc: Path, result: dict[str, Any]) -> None:
-    """Write ``result`` into ``doc``: every table between the soak markers, the verdict alone
-    between the summary markers, one table cell between the cell markers, whichever it has;
-    SystemExit when it has none."""
-    text = doc.read_text(encoding="utf-8")
+def write_docs(docs: list[Path], result: dict[str, Any]) -> None:
+    """Write ``result`` into each of ``docs``: every table between the soak markers, the
+    verdict alone between the summary markers, one table cell between the cell markers,
+    whichever each has; SystemExit, with nothing written, when one has none."""
     kinds = ((BEGIN, END, render), (SUMMARY_BEGIN, SUMMARY_END, render_summary), (CELL_BEGIN, CELL_END, render_cell))
-    sections = [(begin, end, make) for begin, end, make in kinds if begin in text and end in text]
-    if not sections:
-        raise SystemExit(f"{doc}: no section to replace (" + ", ".join(f"'{b}' ... '{e}'" for b, e, _ in kinds) + ")")
-    for begin, end, make in sections:
+    plan = []
+    for doc in docs:
+        text = read_doc(doc)
+        sections = [(begin, end, make) for begin, end, make in kinds if begin in text and end in text]
+        if not sections:
+            raise SystemExit(f"{doc}: no section to replace ("
+                             + ", ".join(f"'{b}' ... '{e}'" for b, e, _ in kinds) + ")")
+        plan += [(doc, *section) for section in sections]
+    for doc, begin, end, make in plan:
         write_section(doc, begin, end, make(result))
 
 
@@ -688,7 +693,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the result as JSON here")
     p.add_argument("--doc", action="append", default=[],
                    help="write the tables into this document (every table between the soak markers, the verdict "
-                        "between the summary markers); may be given more than once")
+                        "between the summary markers, one table cell between the cell markers); may be given more "
+                        "than once")
     p.add_argument("--render", help="make the tables from this JSON instead of running")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -710,8 +716,7 @@ def main(argv: list[str] | None = None) -> int:
             write_json(Path(args.json), result)
     table = render(result)
     print(table, end="")
-    for doc in args.doc:
-        write_docs(Path(doc), result)
+    write_docs([Path(doc) for doc in args.doc], result)
     return 0 if result["target_met"] else 1
 
 

@@ -282,10 +282,18 @@ def test_each_doc_gets_the_sections_it_has_markers_for_and_a_rewrite_changes_not
     assert "| authorised client |" not in written[1]
     soak.main(["--render", str(REPO / "bench" / "results" / "soak.json"), "--doc", str(full), "--doc", str(short)])
     assert (full.read_text(encoding="utf-8"), short.read_text(encoding="utf-8")) == written  # no blank line added
-    with pytest.raises(SystemExit) as stopped:
-        soak.main(["--render", str(REPO / "bench" / "results" / "soak.json"), "--doc", str(neither)])
+    short.write_text(f"{soak_report.SUMMARY_BEGIN}\nold\n{soak_report.SUMMARY_END}\n", encoding="utf-8")
+    with pytest.raises(SystemExit) as stopped:  # one document without markers: none is written
+        soak.main(["--render", str(REPO / "bench" / "results" / "soak.json"), "--doc", str(short),
+                   "--doc", str(neither)])
     assert str(stopped.value).startswith(f"{neither}: no section to replace ('{soak_report.BEGIN}'")
     assert neither.read_text(encoding="utf-8") == "nothing to replace\n"
+    assert short.read_text(encoding="utf-8") == f"{soak_report.SUMMARY_BEGIN}\nold\n{soak_report.SUMMARY_END}\n"
+    binary = tmp_path / "binary.md"
+    binary.write_bytes(b"\xd0\x00\xff")
+    with pytest.raises(SystemExit) as stopped:
+        soak.main(["--render", str(REPO / "bench" / "results" / "soak.json"), "--doc", str(binary)])
+    assert str(stopped.value).startswith(f"{binary}: not a text document (")
 
 
 def test_the_cell_says_whether_anything_was_lost_or_a_probe_failed() -> None:
