@@ -29,11 +29,11 @@ goes through four phases:
 4. the authorised clients pause, and after ``quiet_seconds`` memory is taken a last time.
 
 Health probes (Health/Check of each replica every 0.5 s on a new connection, connection and
-answer within 2 s) run throughout; those of a replica killed and not yet listening again are
-not counted. Their times are kept, and each failure with its phase (no connection, or no
-answer), the kernel's count of connections dropped at a full accept queue, and the
-replica's log lines written meanwhile. The
-authorised clients: ``--decoders`` decoder-like threads (1-50 packed n-grams back to back)
+answer within 2 s, from a process of their own as an orchestrator's: bench/soak_probe.py)
+run throughout; those of a replica killed and not yet listening again are not counted.
+Their times are kept, and each failure with its phase (no connection, or no answer), the
+kernel's count of connections dropped at a full accept queue, and the replica's log lines
+written meanwhile. The authorised clients: ``--decoders`` decoder-like threads (1-50 packed n-grams back to back)
 and ``--rescorers`` rescoring-like ones (5,000-20,000), each a replicated ``LMClient`` over
 both replicas (round_robin, health Watch of each, the token, ``allow_mixed_models``), one
 more that builds a new replicated ``LMClient`` every second (new connections, new Watch
@@ -55,6 +55,7 @@ bench/soak_clients.py, the verdict and the tables in bench/soak_report.py.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shutil
@@ -377,6 +378,7 @@ class Probes:
                 "p99_ms": round(float(np.percentile(times, 99)) * 1e3, 1),
                 "max_ms": round(float(times.max()) * 1e3, 1),
                 "accept_queue_drops": listen_drops() - self.drops_at_start,
+                "own_process": True,  # the probes ran in a process of their own (older runs: in the soak's)
                 "failures": self.failures}
 
 
@@ -384,51 +386,46 @@ PROBE_DEADLINE = 2.0
 
 
 def probe(replicas: list[Replica], stop: threading.Event, out: Probes) -> None:
-    """Health/Check as an orchestrator's probe makes it: a new connection each time, the
-    answer within PROBE_DEADLINE s."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    while not stop.wait(0.5):
-        for r in replicas:
-            if not r.up.is_set():
-                out.counts["skipped_down"] += 1
-                continue
-            log_from = r.log_size()
-            sent = time.monotonic()
-            phase = ""
-            with grpc.insecure_channel(r.target, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
-                try:
-                    answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
-                                                                       timeout=PROBE_DEADLINE)
-                    took = time.monotonic() - sent
-                    ok, code = answer.status == health_pb2.HealthCheckResponse.SERVING, "NOT_SERVING"
-                except grpc.RpcError as e:
-                    took = time.monotonic() - sent
+    """Health/Check as an orchestrator's probe makes it: from a process of its own
+    (bench/soak_probe.py), a new connection each time, the answer within PROBE_DEADLINE s."""
+    child = subprocess.Popen([sys.executable, "-m", "bench.soak_probe", str(PROBE_DEADLINE)], cwd=REPO,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        while not stop.wait(0.5):
+            for r in replicas:
+                if not r.up.is_set():
+                    out.counts["skipped_down"] += 1
+                    continue
+                log_from = r.log_size()
+                sent = time.monotonic()
+                child.stdin.write(r.target + "\n")
+                line = child.stdout.readline()
+                if not line:
+                    raise RuntimeError(f"the probe process ended (exit status {child.wait()})")
+                seen = json.loads(line)
+                code, ok = seen["code"], seen["code"] == "SERVING"
+                if not ok and code != "NOT_SERVING":
                     if not r.up.is_set():  # killed while the probe was on its way
                         out.counts["skipped_down"] += 1
                         continue
-                    ok, code, phase = False, e.code().name, _phase(channel)
-                    log.error("health probe of %s failed (%s): %s %s", r.name, phase, code, e.details())
-            out.counts["probes"] += 1  # (its time to the answer: closing the channel is not the probe's)
-            out.seconds.append(took)
-            if not ok:
-                out.counts["failed"] += 1
-                out.failures.append({"at": time.strftime("%H:%M:%S"), "t": round(sent - out.began, 1), "replica": r.name,
-                                     "phase": phase or "answer", "code": code, "seconds": round(took, 2),
-                                     "accept_queue_drops": listen_drops() - out.drops_at_start,
-                                     "log": r.log_since(log_from)[-20:]})
-
-
-def _phase(channel: Any) -> str:
-    """``answer`` when the probe's channel is connected as its call failed, else ``connect``.
-    grpcio's public way to see a channel's state (``subscribe``) costs each probe 200 ms (its
-    polling thread, joined at close), so the state is read once, from the channel's core
-    (``check_connectivity_state``; ``unknown`` where a grpcio lacks it)."""
-    check = getattr(getattr(channel, "_channel", None), "check_connectivity_state", None)
-    if check is None:
-        return "unknown"
-    return "answer" if check(False) == 2 else "connect"  # 2: READY (gRPC's connectivity_state)
+                    log.error("health probe of %s failed (%s): %s %s", r.name, seen["phase"], code, seen["details"])
+                out.counts["probes"] += 1
+                out.seconds.append(seen["seconds"])
+                if not ok:
+                    out.counts["failed"] += 1
+                    out.failures.append({"at": time.strftime("%H:%M:%S"), "t": round(sent - out.began, 1),
+                                         "replica": r.name, "phase": seen["phase"] or "answer", "code": code,
+                                         "seconds": round(seen["seconds"], 2),
+                                         "accept_queue_drops": listen_drops() - out.drops_at_start,
+                                         "log": r.log_since(log_from)[-20:]})
+    finally:
+        child.stdin.close()
+        try:
+            child.wait(10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
 
 
 # ---------------------------------------------------------------------- faults

@@ -81,8 +81,10 @@ def _probe_detail(h: dict[str, Any]) -> str:
     """The probes' times and failures, where the run recorded them (older runs did not)."""
     if "p50_ms" not in h:
         return ""
-    out = (f", each from its channel's creation to the answer (the deadline, 2 s, counts from the call; the "
-           f"soak's own process is busy with its clients) in p50 {h['p50_ms']:.0f} ms, p99 {h['p99_ms']:.0f} ms, "
+    where = ("the probes ran in a process of their own" if h.get("own_process") else
+             "the soak's own process is busy with its clients")  # older runs probed from it
+    out = (f", each from its channel's creation to the answer (the deadline, 2 s, counts from the call; {where}) "
+           f"in p50 {h['p50_ms']:.0f} ms, p99 {h['p99_ms']:.0f} ms, "
            f"max {h['max_ms']:.0f} ms; the kernel dropped {h['accept_queue_drops']} connections at a full accept "
            "queue")
     for f in h["failures"]:

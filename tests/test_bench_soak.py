@@ -156,6 +156,7 @@ def _first_failure(replica: _Replica) -> dict[str, Any]:
     assert first["log"] == [] and first["t"] >= 0.5  # nothing logged since; the first probe after 0.5 s
     detail = soak_report._probe_detail(summary)
     assert f"a probe of A got DEADLINE_EXCEEDED after {first['seconds']} s" in detail
+    assert "the probes ran in a process of their own" in detail
     return first
 
 
@@ -181,6 +182,12 @@ def test_a_probe_connected_but_not_answered_is_a_failure_of_the_answer_phase(tmp
     finally:
         server.stop(None)
     assert first["phase"] == "answer"
+
+
+def test_the_probes_text_says_where_they_ran() -> None:
+    seen = {"p50_ms": 4.0, "p99_ms": 20.0, "max_ms": 30.0, "accept_queue_drops": 0, "failures": []}
+    assert "the soak's own process is busy with its clients" in soak_report._probe_detail(seen)  # a run before the change
+    assert "the probes ran in a process of their own" in soak_report._probe_detail({**seen, "own_process": True})
 
 
 def test_listen_drops_reads_the_kernels_counters() -> None:
