@@ -14,6 +14,7 @@ channel had connected, else ``connect``) and ``details``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -49,10 +50,14 @@ def check(target: str, deadline: float) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    deadline = float(args[0])
+    p = argparse.ArgumentParser(description="One Health/Check per target read on stdin, one JSON line each.")
+    p.add_argument("deadline", type=float, help="seconds each Check may take")
+    args = p.parse_args(argv)
+    if not args.deadline > 0:
+        p.error("deadline: must be > 0")
     for line in sys.stdin:
-        print(json.dumps(check(line.strip(), deadline)), flush=True)
+        if line.strip():
+            print(json.dumps(check(line.strip(), args.deadline)), flush=True)
     return 0
 
 
