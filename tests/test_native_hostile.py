@@ -591,13 +591,16 @@ def test_streams_a_client_does_not_read_lose_their_slots_and_health_stays_servin
         running.stop(0.5)
 
 
-def test_answered_calls_whose_answers_wait_in_grpc_hold_no_slot(frontends: Started, backend: RunningServer,
-                                                                 tiny_lm: Any) -> None:
-    """4 ScoreNgrams calls answered on a connection that lets the server send nothing (a 0
-    byte window): their answers wait in gRPC until --stream-write-timeout-ms, but the calls
-    are over for the front end and hold none of --max-concurrent-rpcs 4, so the same
-    client is served at once on another connection (the front end kept each slot until
-    gRPC let the call go, which under load lags the answer by seconds, and refused it)."""
+def test_answers_waiting_in_grpc_hold_no_slot_but_their_clients_share(frontends: Started, backend: RunningServer,
+                                                                       tiny_lm: Any) -> None:
+    """4 ScoreNgrams calls of one token answered on a connection that lets the server send
+    nothing (a 0 byte window): their answers wait in gRPC until --stream-write-timeout-ms.
+    The calls are over for the front end and hold none of --max-concurrent-rpcs 4, so
+    another client is served at once (the front end once kept each slot until gRPC let the
+    call go, which under load lags the answer by seconds); but each counts against its
+    client's --max-rpcs-per-client 4 until gRPC lets it go, so the same client's next call
+    is refused RESOURCE_EXHAUSTED naming the flag (the front end let such answers pile up
+    beyond the share), and is served once the unread connection has gone."""
     fe = frontends(backend, "--max-concurrent-rpcs", "4", "--max-rpcs-per-client", "4",
                    "--stream-write-timeout-ms", "8000")
     attacker = RawConnection(fe.target, initial_window=0)
@@ -606,9 +609,21 @@ def test_answered_calls_whose_answers_wait_in_grpc_hold_no_slot(frontends: Start
         for i in range(4):
             attacker.open_call(1 + 2 * i, SCORE, (b"authorization", f"Bearer {TOKENS[0]}".encode()), message=request)
         time.sleep(1.0)
-        scores(fe.target, tiny_lm, AUTH)
+        scores(fe.target, tiny_lm, OTHER)
+        with pytest.raises(grpc.RpcError) as err:
+            scores(fe.target, tiny_lm, AUTH)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-rpcs-per-client 4" in (err.value.details() or ""), err.value.details()
     finally:
         attacker.close()
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            scores(fe.target, tiny_lm, AUTH)
+            break
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline, e
+            time.sleep(0.2)
 
 
 def test_answers_waiting_unread_keep_little_and_end_at_the_write_timeout(frontends: Started, backend: RunningServer,

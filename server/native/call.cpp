@@ -120,25 +120,37 @@ void Call::LeaveWaiting() {
   ticket_.reset();
 }
 
-bool Call::Finishing() {
+bool Call::Finishing(bool answering) {
   if (finished_) return false;
   finished_ = true;
   LeaveWaiting();
-  GiveSlot(&slots_);
+  if (answering || writing_) {
+    HoldClientOnly();  // its answer is gRPC's to send once the client reads
+  } else {
+    GiveSlot(&slots_);
+  }
   return true;
+}
+
+// Under mu_.
+void Call::HoldClientOnly() {
+  if (slots_ == nullptr) return;
+  slots_->LeaveServer(peer_);
+  client_held_ = slots_;
+  slots_ = nullptr;
 }
 
 // Finish and the writes are started under mu_, so that no write follows the finish (gRPC
 // aborts on one). Neither runs a reaction on the calling thread.
 void Call::Complete(const grpc::Status &status) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!Finishing()) return;
+  if (!Finishing(false)) return;
   Finish(status);
 }
 
 void Call::CompleteWith(grpc::ByteBuffer *last) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!Finishing()) return;
+  if (!Finishing(true)) return;
   writing_ = true;
   ++write_generation_;
   ArmWriteTimer();
@@ -173,12 +185,7 @@ void Call::WriteTimeout(uint64_t generation) {
     std::lock_guard<std::mutex> lock(mu_);
     if (!writing_ || generation != write_generation_) return;
     writing_ = false;  // cut once
-    // The front end's slot is free at once; the client's share is until OnDone.
-    if (slots_ != nullptr) {
-      slots_->LeaveServer(peer_);
-      client_held_ = slots_;
-      slots_ = nullptr;
-    }
+    HoldClientOnly();  // the front end's slot is free at once; the client's share is until OnDone
   }
   const long ms = service_->limits().stream_write_timeout_ms;
   service_->guards()->refusals.Note(kReasonStreamWriteTimeout, ctx_->method(), peer_);

@@ -131,8 +131,12 @@ class Call : public grpc::ServerGenericBidiReactor, public std::enable_shared_fr
   void ArmWriteTimer();
   void WriteTimeout(uint64_t generation);
   // Whether this caller is the one to finish the call; the call's slots are given back
-  // then (under mu_).
-  bool Finishing();
+  // then, all but its client's share when an answer goes with the finish (`answering`) or
+  // is being written (under mu_).
+  bool Finishing(bool answering);
+  // Gives the front end's and the connection's slot back and keeps the client's share
+  // until OnDone (under mu_).
+  void HoldClientOnly();
 
   // The request message: awaited, then either not read in time or read (later reads are
   // RelayCall's).
@@ -156,14 +160,15 @@ class Call : public grpc::ServerGenericBidiReactor, public std::enable_shared_fr
   std::unique_ptr<grpc::Status> refusal_;  // a refusal waiting out its delay
   std::string refused_address_;
   // What a call holds (under mu_): a place among the calls waiting for their request
-  // message (`waiting_`, `ticket_`) while it is awaited, a slot (`slots_`) once it is there, until the call is finished (Finishing). Its answer and
-  // status are gRPC's to send from then on, and gRPC's OnDone, after which the call is
-  // gone, can lag the finish by seconds while the transport is busy with other clients:
-  // a finished call holds no slot, or an answered client would be refused for calls it no
-  // longer has (the Python server's gate gives slots back when the handler returns). A call
-  // cut by the write timeout gives the front end's and its connection's slot back at once
-  // and keeps counting against its client's share until OnDone (`client_held_`), so that a
-  // client that does not read cannot pile up calls beyond its share.
+  // message (`waiting_`, `ticket_`) while it is awaited, a slot (`slots_`) once it is
+  // there, until the call is finished (Finishing). Its answer and status are gRPC's to
+  // send from then on, and gRPC's OnDone, after which the call is gone, can lag the finish
+  // by seconds while the transport is busy with other clients: a finished call holds
+  // neither the front end's slot nor its connection's, or clients would be refused for
+  // calls the front end no longer has. A call finished with an answer still to be sent
+  // (or cut by the write timeout) keeps counting against its client's share until OnDone
+  // (`client_held_`), so that a client that does not read cannot pile up answers beyond
+  // its share; the Python server's gate does the same (server/gate.py).
   Waiting *waiting_ = nullptr;  // and its ticket, while the request message is awaited
   Waiting::Ticket ticket_;
   bool read_started_ = false;  // Begin has started the first read (a cut waits for it)
