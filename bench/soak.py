@@ -58,6 +58,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -114,6 +115,7 @@ class SoakConfig:
         seed: of the hostile clients' random bytes and of the clients' requests.
         poll_engine: gRPC's polling engine in the replicas (GRPC_POLL_STRATEGY): None for
             gRPC's default (epoll1 on Linux), or e.g. "poll" (experiments/results.md says why).
+        serve_args: more flags of the replicas' ``nlmserve serve`` (after the soak's own).
         hostile: what the hostile clients do.
     """
 
@@ -132,6 +134,7 @@ class SoakConfig:
     quiet_seconds: float = 2.0
     seed: int = 0
     poll_engine: str | None = None
+    serve_args: tuple[str, ...] = ()
     hostile: HostileConfig = field(default_factory=HostileConfig)
 
     def __post_init__(self) -> None:
@@ -208,7 +211,7 @@ class Replica:
                  "--max-rpcs-per-client", str(self.cfg.max_rpcs_per_client),
                  "--max-health-watches", str(self.cfg.max_health_watches),
                  "--max-message-bytes", str(self.cfg.max_message_bytes), "--first-message-seconds", "5",
-                 "--frontend", self.frontend]
+                 "--frontend", self.frontend, *self.cfg.serve_args]
         log_path = self.log_path
         with open(log_path, "a", encoding="utf-8") as stderr:
             try:
@@ -687,6 +690,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--poll-engine", choices=("epoll1", "poll"),
                    help="gRPC's polling engine in the replicas (GRPC_POLL_STRATEGY; default: gRPC's)")
+    p.add_argument("--serve-args", default="",
+                   help="more flags of the replicas' nlmserve serve, one string (e.g. "
+                        "\"--max-connection-age-seconds 60\")")
     p.add_argument("--json", help="write the result as JSON here")
     p.add_argument("--doc", action="append", default=[],
                    help="write the tables into this document (every table between the soak markers, the verdict "
@@ -702,13 +708,18 @@ def main(argv: list[str] | None = None) -> int:
             hostile = HostileConfig(attacks=tuple(a for a in args.attacks.split(",") if a))
         except ValueError as e:
             p.error(f"--attacks: {e}")
+        try:
+            serve_args = tuple(shlex.split(args.serve_args))
+        except ValueError as e:
+            p.error(f"--serve-args: {e}")
         result = run(SoakConfig(model=args.model, minutes=args.minutes, frontend=args.frontend,
                                 decoders=args.decoders, rescorers=args.rescorers,
                                 max_concurrent_rpcs=args.max_concurrent_rpcs,
                                 max_rpcs_per_client=args.max_rpcs_per_client,
                                 max_health_watches=args.max_health_watches, fault_every=args.fault_every,
                                 warmup_seconds=args.warmup_seconds, settle_seconds=args.settle_seconds,
-                                seed=args.seed, poll_engine=args.poll_engine, hostile=hostile))
+                                seed=args.seed, poll_engine=args.poll_engine,
+                                serve_args=serve_args, hostile=hostile))
         if args.json:
             write_json(Path(args.json), result)
     table = render(result)

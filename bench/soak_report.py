@@ -103,8 +103,9 @@ def _verdict_lines(result: dict[str, Any]) -> list[str]:
              f"{cfg['max_concurrent_rpcs']}`, `--max-rpcs-per-client {cfg['max_rpcs_per_client']}`, "
              f"`--max-health-watches {cfg['max_health_watches']}`, {cfg['warmup_seconds']:g} s of warm-up before, "
              f"{cfg['settle_seconds']:g} s to settle after"
-             + (f", gRPC's `{cfg['poll_engine']}` polling engine in the replicas." if cfg.get("poll_engine")
-                else "."),
+             + (f", gRPC's `{cfg['poll_engine']}` polling engine in the replicas" if cfg.get("poll_engine") else "")
+             + (f", the replicas also given `{' '.join(cfg['serve_args'])}`" if cfg.get("serve_args") else "")
+             + ".",
              "",
              "| front end | authorised sent | answered | failed | wrong | retried by the client | p50 ms | p99 ms | "
              "probes sent | failed | memory settled / start (worst process) | target |",

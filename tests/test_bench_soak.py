@@ -118,6 +118,9 @@ def test_the_table_says_whether_the_target_was_met() -> None:
     assert "polling engine" not in table
     shown["config"]["poll_engine"] = "poll"
     assert "to settle after, gRPC's `poll` polling engine in the replicas." in soak_report.render(shown)
+    shown["config"]["serve_args"] = ["--max-connection-age-seconds", "60"]
+    assert ("to settle after, gRPC's `poll` polling engine in the replicas, the replicas also given "
+            "`--max-connection-age-seconds 60`.") in soak_report.render(shown)
 
 
 class _Replica:
@@ -250,9 +253,11 @@ def check_tiny_run(result: dict[str, Any], frontend: str, processes: set[str]) -
 
 
 def test_a_tiny_soak_of_the_python_front_end_runs_every_attack(tiny_model_path: Path) -> None:
-    cfg = dataclasses.replace(tiny(tiny_model_path, "python"), poll_engine="poll")  # the replicas under gRPC's poll
+    cfg = dataclasses.replace(tiny(tiny_model_path, "python"), poll_engine="poll",  # the replicas under gRPC's poll
+                              serve_args=("--max-connection-age-seconds", "600"))
     result = soak.run(cfg)
     assert result["config"]["poll_engine"] == "poll"
+    assert list(result["config"]["serve_args"]) == ["--max-connection-age-seconds", "600"]
     check_tiny_run(result, "python", {"nlmserve serve"})
 
 
@@ -260,6 +265,13 @@ def test_a_tiny_soak_of_the_native_front_end_runs_every_attack(driver: Path,  # 
                                                                tiny_model_path: Path) -> None:
     result = soak.run(tiny(tiny_model_path, "native"))
     check_tiny_run(result, "native", {"nlmserve serve", "nlmserve_frontend"})
+
+
+def test_serve_args_that_do_not_split_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        soak.main(["--serve-args", "--max-connection-age-seconds '60"])
+    assert exit_.value.code == 2
+    assert "--serve-args: No closing quotation" in capsys.readouterr().err
 
 
 def test_rendering_a_file_that_is_not_a_saved_run_is_one_line(tmp_path: Path) -> None:
