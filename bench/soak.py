@@ -188,6 +188,10 @@ def native_binary() -> Path:
     return find_binary(None)
 
 
+class ReplicaStartError(RuntimeError):
+    """A replica's server did not start (its flags, its model, its port)."""
+
+
 class Replica:
     """One ``nlmserve serve`` subprocess (with its native front end, if asked) on a fixed port
     (0 the first time), logging to a file."""
@@ -220,7 +224,7 @@ class Replica:
                 server = start_server(self.model, flags, port=self.port, metrics_port=0, stderr=stderr, env=env)
             except NlmserveError as e:
                 tail = log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-5:]
-                raise RuntimeError(f"replica {self.name} did not start: {e}; its log ends: {' | '.join(tail)}") from e
+                raise ReplicaStartError(f"replica {self.name} did not start: {e}; its log ends: {' | '.join(tail)}") from e
         self.proc, self.port, self.metrics_port = server.process, server.port, server.metrics_port or 0
         self.up.set()
 
@@ -712,14 +716,19 @@ def main(argv: list[str] | None = None) -> int:
             serve_args = tuple(shlex.split(args.serve_args))
         except ValueError as e:
             p.error(f"--serve-args: {e}")
-        result = run(SoakConfig(model=args.model, minutes=args.minutes, frontend=args.frontend,
+        cfg = SoakConfig(model=args.model, minutes=args.minutes, frontend=args.frontend,
                                 decoders=args.decoders, rescorers=args.rescorers,
                                 max_concurrent_rpcs=args.max_concurrent_rpcs,
                                 max_rpcs_per_client=args.max_rpcs_per_client,
                                 max_health_watches=args.max_health_watches, fault_every=args.fault_every,
                                 warmup_seconds=args.warmup_seconds, settle_seconds=args.settle_seconds,
                                 seed=args.seed, poll_engine=args.poll_engine,
-                                serve_args=serve_args, hostile=hostile))
+                                serve_args=serve_args, hostile=hostile)
+        try:
+            result = run(cfg)
+        except ReplicaStartError as e:  # e.g. a flag of --serve-args that serve refuses
+            print(f"bench.soak: {e}", file=sys.stderr)
+            return 2
         if args.json:
             write_json(Path(args.json), result)
     table = render(result)

@@ -274,6 +274,16 @@ def test_serve_args_that_do_not_split_are_one_line(capsys: pytest.CaptureFixture
     assert "--serve-args: No closing quotation" in capsys.readouterr().err
 
 
+def test_a_serve_flag_the_replicas_refuse_is_one_line(tiny_model_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    code = soak.main(["--model", str(tiny_model_path), "--attacks", "", "--minutes", "0.01",
+                      "--serve-args", "--no-such-flag 1"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("bench.soak: replica A did not start:") and "--no-such-flag" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_rendering_a_file_that_is_not_a_saved_run_is_one_line(tmp_path: Path) -> None:
     empty = tmp_path / "empty.json"
     empty.write_bytes(b"")
