@@ -550,72 +550,32 @@ def test_a_client_gone_mid_stream_leaves_one_line(tiny_lm: Any, loop: Loop, capl
 
 
 # ---------------------------------------------------------------------- memory of cut calls
-#: Health Check calls that never send their message, driven by a client process of its own
-#: (ARGV: target, calls), at most 64 at once; each ends DEADLINE_EXCEEDED or cut.
-HALF_OPEN_CHECKS = """
-import asyncio, sys
-import grpc
-
-async def never():
-    await asyncio.sleep(3600)
-    yield b""
-
-async def main(target, calls):
-    held = asyncio.Semaphore(64)
-    async with grpc.aio.insecure_channel(target) as channel:
-        check = channel.stream_stream("/grpc.health.v1.Health/Check", lambda b: b, lambda b: b)
-        async def one():
-            async with held:
-                try:
-                    async for _ in check(never()):
-                        pass
-                except grpc.RpcError:
-                    pass
-        await asyncio.gather(*(one() for _ in range(calls)))
-
-asyncio.run(main(sys.argv[1], int(sys.argv[2])))
-"""
-#: What each such call may leave allocated: 9 bytes were measured, about 100 while each
-#: deadline or cut cancelled the call's pending read (grpc.aio keeps a cancelled read's
-#: operations for good: gRPC issue 43360).
+#: What each call may leave allocated: 9 bytes were measured, about 100 while each deadline
+#: or cut cancelled the call's pending read (grpc.aio keeps a cancelled read's operations
+#: for good: gRPC issue 43360).
 CUT_CALL_BYTES = 40
-
-
-def heap_in_use() -> int:
-    """Bytes glibc's malloc has handed out and not had back, in every arena (``mallinfo2``),
-    after a full garbage collection."""
-    import ctypes
-    import gc
-
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [(name, ctypes.c_size_t) for name in
-                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-                     "fordblks", "keepcost")]
-
-    mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
-    mallinfo2.restype = MallInfo2
-    gc.collect()
-    info = mallinfo2()
-    return int(info.uordblks + info.hblkhd)
 
 
 def test_calls_cut_before_their_message_leave_nothing_allocated(tiny_lm: Any) -> None:
     """4,000 health Checks that never send their message, each ended by the first-message
-    deadline or cut for a newer one: the server's malloc holds less than 40 bytes more per
-    call afterwards (9 measured; about 100 while the gate cancelled each call's read)."""
+    deadline or cut for a newer one (bench/heap_per_call.py's ``half_open_check``, from a
+    process of its own): the server's malloc holds less than 40 bytes more per call
+    afterwards (9 measured; about 100 while the gate cancelled each call's read)."""
     import subprocess
     import sys
+
+    from bench.heap_per_call import heap_in_use
 
     try:
         heap_in_use()
     except (OSError, AttributeError):
         pytest.skip("needs glibc's mallinfo2")
     running = start_server(tiny_lm, first_message_seconds=0.1)
+    repo = Path(__file__).resolve().parent.parent
 
     def half_open(calls: int) -> None:
-        subprocess.run([sys.executable, "-c", HALF_OPEN_CHECKS, running.target, str(calls)], check=True,
-                       timeout=120)
-        time.sleep(1.0)  # the last calls' ends reach the server
+        subprocess.run([sys.executable, "-m", "bench.heap_per_call", "--client", running.target, "half_open_check",
+                        str(calls)], check=True, timeout=120, cwd=repo)
 
     try:
         half_open(500)  # the server's first such calls make what it keeps for later ones
