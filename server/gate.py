@@ -17,7 +17,9 @@ One grpc.aio interceptor in front of every service, in this order:
    limits): beyond the limit per connection, per client or in all, the call of that
    connection, client or server that has waited longest is cut for it
    (RESOURCE_EXHAUSTED, a Watch UNIMPLEMENTED), so that no one holding calls open keeps
-   out a call whose message is on its way (a probe's Check). A large message is parsed off the event loop
+   out a call whose message is on its way (a probe's Check). The read of the message is
+   never cancelled: it ends with its call (grpc.aio keeps a cancelled read's C side for
+   good, gRPC issue 43360). A large message is parsed off the event loop
    (:class:`~nlmserve.server.requests.LargeRequest`), once the call holds its slot.
 3. **Slots**, taken once the message is there and given back when the call ends:
    ``max_concurrent_rpcs`` for every authorised call (LanguageModel, Admin, reflection),
