@@ -14,10 +14,11 @@ way; one whose calls each keep a block reads that block's size in the second rou
 Patterns (:data:`PATTERNS`): ``check`` and ``score`` are answered calls; the others are
 what hostile clients do (bench/soak_hostile.py): Health/Check calls that never send their
 message (``half_open_check``, ended by the first-message deadline or cut for newer ones),
-ScoreNgrams without a token, ScoreNgrams cancelled after 1 ms or with a 1 ms deadline, Watch streams cancelled after
-their first answer, GetScoringTables on a connection that never reads (its receive window
-0), and HEADERS + RST_STREAM bursts (``rapid_reset``, 20 streams per call counted). Needs
-glibc (``mallinfo2``).
+ScoreNgrams without a token, ScoreNgrams cancelled after 1 ms or with a 1 ms deadline,
+Watch streams cancelled after their first answer, GetScoringTables on a connection that
+never reads (its receive window 0), HEADERS + RST_STREAM bursts (``rapid_reset``, 20 streams per call counted) and client
+processes killed with large requests in flight (``vanishing``, one process per call
+counted). Needs glibc (``mallinfo2``).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ PATTERNS: dict[str, str] = {
     "watch_cancel": "Watch cancelled after its first answer",
     "never_read_tables": "GetScoringTables on a connection whose receive window is 0, closed after 1 s",
     "rapid_reset": "20 HEADERS + RST_STREAM pairs on one connection",
+    "vanishing": "a client process killed 1.5 s after sending 8 ScoreNgrams of 100,000 n-grams",
 }
 CONCURRENT = 64
 #: The server's one token; every pattern but ``unauthenticated`` and health calls sends it.
@@ -153,9 +155,34 @@ def _rapid_reset(target: str, calls: int) -> None:
             pass
 
 
+async def _large_calls(target: str, calls: int) -> None:
+    """``calls`` ScoreNgrams of 100,000 n-grams at once, then wait to be killed."""
+    from nlmserve.proto import lm_pb2
+
+    request = lm_pb2.ScoreNgramsRequest(ngrams=[lm_pb2.NgramStrings(words=["the", "house", "is"])] * 100_000)
+    async with grpc.aio.insecure_channel(target) as channel:
+        score = channel.unary_unary("/nlmserve.v1.LanguageModel/ScoreNgrams", lambda b: b, lambda b: b)
+        bearer = (("authorization", f"Bearer {TOKEN}"),)
+        await asyncio.gather(*(score(request.SerializeToString(), metadata=bearer) for _ in range(calls)),
+                             return_exceptions=True)
+        await asyncio.sleep(3600)
+
+
+def _vanishing(target: str, calls: int) -> None:
+    for _ in range(calls):
+        proc = subprocess.Popen([sys.executable, "-m", "bench.heap_per_call", "--client", target, "large", "8"])
+        time.sleep(1.5)
+        proc.kill()
+        proc.wait()
+
+
 def client(target: str, pattern: str, calls: int) -> None:
     if pattern == "rapid_reset":
         _rapid_reset(target, calls)
+    elif pattern == "vanishing":
+        _vanishing(target, calls)
+    elif pattern == "large":
+        asyncio.run(_large_calls(target, calls))
     else:
         asyncio.run(_calls(target, pattern, calls))
 
