@@ -105,10 +105,15 @@ def resident_bytes(pid: int) -> int | None:
 
 
 def write_json(path: Path, result: Any) -> None:
-    """``result`` as indented JSON, written beside ``path`` and renamed over it."""
+    """``result`` as indented JSON, written beside ``path`` and renamed over it; nothing is
+    left beside it when that fails (``path`` a directory, say)."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def train_seconds(model_path: str | Path) -> float:

@@ -232,6 +232,8 @@ def main() -> int:
         p.error(f"unknown patterns {', '.join(unknown)}; known: {', '.join(PATTERNS)}")
     if args.calls < 1:
         p.error("--calls must be >= 1")
+    if args.json and Path(args.json).is_dir():
+        p.error(f"--json {args.json} is a directory")
     try:
         heap_in_use()
     except (OSError, AttributeError):

@@ -40,3 +40,20 @@ def test_an_unknown_pattern_is_one_line() -> None:
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "unknown patterns slowloris" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_json_path_that_is_a_directory_is_one_line_before_the_run(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "bench.heap_per_call", "--json", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "is a directory" in done.stderr and "Traceback" not in done.stderr
+    assert not list(tmp_path.parent.glob(tmp_path.name + ".tmp"))
+
+
+def test_write_json_leaves_nothing_beside_a_path_it_cannot_replace(tmp_path: Path) -> None:
+    from bench._common import write_json
+
+    target = tmp_path / "out"
+    target.mkdir()
+    with pytest.raises(OSError):
+        write_json(target, {"a": 1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
