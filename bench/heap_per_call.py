@@ -5,20 +5,22 @@ a server keeps for good is told apart from memory it lays out and gives back.
     .venv/bin/python -m bench.heap_per_call [--model M] [--calls N] [--patterns P,..] [--json F]
 
 A server runs in this process (``create_server``, port 0, a token file of one token,
-``--first-message-seconds 0.3``, ``--stream-write-timeout-seconds 0.5``); each pattern's calls come from a client process of
-their own (this module with ``--client``), at most 64 at once, in two rounds: the first
-makes what the server keeps for later calls of the kind (its tables, gRPC's caches), the
-second is the one to read. A pattern that leaves nothing reads a few bytes a call either
-way; one whose calls each keep a block reads that block's size in the second round too.
+``--first-message-seconds 0.3``, ``--stream-write-timeout-seconds 0.5``); each pattern's
+calls come from a client process of their own (this module with ``--client``), at most 64
+at once, in two rounds: the first makes what the server keeps for later calls of the kind
+(its tables, gRPC's caches), the second is the one to read. A pattern that leaves nothing
+reads a few bytes a call either way; one whose calls each keep a block reads that block's
+size in the second round too.
 
 Patterns (:data:`PATTERNS`): ``check`` and ``score`` are answered calls; the others are
 what hostile clients do (bench/soak_hostile.py): Health/Check calls that never send their
 message (``half_open_check``, ended by the first-message deadline or cut for newer ones),
 ScoreNgrams without a token, ScoreNgrams cancelled after 1 ms or with a 1 ms deadline,
 Watch streams cancelled after their first answer, GetScoringTables on a connection that
-never reads (its receive window 0), HEADERS + RST_STREAM bursts (``rapid_reset``, 20 streams per call counted) and client
-processes killed with large requests in flight (``vanishing``, one process per call
-counted). Needs glibc (``mallinfo2``).
+never reads (its receive window 0), HEADERS + RST_STREAM bursts (``rapid_reset``, 20
+streams per call counted) and client processes killed with large requests in flight
+(``vanishing``, one process per call counted; read 2 s after the last kill, while the
+server may still be working through their queue: rough). Needs glibc (``mallinfo2``).
 """
 
 from __future__ import annotations
