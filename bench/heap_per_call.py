@@ -12,7 +12,9 @@ at once, in two rounds: the first makes what the server keeps for later calls of
 reads a few bytes a call either way; one whose calls each keep a block reads that block's
 size in the second round too.
 
-Patterns (:data:`PATTERNS`): ``check`` and ``score`` are answered calls; the others are
+Patterns (:data:`PATTERNS`): ``check``, ``score`` and ``large`` (8 requests of 100,000
+string n-grams at once: its first round shows what the server keeps for good after such a
+burst, its scorer's buffers for a full batch) are answered calls; the others are
 what hostile clients do (bench/soak_hostile.py): Health/Check calls that never send their
 message (``half_open_check``, ended by the first-message deadline or cut for newer ones),
 ScoreNgrams without a token, ScoreNgrams cancelled after 1 ms or with a 1 ms deadline,
@@ -54,12 +56,15 @@ PATTERNS: dict[str, str] = {
     "watch_cancel": "Watch cancelled after its first answer",
     "never_read_tables": "GetScoringTables on a connection whose receive window is 0, closed after 1 s",
     "rapid_reset": "20 HEADERS + RST_STREAM pairs on one connection",
+    "large": "ScoreNgrams of 100,000 n-grams, 8 at once, answered",
     "vanishing": "a client process killed 1.5 s after sending 8 ScoreNgrams of 100,000 n-grams",
 }
 CONCURRENT = 64
 #: The server's one token; every pattern but ``unauthenticated`` and health calls sends it.
 TOKEN = "heap-per-call-token"
 RESETS_PER_CALL = 20
+LARGE_NGRAMS = 100_000
+LARGE_AT_ONCE = 8
 
 
 class _MallInfo2(ctypes.Structure):
@@ -157,22 +162,31 @@ def _rapid_reset(target: str, calls: int) -> None:
             pass
 
 
-async def _large_calls(target: str, calls: int) -> None:
-    """``calls`` ScoreNgrams of 100,000 n-grams at once, then wait to be killed."""
+async def _large_calls(target: str, calls: int, *, stay: bool) -> None:
+    """``calls`` ScoreNgrams of 100,000 n-grams, :data:`LARGE_AT_ONCE` at a time; then, when
+    ``stay``, wait to be killed."""
     from nlmserve.proto import lm_pb2
 
-    request = lm_pb2.ScoreNgramsRequest(ngrams=[lm_pb2.NgramStrings(words=["the", "house", "is"])] * 100_000)
+    raw = lm_pb2.ScoreNgramsRequest(
+        ngrams=[lm_pb2.NgramStrings(words=["the", "house", "is"])] * LARGE_NGRAMS).SerializeToString()
+    held = asyncio.Semaphore(LARGE_AT_ONCE)
     async with grpc.aio.insecure_channel(target) as channel:
         score = channel.unary_unary("/nlmserve.v1.LanguageModel/ScoreNgrams", lambda b: b, lambda b: b)
         bearer = (("authorization", f"Bearer {TOKEN}"),)
-        await asyncio.gather(*(score(request.SerializeToString(), metadata=bearer) for _ in range(calls)),
-                             return_exceptions=True)
-        await asyncio.sleep(3600)
+
+        async def one() -> None:
+            async with held:
+                await score(raw, metadata=bearer)
+
+        await asyncio.gather(*(one() for _ in range(calls)), return_exceptions=stay)
+        if stay:
+            await asyncio.sleep(3600)
 
 
 def _vanishing(target: str, calls: int) -> None:
     for _ in range(calls):
-        proc = subprocess.Popen([sys.executable, "-m", "bench.heap_per_call", "--client", target, "large", "8"])
+        proc = subprocess.Popen([sys.executable, "-m", "bench.heap_per_call", "--client", target, "large_then_stay",
+                                 str(LARGE_AT_ONCE)])
         time.sleep(1.5)
         proc.kill()
         proc.wait()
@@ -183,8 +197,8 @@ def client(target: str, pattern: str, calls: int) -> None:
         _rapid_reset(target, calls)
     elif pattern == "vanishing":
         _vanishing(target, calls)
-    elif pattern == "large":
-        asyncio.run(_large_calls(target, calls))
+    elif pattern in ("large", "large_then_stay"):
+        asyncio.run(_large_calls(target, calls, stay=pattern == "large_then_stay"))
     else:
         asyncio.run(_calls(target, pattern, calls))
 
