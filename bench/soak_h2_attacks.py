@@ -114,6 +114,7 @@ async def rapid_reset(r: Target, cfg: HostileConfig, stop: asyncio.Event, out: T
                 if conn is None or reader is None or reader.done() or next_id > (1 << 30):
                     if conn is not None:
                         conn.close()
+                    await _ended(reader)
                     try:
                         conn = await H2.open(r.port, {HEADER_TABLE_SIZE: 0})
                     except (OSError, TimeoutError):
@@ -140,10 +141,16 @@ async def rapid_reset(r: Target, cfg: HostileConfig, stop: asyncio.Event, out: T
                         conn = None
             await wait_or_stop(stop, cfg.reset_every)
     finally:
-        if reader is not None:
-            reader.cancel()
+        await _ended(reader)
         if conn is not None:
             conn.close()
+
+
+async def _ended(task: asyncio.Task[None] | None) -> None:
+    """``task`` cancelled and awaited, so that none is left pending when the loop closes."""
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 async def big_metadata(r: Target, cfg: HostileConfig, unacked: bool, stop: asyncio.Event, out: Tally) -> None:
