@@ -126,9 +126,6 @@ class _WordsOf:
     def __iter__(self) -> Iterator[Sequence[str]]:
         return (ng.words for ng in self._ngrams)
 
-    def __contains__(self, item: object) -> bool:
-        return any(words == item for words in self)
-
 
 def _check_parsed(request: Any) -> None:
     if isinstance(request, MalformedRequest):

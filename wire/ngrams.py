@@ -25,7 +25,7 @@ too (proto/contract/canonical_ngrams.tsv has the cases the C++ client passes as 
 
 from __future__ import annotations
 
-from typing import Collection, Mapping, Sequence
+from typing import Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -192,14 +192,22 @@ def feature_slots(h: np.ndarray, y: np.ndarray, size: int) -> np.ndarray:
     return ((h * HASH_KEY + np.asarray(y, dtype=np.int64)[:, None] * HASH_OUT) % HASH_MOD) % size  # type: ignore[no-any-return]
 
 
-def pack_ngrams(ngrams: Collection[Sequence[str]], index: Mapping[str, int], order: int, *, lowercase: bool,
+class Ngrams(Protocol):
+    """What :func:`pack_ngrams` reads: how many n-grams, then each one's words once, in
+    order (a list, or a view that makes each n-gram as it is read)."""
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[Sequence[str]]: ...
+
+
+def pack_ngrams(ngrams: Ngrams, index: Mapping[str, int], order: int, *, lowercase: bool,
                 dtype: npt.DTypeLike = np.int64, unk_id: int = UNK_ID,
                 bos_id: int = BOS_ID) -> tuple[np.ndarray, np.ndarray]:
     """Word n-grams → (ids (N, order) left-padded with ``<s>``, oov (N,) bool).
 
     Words are lowercased first when ``lowercase`` (the model was trained lowercased);
-    unknown words map to ``<unk>``; an n-gram's OOV flag is its predicted word's. ``ngrams``
-    is read once, in order, one n-gram at a time (a view that makes each on the way will do).
+    unknown words map to ``<unk>``; an n-gram's OOV flag is its predicted word's.
     InvalidRequestError names an empty n-gram or one longer than ``order``.
     """
     get = index.get
