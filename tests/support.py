@@ -7,7 +7,10 @@ Fixtures live in ``conftest.py``; plain functions that modules import live here.
 from __future__ import annotations
 
 import gzip
+import json
 import math
+import subprocess
+import sys
 import tarfile
 import threading
 import urllib.request
@@ -15,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from nlmserve.common.errors import NlmserveError
 from nlmserve.common.serve_process import ServerProcess, start_server as start_serve_process
@@ -248,3 +252,25 @@ async def ended(calls: list[Any]) -> list[tuple[str, str]]:
         except grpc.aio.AioRpcError as e:
             out.append((e.code().name, e.details() or ""))
     return out
+
+
+def needs_mallinfo() -> None:
+    """Skip the calling test where glibc's ``mallinfo2`` (bench.heap_per_call.heap_in_use) is missing."""
+    from bench.heap_per_call import heap_in_use
+
+    try:
+        heap_in_use()
+    except (OSError, AttributeError):
+        pytest.skip("needs glibc's mallinfo2")
+
+
+def heap_per_call(model: Path, calls: int, patterns: str, work: Path) -> tuple[dict[str, Any], str]:
+    """``python -m bench.heap_per_call --model M --calls N --patterns P`` run to the end: its
+    JSON result and what it printed (the test skips without ``mallinfo2``)."""
+    needs_mallinfo()
+    out = work / "heap.json"
+    done = subprocess.run([sys.executable, "-m", "bench.heap_per_call", "--model", str(model), "--calls", str(calls),
+                           "--patterns", patterns, "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(out.read_text()), done.stdout

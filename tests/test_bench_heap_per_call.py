@@ -4,35 +4,25 @@ one line."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from bench.heap_per_call import heap_in_use
+from support import heap_per_call
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_each_pattern_reads_bytes_per_call(tiny_model_path: Path, tmp_path: Path) -> None:
-    try:
-        heap_in_use()
-    except (OSError, AttributeError):
-        pytest.skip("needs glibc's mallinfo2")
-    out = tmp_path / "heap.json"
-    done = subprocess.run([sys.executable, "-m", "bench.heap_per_call", "--model", str(tiny_model_path),
-                           "--calls", "2000", "--patterns", "check,rapid_reset", "--json", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads(out.read_text())
+    result, printed = heap_per_call(tiny_model_path, 2000, "check,rapid_reset", tmp_path)
     assert result["calls"] == 2000 and set(result["patterns"]) == {"check", "rapid_reset"}
     # Answered calls and resets keep nothing: a few bytes a call at most, well under the
     # ~100 that a kept block of gRPC's would read.
     for row in result["patterns"].values():
         assert abs(row["bytes_per_call"]) < 60, result
-    assert [line.split()[0] for line in done.stdout.splitlines()] == ["check", "rapid_reset"]
+    assert [line.split()[0] for line in printed.splitlines()] == ["check", "rapid_reset"]
 
 
 def test_an_unknown_pattern_is_one_line() -> None:

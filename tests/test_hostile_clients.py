@@ -27,7 +27,7 @@ from nlmserve.client import LMClient
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
 from nlmserve.server import app
 
-from support import GatedScorer, dev_ngrams, metric, serve_subprocess, start_server
+from support import GatedScorer, dev_ngrams, heap_per_call, metric, needs_mallinfo, serve_subprocess, start_server
 from test_hostile import Loop, own_connection, packed
 
 TOKEN = "hostile-clients-token-a"
@@ -566,10 +566,7 @@ def test_calls_cut_before_their_message_leave_nothing_allocated(tiny_lm: Any) ->
 
     from bench.heap_per_call import heap_in_use
 
-    try:
-        heap_in_use()
-    except (OSError, AttributeError):
-        pytest.skip("needs glibc's mallinfo2")
+    needs_mallinfo()
     running = start_server(tiny_lm, first_message_seconds=0.1)
     repo = Path(__file__).resolve().parent.parent
 
@@ -599,21 +596,6 @@ def test_large_requests_leave_no_more_than_a_full_batch_needs(tiny_model_path: P
     """bench/heap_per_call.py's ``large`` pattern (a server of its own in a fresh process, two
     rounds of 8 ScoreNgrams of 100,000 string n-grams at once): the server's malloc holds
     under 16 MB more afterwards, however many such requests were mapped at the same moment."""
-    import json
-    import subprocess
-    import sys
-
-    from bench.heap_per_call import heap_in_use
-
-    try:
-        heap_in_use()
-    except (OSError, AttributeError):
-        pytest.skip("needs glibc's mallinfo2")
-    out = tmp_path / "heap.json"
-    done = subprocess.run([sys.executable, "-m", "bench.heap_per_call", "--model", str(tiny_model_path),
-                           "--calls", "8", "--patterns", "large", "--json", str(out)],
-                          cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    row = json.loads(out.read_text())["patterns"]["large"]
+    row = heap_per_call(tiny_model_path, 8, "large", tmp_path)[0]["patterns"]["large"]
     kept = 8 * (row["first_round_bytes_per_call"] + row["bytes_per_call"])
     assert kept < LARGE_CALLS_KEPT, f"{kept / 1e6:.1f} MB kept after 16 large requests"
