@@ -22,6 +22,8 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Mapping, NoReturn
 
+from nlmserve.common.memory import resident_bytes as resident_bytes  # re-exported: the benchmarks' one
+
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _REPO = Path(__file__).resolve().parent.parent
 #: An absolute path in a command line: after a space, ``=``, ``,`` or ``:``, up to the next of them.
@@ -91,17 +93,6 @@ def tree_cpu_seconds(root: int) -> float:
 def tree_pids(root: int) -> list[int]:
     """``root`` and its live descendants (``root`` first; empty when it is gone)."""
     return list(_tree(root))
-
-
-def resident_bytes(pid: int) -> int | None:
-    """A live process's resident memory (VmRSS), None when it is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def write_json(path: Path, result: Any) -> None:

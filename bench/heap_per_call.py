@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import gc
 import logging
 import socket
@@ -45,6 +44,7 @@ import grpc
 from bench._common import exit_with, machine, write_json
 from bench.h2 import (ACK, PREFACE, RST_STREAM, SETTINGS, frame, grpc_fields, header_block, headers_frames,
                       unread_calls)
+from nlmserve.common.memory import heap_now
 
 PATTERNS: dict[str, str] = {
     "check": "Health/Check, answered",
@@ -68,21 +68,15 @@ LARGE_AT_ONCE = 8
 LARGE_TRIES = 5
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
 def heap_in_use() -> int:
     """Bytes malloc has handed out and not had back, in every arena and mapping, after a
     full garbage collection and a moment for the server's threads to finish."""
-    mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
-    mallinfo2.restype = _MallInfo2
     gc.collect()
     time.sleep(2.0)
     gc.collect()
-    info = mallinfo2()
-    return int(info.uordblks + info.hblkhd)
+    heap = heap_now()
+    assert heap is not None, "needs glibc's mallinfo2 (checked at start)"
+    return heap[0]
 
 
 # ---------------------------------------------------------------------- the client process
@@ -259,9 +253,7 @@ def main() -> int:
         p.error("--calls must be >= 1")
     if args.json and Path(args.json).is_dir():
         p.error(f"--json {args.json} is a directory")
-    try:
-        heap_in_use()
-    except (OSError, AttributeError):
+    if heap_now() is None:
         print("bench.heap_per_call: needs glibc's mallinfo2", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="nlmserve-heap-") as work:

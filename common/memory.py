@@ -52,6 +52,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -77,14 +78,25 @@ SERVER_TRIM_THRESHOLD = 128 * 1024
 SERVER_MMAPS_MAX = 32 * 1024
 
 
+_libc_handle: Any = None
+
+
+def _libc() -> Any:
+    """The C library (``ctypes.CDLL``), None where it cannot be found or opened."""
+    global _libc_handle
+    if _libc_handle is None:
+        name = ctypes.util.find_library("c")
+        try:
+            _libc_handle = ctypes.CDLL(name) if name is not None else False
+        except OSError:
+            _libc_handle = False
+    return _libc_handle or None
+
+
 def _mallopt(settings: tuple[tuple[int, int], ...]) -> bool:
     """Apply glibc ``mallopt`` settings; False where there is no glibc or one is refused."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
@@ -111,24 +123,55 @@ def return_freed_memory() -> bool:
     return ok
 
 
-_malloc_trim: Any = None
-
-
 def trim_heap() -> bool:
     """Ask glibc to give the free parts of its heap back to the system (``malloc_trim(0)``);
     False where there is no glibc. A server calls it after what leaves freed memory behind
     (a flood of calls with large metadata or messages, a refused reload): glibc would
     otherwise keep it resident."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        name = ctypes.util.find_library("c")
-        try:
-            _malloc_trim = ctypes.CDLL(name).malloc_trim if name is not None else False
-        except (OSError, AttributeError):
-            _malloc_trim = False
-        if _malloc_trim:
-            _malloc_trim.argtypes = [ctypes.c_size_t]
-    if not _malloc_trim:
+    malloc_trim = getattr(_libc(), "malloc_trim", None)
+    if malloc_trim is None:
         return False
-    _malloc_trim(0)
+    malloc_trim.argtypes = [ctypes.c_size_t]
+    malloc_trim(0)
     return True
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def heap_now() -> tuple[int, int] | None:
+    """glibc's heap, every arena and mapping together (``mallinfo2``): bytes handed out and
+    not freed, and bytes freed and kept for reuse (resident until given back); None where
+    there is no glibc 2.33 or later. The first growing while resident memory stays is a
+    leak; resident memory above the two together is freed memory the system has not had
+    back (pages a live block keeps)."""
+    mallinfo2 = getattr(_libc(), "mallinfo2", None)
+    if mallinfo2 is None:
+        return None
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return int(info.uordblks + info.hblkhd), int(info.fordblks)
+
+
+def resident_bytes(pid: int | None = None) -> int | None:
+    """A live process's resident memory (VmRSS; this process's without ``pid``), None when it
+    is gone or there is no /proc."""
+    try:
+        for line in Path(f"/proc/{pid or 'self'}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def heap_report() -> str:
+    """The heap in one log line (a server's on SIGUSR1), as the native front end writes it
+    (server/native/memory.h, HeapReport): ``heap: X MiB in use, Y MiB free, Z MiB resident``
+    (:func:`heap_now`; "unknown" where there is no mallinfo2)."""
+    heap, resident = heap_now(), (resident_bytes() or 0) / 2**20
+    if heap is None:
+        return f"heap: unknown, {resident:.3f} MiB resident"
+    return f"heap: {heap[0] / 2**20:.3f} MiB in use, {heap[1] / 2**20:.3f} MiB free, {resident:.3f} MiB resident"

@@ -6,7 +6,7 @@ background thread) and returns a :class:`RunningServer`; tests bind port 0 and t
 get UNAVAILABLE → in-flight RPCs finish within ``grace_seconds`` and their answers get
 :data:`SETTLE_SECONDS` to reach the client → stop (gRPC closes the connections) → release the
 engine (in ``finally``) → exit 0. SIGHUP reloads the model file (and the token and TLS files) without
-failing a request (``server.admin``).
+failing a request (``server.admin``); SIGUSR1 logs the heap (and the native front end's).
 
 Security (``server.auth``): TLS (``tls_cert``/``tls_key``, mutual with ``tls_client_ca``)
 and bearer tokens (``token_file``); what a client may hold (tokens, the first-message
@@ -42,7 +42,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ..proto import lm_pb2
 from ..common.errors import ReloadError
-from ..common.memory import return_freed_memory, trim_heap
+from ..common.memory import heap_report, return_freed_memory, trim_heap
 from ..common.serve_process import listening_line, metrics_line
 from .admin import ADMIN_SERVICE, AdminServicer, Reloader, add_admin_to_server
 from .auth import TlsFiles, TokenStore
@@ -312,7 +312,8 @@ def serve(config: ServerConfig) -> int:
 
     SIGHUP reloads ``config.model`` (and the token and TLS files) in a thread of its own,
     off the serving path; a file that fails to load or check, or a SIGHUP while a reload
-    is in progress, is logged and the served model stays. The process's allocator gives
+    is in progress, is logged and the served model stays. SIGUSR1 logs malloc's heap in
+    use and free and the resident size (and makes the native front end log its own). The process's allocator gives
     freed memory back (:func:`~nlmserve.common.memory.return_freed_memory`, and
     :func:`~nlmserve.common.memory.trim_heap` every :data:`TRIM_SECONDS`).
     """
@@ -339,6 +340,7 @@ def serve(config: ServerConfig) -> int:
     frontend = None
     stop = threading.Event()
     hup = threading.Event()
+    usr1 = threading.Event()
     wake = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -350,9 +352,14 @@ def serve(config: ServerConfig) -> int:
         hup.set()
         wake.set()
 
+    def on_usr1(signum: int, frame: FrameType | None) -> None:
+        usr1.set()
+        wake.set()
+
     socket_dir = None
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, on_hup)
+    previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, on_usr1)
     code = 0
     try:
         if binary is not None:
@@ -377,6 +384,11 @@ def serve(config: ServerConfig) -> int:
             if time.monotonic() - trimmed_at >= TRIM_SECONDS:
                 trim_heap()
                 trimmed_at = time.monotonic()
+            if usr1.is_set():
+                usr1.clear()
+                log.info("received SIGUSR1: %s", heap_report())
+                if frontend is not None:
+                    frontend.report_heap()
             if hup.is_set():
                 hup.clear()
                 log.info("received SIGHUP: reloading %s", config.model)

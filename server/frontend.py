@@ -119,6 +119,11 @@ class NativeFrontend:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGHUP)
 
+    def report_heap(self) -> None:
+        """SIGUSR1: the front end logs its heap (in use, free, resident)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGUSR1)
+
     def stop(self, timeout: float) -> int:
         """SIGTERM (drain within its grace period), then wait; SIGKILL after ``timeout``."""
         if self.proc.poll() is None:

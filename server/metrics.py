@@ -11,7 +11,12 @@ import logging
 import threading
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest,
+                               start_http_server)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from ..common.memory import heap_now
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +29,23 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
 _SECONDS_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
 )
+
+
+class HeapCollector(Collector):
+    """``nlmserve_heap_bytes``, read from malloc at each scrape (``common.memory.heap_now``):
+    ``state="in_use"`` grows with a leak, ``state="free"`` is what malloc keeps for reuse;
+    the resident size beyond both (``nlmserve_process_resident_memory_bytes``) is freed memory whose
+    pages the system has not had back. Nothing where there is no glibc ``mallinfo2``."""
+
+    def collect(self) -> Any:
+        heap = heap_now()
+        if heap is None:
+            return
+        family = GaugeMetricFamily("nlmserve_heap_bytes", "malloc's heap, by state: in use, or free and kept",
+                                   labels=["state"])
+        family.add_metric(["in_use"], heap[0])
+        family.add_metric(["free"], heap[1])
+        yield family
 
 
 class ServerMetrics:
@@ -80,6 +102,8 @@ class ServerMetrics:
         )
         for reason in REFUSAL_REASONS:
             self.refused.labels(reason=reason)
+        ProcessCollector(namespace="nlmserve", registry=r)  # nlmserve_process_resident_memory_bytes, CPU, files
+        r.register(HeapCollector())
         for cache in ("ngram", "context", "in_class"):
             self.cache_hits.labels(cache=cache)
             self.cache_misses.labels(cache=cache)

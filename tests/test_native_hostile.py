@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import resource
+import re
 import select
 import signal
 import socket
@@ -315,6 +316,27 @@ def test_the_token_file_is_read_again_on_sighup(frontends: Started, backend: Run
     assert (outcome(AUTH), outcome(OTHER)) == ("UNAUTHENTICATED", "DEADLINE_EXCEEDED")
     err = frontends.stop(fe)
     assert "printable ASCII" in err and "previous tokens stay" in err
+
+
+def test_sigusr1_logs_the_heap_and_the_front_end_serves_on(frontends: Started, backend: RunningServer,
+                                                           tiny_lm: Any) -> None:
+    """SIGUSR1: one log line with malloc's heap in use, its free part and the resident size
+    (what tells a leak from freed pages the system has not had back), and the front end
+    goes on serving; the same line after its drain."""
+    fe = frontends(backend)
+    scores(fe.target, tiny_lm)
+    fe.proc.send_signal(signal.SIGUSR1)
+    time.sleep(0.5)
+    resident = vm_rss_mb(fe.proc.pid)
+    assert fe.proc.poll() is None
+    scores(fe.target, tiny_lm)
+    err = frontends.stop(fe)
+    heap = re.findall(r"(got SIGUSR1|drained): heap: ([0-9.]+) MiB in use, ([0-9.]+) MiB free, ([0-9.]+) MiB resident",
+                      err)
+    assert [when for when, *_ in heap] == ["got SIGUSR1", "drained"], err
+    in_use, free, reported = (float(v) for v in heap[0][1:])
+    assert 0 < in_use < reported and free >= 0
+    assert abs(reported - resident) < 0.2 * resident, (reported, resident)
 
 
 def test_a_message_that_does_not_parse_is_invalid_argument(frontends: Started, backend: RunningServer) -> None:
@@ -832,3 +854,25 @@ def test_serve_passes_its_guards_and_sighup_to_the_front_end(driver: Path, tiny_
         server.process.send_signal(signal.SIGTERM)
         server.process.wait(60)
     assert server.process.returncode == 0
+
+
+def test_serve_logs_both_heaps_on_sigusr1(tiny_model_path: Path, tmp_path: Path) -> None:  # noqa: F811
+    """`nlmserve serve --frontend native` on SIGUSR1: the model server and the front end
+    each log their heap, and serving goes on to a clean drain."""
+    server = serve_subprocess(tiny_model_path, "--frontend", "native", "--frontend-binary", str(FRONTEND),
+                              log=tmp_path / "serve.log")
+    heap = r": heap: [0-9.]+ MiB in use, [0-9.]+ MiB free, [0-9.]+ MiB resident"
+    try:
+        server.process.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 10
+        while not (re.search(r"nlmserve\.server\.app: received SIGUSR1" + heap,
+                             log := (tmp_path / "serve.log").read_text())
+                   and re.search(r"nlmserve\.server\.frontend: got SIGUSR1" + heap, log)):
+            assert time.monotonic() < deadline and server.process.poll() is None, log[-2000:]
+            time.sleep(0.2)
+        assert health(server.target) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        server.process.send_signal(signal.SIGTERM)
+        server.process.wait(60)
+    assert server.process.returncode == 0
+    assert re.search(r"nlmserve\.server\.frontend: drained" + heap, (tmp_path / "serve.log").read_text())

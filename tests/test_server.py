@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from nlmserve.common.errors import InputError, InvalidRequestError, UsageError
+from nlmserve.common.memory import heap_now
 from nlmserve.cli import main
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
 from nlmserve.server.app import RunningServer, create_server
@@ -530,6 +531,25 @@ def test_metrics_change_as_requests_are_served(server: RunningServer, stub: Any,
                  "nlmserve_in_flight_requests", "nlmserve_queue_depth_ngrams", "nlmserve_model_info"):
         assert name in text
     assert all(line.startswith(("#", "nlmserve_")) for line in text.splitlines() if line)
+
+
+def test_metrics_report_the_heap_and_the_process(server: RunningServer) -> None:
+    """nlmserve_heap_bytes follows malloc: 64 MiB held by the server's process show as in
+    use (and resident) at the next scrape, and are gone from it once freed."""
+    if heap_now() is None:
+        pytest.skip("needs glibc's mallinfo2")
+    in_use = 'nlmserve_heap_bytes{state="in_use"}'
+    size = 64 << 20
+    before = metric(server, in_use)
+    held = bytearray(size)  # the server runs in this process: its malloc is ours
+    during = metric(server, in_use), metric(server, "nlmserve_process_resident_memory_bytes")
+    del held
+    after = metric(server, in_use)
+    assert before > 0 and during[0] - before >= size, (before, during)
+    assert during[1] >= size
+    assert abs(after - before) < size / 8, (before, after)
+    assert metric(server, 'nlmserve_heap_bytes{state="free"}') >= 0
+    assert metric(server, "nlmserve_process_open_fds") > 0
 
 
 def test_health_is_serving(server: RunningServer) -> None:

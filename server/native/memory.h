@@ -11,7 +11,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <string>
 
 #include "connections.h"
@@ -30,6 +32,27 @@ struct Heap {
 inline Heap HeapNow() {
   const struct mallinfo2 m = mallinfo2();
   return Heap{m.uordblks + m.hblkhd, m.fordblks};
+}
+
+// The process's resident memory (VmRSS), 0 where /proc cannot be read.
+inline std::size_t ResidentBytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return static_cast<std::size_t>(std::stoull(line.substr(6))) * 1024;
+  }
+  return 0;
+}
+
+// One log line on the heap (SIGUSR1, and after a drain): in use grows with a leak; free is
+// what malloc keeps for reuse; resident beyond both is freed memory whose pages the system
+// has not had back. The Python server's /metrics has the same two as nlmserve_heap_bytes.
+inline std::string HeapReport() {
+  const Heap heap = HeapNow();
+  char line[160];
+  std::snprintf(line, sizeof(line), "heap: %.3f MiB in use, %.3f MiB free, %.3f MiB resident",
+                heap.in_use / 1048576.0, heap.kept / 1048576.0, ResidentBytes() / 1048576.0);
+  return line;
 }
 
 // The allocator settings of a long-running server (set before any thread starts): blocks of

@@ -90,23 +90,30 @@ namespace {
 
 using namespace nlmserve_frontend;
 
-// SIGTERM and SIGINT (stop) and SIGHUP (re-read the token file), taken by sigwait in the
-// main thread: blocked before any thread starts so every thread inherits the mask.
+// SIGTERM and SIGINT (stop), SIGHUP (re-read the token file) and SIGUSR1 (log the heap),
+// taken by sigwait in the main thread: blocked before any thread starts so every thread
+// inherits the mask.
 sigset_t BlockSignals() {
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
   sigaddset(&signals, SIGHUP);
+  sigaddset(&signals, SIGUSR1);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   return signals;
 }
 
-// Waits for SIGTERM or SIGINT (returned), re-reading the token files on each SIGHUP.
+// Waits for SIGTERM or SIGINT (returned), re-reading the token files on each SIGHUP and
+// logging the heap on each SIGUSR1.
 int WaitForStop(const sigset_t &signals, TokenSet *tokens) {
   int sig = 0;
   for (;;) {
     sigwait(&signals, &sig);
+    if (sig == SIGUSR1) {
+      Log("got SIGUSR1: " + HeapReport());
+      continue;
+    }
     if (sig != SIGHUP) return sig;
     if (!tokens->required()) {
       Log("got SIGHUP: no --token-file to read again");
@@ -228,6 +235,7 @@ int Serve(const Options &options, Guards *guards, const sigset_t &signals) {
   batcher.Stop();
   watchers.Join();
   Log(batcher.Stats());
+  Log("drained: " + HeapReport());
   const std::string endings = Endings().Summary(), refusals = guards->refusals.Summary();
   Log("calls ended by the front end: " + (endings.empty() ? std::string("none") : endings) +
       "; refused by a guard: " + (refusals.empty() ? std::string("none") : refusals));
