@@ -58,6 +58,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -281,6 +282,26 @@ class Replica:
                 out["nlmserve serve" if i == 0 else _program(pid)] = rss
         return out
 
+    def heap(self, timeout: float = 5.0) -> dict[str, float]:
+        """malloc's heap in use, MiB, of each of its processes by role (as :meth:`memory`): the
+        lines ``serve`` and the native front end log on SIGUSR1 ({} where none came)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return {}
+        pids = tree_pids(self.proc.pid)
+        roles = {"nlmserve.server.app": "nlmserve serve",
+                 "nlmserve.server.frontend": _program(pids[1]) if len(pids) > 1 else "front end"}
+        offset = self.log_size()
+        self.proc.send_signal(signal.SIGUSR1)
+        out: dict[str, float] = {}
+        deadline = time.monotonic() + timeout
+        while len(out) < len(pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            for line in self.log_since(offset):
+                found = HEAP_LINE.search(line)
+                if found and found["logger"] in roles:
+                    out[roles[found["logger"]]] = float(found["in_use"])
+        return out
+
     def kill_and_restart(self) -> None:
         """SIGKILL to its whole process tree (a host that dies), then a start on the same port."""
         assert self.proc is not None
@@ -312,6 +333,11 @@ class Replica:
                     os.kill(pid, signal.SIGKILL)
                 self.proc.wait()
         return total
+
+
+#: The heap line ``serve`` (nlmserve.server.app) and its native front end
+#: (nlmserve.server.frontend) log on SIGUSR1.
+HEAP_LINE = re.compile(r"(?P<logger>nlmserve\.server\.\w+): (?:received|got) SIGUSR1: heap: (?P<in_use>[0-9.]+) MiB in use")
 
 
 def _program(pid: int) -> str:
@@ -521,12 +547,16 @@ def hostile_requests(ids: np.ndarray, cfg: SoakConfig, work: Path) -> tuple[list
     return [request(n) for n in (1, 10, 100, 1_000, 5_000)], path
 
 
-def _quiet_memory(load: Load, memory: MemoryWatch, seconds: float) -> dict[tuple[str, str], int]:
+def _quiet_memory(load: Load, memory: MemoryWatch, seconds: float
+                  ) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], float]]:
+    """Every process's resident bytes and malloc's heap in use (MiB), the authorised clients
+    paused for ``seconds``."""
     load.pause()
     time.sleep(seconds)
     taken = memory.snapshot()
+    heaps = {(r.name, role): mib for r in memory.replicas for role, mib in r.heap().items()}
     load.resume()
-    return taken
+    return taken, heaps
 
 
 def _metrics_size(replicas: list[Replica]) -> dict[str, dict[str, int]]:
@@ -582,7 +612,7 @@ def run_frontend(cfg: SoakConfig, frontend: str, models: tuple[Path, Path], ids:
                 t.start()
             log.info("%s: warm-up, %.0f s", frontend, cfg.warmup_seconds)
             time.sleep(cfg.warmup_seconds)
-            start_memory = _quiet_memory(load, memory, cfg.quiet_seconds)
+            start_memory, start_heap = _quiet_memory(load, memory, cfg.quiet_seconds)
             metrics_start = _metrics_size(replicas)
             log.info("%s: attack, %.1f minutes", frontend, cfg.minutes)
             hostile.start()
@@ -597,7 +627,7 @@ def run_frontend(cfg: SoakConfig, frontend: str, models: tuple[Path, Path], ids:
             seconds = time.monotonic() - began
             log.info("%s: settle, %.0f s", frontend, cfg.settle_seconds)
             time.sleep(cfg.settle_seconds)
-            settled_memory = _quiet_memory(load, memory, cfg.quiet_seconds)
+            settled_memory, settled_heap = _quiet_memory(load, memory, cfg.quiet_seconds)
     finally:
         stop_faults.set()
         hostile.stop()
@@ -630,7 +660,9 @@ def run_frontend(cfg: SoakConfig, frontend: str, models: tuple[Path, Path], ids:
                     "start_mb": _mb(start_memory[name, role]), "attack_end_mb": _mb(attack_memory.get((name, role))),
                     "peak_mb": _mb(memory.peak.get((name, role))), "settled_mb": _mb(settled_memory.get((name, role))),
                     "settled_over_start": (round(settled_memory[name, role] / start_memory[name, role], 3)
-                                           if (name, role) in settled_memory else None)}
+                                           if (name, role) in settled_memory else None),
+                    "start_heap_mb": _round(start_heap.get((name, role))),
+                    "settled_heap_mb": _round(settled_heap.get((name, role)))}
                    for name, role in sorted(start_memory)],
         "metrics": {name: {"start_bytes": metrics_start[name]["bytes"], "end_bytes": metrics_end[name]["bytes"],
                            "end_series": metrics_end[name]["series"]} for name in metrics_start},
@@ -642,6 +674,10 @@ def run_frontend(cfg: SoakConfig, frontend: str, models: tuple[Path, Path], ids:
 
 def _mb(n: int | None) -> float | None:
     return None if n is None else round(n / 2**20, 1)
+
+
+def _round(mib: float | None) -> float | None:
+    return None if mib is None else round(mib, 1)
 
 
 def run(cfg: SoakConfig) -> dict[str, Any]:

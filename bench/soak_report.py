@@ -146,6 +146,13 @@ def _target_line(result: dict[str, Any]) -> str:
             "settle within 10% of its start): " + ("**met**." if result["target_met"] else "**not met**."))
 
 
+def _heap(m: dict[str, Any], when: str) -> str:
+    """malloc's heap in use at ``when`` (``serve``'s and the front end's SIGUSR1 line), "–"
+    where it was not taken (a run before the soak took it, a process that did not answer)."""
+    value = m.get(f"{when}_heap_mb")
+    return "–" if value is None else str(value)
+
+
 def render(result: dict[str, Any]) -> str:
     """Every table of the run (its verdict, each authorised client, each process's memory,
     each hostile client, the probes and faults), between the soak markers."""
@@ -159,13 +166,15 @@ def render(result: dict[str, Any]) -> str:
             c = r["authorised"][kind]
             lines.append(f"| {kind} | {r['frontend']} | {c['sent']} | {c['answered']} | {_outcomes(c['failed'])} | "
                          f"{c['wrong']} | {_outcomes(c['retried'])} | {c['p50_ms']} | {c['p99_ms']} |")
-    lines += ["", "| resident memory, MB | front end | start | attack end | peak | settled | settled / start |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["", "| resident memory, MB | front end | start | attack end | peak | settled | settled / start "
+              "| malloc in use, MB: start | settled |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         for m in r["memory"]:
             restarted = f" (restarted {m['restarts']} times)" if m["restarts"] else ""
             lines.append(f"| {m['replica']} {m['process']}{restarted} | {r['frontend']} | {m['start_mb']} | "
-                         f"{m['attack_end_mb']} | {m['peak_mb']} | {m['settled_mb']} | {m['settled_over_start']} |")
+                         f"{m['attack_end_mb']} | {m['peak_mb']} | {m['settled_mb']} | {m['settled_over_start']} | "
+                         f"{_heap(m, 'start')} | {_heap(m, 'settled')} |")
     rows = _hostile_rows(cfg)
     lines += ["", "| hostile client (no token unless said; sizes per replica, counts of both) | "
               + " | ".join(names) + " |",

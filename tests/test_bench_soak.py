@@ -243,6 +243,7 @@ def check_tiny_run(result: dict[str, Any], frontend: str, processes: set[str]) -
     assert sum(hostile["invented_methods"].values()) <= 2 * 40
     assert {(m["replica"], m["process"]) for m in run["memory"]} == {(r, p) for r in "AB" for p in processes}
     assert all(m["start_mb"] > 0 and m["settled_mb"] > 0 for m in run["memory"])
+    assert all(0 < m["start_heap_mb"] < m["start_mb"] and 0 < m["settled_heap_mb"] for m in run["memory"]), run["memory"]
     assert [m["restarts"] for m in run["memory"] if m["replica"] == "B"] == [1] * len(processes)
     assert all(m["end_bytes"] > 0 for m in run["metrics"].values())
     assert run["target_met"] == (not run["missed"]) == result["target_met"]
