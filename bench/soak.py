@@ -288,13 +288,14 @@ class Replica:
         if self.proc is None or self.proc.poll() is not None:
             return {}
         pids = tree_pids(self.proc.pid)
+        programs = [_program(pid) for pid in pids[1:]]
         roles = {"nlmserve.server.app": "nlmserve serve",
-                 "nlmserve.server.frontend": _program(pids[1]) if len(pids) > 1 else "front end"}
+                 "nlmserve.server.frontend": next((p for p in programs if "frontend" in p), "front end")}
         offset = self.log_size()
         self.proc.send_signal(signal.SIGUSR1)
         out: dict[str, float] = {}
         deadline = time.monotonic() + timeout
-        while len(out) < len(pids) and time.monotonic() < deadline:
+        while len(out) < 1 + (self.frontend == "native") and time.monotonic() < deadline:
             time.sleep(0.1)
             for line in self.log_since(offset):
                 found = HEAP_LINE.search(line)
