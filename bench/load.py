@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from bench._common import exit_with, machine
+from bench._common import exit_with, machine, resident_bytes
 
 from nlmserve.common.serve_process import start_server
 
@@ -158,10 +158,10 @@ def prepare(model: str, seed: int) -> dict[str, list[Prepared]]:
 
 def rss_kib(pid: int) -> int:
     """The resident set of a live process, KiB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError("no VmRSS line")
+    value = resident_bytes(pid)
+    if value is None:
+        raise RuntimeError(f"no VmRSS line in /proc/{pid}/status")
+    return value // 1024
 
 
 def client_loop(target: str, prepared: dict[str, list[Prepared]], cfg: LoadConfig, index: int,

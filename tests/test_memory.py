@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 import pytest
 
+from nlmserve.common import memory
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
 from nlmserve.server.app import TRIM_SECONDS
 
@@ -33,12 +34,10 @@ KEPT_BYTES = 8 * 1024 * 1024
 
 
 def resident_bytes(pid: int) -> int:
-    """A process's resident memory (VmRSS), bytes."""
-    with open(f"/proc/{pid}/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS in /proc/{pid}/status")
+    """A live process's resident memory (VmRSS), bytes."""
+    value = memory.resident_bytes(pid)
+    assert value is not None, f"no VmRSS in /proc/{pid}/status"
+    return value
 
 
 def burst(stub: Any, request: lm_pb2.ScoreNgramsRequest) -> None:

@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from nlmserve.common.memory import resident_bytes
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
 from nlmserve.server.app import RunningServer
 from bench.h2 import unread_calls
@@ -204,11 +205,9 @@ def health(target: str) -> int:
 
 
 def vm_rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
+    value = resident_bytes(pid)
+    assert value is not None, f"no VmRSS in /proc/{pid}/status"
+    return value / 2**20
 
 
 def watch_flood(fe: Frontend, connections: int, streams: int) -> float:

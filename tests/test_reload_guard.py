@@ -25,6 +25,7 @@ import pytest
 import nlmserve.server.admin as admin
 from nlmserve.client import LMClient, RpcError
 from nlmserve.common.errors import ModelFileError, ReloadError
+from nlmserve.common import memory
 from nlmserve.lm.model_file import MAGIC
 from nlmserve.server.app import RunningServer, create_server
 from nlmserve.server.config import ServerConfig
@@ -265,11 +266,9 @@ def sparse_model(path: Path, size: int) -> Path:
 
 def resident_bytes() -> int:
     """This process's resident memory (VmRSS), bytes."""
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS in /proc/self/status")
+    value = memory.resident_bytes()
+    assert value is not None, "no VmRSS in /proc/self/status"
+    return value
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc (Linux)")
