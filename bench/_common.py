@@ -3,6 +3,7 @@ a process tree (a server and the helpers it started).
 
     from bench._common import machine, tree_cpu_seconds, write_json
     from bench._common import tree_pids, resident_bytes  # a server's processes and their memory
+    from bench._common import logged_heaps         # the heap lines a server logs on SIGUSR1
     from bench._common import random_class_model   # a model file for speed benchmarks
     from bench._common import write_section        # a script's section of a document, between markers
     from bench._common import write_saved          # --render DOC JSON: that section from a saved run
@@ -88,6 +89,24 @@ def tree_cpu_seconds(root: int) -> float:
     parent's total only once waited for, so read this before and after a run of a server that
     keeps its children alive."""
     return sum(_tree(root).values())
+
+
+#: The line ``serve`` (logger nlmserve.server.app) and its native front end
+#: (nlmserve.server.frontend) log on SIGUSR1 (``common.memory.heap_report``,
+#: server/native/memory.h).
+HEAP_LINE = re.compile(r"(?P<logger>nlmserve\.server\.\w+): (?:received|got) SIGUSR1: heap: (?P<in_use>[0-9.]+) MiB "
+                       r"in use, (?P<free>[0-9.]+) MiB free, (?P<resident>[0-9.]+) MiB resident")
+
+
+def logged_heaps(lines: list[str]) -> dict[str, dict[str, float]]:
+    """The heap each process logged on SIGUSR1 among ``lines`` (its last), by logger:
+    ``in_use``, ``free`` and ``resident``, MiB."""
+    out = {}
+    for line in lines:
+        found = HEAP_LINE.search(line)
+        if found:
+            out[found["logger"]] = {key: float(found[key]) for key in ("in_use", "free", "resident")}
+    return out
 
 
 def tree_pids(root: int) -> list[int]:

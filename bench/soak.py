@@ -58,7 +58,6 @@ import argparse
 import json
 import logging
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -76,8 +75,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from bench._common import (exit_with, machine, read_doc, read_saved, resident_bytes, tree_pids, write_json,
-                           write_section)
+from bench._common import (exit_with, logged_heaps, machine, read_doc, read_saved, resident_bytes, tree_pids,
+                           write_json, write_section)
 from bench.load import DEV_TXT, train_small_model
 from bench.soak_attacks import Hostile
 from bench.soak_clients import TOKEN, Load, Tally, authorised, strict
@@ -297,10 +296,9 @@ class Replica:
         deadline = time.monotonic() + timeout
         while len(out) < 1 + (self.frontend == "native") and time.monotonic() < deadline:
             time.sleep(0.1)
-            for line in self.log_since(offset):
-                found = HEAP_LINE.search(line)
-                if found and found["logger"] in roles:
-                    out[roles[found["logger"]]] = float(found["in_use"])
+            for logger, heap in logged_heaps(self.log_since(offset)).items():
+                if logger in roles:
+                    out[roles[logger]] = heap["in_use"]
         return out
 
     def kill_and_restart(self) -> None:
@@ -334,11 +332,6 @@ class Replica:
                     os.kill(pid, signal.SIGKILL)
                 self.proc.wait()
         return total
-
-
-#: The heap line ``serve`` (nlmserve.server.app) and its native front end
-#: (nlmserve.server.frontend) log on SIGUSR1.
-HEAP_LINE = re.compile(r"(?P<logger>nlmserve\.server\.\w+): (?:received|got) SIGUSR1: heap: (?P<in_use>[0-9.]+) MiB in use")
 
 
 def _program(pid: int) -> str:
