@@ -144,9 +144,9 @@ class _MallInfo2(ctypes.Structure):
 def heap_now() -> tuple[int, int] | None:
     """glibc's heap, every arena and mapping together (``mallinfo2``): bytes handed out and
     not freed, and bytes freed and kept for reuse (resident until given back); None where
-    there is no glibc 2.33 or later. The first growing while resident memory stays is a
-    leak; resident memory above the two together is freed memory the system has not had
-    back (pages a live block keeps)."""
+    there is no glibc 2.33 or later. In use that grows from one quiet moment to the next is
+    memory held; resident memory that grows while it stays level is freed memory whose
+    pages the system has not had back (pages a live block keeps)."""
     mallinfo2 = getattr(_libc(), "mallinfo2", None)
     if mallinfo2 is None:
         return None

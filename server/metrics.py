@@ -33,9 +33,10 @@ _SECONDS_BUCKETS = (
 
 class HeapCollector(Collector):
     """``nlmserve_heap_bytes``, read from malloc at each scrape (``common.memory.heap_now``):
-    ``state="in_use"`` grows with a leak, ``state="free"`` is what malloc keeps for reuse;
-    the resident size beyond both (``nlmserve_process_resident_memory_bytes``) is freed memory whose
-    pages the system has not had back. Nothing where there is no glibc ``mallinfo2``."""
+    ``state="in_use"`` grows with memory held, ``state="free"`` is what malloc keeps for
+    reuse; resident memory (``nlmserve_process_resident_memory_bytes``) that grows while in
+    use stays level is freed memory whose pages the system has not had back. Nothing where
+    there is no glibc ``mallinfo2``."""
 
     def collect(self) -> Any:
         heap = heap_now()

@@ -44,9 +44,10 @@ inline std::size_t ResidentBytes() {
   return 0;
 }
 
-// One log line on the heap (SIGUSR1, and after a drain): in use grows with a leak; free is
-// what malloc keeps for reuse; resident beyond both is freed memory whose pages the system
-// has not had back. The Python server's /metrics has the same two as nlmserve_heap_bytes.
+// One log line on the heap (SIGUSR1, and after a drain): in use grows with memory held;
+// free is what malloc keeps for reuse; resident memory that grows while in use stays level
+// is freed memory whose pages the system has not had back. The Python server's /metrics
+// has the same two as nlmserve_heap_bytes.
 inline std::string HeapReport() {
   const Heap heap = HeapNow();
   char line[160];
