@@ -545,7 +545,8 @@ def test_metrics_report_the_heap_and_the_process(server: RunningServer) -> None:
     during = metric(server, in_use), metric(server, "nlmserve_process_resident_memory_bytes")
     del held
     after = metric(server, in_use)
-    assert before > 0 and during[0] - before >= size, (before, during)
+    # Within 1/16: the server's own blocks come and go between two scrapes (464 bytes fewer once).
+    assert before > 0 and abs(during[0] - before - size) < size / 16, (before, during)
     assert during[1] >= size
     assert abs(after - before) < size / 8, (before, after)
     assert metric(server, 'nlmserve_heap_bytes{state="free"}') >= 0
