@@ -73,11 +73,16 @@ def heaps(process: Any, log_path: Path, processes: int, timeout: float = 10.0) -
 
 
 def run(model: str, frontend: str, floods: list[int], settle: float, work: Path) -> dict[str, Any]:
+    from nlmserve.common.errors import InputError, NlmserveError
     from nlmserve.common.serve_process import start_server
 
     log_path = work / "serve.log"
     with open(log_path, "w", encoding="utf-8") as stderr:
-        server = start_server(model, ["--torch-threads", "1", "--frontend", frontend], stderr=stderr)
+        try:
+            server = start_server(model, ["--torch-threads", "1", "--frontend", frontend], stderr=stderr)
+        except NlmserveError as e:
+            tail = log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:]
+            raise InputError(f"the server did not start; its log ends: {' | '.join(tail) or '(nothing)'}") from e
     processes = 2 if frontend == "native" else 1
     readings = []
     try:

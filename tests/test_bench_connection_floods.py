@@ -71,3 +71,13 @@ def test_bad_flags_are_one_line(flags: list[str], message: str, monkeypatch: pyt
         connection_floods.main()
     assert stopped.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_model_the_server_refuses_is_one_line_naming_it(tmp_path: Path) -> None:
+    bad = tmp_path / "not-a-model.nlm"
+    bad.write_text("hello\n", encoding="utf-8")
+    done = subprocess.run([sys.executable, "-m", "bench.connection_floods", "--model", str(bad), "--frontend", "python",
+                           "--floods", "1"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    lines = [line for line in done.stderr.strip().splitlines() if " INFO " not in line]
+    assert len(lines) == 1 and "did not start" in lines[0] and f"{bad}: not an nlmserve model file" in lines[0], done.stderr
