@@ -66,10 +66,11 @@ bench: install
 	$(BIN)/python -m bench.serve
 
 # Debian packages for the C++ client (client/cpp) and Moses feature (moses_plugin/cpp; boost headers to
-# compile the feature against a Moses tree) and for the
-# real-Prometheus test (tests/test_prometheus.py); run as root.
+# compile the feature against a Moses tree), for the
+# real-Prometheus test (tests/test_prometheus.py) and jemalloc, which `nlmserve serve` runs on
+# where it is installed (common/memory.py); run as root.
 SYSTEM_DEPS := cmake g++ make pkg-config libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libboost-dev \
-               prometheus
+               prometheus libjemalloc2
 system-deps:
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(SYSTEM_DEPS)
 

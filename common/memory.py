@@ -1,6 +1,6 @@
 """``nlmserve.common.memory``: process-wide allocator settings: the training loops keep freed
 memory (:func:`keep_freed_memory`), a server gives it back (:func:`return_freed_memory`,
-:func:`trim_heap`).
+:func:`trim_heap`) and runs on jemalloc where the system has it (:func:`jemalloc_environment`).
 
 A training step allocates and frees the same large tensors every time (at width 512 the
 (N, 1 + k, E) noise products are 11.5 MB each). With glibc's defaults some of them come
@@ -44,6 +44,21 @@ of 89.9 (bench/serve.py's model, one thread), and gRPC with packed ids reached 6
 in-process engine, whose process kept glibc's defaults; at 32 MiB, 250 faults and the
 engine's speed, and bench/serve.py's gRPC row 97% of an engine under these settings
 (docs/performance-serving.md).
+
+Where glibc still loses is small blocks: after a flood of connections each of gRPC's
+long-lived records (the polling engine keeps one per connection for reuse) shares a page
+with the flood's freed blocks, and ``malloc_trim`` cannot give that page back: the native
+front end kept about 4 KiB per connection of its largest flood, the Python server about 8.
+jemalloc keeps blocks of one size class together on pages of their own, and with its
+per-thread caches off and a background thread purging what was freed within a second
+(:data:`SERVER_MALLOC_CONF`) the same floods left a fifth as much (python -m
+bench.connection_floods; experiments/results.md, "Memory after hostile clients"), and the
+Python server came back to 1.10 of its start after 10 minutes of every attack of
+bench/soak.py, from 1.18. ``nlmserve serve``
+therefore runs itself again with jemalloc preloaded where the system has it
+(:func:`jemalloc_environment`, ``--allocator``); its native front end does not
+(:func:`without_jemalloc`). :func:`heap_now` and :func:`trim_heap` speak to whichever
+allocator the process runs on.
 """
 
 from __future__ import annotations
@@ -78,7 +93,17 @@ SERVER_TRIM_THRESHOLD = 128 * 1024
 SERVER_MMAPS_MAX = 32 * 1024
 
 
+#: The shared library that brings jemalloc into a process (``LD_PRELOAD``; Debian's libjemalloc2).
+JEMALLOC_LIBRARY = "libjemalloc.so.2"
+#: jemalloc's settings for a server (``MALLOC_CONF``; a user's own ``MALLOC_CONF`` wins): no
+#: per-thread caches (the blocks they hold after a flood keep whole pages), and freed pages
+#: given back to the system by a background thread within a second.
+SERVER_MALLOC_CONF = "background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0,tcache:false"
+#: jemalloc's ``MALLCTL_ARENAS_ALL``: ``arena.<this>.purge`` purges every arena.
+_ARENAS_ALL = 4096
+
 _libc_handle: Any = None
+_mallctl_handle: Any = None
 
 
 def _libc() -> Any:
@@ -91,6 +116,65 @@ def _libc() -> Any:
         except OSError:
             _libc_handle = False
     return _libc_handle or None
+
+
+def _mallctl() -> Any:
+    """jemalloc's ``mallctl`` when this process runs on jemalloc (preloaded), else None."""
+    global _mallctl_handle
+    if _mallctl_handle is None:
+        mallctl = getattr(ctypes.CDLL(None), "mallctl", None)
+        if mallctl is not None:
+            mallctl.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p,
+                                ctypes.c_size_t]
+            mallctl.restype = ctypes.c_int
+        _mallctl_handle = mallctl or False
+    return _mallctl_handle or None
+
+
+def on_jemalloc() -> bool:
+    """True when this process's malloc is jemalloc's."""
+    return _mallctl() is not None
+
+
+def _jemalloc_stat(name: str) -> int:
+    value, size = ctypes.c_size_t(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_size_t))
+    if _mallctl()(name.encode(), ctypes.byref(value), ctypes.byref(size), None, 0) != 0:
+        raise OSError(f"mallctl {name} failed")
+    return int(value.value)
+
+
+def jemalloc_environment(env: dict[str, str]) -> dict[str, str] | None:
+    """``env`` with jemalloc preloaded (:data:`JEMALLOC_LIBRARY` ahead of any ``LD_PRELOAD``),
+    :data:`SERVER_MALLOC_CONF` unless ``MALLOC_CONF`` is set, and Python's objects in it too
+    (``PYTHONMALLOC=malloc`` unless set: CPython's own allocator keeps each 1 MiB arena it took
+    until the arena is empty, about 20 MB more after the soak's attacks); None where the
+    system has no jemalloc, or where ``env`` already preloads it (a process started so and not
+    on jemalloc could not load it: starting it again would loop)."""
+    preload = env.get("LD_PRELOAD", "")
+    if any(os.path.basename(entry).startswith("libjemalloc") for entry in preload.replace(":", " ").split()):
+        return None
+    if ctypes.util.find_library("jemalloc") is None:
+        return None
+    out = dict(env)
+    out["LD_PRELOAD"] = f"{JEMALLOC_LIBRARY} {preload}".strip()
+    out.setdefault("MALLOC_CONF", SERVER_MALLOC_CONF)
+    out.setdefault("PYTHONMALLOC", "malloc")
+    return out
+
+
+def without_jemalloc(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with no jemalloc among its ``LD_PRELOAD`` entries: for the native front end,
+    which keeps glibc's malloc (its own settings, server/native/memory.h). On jemalloc the
+    front end gave back more after floods of connections but kept more after the soak's
+    large messages (1.09-1.39 of its start, against 1.19-1.21 on glibc's)."""
+    entries = [e for e in env.get("LD_PRELOAD", "").replace(":", " ").split()
+               if not os.path.basename(e).startswith("libjemalloc")]
+    out = dict(env)
+    if entries:
+        out["LD_PRELOAD"] = " ".join(entries)
+    else:
+        out.pop("LD_PRELOAD", None)
+    return out
 
 
 def _mallopt(settings: tuple[tuple[int, int], ...]) -> bool:
@@ -124,10 +208,12 @@ def return_freed_memory() -> bool:
 
 
 def trim_heap() -> bool:
-    """Ask glibc to give the free parts of its heap back to the system (``malloc_trim(0)``);
-    False where there is no glibc. A server calls it after what leaves freed memory behind
-    (a flood of calls with large metadata or messages, a refused reload): glibc would
-    otherwise keep it resident."""
+    """Ask the allocator to give the free parts of its heap back to the system (glibc's
+    ``malloc_trim(0)``, jemalloc's purge of every arena); False where there is neither. A
+    server calls it after what leaves freed memory behind (a flood of calls with large
+    metadata or messages, a refused reload): glibc would otherwise keep it resident."""
+    if on_jemalloc():
+        return _mallctl()(f"arena.{_ARENAS_ALL}.purge".encode(), None, None, None, 0) == 0
     malloc_trim = getattr(_libc(), "malloc_trim", None)
     if malloc_trim is None:
         return False
@@ -142,11 +228,18 @@ class _MallInfo2(ctypes.Structure):
 
 
 def heap_now() -> tuple[int, int] | None:
-    """glibc's heap, every arena and mapping together (``mallinfo2``): bytes handed out and
-    not freed, and bytes freed and kept for reuse (resident until given back); None where
-    there is no glibc 2.33 or later. In use that grows from one quiet moment to the next is
-    memory held; resident memory that grows while it stays level is freed memory whose
-    pages the system has not had back (pages a live block keeps)."""
+    """The heap, every arena and mapping together: bytes handed out and not freed, and bytes
+    the allocator keeps beyond them (glibc's ``mallinfo2``: freed and kept for reuse,
+    resident until given back; jemalloc's ``stats.resident - stats.allocated``: its resident
+    pages not in use, its own records among them); None where there is neither jemalloc nor
+    glibc 2.33 or later. In use that grows from one quiet moment to the next is memory held;
+    resident memory that grows while it stays level is freed memory whose pages the system
+    has not had back (pages a live block keeps)."""
+    if on_jemalloc():
+        epoch = ctypes.c_uint64(1)
+        _mallctl()(b"epoch", None, None, ctypes.byref(epoch), ctypes.sizeof(epoch))  # refreshes the stats
+        allocated = _jemalloc_stat("stats.allocated")
+        return allocated, max(0, _jemalloc_stat("stats.resident") - allocated)
     mallinfo2 = getattr(_libc(), "mallinfo2", None)
     if mallinfo2 is None:
         return None
@@ -165,6 +258,14 @@ def resident_bytes(pid: int | None = None) -> int | None:
     except OSError:
         pass
     return None
+
+
+def allocator_report() -> str:
+    """Which malloc this process runs on, for a server's start-up log line."""
+    if on_jemalloc():
+        return (f"jemalloc (MALLOC_CONF={os.environ.get('MALLOC_CONF', '')}, "
+                f"PYTHONMALLOC={os.environ.get('PYTHONMALLOC', 'pymalloc')})")
+    return "glibc's" if _libc() is not None and hasattr(_libc(), "mallinfo2") else "the C library's"
 
 
 def heap_report() -> str:

@@ -1,7 +1,7 @@
 #!/bin/sh
 # A base image for docker/Dockerfile.* made from Debian's packages alone, for a machine that
 # reaches a Debian mirror but no image registry: debootstrap's minbase of bookworm (python3 is
-# 3.11) with python3-venv and ca-certificates, committed by buildah. Run as root:
+# 3.11) with python3-venv, ca-certificates and libjemalloc2 (the servers' malloc), committed by buildah. Run as root:
 #   docker/debian-base.sh [IMAGE]          # IMAGE: localhost/nlmserve-base:bookworm
 #   buildah bud --isolation chroot --build-arg BASE=localhost/nlmserve-base:bookworm \
 #       -f docker/Dockerfile.cpu -t nlmserve:cpu .
@@ -31,7 +31,7 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 1' HUP INT TERM
 mnt=$(buildah mount "$container")
-debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates "$suite" "$mnt" "$mirror"
+debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates,libjemalloc2 "$suite" "$mnt" "$mirror"
 rm -rf "$mnt"/var/cache/apt/archives/*.deb "$mnt"/var/lib/apt/lists/*
 buildah umount "$container" >/dev/null
 mnt=

@@ -42,7 +42,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ..proto import lm_pb2
 from ..common.errors import ReloadError
-from ..common.memory import heap_report, return_freed_memory, trim_heap
+from ..common.memory import allocator_report, heap_report, return_freed_memory, trim_heap
 from ..common.serve_process import listening_line, metrics_line
 from .admin import ADMIN_SERVICE, AdminServicer, Reloader, add_admin_to_server
 from .auth import TlsFiles, TokenStore
@@ -315,11 +315,13 @@ def serve(config: ServerConfig) -> int:
     is in progress, is logged and the served model stays. SIGUSR1 logs malloc's heap in
     use and free and the resident size (and makes the native front end log its own). The process's allocator gives
     freed memory back (:func:`~nlmserve.common.memory.return_freed_memory`, and
-    :func:`~nlmserve.common.memory.trim_heap` every :data:`TRIM_SECONDS`).
+    :func:`~nlmserve.common.memory.trim_heap` every :data:`TRIM_SECONDS`); the ``serve``
+    command runs it on jemalloc where the system has it (``server.cli.run_on_allocator``).
     """
     # Before the model and the first request: a burst must not move message-sized blocks
     # into malloc's arenas for good (common/memory.py).
     return_freed_memory()
+    log.info("malloc: %s", allocator_report())
     public = config
     binary = None
     if config.frontend == "native":

@@ -55,6 +55,8 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--frontend-binary", str, "path of nlmserve_frontend (default: on PATH, else build/native of the checkout)"),
     ("--frontend-max-delay-us", int, "native front end: longest wait for a batch to fill (default 500)"),
     ("--frontend-max-inflight", int, "native front end: merged requests at the model server at once (default 1)"),
+    ("--allocator", str, "malloc of the server's processes: auto (default: jemalloc where the system has it), "
+                         "jemalloc, or glibc"),
 )
 
 
@@ -98,6 +100,31 @@ def check_ports_free(host: str, ports: tuple[int | None, ...]) -> None:
                                      "port (0 picks a free one)") from e
 
 
+def run_on_allocator(allocator: str) -> None:
+    """Run this command again with jemalloc preloaded (``allocator`` auto or jemalloc, and
+    the process not yet on it; :func:`~nlmserve.common.memory.jemalloc_environment`): the
+    same arguments, the same process id, its front end inheriting the environment. Returns
+    when the process stays as it is: glibc asked for, jemalloc already there, or (auto) the
+    system without it; raises InputError when jemalloc was asked for and cannot be had."""
+    import os
+    import sys
+
+    from ..common.memory import JEMALLOC_LIBRARY, jemalloc_environment, on_jemalloc
+
+    if allocator == "glibc" or on_jemalloc():
+        return
+    env = jemalloc_environment(dict(os.environ))
+    if env is None:
+        if allocator == "jemalloc":
+            raise InputError(f"--allocator jemalloc: {JEMALLOC_LIBRARY} cannot be loaded (Debian: apt install "
+                             "libjemalloc2), or use --allocator glibc")
+        log.info("serving on glibc's malloc (%s not found or not loadable)", JEMALLOC_LIBRARY)
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, sys.orig_argv, env)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from .app import serve
     from .config import build_config
@@ -110,6 +137,7 @@ def run_serve(args: argparse.Namespace) -> int:
         log.warning("--threads is ignored (the asyncio server has no handler threads)")
     config = build_config(overrides, args.config)
     check_ports_free(config.host, (config.port, config.metrics_port))
+    run_on_allocator(config.allocator)
     try:
         return serve(config)
     except ModelFileError:

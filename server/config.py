@@ -147,6 +147,11 @@ class ServerConfig:
     frontend_max_delay_us: int = 500
     #: Merged requests the native front end keeps at this server at once.
     frontend_max_inflight: int = 1
+    #: The processes' malloc: ``auto`` runs ``nlmserve serve`` (and its front end) again with
+    #: jemalloc preloaded where the system has it (Debian's libjemalloc2), which gives back
+    #: far more of what floods of connections leave; ``jemalloc`` refuses to start without
+    #: it; ``glibc`` keeps the C library's (common/memory.py).
+    allocator: str = "auto"
 
     def __post_init__(self) -> None:
         checks = (
@@ -190,6 +195,7 @@ class ServerConfig:
              "the native front end serves plaintext only: use frontend python for TLS"),
             (self.frontend_max_delay_us >= 0, "frontend_max_delay_us must be >= 0"),
             (self.frontend_max_inflight >= 1, "frontend_max_inflight must be >= 1"),
+            (self.allocator in ("auto", "jemalloc", "glibc"), "allocator must be auto, jemalloc or glibc"),
         )
         for ok, message in checks:
             if not ok:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import IO
 
 from ..common.errors import InputError
+from ..common.memory import without_jemalloc
 from ..common.serve_process import parse_listening
 from .config import ServerConfig, streams_per_connection
 
@@ -94,7 +95,10 @@ class NativeFrontend:
                "--grace-s", str(max(0, int(round(config.grace_seconds)))),
                "--backend-socket", socket_path, *frontend_flags(config)]
         log.info("starting the native front end: %s", " ".join(cmd))
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # glibc's malloc, with the front end's own settings, even where this process runs on
+        # jemalloc (common/memory.py, without_jemalloc).
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env=without_jemalloc(dict(os.environ)))
         assert self.proc.stdout is not None and self.proc.stderr is not None
         self._relay = threading.Thread(target=self._log_lines, args=(self.proc.stderr,), daemon=True)
         self._relay.start()

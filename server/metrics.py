@@ -35,8 +35,9 @@ class HeapCollector(Collector):
     """``nlmserve_heap_bytes``, read from malloc at each scrape (``common.memory.heap_now``):
     ``state="in_use"`` grows with memory held, ``state="free"`` is what malloc keeps for
     reuse; resident memory (``nlmserve_process_resident_memory_bytes``) that grows while in
-    use stays level is freed memory whose pages the system has not had back. Nothing where
-    there is no glibc ``mallinfo2``."""
+    use stays level is freed memory whose pages the system has not had back. On jemalloc,
+    free is its resident pages not in use. Nothing where there is neither jemalloc nor glibc
+    ``mallinfo2``."""
 
     def collect(self) -> Any:
         heap = heap_now()

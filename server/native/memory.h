@@ -4,6 +4,7 @@
 #ifndef NLMSERVE_FRONTEND_MEMORY_H
 #define NLMSERVE_FRONTEND_MEMORY_H
 
+#include <dlfcn.h>
 #include <malloc.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -11,6 +12,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -22,16 +24,54 @@
 
 namespace nlmserve_frontend {
 
-// The heap as glibc counts it, all arenas together: bytes allocated and not freed, and
-// bytes freed and kept for reuse (which the resident size includes until they are handed
-// back to the system).
+// The heap, all arenas together: bytes allocated and not freed, and bytes the allocator
+// keeps beyond them (glibc: freed and kept for reuse, resident until handed back to the
+// system; jemalloc: its resident pages not in use, its own records among them).
 struct Heap {
   std::size_t in_use, kept;
 };
 
+// jemalloc's mallctl when the process runs on jemalloc (`nlmserve serve` preloads it where
+// the system has it: common/memory.py), else nullptr: glibc's malloc.
+using Mallctl = int (*)(const char *, void *, std::size_t *, void *, std::size_t);
+
+inline Mallctl JemallocCtl() {
+  static const Mallctl ctl = reinterpret_cast<Mallctl>(dlsym(RTLD_DEFAULT, "mallctl"));
+  return ctl;
+}
+
+inline std::size_t JemallocStat(Mallctl ctl, const char *name) {
+  std::size_t value = 0, size = sizeof(value);
+  return ctl(name, &value, &size, nullptr, 0) == 0 ? value : 0;
+}
+
 inline Heap HeapNow() {
+  if (const Mallctl ctl = JemallocCtl()) {
+    std::uint64_t epoch = 1;
+    ctl("epoch", nullptr, nullptr, &epoch, sizeof(epoch));  // refreshes the stats
+    const std::size_t allocated = JemallocStat(ctl, "stats.allocated");
+    const std::size_t resident = JemallocStat(ctl, "stats.resident");
+    return Heap{allocated, resident > allocated ? resident - allocated : 0};
+  }
   const struct mallinfo2 m = mallinfo2();
   return Heap{m.uordblks + m.hblkhd, m.fordblks};
+}
+
+// Which malloc the process runs on, for its start-up log line.
+inline std::string AllocatorReport() {
+  if (JemallocCtl() == nullptr) return "glibc's";
+  const char *conf = getenv("MALLOC_CONF");
+  return std::string("jemalloc (MALLOC_CONF=") + (conf != nullptr ? conf : "") + ")";
+}
+
+// What the allocator keeps, handed back to the system: glibc's malloc_trim (the free pages
+// anywhere in every arena), jemalloc's purge of every arena (MALLCTL_ARENAS_ALL).
+inline void GiveBackFreed() {
+  if (const Mallctl ctl = JemallocCtl()) {
+    ctl("arena.4096.purge", nullptr, nullptr, nullptr, 0);
+    return;
+  }
+  malloc_trim(0);
 }
 
 // The process's resident memory (VmRSS), 0 where /proc cannot be read.
@@ -81,6 +121,7 @@ inline void ReturnFreedMemory() {
 constexpr char kTcacheTunable[] = "glibc.malloc.tcache_count";
 
 inline void RunWithoutThreadCache(char **argv) {
+  if (JemallocCtl() != nullptr) return;  // on jemalloc, which `nlmserve serve` sets up without its caches
   const char *tunables = getenv("GLIBC_TUNABLES");
   if (tunables != nullptr && std::strstr(tunables, kTcacheTunable) != nullptr) return;  // set: kept
   std::string value = std::string(kTcacheTunable) + "=0";
@@ -131,7 +172,7 @@ class MemoryGuard {
     const auto now = Clock::now();
     if (heap.kept > std::max(kKeptFloorBytes, heap.in_use) &&
         std::chrono::duration<double>(now - trimmed_at_).count() >= kTrimSeconds) {
-      malloc_trim(0);
+      GiveBackFreed();
       trimmed_at_ = now;
     }
     return false;

@@ -223,7 +223,7 @@ int Serve(const Options &options, Guards *guards, const sigset_t &signals) {
                                  : std::string("no token")) +
       ", at most " + std::to_string(options.max_concurrent_rpcs) + " calls held, " +
       std::to_string(files.connections) + " connections, " + std::to_string(MemoryLimitBytes(options) >> 20) +
-      " MiB of heap");
+      " MiB of heap; malloc: " + AllocatorReport());
 
   Watchers watchers(channel, &health, &memory);
   const int sig = WaitForStop(signals, &guards->tokens);
