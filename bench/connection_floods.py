@@ -2,10 +2,11 @@
 of ``nlmserve serve`` (and of its native front end) after each flood, so that memory still
 held (the heap in use grows) is told apart from freed memory whose pages stay resident.
 
-    .venv/bin/python -m bench.connection_floods [--model M] [--frontend native|python] [--floods 1000,1000,2000,1000,3000,1000] [--json F]
+    .venv/bin/python -m bench.connection_floods [--model M] [--frontend native|python] [--floods 1000,1000,2000,1000,3000,1000] [--serve-args "--allocator glibc"] [--json F]
 
-One ``nlmserve serve`` runs on 127.0.0.1 (port 0, ``--torch-threads 1``; gRPC's polling
-engine as ``GRPC_POLL_STRATEGY`` in the environment says). Each flood opens its number of
+One ``nlmserve serve`` runs on 127.0.0.1 (port 0, ``--torch-threads 1``, ``--serve-args``; gRPC's
+polling engine as ``GRPC_POLL_STRATEGY`` in the environment says; the malloc each process
+runs on, as it logs it). Each flood opens its number of
 connections at once from one client process, each sending a health Check (answered),
 then closes them all; ``--settle-seconds`` (4) later, after the servers' periodic trims
 (the front end's every second, the Python server's every 2 s), each process logs its heap
@@ -20,6 +21,8 @@ import argparse
 import asyncio
 import logging
 import os
+import re
+import shlex
 import signal
 import sys
 import tempfile
@@ -72,14 +75,16 @@ def heaps(process: Any, log_path: Path, processes: int, timeout: float = 10.0) -
                        f"(its log: {log_path})")
 
 
-def run(model: str, frontend: str, floods: list[int], settle: float, work: Path) -> dict[str, Any]:
+def run(model: str, frontend: str, floods: list[int], settle: float, work: Path,
+        serve_args: list[str] | None = None) -> dict[str, Any]:
     from nlmserve.common.errors import InputError, NlmserveError
     from nlmserve.common.serve_process import start_server
 
     log_path = work / "serve.log"
     with open(log_path, "w", encoding="utf-8") as stderr:
         try:
-            server = start_server(model, ["--torch-threads", "1", "--frontend", frontend], stderr=stderr)
+            server = start_server(model, ["--torch-threads", "1", "--frontend", frontend, *(serve_args or [])],
+                                  stderr=stderr)
         except NlmserveError as e:
             tail = log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:]
             raise InputError(f"the server did not start; its log ends: {' | '.join(tail) or '(nothing)'}") from e
@@ -98,13 +103,21 @@ def run(model: str, frontend: str, floods: list[int], settle: float, work: Path)
         server.process.send_signal(signal.SIGTERM)
         server.process.wait(60)
     return {"frontend": frontend, "poll_strategy": os.environ.get("GRPC_POLL_STRATEGY", "default"),
-            "settle_seconds": settle, "readings": readings}
+            "serve_args": serve_args or [], "malloc": malloc_lines(log_path), "settle_seconds": settle,
+            "readings": readings}
+
+
+def malloc_lines(log_path: Path) -> list[str]:
+    """What each process said of its malloc as it started (``malloc: …``)."""
+    text = log_path.read_text(encoding="utf-8", errors="replace")
+    return re.findall(r"malloc: (jemalloc \([^)]*\)|glibc's)", text)
 
 
 def render(result: dict[str, Any]) -> str:
     start = result["readings"][0]["heap"]
     lines = [f"`{result['command']}` ({result['machine']['cpu']}, {result['machine']['cores']} cores, load average "
              f"{result['machine']['load_average_1m']} at the start; polling engine {result['poll_strategy']}; "
+             f"malloc: {', '.join(result.get('malloc', [])) or 'not logged'}; "
              f"read {result['settle_seconds']:.0f} s after each flood)", "",
              "| after a flood of | process | answers | resident MiB | above the start | heap in use MiB | free MiB |",
              "|---|---|---|---|---|---|---|"]
@@ -117,6 +130,17 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def parse_floods(p: argparse.ArgumentParser, text: str) -> list[int]:
+    """``--floods``: comma-separated counts of connections, each 1 or more (else ``p.error``)."""
+    try:
+        floods = [int(n) for n in text.split(",") if n]
+    except ValueError:
+        p.error(f"--floods {text}: comma-separated counts of connections")
+    if not floods or min(floods) < 1:
+        p.error("--floods: at least one flood, each of 1 connection or more")
+    return floods
+
+
 def main() -> int:
     p = argparse.ArgumentParser(prog="python -m bench.connection_floods", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="model file (default: train the small test model)")
@@ -124,14 +148,10 @@ def main() -> int:
     p.add_argument("--floods", default="1000,1000,2000,1000,3000,1000",
                    help="connections of each flood, comma-separated, in order")
     p.add_argument("--settle-seconds", type=float, default=4.0, help="wait after each flood before reading")
+    p.add_argument("--serve-args", default="", help='more flags of nlmserve serve, one string (e.g. "--allocator glibc")')
     p.add_argument("--json", help="write the result as JSON here")
     args = p.parse_args()
-    try:
-        floods = [int(n) for n in args.floods.split(",") if n]
-    except ValueError:
-        p.error(f"--floods {args.floods}: comma-separated counts of connections")
-    if not floods or min(floods) < 1:
-        p.error("--floods: at least one flood, each of 1 connection or more")
+    floods = parse_floods(p, args.floods)
     if args.settle_seconds < 0:
         p.error("--settle-seconds must be >= 0")
     if args.json and Path(args.json).is_dir():
@@ -149,7 +169,7 @@ def main() -> int:
 
             model = str(Path(work) / "small.nlm")
             train_small_model(Path(model))
-        result = run(model, args.frontend, floods, args.settle_seconds, Path(work))
+        result = run(model, args.frontend, floods, args.settle_seconds, Path(work), shlex.split(args.serve_args))
     result = {"command": " ".join(["python -m bench.connection_floods", *sys.argv[1:]]), "machine": info, **result}
     if args.json:
         write_json(Path(args.json), result)

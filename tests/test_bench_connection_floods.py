@@ -4,10 +4,12 @@ write them; bad flags one line."""
 
 from __future__ import annotations
 
+import ctypes.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,10 +34,11 @@ def test_the_heap_lines_are_read_back_by_process() -> None:
     assert 0 < heaps["nlmserve.server.app"]["in_use"] and 0 < heaps["nlmserve.server.app"]["resident"]
 
 
-def check_floods(tiny_model_path: Path, frontend: str, tmp_path: Path) -> dict[str, dict[str, float]]:
+def check_floods(tiny_model_path: Path, frontend: str, tmp_path: Path, *serve_args: str) -> dict[str, Any]:
     out = tmp_path / "floods.json"
     done = subprocess.run([sys.executable, "-m", "bench.connection_floods", "--model", str(tiny_model_path),
-                           "--frontend", frontend, "--floods", "30,60", "--settle-seconds", "0.5", "--json", str(out)],
+                           "--frontend", frontend, "--floods", "30,60", "--settle-seconds", "0.5", "--json", str(out),
+                           "--serve-args", " ".join(serve_args)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text(encoding="utf-8"))
@@ -47,15 +50,21 @@ def check_floods(tiny_model_path: Path, frontend: str, tmp_path: Path) -> dict[s
         for heap in reading["heap"].values():
             assert 0 < heap["in_use"] and 0 < heap["resident"] and heap["free"] >= 0
     assert "| 60 | nlmserve serve | OK 60 |" in done.stdout
-    return dict(result["readings"][-1]["heap"])
+    return result
 
 
 def test_floods_of_the_python_server(tiny_model_path: Path, tmp_path: Path) -> None:
-    check_floods(tiny_model_path, "python", tmp_path)
+    """On the default malloc: jemalloc where the system has it."""
+    result = check_floods(tiny_model_path, "python", tmp_path)
+    on = "jemalloc" if ctypes.util.find_library("jemalloc") else "glibc's"
+    assert [line.split()[0] for line in result["malloc"]] == [on]
 
 
 def test_floods_of_the_native_front_end(driver: Path, tiny_model_path: Path, tmp_path: Path) -> None:  # noqa: F811
-    heap = check_floods(tiny_model_path, "native", tmp_path)
+    """``--serve-args`` reach serve: both processes on glibc's malloc when it is asked for."""
+    result = check_floods(tiny_model_path, "native", tmp_path, "--allocator", "glibc")
+    assert result["malloc"] == ["glibc's", "glibc's"]
+    heap = result["readings"][-1]["heap"]
     assert heap["front end"]["resident"] < heap["nlmserve serve"]["resident"]  # no model, no torch
 
 
