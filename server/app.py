@@ -321,7 +321,6 @@ def serve(config: ServerConfig) -> int:
     # Before the model and the first request: a burst must not move message-sized blocks
     # into malloc's arenas for good (common/memory.py).
     return_freed_memory()
-    log.info("malloc: %s", allocator_report())
     public = config
     binary = None
     if config.frontend == "native":
@@ -339,6 +338,7 @@ def serve(config: ServerConfig) -> int:
                                      max_rpcs_per_connection=config.max_concurrent_rpcs,
                                      max_rpcs_per_client=config.max_concurrent_rpcs)
     running = create_server(config)
+    log.info("malloc: %s", allocator_report())  # once the model has loaded: a mistake stays one line
     frontend = None
     stop = threading.Event()
     hup = threading.Event()

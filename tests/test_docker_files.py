@@ -156,9 +156,11 @@ def test_the_base_image_and_torch_index_are_build_arguments(name: str, tmp_path:
 
 def test_the_debian_base_script_makes_what_the_images_need() -> None:
     """docker/debian-base.sh (run by tests/test_image.py): Debian's minbase with python3 (3.11
-    on bookworm) and its venv module, ca-certificates for pip, and a PATH for ENV PATH to extend."""
+    on bookworm) and its venv module, ca-certificates for pip, libjemalloc2 for the server's
+    malloc, and a PATH for ENV PATH to extend."""
     script = (DOCKER / "debian-base.sh").read_text()
-    assert re.search(r"^debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates ", script, re.M)
+    assert re.search(r"^debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates,libjemalloc2 ",
+                     script, re.M)
     assert "${SUITE:-bookworm}" in script and "--env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin" in script
     assert subprocess.run(["sh", "-n", str(DOCKER / "debian-base.sh")]).returncode == 0
 

@@ -280,6 +280,8 @@ def test_the_image_builds_on_a_debian_base_and_serves(flavour: str, base: tuple[
             status = wait_serving(f"127.0.0.1:{port}", 120, process)
             assert status == "SERVING", f"health: {status}\n" + (tmp_path / "serve.log").read_text()[-3000:]
             report.append(f"run to SERVING (buildah from + run): {time.monotonic() - start:.0f} s")
+            # the server's malloc: jemalloc, which the image installs (docs/operating.md, Memory)
+            assert "malloc: jemalloc (" in (tmp_path / "serve.log").read_text(errors="replace")
 
             with LMClient(f"127.0.0.1:{port}") as client:
                 got = client.score_ngrams(NGRAMS).log_probs
