@@ -20,6 +20,8 @@ import json
 import os
 import platform
 import re
+import signal
+import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, NoReturn
 
@@ -107,6 +109,28 @@ def logged_heaps(lines: list[str]) -> dict[str, dict[str, float]]:
         if found:
             out[found["logger"]] = {key: float(found[key]) for key in ("in_use", "free", "resident")}
     return out
+
+
+def signalled_heaps(process: Any, log_path: Path, processes: int, timeout: float) -> dict[str, dict[str, float]]:
+    """SIGUSR1 to ``process`` (``nlmserve serve``); the heap lines its ``processes`` (the model
+    server, and the native front end) then log to ``log_path``, by logger (:func:`logged_heaps`):
+    those that came within ``timeout`` seconds."""
+    try:
+        offset = log_path.stat().st_size
+    except OSError:
+        offset = 0
+    process.send_signal(signal.SIGUSR1)
+    found: dict[str, dict[str, float]] = {}
+    deadline = time.monotonic() + timeout
+    while len(found) < processes and time.monotonic() < deadline:
+        time.sleep(0.1)
+        try:
+            with open(log_path, "rb") as f:
+                f.seek(offset)
+                found = logged_heaps(f.read().decode("utf-8", errors="replace").splitlines())
+        except OSError:
+            pass
+    return found
 
 
 def tree_pids(root: int) -> list[int]:

@@ -31,7 +31,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from bench._common import exit_with, logged_heaps, machine, write_json
+from bench._common import exit_with, machine, signalled_heaps, write_json
 
 log = logging.getLogger("bench.connection_floods")
 
@@ -61,16 +61,9 @@ async def flood(target: str, connections: int) -> dict[str, int]:
 
 def heaps(process: Any, log_path: Path, processes: int, timeout: float = 10.0) -> dict[str, dict[str, float]]:
     """SIGUSR1 to ``serve``; each of its ``processes`` heap lines, by role."""
-    offset = log_path.stat().st_size
-    process.send_signal(signal.SIGUSR1)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        time.sleep(0.1)
-        with open(log_path, "rb") as f:
-            f.seek(offset)
-            found = logged_heaps(f.read().decode("utf-8", errors="replace").splitlines())
-        if len(found) >= processes:
-            return {ROLES.get(logger, logger): heap for logger, heap in found.items()}
+    found = signalled_heaps(process, log_path, processes, timeout)
+    if len(found) >= processes:
+        return {ROLES.get(logger, logger): heap for logger, heap in found.items()}
     raise RuntimeError(f"no heap line from each of the {processes} processes within {timeout:.0f} s "
                        f"(its log: {log_path})")
 

@@ -75,8 +75,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from bench._common import (exit_with, logged_heaps, machine, read_doc, read_saved, resident_bytes, tree_pids,
-                           write_json, write_section)
+from bench._common import (exit_with, machine, read_doc, read_saved, resident_bytes, signalled_heaps,
+                           tree_pids, write_json, write_section)
 from bench.load import DEV_TXT, train_small_model
 from bench.soak_attacks import Hostile
 from bench.soak_clients import TOKEN, Load, Tally, authorised, strict
@@ -290,16 +290,8 @@ class Replica:
         programs = [_program(pid) for pid in pids[1:]]
         roles = {"nlmserve.server.app": "nlmserve serve",
                  "nlmserve.server.frontend": next((p for p in programs if "frontend" in p), "front end")}
-        offset = self.log_size()
-        self.proc.send_signal(signal.SIGUSR1)
-        out: dict[str, float] = {}
-        deadline = time.monotonic() + timeout
-        while len(out) < 1 + (self.frontend == "native") and time.monotonic() < deadline:
-            time.sleep(0.1)
-            for logger, heap in logged_heaps(self.log_since(offset)).items():
-                if logger in roles:
-                    out[roles[logger]] = heap["in_use"]
-        return out
+        found = signalled_heaps(self.proc, self.log_path, 1 + (self.frontend == "native"), timeout)
+        return {roles[logger]: heap["in_use"] for logger, heap in found.items() if logger in roles}
 
     def kill_and_restart(self) -> None:
         """SIGKILL to its whole process tree (a host that dies), then a start on the same port."""
