@@ -143,6 +143,12 @@ def _jemalloc_stat(name: str) -> int:
     return int(value.value)
 
 
+def _preloads_but_jemalloc(env: dict[str, str]) -> list[str]:
+    """The entries of ``env``'s ``LD_PRELOAD`` (space- or colon-separated) that are not jemalloc."""
+    return [e for e in env.get("LD_PRELOAD", "").replace(":", " ").split()
+            if not os.path.basename(e).startswith("libjemalloc")]
+
+
 def jemalloc_environment(env: dict[str, str]) -> dict[str, str] | None:
     """``env`` with jemalloc preloaded (:data:`JEMALLOC_LIBRARY` ahead of any ``LD_PRELOAD``),
     :data:`SERVER_MALLOC_CONF` unless ``MALLOC_CONF`` is set, and Python's objects in it too
@@ -151,7 +157,7 @@ def jemalloc_environment(env: dict[str, str]) -> dict[str, str] | None:
     system has no jemalloc, or where ``env`` already preloads it (a process started so and not
     on jemalloc could not load it: starting it again would loop)."""
     preload = env.get("LD_PRELOAD", "")
-    if any(os.path.basename(entry).startswith("libjemalloc") for entry in preload.replace(":", " ").split()):
+    if len(_preloads_but_jemalloc(env)) < len(preload.replace(":", " ").split()):
         return None
     if ctypes.util.find_library("jemalloc") is None:
         return None
@@ -167,8 +173,7 @@ def without_jemalloc(env: dict[str, str]) -> dict[str, str]:
     which keeps glibc's malloc (its own settings, server/native/memory.h). On jemalloc the
     front end gave back more after floods of connections but kept more after the soak's
     large messages (1.09-1.39 of its start, against 1.19-1.21 on glibc's)."""
-    entries = [e for e in env.get("LD_PRELOAD", "").replace(":", " ").split()
-               if not os.path.basename(e).startswith("libjemalloc")]
+    entries = _preloads_but_jemalloc(env)
     out = dict(env)
     if entries:
         out["LD_PRELOAD"] = " ".join(entries)
