@@ -33,10 +33,9 @@ from test_cpp_client import driver  # noqa: F401 - the driver fixture builds bui
 
 #: Connections in the flood, and what it may leave resident on jemalloc (measured with
 #: python -m bench.connection_floods: the Python server 3.3 MiB after 2,000, against 15 on
-#: glibc's malloc; the native front end 1.8, against 8.0).
+#: glibc's malloc).
 FLOOD = 2000
 PYTHON_KEPT_MIB = 8.0
-FRONTEND_KEPT_MIB = 4.0
 #: After a flood: the servers trim (the front end every second, the Python server every
 #: 2 s) and jemalloc's background thread purges within a second.
 SETTLE_SECONDS = 4.0

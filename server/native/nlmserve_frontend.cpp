@@ -83,6 +83,7 @@
 #include "log.h"
 #include "memory.h"
 #include "options.h"
+#include "poller.h"
 #include "port.h"
 #include "service.h"
 
@@ -207,6 +208,15 @@ int Serve(const Options &options, Guards *guards, const sigset_t &signals) {
   builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &port);
   Configure(options, max_bytes, &connections, &builder);
   builder.RegisterCallbackGenericService(&service);
+  const PollerRecords records = PresizePollerRecords(files.open_at_most);
+  if (records.poller.empty()) {
+    Log("this gRPC does not export its poller's calls: no connection records made at start (a flood of "
+        "connections may leave up to 4 KiB resident for each)");
+  } else if (records.made > 0) {
+    Log(records.poller + " poller: records for " + std::to_string(records.made) +
+        (records.made < files.open_at_most ? " of " + std::to_string(files.open_at_most) : std::string()) +
+        " connections made at start");
+  }
   std::unique_ptr<grpc::Server> server(builder.BuildAndStart());
   if (!server || port == 0) {
     Log("cannot listen on " + options.listen);

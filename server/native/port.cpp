@@ -50,15 +50,16 @@ std::size_t MemoryLimitBytes(const Options &o) {
 FileBudget FitInFileLimit(long max_connections) {
   rlimit files{};
   const int kernel = KernelBacklog();
-  if (getrlimit(RLIMIT_NOFILE, &files) != 0) return FileBudget{max_connections, 0};
+  const FileBudget wanted{max_connections, 0, max_connections + 2L * kernel};
+  if (getrlimit(RLIMIT_NOFILE, &files) != 0) return wanted;
   if (files.rlim_cur < files.rlim_max) {
     files.rlim_cur = files.rlim_max;
     setrlimit(RLIMIT_NOFILE, &files);
     getrlimit(RLIMIT_NOFILE, &files);
   }
   if (files.rlim_cur == RLIM_INFINITY ||
-      static_cast<long>(files.rlim_cur) >= max_connections + 2L * kernel + kOwnFiles) {
-    return FileBudget{max_connections, 0};
+      static_cast<long>(files.rlim_cur) >= wanted.open_at_most + kOwnFiles) {
+    return wanted;
   }
   const long room = std::max(4L, static_cast<long>(files.rlim_cur) - kOwnFiles);
   const int backlog = static_cast<int>(std::min<long>(kernel, room / 4));
@@ -67,7 +68,7 @@ FileBudget FitInFileLimit(long max_connections) {
       " connections and " + std::to_string(backlog) + " queued ones: at most " + std::to_string(cap) +
       " are kept (--max-connections " + std::to_string(max_connections) +
       "; raise the hard limit, ulimit -Hn, for more)");
-  return FileBudget{cap, backlog};
+  return FileBudget{cap, backlog, cap + 2L * backlog};
 }
 
 // The public port's limits: messages, compression, keepalive, connection lifetimes,

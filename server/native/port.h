@@ -20,10 +20,12 @@ namespace nlmserve_frontend {
 std::size_t MemoryLimitBytes(const Options &o);
 
 // The connection cap, and the accept queue (0: the kernel's, as gRPC sets it), that fit in
-// the open-files limit.
+// the open-files limit; and the connections gRPC may hold at once: the cap and those it
+// accepts beyond it before the cap closes them (two accept queues' worth).
 struct FileBudget {
   long connections;
   int backlog;
+  long open_at_most;
 };
 
 // The open-files soft limit raised to the hard one, and the budget that fits in it (a line
