@@ -9,13 +9,15 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import resource
 import subprocess
 import sys
 import tarfile
 import threading
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -272,3 +274,18 @@ def heap_per_call(model: Path, calls: int, patterns: str, work: Path) -> tuple[d
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(out.read_text()), done.stdout
+
+
+@contextmanager
+def open_files(connections: int) -> Iterator[None]:
+    """This process's open-files soft limit raised to the hard one, so that it may open
+    ``connections`` at once (and 200 more of its own), restored after; a skip where the
+    hard limit is lower."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < connections + 200:
+        pytest.skip(f"the open-files hard limit ({hard}) is below a flood of {connections} connections")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -11,7 +11,6 @@ import asyncio
 import ctypes.util
 import os
 import re
-import resource
 import signal
 import subprocess
 import time
@@ -27,7 +26,7 @@ from nlmserve.server.cli import run_on_allocator
 
 from bench._common import tree_pids
 from bench.connection_floods import flood
-from support import serve_subprocess, start_server
+from support import open_files, serve_subprocess, start_server
 from test_native_frontend import FRONTEND, socket_flags
 from test_cpp_client import driver  # noqa: F401 - the driver fixture builds build/native
 
@@ -53,12 +52,8 @@ def jemalloc() -> None:
 @pytest.fixture
 def many_files() -> Iterator[None]:
     """This process may open the flood's connections."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    if hard < FLOOD + 200:
-        pytest.skip(f"the open-files limit ({hard}) is below the flood's {FLOOD} connections")
-    yield
-    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    with open_files(FLOOD):
+        yield
 
 
 def maps(pid: int) -> str:

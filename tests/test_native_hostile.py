@@ -34,7 +34,7 @@ from nlmserve.common.memory import resident_bytes
 from nlmserve.proto import lm_pb2, lm_pb2_grpc
 from nlmserve.server.app import RunningServer
 from bench.h2 import unread_calls
-from support import GatedScorer, dev_ngrams, ended, serve_subprocess, start_server
+from support import GatedScorer, dev_ngrams, ended, open_files, serve_subprocess, start_server
 from test_cpp_client import SERVE, driver  # noqa: F401 - the driver fixture builds build/native
 from test_hostile import Loop
 from test_hostile_clients import closed, loop  # noqa: F401 - the loop fixture
@@ -510,15 +510,9 @@ def test_memory_goes_back_once_a_flood_of_connections_leaves(frontends: Started,
     gRPC thread's arena resident (+3-14 MiB in some starts; memory.h). The front end also
     used to remember each closed connection until its descriptor number was reused, and
     trimmed its heaps only past 4 MiB kept."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard < 1200:
-        pytest.skip(f"the open-files hard limit ({hard}) is below the flood's 1,000 connections")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    try:  # settle: a trim after the first call
+    with open_files(1000):  # settle: a trim after the first call
         flood_and_return(frontends(backend), tiny_lm, settle=1.5, connections=1000, streams=1, within_mb=2,
                          seconds=10.0)
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_the_pollers_connection_records_are_made_at_start(frontends: Started, backend: RunningServer,
